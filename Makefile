@@ -1,0 +1,42 @@
+# Two commands on a fresh machine with python3 and make:
+#   make demo   install into .venv and run the tiny pipeline offline to results/chat.bin
+#   make test   install into .venv with the test extra and run the test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+CORES  ?= 2
+
+.PHONY: demo test test-all lint gpu-check compile-kernels clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(VENV)/.installed $@
+
+demo: $(VENV)/.installed
+	$(BIN)/snakemake --cores $(CORES) --configfile config/tiny.yaml results/chat.bin
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed
+	$(BIN)/snakemake --lint --configfile config/tiny.yaml
+
+# Every .cu file must compile; CI has nvcc but no GPU.
+compile-kernels:
+	@for f in nanoeuler/kernels/*.cu; do [ -e "$$f" ] || continue; \
+	  echo "nvcc $$f"; nvcc -arch=sm_90 -std=c++17 -c -o /dev/null "$$f" || exit 1; done
+
+# On a GPU machine: gpu tests, kernel self-tests, GPU gradient check, a short 116M run.
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf results logs .snakemake

@@ -1,0 +1,5 @@
+import sys
+
+from nanoeuler.cli import main
+
+sys.exit(main())

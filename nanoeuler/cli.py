@@ -1,0 +1,79 @@
+"""The `nanoeuler` command: one subcommand per pipeline stage, plus tools.
+
+Each subcommand lives in its own module, which defines
+
+    add_arguments(parser: argparse.ArgumentParser) -> None
+    run(args: argparse.Namespace) -> int        # exit status
+
+Modules are imported only when their subcommand runs, so `nanoeuler --help` is
+instant and a CPU-only install never imports CuPy.
+
+Errors meant for the user are raised as `nanoeuler.errors.UserError`; `main`
+prints them as one line (`nanoeuler <stage>: error: ...`) and exits with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from nanoeuler.errors import UserError
+
+# name -> (module, one-line help). Order is the order of the pipeline.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "gutenberg": ("nanoeuler.data.gutenberg", "download Project Gutenberg books and strip the license text"),
+    "fineweb": ("nanoeuler.data.fineweb", "download FineWeb-Edu parquet files and sample them with DuckDB"),
+    "alpaca": ("nanoeuler.data.alpaca", "download, validate and clean the Alpaca instruction data"),
+    "corpus": ("nanoeuler.data.corpus", "mix books and web text into train/val splits"),
+    "tokenizer": ("nanoeuler.tokenizer.train", "learn byte-level BPE merges and write tokenizer.json"),
+    "tokenize": ("nanoeuler.tokenizer.shards", "encode the corpus in parallel into uint16 token shards"),
+    "pretrain": ("nanoeuler.train.pretrain", "pretrain the model on token shards (checkpoints, resume)"),
+    "sft": ("nanoeuler.train.sft", "fine-tune the base model on Alpaca (loss on responses only)"),
+    "evaluate": ("nanoeuler.eval.report", "write samples.md, metrics.json and the loss plot"),
+    "sample": ("nanoeuler.infer.sample", "continue a prompt with a checkpoint"),
+    "chat": ("nanoeuler.infer.chat", "talk to a chat checkpoint in the terminal"),
+    "gradcheck": ("nanoeuler.model.gradcheck", "check every analytic gradient against finite differences"),
+    "selftest": ("nanoeuler.kernels.selftest", "check every GPU kernel against its NumPy reference"),
+    "export-hf": ("nanoeuler.export.hf", "export a checkpoint as a Hugging Face Llama model"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nanoeuler",
+        description="A GPT-2-class language model trained from scratch on NumPy/CuPy.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="stages:\n" + "\n".join(f"  {name:<11} {text}" for name, (_, text) in COMMANDS.items())
+        + "\n\nRun `nanoeuler <stage> --help` for the options of a stage.",
+    )
+    parser.add_argument("stage", choices=list(COMMANDS), metavar="stage", help="one of the stages below")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    top = _top_parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        top.print_help()
+        return 0
+    if argv[0] not in COMMANDS:
+        top.parse_args(argv[:1])  # prints "invalid choice" and exits 2
+    name = argv[0]
+    module_name, text = COMMANDS[name]
+    parser = argparse.ArgumentParser(prog=f"nanoeuler {name}", description=text)
+    module = importlib.import_module(module_name)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except UserError as exc:
+        print(f"nanoeuler {name}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"nanoeuler {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+# rules for the data stages

@@ -1,0 +1,1 @@
+# rules for the tokenizer stages

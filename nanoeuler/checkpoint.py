@@ -1,0 +1,247 @@
+"""Checkpoints in the safetensors layout, written and read by our own code.
+
+File layout (the `safetensors` library reads these files):
+
+    8 bytes   little-endian u64: length n of the header
+    n bytes   JSON header, padded with spaces to a multiple of 8:
+              {"__metadata__": {str: str, ...},
+               "<tensor name>": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, ...}
+    data      raw little-endian tensor bytes, back to back in header order; offsets are relative to here
+
+`__metadata__` holds the caller's metadata with every value JSON-encoded (so `load` gives back ints, dicts,
+strings...), plus three reserved keys: `format` ("nanoeuler"), `format_version` ("1") and `checksum`
+(hex sha256 of the whole data section, i.e. every tensor's bytes in file order).
+
+Writes are atomic: a temporary file in the same directory, flushed and fsynced, then renamed over the
+target, so a crash never leaves a half-written checkpoint under the real name. Reading a truncated or
+corrupt file, a file of another format version, or one whose checksum does not match raises `UserError`.
+
+`save_model`/`load_model` store a model: the parameters (float32) with metadata `model_config`, `step` and
+`tokenizer` (the tokenizer's JSON, so one file is enough to chat). Training checkpoints use `save` directly
+and add optimizer moments as `optim.m.<name>`/`optim.v.<name>` tensors; `load_model` reads the model out of
+those files too and ignores the other tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from nanoeuler.backend import to_numpy
+from nanoeuler.errors import UserError
+from nanoeuler.model.config import ModelConfig
+
+FORMAT = "nanoeuler"
+FORMAT_VERSION = "1"
+RESERVED = ("format", "format_version", "checksum")
+MAX_HEADER = 100 * 1024 * 1024
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}
+_NAMES = {np.dtype(t): name for name, t in _DTYPES.items()}
+
+
+def _as_le_numpy(name, a) -> np.ndarray:
+    a = np.ascontiguousarray(to_numpy(a))
+    if a.dtype.newbyteorder("=") not in _NAMES and a.dtype not in _NAMES:
+        raise ValueError(f"tensor {name!r} has dtype {a.dtype}, which checkpoints do not store")
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return a
+
+
+def _bytes_of(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1)).cast("B")
+
+
+def save(path, tensors: dict, metadata: dict) -> None:
+    """Write `tensors` (name -> NumPy/CuPy array) and `metadata` (str -> JSON-able) to `path` atomically."""
+    path = Path(path)
+    for key in metadata:
+        if key in RESERVED or key == "__metadata__":
+            raise ValueError(f"metadata key {key!r} is reserved")
+    arrays = {name: _as_le_numpy(name, a) for name, a in tensors.items()}
+    digest = hashlib.sha256()
+    header: dict = {}
+    offset = 0
+    for name, a in arrays.items():
+        if name == "__metadata__":
+            raise ValueError("a tensor cannot be named __metadata__")
+        digest.update(_bytes_of(a))
+        header[name] = {"dtype": _NAMES[a.dtype.newbyteorder("=")], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    meta = {key: json.dumps(value, sort_keys=True) for key, value in metadata.items()}
+    meta.update(format=FORMAT, format_version=FORMAT_VERSION, checksum=digest.hexdigest())
+    header = {"__metadata__": meta, **header}
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for a in arrays.values():
+                f.write(_bytes_of(a))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:  # make the rename itself durable
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def read_header(path) -> tuple[dict, dict, int]:
+    """(tensor entries, raw __metadata__, data start) after checking the header; UserError if it is bad."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise UserError(f"checkpoint {path} is truncated ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise UserError(f"checkpoint {path} is truncated or not a checkpoint "
+                                f"(header length {n}, file size {size})")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise UserError(f"checkpoint {path} does not exist") from None
+    except IsADirectoryError:
+        raise UserError(f"checkpoint {path} is a directory, not a file") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(f"checkpoint {path} is corrupt (its header is not valid JSON)") from None
+    if not isinstance(header, dict):
+        raise UserError(f"checkpoint {path} is corrupt (its header is not a JSON object)")
+    meta = header.pop("__metadata__", None)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise UserError(f"{path} is not a nanoeuler checkpoint (no '__metadata__.format': '{FORMAT}')")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"checkpoint {path} has format version {meta.get('format_version')!r}; "
+                        f"this nanoeuler reads version {FORMAT_VERSION}")
+    data_size = size - 8 - n
+    entries = []
+    for name, e in header.items():
+        try:
+            dtype = np.dtype(_DTYPES[e["dtype"]])
+            shape = tuple(int(s) for s in e["shape"])
+            begin, end = (int(o) for o in e["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"checkpoint {path} is corrupt (bad header entry for tensor {name!r})") from None
+        if end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)) or begin < 0:
+            raise UserError(f"checkpoint {path} is corrupt (tensor {name!r}: size does not match its shape)")
+        entries.append((begin, end, name, dtype, shape))
+    entries.sort()
+    expect = 0
+    for begin, end, name, _, _ in entries:
+        if begin != expect:
+            raise UserError(f"checkpoint {path} is corrupt (tensor {name!r} does not follow its predecessor)")
+        expect = end
+    if expect > data_size:
+        raise UserError(f"checkpoint {path} is truncated ({data_size} data bytes, header describes {expect})")
+    if expect < data_size:
+        raise UserError(f"checkpoint {path} is corrupt ({data_size - expect} stray bytes after the tensors)")
+    tensors = {name: (dtype, shape, begin, end) for begin, end, name, dtype, shape in entries}
+    order = [name for name in header]  # keep the writer's order for the caller
+    return {name: tensors[name] for name in order}, meta, 8 + n
+
+
+def load(path) -> tuple[dict, dict]:
+    """Read a checkpoint -> (tensors: name -> NumPy array, metadata with JSON values decoded)."""
+    path = Path(path)
+    entries, meta, start = read_header(path)
+    digest = hashlib.sha256()
+    arrays = {}
+    with open(path, "rb") as f:
+        f.seek(start)
+        for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2]):
+            a = np.empty(shape, dtype=dtype.newbyteorder("<"))
+            view = _bytes_of(a)
+            if f.readinto(view) != len(view):
+                raise UserError(f"checkpoint {path} is truncated (tensor {name!r} is cut short)")
+            digest.update(view)
+            arrays[name] = a
+    if digest.hexdigest() != meta.get("checksum"):
+        raise UserError(f"checkpoint {path} is corrupt (checksum mismatch: the tensor bytes were altered)")
+    metadata = {}
+    for key, value in meta.items():
+        if key in RESERVED:
+            continue
+        try:
+            metadata[key] = json.loads(value)
+        except (TypeError, json.JSONDecodeError):
+            raise UserError(f"checkpoint {path} is corrupt (metadata {key!r} is not JSON)") from None
+    return {name: arrays[name] for name in entries}, metadata
+
+
+# ---- models ------------------------------------------------------------------------------------
+
+
+def save_model(path, params: dict, cfg: ModelConfig, *, step: int, tokenizer_json: str | None,
+               extra: dict | None = None) -> None:
+    """Parameters as float32 plus `model_config`, `step`, `tokenizer` (and `extra`) metadata."""
+    metadata = {"model_config": cfg.to_dict(), "step": int(step), "tokenizer": tokenizer_json}
+    metadata.update(extra or {})
+    shapes = cfg.param_shapes()
+    missing = [n for n in shapes if n not in params]
+    if missing:
+        raise ValueError(f"params lack {missing[:3]} for this config")
+    save(path, {n: to_numpy(params[n]).astype(np.float32, copy=False) for n in shapes}, metadata)
+
+
+def config_mismatch(got: ModelConfig, want: ModelConfig) -> str:
+    """'dim 128 vs 64, ...' for every field that differs; '' when equal."""
+    a, b = got.to_dict(), want.to_dict()
+    return ", ".join(f"{k} {a[k]} vs {b[k]}" for k in a if a[k] != b[k])
+
+
+def model_from(path, tensors: dict, metadata: dict, expect: ModelConfig | None = None):
+    """(params float32, cfg) from already loaded tensors/metadata; UserError when something does not fit."""
+    if "model_config" not in metadata:
+        raise UserError(f"checkpoint {path} holds no model config (metadata 'model_config')")
+    try:
+        cfg = ModelConfig.from_dict(metadata["model_config"])
+    except UserError as exc:
+        raise UserError(f"checkpoint {path}: {exc}") from None
+    except TypeError as exc:
+        raise UserError(f"checkpoint {path}: bad model config ({exc})") from None
+    if expect is not None and cfg != expect:
+        raise UserError(f"checkpoint {path} does not match the configured model "
+                        f"(checkpoint vs config: {config_mismatch(cfg, expect)})")
+    params = {}
+    for name, shape in cfg.param_shapes().items():
+        if name not in tensors:
+            raise UserError(f"checkpoint {path} lacks parameter {name!r}")
+        a = tensors[name]
+        if tuple(a.shape) != shape:
+            raise UserError(f"checkpoint {path}: parameter {name!r} has shape {tuple(a.shape)}, "
+                            f"its model config wants {shape}")
+        params[name] = a.astype(np.float32, copy=False)
+    return params, cfg
+
+
+def load_model(path, expect: ModelConfig | None = None):
+    """-> (params: NumPy float32, cfg, metadata). Move params to a GPU with xp.asarray."""
+    tensors, metadata = load(path)
+    params, cfg = model_from(path, tensors, metadata, expect)
+    return params, cfg, metadata

@@ -1,0 +1,1 @@
+"""Exports of trained checkpoints to other ecosystems."""

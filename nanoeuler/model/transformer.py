@@ -1,0 +1,291 @@
+"""The NanoEuler transformer: forward, hand-written backward, multi-token loss, KV-cache decoding.
+
+Architecture (DESIGN.md §3): token embedding; `n_layers` pre-norm blocks
+
+    x = x + o_proj(attention(rope(q_proj(h)), rope(k_proj(h)), v_proj(h))),  h = rmsnorm(x)
+    x = x + down_proj(silu(gate_proj(h)) * up_proj(h)),                       h = rmsnorm(x)
+
+then a final RMSNorm and K untied linear heads on the normed state: head 0 (`lm_head`) predicts token t+1,
+head k (`mtp_heads.k`) predicts token t+1+k. No biases anywhere.
+
+Loss: each head's mean cross-entropy over its valid targets (target -1 is ignored), averaged over the heads
+that have at least one valid target. A head with no valid target in the batch is left out of the mean and
+gets a zero gradient (its entry in `head_losses` is 0.0); if no head has one, the loss is 0.0.
+
+Parameters are a dict of arrays named as in HF Llama (`ModelConfig.param_shapes` gives the order); the
+array module (NumPy or CuPy) and the dtype are taken from the parameters. Every layer is called through
+`ops_for(xp)` so the GPU engine can substitute fused kernels.
+
+Initialisation (`init_params`, deterministic in `seed`): every matrix ~ normal(0, 0.02), except the
+residual output projections `o_proj` and `down_proj` ~ normal(0, 0.02 / sqrt(2 * n_layers)) so the
+residual stream's variance does not grow with depth; RMSNorm gains are ones. Values are drawn in float64
+from `numpy.random.default_rng(seed)` in canonical order and rounded to `dtype`, so a float64 and a float32
+init from the same seed agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from nanoeuler.backend import array_module
+from nanoeuler.model.config import ModelConfig
+from nanoeuler.model.ops import ops_for
+
+INIT_STD = 0.02
+
+
+def init_params(cfg: ModelConfig, seed: int, dtype=np.float32) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    resid_std = INIT_STD / math.sqrt(2 * cfg.n_layers)
+    params = {}
+    for name, shape in cfg.param_shapes().items():
+        if name.endswith("norm.weight"):
+            params[name] = np.ones(shape, dtype=dtype)
+            continue
+        std = resid_std if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
+        params[name] = (rng.standard_normal(shape) * std).astype(dtype)
+    return params
+
+
+def head_weight_names(cfg: ModelConfig) -> list[str]:
+    """The output head matrices, head 0 first."""
+    return ["lm_head.weight"] + [f"mtp_heads.{k}.weight" for k in range(1, cfg.mtp_heads)]
+
+
+def _ids(tokens, xp, V, what):
+    ids = xp.asarray(tokens)
+    if ids.ndim != 2:
+        raise ValueError(f"{what} must be (B,T), got shape {ids.shape}")
+    if xp is np and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= V):
+        raise ValueError(f"{what} hold ids outside [0, {V}): min {int(ids.min())}, max {int(ids.max())}")
+    return ids
+
+
+# ---- one block ---------------------------------------------------------------------------------
+
+
+def _block_forward(ops, p, x, cos, sin, cfg, kv=None):
+    """x (B,T,C) -> (B,T,C) and the cache. With `kv` = (k_buf, v_buf, start), the new keys/values are
+    written into the KV-cache buffers (B,Hkv,max_len,D) at `start` and attention sees all keys so far."""
+    B, T, C = x.shape
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    h, n1 = ops.rmsnorm_forward(x, p["input_layernorm.weight"], cfg.norm_eps)  # (B,T,C)
+    q = ops.linear_forward(h, p["self_attn.q_proj.weight"]).reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B,H,T,D)
+    k = ops.linear_forward(h, p["self_attn.k_proj.weight"]).reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B,Hkv,T,D)
+    v = ops.linear_forward(h, p["self_attn.v_proj.weight"]).reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B,Hkv,T,D)
+    q = ops.rope_forward(q, cos, sin)
+    k = ops.rope_forward(k, cos, sin)
+    if kv is not None:
+        k_buf, v_buf, start = kv
+        k_buf[:, :, start:start + T] = k
+        v_buf[:, :, start:start + T] = v
+        k, v = k_buf[:, :, :start + T], v_buf[:, :, :start + T]  # (B,Hkv,S,D)
+    a, ac = ops.attention_forward(q, k, v)  # (B,H,T,D)
+    a2 = a.transpose(0, 2, 1, 3).reshape(B, T, H * D)  # (B,T,C)
+    x = x + ops.linear_forward(a2, p["self_attn.o_proj.weight"])
+    h2, n2 = ops.rmsnorm_forward(x, p["post_attention_layernorm.weight"], cfg.norm_eps)  # (B,T,C)
+    g = ops.linear_forward(h2, p["mlp.gate_proj.weight"])  # (B,T,F)
+    u = ops.linear_forward(h2, p["mlp.up_proj.weight"])  # (B,T,F)
+    m, sc = ops.swiglu_forward(g, u)  # (B,T,F)
+    x = x + ops.linear_forward(m, p["mlp.down_proj.weight"])
+    return x, (h, n1, ac, a2, h2, n2, m, sc)
+
+
+def _block_backward(ops, p, dx, cache, cos, sin, cfg, grads, prefix):
+    """dx (B,T,C): gradient of the block output -> gradient of its input; weight grads go into `grads`."""
+    h, n1, ac, a2, h2, n2, m, sc = cache
+    B, T, C = dx.shape
+    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    # MLP branch: x_out = x_mid + down(swiglu(gate(h2), up(h2)))
+    dm, grads[prefix + "mlp.down_proj.weight"] = ops.linear_backward(dx, m, p["mlp.down_proj.weight"])
+    dg, du = ops.swiglu_backward(dm, sc)
+    dh2, grads[prefix + "mlp.gate_proj.weight"] = ops.linear_backward(dg, h2, p["mlp.gate_proj.weight"])
+    dh2u, grads[prefix + "mlp.up_proj.weight"] = ops.linear_backward(du, h2, p["mlp.up_proj.weight"])
+    dh2 += dh2u
+    dxn, grads[prefix + "post_attention_layernorm.weight"] = ops.rmsnorm_backward(dh2, n2)
+    dx = dx + dxn  # gradient at x_mid
+    # attention branch: x_mid = x_in + o(attn(rope(q(h)), rope(k(h)), v(h)))
+    da2, grads[prefix + "self_attn.o_proj.weight"] = ops.linear_backward(dx, a2, p["self_attn.o_proj.weight"])
+    da = da2.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B,H,T,D)
+    dq, dk, dv = ops.attention_backward(da, ac)  # (B,H,T,D), (B,Hkv,T,D), (B,Hkv,T,D)
+    dq = ops.rope_backward(dq, cos, sin)
+    dk = ops.rope_backward(dk, cos, sin)
+    dq = dq.transpose(0, 2, 1, 3).reshape(B, T, H * D)
+    dk = dk.transpose(0, 2, 1, 3).reshape(B, T, Hkv * D)
+    dv = dv.transpose(0, 2, 1, 3).reshape(B, T, Hkv * D)
+    dh, grads[prefix + "self_attn.q_proj.weight"] = ops.linear_backward(dq, h, p["self_attn.q_proj.weight"])
+    dhk, grads[prefix + "self_attn.k_proj.weight"] = ops.linear_backward(dk, h, p["self_attn.k_proj.weight"])
+    dh += dhk
+    dhv, grads[prefix + "self_attn.v_proj.weight"] = ops.linear_backward(dv, h, p["self_attn.v_proj.weight"])
+    dh += dhv
+    dxn, grads[prefix + "input_layernorm.weight"] = ops.rmsnorm_backward(dh, n1)
+    dx += dxn
+    return dx
+
+
+def _layer_params(params, i):
+    prefix = f"layers.{i}."
+    n = len(prefix)
+    return {name[n:]: w for name, w in params.items() if name.startswith(prefix)}
+
+
+# ---- the trunk: embedding, blocks, final norm --------------------------------------------------
+
+
+def _trunk_forward(params, ids, cfg, ops, xp):
+    """ids (B,T) -> final normed state (B,T,C) and the caches for the backward."""
+    T = ids.shape[1]
+    emb = params["embed_tokens.weight"]
+    cos, sin = ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, xp, emb.dtype)
+    x = ops.embedding_forward(ids, emb)  # (B,T,C)
+    blocks = []
+    for i in range(cfg.n_layers):
+        x, c = _block_forward(ops, _layer_params(params, i), x, cos, sin, cfg)
+        blocks.append(c)
+    xn, nc = ops.rmsnorm_forward(x, params["norm.weight"], cfg.norm_eps)  # (B,T,C)
+    return xn, (cos, sin, blocks, nc)
+
+
+def _trunk_backward(params, ids, dxn, cache, cfg, ops, grads):
+    cos, sin, blocks, nc = cache
+    dx, grads["norm.weight"] = ops.rmsnorm_backward(dxn, nc)
+    for i in reversed(range(cfg.n_layers)):
+        dx = _block_backward(ops, _layer_params(params, i), dx, blocks[i], cos, sin, cfg, grads, f"layers.{i}.")
+        blocks[i] = None  # free the layer's activations early
+    grads["embed_tokens.weight"] = ops.embedding_backward(dx, ids, cfg.vocab_size)
+
+
+def _check_targets(targets, ids, cfg, xp):
+    targets = xp.asarray(targets)
+    want = (*ids.shape, cfg.mtp_heads)
+    if targets.shape != want:
+        raise ValueError(f"targets must be (B,T,K) = {want}, got {targets.shape}")
+    return targets
+
+
+# ---- public API --------------------------------------------------------------------------------
+
+
+def loss_and_grads(params, inputs, targets, cfg: ModelConfig):
+    """inputs (B,T) int, targets (B,T,K) int (-1 ignored) -> (loss: float, grads: dict like params)."""
+    emb = params["embed_tokens.weight"]
+    xp = array_module(emb)
+    ops = ops_for(xp)
+    ids = _ids(inputs, xp, cfg.vocab_size, "inputs")
+    targets = _check_targets(targets, ids, cfg, xp)
+    B, T = ids.shape
+    N = B * T
+    xn, trunk = _trunk_forward(params, ids, cfg, ops, xp)
+    xn2 = xn.reshape(N, cfg.dim)  # (N,C)
+    counts = [int(c) for c in (targets >= 0).reshape(N, cfg.mtp_heads).sum(axis=0)]
+    active = sum(1 for c in counts if c > 0)
+    grads: dict = {}
+    dxn2 = xp.zeros_like(xn2)
+    loss = 0.0
+    for k, name in enumerate(head_weight_names(cfg)):
+        w = params[name]
+        if counts[k] == 0:
+            grads[name] = xp.zeros_like(w)
+            continue
+        lg = ops.linear_forward(xn2, w)  # (N,V)
+        loss_sum, n_valid, cc = ops.cross_entropy_forward(lg, targets[:, :, k].reshape(N))
+        loss += float(loss_sum) / (n_valid * active)
+        dlg = ops.cross_entropy_backward(1.0 / (n_valid * active), cc)  # (N,V)
+        dx_k, grads[name] = ops.linear_backward(dlg, xn2, w)
+        dxn2 += dx_k
+        del lg, cc, dlg
+    _trunk_backward(params, ids, dxn2.reshape(B, T, cfg.dim), trunk, cfg, ops, grads)
+    return loss, {name: grads[name] for name in params}
+
+
+def forward_loss(params, inputs, targets, cfg: ModelConfig):
+    """The loss without a backward (evaluation) -> (loss: float, head_losses: list[float], head 0 first)."""
+    emb = params["embed_tokens.weight"]
+    xp = array_module(emb)
+    ops = ops_for(xp)
+    ids = _ids(inputs, xp, cfg.vocab_size, "inputs")
+    targets = _check_targets(targets, ids, cfg, xp)
+    N = ids.size
+    xn, _ = _trunk_forward(params, ids, cfg, ops, xp)
+    xn2 = xn.reshape(N, cfg.dim)
+    head_losses, active = [], []
+    for k, name in enumerate(head_weight_names(cfg)):
+        loss_sum, n_valid, _ = ops.cross_entropy_forward(ops.linear_forward(xn2, params[name]),
+                                                         targets[:, :, k].reshape(N))
+        head_losses.append(float(loss_sum) / n_valid if n_valid else 0.0)
+        if n_valid:
+            active.append(head_losses[-1])
+    loss = sum(active) / len(active) if active else 0.0
+    return loss, head_losses
+
+
+def logits(params, inputs, cfg: ModelConfig, head: int = 0):
+    """inputs (B,T) -> (B,T,V) logits of output head `head` (0: next token)."""
+    emb = params["embed_tokens.weight"]
+    xp = array_module(emb)
+    ops = ops_for(xp)
+    ids = _ids(inputs, xp, cfg.vocab_size, "inputs")
+    xn, _ = _trunk_forward(params, ids, cfg, ops, xp)
+    return ops.linear_forward(xn, params[head_weight_names(cfg)[head]])
+
+
+# ---- incremental decoding ----------------------------------------------------------------------
+
+
+class KVCache:
+    """Keys and values of the tokens decoded so far, per layer, in buffers (B,Hkv,max_len,D).
+
+    `length` is the number of positions filled; the next token sits at position `length`.
+    `rewind(n)` forgets everything after the first n positions (e.g. rejected speculative drafts).
+    """
+
+    def __init__(self, k: list, v: list, max_len: int):
+        self.k = k
+        self.v = v
+        self.max_len = max_len
+        self.length = 0
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    def rewind(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot rewind a KV cache of length {self.length} to {length}")
+        self.length = length
+
+
+def new_kv_cache(cfg: ModelConfig, batch: int, max_len: int, xp=np, dtype=np.float32) -> KVCache:
+    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+    k = [xp.zeros(shape, dtype=dtype) for _ in range(cfg.n_layers)]
+    v = [xp.zeros(shape, dtype=dtype) for _ in range(cfg.n_layers)]
+    return KVCache(k, v, max_len)
+
+
+def forward_step(params, tokens, cache: KVCache, cfg: ModelConfig, all_heads: bool = False):
+    """Feed tokens (B,t) at positions cache.length .. cache.length+t-1 -> (B,t,V) head-0 logits.
+
+    Appends the tokens' keys and values to the cache. With all_heads=True returns (K,B,t,V), every head.
+    """
+    emb = params["embed_tokens.weight"]
+    xp = array_module(emb)
+    ops = ops_for(xp)
+    ids = _ids(tokens, xp, cfg.vocab_size, "tokens")
+    B, t = ids.shape
+    start = cache.length
+    if B != cache.batch:
+        raise ValueError(f"tokens have batch {B} but the KV cache was made for {cache.batch}")
+    if start + t > cache.max_len:
+        raise ValueError(f"KV cache holds {cache.max_len} positions; {start} used, {t} more asked for")
+    cos, sin = ops.rope_tables(t, cfg.head_dim, cfg.rope_theta, xp, emb.dtype, offset=start)
+    x = ops.embedding_forward(ids, emb)  # (B,t,C)
+    for i in range(cfg.n_layers):
+        x, _ = _block_forward(ops, _layer_params(params, i), x, cos, sin, cfg,
+                              kv=(cache.k[i], cache.v[i], start))
+    cache.length = start + t
+    xn, _ = ops.rmsnorm_forward(x, params["norm.weight"], cfg.norm_eps)
+    if all_heads:
+        return xp.stack([ops.linear_forward(xn, params[n]) for n in head_weight_names(cfg)])
+    return ops.linear_forward(xn, params["lm_head.weight"])

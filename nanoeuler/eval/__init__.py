@@ -1,0 +1,1 @@
+"""Evaluation: validation loss and bits-per-byte, samples, metrics and loss plots."""

@@ -1,0 +1,41 @@
+"""Validation metrics on the fixed val set: loss, head-0 cross-entropy, bits per byte.
+
+- `val_loss`: the training objective (mean over MTP heads of each head's mean cross-entropy), nats.
+- `val_ce`: head 0's mean cross-entropy per token, nats; the next-token loss that generation uses.
+- `val_bpb`: bits per UTF-8 byte = val_ce / ln 2 * (val split tokens / val split bytes), with the
+  token and byte counts of the whole val split from the shard manifest. It does not depend on the
+  vocabulary, so tokenizers of different sizes compare.
+"""
+
+from __future__ import annotations
+
+from nanoeuler.train.loader import bits_per_byte
+
+
+def evaluate_windows(params: dict, cfg, inputs, targets, batch_size: int, xp) -> tuple[float, float]:
+    """(mean loss over heads, head-0 cross-entropy) over fixed windows, each window weighted equally.
+
+    `inputs` (N, T) and `targets` (N, T, K) are NumPy; batches move to the params' device.
+    """
+    from nanoeuler.model import transformer
+
+    total = ce0 = 0.0
+    n = inputs.shape[0]
+    for lo in range(0, n, batch_size):
+        x = xp.asarray(inputs[lo : lo + batch_size])
+        y = xp.asarray(targets[lo : lo + batch_size])
+        loss, heads = transformer.forward_loss(params, x, y, cfg)
+        total += float(loss) * x.shape[0]
+        ce0 += float(heads[0]) * x.shape[0]
+    return total / n, ce0 / n
+
+
+def val_metrics(params: dict, cfg, val: tuple, split_tokens: int, split_bytes: int, batch_size: int, xp) -> dict:
+    inputs, targets = val
+    loss, ce = evaluate_windows(params, cfg, inputs, targets, batch_size, xp)
+    return {
+        "val_loss": loss,
+        "val_ce": ce,
+        "val_bpb": bits_per_byte(ce, split_tokens, split_bytes),
+        "val_tokens": int(inputs.size),
+    }

@@ -1,0 +1,44 @@
+"""Loss curves as PNG (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_losses(runs: list[tuple[str, list[dict]]], out: str | Path) -> Path:
+    """One panel per run (title, metrics records): train loss, and val loss where logged.
+
+    Written atomically: the PNG appears complete or not at all.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    runs = [(title, recs) for title, recs in runs if recs] or [("no metrics", [])]
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
+    for ax, (title, recs) in zip(axes[0], runs):
+        for key, label, style in (("loss", "train", "-"), ("val_loss", "val", "o-")):
+            xs, ys = _series(recs, key)
+            if xs:
+                ax.plot(xs, ys, style, label=label, markersize=3, linewidth=1)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats, mean over MTP heads)")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.stem}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,1 @@
+"""Inference: KV-cache generation with temperature/top-k/top-p sampling, `sample` and `chat`."""

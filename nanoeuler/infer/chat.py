@@ -1,0 +1,89 @@
+"""`nanoeuler chat`: a terminal REPL around a chat model.
+
+    nanoeuler chat --ckpt results/chat.bin
+
+Each line you type is one instruction: it is wrapped in the Alpaca template (single turn; earlier
+turns are not part of the context), the answer streams as it is generated and ends at `</s>`.
+Empty lines are ignored; Ctrl-D (end of input) or `/quit` leaves; Ctrl-C stops the answer being
+generated. A prompt longer than the context is left-truncated (its start is dropped) with a notice
+on stderr; an answer that fills the context goes on in a sliding window (see `infer.generate`).
+Turn n samples with seed + n, so a session is reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import sys
+
+from nanoeuler.backend import add_device_argument
+from nanoeuler.config import add_config_arguments, sections
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    add_device_argument(parser)
+    parser.add_argument("--ckpt", required=True, metavar="BIN", help="chat model file, e.g. results/chat.bin")
+    from nanoeuler.infer.generate import add_sampling_arguments
+
+    add_sampling_arguments(parser)
+
+
+def answer(gen, tok, instruction: str, max_new: int, sampling, write) -> list[int]:
+    """Generate one answer, passing text pieces to `write` as they decode; returns the answer's ids."""
+    from nanoeuler.infer.generate import fit_prompt
+    from nanoeuler.train.template import render_prompt
+
+    ids = tok.encode(render_prompt(instruction))
+    ids, dropped = fit_prompt(ids, gen.cfg.ctx_len, min(max_new, gen.cfg.ctx_len // 4))
+    if dropped:
+        print(f"[prompt left-truncated: dropped its first {dropped} tokens to fit the "
+              f"{gen.cfg.ctx_len}-token context]", file=sys.stderr, flush=True)
+    stop = {tok.end_id, tok.eot_id}
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = []
+    try:
+        for t in gen.stream(ids, max_new, sampling, stop):
+            if t in stop:
+                break
+            out.append(t)
+            write(decoder.decode(tok.decode_bytes([t])))
+    except KeyboardInterrupt:
+        write(decoder.decode(b"", final=True) + " [stopped]")
+        return out
+    write(decoder.decode(b"", final=True))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from nanoeuler.infer.generate import load, sampling_from
+
+    conf = sections(args, "device", "eval")
+    sampling, max_new = sampling_from(args, conf["eval"])
+    gen, tok, _ = load(args.ckpt, args.device or conf["device"])
+    print(f"nanoeuler chat: {args.ckpt} ({gen.cfg.n_params():,} parameters, {gen.cfg.ctx_len}-token context). "
+          "One instruction per line; Ctrl-D or /quit to leave.", file=sys.stderr, flush=True)
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    turn = 0
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            write("\n")
+            return 0
+        except KeyboardInterrupt:
+            write("\n")
+            return 0
+        if not line.strip():
+            continue
+        if line.strip() in ("/quit", "/exit"):
+            return 0
+        answer(gen, tok, line, max_new, replace(sampling, seed=sampling.seed + turn), write)
+        write("\n")
+        turn += 1

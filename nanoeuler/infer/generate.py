@@ -1,0 +1,158 @@
+"""Autoregressive generation with a KV cache, and the sampling rules applied to each step's logits.
+
+Sampling happens on the host in float64 on one row of head-0 logits:
+temperature 0 is greedy (argmax); otherwise logits / temperature, keep the `top_k` largest
+(0 = all), keep the smallest set of most likely tokens whose probability reaches `top_p`
+(1.0 = all), renormalise and draw with the given `numpy.random.Generator`.
+
+Context policy: the model sees at most `ctx_len` positions. A prompt longer than that is
+left-truncated by the caller (`fit_prompt`). When generation fills the context, the cache is
+rebuilt from the most recent `ctx_len // 2` tokens (one prefill) and generation goes on, so
+`max_new_tokens` is always honoured; positions are relative (RoPE), so the model sees an
+ordinary, shorter context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from nanoeuler.backend import to_numpy
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int = 0
+
+
+def sample_token(logits, rng: np.random.Generator, temperature: float, top_k: int = 0, top_p: float = 1.0) -> int:
+    """One token id from a (V,) row of logits (NumPy or CuPy)."""
+    z = np.asarray(to_numpy(logits), dtype=np.float64).reshape(-1)
+    if temperature <= 0:
+        return int(np.argmax(z))
+    z = z / temperature
+    if 0 < top_k < z.shape[0]:
+        kth = np.partition(z, -top_k)[-top_k]
+        z = np.where(z < kth, -np.inf, z)
+    p = np.exp(z - np.max(z))
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        # keep tokens until the cumulative probability first reaches top_p (the best one always stays)
+        n_keep = int(np.searchsorted(cum, top_p, side="left")) + 1
+        keep = np.zeros_like(p, dtype=bool)
+        keep[order[:n_keep]] = True
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return int(rng.choice(p.shape[0], p=p))
+
+
+def fit_prompt(ids: list[int], ctx_len: int, room: int) -> tuple[list[int], int]:
+    """Left-truncate a prompt so `room` new tokens fit in the context: (kept ids, tokens dropped)."""
+    limit = max(1, ctx_len - max(0, room))
+    if len(ids) <= limit:
+        return list(ids), 0
+    return list(ids[-limit:]), len(ids) - limit
+
+
+class Generator:
+    """Holds a model on its device and generates from token prompts with a KV cache."""
+
+    def __init__(self, params: dict, cfg, xp=None):
+        from nanoeuler.backend import array_module
+
+        self.cfg = cfg
+        self.xp = xp or array_module(next(iter(params.values())))
+        self.params = {k: self.xp.asarray(v) for k, v in params.items()}
+        self.dtype = self.params["lm_head.weight"].dtype
+
+    def _prefill(self, ids: list[int]):
+        from nanoeuler.model import transformer
+
+        cache = transformer.new_kv_cache(self.cfg, 1, self.cfg.ctx_len, self.xp, self.dtype)
+        x = self.xp.asarray(np.asarray(ids, dtype=np.int64)[None, :])
+        logits = transformer.forward_step(self.params, x, cache, self.cfg)
+        return cache, logits[0, -1]
+
+    def stream(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop_ids: set[int] | frozenset = frozenset(),
+    ) -> Iterator[int]:
+        """Yield new token ids one at a time; stops after a stop id (which is yielded) or max tokens."""
+        from nanoeuler.model import transformer
+
+        if max_new_tokens <= 0:
+            return
+        ctx = self.cfg.ctx_len
+        if not prompt_ids:
+            raise ValueError("generation needs at least one prompt token")
+        history = list(prompt_ids[-ctx:])
+        rng = np.random.default_rng(sampling.seed)
+        cache, last = self._prefill(history)
+        for i in range(max_new_tokens):
+            tok = sample_token(last, rng, sampling.temperature, sampling.top_k, sampling.top_p)
+            yield tok
+            if tok in stop_ids or i == max_new_tokens - 1:
+                return
+            history.append(tok)
+            if cache.length >= ctx:
+                history = history[-max(1, ctx // 2) :]
+                cache, last = self._prefill(history)
+            else:
+                x = self.xp.asarray(np.array([[tok]], dtype=np.int64))
+                last = transformer.forward_step(self.params, x, cache, self.cfg)[0, -1]
+
+    def generate(self, prompt_ids, max_new_tokens, sampling, stop_ids=frozenset()) -> list[int]:
+        return list(self.stream(prompt_ids, max_new_tokens, sampling, stop_ids))
+
+
+def load(path, device: str = "auto"):
+    """(Generator on `device`, Tokenizer, metadata) from a model file that carries its tokenizer."""
+    from nanoeuler import checkpoint
+    from nanoeuler.backend import get_xp
+    from nanoeuler.errors import UserError
+    from nanoeuler.tokenizer.bpe import Tokenizer
+
+    params, cfg, meta = checkpoint.load_model(path)
+    if not meta.get("tokenizer"):
+        raise UserError(f"{path} carries no tokenizer (metadata 'tokenizer'); use a file written by "
+                        "pretrain or sft")
+    try:
+        tok = Tokenizer.from_json(meta["tokenizer"])
+    except UserError as exc:
+        raise UserError(f"{path}: its tokenizer is unreadable: {exc}") from None
+    return Generator(params, cfg, get_xp(device)), tok, meta
+
+
+def add_sampling_arguments(parser) -> None:
+    """--max-new-tokens/--temperature/--top-k/--top-p/--seed; unset ones come from the config's `eval`."""
+    parser.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens to generate at most")
+    parser.add_argument("--temperature", type=float, metavar="T", help="0 = greedy")
+    parser.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (0 = all)")
+    parser.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass (1 = all)")
+    parser.add_argument("--seed", type=int, help="random seed of the sampler")
+
+
+def sampling_from(args, eval_section: dict) -> tuple[Sampling, int]:
+    """(Sampling, max_new_tokens): command-line values, else the config's eval section."""
+    from nanoeuler.errors import UserError
+
+    def pick(name, key):
+        value = getattr(args, name, None)
+        return eval_section[key] if value is None else value
+
+    s = Sampling(temperature=float(pick("temperature", "temperature")), top_k=int(pick("top_k", "top_k")),
+                 top_p=float(pick("top_p", "top_p")), seed=int(pick("seed", "seed")))
+    n = int(pick("max_new_tokens", "max_new_tokens"))
+    if s.temperature < 0 or s.top_k < 0 or not 0 < s.top_p <= 1 or n < 0:
+        raise UserError("need --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1, --max-new-tokens >= 0")
+    return s, n

@@ -1,0 +1,52 @@
+"""`nanoeuler sample`: continue a prompt with a model file, printing tokens as they come.
+
+    nanoeuler sample --ckpt results/base.bin --prompt "It was" --temperature 0.8 --seed 1
+
+Generation stops at `<|endoftext|>` or `</s>` (neither is printed) or after --max-new-tokens.
+Unset sampling options come from the config's `eval` section (--config), else its defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import sys
+
+from nanoeuler.backend import add_device_argument
+from nanoeuler.config import add_config_arguments, sections
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    add_device_argument(parser)
+    parser.add_argument("--ckpt", required=True, metavar="BIN", help="model file, e.g. results/base.bin")
+    parser.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
+    from nanoeuler.infer.generate import add_sampling_arguments
+
+    add_sampling_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nanoeuler.infer.generate import fit_prompt, load, sampling_from
+
+    conf = sections(args, "device", "eval")
+    sampling, max_new = sampling_from(args, conf["eval"])
+    gen, tok, _ = load(args.ckpt, args.device or conf["device"])
+    ids = tok.encode(args.prompt) if args.prompt else [tok.eot_id]
+    ids, dropped = fit_prompt(ids, gen.cfg.ctx_len, min(max_new, gen.cfg.ctx_len // 4))
+    if dropped:
+        print(f"[prompt left-truncated: dropped its first {dropped} tokens to fit the "
+              f"{gen.cfg.ctx_len}-token context]", file=sys.stderr)
+    stop = {tok.eot_id, tok.end_id}
+    out = sys.stdout
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out.write(args.prompt)
+    out.flush()
+    for t in gen.stream(ids, max_new, sampling, stop):
+        if t in stop:
+            break
+        out.write(decoder.decode(tok.decode_bytes([t])))
+        out.flush()
+    out.write(decoder.decode(b"", final=True) + "\n")
+    out.flush()
+    return 0

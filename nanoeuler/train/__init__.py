@@ -1,0 +1,1 @@
+"""Training: the shard loader, the one training loop, pretraining and Alpaca fine-tuning."""

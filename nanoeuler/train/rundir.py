@@ -1,0 +1,108 @@
+"""A training run directory: rotating checkpoints `ckpt_{step:08d}.bin` and `metrics.jsonl`.
+
+The checkpoint file format is `nanoeuler.checkpoint` (atomic writes, checksums); this module only
+names, finds, rotates and sets aside files. A checkpoint that fails to load is renamed to
+`*.bin.corrupt` so that it is never picked again; checkpoints of a finished or abandoned run with
+other settings move to `previous/`, replacing what was there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+_CKPT = re.compile(r"^ckpt_(\d{8})\.bin$")
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / f"ckpt_{step:08d}.bin"
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint in the run dir, newest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for entry in run_dir.iterdir():
+        m = _CKPT.match(entry.name)
+        if m and entry.is_file():
+            found.append((int(m.group(1)), entry))
+    return sorted(found, reverse=True)
+
+
+def rotate(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints."""
+    for _, path in list_checkpoints(run_dir)[max(1, keep) :]:
+        path.unlink(missing_ok=True)
+
+
+def set_aside_corrupt(path: Path) -> Path:
+    target = path.with_name(path.name + ".corrupt")
+    os.replace(path, target)
+    return target
+
+
+def set_aside_all(run_dir: Path) -> Path:
+    """Move every checkpoint and the metrics file into run_dir/previous/ (emptied first)."""
+    run_dir = Path(run_dir)
+    prev = run_dir / "previous"
+    if prev.exists():
+        shutil.rmtree(prev)
+    prev.mkdir(parents=True)
+    for _, path in list_checkpoints(run_dir):
+        os.replace(path, prev / path.name)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        os.replace(metrics, prev / metrics.name)
+    return prev
+
+
+def warn(stage: str, message: str) -> None:
+    print(f"nanoeuler {stage}: warning: {message}", file=sys.stderr, flush=True)
+
+
+class MetricsLog:
+    """Append-only JSONL of logged steps; on resume, lines after the checkpoint's step are dropped."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def read(self) -> list[dict]:
+        return read_jsonl(self.path)
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only records with step <= `step` (a resumed run re-logs the rest); 0 clears the log."""
+        keep = [r for r in self.read() if r.get("step", 0) <= step] if step > 0 else []
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in keep:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, self.path)
+
+    def append(self, record: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of a JSONL file; a torn last line (killed writer) is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+    return out

@@ -1,0 +1,204 @@
+"""`nanoeuler sft`: fine-tune the base model on Alpaca records; the loss covers responses only.
+
+    nanoeuler sft --config config/tiny.yaml --base results/base.bin \\
+        --data data/alpaca/alpaca.jsonl --out results/chat.bin
+
+Each record is rendered with the Alpaca template (`nanoeuler.train.template`), the response and
+`</s>` appended; prompt and padding targets are -1. Records longer than the context are truncated or
+dropped (`sft.too_long`); both are counted in the log. A few records (`sft.val_examples`, at most a
+tenth) are held out to measure the response loss.
+
+Batch order: epoch e visits the training records in the order of a permutation drawn from
+`numpy.random.default_rng([seed, e])`, `batch_size` at a time (the last batch of an epoch may be
+smaller). The order depends only on the step, so resuming needs no generator state. Training uses the
+same loop, checkpoints and resume rules as pretraining (`results/sft/`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from nanoeuler.backend import add_device_argument
+from nanoeuler.config import add_config_arguments, sections
+from nanoeuler.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    add_device_argument(parser)
+    parser.add_argument("--base", required=True, metavar="BIN", help="the pretrained model, results/base.bin")
+    parser.add_argument("--data", required=True, metavar="JSONL", help="data/alpaca/alpaca.jsonl")
+    parser.add_argument("--out", required=True, metavar="BIN", help="the chat model, e.g. results/chat.bin")
+    parser.add_argument("--run-dir", metavar="DIR", help="checkpoints and metrics (default: 'sft' next to --out)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """Alpaca records from JSONL; a malformed line is an error naming the line."""
+    path = Path(path)
+    records = []
+    try:
+        f = open(path, encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"Alpaca data {path} does not exist (run `nanoeuler alpaca` first)") from None
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+            if not isinstance(rec, dict):
+                raise UserError(f"{path}:{n}: expected a JSON object")
+            for key in ("instruction", "output"):
+                if not isinstance(rec.get(key), str):
+                    raise UserError(f"{path}:{n}: key '{key}' must be a string")
+            if not isinstance(rec.get("input", ""), str):
+                raise UserError(f"{path}:{n}: key 'input' must be a string")
+            records.append(rec)
+    if not records:
+        raise UserError(f"Alpaca data {path} holds no records")
+    return records
+
+
+def prepare_examples(records, tok, ctx_len: int, too_long: str) -> tuple[list[tuple[list[int], int]], dict]:
+    """Encode and fit records -> (examples (ids, n_prompt), counts).
+
+    counts: truncated, dropped (too long, sft.too_long = drop) and prompt_too_long (the prompt alone
+    fills the context, so no response token could train; always dropped).
+    """
+    from nanoeuler.train.template import encode_example, fit_example
+
+    out = []
+    counts = {"truncated": 0, "dropped": 0, "prompt_too_long": 0}
+    for rec in records:
+        ids, n_prompt = encode_example(tok, rec)
+        fitted = fit_example(ids, n_prompt, ctx_len, too_long)
+        if fitted is None:
+            counts["prompt_too_long" if n_prompt >= ctx_len + 1 else "dropped"] += 1
+            continue
+        counts["truncated"] += len(fitted) < len(ids)
+        out.append((fitted, n_prompt))
+    return out, counts
+
+
+class EpochBatches:
+    """Micro-batch m of the run: epoch m // per_epoch, in the order of that epoch's seeded permutation."""
+
+    def __init__(self, examples, batch_size: int, grad_accum: int, seed: int, K: int, pad_id: int):
+        self.examples, self.B, self.accum, self.seed, self.K, self.pad_id = examples, batch_size, grad_accum, seed, K, pad_id
+        self.per_epoch = math.ceil(len(examples) / batch_size)
+        self._perm: tuple[int, np.ndarray] | None = None
+        self._last = (0, 0)
+
+    def steps(self, epochs: int) -> int:
+        return math.ceil(epochs * self.per_epoch / self.accum)
+
+    def batch(self, step: int, micro: int = 0):
+        from nanoeuler.train.template import sft_batch
+
+        m = step * self.accum + micro
+        epoch, i = divmod(m, self.per_epoch)
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.examples)))
+        idx = self._perm[1][i * self.B : (i + 1) * self.B]
+        self._last = (epoch, i + 1)
+        return sft_batch([self.examples[j] for j in idx], self.K, self.pad_id)
+
+    def state(self) -> dict:
+        return {"epoch": self._last[0], "batches_done_in_epoch": self._last[1]}
+
+    def load_state(self, state: dict) -> None:
+        pass  # the order is a function of the step
+
+
+def response_loss(params, cfg, examples, batch_size: int, pad_id: int, xp) -> dict:
+    """Loss over held-out examples' response tokens, weighted by each batch's head-0 targets."""
+    from nanoeuler.model import transformer
+    from nanoeuler.train.template import sft_batch
+
+    tot = ce = weight = 0.0
+    for lo in range(0, len(examples), batch_size):
+        x, y = sft_batch(examples[lo : lo + batch_size], cfg.mtp_heads, pad_id)
+        n = float((y[:, :, 0] >= 0).sum())
+        if n == 0:
+            continue
+        loss, heads = transformer.forward_loss(params, xp.asarray(x), xp.asarray(y), cfg)
+        tot += loss * n
+        ce += heads[0] * n
+        weight += n
+    if weight == 0:
+        return {}
+    return {"val_loss": tot / weight, "val_ce": ce / weight, "val_tokens": int(weight)}
+
+
+def run(args: argparse.Namespace) -> int:
+    from nanoeuler import checkpoint
+    from nanoeuler.backend import get_xp
+    from nanoeuler.eval.plots import plot_losses
+    from nanoeuler.tokenizer.bpe import Tokenizer
+    from nanoeuler.train import loop, rundir
+
+    conf = sections(args, "device", "sft")
+    sec = conf["sft"]
+    xp = get_xp(args.device or conf["device"])
+
+    params, cfg, meta = checkpoint.load_model(args.base)
+    if not meta.get("tokenizer"):
+        raise UserError(f"base model {args.base} carries no tokenizer (metadata 'tokenizer')")
+    try:
+        tok = Tokenizer.from_json(meta["tokenizer"])
+    except UserError as exc:
+        raise UserError(f"base model {args.base}: its tokenizer is unreadable: {exc}") from None
+    base_checksum = checkpoint.read_header(args.base)[1].get("checksum")
+
+    records = read_records(args.data)
+    data_sha = hashlib.sha256(Path(args.data).read_bytes()).hexdigest()
+    if sec["max_examples"]:
+        records = records[: sec["max_examples"]]
+    n_val = min(int(sec["val_examples"]), len(records) // 10)
+    order = np.random.default_rng(int(sec["seed"])).permutation(len(records))
+    val_records = [records[i] for i in sorted(order[:n_val])]
+    train_records = [records[i] for i in sorted(order[n_val:])]
+
+    examples, counts = prepare_examples(train_records, tok, cfg.ctx_len, sec["too_long"])
+    val_examples, _ = prepare_examples(val_records, tok, cfg.ctx_len, sec["too_long"])
+    print(f"nanoeuler sft: {len(train_records)} training records: {len(examples)} used, "
+          f"{counts['truncated']} truncated to the {cfg.ctx_len}-token context, "
+          f"{counts['dropped']} dropped as too long (sft.too_long = {sec['too_long']}), "
+          f"{counts['prompt_too_long']} dropped because the prompt alone fills the context; "
+          f"{len(val_examples)} held out for validation", file=sys.stderr, flush=True)
+    if not examples:
+        hint = "try sft.too_long: truncate" if counts["dropped"] else "the model's ctx_len is too small for the prompts"
+        raise UserError(f"no Alpaca record of {args.data} fits the {cfg.ctx_len}-token context ({hint})")
+
+    pad_id = tok.eot_id
+    batches = EpochBatches(examples, int(sec["batch_size"]), int(sec["grad_accum"]), int(sec["seed"]),
+                           cfg.mtp_heads, pad_id)
+
+    def evaluate(p):
+        return response_loss(p, cfg, val_examples, int(sec["batch_size"]), pad_id, xp)
+
+    out = Path(args.out)
+    run_dir = Path(args.run_dir) if args.run_dir else out.parent / "sft"
+    spec = loop.Run(
+        stage="sft", cfg=cfg, section=sec, total_steps=batches.steps(int(sec["epochs"])), batches=batches,
+        init_params=lambda: params, tokenizer_json=meta["tokenizer"], tokenizer_sha256=tok.sha256,
+        run_dir=run_dir, out=out, xp=xp, evaluate=evaluate if val_examples else None,
+        identity={"data": {"alpaca_sha256": data_sha, "base_checksum": base_checksum}},
+        extra_out={"sft_data": {"train_examples": len(examples), "val_examples": len(val_examples), **counts}},
+        progress=not args.no_progress,
+    )
+    last = loop.train(spec)
+    plot_losses([("SFT", rundir.read_jsonl(run_dir / "metrics.jsonl"))], run_dir / "loss.png")
+    print(f"nanoeuler sft: train loss {last.get('loss', float('nan')):.4f}, "
+          f"held-out response loss {last.get('val_loss', float('nan')):.4f}")
+    return 0

@@ -1,0 +1,144 @@
+"""`nanoeuler gradcheck`: every analytic gradient against finite differences, in float64.
+
+A small random model (K = 3 output heads, GQA with 2 query heads per key/value head, T = 6 positions so
+RoPE and the causal mask matter, some targets -1) with weights of order one, so gradients are mostly
+1e-3..1e-1 and a wrong term in any backward shows up. For each parameter tensor, `--samples` entries (all of
+them for small tensors, always including the entry with the largest analytic gradient) are perturbed and
+the loss differentiated numerically with the fourth-order central difference
+
+    g ~ (8 (L(w + h) - L(w - h)) - (L(w + 2h) - L(w - 2h))) / (12 h),   h = 3e-3.
+
+Its truncation error (~h^4) and its rounding error (~1e-16 |L| / h) are both near 1e-13 absolute, so even
+entries around 1e-6 are checked to better than 1e-6 relative; a plain central difference with a tiny h
+would drown such entries in rounding noise. Structural zeros (embedding rows of absent tokens) come out
+exactly 0 on both sides. Per entry the relative error is |a - n| / max(|a| + |n|, 1e-12); one line per
+tensor gives its largest, the last line the overall largest, and the exit status is 1 when that exceeds
+`--threshold`.
+
+The analytic side (`analytic_grads`) runs on any backend (`--device`); the numerical side is NumPy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from nanoeuler.backend import add_device_argument, get_xp, resolve_device, to_numpy
+from nanoeuler.config import add_config_arguments, sections
+from nanoeuler.model import transformer
+from nanoeuler.model.config import ModelConfig
+
+CHECK_CONFIG = ModelConfig(vocab_size=13, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=8,
+                           ffn_hidden=24, mtp_heads=3, rope_theta=10000.0, norm_eps=1e-5)
+STEP = 3e-3
+DENOM_FLOOR = 1e-12
+
+
+def random_problem(cfg: ModelConfig = CHECK_CONFIG, seed: int = 0, batch: int = 2, T: int = 6):
+    """(params float64, inputs (B,T), targets (B,T,K)) with weights of order one and ~20% ignored targets."""
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, shape in cfg.param_shapes().items():
+        if name.endswith("norm.weight"):
+            params[name] = 1.0 + 0.3 * rng.standard_normal(shape)  # gains away from 1 so they matter
+        elif name == "embed_tokens.weight":
+            params[name] = rng.standard_normal(shape)
+        else:  # (out, in): unit-variance outputs for unit-variance inputs
+            params[name] = rng.standard_normal(shape) / np.sqrt(shape[1])
+    window = rng.integers(0, cfg.vocab_size, size=(batch, T + cfg.mtp_heads))
+    inputs = window[:, :T]
+    targets = np.stack([window[:, 1 + k:T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)
+    full = targets
+    targets = np.where(rng.random(targets.shape) < 0.2, -1, targets)
+    targets[0, 0, :] = -1  # a position with no target at all
+    for k in range(cfg.mtp_heads):  # but every head keeps some
+        if not (targets[..., k] >= 0).any():
+            targets[-1, -1, k] = full[-1, -1, k]
+    return params, inputs, targets
+
+
+def analytic_grads(params, batch, cfg: ModelConfig, xp=np):
+    """(loss, grads as NumPy float64) computed on backend `xp` in float64."""
+    inputs, targets = batch
+    dev = {name: xp.asarray(p, dtype=xp.float64) for name, p in params.items()}
+    loss, grads = transformer.loss_and_grads(dev, xp.asarray(inputs), xp.asarray(targets), cfg)
+    return float(loss), {name: np.asarray(to_numpy(g), dtype=np.float64) for name, g in grads.items()}
+
+
+def numeric_grad(params, batch, cfg, name, index, h=STEP):
+    """The fourth-order central difference of the loss with respect to params[name][index] (NumPy float64)."""
+    inputs, targets = batch
+    w = params[name]
+    orig = w[index]
+
+    def loss_at(value):
+        w[index] = value
+        return transformer.forward_loss(params, inputs, targets, cfg)[0]
+
+    try:
+        lp1, lm1 = loss_at(orig + h), loss_at(orig - h)
+        lp2, lm2 = loss_at(orig + 2 * h), loss_at(orig - 2 * h)
+    finally:
+        w[index] = orig
+    # differences first: equal losses give exactly 0, and less rounding than summing the four terms
+    return (8.0 * (lp1 - lm1) - (lp2 - lm2)) / (12.0 * h)
+
+
+def relative_error(a, n) -> float:
+    return abs(a - n) / max(abs(a) + abs(n), DENOM_FLOOR)
+
+
+def check(cfg: ModelConfig = CHECK_CONFIG, seed: int = 0, samples: int = 48, xp=np, out=sys.stdout):
+    """Print one line per tensor; return {name: max relative error}."""
+    params, inputs, targets = random_problem(cfg, seed)
+    batch = (inputs, targets)
+    loss, grads = analytic_grads(params, batch, cfg, xp)
+    rng = np.random.default_rng(seed + 1)
+    errors = {}
+    width = max(len(n) for n in params)
+    print(f"gradcheck: {cfg.n_params()} parameters in {len(params)} tensors, batch {inputs.shape}, "
+          f"K={cfg.mtp_heads}, heads {cfg.n_heads}/{cfg.n_kv_heads}, "
+          f"{int((targets < 0).sum())} of {targets.size} targets ignored, loss {loss:.6f}", file=out)
+    for name, p in params.items():
+        g = grads[name]
+        flat = g.reshape(-1)
+        if p.size <= samples:
+            picks = np.arange(p.size)
+        else:
+            picks = rng.choice(p.size, size=samples - 1, replace=False)
+            picks = np.unique(np.append(picks, np.argmax(np.abs(flat))))
+        worst = 0.0
+        for j in picks:
+            index = np.unravel_index(j, p.shape)
+            n = numeric_grad(params, batch, cfg, name, index)
+            worst = max(worst, relative_error(flat[j], n))
+        errors[name] = worst
+        print(f"{name:<{width}}  {str(p.shape):<10} checked {len(picks):>4}/{p.size:<5} "
+              f"max|grad| {np.abs(flat).max():.2e}  max rel err {worst:.2e}", file=out)
+    return errors
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    add_device_argument(parser)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch (default 0)")
+    parser.add_argument("--samples", type=int, default=48,
+                        help="entries checked per tensor; smaller tensors are checked whole (default 48)")
+    parser.add_argument("--threshold", type=float, default=1e-6,
+                        help="largest relative error that passes (default 1e-6)")
+
+
+def run(args: argparse.Namespace) -> int:
+    device = args.device or sections(args, "device")["device"]
+    xp = get_xp(resolve_device(device))
+    start = time.perf_counter()
+    errors = check(seed=args.seed, samples=args.samples, xp=xp)
+    worst = max(errors.values())
+    print(f"analytic gradients on {'gpu' if xp is not np else 'cpu'}, "
+          f"{time.perf_counter() - start:.1f} s; threshold {args.threshold:.0e}: "
+          f"{'pass' if worst <= args.threshold else 'FAIL'}")
+    print(f"max relative error: {worst:.3e}")
+    return 0 if worst <= args.threshold else 1

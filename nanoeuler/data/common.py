@@ -1,0 +1,69 @@
+"""Small helpers shared by the data stages: logging, atomic outputs, where a source lives."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+
+def info(msg: str) -> None:
+    """One progress line on stderr (Snakemake sends it to the rule's log)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def warn(msg: str) -> None:
+    info(f"warning: {msg}")
+
+
+@contextlib.contextmanager
+def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to `dest`; move it onto `dest` only if the block succeeds.
+
+    The temporary file sits in the same directory so the final `os.replace` is atomic: readers see
+    either the old file or the complete new one, and an error leaves no partial output behind.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, dest)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def is_remote(source: str) -> bool:
+    """True for http(s) URLs; local paths and file:// URLs are copied instead of downloaded."""
+    return urllib.parse.urlsplit(source).scheme.lower() in ("http", "https")
+
+
+def local_path(source: str, root: str | os.PathLike | None = None) -> Path:
+    """The file a local source names: a file:// URL or a path (a relative one is taken from `root`)."""
+    if source.lower().startswith("file:"):
+        return Path(urllib.request.url2pathname(urllib.parse.urlsplit(source).path))
+    path = Path(source).expanduser()
+    if not path.is_absolute() and root is not None:
+        path = Path(root) / path
+    return path
+
+
+def add_source_root_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--source-root",
+        metavar="DIR",
+        default=".",
+        help="directory that relative local source paths in the config are taken from (default: .; "
+        "the Snakemake rules pass the repository root)",
+    )
+
+
+def local_sources(sources: list[str], root: str | os.PathLike) -> list[str]:
+    """The local files among `sources`, as absolute paths (Snakemake tracks them as rule inputs)."""
+    return [str(local_path(s, root).resolve()) for s in sources if not is_remote(s)]

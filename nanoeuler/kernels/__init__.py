@@ -1,0 +1,62 @@
+"""Hand-written CUDA kernels for the GPU engine, loaded at run time with `cupy.RawModule`.
+
+Each `*.cu` file in this folder is one module of `extern "C"` kernels; its header comment names the
+NumPy layer in `nanoeuler.model.layers` (or `nanoeuler.optim`) that is its reference. `nanoeuler.kernels.ops`
+wraps them behind the same function names and signatures as the layers, and `nanoeuler selftest` checks
+every kernel against its reference.
+
+CuPy is imported only when a kernel is first asked for, so importing this package on a CPU-only install
+costs nothing. Modules are compiled once per process and device (NVRTC, for the device's own
+architecture; CuPy also keeps compiled binaries in its on-disk kernel cache).
+
+    >>> fn = kernel("elementwise", "swiglu_fwd")        # doctest: +SKIP
+    >>> launch(fn, n, (g, u, h, np.int64(n)))           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent
+# No fast-math: fp32 kernels are checked against float64 at 1e-5.
+COMPILE_OPTIONS = ("-std=c++17",)
+
+_MODULES: dict = {}
+
+
+def sources() -> list[Path]:
+    """Every .cu file of the package (CI compiles each with nvcc)."""
+    return sorted(KERNEL_DIR.glob("*.cu"))
+
+
+def module(name: str):
+    """The compiled RawModule of `<name>.cu` for the current device."""
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    key = (name, dev)
+    mod = _MODULES.get(key)
+    if mod is None:
+        code = (KERNEL_DIR / f"{name}.cu").read_text(encoding="utf-8")
+        mod = cupy.RawModule(code=code, options=COMPILE_OPTIONS)
+        _MODULES[key] = mod
+    return mod
+
+
+def kernel(file: str, name: str):
+    """The kernel `name` of `<file>.cu`."""
+    return module(file).get_function(name)
+
+
+def device_arch() -> str:
+    """'sm_90' for an H100/H200: what NVRTC compiles for on the current device."""
+    import cupy
+
+    return "sm_" + cupy.cuda.Device().compute_capability
+
+
+def launch(fn, n: int, args: tuple, threads: int = 256) -> None:
+    """Run `fn` with one thread per item of `n` (a 1-D grid of `threads`-wide blocks)."""
+    if n <= 0:
+        return
+    fn(((n + threads - 1) // threads,), (threads,), args)

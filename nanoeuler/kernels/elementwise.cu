@@ -1,0 +1,63 @@
+// Elementwise layers, float32: RoPE (half-split pairing), SwiGLU, the token-embedding backward.
+// References: nanoeuler.model.layers.rope_forward / rope_backward, swiglu_forward / swiglu_backward,
+// embedding_backward.
+
+// ---- RoPE ----------------------------------------------------------------------------------------
+// x (B,H,T,D) strided (D contiguous), cos/sin (T, D/2) contiguous -> y (B,H,T,D) C-contiguous.
+// One thread per pair (i, i + D/2):
+//   y[i] = x[i] cos - x[i+D/2] sin * sign ;  y[i+D/2] = x[i+D/2] cos + x[i] sin * sign
+// sign = +1 rotates forward; sign = -1 is the transpose (the backward).
+extern "C" __global__ void __launch_bounds__(256) rope_rotate(
+    const float* __restrict__ x, long long sb, long long sh, long long st, const float* __restrict__ cos_t,
+    const float* __restrict__ sin_t, float* __restrict__ y, int H, int T, int D, float sign, long long pairs) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= pairs) return;
+    const int half = D / 2;
+    const int i = (int)(idx % half);
+    const long long row = idx / half;  // (b, h, t) flattened
+    const int t = (int)(row % T);
+    const long long bh = row / T;
+    const long long b = bh / H, h = bh % H;
+    const float* xr = x + b * sb + h * sh + (long long)t * st;
+    const float x1 = xr[i], x2 = xr[i + half];
+    const float c = cos_t[(long long)t * half + i];
+    const float s = sin_t[(long long)t * half + i] * sign;
+    float* yr = y + row * D;
+    yr[i] = x1 * c - x2 * s;
+    yr[i + half] = x2 * c + x1 * s;
+}
+
+// ---- SwiGLU --------------------------------------------------------------------------------------
+// h = silu(g) * u = g * sigmoid(g) * u ; g, u, h contiguous of n elements.
+__device__ __forceinline__ float sigmoidf(float g) { return 1.f / (1.f + expf(-g)); }
+
+extern "C" __global__ void __launch_bounds__(256) swiglu_fwd(
+    const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ h, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float gi = g[i];
+    h[i] = gi * sigmoidf(gi) * u[i];
+}
+
+// dg = dh * u * (s + g s (1 - s)) ; du = dh * g * s
+extern "C" __global__ void __launch_bounds__(256) swiglu_bwd(
+    const float* __restrict__ dh, const float* __restrict__ g, const float* __restrict__ u,
+    float* __restrict__ dg, float* __restrict__ du, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float gi = g[i], s = sigmoidf(gi), d = dh[i];
+    const float silu = gi * s;
+    du[i] = d * silu;
+    dg[i] = d * u[i] * (s + silu * (1.f - s));
+}
+
+// ---- embedding backward ---------------------------------------------------------------------------
+// dw (V,C) zeroed by the caller; dw[ids[n], c] += dx[n, c]. Repeated ids add up through atomics.
+extern "C" __global__ void __launch_bounds__(256) embedding_bwd(
+    const float* __restrict__ dx, const long long* __restrict__ ids, float* __restrict__ dw, int C, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const long long row = i / C;
+    const int c = (int)(i % C);
+    atomicAdd(dw + ids[row] * C + c, dx[i]);
+}

@@ -1,0 +1,49 @@
+"""Every CUDA kernel file compiles with nvcc (CI has nvcc but no GPU), and every kernel the Python
+wrappers launch exists in its file."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from nanoeuler.kernels import COMPILE_OPTIONS, KERNEL_DIR, sources
+
+NVCC = shutil.which("nvcc")
+
+
+def test_there_are_kernel_files():
+    names = {p.stem for p in sources()}
+    assert {"attention", "rmsnorm", "elementwise", "cross_entropy", "adamw"} <= names
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("path", sources(), ids=lambda p: p.name)
+def test_cu_file_compiles(path, tmp_path):
+    out = subprocess.run([NVCC, "-arch=sm_90", *COMPILE_OPTIONS, "-c", "-o", str(tmp_path / "k.o"), str(path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def _extern_kernels(path: Path) -> set[str]:
+    text = path.read_text()
+    names = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', text))
+    # macro-generated families: FLASH_KERNELS(D, ...) defines flash_{fwd,bwd_dkdv,bwd_dq}_d{D}
+    for d in re.findall(r"^FLASH_KERNELS\((\d+),", text, flags=re.M):
+        names |= {f"flash_fwd_d{d}", f"flash_bwd_dkdv_d{d}", f"flash_bwd_dq_d{d}"}
+    return names
+
+
+def test_every_launched_kernel_is_defined():
+    defined = {p.stem: _extern_kernels(p) for p in sources()}
+    wanted = []
+    for py in KERNEL_DIR.glob("*.py"):
+        wanted += re.findall(r'kernel\("(\w+)", "(\w+)"\)', py.read_text())
+        for file, stem in re.findall(r'kernel\("(\w+)", f"(\w+)_d\{D\}"\)', py.read_text()):
+            ops_text = (KERNEL_DIR / "ops.py").read_text()
+            sizes = re.search(r"_FLASH = \{([^}]*)\}", ops_text).group(1)
+            wanted += [(file, f"{stem}_d{d}") for d in re.findall(r"(\d+): \(", sizes)]
+    assert len(wanted) > 10
+    missing = [f"{f}.cu:{n}" for f, n in wanted if n not in defined.get(f, set())]
+    assert not missing, missing

@@ -10,11 +10,15 @@ Dtype policy: float32 for training on either device, float64 for gradient checks
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import numpy as np
 
 from nanoeuler.errors import UserError
 
 GPU_INSTALL_HINT = "install the gpu extra: pip install -e '.[gpu]' (CuPy for CUDA 12, plus ml_dtypes)"
+TF32_ENV = "CUPY_TF32"  # CuPy runs float32 GEMMs on TF32 tensor cores only when this is "1"
 
 
 def _cupy_or_reason():
@@ -26,10 +30,16 @@ def _cupy_or_reason():
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # CUDA driver missing or broken
-        return None, f"CuPy cannot reach a CUDA driver ({str(exc).splitlines()[0]})"
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        return None, f"CuPy cannot reach a CUDA driver ({first})"
     if count == 0:
         return None, "no CUDA device is visible"
     return cupy, None
+
+
+def gpu_unavailable_reason() -> str | None:
+    """None when CuPy and a CUDA device are usable, else what is missing (one phrase)."""
+    return _cupy_or_reason()[1]
 
 
 def resolve_device(device: str) -> str:
@@ -74,3 +84,56 @@ def add_device_argument(parser, default: str | None = None) -> None:
         default=default,
         help="where to compute (default: the config's `device`, itself default auto)",
     )
+
+
+def is_gpu_array(a) -> bool:
+    """True for a CuPy array, without importing CuPy."""
+    return type(a).__module__.startswith("cupy")
+
+
+def synchronize(xp) -> None:
+    """Wait for the device (a no-op on NumPy): for timings and before reading host clocks."""
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+def tf32_enabled() -> bool:
+    """Whether CuPy's cuBLAS may use TF32 for float32 GEMMs (CUPY_TF32=1): ~1e-3 relative error,
+    far above the 1e-5 of the float32 checks, so `selftest` and the GPU gradcheck refuse it."""
+    return os.environ.get(TF32_ENV, "0") not in ("", "0")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A CuPy device-memory exhaustion (pool allocation or cuBLAS workspace), recognised by type name so
+    CPU-only code never imports CuPy."""
+    name = type(exc).__name__
+    module = type(exc).__module__ or ""
+    if name == "OutOfMemoryError" and module.startswith("cupy"):
+        return True
+    return module.startswith("cupy") and "CUDA_ERROR_OUT_OF_MEMORY" in str(exc)
+
+
+def oom_message(batch_size: int, context: int, exc: BaseException | None = None) -> str:
+    """The one line to show when the GPU runs out of memory at a given batch size and context."""
+    detail = ""
+    if exc is not None:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        detail = f" ({first})" if first else ""
+    return (f"the GPU ran out of memory at batch size {batch_size} and context {context}{detail}; "
+            "lower batch_size (raise grad_accum to keep the tokens per step) or ctx_len, "
+            "or free the GPU of other processes")
+
+
+@contextlib.contextmanager
+def oom_guard(batch_size: int, context: int):
+    """Turn a GPU out-of-memory error inside the block into a UserError naming batch size and context.
+
+        with oom_guard(sec["batch_size"], cfg.ctx_len):
+            loss, grads = transformer.loss_and_grads(...)
+    """
+    try:
+        yield
+    except Exception as exc:
+        if is_out_of_memory(exc):
+            raise UserError(oom_message(batch_size, context, exc)) from None
+        raise

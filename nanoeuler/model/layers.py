@@ -92,8 +92,11 @@ def rope_forward(x, cos, sin):
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     y = xp.empty(x.shape, dtype=x.dtype)
-    y[..., :half] = x1 * cos - x2 * sin
-    y[..., half:] = x2 * cos + x1 * sin
+    y1, y2 = y[..., :half], y[..., half:]
+    xp.multiply(x1, cos, out=y1)
+    y1 -= x2 * sin
+    xp.multiply(x2, cos, out=y2)
+    y2 += x1 * sin
     return y
 
 
@@ -173,20 +176,18 @@ def _sigmoid(x):
 def swiglu_forward(g, u):
     """h = silu(g) * u = g * sigmoid(g) * u ; g, u (..., F) -> h (..., F)."""
     sg = _sigmoid(g)
-    h = g * sg
-    h *= u
-    return h, (g, u, sg)
+    silu = g * sg
+    h = silu * u
+    return h, (u, sg, silu)
 
 
 def swiglu_backward(dh, cache):
-    """dh (..., F) -> dg, du (..., F). silu'(g) = s + g*s*(1-s)."""
-    g, u, sg = cache
-    silu = g * sg
+    """dh (..., F) -> dg, du (..., F). silu'(g) = s + silu(g) * (1 - s)."""
+    u, sg, silu = cache
     du = dh * silu
-    # dg = dh * u * (s + silu * (1 - s))
     dsilu = 1.0 - sg
     dsilu *= silu
-    dsilu += sg
+    dsilu += sg  # silu'(g)
     dg = dh * u
     dg *= dsilu
     return dg, du

@@ -68,13 +68,21 @@ def _ids(tokens, xp, V, what):
 
 def _block_forward(ops, p, x, cos, sin, cfg, kv=None):
     """x (B,T,C) -> (B,T,C) and the cache. With `kv` = (k_buf, v_buf, start), the new keys/values are
-    written into the KV-cache buffers (B,Hkv,max_len,D) at `start` and attention sees all keys so far."""
+    written into the KV-cache buffers (B,Hkv,max_len,D) at `start` and attention sees all keys so far.
+
+    q/k/v and gate/up are each computed by one GEMM against the stacked weights: the same arithmetic
+    as separate projections, with fewer and larger matrix products."""
+    xp = array_module(x)
     B, T, C = x.shape
-    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    H, Hkv, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
+    HD, KD = H * D, Hkv * D
     h, n1 = ops.rmsnorm_forward(x, p["input_layernorm.weight"], cfg.norm_eps)  # (B,T,C)
-    q = ops.linear_forward(h, p["self_attn.q_proj.weight"]).reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B,H,T,D)
-    k = ops.linear_forward(h, p["self_attn.k_proj.weight"]).reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B,Hkv,T,D)
-    v = ops.linear_forward(h, p["self_attn.v_proj.weight"]).reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B,Hkv,T,D)
+    w_qkv = xp.concatenate([p["self_attn.q_proj.weight"], p["self_attn.k_proj.weight"],
+                            p["self_attn.v_proj.weight"]])  # (HD+2KD, C)
+    qkv = ops.linear_forward(h, w_qkv)  # (B,T,HD+2KD)
+    q = qkv[..., :HD].reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B,H,T,D) views
+    k = qkv[..., HD:HD + KD].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B,Hkv,T,D)
+    v = qkv[..., HD + KD:].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B,Hkv,T,D)
     q = ops.rope_forward(q, cos, sin)
     k = ops.rope_forward(k, cos, sin)
     if kv is not None:
@@ -83,43 +91,49 @@ def _block_forward(ops, p, x, cos, sin, cfg, kv=None):
         v_buf[:, :, start:start + T] = v
         k, v = k_buf[:, :, :start + T], v_buf[:, :, :start + T]  # (B,Hkv,S,D)
     a, ac = ops.attention_forward(q, k, v)  # (B,H,T,D)
-    a2 = a.transpose(0, 2, 1, 3).reshape(B, T, H * D)  # (B,T,C)
+    a2 = a.transpose(0, 2, 1, 3).reshape(B, T, HD)  # (B,T,C)
     x = x + ops.linear_forward(a2, p["self_attn.o_proj.weight"])
     h2, n2 = ops.rmsnorm_forward(x, p["post_attention_layernorm.weight"], cfg.norm_eps)  # (B,T,C)
-    g = ops.linear_forward(h2, p["mlp.gate_proj.weight"])  # (B,T,F)
-    u = ops.linear_forward(h2, p["mlp.up_proj.weight"])  # (B,T,F)
-    m, sc = ops.swiglu_forward(g, u)  # (B,T,F)
+    w_gu = xp.concatenate([p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"]])  # (2F, C)
+    gu = ops.linear_forward(h2, w_gu)  # (B,T,2F)
+    m, sc = ops.swiglu_forward(gu[..., :F], gu[..., F:])  # (B,T,F)
     x = x + ops.linear_forward(m, p["mlp.down_proj.weight"])
-    return x, (h, n1, ac, a2, h2, n2, m, sc)
+    return x, (h, n1, w_qkv, ac, a2, h2, n2, w_gu, m, sc)
 
 
 def _block_backward(ops, p, dx, cache, cos, sin, cfg, grads, prefix):
-    """dx (B,T,C): gradient of the block output -> gradient of its input; weight grads go into `grads`."""
-    h, n1, ac, a2, h2, n2, m, sc = cache
+    """dx (B,T,C): gradient of the block output -> gradient of its input; weight grads go into `grads`
+    (the q/k/v and gate/up gradients are row blocks of one array each)."""
+    xp = array_module(dx)
+    h, n1, w_qkv, ac, a2, h2, n2, w_gu, m, sc = cache
     B, T, C = dx.shape
-    H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    H, Hkv, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
+    HD, KD = H * D, Hkv * D
     # MLP branch: x_out = x_mid + down(swiglu(gate(h2), up(h2)))
     dm, grads[prefix + "mlp.down_proj.weight"] = ops.linear_backward(dx, m, p["mlp.down_proj.weight"])
-    dg, du = ops.swiglu_backward(dm, sc)
-    dh2, grads[prefix + "mlp.gate_proj.weight"] = ops.linear_backward(dg, h2, p["mlp.gate_proj.weight"])
-    dh2u, grads[prefix + "mlp.up_proj.weight"] = ops.linear_backward(du, h2, p["mlp.up_proj.weight"])
-    dh2 += dh2u
+    dg, du = ops.swiglu_backward(dm, sc)  # (B,T,F) each
+    dgu = xp.empty((B, T, 2 * F), dtype=dx.dtype)
+    dgu[..., :F] = dg
+    dgu[..., F:] = du
+    del dg, du
+    dh2, dw_gu = ops.linear_backward(dgu, h2, w_gu)
+    grads[prefix + "mlp.gate_proj.weight"] = dw_gu[:F]
+    grads[prefix + "mlp.up_proj.weight"] = dw_gu[F:]
     dxn, grads[prefix + "post_attention_layernorm.weight"] = ops.rmsnorm_backward(dh2, n2)
     dx = dx + dxn  # gradient at x_mid
     # attention branch: x_mid = x_in + o(attn(rope(q(h)), rope(k(h)), v(h)))
     da2, grads[prefix + "self_attn.o_proj.weight"] = ops.linear_backward(dx, a2, p["self_attn.o_proj.weight"])
     da = da2.reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B,H,T,D)
     dq, dk, dv = ops.attention_backward(da, ac)  # (B,H,T,D), (B,Hkv,T,D), (B,Hkv,T,D)
-    dq = ops.rope_backward(dq, cos, sin)
-    dk = ops.rope_backward(dk, cos, sin)
-    dq = dq.transpose(0, 2, 1, 3).reshape(B, T, H * D)
-    dk = dk.transpose(0, 2, 1, 3).reshape(B, T, Hkv * D)
-    dv = dv.transpose(0, 2, 1, 3).reshape(B, T, Hkv * D)
-    dh, grads[prefix + "self_attn.q_proj.weight"] = ops.linear_backward(dq, h, p["self_attn.q_proj.weight"])
-    dhk, grads[prefix + "self_attn.k_proj.weight"] = ops.linear_backward(dk, h, p["self_attn.k_proj.weight"])
-    dh += dhk
-    dhv, grads[prefix + "self_attn.v_proj.weight"] = ops.linear_backward(dv, h, p["self_attn.v_proj.weight"])
-    dh += dhv
+    dqkv = xp.empty((B, T, HD + 2 * KD), dtype=dx.dtype)  # (B,T,HD+2KD)
+    dqkv[..., :HD].reshape(B, T, H, D)[...] = ops.rope_backward(dq, cos, sin).transpose(0, 2, 1, 3)
+    dqkv[..., HD:HD + KD].reshape(B, T, Hkv, D)[...] = ops.rope_backward(dk, cos, sin).transpose(0, 2, 1, 3)
+    dqkv[..., HD + KD:].reshape(B, T, Hkv, D)[...] = dv.transpose(0, 2, 1, 3)
+    del dq, dk, dv
+    dh, dw_qkv = ops.linear_backward(dqkv, h, w_qkv)
+    grads[prefix + "self_attn.q_proj.weight"] = dw_qkv[:HD]
+    grads[prefix + "self_attn.k_proj.weight"] = dw_qkv[HD:HD + KD]
+    grads[prefix + "self_attn.v_proj.weight"] = dw_qkv[HD + KD:]
     dxn, grads[prefix + "input_layernorm.weight"] = ops.rmsnorm_backward(dh, n1)
     dx += dxn
     return dx

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from nanoeuler import cli
 from nanoeuler.errors import UserError
-from nanoeuler.tokenizer.bpe import (EOT, END, GPT2_PATTERN, MAX_VOCAB, Tokenizer, count_chunks, train_bpe)
+from nanoeuler.tokenizer.bpe import (EOT, END, GPT2_PATTERN, MAX_VOCAB, Tokenizer, count_chunks, split_gpt2,
+                                     train_bpe)
 
 # Varied text: prose, code, numbers, whitespace runs, emoji, CJK, combining marks, other scripts.
 SAMPLES = [
@@ -218,13 +219,13 @@ ALPHABET = "ab Z09_'\t\n\r\x0b\x0c\x1c\x1f\x85\xa0\u2009\u3000é東😀\u0301²�
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(alphabet=ALPHABET, max_size=60))
-def test_fast_split_equals_the_gpt2_pattern(tok, s):
-    assert tok._split(s) == regex.findall(GPT2_PATTERN, s)
+def test_fast_split_equals_the_gpt2_pattern(s):
+    assert split_gpt2(s) == regex.findall(GPT2_PATTERN, s)
 
 
 @pytest.mark.parametrize("s", SAMPLES + [TRAIN_TEXT])
-def test_fast_split_equals_the_gpt2_pattern_on_samples(tok, s):
-    assert tok._split(s) == regex.findall(GPT2_PATTERN, s)
+def test_fast_split_equals_the_gpt2_pattern_on_samples(s):
+    assert split_gpt2(s) == regex.findall(GPT2_PATTERN, s)
 
 
 def test_compresses_frequent_words(tok):

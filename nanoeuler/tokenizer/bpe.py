@@ -72,6 +72,38 @@ _CACHE_SIZE = 1 << 18  # chunk -> ids entries kept per tokenizer before the cach
 _GPT2_ASCII = re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+""", re.ASCII)
 _NON_ASCII = re.compile(r"[^\x00-\x7f]+")
 _WHITESPACE = frozenset(regex.findall(r"\s", "".join(map(chr, range(0x3001)))))  # every \s of `regex`
+_GPT2_REGEX = regex.compile(GPT2_PATTERN)
+
+
+def split_gpt2(text: str) -> list[str]:
+    """The chunks of the GPT-2 pattern: the same list as `regex.findall(GPT2_PATTERN, text)`, faster."""
+    if text.isascii():
+        return _GPT2_ASCII.findall(text)
+    slow, fast = _GPT2_REGEX.findall, _GPT2_ASCII.findall
+    out: list[str] = []
+    pos, n = 0, len(text)  # text[pos:] is still to split; pos is always a safe position
+    for m in _NON_ASCII.finditer(text):
+        start = m.start()
+        if start < pos:
+            continue  # inside the island just done
+        # island: from the last safe position at or before `start` to the first one after the run
+        b = text.rfind(" ", pos, start)
+        while b > pos and text[b - 1] in _WHITESPACE:
+            b = text.rfind(" ", pos, b)
+        e = text.find(" ", m.end())
+        while e != -1 and text[e - 1] in _WHITESPACE:
+            e = text.find(" ", e + 1)
+        if b > pos:
+            out += fast(text, pos, b)
+        else:
+            b = pos
+        if e == -1:
+            e = n
+        out += slow(text, b, e)
+        pos = e
+    if pos < n:
+        out += fast(text, pos, n)
+    return out
 
 
 class _ChunkCache(dict):
@@ -105,7 +137,7 @@ class Tokenizer:
         self.merges: list[tuple[int, int]] = [(int(a), int(b)) for a, b in merges]
         self.pattern = pattern
         self._findall = regex.compile(pattern).findall
-        self._split = self._split_gpt2 if pattern == GPT2_PATTERN else self._findall
+        self._split = split_gpt2 if pattern == GPT2_PATTERN else self._findall
         # token id -> its bytes; ranks: pair -> merged id (merged id order is rank order)
         self._bytes: list[bytes] = [bytes([i]) for i in range(256)]
         self._ranks: dict[tuple[int, int], int] = {}
@@ -152,60 +184,34 @@ class Tokenizer:
 
     # ---- encoding ------------------------------------------------------------------------------
     def _bpe(self, chunk: str) -> tuple[int, ...]:
-        """Merge the bytes of one chunk: repeatedly apply the lowest-ranked merge present."""
-        ids = list(chunk.encode("utf-8"))
-        ranks = self._ranks
-        while len(ids) > 1:
-            best = None
-            best_id = 1 << 62
-            for pair in zip(ids, ids[1:]):
-                r = ranks.get(pair)
-                if r is not None and r < best_id:
-                    best, best_id = pair, r
-            if best is None:
-                break
-            a, b = best
-            out = []
-            i, n = 0, len(ids)
-            while i < n:
-                if ids[i] == a and i + 1 < n and ids[i + 1] == b:
-                    out.append(best_id)
-                    i += 2
-                else:
-                    out.append(ids[i])
-                    i += 1
-            ids = out
-        return tuple(ids)
+        """Merge the bytes of one chunk: repeatedly apply the lowest-ranked merge present, leftmost first.
 
-    def _split_gpt2(self, text: str) -> list[str]:
-        """The chunks of the GPT-2 pattern (same as `self._findall(text)`, faster on mostly-ASCII text)."""
-        if text.isascii():
-            return _GPT2_ASCII.findall(text)
-        slow, fast = self._findall, _GPT2_ASCII.findall
-        out: list[str] = []
-        pos, n = 0, len(text)  # text[pos:] is still to split; pos is always a safe position
-        for m in _NON_ASCII.finditer(text):
-            start = m.start()
-            if start < pos:
-                continue  # inside the island just done
-            # island: from the last safe position at or before `start` to the first one after the run
-            b = text.rfind(" ", pos, start)
-            while b > pos and text[b - 1] in _WHITESPACE:
-                b = text.rfind(" ", pos, b)
-            e = text.find(" ", m.end())
-            while e != -1 and text[e - 1] in _WHITESPACE:
-                e = text.find(" ", e + 1)
-            if b > pos:
-                out += fast(text, pos, b)
-            else:
-                b = pos
-            if e == -1:
-                e = n
-            out += slow(text, b, e)
-            pos = e
-        if pos < n:
-            out += fast(text, pos, n)
-        return out
+        `merged[i]` is the id that ids[i], ids[i+1] would merge into (ids grow with rank), or `never`.
+        Merging one site changes only its two neighbours' entries, so each step costs one `min` and one
+        `index` in C plus two dict lookups. Taking the leftmost site of the best pair each time is the same
+        as merging all its sites left to right: a pair that contains the new token has a higher rank.
+        """
+        ids = list(chunk.encode("utf-8"))
+        if len(ids) < 2:
+            return tuple(ids)
+        get = self._ranks.get
+        never = 1 << 62
+        merged = [get(pair, never) for pair in zip(ids, ids[1:])]
+        while True:
+            best = min(merged)
+            if best == never:
+                break
+            i = merged.index(best)
+            ids[i] = best
+            del ids[i + 1]
+            del merged[i]
+            if i > 0:
+                merged[i - 1] = get((ids[i - 1], best), never)
+            if i < len(merged):
+                merged[i] = get((best, ids[i + 1]), never)
+            if not merged:
+                break
+        return tuple(ids)
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Encode `text` treating every character as ordinary text (no special tokens)."""
@@ -383,7 +389,7 @@ def count_chunks(texts: str | Iterable[str], pattern: str = GPT2_PATTERN) -> Cou
     """Pretokenize and count: unique chunk -> number of occurrences."""
     if isinstance(texts, str):
         texts = [texts]
-    findall = regex.compile(pattern).findall
+    findall = split_gpt2 if pattern == GPT2_PATTERN else regex.compile(pattern).findall
     counts: Counter = Counter()
     for text in texts:
         counts.update(findall(text))

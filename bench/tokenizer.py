@@ -130,8 +130,10 @@ def main() -> int:
     held_out = [d for i, d in enumerate(docs) if i % 10 == 9]
     mb_all = sum(len(d.encode("utf-8")) for d in docs) / 1e6
     mb_train = sum(len(d.encode("utf-8")) for d in train_docs) / 1e6
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    cpu = platform.processor()
+    if Path("/proc/cpuinfo").exists():
+        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+        cpu = names[0] if names else cpu
     print(f"text: {source}: {len(docs)} documents, {mb_all:.2f} MB; merges learned on {mb_train:.2f} MB")
     print(f"machine: {cpu}, {os.cpu_count()} cores; Python {platform.python_version()}; "
           f"vocab {args.vocab_size}; median of {args.repeats} after 1 warm-up\n", flush=True)
@@ -139,7 +141,8 @@ def main() -> int:
     rows = []
     t_ours, tok = timed(lambda: train_bpe(train_docs, args.vocab_size), args.repeats)
     t_hf, _ = timed(lambda: _hf_trainer_run(train_docs, args.vocab_size), args.repeats)
-    rows.append(("merge learning (s)", f"{t_ours:.2f}", f"{t_hf:.2f} (HF BpeTrainer)", f"{t_ours / t_hf:.2f}x HF time"))
+    rows.append(("merge learning (s)", f"{t_ours:.2f}", f"{t_hf:.2f} (HF BpeTrainer)",
+                 f"{t_ours / t_hf:.2f}x HF time"))
     print(f"merge learning: ours {t_ours:.2f} s, HF {t_hf:.2f} s", flush=True)
 
     ranks = {tok.token_bytes(i): i for i in range(256 + len(tok.merges))}

@@ -20,7 +20,8 @@ from nanoeuler.tokenizer.bpe import (EOT, END, GPT2_PATTERN, MAX_VOCAB, Tokenize
 SAMPLES = [
     "The quick brown fox jumps over the lazy dog. It's what they'd've done, isn't it?",
     "In 1887, the river rose 3.5 metres; by 2024 nobody remembered. Call 555-0100 or +44 20 7946 0958.",
-    "def area(r: float) -> float:\n    return 3.14159 * r ** 2  # circle\n\n\nif __name__ == '__main__':\n\tprint(area(2))\n",
+    "def area(r: float) -> float:\n    return 3.14159 * r ** 2  # circle\n\n\n"
+    "if __name__ == '__main__':\n\tprint(area(2))\n",
     "for (int i = 0; i < n; ++i) { sum += a[i] * b[i]; }  // dot product\r\n",
     "   leading spaces, trailing spaces   \n\n\n    indented\t\ttabs \x0b\x0c and\r\n\r\nCRLF  ",
     "emoji 😀👍🏽 family 👨\u200d👩\u200d👧 flags 🇫🇷🇯🇵 and ❤️",
@@ -433,3 +434,11 @@ def test_same_ids_as_tiktoken(tok, tiktoken_enc, s):
 @given(st.text(alphabet=st.characters(codec="utf-8"), max_size=40) | st.text(alphabet=ALPHABET, max_size=60))
 def test_same_ids_as_tiktoken_on_generated_text(tok, tiktoken_enc, s):
     assert tok.encode(s) == tiktoken_enc.encode_ordinary(s)
+
+
+def test_docstring_examples():
+    import doctest
+
+    from nanoeuler.tokenizer import bpe
+
+    assert doctest.testmod(bpe).failed == 0

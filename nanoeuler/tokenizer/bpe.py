@@ -223,7 +223,8 @@ class Tokenizer:
         if allowed_special == "all":
             return frozenset(self.special_tokens)
         if isinstance(allowed_special, str):
-            raise ValueError(f"allowed_special must be 'all', 'none' or a set of special tokens, got {allowed_special!r}")
+            raise ValueError(f"allowed_special must be 'all', 'none' or a set of special tokens, "
+                             f"got {allowed_special!r}")
         allowed = frozenset(allowed_special)
         unknown = allowed - set(self.special_tokens)
         if unknown:
@@ -326,7 +327,8 @@ class Tokenizer:
         except ValueError as exc:
             raise UserError(f"key 'merges': {exc}") from None
         if d.get("vocab_size", tok.vocab_size) != tok.vocab_size:
-            raise UserError(f"vocab_size {d.get('vocab_size')} does not match the merges and specials ({tok.vocab_size})")
+            raise UserError(f"vocab_size {d.get('vocab_size')} does not match the merges and special tokens "
+                            f"({tok.vocab_size})")
         return tok
 
     def save(self, path: str | Path) -> None:
@@ -348,7 +350,8 @@ class Tokenizer:
             raise UserError(f"tokenizer file {path}: {exc}") from None
 
     def __repr__(self) -> str:
-        return f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, specials={list(self.special_tokens)})"
+        return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
+                f"specials={list(self.special_tokens)})")
 
 
 def write_text_atomic(path: Path, text: str) -> None:

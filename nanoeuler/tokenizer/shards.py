@@ -202,7 +202,8 @@ def tokenize_corpus(tok: Tokenizer, inputs: dict[str, Path], manifest_path: Path
         _init_worker(tok_json)
         if workers > 1:
             pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tok_json,))
-        splits = {name: tokenize_split(Path(path), name, tmp, shard_tokens, pool, workers) for name, path in inputs.items()}
+        splits = {name: tokenize_split(Path(path), name, tmp, shard_tokens, pool, workers)
+                  for name, path in inputs.items()}
         if pool is not None:
             pool.close()
             pool.join()

@@ -30,6 +30,7 @@ import urllib.parse
 from pathlib import Path
 
 import requests
+import urllib3
 from tqdm import tqdm
 
 from nanoeuler.data.common import info, is_remote, local_path
@@ -102,15 +103,17 @@ def _download(url, part: Path, *, sha256, size, timeout, retries, backoff_s, del
                 total = _attempt(session, url, part, timeout, delay_s)
                 break
             except (_Transient, requests.ConnectionError, requests.Timeout,
-                    requests.exceptions.ChunkedEncodingError) as exc:
+                    requests.exceptions.ChunkedEncodingError, urllib3.exceptions.HTTPError) as exc:
                 now = part.stat().st_size if part.exists() else 0
                 failures = 0 if now > before else failures + 1  # progress resets the count
                 if failures > retries:
                     raise UserError(f"download of {url} failed after {retries + 1} attempts: "
                                     f"{_reason(exc)}") from None
-                wait = min(MAX_BACKOFF_S, backoff_s * 2 ** max(failures - 1, 0))
+                # a transfer that was cut after making progress resumes at once
+                wait = 0.0 if failures == 0 else min(MAX_BACKOFF_S, backoff_s * 2 ** (failures - 1))
                 info(f"retrying {url} in {wait:.1f}s ({_reason(exc)}; {now} bytes kept)")
-                time.sleep(wait)
+                if wait:
+                    time.sleep(wait)
     finally:
         if own:
             session.close()
@@ -160,7 +163,7 @@ def _attempt(session: requests.Session, url: str, part: Path, timeout, delay_s: 
             with open(part, mode) as f, tqdm(total=total, initial=offset, unit="B", unit_scale=True,
                                             unit_divisor=1024, desc=name, file=sys.stderr,
                                             disable=None, leave=False, mininterval=1.0) as bar:
-                for chunk in r.iter_content(CHUNK):
+                for chunk in _chunks(r, decode=encoded):
                     f.write(chunk)
                     bar.update(len(chunk))
     except requests.exceptions.InvalidURL as exc:
@@ -169,6 +172,19 @@ def _attempt(session: requests.Session, url: str, part: Path, timeout, delay_s: 
     if total is not None and got < total:
         raise _Transient(f"connection closed after {got} of {total} bytes")
     return total
+
+
+def _chunks(r: requests.Response, decode: bool):
+    """The body as it arrives. `read1` hands over every byte received before a connection drops
+    (a plain `read(n)` would discard the last partial block), so a resume loses nothing."""
+    if not hasattr(r.raw, "read1"):  # urllib3 < 2
+        yield from r.iter_content(CHUNK)
+        return
+    while True:
+        chunk = r.raw.read1(CHUNK, decode_content=decode)
+        if not chunk:
+            return
+        yield chunk
 
 
 def _polite_wait(url: str, delay_s: float) -> None:

@@ -68,7 +68,7 @@ def sample_query(paths: list[Path], section: dict, out: Path, has_id: bool = Tru
     if section["min_language_score"] is not None:
         where.append(f"language_score >= {float(section['min_language_score'])!r}")
     doc_id = ("CAST(id AS VARCHAR)" if has_id
-              else "parse_filename(filename, true) || ':' || CAST(file_row_number AS VARCHAR)")
+              else "parse_filename(filename) || ':' || CAST(file_row_number AS VARCHAR)")
     seed = int(section["seed"])
     budget = int(section["byte_budget"])
     return f"""COPY (

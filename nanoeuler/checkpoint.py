@@ -62,12 +62,10 @@ def _bytes_of(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1)).cast("B")
 
 
-def save(path, tensors: dict, metadata: dict) -> None:
-    """Write `tensors` (name -> NumPy/CuPy array) and `metadata` (str -> JSON-able) to `path` atomically."""
+def write_safetensors(path, tensors: dict, raw_metadata: dict[str, str], checksum_key: str | None = None) -> str:
+    """Write a safetensors file atomically: `tensors` in order, `raw_metadata` (str -> str) as
+    `__metadata__`, plus the data section's hex sha256 under `checksum_key` if given. Returns that digest."""
     path = Path(path)
-    for key in metadata:
-        if key in RESERVED or key == "__metadata__":
-            raise ValueError(f"metadata key {key!r} is reserved")
     arrays = {name: _as_le_numpy(name, a) for name, a in tensors.items()}
     digest = hashlib.sha256()
     header: dict = {}
@@ -79,8 +77,9 @@ def save(path, tensors: dict, metadata: dict) -> None:
         header[name] = {"dtype": _NAMES[a.dtype.newbyteorder("=")], "shape": list(a.shape),
                         "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
-    meta = {key: json.dumps(value, sort_keys=True) for key, value in metadata.items()}
-    meta.update(format=FORMAT, format_version=FORMAT_VERSION, checksum=digest.hexdigest())
+    meta = dict(raw_metadata)
+    if checksum_key:
+        meta[checksum_key] = digest.hexdigest()
     header = {"__metadata__": meta, **header}
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)
@@ -99,14 +98,30 @@ def save(path, tensors: dict, metadata: dict) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    try:  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)
+    return digest.hexdigest()
+
+
+def fsync_dir(directory) -> None:
+    """Make a rename in `directory` durable (best effort: some filesystems refuse)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
     except OSError:
         pass
+
+
+def save(path, tensors: dict, metadata: dict) -> None:
+    """Write `tensors` (name -> NumPy/CuPy array) and `metadata` (str -> JSON-able) to `path` atomically."""
+    for key in metadata:
+        if key in RESERVED or key == "__metadata__":
+            raise ValueError(f"metadata key {key!r} is reserved")
+    meta = {key: json.dumps(value, sort_keys=True) for key, value in metadata.items()}
+    meta.update(format=FORMAT, format_version=FORMAT_VERSION)
+    write_safetensors(path, tensors, meta, checksum_key="checksum")
 
 
 def read_header(path) -> tuple[dict, dict, int]:

@@ -1,0 +1,139 @@
+"""`nanoeuler export-hf --ckpt CKPT --out DIR`: a checkpoint as a Hugging Face `LlamaForCausalLM`.
+
+Our architecture is Llama's (pre-norm RMSNorm, half-split RoPE, GQA, SwiGLU, no biases, untied head),
+and our parameter names are Llama's, so the export is a renaming: `model.` in front of every trunk
+tensor, `lm_head.weight` as is. The multi-token heads `mtp_heads.k` have no Llama twin and are left out
+(the exported model is head 0, the one generation uses).
+
+DIR receives `config.json`, `model.safetensors` (float32, `{"format": "pt"}` metadata as transformers
+expects) and, when the checkpoint carries a tokenizer, `tokenizer.json` (HF tokenizers format) with a
+`tokenizer_config.json` naming its special tokens. Then, offline:
+
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    model = LlamaForCausalLM.from_pretrained(DIR)
+    tok = PreTrainedTokenizerFast.from_pretrained(DIR)
+
+The directory is built beside DIR and renamed into place, so a failed export leaves no partial DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from nanoeuler import checkpoint
+from nanoeuler.errors import UserError
+from nanoeuler.model.config import ModelConfig
+
+
+def hf_config(cfg: ModelConfig, eos_token_id=None, bos_token_id=None) -> dict:
+    """config.json for LlamaForCausalLM. Both `rope_theta` (transformers 4) and `rope_parameters`
+    (transformers 5) are written."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.hidden,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.ctx_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+        "torch_dtype": "float32",
+    }
+
+
+def hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Our parameters under their LlamaForCausalLM names (float32), MTP heads dropped."""
+    out = {}
+    for name in cfg.param_shapes():
+        if name.startswith("mtp_heads."):
+            continue
+        hf_name = name if name == "lm_head.weight" else "model." + name
+        out[hf_name] = np.ascontiguousarray(params[name], dtype=np.float32)
+    return out
+
+
+def _tokenizer_files(tokenizer_json: str, cfg: ModelConfig):
+    """(tokenizer.json text, tokenizer_config dict, eos ids, bos id), or None without the HF exporter."""
+    try:
+        from nanoeuler.tokenizer.bpe import Tokenizer
+        from nanoeuler.tokenizer.hf import to_hf_json
+    except ImportError:
+        return None
+    tok = Tokenizer.from_json(tokenizer_json)
+    if tok.vocab_size != cfg.vocab_size:
+        raise UserError(f"the checkpoint's tokenizer has {tok.vocab_size} tokens but its model {cfg.vocab_size}")
+    specials = {i: s for s, i in tok.special_tokens.items()}
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": cfg.ctx_len,
+        "eos_token": specials[tok.end_id],
+        "bos_token": specials[tok.eot_id],
+        "clean_up_tokenization_spaces": False,
+    }
+    return to_hf_json(tok), tok_config, [tok.end_id, tok.eot_id], tok.eot_id
+
+
+def export(ckpt, out) -> list[str]:
+    """Write the HF model directory `out` from checkpoint `ckpt`; returns the file names written."""
+    params, cfg, metadata = checkpoint.load_model(ckpt)
+    out = Path(out)
+    tok = None
+    if metadata.get("tokenizer"):
+        tok = _tokenizer_files(metadata["tokenizer"], cfg)
+    eos, bos = (tok[2], tok[3]) if tok else (None, None)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory")
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, eos, bos), indent=2) + "\n", encoding="utf-8")
+        checkpoint.write_safetensors(tmp / "model.safetensors", hf_tensors(params, cfg), {"format": "pt"})
+        if tok:
+            (tmp / "tokenizer.json").write_text(tok[0], encoding="utf-8")
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tok[1], indent=2) + "\n", encoding="utf-8")
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old{os.getpid()}")
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    checkpoint.fsync_dir(out.parent)
+    return sorted(p.name for p in out.iterdir())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ckpt", required=True, help="checkpoint to export (results/base.bin, results/chat.bin, ...)")
+    parser.add_argument("--out", required=True, help="directory to write (replaced if it exists)")
+
+
+def run(args: argparse.Namespace) -> int:
+    files = export(args.ckpt, args.out)
+    print(f"wrote {args.out}: {', '.join(files)} (LlamaForCausalLM; load with from_pretrained)")
+    return 0

@@ -13,7 +13,6 @@ Turn n samples with seed + n, so a session is reproducible.
 from __future__ import annotations
 
 import argparse
-import codecs
 import sys
 
 from nanoeuler.backend import add_device_argument
@@ -31,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def answer(gen, tok, instruction: str, max_new: int, sampling, write) -> list[int]:
     """Generate one answer, passing text pieces to `write` as they decode; returns the answer's ids."""
-    from nanoeuler.infer.generate import fit_prompt
+    from nanoeuler.infer.generate import decode_stream, fit_prompt
     from nanoeuler.train.template import render_prompt
 
     ids = tok.encode(render_prompt(instruction))
@@ -40,18 +39,20 @@ def answer(gen, tok, instruction: str, max_new: int, sampling, write) -> list[in
         print(f"[prompt left-truncated: dropped its first {dropped} tokens to fit the "
               f"{gen.cfg.ctx_len}-token context]", file=sys.stderr, flush=True)
     stop = {tok.end_id, tok.eot_id}
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    out = []
-    try:
+    out: list[int] = []
+
+    def tokens():
         for t in gen.stream(ids, max_new, sampling, stop):
             if t in stop:
-                break
+                return
             out.append(t)
-            write(decoder.decode(tok.decode_bytes([t])))
+            yield t
+
+    try:
+        for piece in decode_stream(tok, tokens()):
+            write(piece)
     except KeyboardInterrupt:
-        write(decoder.decode(b"", final=True) + " [stopped]")
-        return out
-    write(decoder.decode(b"", final=True))
+        write(" [stopped]")
     return out
 
 

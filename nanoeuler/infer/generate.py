@@ -14,8 +14,9 @@ ordinary, shorter context.
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -51,6 +52,19 @@ def sample_token(logits, rng: np.random.Generator, temperature: float, top_k: in
         p = np.where(keep, p, 0.0)
         p /= p.sum()
     return int(rng.choice(p.shape[0], p=p))
+
+
+def decode_stream(tok, ids: Iterable[int]) -> Iterator[str]:
+    """Text pieces for token ids as they arrive. Bytes go through an incremental UTF-8 decoder, so a
+    character split across tokens is printed once its last byte arrives (invalid bytes become U+FFFD)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for t in ids:
+        piece = decoder.decode(tok.decode_bytes([t]))
+        if piece:
+            yield piece
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        yield tail
 
 
 def fit_prompt(ids: list[int], ctx_len: int, room: int) -> tuple[list[int], int]:

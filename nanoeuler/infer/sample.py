@@ -9,7 +9,6 @@ Unset sampling options come from the config's `eval` section (--config), else it
 from __future__ import annotations
 
 import argparse
-import codecs
 import sys
 
 from nanoeuler.backend import add_device_argument
@@ -27,7 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nanoeuler.infer.generate import fit_prompt, load, sampling_from
+    from itertools import takewhile
+
+    from nanoeuler.infer.generate import decode_stream, fit_prompt, load, sampling_from
 
     conf = sections(args, "device", "eval")
     sampling, max_new = sampling_from(args, conf["eval"])
@@ -39,14 +40,11 @@ def run(args: argparse.Namespace) -> int:
               f"{gen.cfg.ctx_len}-token context]", file=sys.stderr)
     stop = {tok.eot_id, tok.end_id}
     out = sys.stdout
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     out.write(args.prompt)
     out.flush()
-    for t in gen.stream(ids, max_new, sampling, stop):
-        if t in stop:
-            break
-        out.write(decoder.decode(tok.decode_bytes([t])))
+    for piece in decode_stream(tok, takewhile(lambda t: t not in stop, gen.stream(ids, max_new, sampling, stop))):
+        out.write(piece)
         out.flush()
-    out.write(decoder.decode(b"", final=True) + "\n")
+    out.write("\n")
     out.flush()
     return 0

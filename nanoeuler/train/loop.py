@@ -162,6 +162,7 @@ def train(run: Run) -> dict:
 
     xp, sec, cfg = run.xp, run.section, run.cfg
     run.run_dir.mkdir(parents=True, exist_ok=True)
+    rundir.remove_stale_temporaries(run.run_dir)
     log = rundir.MetricsLog(run.run_dir / "metrics.jsonl")
 
     resumed = _find_resume(run)
@@ -197,56 +198,37 @@ def train(run: Run) -> dict:
         bar = tqdm(total=run.total_steps, initial=start, desc=run.stage, unit="step", file=sys.stderr,
                    dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
     tokens_since, t_since = 0, time.perf_counter()
-    accum = int(sec["grad_accum"])
-    for step0 in range(start, run.total_steps):
-        step = step0 + 1
-        lr = schedule(step0)
-        loss = 0.0
-        grads = None
-        n_tokens = 0
-        for micro in range(accum):
-            x, y = run.batches.batch(step0, micro)
-            n_tokens += x.size
-            micro_loss, g = transformer.loss_and_grads(params, xp.asarray(x), xp.asarray(y), cfg)
-            loss += micro_loss / accum
-            if grads is None:
-                grads = g
-            else:
-                for name in grads:
-                    grads[name] += g[name]
-        if accum > 1:
-            for name in grads:
-                grads[name] *= 1.0 / accum
-        if not math.isfinite(loss):
-            _stop_nonfinite(run, "loss", loss, step)
-        norm = clip_grad_norm(grads, float(sec["grad_clip"]))
-        if not math.isfinite(norm):
-            _stop_nonfinite(run, "gradient norm", norm, step)
-        opt.step(params, grads, lr)
-        del grads
-        tokens_since += n_tokens
+    try:
+        for step0 in range(start, run.total_steps):
+            step = step0 + 1
+            lr = schedule(step0)
+            loss, norm, n_tokens = _update(run, params, opt, step0, lr, transformer.loss_and_grads, clip_grad_norm)
+            tokens_since += n_tokens
 
-        final = step == run.total_steps
-        if step % int(sec["log_every"]) == 0 or final:
-            now = time.perf_counter()
-            rate = tokens_since / max(now - t_since, 1e-9)
-            last = {"step": step, "loss": float(loss), "lr": lr, "grad_norm": norm, "tokens_per_s": rate}
-            log.append(last)
+            final = step == run.total_steps
+            if step % int(sec["log_every"]) == 0 or final:
+                now = time.perf_counter()
+                rate = tokens_since / max(now - t_since, 1e-9)
+                last = {"step": step, "loss": float(loss), "lr": lr, "grad_norm": norm, "tokens_per_s": rate}
+                log.append(last)
+                if bar is not None:
+                    bar.set_postfix_str(f"loss {loss:.4f} lr {lr:.2e} {rate:,.0f} tok/s", refresh=False)
+                tokens_since, t_since = 0, now
+            if run.evaluate is not None and (step % int(sec["eval_every"]) == 0 or final):
+                t0 = time.perf_counter()
+                val = run.evaluate(params)
+                log.append({"step": step, **val})
+                last = {**last, **val}
+                t_since += time.perf_counter() - t0  # keep evaluation out of tokens/s
+            if step % int(sec["checkpoint_every"]) == 0 or final:
+                t0 = time.perf_counter()
+                last_ckpt = _save_checkpoint(run, params, opt, step)
+                t_since += time.perf_counter() - t0
             if bar is not None:
-                bar.set_postfix_str(f"loss {loss:.4f} lr {lr:.2e} {rate:,.0f} tok/s", refresh=False)
-            tokens_since, t_since = 0, now
-        if run.evaluate is not None and (step % int(sec["eval_every"]) == 0 or final):
-            t0 = time.perf_counter()
-            val = run.evaluate(params)
-            log.append({"step": step, **val})
-            last = {**last, **val}
-            t_since += time.perf_counter() - t0  # keep evaluation out of tokens/s
-        if step % int(sec["checkpoint_every"]) == 0 or final:
-            last_ckpt = _save_checkpoint(run, params, opt, step)
+                bar.update(1)
+    finally:
         if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+            bar.close()
 
     if not last:  # nothing left to train: the run finished before, only the final file is missing
         last = _last_record(log)
@@ -262,6 +244,36 @@ def train(run: Run) -> dict:
     return last
 
 
+def _update(run: Run, params: dict, opt, step0: int, lr: float, loss_and_grads, clip_grad_norm):
+    """One optimizer update (gradients summed over grad_accum micro-batches) -> (loss, grad norm, tokens).
+
+    Everything stays on the params' device; the loss and the norm come back as Python floats, checked
+    before the update so a non-finite value never reaches the parameters.
+    """
+    xp, accum, step = run.xp, int(run.section["grad_accum"]), step0 + 1
+    loss, grads, n_tokens = 0.0, None, 0
+    for micro in range(accum):
+        x, y = run.batches.batch(step0, micro)
+        n_tokens += x.size
+        micro_loss, g = loss_and_grads(params, xp.asarray(x), xp.asarray(y), run.cfg)
+        loss += micro_loss / accum
+        if grads is None:
+            grads = g
+        else:
+            for name in grads:
+                grads[name] += g[name]
+    if accum > 1:
+        for name in grads:
+            grads[name] *= 1.0 / accum
+    if not math.isfinite(loss):
+        _stop_nonfinite(run, "loss", loss, step)
+    norm = clip_grad_norm(grads, float(run.section["grad_clip"]))
+    if not math.isfinite(norm):
+        _stop_nonfinite(run, "gradient norm", norm, step)
+    opt.step(params, grads, lr)
+    return loss, norm, n_tokens
+
+
 def _last_record(log: rundir.MetricsLog) -> dict:
     merged: dict = {}
     for rec in log.read():
@@ -274,5 +286,5 @@ def _stop_nonfinite(run: Run, what: str, value: float, step: int):
     keep = f"the last good checkpoint is {ckpts[0][1]}" if ckpts else "no checkpoint was written yet"
     raise UserError(
         f"{what} is {value} at step {step}; stopping ({keep}). "
-        f"Try a lower {run.stage}.lr or a smaller {run.stage}.grad_clip"
+        f"try a lower {run.stage}.lr, or a {run.stage}.grad_clip > 0"
     )

@@ -35,6 +35,14 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def remove_stale_temporaries(run_dir: Path) -> None:
+    """Delete half-written checkpoint temporaries left by a killed writer (never under a real name)."""
+    run_dir = Path(run_dir)
+    if run_dir.is_dir():
+        for entry in run_dir.glob(".ckpt_*.bin.tmp*"):
+            entry.unlink(missing_ok=True)
+
+
 def rotate(run_dir: Path, keep: int) -> None:
     """Delete all but the newest `keep` checkpoints."""
     for _, path in list_checkpoints(run_dir)[max(1, keep) :]:

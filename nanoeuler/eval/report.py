@@ -1,0 +1,170 @@
+"""`nanoeuler evaluate`: samples, validation metrics and the loss plot of a finished run.
+
+    nanoeuler evaluate --config config/tiny.yaml --base results/base.bin --chat results/chat.bin \\
+        --shards results/shards/manifest.json --samples results/samples.md \\
+        --metrics results/metrics.json --plot results/loss.png
+
+- `metrics.json`: val loss, head-0 cross-entropy and bits per byte (see `nanoeuler.eval.metrics`) of
+  the base and the chat model on the same fixed val windows, plus what training recorded.
+- `samples.md`: base-model continuations of `eval.base_prompts` and chat answers to
+  `eval.chat_prompts` (prompt i sampled with `eval.seed + i`), the metrics, and the loss plot.
+- `loss.png`: train/val loss of pretraining and SFT, from the run directories' `metrics.jsonl`.
+
+All three files are written only after everything is computed, each atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from nanoeuler.backend import add_device_argument
+from nanoeuler.config import add_config_arguments, sections
+from nanoeuler.errors import UserError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    add_device_argument(parser)
+    parser.add_argument("--base", required=True, metavar="BIN", help="results/base.bin")
+    parser.add_argument("--chat", required=True, metavar="BIN", help="results/chat.bin")
+    parser.add_argument("--shards", required=True, metavar="MANIFEST", help="results/shards/manifest.json (val split)")
+    parser.add_argument("--samples", required=True, metavar="MD", help="output, e.g. results/samples.md")
+    parser.add_argument("--metrics", required=True, metavar="JSON", help="output, e.g. results/metrics.json")
+    parser.add_argument("--plot", required=True, metavar="PNG", help="output, e.g. results/loss.png")
+    parser.add_argument("--pretrain-dir", metavar="DIR", help="pretraining run dir (default: 'pretrain' next to --base)")
+    parser.add_argument("--sft-dir", metavar="DIR", help="SFT run dir (default: 'sft' next to --chat)")
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _fence(text: str) -> str:
+    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}text\n{text}\n{fence}"
+
+
+def _fmt(x, nd=4) -> str:
+    return f"{x:.{nd}f}" if isinstance(x, (int, float)) else "–"
+
+
+def run(args: argparse.Namespace) -> int:
+    import codecs
+
+    from nanoeuler.eval.metrics import val_metrics
+    from nanoeuler.eval.plots import plot_losses
+    from nanoeuler.infer.chat import answer
+    from nanoeuler.infer.generate import Sampling, fit_prompt, load
+    from nanoeuler.train.loader import ShardSplit, fixed_windows, read_manifest
+    from nanoeuler.train.rundir import read_jsonl
+
+    conf = sections(args, "device", "eval")
+    ev = conf["eval"]
+    device = args.device or conf["device"]
+    base, base_tok, base_meta = load(args.base, device)
+    chat, chat_tok, chat_meta = load(args.chat, device)
+    if base_tok.sha256 != chat_tok.sha256:
+        raise UserError(f"{args.chat} and {args.base} carry different tokenizers; the chat model must be "
+                        "fine-tuned from this base model")
+    manifest = read_manifest(args.shards)
+    if manifest.get("tokenizer_sha256") not in (None, base_tok.sha256):
+        raise UserError(f"shards {args.shards} were made with another tokenizer than the one in {args.base}")
+    val_split = ShardSplit(args.shards, "val", manifest)
+
+    metrics: dict = {
+        "definitions": {
+            "val_loss": "training objective on the fixed val windows: mean over MTP heads of each head's mean "
+                        "cross-entropy, nats",
+            "val_ce": "head-0 (next-token) mean cross-entropy per token on the fixed val windows, nats",
+            "val_bpb": "bits per UTF-8 byte = val_ce / ln 2 * val_split_tokens / val_split_bytes",
+            "val_set": "consecutive non-overlapping windows of ctx_len + mtp_heads tokens from the start of "
+                       "the val split, eval.val_tokens input tokens at most",
+        },
+        "val_split": {"tokens": val_split.tokens, "bytes": val_split.bytes},
+    }
+    for name, gen, meta in (("base", base, base_meta), ("chat", chat, chat_meta)):
+        cfg = gen.cfg
+        val = fixed_windows(val_split, cfg.ctx_len, cfg.mtp_heads, int(ev["val_tokens"]))
+        print(f"nanoeuler evaluate: val loss of {name} ({val[0].size} tokens)", file=sys.stderr, flush=True)
+        m = val_metrics(gen.params, cfg, val, val_split.tokens, val_split.bytes, int(ev["batch_size"]), gen.xp)
+        metrics[name] = {
+            **m,
+            "file": str(args.base if name == "base" else args.chat),
+            "params": cfg.n_params(),
+            "model_config": cfg.to_dict(),
+            "steps": meta.get("step"),
+            "training": meta.get("final_metrics", {}),
+        }
+        if "sft_data" in meta:
+            metrics[name]["sft_data"] = meta["sft_data"]
+
+    sampling = Sampling(temperature=float(ev["temperature"]), top_k=int(ev["top_k"]), top_p=float(ev["top_p"]),
+                        seed=int(ev["seed"]))
+    n_new = int(ev["max_new_tokens"])
+    base_samples = []
+    stop = {base_tok.eot_id, base_tok.end_id}
+    for i, prompt in enumerate(ev["base_prompts"]):
+        ids = base_tok.encode(prompt) if prompt else [base_tok.eot_id]
+        ids, _ = fit_prompt(ids, base.cfg.ctx_len, min(n_new, base.cfg.ctx_len // 4))
+        out = [t for t in base.generate(ids, n_new, replace(sampling, seed=sampling.seed + i), stop) if t not in stop]
+        base_samples.append((prompt, base_tok.decode(out)))
+    chat_samples = []
+    for i, prompt in enumerate(ev["chat_prompts"]):
+        pieces: list[str] = []
+        answer(chat, chat_tok, prompt, n_new, replace(sampling, seed=sampling.seed + i), pieces.append)
+        chat_samples.append((prompt, "".join(pieces)))
+
+    base_path, chat_path = Path(args.base), Path(args.chat)
+    pre_dir = Path(args.pretrain_dir) if args.pretrain_dir else base_path.parent / "pretrain"
+    sft_dir = Path(args.sft_dir) if args.sft_dir else chat_path.parent / "sft"
+    runs = [("pretraining", read_jsonl(pre_dir / "metrics.jsonl")), ("SFT", read_jsonl(sft_dir / "metrics.jsonl"))]
+    for title, recs in runs:
+        if not recs:
+            print(f"nanoeuler evaluate: warning: no {title} metrics found in "
+                  f"{pre_dir if title == 'pretraining' else sft_dir}; the plot leaves them out", file=sys.stderr)
+    metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                           "seed": sampling.seed, "max_new_tokens": n_new}
+
+    plot = Path(args.plot)
+    plot_losses(runs, plot)
+    _write_text(Path(args.metrics), json.dumps(metrics, indent=2) + "\n")
+    samples = Path(args.samples)
+    rel_plot = os.path.relpath(plot, samples.parent)
+    _write_text(samples, _markdown(metrics, base_samples, chat_samples, rel_plot))
+    print(f"nanoeuler evaluate: base val bpb {_fmt(metrics['base']['val_bpb'])}, chat val bpb "
+          f"{_fmt(metrics['chat']['val_bpb'])}; wrote {samples}, {args.metrics}, {plot}", file=sys.stderr)
+    return 0
+
+
+def _markdown(metrics: dict, base_samples, chat_samples, plot_rel: str) -> str:
+    s = metrics["sampling"]
+    lines = ["# nanoeuler samples", ""]
+    lines += ["## Metrics", "",
+              "| model | params | steps | val loss | val CE (head 0) | val bits/byte |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for name in ("base", "chat"):
+        m = metrics[name]
+        lines.append(f"| {name} | {m['params']:,} | {m['steps']} | {_fmt(m['val_loss'])} | {_fmt(m['val_ce'])} | "
+                     f"{_fmt(m['val_bpb'])} |")
+    lines += ["", f"Validation: {metrics['base']['val_tokens']:,} tokens of the val split. "
+              "Bits per byte = head-0 cross-entropy / ln 2 × (val tokens / val bytes).", "",
+              f"![loss curves]({plot_rel})", "",
+              f"Sampling: temperature {s['temperature']}, top-k {s['top_k']}, top-p {s['top_p']}, "
+              f"at most {s['max_new_tokens']} new tokens, seed {s['seed']} + prompt index.", ""]
+    lines += ["## Base model continuations", ""]
+    for prompt, text in base_samples:
+        lines += [f"**Prompt:** `{prompt}`", "", _fence(prompt + text), ""]
+    lines += ["## Chat answers", ""]
+    for prompt, text in chat_samples:
+        lines += [f"**Instruction:** {prompt}", "", _fence(text), ""]
+    return "\n".join(lines)

@@ -6,12 +6,12 @@
 #   4. `nanoeuler gradcheck --device gpu` (float32 GPU vs float64 CPU gradients, every tensor),
 #   5. a short timed training run of the 116M `gpu` preset (B16 x T512, random tokens),
 # then prints a summary table last. Runs from the source tree (`python -m nanoeuler`), so an image
-# with CuPy, NumPy and PyYAML is enough. Full logs go to $LOG_DIR (default: gpu-check-logs/).
+# with CuPy, NumPy and PyYAML is enough. Full logs go to $LOG_DIR (default: $TMPDIR/nanoeuler-gpu-check).
 # Exit status: non-zero when any step failed.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-LOG_DIR=${LOG_DIR:-gpu-check-logs}
+LOG_DIR=${LOG_DIR:-${TMPDIR:-/tmp}/nanoeuler-gpu-check}
 STEPS=${TRAIN_STEPS:-12}
 mkdir -p "$LOG_DIR"
 export PYTHONUNBUFFERED=1

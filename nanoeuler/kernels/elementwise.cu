@@ -28,27 +28,32 @@ extern "C" __global__ void __launch_bounds__(256) rope_rotate(
 }
 
 // ---- SwiGLU --------------------------------------------------------------------------------------
-// h = silu(g) * u = g * sigmoid(g) * u ; g, u, h contiguous of n elements.
+// h = silu(g) * u = g * sigmoid(g) * u over n = N*F elements. g and u are (N, F) with row strides
+// gld, uld (so the two halves of one stacked gate/up GEMM output are read in place); h, dh, dg, du
+// are contiguous (N, F).
 __device__ __forceinline__ float sigmoidf(float g) { return 1.f / (1.f + expf(-g)); }
 
 extern "C" __global__ void __launch_bounds__(256) swiglu_fwd(
-    const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ h, long long n) {
+    const float* __restrict__ g, long long gld, const float* __restrict__ u, long long uld, float* __restrict__ h,
+    int F, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const float gi = g[i];
-    h[i] = gi * sigmoidf(gi) * u[i];
+    const long long r = i / F, c = i % F;
+    const float gi = g[r * gld + c];
+    h[i] = gi * sigmoidf(gi) * u[r * uld + c];
 }
 
 // dg = dh * u * (s + g s (1 - s)) ; du = dh * g * s
 extern "C" __global__ void __launch_bounds__(256) swiglu_bwd(
-    const float* __restrict__ dh, const float* __restrict__ g, const float* __restrict__ u,
-    float* __restrict__ dg, float* __restrict__ du, long long n) {
+    const float* __restrict__ dh, const float* __restrict__ g, long long gld, const float* __restrict__ u,
+    long long uld, float* __restrict__ dg, float* __restrict__ du, int F, long long n) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const float gi = g[i], s = sigmoidf(gi), d = dh[i];
+    const long long r = i / F, c = i % F;
+    const float gi = g[r * gld + c], s = sigmoidf(gi), d = dh[i];
     const float silu = gi * s;
     du[i] = d * silu;
-    dg[i] = d * u[i] * (s + silu * (1.f - s));
+    dg[i] = d * u[r * uld + c] * (s + silu * (1.f - s));
 }
 
 // ---- embedding backward ---------------------------------------------------------------------------

@@ -229,32 +229,50 @@ def attention_backward(dout, cache):
 
 
 class _GluCache:
-    __slots__ = ("g", "u")
+    __slots__ = ("g", "gld", "u", "uld", "shape")
 
-    def __init__(self, g, u):
-        self.g, self.u = g, u
+    def __init__(self, g, gld, u, uld, shape):
+        self.g, self.gld, self.u, self.uld, self.shape = g, gld, u, uld, shape
+
+
+def _rows(a):
+    """(a, row stride) for reading `a` (..., F) as N rows of F contiguous floats, copying only when its
+    leading axes do not collapse into one evenly strided row axis."""
+    item = a.itemsize
+    shape, strides = a.shape, a.strides
+    ok = strides[-1] == item and all(s >= 0 and s % item == 0 for s in strides)
+    dims = [(n, s) for n, s in zip(shape[:-1], strides[:-1]) if n != 1]
+    for (n0, s0), (n1, s1) in zip(dims, dims[1:]):
+        ok = ok and s0 == n1 * s1
+    if not ok:
+        a = cp.ascontiguousarray(a)
+        return a, a.shape[-1]
+    return a, (dims[-1][1] // item if dims else shape[-1])
 
 
 def swiglu_forward(g, u):
-    """h = silu(g) * u ; g, u (..., F) -> h (..., F)."""
-    if not (_f32(g, u) and g.shape == u.shape):
+    """h = silu(g) * u ; g, u (..., F) (row-strided views are read in place) -> h (..., F)."""
+    if not (_f32(g, u) and g.shape == u.shape and g.ndim >= 1):
         return layers.swiglu_forward(g, u)
-    g = cp.ascontiguousarray(g)
-    u = cp.ascontiguousarray(u)
-    h = cp.empty_like(g)
-    launch(kernel("elementwise", "swiglu_fwd"), g.size, (g, u, h, _i64(g.size)))
-    return h, _GluCache(g, u)
+    F = g.shape[-1]
+    g, gld = _rows(g)
+    u, uld = _rows(u)
+    h = cp.empty(g.shape, dtype=F32)
+    launch(kernel("elementwise", "swiglu_fwd"), h.size, (g, _i64(gld), u, _i64(uld), h, _i32(F), _i64(h.size)))
+    return h, _GluCache(g, gld, u, uld, g.shape)
 
 
 def swiglu_backward(dh, cache):
-    """dh (..., F) -> dg, du (..., F)."""
+    """dh (..., F) -> dg, du (..., F), contiguous."""
     if not isinstance(cache, _GluCache):
         return layers.swiglu_backward(dh, cache)
-    g, u = cache.g, cache.u
+    g, u, shape = cache.g, cache.u, cache.shape
     dh = cp.ascontiguousarray(dh, dtype=F32)
-    dg = cp.empty_like(g)
-    du = cp.empty_like(g)
-    launch(kernel("elementwise", "swiglu_bwd"), g.size, (dh, g, u, dg, du, _i64(g.size)))
+    dg = cp.empty(shape, dtype=F32)
+    du = cp.empty(shape, dtype=F32)
+    n = dg.size
+    launch(kernel("elementwise", "swiglu_bwd"), n,
+           (dh, g, _i64(cache.gld), u, _i64(cache.uld), dg, du, _i32(shape[-1]), _i64(n)))
     return dg, du
 
 

@@ -170,14 +170,21 @@ def case_attention(rng, shape, strided=False):
             ("attention bwd dk", dk, dkr), ("attention bwd dv", dv, dvr)]
 
 
-def case_swiglu(rng, shape):
+def case_swiglu(rng, shape, strided=False):
+    """strided: g and u as the two halves of one (..., 2F) array, as a stacked gate/up GEMM gives them."""
     from nanoeuler.kernels import ops
     from nanoeuler.model import layers
 
     g = _randn(rng, shape, 3.0)
     u = _randn(rng, shape)
     dh = _randn(rng, shape)
-    h, c = ops.swiglu_forward(_gpu(g), _gpu(u))
+    if strided:
+        F = shape[-1]
+        gu = _gpu(np.concatenate([g, u], axis=-1))
+        gg, ug = gu[..., :F], gu[..., F:]
+    else:
+        gg, ug = _gpu(g), _gpu(u)
+    h, c = ops.swiglu_forward(gg, ug)
     dg, du = ops.swiglu_backward(_gpu(dh), c)
     hr, cr = layers.swiglu_forward(g, u)
     dgr, dur = layers.swiglu_backward(dh, cr)
@@ -278,7 +285,7 @@ CASES = [
     (case_attention, (1, 4, 2, 70, 70, 128), "B1 H4/2 T70 D128", {}),
     (case_attention, (1, 2, 1, 50, 50, 16), "B1 H2/1 T50 D16", {}),
     (case_swiglu, (2, 37, 341), "B2 T37 F341", {}),
-    (case_swiglu, (1, 100, 2048), "B1 T100 F2048", {}),
+    (case_swiglu, (3, 100, 2048), "B3 T100 F2048 *", {"strided": True}),
     (case_cross_entropy, (37, 512), "N37 V512", {}),
     (case_cross_entropy, (300, 4096), "N300 V4096", {}),
     (case_cross_entropy, (7, 100), "N7 V100", {}),

@@ -84,15 +84,18 @@ def load_docs(args) -> tuple[list[str], str]:
     return docs, source
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """Median wall time of `repeats` runs after one warm-up run, and the last result."""
-    result = fn()
-    times = []
+def compare(fns: dict, repeats: int) -> dict[str, float]:
+    """Median wall time per function: one warm-up each, then `repeats` rounds that run every function
+    once in turn, so that load from other processes on the machine falls on all of them alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        t = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), result
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _hf_trainer_run(docs, vocab_size):
@@ -139,11 +142,12 @@ def main() -> int:
           f"vocab {args.vocab_size}; median of {args.repeats} after 1 warm-up\n", flush=True)
 
     rows = []
-    t_ours, tok = timed(lambda: train_bpe(train_docs, args.vocab_size), args.repeats)
-    t_hf, _ = timed(lambda: _hf_trainer_run(train_docs, args.vocab_size), args.repeats)
-    rows.append(("merge learning (s)", f"{t_ours:.2f}", f"{t_hf:.2f} (HF BpeTrainer)",
-                 f"{t_ours / t_hf:.2f}x HF time"))
-    print(f"merge learning: ours {t_ours:.2f} s, HF {t_hf:.2f} s", flush=True)
+    tok = train_bpe(train_docs, args.vocab_size)
+    t = compare({"ours": lambda: train_bpe(train_docs, args.vocab_size),
+                 "hf": lambda: _hf_trainer_run(train_docs, args.vocab_size)}, args.repeats)
+    rows.append(("merge learning (s)", f"{t['ours']:.2f}", f"{t['hf']:.2f} (HF BpeTrainer)",
+                 f"{t['ours'] / t['hf']:.2f}x HF time"))
+    print(f"merge learning: ours {t['ours']:.2f} s, HF {t['hf']:.2f} s", flush=True)
 
     ranks = {tok.token_bytes(i): i for i in range(256 + len(tok.merges))}
     tik = tiktoken.Encoding("nanoeuler-bench", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
@@ -157,24 +161,22 @@ def main() -> int:
         fresh = Tokenizer(tok.merges, pattern=tok.pattern)
         return [fresh.encode(d) for d in docs]
 
-    def mbps(seconds):
-        return mb_all / seconds
+    def row(label, ours, peer, peer_name):
+        rows.append((label, f"{mb_all / ours:.2f}", f"{mb_all / peer:.2f} ({peer_name})",
+                     f"{peer / ours:.2f}x {peer_name}"))
 
-    t_cold, _ = timed(cold, args.repeats)
-    t_warm, _ = timed(lambda: [tok.encode(d) for d in docs], args.repeats)
-    t_tik1, _ = timed(lambda: [tik.encode_ordinary(d) for d in docs], args.repeats)
-    t_hf1, _ = timed(lambda: [hf.encode(d, add_special_tokens=False) for d in docs], args.repeats)
-    rows.append(("encode 1 process, cold cache (MB/s)", f"{mbps(t_cold):.2f}", f"{mbps(t_tik1):.2f} (tiktoken)",
-                 f"{t_tik1 / t_cold:.2f}x tiktoken"))
-    rows.append(("encode 1 process, warm cache (MB/s)", f"{mbps(t_warm):.2f}", f"{mbps(t_tik1):.2f} (tiktoken)",
-                 f"{t_tik1 / t_warm:.2f}x tiktoken"))
-    rows.append(("encode 1 process, HF (MB/s)", f"{mbps(t_warm):.2f}", f"{mbps(t_hf1):.2f} (HF tokenizers)",
-                 f"{t_hf1 / t_warm:.2f}x HF"))
+    t = compare({"cold": cold,
+                 "warm": lambda: [tok.encode(d) for d in docs],
+                 "tiktoken": lambda: [tik.encode_ordinary(d) for d in docs],
+                 "hf": lambda: [hf.encode(d, add_special_tokens=False) for d in docs]}, args.repeats)
+    row("encode 1 process, cold cache (MB/s)", t["cold"], t["tiktoken"], "tiktoken")
+    row("encode 1 process, warm cache (MB/s)", t["warm"], t["tiktoken"], "tiktoken")
+    row("encode 1 process (MB/s)", t["warm"], t["hf"], "HF tokenizers")
     print("encode, one process: done", flush=True)
 
     n = args.workers
     batches, batch, size = [], [], 0
-    for d in docs:  # same batching as the tokenize stage, smaller batches so that every worker gets work
+    for d in docs:  # like the tokenize stage, in smaller batches so that every worker gets work
         batch.append(d)
         size += len(d)
         if size >= 64 * 1024:
@@ -184,13 +186,11 @@ def main() -> int:
         batches.append(batch)
     shards._init_worker(tok.to_json())
     with mp.get_context("spawn").Pool(n, initializer=shards._init_worker, initargs=(tok.to_json(),)) as pool:
-        t_par, _ = timed(lambda: _ours_parallel(pool, n, batches), args.repeats)
-    t_tikn, _ = timed(lambda: tik.encode_ordinary_batch(docs, num_threads=n), args.repeats)
-    t_hfn, _ = timed(lambda: hf.encode_batch(docs, add_special_tokens=False), args.repeats)
-    rows.append((f"encode {n} cores (MB/s)", f"{mbps(t_par):.2f}", f"{mbps(t_tikn):.2f} (tiktoken)",
-                 f"{t_tikn / t_par:.2f}x tiktoken"))
-    rows.append((f"encode {n} cores, HF (MB/s)", f"{mbps(t_par):.2f}", f"{mbps(t_hfn):.2f} (HF tokenizers)",
-                 f"{t_hfn / t_par:.2f}x HF"))
+        t = compare({"ours": lambda: _ours_parallel(pool, n, batches),
+                     "tiktoken": lambda: tik.encode_ordinary_batch(docs, num_threads=n),
+                     "hf": lambda: hf.encode_batch(docs, add_special_tokens=False)}, args.repeats)
+    row(f"encode {n} processes, warm cache (MB/s)", t["ours"], t["tiktoken"], "tiktoken")
+    row(f"encode {n} processes (MB/s)", t["ours"], t["hf"], "HF tokenizers")
 
     held = "\n\n".join(held_out)
     bpt = len(held.encode("utf-8")) / max(1, len(tok.encode(held)))

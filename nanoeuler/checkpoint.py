@@ -50,7 +50,9 @@ _NAMES = {np.dtype(t): name for name, t in _DTYPES.items()}
 
 
 def _as_le_numpy(name, a) -> np.ndarray:
-    a = np.ascontiguousarray(to_numpy(a))
+    a = np.asarray(to_numpy(a))
+    if not a.flags.c_contiguous:  # (np.ascontiguousarray would turn a 0-d array into 1-d)
+        a = a.copy(order="C")
     if a.dtype.newbyteorder("=") not in _NAMES and a.dtype not in _NAMES:
         raise ValueError(f"tensor {name!r} has dtype {a.dtype}, which checkpoints do not store")
     if a.dtype.byteorder == ">":

@@ -336,7 +336,7 @@ TOPICS = [
     ]),
     ("What Is Erosion?", "earth science", [
         "Erosion is the process by which rock and soil are worn away and carried to a new place.",
-        "Running water is the most powerful agent of erosion on land.",
+        "Running water is the most powerful cause of erosion on land.",
         "Rivers carve valleys over long periods by carrying sand and stones that scrape the river bed.",
         "Wind can blow away loose soil, especially in dry places without many plants.",
         "Glaciers are slow rivers of ice that grind and pluck rock as they move downhill.",
@@ -468,7 +468,7 @@ HANDWRITTEN = [
     ("Give three tips for staying focused while studying.", "",
      "1. Put your phone in another room so notifications cannot interrupt you.\n"
      "2. Work in short blocks of about twenty-five minutes with a five-minute break after each.\n"
-     "3. Decide before you start exactly what you want to finish in this session."),
+     "3. Decide before you start exactly what you want to finish before the next break."),
     ("Explain why the sky is blue in one or two sentences.", "",
      "Sunlight is made of many colours, and the air scatters short blue wavelengths much more than long red ones. "
      "That scattered blue light reaches our eyes from every part of the sky."),

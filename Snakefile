@@ -16,8 +16,13 @@ config.update(validate(config))
 
 
 def stage_params(*sections):
-    """The --params JSON for a stage that reads these config sections."""
-    return params_json(config, *sections)
+    """The --params JSON for a stage that reads these config sections.
+
+    Returned as a function of the wildcards: Snakemake formats plain string params as patterns,
+    and the JSON's braces (or a value such as a URL template's {id}) would be read as wildcards.
+    """
+    text = params_json(config, *sections)
+    return lambda wildcards: text
 
 
 include: "workflow/rules/data.smk"

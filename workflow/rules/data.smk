@@ -14,8 +14,7 @@ rule gutenberg:
     output:
         "data/gutenberg/books.parquet",
     params:
-        # a function, so Snakemake does not read the {id} of url_template as a wildcard
-        cfg=lambda wildcards: stage_params("gutenberg"),
+        cfg=stage_params("gutenberg"),
         raw="data/gutenberg/raw",
         root=workflow.basedir,
     log:

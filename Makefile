@@ -20,8 +20,10 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(VENV)/.installed $@
 
+# Targets go before --configfile (it takes every word after it); the rules call the venv's `nanoeuler`.
+DEMO_TARGETS := results/chat.bin results/samples.md results/metrics.json results/loss.png
 demo: $(VENV)/.installed
-	$(BIN)/snakemake --cores $(CORES) --configfile config/tiny.yaml results/chat.bin
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake $(DEMO_TARGETS) --cores $(CORES) --configfile config/tiny.yaml
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q

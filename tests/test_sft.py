@@ -70,10 +70,14 @@ def test_targets_rule_holds_on_random_examples():
 
 def test_fit_example_truncates_or_drops():
     ids = list(range(10))
-    assert fit_example(ids, 3, ctx_len=9, too_long="truncate") == ids
-    assert fit_example(ids, 3, ctx_len=6, too_long="truncate") == ids[:7]
+    assert fit_example(ids, 3, ctx_len=9, too_long="truncate") == (ids, 3)
+    assert fit_example(ids, 3, ctx_len=6, too_long="truncate") == (ids[:7], 3)  # the response's tail goes
     assert fit_example(ids, 3, ctx_len=6, too_long="drop") is None
-    assert fit_example(ids, 8, ctx_len=6, too_long="truncate") is None  # the prompt alone fills the context
+    # a prompt that leaves less than ctx_len // 4 response tokens loses its start instead
+    assert fit_example(ids, 8, ctx_len=6, too_long="truncate") == ([2, 3, 4, 5, 6, 7, 8], 6)
+    long = list(range(100))
+    fitted, n_prompt = fit_example(long, 90, ctx_len=16, too_long="truncate")
+    assert len(fitted) == 17 and fitted[n_prompt - 1] == 89 and fitted[n_prompt] == 90 and 17 - n_prompt == 4
 
 
 def test_epoch_batches_visit_every_example_once_per_epoch():
@@ -122,8 +126,8 @@ def test_sft_stage_trains_responses_and_counts_long_examples(tmp_path, tok):
     params, cfg, meta = checkpoint.load_model(tmp_path / "chat.bin")
     assert meta["tokenizer"] == tok.to_json()  # one file runs chat
     counts = meta["sft_data"]
-    assert counts["train_examples"] + counts["dropped"] + counts["prompt_too_long"] == 44  # 4 held out
-    assert counts["truncated"] > 0
+    assert counts["train_examples"] + counts["dropped"] == 44 and counts["dropped"] == 0  # 4 held out
+    assert counts["truncated"] > 0 and counts["prompt_cut"] > 0
     recs = [json.loads(line) for line in open(tmp_path / "sft" / "metrics.jsonl")]
     losses = [r["loss"] for r in recs if "loss" in r]
     assert len(losses) == meta["step"] and losses[-1] < losses[0]
@@ -135,6 +139,7 @@ def test_sft_stage_trains_responses_and_counts_long_examples(tmp_path, tok):
     _, _, meta2 = checkpoint.load_model(tmp_path / "chat2.bin")
     assert meta2["sft_data"]["truncated"] == 0
     assert meta2["sft_data"]["dropped"] == counts["truncated"]
+    assert meta2["sft_data"]["train_examples"] == 44 - counts["truncated"]
 
 
 def test_sft_rerun_resumes_and_new_settings_start_fresh(tmp_path, tok):

@@ -4,8 +4,9 @@
         --data data/alpaca/alpaca.jsonl --out results/chat.bin
 
 Each record is rendered with the Alpaca template (`nanoeuler.train.template`), the response and
-`</s>` appended; prompt and padding targets are -1. Records longer than the context are truncated or
-dropped (`sft.too_long`); both are counted in the log. A few records (`sft.val_examples`, at most a
+`</s>` appended; prompt and padding targets are -1. Records longer than the context are truncated
+(`template.fit_example`: the response's tail goes first, then the prompt's start) or dropped
+(`sft.too_long`); both are counted in the log. A few records (`sft.val_examples`, at most a
 tenth) are held out to measure the response loss.
 
 Batch order: epoch e visits the training records in the order of a permutation drawn from
@@ -72,21 +73,22 @@ def read_records(path: str | Path) -> list[dict]:
 def prepare_examples(records, tok, ctx_len: int, too_long: str) -> tuple[list[tuple[list[int], int]], dict]:
     """Encode and fit records -> (examples (ids, n_prompt), counts).
 
-    counts: truncated, dropped (too long, sft.too_long = drop) and prompt_too_long (the prompt alone
-    fills the context, so no response token could train; always dropped).
+    counts: truncated (cut to fit the context; prompt_cut of them lost the prompt's start) and dropped
+    (too long with sft.too_long = drop).
     """
     from nanoeuler.train.template import encode_example, fit_example
 
     out = []
-    counts = {"truncated": 0, "dropped": 0, "prompt_too_long": 0}
+    counts = {"truncated": 0, "prompt_cut": 0, "dropped": 0}
     for rec in records:
         ids, n_prompt = encode_example(tok, rec)
         fitted = fit_example(ids, n_prompt, ctx_len, too_long)
         if fitted is None:
-            counts["prompt_too_long" if n_prompt >= ctx_len + 1 else "dropped"] += 1
+            counts["dropped"] += 1
             continue
-        counts["truncated"] += len(fitted) < len(ids)
-        out.append((fitted, n_prompt))
+        counts["truncated"] += len(fitted[0]) < len(ids)
+        counts["prompt_cut"] += fitted[1] < n_prompt
+        out.append(fitted)
     return out, counts
 
 
@@ -172,13 +174,13 @@ def run(args: argparse.Namespace) -> int:
     examples, counts = prepare_examples(train_records, tok, cfg.ctx_len, sec["too_long"])
     val_examples, _ = prepare_examples(val_records, tok, cfg.ctx_len, sec["too_long"])
     print(f"nanoeuler sft: {len(train_records)} training records: {len(examples)} used, "
-          f"{counts['truncated']} truncated to the {cfg.ctx_len}-token context, "
-          f"{counts['dropped']} dropped as too long (sft.too_long = {sec['too_long']}), "
-          f"{counts['prompt_too_long']} dropped because the prompt alone fills the context; "
+          f"{counts['truncated']} truncated to the {cfg.ctx_len}-token context "
+          f"({counts['prompt_cut']} of them lost the start of the prompt), "
+          f"{counts['dropped']} dropped as too long (sft.too_long = {sec['too_long']}); "
           f"{len(val_examples)} held out for validation", file=sys.stderr, flush=True)
     if not examples:
-        hint = "try sft.too_long: truncate" if counts["dropped"] else "the model's ctx_len is too small for the prompts"
-        raise UserError(f"no Alpaca record of {args.data} fits the {cfg.ctx_len}-token context ({hint})")
+        raise UserError(f"no Alpaca record of {args.data} fits the {cfg.ctx_len}-token context "
+                        "(try sft.too_long: truncate)")
 
     pad_id = tok.eot_id
     batches = EpochBatches(examples, int(sec["batch_size"]), int(sec["grad_accum"]), int(sec["seed"]),

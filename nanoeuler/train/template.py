@@ -45,17 +45,28 @@ def encode_example(tokenizer, record: dict) -> tuple[list[int], int]:
     return prompt + response, len(prompt)
 
 
-def fit_example(ids: list[int], n_prompt: int, ctx_len: int, too_long: str) -> list[int] | None:
-    """Make an example fit `ctx_len` inputs (ctx_len + 1 tokens), or None to drop it.
+def fit_example(ids: list[int], n_prompt: int, ctx_len: int, too_long: str) -> tuple[list[int], int] | None:
+    """Make an example fit `ctx_len` inputs (ctx_len + 1 tokens): (ids, n_prompt), or None to drop it.
 
-    `too_long`: "truncate" keeps the first ctx_len + 1 tokens (cutting the response's tail),
-    "drop" discards the example. An example whose prompt leaves no response token is always dropped.
+    `too_long`: "drop" discards an example that does not fit. "truncate" keeps the response's head:
+    all of it that fits after the whole prompt, but at least ctx_len // 4 tokens; a prompt too long for
+    that loses its start (left-truncation, as `nanoeuler chat` does with long prompts), so it still
+    ends with "### Response:" followed by the response.
+
+        >>> fit_example(list(range(12)), 4, ctx_len=8, too_long="truncate")   # prompt 0-3, response 4-11
+        ([0, 1, 2, 3, 4, 5, 6, 7, 8], 4)
+        >>> fit_example(list(range(12)), 10, ctx_len=8, too_long="truncate")  # prompt 0-9, response 10-11
+        ([3, 4, 5, 6, 7, 8, 9, 10, 11], 7)
     """
-    if len(ids) <= ctx_len + 1:
-        return ids
-    if too_long == "drop" or n_prompt >= ctx_len + 1:
+    budget = ctx_len + 1
+    if len(ids) <= budget:
+        return ids, n_prompt
+    if too_long == "drop":
         return None
-    return ids[: ctx_len + 1]
+    n_resp = len(ids) - n_prompt
+    keep_resp = min(n_resp, max(budget - n_prompt, ctx_len // 4, 1))
+    keep_prompt = budget - keep_resp
+    return ids[n_prompt - keep_prompt : n_prompt + keep_resp], keep_prompt
 
 
 def sft_batch(examples: list[tuple[list[int], int]], K: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -230,3 +230,16 @@ def test_cross_entropy_is_stable_for_huge_logits():
     dl = L.cross_entropy_backward(1.0, cache)
     assert np.isfinite(dl).all()
     np.testing.assert_allclose(dl, [[1, -1, 0], [0, 0, 0]], atol=1e-6)
+
+
+def test_linear_cross_entropy_is_the_composition():
+    x, w = randn(6, 4), randn(5, 4)
+    targets = np.array([0, 4, -1, 2, 3, -1])
+    loss_sum, n, dx, dw = L.linear_cross_entropy(x, w, targets, 0.5)
+    ref_sum, ref_n, _ = L.cross_entropy_forward(L.linear_forward(x, w), targets)
+    assert n == ref_n == 4 and float(loss_sum) == pytest.approx(float(ref_sum), rel=1e-14)
+    f = lambda a, b: np.asarray(L.linear_cross_entropy(a, b, targets)[0])  # noqa: E731
+    nx, nw = numeric_vjp(f, [x, w], np.array(0.5))
+    assert_close(dx, nx)
+    assert_close(dw, nw)
+    assert L.linear_cross_entropy(x, w, targets)[2:] == (None, None)

@@ -128,37 +128,38 @@ def attention_forward(q, k, v):
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
     scale = 1.0 / math.sqrt(D)
-    qg = q.reshape(B, Hkv, G * T, D)  # (B,Hkv,G*T,D): a view for contiguous q
+    qg = (q * scale).reshape(B, Hkv, G * T, D)  # (B,Hkv,G*T,D); scaling q is cheaper than scaling scores
     s = qg @ k.transpose(0, 1, 3, 2)  # (B,Hkv,G*T,S)
     s = s.reshape(B, Hkv, G, T, S)
-    s *= scale
     # Causal mask: key j is visible to query t iff j <= t + (S - T).
     if T > 1:
         s += xp.asarray(_causal_bias(T, S), dtype=s.dtype)  # (T,S): 0 where visible, -inf where hidden
     # Numerically stable softmax over keys, in place.
     s -= s.max(axis=-1, keepdims=True)
     xp.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
+    s *= 1.0 / s.sum(axis=-1, keepdims=True)
     p = s.reshape(B, Hkv, G * T, S)  # (B,Hkv,G*T,S) attention weights
     out = (p @ v).reshape(B, H, T, D)  # (B,Hkv,G*T,D) -> (B,H,T,D)
-    return out, (qg, k, v, p, scale)
+    return out, (qg, k, v, p, out, scale)
 
 
 def attention_backward(dout, cache):
     """dout (B,H,T,D) -> dq (B,H,T,D), dk (B,Hkv,S,D), dv (B,Hkv,S,D)."""
-    qg, k, v, p, scale = cache
+    qg, k, v, p, out, scale = cache
     B, Hkv, GT, D = qg.shape
     H = dout.shape[1]
     do = dout.reshape(B, Hkv, GT, D)  # (B,Hkv,G*T,D)
     dv = p.transpose(0, 1, 3, 2) @ do  # (B,Hkv,S,D): sums over the G heads of each group
     dp = do @ v.transpose(0, 1, 3, 2)  # (B,Hkv,G*T,S)
-    # softmax backward: ds = p * (dp - sum(dp * p)), then the 1/sqrt(D) scale.
-    dp -= (dp * p).sum(axis=-1, keepdims=True)
-    dp *= p
-    dp *= scale
-    dq = (dp @ k).reshape(B, H, GT // (H // Hkv), D)  # (B,H,T,D)
-    dk = dp.transpose(0, 1, 3, 2) @ qg  # (B,Hkv,S,D)
-    return dq, dk, dv
+    # softmax backward: ds = p * (dp - sum_j dp_j p_j), where sum_j dp_j p_j = sum_d dout_d out_d
+    # (a sum over D instead of over S).
+    delta = (do * out.reshape(B, Hkv, GT, D)).sum(axis=-1, keepdims=True)  # (B,Hkv,G*T,1)
+    dp -= delta
+    dp *= p  # ds: gradient of the scaled scores
+    dq = dp @ k  # (B,Hkv,G*T,D)
+    dq *= scale
+    dk = dp.transpose(0, 1, 3, 2) @ qg  # (B,Hkv,S,D); qg already carries the scale
+    return dq.reshape(B, H, GT // (H // Hkv), D), dk, dv
 
 
 # ---- SwiGLU gate ------------------------------------------------------------------------------
@@ -246,3 +247,20 @@ def cross_entropy_backward(dloss_sum, cache):
     dlogits *= w[:, None]
     dlogits[xp.arange(N), safe] -= w
     return dlogits
+
+
+def linear_cross_entropy(x, w, targets, dloss_sum=None):
+    """An output head and its cross-entropy in one call: the composition of linear_forward,
+    cross_entropy_forward and (when dloss_sum is given) their backwards. Kernel namespaces may fuse it.
+
+    x (N,C), w (V,C), targets (N,) with -1 ignored
+    -> (loss_sum: 0-d array, n_valid: int, dx (N,C) or None, dw (V,C) or None).
+    """
+    logits = linear_forward(x, w)  # (N,V)
+    loss_sum, n_valid, cache = cross_entropy_forward(logits, targets)
+    del logits
+    if dloss_sum is None:
+        return loss_sum, n_valid, None, None
+    dlogits = cross_entropy_backward(dloss_sum, cache)  # (N,V), reuses the cache's buffer
+    dx, dw = linear_backward(dlogits, x, w)
+    return loss_sum, n_valid, dx, dw

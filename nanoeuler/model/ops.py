@@ -2,7 +2,8 @@
 
 `transformer.py` reaches every layer through `ops_for(xp)`, never through `layers` directly, so the
 GPU engine can swap in fused kernels without touching the model. Any replacement module must offer
-the functions of `nanoeuler.model.layers` with identical names, signatures and semantics.
+the functions of `nanoeuler.model.layers` with identical names, signatures and semantics (including
+`linear_cross_entropy`, the output head and its loss in one call, which a kernel module may fuse).
 """
 
 from __future__ import annotations

@@ -199,17 +199,15 @@ def loss_and_grads(params, inputs, targets, cfg: ModelConfig):
     dxn2 = xp.zeros_like(xn2)
     loss = 0.0
     for k, name in enumerate(head_weight_names(cfg)):
-        w = params[name]
         if counts[k] == 0:
-            grads[name] = xp.zeros_like(w)
+            grads[name] = xp.zeros_like(params[name])
             continue
-        lg = ops.linear_forward(xn2, w)  # (N,V)
-        loss_sum, n_valid, cc = ops.cross_entropy_forward(lg, targets[:, :, k].reshape(N))
-        loss += float(loss_sum) / (n_valid * active)
-        dlg = ops.cross_entropy_backward(1.0 / (n_valid * active), cc)  # (N,V)
-        dx_k, grads[name] = ops.linear_backward(dlg, xn2, w)
+        dloss_sum = 1.0 / (counts[k] * active)  # d(loss)/d(this head's summed cross-entropy)
+        loss_sum, _, dx_k, grads[name] = ops.linear_cross_entropy(
+            xn2, params[name], targets[:, :, k].reshape(N), dloss_sum)  # logits (N,V) live only inside
+        loss += float(loss_sum) * dloss_sum
         dxn2 += dx_k
-        del lg, cc, dlg
+        del dx_k
     _trunk_backward(params, ids, dxn2.reshape(B, T, cfg.dim), trunk, cfg, ops, grads)
     return loss, {name: grads[name] for name in params}
 
@@ -226,8 +224,7 @@ def forward_loss(params, inputs, targets, cfg: ModelConfig):
     xn2 = xn.reshape(N, cfg.dim)
     head_losses, active = [], []
     for k, name in enumerate(head_weight_names(cfg)):
-        loss_sum, n_valid, _ = ops.cross_entropy_forward(ops.linear_forward(xn2, params[name]),
-                                                         targets[:, :, k].reshape(N))
+        loss_sum, n_valid, _, _ = ops.linear_cross_entropy(xn2, params[name], targets[:, :, k].reshape(N))
         head_losses.append(float(loss_sum) / n_valid if n_valid else 0.0)
         if n_valid:
             active.append(head_losses[-1])

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from nanoeuler.backend import array_module
 
 
@@ -55,16 +57,21 @@ class AdamW:
         bc2 = 1.0 - b2 ** self.t
         step_size = lr / bc1
         inv_sqrt_bc2 = 1.0 / math.sqrt(bc2)
+        fused = _fused_update(params)
         for n, p in params.items():
-            g = grads[n]
+            g, m, v = grads[n], self.m[n], self.v[n]
+            decay = 1.0 - lr * self.weight_decay if self.weight_decay and n not in self.no_decay else 1.0
+            if fused is not None:
+                fused(p, g, m, v, beta1=b1, beta2=b2, eps=self.eps, decay=decay,
+                      step_size=step_size, inv_sqrt_bc2=inv_sqrt_bc2)
+                continue
             xp = array_module(p)
-            m, v = self.m[n], self.v[n]
             m *= b1
             m += (1.0 - b1) * g
             v *= b2
             v += (1.0 - b2) * (g * g)
-            if self.weight_decay and n not in self.no_decay:
-                p *= 1.0 - lr * self.weight_decay
+            if decay != 1.0:
+                p *= decay
             denom = xp.sqrt(v)
             denom *= inv_sqrt_bc2
             denom += self.eps
@@ -94,6 +101,18 @@ class AdamW:
                 xp = array_module(store[n])
                 store[n] = xp.asarray(src, dtype=store[n].dtype).copy()
         self.t = int(t)
+
+
+def _fused_update(params: dict):
+    """The GPU's one-kernel update of (p, m, v) for float32 CuPy parameters, else None (the xp code above).
+
+    The arithmetic is the same, in the same order; the NumPy path is the kernel's self-test reference."""
+    first = next(iter(params.values()), None)
+    if first is None or isinstance(first, np.ndarray) or first.dtype != np.float32:
+        return None
+    from nanoeuler.kernels import adamw
+
+    return adamw.step_tensor
 
 
 def clip_grad_norm(grads: dict, max_norm: float) -> float:

@@ -298,9 +298,16 @@ CASES = [
 # '*': strided inputs (transposed views, or KV-cache slices)
 
 
+def all_cases():
+    """The float32 cases, then the bf16 engine's (tolerance per row: 1e-2 for bf16 results)."""
+    from nanoeuler.kernels.selftest_bf16 import CASES_BF16
+
+    return CASES + CASES_BF16
+
+
 def run_cases(seed: int, only: str | None = None, out=sys.stderr) -> list[Row]:
     rows: list[Row] = []
-    for i, (fn, shape, label, kwargs) in enumerate(CASES):
+    for i, (fn, shape, label, kwargs) in enumerate(all_cases()):
         name = fn.__name__[len("case_"):]
         if only and only not in name:
             continue
@@ -308,8 +315,8 @@ def run_cases(seed: int, only: str | None = None, out=sys.stderr) -> list[Row]:
         try:
             with poisoned_allocations():
                 results = fn(rng, shape, **kwargs)
-                for kernel, got, ref in results:
-                    rows.append(Row(kernel, label, rel_err(got, ref)))
+                for kernel, got, ref, *tol in results:  # an optional 4th item: the row's tolerance
+                    rows.append(Row(kernel, label, rel_err(got, ref), *tol))
         except Exception as exc:  # report and go on: one device run should show every failure
             traceback.print_exc(file=out)
             rows.append(Row(name, label, float("nan"), note=f"{type(exc).__name__}: {exc}".splitlines()[0][:80]))

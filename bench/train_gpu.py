@@ -1,0 +1,416 @@
+"""Training-step speed on one GPU: our engines against PyTorch running the identical architecture.
+
+    python bench/train_gpu.py                       # rows B16xT512, B16xT1024, B64xT512
+    python bench/train_gpu.py --rows 16x512 --modes torch-eager,ours-bf16
+    python bench/train_gpu.py --agree 300           # bf16 vs fp32 training on fixed data (loss agreement)
+
+Modes (all in one process, on the same device, one after another, each on fresh random tokens):
+  torch-eager    PyTorch, bf16 autocast, eager
+  torch-compile  the same module under torch.compile (compile time reported, not timed)
+  ours-fp32      nanoeuler's float32 GPU path: transformer.loss_and_grads + clip_grad_norm + fused AdamW kernel
+  ours-bf16      nanoeuler.kernels.engine: bf16 GEMMs (fp32 accumulate), fp32 master weights and AdamW state
+
+The PyTorch model is ours written in torch: token embedding; pre-norm blocks of RMSNorm (computed in fp32),
+q/k/v from one stacked projection, half-split RoPE, causal GQA through scaled_dot_product_attention with
+enable_gqa (K/V never repeated), o_proj; RMSNorm, SwiGLU (gate/up stacked), down_proj; final RMSNorm;
+K untied heads, loss = mean over heads of each head's mean cross-entropy. Fused AdamW (betas 0.9/0.95,
+eps 1e-8, weight decay 0.1 on matrices except the embedding), global-norm clipping at 1.0.
+
+A step is forward + backward + clipping + optimizer update. Each mode runs --warmup steps, then --steps
+timed steps, each between two CUDA events; the median is reported.
+
+FLOPs per token (stated so the MFU is reproducible):
+  6 * N_mm + 6 * L * T * C
+where N_mm is the number of parameters used in matrix products (all but the embedding table and the norm
+gains; the four output heads count) and 6*L*T*C is causal attention (QK^T and PV, 2*T*C per token and
+layer forward with the causal half, times 3 for forward+backward). MFU = FLOP/s / 989e12 (H100 SXM dense
+bf16 peak), also for float32 runs, so the columns compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PEAK_BF16 = 989e12
+ALL_MODES = ("torch-eager", "torch-compile", "ours-fp32", "ours-bf16")
+
+
+def flops_per_token(cfg, T):
+    n_mm = cfg.n_params() - cfg.vocab_size * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim
+    return 6 * n_mm + 6 * cfg.n_layers * T * cfg.dim
+
+
+# ---- PyTorch model ---------------------------------------------------------------------------------
+
+
+def torch_model(cfg, params_np, device):
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    C, H, Hkv, D, Fh, V, K = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden, cfg.vocab_size, cfg.mtp_heads
+
+    def P(name):
+        return nn.Parameter(torch.tensor(np.asarray(params_np[name]), dtype=torch.float32, device=device))
+
+    def rms(x, w):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)) * w
+
+    half = D // 2
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / D))
+
+    class Block(nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            p = f"layers.{i}."
+            self.n1 = P(p + "input_layernorm.weight")
+            self.wqkv = nn.Parameter(torch.cat([P(p + "self_attn.q_proj.weight").data, P(p + "self_attn.k_proj.weight").data,
+                                                P(p + "self_attn.v_proj.weight").data]))
+            self.wo = P(p + "self_attn.o_proj.weight")
+            self.n2 = P(p + "post_attention_layernorm.weight")
+            self.wgu = nn.Parameter(torch.cat([P(p + "mlp.gate_proj.weight").data, P(p + "mlp.up_proj.weight").data]))
+            self.wd = P(p + "mlp.down_proj.weight")
+
+        def forward(self, x, cos, sin):
+            B, T, _ = x.shape
+            h = rms(x, self.n1)
+            qkv = F.linear(h, self.wqkv)
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = q.view(B, T, H, D).transpose(1, 2)
+            k = k.view(B, T, Hkv, D).transpose(1, 2)
+            v = v.view(B, T, Hkv, D).transpose(1, 2)
+
+            def rope(t):
+                t1, t2 = t[..., :half], t[..., half:]
+                return torch.cat([t1 * cos - t2 * sin, t2 * cos + t1 * sin], dim=-1).to(v.dtype)
+
+            a = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True, enable_gqa=True)
+            x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), self.wo)
+            h2 = rms(x, self.n2)
+            g, u = F.linear(h2, self.wgu).split([Fh, Fh], dim=-1)
+            return x + F.linear(F.silu(g) * u, self.wd)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = P("embed_tokens.weight")
+            self.blocks = nn.ModuleList([Block(i) for i in range(cfg.n_layers)])
+            self.norm = P("norm.weight")
+            names = ["lm_head.weight"] + [f"mtp_heads.{k}.weight" for k in range(1, K)]
+            self.heads = nn.ParameterList([P(n) for n in names])
+
+        def forward(self, ids, targets):
+            B, T = ids.shape
+            pos = torch.arange(T, device=ids.device, dtype=torch.float64)
+            ang = torch.outer(pos, torch.tensor(inv, device=ids.device))
+            cos, sin = ang.cos().float(), ang.sin().float()
+            x = F.embedding(ids, self.emb)
+            for blk in self.blocks:
+                x = blk(x, cos, sin)
+            xn = rms(x, self.norm)
+            loss = 0.0
+            for k, w in enumerate(self.heads):
+                logits = F.linear(xn, w)
+                loss = loss + F.cross_entropy(logits.float().view(-1, V), targets[:, :, k].reshape(-1), ignore_index=-1)
+            return loss / K
+
+    return Model().to(device)
+
+
+def torch_run(cfg, params_np, B, T, steps, warmup, compiled, log):
+    import torch
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = torch_model(cfg, params_np, dev)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n != "emb"]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and n != "emb")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    fwd = torch.compile(model) if compiled else model
+    g = torch.Generator(device="cpu").manual_seed(1)
+
+    def batch():
+        w = torch.randint(0, cfg.vocab_size, (B, T + cfg.mtp_heads), generator=g)
+        tg = torch.stack([w[:, 1 + k:T + 1 + k] for k in range(cfg.mtp_heads)], dim=-1)
+        return w[:, :T].to(dev, non_blocking=True), tg.to(dev, non_blocking=True)
+
+    batches = [batch() for _ in range(4)]
+
+    def step(i):
+        ids, tg = batches[i % len(batches)]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fwd(ids, tg)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    loss = None
+    for i in range(steps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        loss = step(i)
+        e1.record()
+        times.append((e0, e1))
+    torch.cuda.synchronize()
+    ms = [a.elapsed_time(b) for a, b in times]
+    peak = torch.cuda.max_memory_allocated()
+    reserved = torch.cuda.max_memory_reserved()
+    log(f"  warm-up {warm_s:.1f} s (compile included), last loss {float(loss):.4f}, reserved {reserved / 2**30:.2f} GiB")
+    del model, opt, fwd, batches
+    gc.collect()
+    torch.cuda.empty_cache()
+    return statistics.median(ms), peak, float(loss)
+
+
+# ---- ours ------------------------------------------------------------------------------------------
+
+
+def _windows(cfg, B, T, seed, count=4):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        w = rng.integers(0, cfg.vocab_size, size=(B, T + cfg.mtp_heads))
+        out.append((w[:, :T], np.stack([w[:, 1 + k:T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)))
+    return out
+
+
+def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log):
+    import cupy
+
+    from nanoeuler.kernels import adamw
+    from nanoeuler.model import transformer
+    from nanoeuler.optim import AdamW, clip_grad_norm
+
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    params = {n: cupy.asarray(p) for n, p in params_np.items()}
+    opt = AdamW(params, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    data = [(cupy.asarray(i), cupy.asarray(t)) for i, t in _windows(cfg, B, T, 2)]
+    ms, loss = [], None
+    for s in range(warmup + steps):
+        ids, tg = data[s % len(data)]
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0.record()
+        loss, grads = transformer.loss_and_grads(params, ids, tg, cfg)
+        clip_grad_norm(grads, 1.0)
+        adamw.step(opt, params, grads, 3e-4)
+        del grads
+        e1.record()
+        e1.synchronize()
+        if s >= warmup:
+            ms.append(cupy.cuda.get_elapsed_time(e0, e1))
+    peak = pool.total_bytes()
+    log(f"  last loss {loss:.4f}; note: loss_and_grads reads the loss on the host every step")
+    del params, opt, data
+    pool.free_all_blocks()
+    return statistics.median(ms), peak, float(loss)
+
+
+def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log):
+    import cupy
+
+    from nanoeuler.kernels.engine import Engine
+
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    eng = Engine(cfg, params_np, batch=B, seq=T, lr=3e-4)
+    data = [(cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32)) for i, t in _windows(cfg, B, T, 2)]
+    ms = []
+    events = []
+    for s in range(warmup + steps):
+        ids, tg = data[s % len(data)]
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0.record()
+        eng.step(ids, tg, lr=3e-4)
+        e1.record()
+        if s >= warmup:
+            events.append((e0, e1))
+        else:
+            e1.synchronize()
+    cupy.cuda.Stream.null.synchronize()
+    ms = [cupy.cuda.get_elapsed_time(a, b) for a, b in events]
+    loss = float(eng.last_loss())
+    peak = pool.total_bytes()
+    log(f"  last loss {loss:.4f}, engine buffers {eng.nbytes() / 2**30:.2f} GiB, "
+        f"pool used {pool.used_bytes() / 2**30:.2f} / total {pool.total_bytes() / 2**30:.2f} GiB")
+    del eng, data
+    pool.free_all_blocks()
+    return statistics.median(ms), peak, loss
+
+
+# ---- bf16 vs fp32 agreement -----------------------------------------------------------------------
+
+
+def agree(cfg, params_np, B, T, steps, log):
+    """Train the same init on the same fixed sequence of batches with fp32 and with the bf16 engine."""
+    import cupy
+
+    from nanoeuler.kernels import adamw
+    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.model import transformer
+    from nanoeuler.optim import AdamW, clip_grad_norm, lr_at
+
+    # A small fixed data set: 8 batches of a low-entropy token stream (a repeating random "text"), so
+    # that the loss really falls within a few hundred steps.
+    rng = np.random.default_rng(7)
+    base = rng.integers(0, cfg.vocab_size, size=4096)
+    stream = np.concatenate([base[rng.permutation(4096)[:64]] if i % 5 == 0 else base for i in range(200)])
+    data = []
+    for j in range(8):
+        starts = rng.integers(0, len(stream) - T - cfg.mtp_heads, size=B)
+        w = np.stack([stream[s:s + T + cfg.mtp_heads] for s in starts])
+        data.append((w[:, :T], np.stack([w[:, 1 + k:T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)))
+
+    def lr(s):
+        return lr_at(s, max_lr=6e-4, min_lr=6e-5, warmup_steps=min(30, steps // 10), total_steps=steps)
+
+    out = {}
+    params = {n: cupy.asarray(p) for n, p in params_np.items()}
+    opt = AdamW(params, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    gpu_data = [(cupy.asarray(i), cupy.asarray(t)) for i, t in data]
+    losses = []
+    t0 = time.perf_counter()
+    for s in range(steps):
+        ids, tg = gpu_data[s % len(gpu_data)]
+        loss, grads = transformer.loss_and_grads(params, ids, tg, cfg)
+        clip_grad_norm(grads, 1.0)
+        adamw.step(opt, params, grads, lr(s))
+        del grads
+        losses.append(loss)
+    out["fp32"] = losses
+    log(f"  fp32 {steps} steps in {time.perf_counter() - t0:.1f} s")
+    del params, opt
+    cupy.get_default_memory_pool().free_all_blocks()
+    eng = Engine(cfg, params_np, batch=B, seq=T, lr=6e-4)
+    gpu_data = [(cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32)) for i, t in data]
+    dev_losses = []
+    t0 = time.perf_counter()
+    for s in range(steps):
+        ids, tg = gpu_data[s % len(gpu_data)]
+        eng.step(ids, tg, lr=lr(s))
+        dev_losses.append(eng.loss_buffer().copy())
+    out["bf16"] = [float(x) for x in cupy.stack(dev_losses).get()]
+    log(f"  bf16 {steps} steps in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="gpu")
+    ap.add_argument("--rows", default="16x512,16x1024,64x512", help="comma-separated BxT")
+    ap.add_argument("--modes", default=",".join(ALL_MODES))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--fp32-steps", type=int, default=0, help="timed steps for ours-fp32 (default --steps)")
+    ap.add_argument("--agree", type=int, default=0, metavar="STEPS", help="bf16 vs fp32 training run instead")
+    ap.add_argument("--json", default="", help="also write the results here")
+    args = ap.parse_args(argv)
+
+    from nanoeuler.model import transformer
+    from nanoeuler.model.config import ModelConfig
+
+    cfg = ModelConfig.named(args.preset)
+    params_np = transformer.init_params(cfg, seed=0)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    if args.agree:
+        B, T = 16, cfg.ctx_len
+        log(f"agreement: {name}, preset {args.preset}, B{B}xT{T}, {args.agree} steps, fixed data")
+        res = agree(cfg, params_np, B, T, args.agree, log)
+        f, b = res["fp32"], res["bf16"]
+        for s in list(range(0, args.agree, max(1, args.agree // 10))) + [args.agree - 1]:
+            log(f"  step {s + 1:>4}  fp32 {f[s]:.4f}  bf16 {b[s]:.4f}  rel {abs(b[s] - f[s]) / f[s]:.2%}")
+        tail_f = float(np.mean(f[-8:]))
+        tail_b = float(np.mean(b[-8:]))
+        rel = abs(tail_b - tail_f) / tail_f
+        log(f"final (mean of last 8 steps, one pass over the 8 batches): fp32 {tail_f:.4f}  bf16 {tail_b:.4f}  "
+            f"rel diff {rel:.2%}  {'within 2%' if rel <= 0.02 else 'OUTSIDE 2%'}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(res))
+        return 0 if rel <= 0.02 else 1
+
+    modes = [m for m in args.modes.split(",") if m]
+    rows = [tuple(int(v) for v in r.split("x")) for r in args.rows.split(",") if r]
+    import torch
+
+    log(f"device {name}; torch {torch.__version__}, cupy {cupy.__version__}; preset {args.preset} "
+        f"({cfg.n_params():,} params); {args.steps} timed steps after {args.warmup} warm-up")
+    results = []
+    for B, T in rows:
+        fpt = flops_per_token(cfg, T)
+        for mode in modes:
+            log(f"{mode} B{B}xT{T}")
+            t0 = time.perf_counter()
+            try:
+                if mode == "torch-eager":
+                    ms, peak, loss = torch_run(cfg, params_np, B, T, args.steps, args.warmup, False, log)
+                elif mode == "torch-compile":
+                    ms, peak, loss = torch_run(cfg, params_np, B, T, args.steps, args.warmup, True, log)
+                elif mode == "ours-fp32":
+                    ms, peak, loss = ours_fp32_run(cfg, params_np, B, T, args.fp32_steps or args.steps, 2, log)
+                elif mode == "ours-bf16":
+                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log)
+                else:
+                    raise ValueError(f"unknown mode {mode}")
+            except Exception as exc:  # one failing mode must not lose the other rows
+                import traceback
+
+                traceback.print_exc()
+                log(f"  {mode} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            tps = B * T / ms * 1e3
+            results.append(dict(mode=mode, B=B, T=T, ms=ms, tokens_s=tps, tflops=tps * fpt / 1e12,
+                                mfu=tps * fpt / PEAK_BF16, peak_gib=peak / 2**30, loss=loss,
+                                wall_s=time.perf_counter() - t0))
+            log(f"  {ms:.1f} ms/step, {tps:,.0f} tokens/s, peak {peak / 2**30:.2f} GiB")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    log("")
+    log(f"{'row':<10} {'mode':<14} {'ms/step':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8} "
+        f"{'x eager':>8} {'x compile':>9} {'mem/compile':>11}")
+    for r in results:
+        ref = {m["mode"]: m for m in results if (m["B"], m["T"]) == (r["B"], r["T"])}
+        e = ref.get("torch-eager")
+        c = ref.get("torch-compile")
+        log(f"B{r['B']}xT{r['T']:<5} {r['mode']:<14} {r['ms']:>8.1f} {r['tokens_s']:>9,.0f} {r['tflops']:>8.1f} "
+            f"{r['mfu']:>6.1%} {r['peak_gib']:>8.2f} "
+            f"{(r['tokens_s'] / e['tokens_s']) if e else float('nan'):>8.2f} "
+            f"{(r['tokens_s'] / c['tokens_s']) if c else float('nan'):>9.2f} "
+            f"{(r['peak_gib'] / c['peak_gib']) if c else float('nan'):>11.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,460 @@
+"""The whole training step on the GPU in mixed precision: bf16 GEMM operands, float32 everything else.
+
+    >>> eng = Engine(cfg, params, batch=16, seq=512)            # params: NumPy or CuPy float32   # doctest: +SKIP
+    >>> eng.step(inputs, targets, lr)   # forward, backward, clipping, AdamW; no host sync        # doctest: +SKIP
+    >>> eng.last_loss()                 # reads the loss back (a sync; call it when logging)      # doctest: +SKIP
+
+Same model and loss as `nanoeuler.model.transformer.loss_and_grads` followed by `optim.clip_grad_norm`
+and `optim.AdamW.step`; the float32 path stays the reference (the self-test and the bf16-vs-fp32
+training run in `bench/train_gpu.py --agree` compare against it).
+
+Precision. Master weights, gradients, both AdamW moments, the residual stream, norms' statistics,
+softmax and the loss are float32. Every matrix product runs on the tensor cores through cuBLAS
+(`cublasGemmEx`, bf16 operands, float32 accumulation); its operands are bf16 copies: the weights (a
+bf16 image of the master weights that the AdamW kernel rewrites after each update), the normed
+activations, the SwiGLU output, the attention output and the gradients flowing into each GEMM.
+Products that feed the residual stream or a weight gradient write float32; the attention core is
+the float32 FlashAttention of `attention.cu` on float32 q/k/v.
+
+Memory. All tensors live in buffers allocated once in `__init__`: three flat float32 arrays for
+parameters/gradients/moments (plus the second moment and the bf16 image), per-layer activations
+kept for the backward, and scratch shared by all layers. A step allocates nothing, and the host never
+waits on the device inside it: the per-head loss normalisation, the global gradient norm and the
+clipping factor are computed and consumed on the device.
+
+Launches per step: about 12 per layer forward, 17 per layer backward, 4 per chunk of output-head rows,
+and a handful for the optimizer (one AdamW launch per run of equally-decayed tensors).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cupy as cp
+import numpy as np
+
+from nanoeuler.kernels import kernel
+from nanoeuler.model import layers
+from nanoeuler.model.config import ModelConfig
+from nanoeuler.optim import default_no_decay
+
+# cuBLAS / CUDA enums
+_CUDA_R_32F = 0
+_CUDA_R_16BF = 14
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_GEMM_DEFAULT = -1
+_OP_N, _OP_T = 0, 1
+
+_ALIGN = 64  # elements: every tensor of the flat buffers starts 256-byte aligned (float32)
+_FLASH = {16: (1, 128), 32: (1, 128), 64: (2, 64), 128: (4, 32)}  # as in ops.py / attention.cu
+
+BF16_STORAGE = np.uint16  # bf16 words; converted by the kernels
+
+
+def _cublas():
+    try:
+        from cupy_backends.cuda.libs import cublas
+    except ImportError:  # older layouts
+        from cupy.cuda import cublas
+    return cublas
+
+
+class _M:
+    """A row-major matrix view for cuBLAS: pointer, shape, leading dimension, CUDA data type."""
+
+    __slots__ = ("arr", "ptr", "rows", "cols", "ld", "dt")
+
+    def __init__(self, arr):
+        if arr.ndim != 2 or arr.strides[1] != arr.itemsize:
+            raise ValueError(f"GEMM operand must be 2-D with unit column stride, got {arr.shape} {arr.strides}")
+        self.arr = arr
+        self.ptr = arr.data.ptr
+        self.rows, self.cols = arr.shape
+        self.ld = arr.strides[0] // arr.itemsize
+        if arr.dtype == np.float32:
+            self.dt = _CUDA_R_32F
+        elif arr.dtype == BF16_STORAGE:
+            self.dt = _CUDA_R_16BF
+        else:
+            raise ValueError(f"GEMM operand dtype {arr.dtype}")
+
+
+class _Gemm:
+    """c (M,N) = op(a) @ op(b) [+ beta * c], row-major operands, bf16 or float32, float32 accumulation."""
+
+    def __init__(self):
+        self.cublas = _cublas()
+        self.handle = cp.cuda.device.get_cublas_handle()
+        self._one = np.ones(1, dtype=np.float32)
+        self._zero = np.zeros(1, dtype=np.float32)
+
+    def __call__(self, c: _M, a: _M, b: _M, ta=False, tb=False, beta=0.0):
+        M, N = c.rows, c.cols
+        K = a.rows if ta else a.cols
+        am = a.cols if ta else a.rows
+        bk, bn = (b.cols, b.rows) if tb else (b.rows, b.cols)
+        if am != M or bk != K or bn != N:
+            raise ValueError(f"GEMM shapes: c {M}x{N}, op(a) {am}x{K}, op(b) {bk}x{bn}")
+        beta_ptr = self._one.ctypes.data if beta else self._zero.ctypes.data
+        # Column-major cuBLAS computes c^T = op(b)^T op(a)^T.
+        self.cublas.gemmEx(self.handle, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, N, M, K,
+                           self._one.ctypes.data, b.ptr, b.dt, b.ld, a.ptr, a.dt, a.ld,
+                           beta_ptr, c.ptr, c.dt, c.ld, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+
+
+def _grid(n, threads=256, cap=65535 * 8):
+    return (max(1, min(cap, (n + threads - 1) // threads)),)
+
+
+class Engine:
+    """One model's weights, optimizer state and activation buffers on the GPU, for a fixed (batch, seq)."""
+
+    def __init__(self, cfg: ModelConfig, params: dict, *, batch: int, seq: int, lr: float = 3e-4,
+                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, max_norm: float = 1.0,
+                 no_decay=None, chunk_bytes: int = 64 * 2**20):
+        if cfg.head_dim not in _FLASH:
+            raise ValueError(f"head_dim {cfg.head_dim} not supported by the attention kernels ({sorted(_FLASH)})")
+        if cfg.dim > 256 * 8:
+            raise ValueError(f"dim {cfg.dim} exceeds the RMSNorm backward kernel's 2048")
+        self.cfg = cfg
+        self.B, self.T = int(batch), int(seq)
+        self.beta1, self.beta2 = float(betas[0]), float(betas[1])
+        self.eps, self.weight_decay, self.max_norm = float(eps), float(weight_decay), float(max_norm)
+        self.lr = float(lr)
+        self.t = 0
+        L, C, H, Hkv, D, F, V, K = (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden,
+                                    cfg.vocab_size, cfg.mtp_heads)
+        B, T = self.B, self.T
+        N = B * T
+        self.N = N
+        HD, KD = H * D, Hkv * D
+        self.QKV = HD + 2 * KD
+        shapes = cfg.param_shapes()
+        if no_decay is None:
+            no_decay = {n for n, s in shapes.items() if default_no_decay(n, s)}
+        self.no_decay = set(no_decay)
+
+        # ---- flat layout: groups of tensors that one GEMM reads as a single stacked matrix ----
+        groups = [["embed_tokens.weight"]]
+        for i in range(L):
+            p = f"layers.{i}."
+            groups += [[p + "input_layernorm.weight"], [p + "post_attention_layernorm.weight"]]
+        groups.append(["norm.weight"])
+        for i in range(L):
+            p = f"layers.{i}."
+            groups += [[p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
+                       [p + "self_attn.o_proj.weight"], [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                       [p + "mlp.down_proj.weight"]]
+        groups.append(["lm_head.weight"] + [f"mtp_heads.{k}.weight" for k in range(1, K)])
+        groups.sort(key=lambda g: g[0] not in self.no_decay)  # stable: undecayed tensors first
+        self.offsets: dict[str, int] = {}
+        self.group_of: dict[str, tuple[int, int]] = {}
+        runs: list[list] = []  # [start, end, decayed]
+        off = 0
+        for g in groups:
+            decayed = {n not in self.no_decay for n in g}
+            if len(decayed) != 1:
+                raise ValueError(f"tensors {g} are read by one GEMM but differ in weight decay")
+            d = decayed.pop()
+            start = off
+            for n in g:
+                self.offsets[n] = off
+                off += int(np.prod(shapes[n]))
+            for n in g:
+                self.group_of[n] = (start, off)
+            end = -(-off // _ALIGN) * _ALIGN
+            if runs and runs[-1][2] == d and runs[-1][1] == start:
+                runs[-1][1] = end
+            else:
+                runs.append([start, end, d])
+            off = end
+        if set(self.offsets) != set(shapes):
+            raise ValueError("flat layout does not cover the parameters")
+        self.total = off
+        self.runs = [tuple(r) for r in runs]
+        self.shapes = shapes
+
+        f32, bf = np.float32, BF16_STORAGE
+        self.P = cp.zeros(off, dtype=f32)  # master weights
+        self.G = cp.zeros(off, dtype=f32)  # gradients
+        self.Mo = cp.zeros(off, dtype=f32)  # AdamW first moment
+        self.Vo = cp.zeros(off, dtype=f32)  # AdamW second moment
+        self.Pb = cp.zeros(off, dtype=bf)  # bf16 image of P
+        for n, s in shapes.items():
+            src = params[n]
+            if tuple(src.shape) != tuple(s):
+                raise ValueError(f"parameter {n} has shape {tuple(src.shape)}, expected {s}")
+            self.view(self.P, n)[...] = cp.asarray(src, dtype=f32)
+        self._k = {name: kernel("bf16", name) for name in (
+            "f32_to_bf16", "embed_fwd", "embed_bwd", "rmsnorm_fwd_bf16", "rmsnorm_bwd_bf16", "qkv_rope_split",
+            "rope_bwd_pack", "attn_pack", "attn_delta", "swiglu_fwd_bf16", "swiglu_bwd_bf16", "ce_head_scale",
+            "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16")}
+        self._flash = {name: kernel("attention", f"{name}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
+                                                                                "flash_bwd_dq")}
+        self._k["f32_to_bf16"](_grid(off), (256,), (self.P, self.Pb, np.int64(off)))
+        self.gemm = _Gemm()
+
+        # ---- weight views (bf16 for GEMMs, float32 gradient views of the same stacking) ----
+        def wb(first, rows):  # bf16 stacked matrix starting at tensor `first`
+            o = self.offsets[first]
+            return _M(self.Pb[o:o + rows * self._cols(first)].reshape(rows, self._cols(first)))
+
+        def wg(first, rows):
+            o = self.offsets[first]
+            return _M(self.G[o:o + rows * self._cols(first)].reshape(rows, self._cols(first)))
+
+        self.Lw = []
+        for i in range(L):
+            p = f"layers.{i}."
+            self.Lw.append(dict(
+                n1=self.view(self.P, p + "input_layernorm.weight"), n2=self.view(self.P, p + "post_attention_layernorm.weight"),
+                dn1=self.view(self.G, p + "input_layernorm.weight"), dn2=self.view(self.G, p + "post_attention_layernorm.weight"),
+                qkv=wb(p + "self_attn.q_proj.weight", self.QKV), o=wb(p + "self_attn.o_proj.weight", C),
+                gu=wb(p + "mlp.gate_proj.weight", 2 * F), d=wb(p + "mlp.down_proj.weight", C),
+                dqkv=wg(p + "self_attn.q_proj.weight", self.QKV), do=wg(p + "self_attn.o_proj.weight", C),
+                dgu=wg(p + "mlp.gate_proj.weight", 2 * F), dd=wg(p + "mlp.down_proj.weight", C)))
+        self.w_heads = wb("lm_head.weight", K * V)
+        self.dw_heads = wg("lm_head.weight", K * V)
+        self.w_norm = self.view(self.P, "norm.weight")
+        self.dw_norm = self.view(self.G, "norm.weight")
+        self.emb = self.view(self.P, "embed_tokens.weight")
+        self.demb = self.view(self.G, "embed_tokens.weight")
+
+        # ---- activations kept for the backward (per layer) and scratch ----
+        def e(shape, dt=f32):
+            return cp.empty(shape, dtype=dt)
+
+        self.xs = [e((N, C)) for _ in range(L + 1)]  # residual stream entering layer i (xs[L]: trunk output)
+        self.xmid = [e((N, C)) for _ in range(L)]  # after the attention half of layer i
+        self.rstd1 = [e(N) for _ in range(L)]
+        self.rstd2 = [e(N) for _ in range(L)]
+        self.h1 = [e((N, C), bf) for _ in range(L)]
+        self.h2 = [e((N, C), bf) for _ in range(L)]
+        self.q = [e((B, H, T, D)) for _ in range(L)]
+        self.k = [e((B, Hkv, T, D)) for _ in range(L)]
+        self.v = [e((B, Hkv, T, D)) for _ in range(L)]
+        self.lse = [e((B, H, T)) for _ in range(L)]
+        self.a = [e((N, HD), bf) for _ in range(L)]
+        self.gu = [e((N, 2 * F), bf) for _ in range(L)]
+        self.qkv = e((N, self.QKV), bf)
+        self.att = e((B, H, T, D))  # attention output (forward) / dq (backward)
+        self.m = e((N, F), bf)
+        self.dm = e((N, F))
+        self.dgu = e((N, 2 * F), bf)
+        self.dh = e((N, C))
+        self.da = e((N, HD))
+        self.delta = e((B, H, T))
+        self.dk = e((B, Hkv, T, D))
+        self.dv = e((B, Hkv, T, D))
+        self.dqkv = e((N, self.QKV), bf)
+        self.dx = e((N, C))
+        self.dxb = e((N, C), bf)
+        self.xn = e((N, C), bf)
+        self.rstdf = e(N)
+        self.dxn = e((N, C))
+        self.R = max(1, min(N, chunk_bytes // (4 * K * V)))
+        self.logits = e((self.R, K * V))
+        self.dlg = e((self.R, K * V), bf)
+        self.loss_rows = e((N, K))
+        self.head_scale = e(K)
+        self.loss = cp.zeros(1, dtype=f32)
+        self.sq = cp.zeros(1, dtype=f32)
+        self.ids = cp.zeros(N, dtype=np.int32)
+        self.tg = cp.zeros((N, K), dtype=np.int32)
+        self.cos, self.sin = layers.rope_tables(T, D, cfg.rope_theta, cp, np.float32)
+        self.cos, self.sin = cp.ascontiguousarray(self.cos), cp.ascontiguousarray(self.sin)
+        # matrix views used by the GEMMs
+        self.mh1 = [_M(x) for x in self.h1]
+        self.mh2 = [_M(x) for x in self.h2]
+        self.ma = [_M(x) for x in self.a]
+        self.mgu = [_M(x) for x in self.gu]
+        self.mxs = [_M(x) for x in self.xs]
+        self.mxmid = [_M(x) for x in self.xmid]
+        self.mqkv, self.mm, self.mdm, self.mdgu = _M(self.qkv), _M(self.m), _M(self.dm), _M(self.dgu)
+        self.mdh, self.mda, self.mdqkv, self.mdxb = _M(self.dh), _M(self.da), _M(self.dqkv), _M(self.dxb)
+        self.mxn, self.mdxn = _M(self.xn), _M(self.dxn)
+        cp.cuda.get_current_stream().synchronize()
+
+    # ---- parameter access ----------------------------------------------------------------------------
+
+    def _cols(self, name):
+        s = self.shapes[name]
+        return s[-1] if len(s) > 1 else 1
+
+    def view(self, flat, name):
+        o = self.offsets[name]
+        s = self.shapes[name]
+        return flat[o:o + int(np.prod(s))].reshape(s)
+
+    def params(self) -> dict:
+        """Master weights (float32 views into the engine's buffer; copy before keeping)."""
+        return {n: self.view(self.P, n) for n in self.shapes}
+
+    def grads(self) -> dict:
+        """Gradients of the last `forward_backward` (before clipping; views)."""
+        return {n: self.view(self.G, n) for n in self.shapes}
+
+    def state_tensors(self) -> dict:
+        """{"m.<name>", "v.<name>"} like `optim.AdamW.state_tensors` (views); the step count is `self.t`."""
+        out = {}
+        for n in self.shapes:
+            out[f"m.{n}"] = self.view(self.Mo, n)
+            out[f"v.{n}"] = self.view(self.Vo, n)
+        return out
+
+    def load_state(self, params: dict, tensors: dict | None = None, t: int = 0) -> None:
+        """Set the master weights (and optionally the AdamW moments and step count), refresh the bf16 image."""
+        for n in self.shapes:
+            self.view(self.P, n)[...] = cp.asarray(params[n], dtype=np.float32)
+            if tensors is not None:
+                self.view(self.Mo, n)[...] = cp.asarray(tensors[f"m.{n}"], dtype=np.float32)
+                self.view(self.Vo, n)[...] = cp.asarray(tensors[f"v.{n}"], dtype=np.float32)
+        self.t = int(t)
+        self._k["f32_to_bf16"](_grid(self.total), (256,), (self.P, self.Pb, np.int64(self.total)))
+
+    def nbytes(self) -> int:
+        total = 0
+        for v in self.__dict__.values():
+            if isinstance(v, cp.ndarray):
+                total += v.nbytes
+            elif isinstance(v, list) and v and isinstance(v[0], cp.ndarray):
+                total += sum(x.nbytes for x in v)
+        return total
+
+    def last_loss(self) -> float:
+        """The loss of the last step (synchronises with the device)."""
+        return float(self.loss[0])
+
+    def loss_buffer(self):
+        """The loss of the last step as a device array (no sync)."""
+        return self.loss[0]
+
+    def grad_norm(self) -> float:
+        """Global gradient norm of the last step, before clipping (synchronises)."""
+        return math.sqrt(float(self.sq[0]))
+
+    # ---- the step ------------------------------------------------------------------------------------
+
+    def _load_batch(self, inputs, targets):
+        N, K = self.N, self.cfg.mtp_heads
+        if tuple(inputs.shape) != (self.B, self.T) or tuple(targets.shape) != (self.B, self.T, K):
+            raise ValueError(f"engine built for inputs ({self.B},{self.T}) and targets ({self.B},{self.T},{K}); "
+                             f"got {tuple(inputs.shape)} and {tuple(targets.shape)}")
+        cp.copyto(self.ids, cp.asarray(inputs).reshape(N), casting="unsafe")
+        cp.copyto(self.tg, cp.asarray(targets).reshape(N, K), casting="unsafe")
+
+    def forward_backward(self, inputs, targets) -> None:
+        """Loss into `self.loss`, gradients into `self.G`, sum of squared gradients into `self.sq`."""
+        cfg = self.cfg
+        L, C, H, Hkv, D, F, V, K = (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden,
+                                    cfg.vocab_size, cfg.mtp_heads)
+        B, T, N = self.B, self.T, self.N
+        HD = H * D
+        k = self._k
+        gemm = self.gemm
+        i32, i64, f32 = np.int32, np.int64, np.float32
+        stream = cp.cuda.get_current_stream().ptr
+        self._load_batch(inputs, targets)
+        self.gemm.cublas.setPointerMode(self.gemm.handle, 0)  # alpha/beta are host scalars
+        cp.cuda.runtime.memsetAsync(self.G.data.ptr, 0, self.G.nbytes, stream)
+        cp.cuda.runtime.memsetAsync(self.sq.data.ptr, 0, 4, stream)
+        k["ce_head_scale"]((1,), (1024,), (self.tg, self.head_scale, i64(N), i32(K)))
+        k["embed_fwd"](_grid(N * C), (256,), (self.ids, self.emb, self.xs[0], i32(C), i64(N * C)))
+        G, rows = _FLASH[D]
+        scale = f32(1.0 / math.sqrt(D))
+        qs = (i64(H * T * D), i64(T * D), i64(D))
+        ks = (i64(Hkv * T * D), i64(T * D), i64(D))
+        das = (i64(T * HD), i64(D), i64(HD))
+        dims = (i32(H), i32(Hkv), i32(T), i32(T), scale)
+        pairs = N * (H + 2 * Hkv) * (D // 2)
+        norm_grid = ((N + 3) // 4,)
+        eps = f32(cfg.norm_eps)
+        xs, xmid = self.xs, self.xmid
+
+        for i in range(L):
+            w = self.Lw[i]
+            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i], w["n1"], self.h1[i], self.rstd1[i], i32(N), i32(C), eps))
+            gemm(self.mqkv, self.mh1[i], w["qkv"], tb=True)
+            k["qkv_rope_split"](_grid(pairs), (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i], self.v[i],
+                                                       i32(T), i32(H), i32(Hkv), i32(D), i64(pairs)))
+            self._flash["flash_fwd"]((-(-T // rows), B * H), (rows * G,),
+                                     (self.q[i], *qs, self.k[i], *ks, self.v[i], *ks, self.att, self.lse[i], *dims))
+            k["attn_pack"](_grid(N * HD), (256,), (self.att, self.a[i], i32(T), i32(H), i32(D), i64(N * HD)))
+            cp.cuda.runtime.memcpyAsync(xmid[i].data.ptr, xs[i].data.ptr, xs[i].nbytes, 3, stream)
+            gemm(self.mxmid[i], self.ma[i], w["o"], tb=True, beta=1.0)
+            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xmid[i], w["n2"], self.h2[i], self.rstd2[i], i32(N), i32(C), eps))
+            gemm(self.mgu[i], self.mh2[i], w["gu"], tb=True)
+            k["swiglu_fwd_bf16"](_grid(N * F), (256,), (self.gu[i], self.m, i32(F), i64(N * F)))
+            cp.cuda.runtime.memcpyAsync(xs[i + 1].data.ptr, xmid[i].data.ptr, xmid[i].nbytes, 3, stream)
+            gemm(self.mxs[i + 1], self.mm, w["d"], tb=True, beta=1.0)
+
+        k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[L], self.w_norm, self.xn, self.rstdf, i32(N), i32(C), eps))
+        # output heads, all K at once per chunk of rows: logits (R, K*V) never exist for all rows
+        R = self.R
+        for r0 in range(0, N, R):
+            r1 = min(N, r0 + R)
+            rr = r1 - r0
+            lg = _M(self.logits[:rr])
+            dl = _M(self.dlg[:rr])
+            xc = _M(self.xn[r0:r1])
+            gemm(lg, xc, self.w_heads, tb=True)
+            k["ce_heads_fwd_bwd"]((rr, K), (256,), (lg.arr, self.tg[r0:r1], self.head_scale, self.loss_rows[r0:r1],
+                                                     dl.arr, i32(V), i32(K)))
+            gemm(_M(self.dxn[r0:r1]), dl, self.w_heads)
+            gemm(self.dw_heads, dl, xc, ta=True, beta=1.0)
+        k["ce_loss_reduce"]((1,), (1024,), (self.loss_rows, self.head_scale, self.loss, i64(N), i32(K)))
+
+        nb_rows = 64
+        nb_grid = (-(-N // nb_rows),)
+        k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dxn, xs[L], self.w_norm, self.rstdf, self.dx, self.dxb,
+                                                 self.dw_norm, i32(N), i32(C), i32(nb_rows), i32(0)))
+        for i in reversed(range(L)):
+            w = self.Lw[i]
+            # MLP half: x_out = x_mid + down(silu(gate(h2)) * up(h2))
+            k["swiglu_fwd_bf16"](_grid(N * F), (256,), (self.gu[i], self.m, i32(F), i64(N * F)))
+            gemm(w["dd"], self.mdxb, self.mm, ta=True)
+            gemm(self.mdm, self.mdxb, w["d"])
+            k["swiglu_bwd_bf16"](_grid(N * F), (256,), (self.dm, self.gu[i], self.dgu, i32(F), i64(N * F)))
+            gemm(w["dgu"], self.mdgu, self.mh2[i], ta=True)
+            gemm(self.mdh, self.mdgu, w["gu"])
+            k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xmid[i], w["n2"], self.rstd2[i], self.dx, self.dxb,
+                                                     w["dn2"], i32(N), i32(C), i32(nb_rows), i32(1)))
+            # attention half: x_mid = x_in + o(attn(rope(q(h1)), rope(k(h1)), v(h1)))
+            gemm(w["do"], self.mdxb, self.ma[i], ta=True)
+            gemm(self.mda, self.mdxb, w["o"])
+            k["attn_delta"]((-(-(N * H) // 8),), (256,), (self.a[i], self.da, self.delta, i32(T), i32(H), i32(D),
+                                                           i64(N * H)))
+            qkv = (self.q[i], *qs, self.k[i], *ks, self.v[i], *ks)
+            self._flash["flash_bwd_dkdv"]((-(-T // rows), B * Hkv), (rows * G,),
+                                          (*qkv, self.da, *das, self.lse[i], self.delta, self.dk, self.dv, *dims))
+            self._flash["flash_bwd_dq"]((-(-T // rows), B * H), (rows * G,),
+                                        (*qkv, self.da, *das, self.lse[i], self.delta, self.att, *dims))
+            k["rope_bwd_pack"](_grid(pairs), (256,), (self.att, self.dk, self.dv, self.cos, self.sin, self.dqkv,
+                                                      i32(T), i32(H), i32(Hkv), i32(D), i64(pairs)))
+            gemm(w["dqkv"], self.mdqkv, self.mh1[i], ta=True)
+            gemm(self.mdh, self.mdqkv, w["qkv"])
+            k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xs[i], w["n1"], self.rstd1[i], self.dx, self.dxb,
+                                                     w["dn1"], i32(N), i32(C), i32(nb_rows), i32(1)))
+        k["embed_bwd"](_grid(N * C), (256,), (self.dx, self.ids, self.demb, i32(C), i64(N * C)))
+        k["sumsq"]((min(4096, -(-self.total // 256)),), (256,), (self.G, i64(self.total), self.sq))
+
+    def optimizer_step(self, lr: float) -> None:
+        """Clip (by the norm in `self.sq`) and apply AdamW to every parameter; refresh the bf16 image."""
+        self.t += 1
+        b1, b2 = self.beta1, self.beta2
+        step_size = lr / (1.0 - b1 ** self.t)
+        inv_sqrt_bc2 = 1.0 / math.sqrt(1.0 - b2 ** self.t)
+        f32 = np.float32
+        for start, end, decayed in self.runs:
+            n = end - start
+            decay = 1.0 - lr * self.weight_decay if (decayed and self.weight_decay) else 1.0
+            self._k["adamw_clip_bf16"](
+                (min(4096, -(-n // 256)),), (256,),
+                (self.P[start:end], self.G[start:end], self.Mo[start:end], self.Vo[start:end], self.Pb[start:end],
+                 np.int64(n), self.sq, f32(self.max_norm), f32(b1), f32(b2), f32(decay), f32(step_size),
+                 f32(inv_sqrt_bc2), f32(self.eps)))
+
+    def step(self, inputs, targets, lr: float | None = None) -> None:
+        """One training step (forward, backward, clipping, AdamW), queued on the current stream."""
+        self.forward_backward(inputs, targets)
+        self.optimizer_step(self.lr if lr is None else float(lr))

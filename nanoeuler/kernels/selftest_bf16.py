@@ -1,0 +1,265 @@
+"""Self-test cases of the bf16 engine (`bf16.cu`, `engine.py`), run by `nanoeuler selftest`.
+
+Same rules as the float32 cases: fresh random inputs, outputs poisoned (NaN bytes), a float64 NumPy
+reference on exactly the values the GPU sees (inputs the kernel reads as bf16 are rounded to bf16 first),
+relative error ||out - ref|| / ||ref||. Tolerance 1e-2 (DESIGN.md: bf16 operands); float32 results
+of bf16 kernels that involve no bf16 rounding are held to float32's 1e-5.
+
+Cases: each bf16 kernel on its own; the whole model's loss and every gradient from the engine against
+`transformer.loss_and_grads` in float64; one engine optimizer step (clipping + AdamW) against
+`optim.clip_grad_norm` + `optim.AdamW.step` in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+TOL_BF16 = 1e-2
+TOL_FP32 = 1e-5
+
+
+def to_bf16(x) -> np.ndarray:
+    """float -> bf16 words (uint16), round to nearest even (as the kernels do)."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return u.astype(np.uint16)
+
+
+def from_bf16(b) -> np.ndarray:
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def bf16_round(x) -> np.ndarray:
+    return from_bf16(to_bf16(x))
+
+
+def _randn(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(np.float64)
+
+
+def _g(a, dtype=np.float32):
+    import cupy
+
+    return cupy.asarray(np.asarray(a, dtype=dtype))
+
+
+def _k(name):
+    from nanoeuler.kernels import kernel
+
+    return kernel("bf16", name)
+
+
+def _dev_bf16(x):
+    """A float64 array -> (device bf16 words, the float64 values they hold)."""
+    b = to_bf16(x)
+    return _g(b, np.uint16), from_bf16(b)
+
+
+def case_bf16_rmsnorm(rng, shape):
+    """shape (N, C): forward to bf16, fused backward (dx accumulate + bf16 copy + dw)."""
+    import cupy
+
+    from nanoeuler.model import layers
+
+    N, C = shape
+    x = _randn(rng, (N, C), 2.0) + 0.5
+    w = 1.0 + _randn(rng, (C,), 0.3)
+    dy = _randn(rng, (N, C))
+    dx0 = _randn(rng, (N, C))
+    y = cupy.empty((N, C), dtype=np.uint16)
+    rstd = cupy.empty(N, dtype=np.float32)
+    _k("rmsnorm_fwd_bf16")(((N + 3) // 4,), (128,), (_g(x), _g(w), y, rstd, np.int32(N), np.int32(C), np.float32(1e-5)))
+    dx = _g(dx0)
+    dxb = cupy.empty((N, C), dtype=np.uint16)
+    dw = cupy.zeros(C, dtype=np.float32)
+    rows = 16
+    _k("rmsnorm_bwd_bf16")((-(-N // rows),), (256,), (_g(dy), _g(x), _g(w), rstd, dx, dxb, dw, np.int32(N),
+                                                       np.int32(C), np.int32(rows), np.int32(1)))
+    yr, cr = layers.rmsnorm_forward(x, w, 1e-5)
+    dxr, dwr = layers.rmsnorm_backward(dy.copy(), cr)
+    return [("bf16 rmsnorm fwd y", from_bf16(y.get()), yr, TOL_BF16),
+            ("bf16 rmsnorm fwd rstd", rstd, cr[1].reshape(N), TOL_FP32),
+            ("bf16 rmsnorm bwd dx (+=)", dx, dx0 + dxr, TOL_FP32),
+            ("bf16 rmsnorm bwd dx bf16 copy", from_bf16(dxb.get()), dx0 + dxr, TOL_BF16),
+            ("bf16 rmsnorm bwd dw", dw, dwr, TOL_FP32)]
+
+
+def case_bf16_rope(rng, shape):
+    """shape (B, T, H, Hkv, D): qkv rows -> rotated q, k and v; and the backward packing."""
+    import cupy
+
+    from nanoeuler.model import layers
+
+    B, T, H, Hkv, D = shape
+    N, W = B * T, (H + 2 * Hkv) * D
+    qkv_b, qkv = _dev_bf16(_randn(rng, (N, W)))
+    cos, sin = layers.rope_tables(T, D, 10000.0, np, np.float32)
+    q = cupy.empty((B, H, T, D), dtype=np.float32)
+    k = cupy.empty((B, Hkv, T, D), dtype=np.float32)
+    v = cupy.empty((B, Hkv, T, D), dtype=np.float32)
+    pairs = N * (H + 2 * Hkv) * (D // 2)
+    args = (np.int32(T), np.int32(H), np.int32(Hkv), np.int32(D), np.int64(pairs))
+    _k("qkv_rope_split")(((pairs + 255) // 256,), (256,), (qkv_b, _g(cos), _g(sin), q, k, v, *args))
+    c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
+    x = qkv.reshape(B, T, H + 2 * Hkv, D).transpose(0, 2, 1, 3)
+    qr = layers.rope_forward(x[:, :H], c64, s64)
+    kr = layers.rope_forward(x[:, H:H + Hkv], c64, s64)
+    vr = x[:, H + Hkv:]
+    dq, dk, dv = _randn(rng, (B, H, T, D)), _randn(rng, (B, Hkv, T, D)), _randn(rng, (B, Hkv, T, D))
+    out = cupy.empty((N, W), dtype=np.uint16)
+    _k("rope_bwd_pack")(((pairs + 255) // 256,), (256,), (_g(dq), _g(dk), _g(dv), _g(cos), _g(sin), out, *args))
+    ref = np.concatenate([layers.rope_backward(dq, c64, s64), layers.rope_backward(dk, c64, s64), dv], axis=1)
+    ref = ref.transpose(0, 2, 1, 3).reshape(N, W)
+    return [("bf16 qkv_rope_split q", q, qr, TOL_FP32), ("bf16 qkv_rope_split k", k, kr, TOL_FP32),
+            ("bf16 qkv_rope_split v", v, vr, TOL_FP32), ("bf16 rope_bwd_pack", from_bf16(out.get()), ref, TOL_BF16)]
+
+
+def case_bf16_attn_layout(rng, shape):
+    """shape (B, T, H, D): attention output to the o_proj operand, and delta = rowsum(dO * O)."""
+    import cupy
+
+    B, T, H, D = shape
+    N = B * T
+    out = _randn(rng, (B, H, T, D))
+    a = cupy.empty((N, H * D), dtype=np.uint16)
+    _k("attn_pack")(((N * H * D + 255) // 256,), (256,), (_g(out), a, np.int32(T), np.int32(H), np.int32(D),
+                                                         np.int64(N * H * D)))
+    a_ref = out.transpose(0, 2, 1, 3).reshape(N, H * D)
+    da = _randn(rng, (N, H * D))
+    a_b, a64 = _dev_bf16(a_ref)
+    delta = cupy.empty((B, H, T), dtype=np.float32)
+    _k("attn_delta")((-(-(N * H) // 8),), (256,), (a_b, _g(da), delta, np.int32(T), np.int32(H), np.int32(D),
+                                                  np.int64(N * H)))
+    d_ref = (a64 * da).reshape(B, T, H, D).sum(-1).transpose(0, 2, 1)
+    return [("bf16 attn_pack", from_bf16(a.get()), a_ref, TOL_BF16), ("bf16 attn_delta", delta, d_ref, TOL_FP32)]
+
+
+def case_bf16_swiglu(rng, shape):
+    """shape (N, F): gu (N, 2F) bf16 -> m bf16; backward dm float32 -> dgu bf16."""
+    import cupy
+
+    from nanoeuler.model import layers
+
+    N, F = shape
+    gu_b, gu = _dev_bf16(np.concatenate([_randn(rng, (N, F), 3.0), _randn(rng, (N, F))], axis=1))
+    m = cupy.empty((N, F), dtype=np.uint16)
+    _k("swiglu_fwd_bf16")(((N * F + 255) // 256,), (256,), (gu_b, m, np.int32(F), np.int64(N * F)))
+    dm = _randn(rng, (N, F))
+    dgu = cupy.empty((N, 2 * F), dtype=np.uint16)
+    _k("swiglu_bwd_bf16")(((N * F + 255) // 256,), (256,), (_g(dm), gu_b, dgu, np.int32(F), np.int64(N * F)))
+    hr, cr = layers.swiglu_forward(gu[:, :F], gu[:, F:])
+    dgr, dur = layers.swiglu_backward(dm, cr)
+    return [("bf16 swiglu fwd", from_bf16(m.get()), hr, TOL_BF16),
+            ("bf16 swiglu bwd dgu", from_bf16(dgu.get()), np.concatenate([dgr, dur], axis=1), TOL_BF16)]
+
+
+def case_bf16_ce_heads(rng, shape):
+    """shape (N, K, V): per-head scales, fused loss + bf16 dlogits, the loss reduction."""
+    import cupy
+
+    from nanoeuler.model import layers
+
+    N, K, V = shape
+    z = _randn(rng, (N, K * V), 3.0)
+    t = rng.integers(0, V, size=(N, K))
+    t[rng.random((N, K)) < 0.25] = -1
+    t[0, :] = rng.integers(0, V, size=K)
+    if K > 1:
+        t[:, K - 1] = -1  # a head with no valid target: left out of the mean
+    tg = _g(t, np.int32)
+    scale = cupy.empty(K, dtype=np.float32)
+    _k("ce_head_scale")((1,), (1024,), (tg, scale, np.int64(N), np.int32(K)))
+    loss_rows = cupy.empty((N, K), dtype=np.float32)
+    dlg = cupy.empty((N, K * V), dtype=np.uint16)
+    _k("ce_heads_fwd_bwd")((N, K), (256,), (_g(z), tg, scale, loss_rows, dlg, np.int32(V), np.int32(K)))
+    loss = cupy.empty(1, dtype=np.float32)
+    _k("ce_loss_reduce")((1,), (1024,), (loss_rows, scale, loss, np.int64(N), np.int32(K)))
+    counts = (t >= 0).sum(axis=0)
+    active = int((counts > 0).sum())
+    sc = np.array([1.0 / (c * active) if c else 0.0 for c in counts])
+    total, dref = 0.0, np.zeros((N, K * V))
+    for k in range(K):
+        if counts[k] == 0:
+            continue
+        ls, nv, cache = layers.cross_entropy_forward(z[:, k * V:(k + 1) * V].copy(), t[:, k])
+        total += float(ls) * sc[k]
+        dref[:, k * V:(k + 1) * V] = layers.cross_entropy_backward(sc[k], cache)
+    return [("bf16 ce_head_scale", scale, sc, TOL_FP32), ("bf16 ce_heads loss", loss, np.array([total]), TOL_FP32),
+            ("bf16 ce_heads dlogits", from_bf16(dlg.get()), dref, TOL_BF16)]
+
+
+def _engine_problem(rng, cfg, B, T):
+    from nanoeuler.model.gradcheck import random_problem
+
+    params, inputs, targets = random_problem(cfg, int(rng.integers(2**31)), batch=B, T=T)
+    # gradcheck's weights are of order one; scale the matrices like a trained model's so that bf16
+    # rounding of the activations is measured, not amplified by saturated softmaxes
+    params = {n: (p * (0.5 if p.ndim == 2 and not n.startswith("embed") else 1.0)).astype(np.float32)
+              for n, p in params.items()}
+    return params, inputs, targets
+
+
+def case_engine(rng, shape):
+    """shape (label, B, T): the engine's loss and every gradient vs float64 loss_and_grads; then one
+    optimizer step (clip + AdamW) vs float64 optim on the engine's own gradients."""
+    import cupy
+
+    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.model import transformer
+    from nanoeuler.model.config import ModelConfig
+    from nanoeuler.optim import AdamW, clip_grad_norm
+
+    which, B, T = shape
+    if which == "small":
+        cfg = ModelConfig.named("small")
+    else:
+        cfg = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=256, mtp_heads=4)
+    params, inputs, targets = _engine_problem(rng, cfg, B, T)
+    eng = Engine(cfg, params, batch=B, seq=T, max_norm=0.5)
+    eng.forward_backward(_g(inputs, np.int32), _g(targets, np.int32))
+    p64 = {n: p.astype(np.float64) for n, p in params.items()}
+    loss_ref, g_ref = transformer.loss_and_grads(p64, inputs, targets, cfg)
+    got = {n: np.asarray(g.get(), dtype=np.float64) for n, g in eng.grads().items()}
+    names = list(params)
+    errs = {n: float(np.linalg.norm(got[n] - g_ref[n]) / max(np.linalg.norm(g_ref[n]), 1e-30)) for n in names}
+    worst = max(names, key=lambda n: errs[n] if np.isfinite(errs[n]) else np.inf)
+    rows = [("engine loss", np.array([eng.last_loss()]), np.array([loss_ref]), TOL_BF16),
+            ("engine grads, all tensors", np.concatenate([got[n].ravel() for n in names]),
+             np.concatenate([g_ref[n].ravel() for n in names]), TOL_BF16),
+            (f"engine grad, worst: {worst.replace('layers.', 'L')}", got[worst], g_ref[worst], 2 * TOL_BF16)]
+    # one optimizer step on the engine's gradients, against the float64 reference
+    g_dev = {n: got[n].astype(np.float32).astype(np.float64) for n in names}
+    ref_p = {n: p.copy() for n, p in p64.items()}
+    opt = AdamW(ref_p, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    clip_grad_norm(g_dev, 0.5)
+    opt.step(ref_p, g_dev, 1e-2)
+    eng.optimizer_step(1e-2)
+    cupy.cuda.get_current_stream().synchronize()
+    new = eng.params()
+    upd = np.concatenate([(new[n].get().astype(np.float64) - p64[n]).ravel() for n in names])
+    upd_ref = np.concatenate([(ref_p[n] - p64[n]).ravel() for n in names])
+    rows.append(("engine clip+adamw update", upd, upd_ref, 1e-4))
+    pb = eng.Pb.get()
+    img = np.concatenate([from_bf16(pb[eng.offsets[n]:eng.offsets[n] + ref_p[n].size]) for n in names])
+    rows.append(("engine bf16 weight image", img, np.concatenate([ref_p[n].ravel() for n in names]), TOL_BF16))
+    del eng
+    return rows
+
+
+CASES_BF16 = [
+    (case_bf16_rmsnorm, (300, 768), "N300 C768", {}),
+    (case_bf16_rmsnorm, (37, 341), "N37 C341", {}),
+    (case_bf16_rope, (2, 37, 12, 4, 64), "B2 T37 H12/4 D64", {}),
+    (case_bf16_rope, (1, 50, 4, 2, 32), "B1 T50 H4/2 D32", {}),
+    (case_bf16_attn_layout, (2, 37, 12, 64), "B2 T37 H12 D64", {}),
+    (case_bf16_swiglu, (100, 2048), "N100 F2048", {}),
+    (case_bf16_swiglu, (37, 341), "N37 F341", {}),
+    (case_bf16_ce_heads, (70, 4, 4096), "N70 K4 V4096", {}),
+    (case_bf16_ce_heads, (33, 2, 100), "N33 K2 V100", {}),
+    (case_engine, ("small", 2, 100), "small preset B2 T100 D32", {}),
+    (case_engine, ("d64", 2, 200), "2 layers D64 B2 T200", {}),
+]
+
+__all__ = ["CASES_BF16", "to_bf16", "from_bf16", "bf16_round", "math"]

@@ -1,0 +1,50 @@
+"""The bf16 engine: host-side checks everywhere, the device self-test rows where a GPU is present."""
+
+import re
+
+import numpy as np
+import pytest
+
+from nanoeuler.kernels import KERNEL_DIR
+from nanoeuler.kernels.selftest_bf16 import CASES_BF16, bf16_round, from_bf16, to_bf16
+
+
+def test_bf16_rounding_matches_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-8, 8, 10000),
+                        np.array([0.0, -0.0, 1.0, 65504.0, 3.0e38, 1e-40], dtype=np.float32)])
+    ref = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(to_bf16(x), ref)
+    assert np.array_equal(from_bf16(ref), torch.from_numpy(x).to(torch.bfloat16).double().numpy())
+    assert np.abs(bf16_round(x[:10000]) / x[:10000] - 1).max() <= 2.0**-8
+
+
+def test_engine_kernels_exist_in_bf16_cu():
+    text = (KERNEL_DIR / "bf16.cu").read_text()
+    defined = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', text))
+    engine = (KERNEL_DIR / "engine.py").read_text()
+    listed = re.search(r'for name in \(\n?(.*?)\)\}', engine, flags=re.S).group(1)
+    wanted = set(re.findall(r'"(\w+)"', listed))
+    assert len(wanted) >= 15
+    assert wanted <= defined, wanted - defined
+    tests = (KERNEL_DIR / "selftest_bf16.py").read_text()
+    # every bf16 kernel has a self-test row that launches it, on its own or inside the whole engine
+    via_engine = {"f32_to_bf16", "embed_fwd", "embed_bwd", "sumsq", "adamw_clip_bf16"}
+    for name in defined - via_engine:
+        assert f'_k("{name}")' in tests, name
+    assert "case_engine" in tests
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES_BF16, ids=lambda c: c[2])
+def test_bf16_selftest_case(case):
+    from nanoeuler.kernels.selftest import poisoned_allocations, rel_err
+
+    fn, shape, label, kwargs = case
+    rng = np.random.default_rng()
+    with poisoned_allocations():
+        rows = fn(rng, shape, **kwargs)
+    for name, got, ref, tol in rows:
+        err = rel_err(got, ref)
+        assert np.isfinite(err) and err <= tol, f"{name} {label}: {err:.2e} > {tol:.0e}"

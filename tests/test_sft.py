@@ -159,3 +159,18 @@ def test_sft_rerun_resumes_and_new_settings_start_fresh(tmp_path, tok):
     assert "other settings" in r.stderr and "lr" in r.stderr
     assert (tmp_path / "sft" / "previous").is_dir()
     assert (tmp_path / "chat.bin").read_bytes() != first
+
+
+def test_sft_after_a_new_base_model_of_another_shape_starts_fresh(tmp_path, tok):
+    save_random_model(tmp_path / "base.bin", tok)
+    write_alpaca(tmp_path / "alpaca.jsonl", n=24)
+    conf = write_config(tmp_path / "c.yaml", sft=SFT)
+    assert sft(tmp_path, conf).returncode == 0
+    from train_fixtures import TINY_MODEL
+
+    save_random_model(tmp_path / "base.bin", tok, model={**TINY_MODEL, "n_layers": 1})
+    r = sft(tmp_path, conf)
+    assert r.returncode == 0, r.stderr
+    assert "another model" in r.stderr and (tmp_path / "sft" / "previous").is_dir()
+    _, cfg, _ = checkpoint.load_model(tmp_path / "chat.bin")
+    assert cfg.n_layers == 1

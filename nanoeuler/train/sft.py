@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir=run_dir, out=out, xp=xp, evaluate=evaluate if val_examples else None,
         identity={"data": {"alpaca_sha256": data_sha, "base_checksum": base_checksum}},
         extra_out={"sft_data": {"train_examples": len(examples), "val_examples": len(val_examples), **counts}},
-        progress=not args.no_progress,
+        progress=not args.no_progress, foreign_model_is_error=False,
     )
     last = loop.train(spec)
     plot_losses([("SFT", rundir.read_jsonl(run_dir / "metrics.jsonl"))], run_dir / "loss.png")

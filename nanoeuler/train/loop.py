@@ -40,8 +40,9 @@ from nanoeuler.backend import to_numpy
 from nanoeuler.errors import UserError
 from nanoeuler.train import rundir
 
-# Training-section keys that change what is logged or kept, not the trajectory.
-COSMETIC_KEYS = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "val_tokens", "val_examples")
+# Training-section keys that change what is logged or kept, not the trajectory. (sft.val_examples is
+# not one of them: the held-out records are not trained on.)
+COSMETIC_KEYS = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "val_tokens")
 
 
 class Batches(Protocol):

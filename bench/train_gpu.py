@@ -46,6 +46,7 @@ if str(ROOT) not in sys.path:
 
 PEAK_BF16 = 989e12
 ALL_MODES = ("torch-eager", "torch-compile", "ours-fp32", "ours-bf16")
+# also available: ours-bf16-fa32 (the bf16 engine with the float32 FlashAttention of attention.cu)
 
 
 def flops_per_token(cfg, T):
@@ -230,14 +231,14 @@ def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log):
     return statistics.median(ms), peak, float(loss)
 
 
-def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log):
+def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, attention="auto"):
     import cupy
 
     from nanoeuler.kernels.engine import Engine
 
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
-    eng = Engine(cfg, params_np, batch=B, seq=T, lr=3e-4)
+    eng = Engine(cfg, params_np, batch=B, seq=T, lr=3e-4, attention=attention)
     data = [(cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32)) for i, t in _windows(cfg, B, T, 2)]
     ms = []
     events = []
@@ -260,6 +261,46 @@ def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log):
     del eng, data
     pool.free_all_blocks()
     return statistics.median(ms), peak, loss
+
+
+def profile_engine(cfg, params_np, B, T, log, attention="auto"):
+    """Kernel time of two engine steps by kernel name (CUPTI through the PyTorch profiler), and by kind."""
+    import cupy
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanoeuler.kernels.engine import Engine
+
+    torch.zeros(1, device="cuda")
+    eng = Engine(cfg, params_np, batch=B, seq=T, lr=3e-4, attention=attention)
+    ids, tg = [(cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32)) for i, t in _windows(cfg, B, T, 3, 1)][0]
+    for _ in range(3):
+        eng.step(ids, tg)
+    cupy.cuda.Stream.null.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            eng.step(ids, tg)
+        cupy.cuda.Stream.null.synchronize()
+    kinds: dict = {}
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if not us or ev.key.startswith("ProfilerStep"):
+            continue
+        name = ev.key
+        low = name.lower()
+        kind = ("attention" if "flash" in low or "attn" in low else
+                "gemm" if any(w in low for w in ("gemm", "sm90", "cutlass", "xmma", "cublas", "nvjet")) else
+                "memcpy/memset" if "memcpy" in low or "memset" in low else "other")
+        kinds[kind] = kinds.get(kind, 0.0) + us / 2
+        rows.append((us / 2, ev.count // 2, name[:90]))
+    total = sum(kinds.values())
+    log(f"profile B{B}xT{T} attention={eng.attention}: {total / 1e3:.1f} ms of kernels per step")
+    for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        log(f"  {kind:<14} {us / 1e3:8.2f} ms  {us / total:6.1%}")
+    for us, n, name in sorted(rows, reverse=True)[:22]:
+        log(f"  {us / 1e3:8.2f} ms  x{n:<4} {name}")
+    del eng
 
 
 # ---- bf16 vs fp32 agreement -----------------------------------------------------------------------
@@ -331,6 +372,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fp32-steps", type=int, default=0, help="timed steps for ours-fp32 (default --steps)")
     ap.add_argument("--agree", type=int, default=0, metavar="STEPS", help="bf16 vs fp32 training run instead")
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--profile", action="store_true", help="print the engine's kernel-time breakdown per row")
     args = ap.parse_args(argv)
 
     from nanoeuler.model import transformer
@@ -370,6 +412,11 @@ def main(argv=None) -> int:
     results = []
     for B, T in rows:
         fpt = flops_per_token(cfg, T)
+        if args.profile:
+            try:
+                profile_engine(cfg, params_np, B, T, log)
+            except Exception as exc:
+                log(f"  profile failed: {type(exc).__name__}: {str(exc)[:200]}")
         for mode in modes:
             log(f"{mode} B{B}xT{T}")
             t0 = time.perf_counter()
@@ -382,6 +429,8 @@ def main(argv=None) -> int:
                     ms, peak, loss = ours_fp32_run(cfg, params_np, B, T, args.fp32_steps or args.steps, 2, log)
                 elif mode == "ours-bf16":
                     ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log)
+                elif mode == "ours-bf16-fa32":
+                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log, "fp32")
                 else:
                     raise ValueError(f"unknown mode {mode}")
             except Exception as exc:  # one failing mode must not lose the other rows

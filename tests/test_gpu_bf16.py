@@ -23,6 +23,9 @@ def test_bf16_rounding_matches_torch():
 def test_engine_kernels_exist_in_bf16_cu():
     text = (KERNEL_DIR / "bf16.cu").read_text()
     defined = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', text))
+    defined.discard("__launch_bounds__")  # the macro-made flash kernels, checked below
+    for d in (32, 64):
+        assert f"FLASH_MMA_KERNELS({d})" in text
     engine = (KERNEL_DIR / "engine.py").read_text()
     listed = re.search(r'for name in \(\n?(.*?)\)\}', engine, flags=re.S).group(1)
     wanted = set(re.findall(r'"(\w+)"', listed))
@@ -33,7 +36,7 @@ def test_engine_kernels_exist_in_bf16_cu():
     via_engine = {"f32_to_bf16", "embed_fwd", "embed_bwd", "sumsq", "adamw_clip_bf16"}
     for name in defined - via_engine:
         assert f'_k("{name}")' in tests, name
-    assert "case_engine" in tests
+    assert "case_engine" in tests and 'f"flash_fwd_mma_d{D}"' in tests
 
 
 @pytest.mark.gpu

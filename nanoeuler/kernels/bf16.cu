@@ -371,3 +371,412 @@ extern "C" __global__ void __launch_bounds__(256) adamw_clip_bf16(
         pb[i] = f2bf(pi);
     }
 }
+
+// ---- tensor-core FlashAttention (bf16 operands, float32 accumulation) --------------------------------
+//
+// Causal GQA attention for head size D (32 or 64) with mma.sync m16n8k16 (bf16 in, float32 out).
+// Layouts: q (B,H,T,D), k/v (B,Hkv,T,D) bf16; O and dO in the o_proj operand layout (N, H*D) bf16 with
+// row n = b*T + t; lse/delta (B,H,T) float32; dq (B,H,T,D), dk/dv (B,Hkv,T,D) float32.
+// Reference: nanoeuler.model.layers.attention_forward / attention_backward (S == T).
+//
+// Every block has 4 warps and owns 64 rows (queries, or keys in dkdv); each warp owns 16 of them and
+// keeps its operand fragments in registers. Tiles of the other side (64 rows) pass through shared
+// memory, once row-major (for products over d) and, where a product runs over the tile's rows, once
+// transposed. Rows are padded by 8 bf16 so the fragment loads hit 32 distinct banks.
+// mma fragment layout (PTX m16n8k16, g = lane/4, c = lane%4): A regs (row g | g+8) x (cols 2c,2c+1 |
+// 2c+8,2c+9); B regs (k rows 2c,2c+1 | 2c+8,2c+9) x (col g); C (row g | g+8) x (cols 2c, 2c+1).
+// Softmax runs in base 2: s2 = s * scale * log2(e); lse is stored in natural units.
+
+#define FA_BR 64
+#define FA_PAD 8
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
+}
+
+__device__ __forceinline__ unsigned ld32(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
+
+// A fragments of 16 rows x D from a row-major bf16 matrix (row stride ld elements); rows >= rmax read 0.
+template <int D>
+__device__ __forceinline__ void load_a_frags(unsigned (&a)[D / 16][4], const bf16* base, long long ld, int r0,
+                                             int rmax, int g, int c) {
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+        const int col = kc * 16 + 2 * c;
+        const bool okA = r0 + g < rmax, okB = r0 + g + 8 < rmax;
+        const bf16* pa = base + (long long)(r0 + g) * ld + col;
+        const bf16* pb = base + (long long)(r0 + g + 8) * ld + col;
+        a[kc][0] = okA ? ld32(pa) : 0u;
+        a[kc][1] = okB ? ld32(pb) : 0u;
+        a[kc][2] = okA ? ld32(pa + 8) : 0u;
+        a[kc][3] = okB ? ld32(pb + 8) : 0u;
+    }
+}
+
+// Copies a 64-row tile (rows r0.., row stride ld) into shared memory, row-major (rm, may be null) and/or
+// transposed (tr, may be null); rows >= rmax become zeros. 128 threads, 16-byte loads.
+template <int D>
+__device__ __forceinline__ void load_tile(bf16 (*rm)[D + FA_PAD], bf16 (*tr)[FA_BR + FA_PAD], const bf16* base,
+                                          long long ld, int r0, int rmax) {
+    for (int i = threadIdx.x; i < FA_BR * D / 8; i += blockDim.x) {
+        const int row = i / (D / 8), c8 = (i % (D / 8)) * 8;
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if (r0 + row < rmax) val = *reinterpret_cast<const uint4*>(base + (long long)(r0 + row) * ld + c8);
+        if (rm) *reinterpret_cast<uint4*>(&rm[row][c8]) = val;
+        if (tr) {
+            const bf16* e = reinterpret_cast<const bf16*>(&val);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) tr[c8 + j][row] = e[j];
+        }
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                   const bf16* __restrict__ v, bf16* __restrict__ o,
+                                                   float* __restrict__ lse, int H, int Hkv, int T, float scale) {
+    constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8;
+    __shared__ __align__(16) bf16 Ks[FA_BR][D + FA_PAD];
+    __shared__ __align__(16) bf16 Vt[D][FA_BR + FA_PAD];
+    const int nqb = (T + FA_BR - 1) / FA_BR;
+    const int qb = nqb - 1 - blockIdx.x;  // longest rows first
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const bf16* qh = q + (long long)bh * T * D;
+    const bf16* kh = k + ((long long)b * Hkv + hk) * T * D;
+    const bf16* vh = v + ((long long)b * Hkv + hk) * T * D;
+    const int r0 = qb * FA_BR + warp * 16;
+    unsigned qa[KC][4];
+    load_a_frags<D>(qa, qh, D, r0, T, g, c);
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    const float NEG = __int_as_float(0xff800000);
+    float m0 = NEG, m1 = NEG, l0 = 0.f, l1 = 0.f;
+    const float sl2 = scale * LOG2E;
+    const int rowA = r0 + g, rowB = r0 + g + 8;
+    for (int kb = 0; kb <= qb; ++kb) {
+        __syncthreads();
+        load_tile<D>(Ks, nullptr, kh, D, kb * FA_BR, T);
+        load_tile<D>(nullptr, Vt, vh, D, kb * FA_BR, T);
+        __syncthreads();
+        float s[ST][4];
+#pragma unroll
+        for (int n = 0; n < ST; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kc = 0; kc < KC; ++kc)
+                mma16816(s[n], qa[kc], ld32(&Ks[n * 8 + g][kc * 16 + 2 * c]), ld32(&Ks[n * 8 + g][kc * 16 + 2 * c + 8]));
+        }
+        float mx0 = NEG, mx1 = NEG;
+#pragma unroll
+        for (int n = 0; n < ST; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = kb * FA_BR + n * 8 + 2 * c + (e & 1);
+                const int row = e < 2 ? rowA : rowB;
+                s[n][e] = (key <= row && key < T) ? s[n][e] * sl2 : NEG;
+            }
+            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float base0 = mn0 == NEG ? 0.f : mn0, base1 = mn1 == NEG ? 0.f : mn1;
+        const float al0 = exp2f(m0 - base0), al1 = exp2f(m1 - base1);
+        m0 = mn0;
+        m1 = mn1;
+        l0 *= al0;
+        l1 *= al1;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            acc[n][0] *= al0; acc[n][1] *= al0;
+            acc[n][2] *= al1; acc[n][3] *= al1;
+        }
+#pragma unroll
+        for (int n = 0; n < ST; ++n) {
+            s[n][0] = exp2f(s[n][0] - base0); s[n][1] = exp2f(s[n][1] - base0);
+            s[n][2] = exp2f(s[n][2] - base1); s[n][3] = exp2f(s[n][3] - base1);
+            l0 += s[n][0] + s[n][1];
+            l1 += s[n][2] + s[n][3];
+        }
+#pragma unroll
+        for (int kk = 0; kk < FA_BR / 16; ++kk) {
+            const unsigned pa[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
+                                    pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                mma16816(acc[n], pa, ld32(&Vt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Vt[n * 8 + g][kk * 16 + 2 * c + 8]));
+        }
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+    const long long HD = (long long)H * D;
+    if (rowA < T) {
+        bf16* orow = o + ((long long)b * T + rowA) * HD + (long long)h * D;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+            *reinterpret_cast<unsigned*>(orow + n * 8 + 2 * c) = pack2(acc[n][0] * inv0, acc[n][1] * inv0);
+        if (c == 0) lse[(long long)bh * T + rowA] = (m0 + log2f(l0)) * LN2;
+    }
+    if (rowB < T) {
+        bf16* orow = o + ((long long)b * T + rowB) * HD + (long long)h * D;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+            *reinterpret_cast<unsigned*>(orow + n * 8 + 2 * c) = pack2(acc[n][2] * inv1, acc[n][3] * inv1);
+        if (c == 0) lse[(long long)bh * T + rowB] = (m1 + log2f(l1)) * LN2;
+    }
+}
+
+// dk, dv for 64 keys of one (b, kv head): loops over the group's query heads and the query tiles at or
+// after the keys' tile.
+template <int D>
+__device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
+    const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
+    const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dk, float* __restrict__ dv,
+    int H, int Hkv, int T, float scale) {
+    constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8;
+    __shared__ __align__(16) bf16 Qs[FA_BR][D + FA_PAD];
+    __shared__ __align__(16) bf16 Qt[D][FA_BR + FA_PAD];
+    __shared__ __align__(16) bf16 Ds[FA_BR][D + FA_PAD];
+    __shared__ __align__(16) bf16 Dt[D][FA_BR + FA_PAD];
+    __shared__ float lse_s[FA_BR], delta_s[FA_BR];
+    const int nb = (T + FA_BR - 1) / FA_BR;
+    const int kb = blockIdx.x;  // the first keys see the most queries: they start first
+    const int bhk = blockIdx.y, b = bhk / Hkv, hk = bhk % Hkv, G = H / Hkv;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const long long HD = (long long)H * D;
+    const int r0 = kb * FA_BR + warp * 16;  // this warp's first key
+    unsigned ka[KC][4], va[KC][4];
+    load_a_frags<D>(ka, k + (long long)bhk * T * D, D, r0, T, g, c);
+    load_a_frags<D>(va, v + (long long)bhk * T * D, D, r0, T, g, c);
+    float dka[NT][4], dva[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        dka[n][0] = dka[n][1] = dka[n][2] = dka[n][3] = 0.f;
+        dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.f;
+    }
+    const float sl2 = scale * LOG2E;
+    const int keyA = r0 + g, keyB = r0 + g + 8;
+    for (int hq = 0; hq < G; ++hq) {
+        const int h = hk * G + hq;
+        const long long bh = (long long)b * H + h;
+        for (int qb = kb; qb < nb; ++qb) {
+            __syncthreads();
+            load_tile<D>(Qs, Qt, q + bh * T * D, D, qb * FA_BR, T);
+            load_tile<D>(Ds, Dt, dO + (long long)b * T * HD + (long long)h * D, HD, qb * FA_BR, T);
+            for (int i = threadIdx.x; i < FA_BR; i += blockDim.x) {
+                const int t = qb * FA_BR + i;
+                lse_s[i] = t < T ? lse[bh * T + t] * LOG2E : 0.f;
+                delta_s[i] = t < T ? delta[bh * T + t] : 0.f;
+            }
+            __syncthreads();
+            float s[ST][4], dp[ST][4];
+#pragma unroll
+            for (int n = 0; n < ST; ++n) {
+                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+                dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+#pragma unroll
+                for (int kc = 0; kc < KC; ++kc) {
+                    mma16816(s[n], ka[kc], ld32(&Qs[n * 8 + g][kc * 16 + 2 * c]), ld32(&Qs[n * 8 + g][kc * 16 + 2 * c + 8]));
+                    mma16816(dp[n], va[kc], ld32(&Ds[n * 8 + g][kc * 16 + 2 * c]), ld32(&Ds[n * 8 + g][kc * 16 + 2 * c + 8]));
+                }
+            }
+            // P^T and dS^T = P^T * (dP^T - delta), rows = keys, cols = queries
+#pragma unroll
+            for (int n = 0; n < ST; ++n) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int qi = n * 8 + 2 * c + (e & 1);
+                    const int t = qb * FA_BR + qi;
+                    const int key = e < 2 ? keyA : keyB;
+                    const float p = (t >= key && t < T && key < T) ? exp2f(s[n][e] * sl2 - lse_s[qi]) : 0.f;
+                    s[n][e] = p;
+                    dp[n][e] = p * (dp[n][e] - delta_s[qi]);
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < FA_BR / 16; ++kk) {
+                const unsigned pa[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
+                                        pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                const unsigned da[4] = {pack2(dp[2 * kk][0], dp[2 * kk][1]), pack2(dp[2 * kk][2], dp[2 * kk][3]),
+                                        pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                                        pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    mma16816(dva[n], pa, ld32(&Dt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Dt[n * 8 + g][kk * 16 + 2 * c + 8]));
+                    mma16816(dka[n], da, ld32(&Qt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Qt[n * 8 + g][kk * 16 + 2 * c + 8]));
+                }
+            }
+        }
+    }
+    float* dkh = dk + (long long)bhk * T * D;
+    float* dvh = dv + (long long)bhk * T * D;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const int col = n * 8 + 2 * c;
+        if (keyA < T) {
+            *reinterpret_cast<float2*>(dkh + (long long)keyA * D + col) = make_float2(dka[n][0] * scale, dka[n][1] * scale);
+            *reinterpret_cast<float2*>(dvh + (long long)keyA * D + col) = make_float2(dva[n][0], dva[n][1]);
+        }
+        if (keyB < T) {
+            *reinterpret_cast<float2*>(dkh + (long long)keyB * D + col) = make_float2(dka[n][2] * scale, dka[n][3] * scale);
+            *reinterpret_cast<float2*>(dvh + (long long)keyB * D + col) = make_float2(dva[n][2], dva[n][3]);
+        }
+    }
+}
+
+// dq for 64 queries of one (b, h): loops over the key tiles up to the diagonal.
+template <int D>
+__device__ __forceinline__ void flash_bwd_dq_mma_impl(
+    const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
+    const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq, int H, int Hkv, int T,
+    float scale) {
+    constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8;
+    __shared__ __align__(16) bf16 Ks[FA_BR][D + FA_PAD];
+    __shared__ __align__(16) bf16 Kt[D][FA_BR + FA_PAD];
+    __shared__ __align__(16) bf16 Vs[FA_BR][D + FA_PAD];
+    const int nb = (T + FA_BR - 1) / FA_BR;
+    const int qb = nb - 1 - blockIdx.x;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const long long HD = (long long)H * D;
+    const int r0 = qb * FA_BR + warp * 16;
+    const int rowA = r0 + g, rowB = r0 + g + 8;
+    unsigned qa[KC][4], doa[KC][4];
+    load_a_frags<D>(qa, q + (long long)bh * T * D, D, r0, T, g, c);
+    load_a_frags<D>(doa, dO + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
+    const float lA = rowA < T ? lse[(long long)bh * T + rowA] * LOG2E : 0.f;
+    const float lB = rowB < T ? lse[(long long)bh * T + rowB] * LOG2E : 0.f;
+    const float dA = rowA < T ? delta[(long long)bh * T + rowA] : 0.f;
+    const float dB = rowB < T ? delta[(long long)bh * T + rowB] : 0.f;
+    const bf16* kh = k + ((long long)b * Hkv + hk) * T * D;
+    const bf16* vh = v + ((long long)b * Hkv + hk) * T * D;
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    const float sl2 = scale * LOG2E;
+    for (int kb = 0; kb <= qb; ++kb) {
+        __syncthreads();
+        load_tile<D>(Ks, Kt, kh, D, kb * FA_BR, T);
+        load_tile<D>(Vs, nullptr, vh, D, kb * FA_BR, T);
+        __syncthreads();
+        float s[ST][4], dp[ST][4];
+#pragma unroll
+        for (int n = 0; n < ST; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+#pragma unroll
+            for (int kc = 0; kc < KC; ++kc) {
+                mma16816(s[n], qa[kc], ld32(&Ks[n * 8 + g][kc * 16 + 2 * c]), ld32(&Ks[n * 8 + g][kc * 16 + 2 * c + 8]));
+                mma16816(dp[n], doa[kc], ld32(&Vs[n * 8 + g][kc * 16 + 2 * c]), ld32(&Vs[n * 8 + g][kc * 16 + 2 * c + 8]));
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < ST; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = kb * FA_BR + n * 8 + 2 * c + (e & 1);
+                const int row = e < 2 ? rowA : rowB;
+                const float p = (key <= row && key < T && row < T) ? exp2f(s[n][e] * sl2 - (e < 2 ? lA : lB)) : 0.f;
+                dp[n][e] = p * (dp[n][e] - (e < 2 ? dA : dB));
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < FA_BR / 16; ++kk) {
+            const unsigned da[4] = {pack2(dp[2 * kk][0], dp[2 * kk][1]), pack2(dp[2 * kk][2], dp[2 * kk][3]),
+                                    pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                mma16816(acc[n], da, ld32(&Kt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Kt[n * 8 + g][kk * 16 + 2 * c + 8]));
+        }
+    }
+    float* dqh = dq + (long long)bh * T * D;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const int col = n * 8 + 2 * c;
+        if (rowA < T) *reinterpret_cast<float2*>(dqh + (long long)rowA * D + col) = make_float2(acc[n][0] * scale, acc[n][1] * scale);
+        if (rowB < T) *reinterpret_cast<float2*>(dqh + (long long)rowB * D + col) = make_float2(acc[n][2] * scale, acc[n][3] * scale);
+    }
+}
+
+#define FLASH_MMA_KERNELS(D)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_d##D(                                        \
+        const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int H, int Hkv, int T, float scale) {     \
+        flash_fwd_mma_impl<D>(q, k, v, o, lse, H, Hkv, T, scale);                                                 \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_mma_d##D(                                   \
+        const bf16* q, const bf16* k, const bf16* v, const bf16* dO, const float* lse, const float* delta,       \
+        float* dk, float* dv, int H, int Hkv, int T, float scale) {                                              \
+        flash_bwd_dkdv_mma_impl<D>(q, k, v, dO, lse, delta, dk, dv, H, Hkv, T, scale);                            \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_mma_d##D(                                     \
+        const bf16* q, const bf16* k, const bf16* v, const bf16* dO, const float* lse, const float* delta,       \
+        float* dq, int H, int Hkv, int T, float scale) {                                                         \
+        flash_bwd_dq_mma_impl<D>(q, k, v, dO, lse, delta, dq, H, Hkv, T, scale);                                  \
+    }
+
+FLASH_MMA_KERNELS(32)
+FLASH_MMA_KERNELS(64)
+
+// delta (B,H,T) = rowsum(dO * O), both bf16 in the (N, H*D) layout. One warp per (row, head).
+extern "C" __global__ void __launch_bounds__(256) attn_delta_bf16(const bf16* __restrict__ a, const bf16* __restrict__ da,
+                                                                  float* __restrict__ delta, int T, int H, int D,
+                                                                  long long rows) {
+    const long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (r >= rows) return;
+    const long long n = r / H;
+    const int h = (int)(r % H);
+    float acc = 0.f;
+    for (int d = lane; d < D; d += 32) acc = fmaf(bf2f(a[r * D + d]), bf2f(da[r * D + d]), acc);
+    acc = warp_sum(acc);
+    if (lane == 0) delta[((n / T) * H + h) * T + (n % T)] = acc;
+}
+
+// As qkv_rope_split, with bf16 outputs (the tensor-core attention's operands).
+extern "C" __global__ void qkv_rope_split_bf16(const bf16* __restrict__ qkv, const float* __restrict__ cos_t,
+                                               const float* __restrict__ sin_t, bf16* __restrict__ q,
+                                               bf16* __restrict__ k, bf16* __restrict__ v, int T, int H, int Hkv,
+                                               int D, long long n_pairs) {
+    const int half = D / 2, heads = H + 2 * Hkv;
+    for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < n_pairs;
+         p += (long long)gridDim.x * blockDim.x) {
+        const int i = (int)(p % half);
+        const long long hp = p / half;
+        const int hh = (int)(hp % heads);
+        const long long n = hp / heads;
+        const int t = (int)(n % T);
+        const long long b = n / T;
+        const bf16* src = qkv + n * (long long)heads * D + (long long)hh * D;
+        bf16* dst;
+        if (hh < H) dst = q + ((b * H + hh) * T + t) * (long long)D;
+        else if (hh < H + Hkv) dst = k + ((b * Hkv + (hh - H)) * T + t) * (long long)D;
+        else dst = v + ((b * Hkv + (hh - H - Hkv)) * T + t) * (long long)D;
+        if (hh < H + Hkv) {
+            const float x1 = bf2f(src[i]), x2 = bf2f(src[i + half]);
+            const float c = cos_t[t * half + i], s = sin_t[t * half + i];
+            dst[i] = f2bf(x1 * c - x2 * s);
+            dst[i + half] = f2bf(x2 * c + x1 * s);
+        } else {
+            dst[i] = src[i];
+            dst[i + half] = src[i + half];
+        }
+    }
+}

@@ -13,8 +13,10 @@ softmax and the loss are float32. Every matrix product runs on the tensor cores 
 (`cublasGemmEx`, bf16 operands, float32 accumulation); its operands are bf16 copies: the weights (a
 bf16 image of the master weights that the AdamW kernel rewrites after each update), the normed
 activations, the SwiGLU output, the attention output and the gradients flowing into each GEMM.
-Products that feed the residual stream or a weight gradient write float32; the attention core is
-the float32 FlashAttention of `attention.cu` on float32 q/k/v.
+Products that feed the residual stream or a weight gradient write float32. Attention runs on the
+tensor cores too (`flash_*_mma` in bf16.cu: bf16 q/k/v/O/dO, float32 softmax statistics and
+accumulators) for head sizes 32 and 64; `attention="fp32"` selects the float32 FlashAttention of
+`attention.cu` on float32 q/k/v instead (the only choice for other head sizes).
 
 Memory. All tensors live in buffers allocated once in `__init__`: three flat float32 arrays for
 parameters/gradients/moments (plus the second moment and the bf16 image), per-layer activations
@@ -47,6 +49,7 @@ _OP_N, _OP_T = 0, 1
 
 _ALIGN = 64  # elements: every tensor of the flat buffers starts 256-byte aligned (float32)
 _FLASH = {16: (1, 128), 32: (1, 128), 64: (2, 64), 128: (4, 32)}  # as in ops.py / attention.cu
+_MMA_HEAD_DIMS = (32, 64)  # tensor-core FlashAttention of bf16.cu
 
 BF16_STORAGE = np.uint16  # bf16 words; converted by the kernels
 
@@ -111,7 +114,12 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, params: dict, *, batch: int, seq: int, lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, max_norm: float = 1.0,
-                 no_decay=None, chunk_bytes: int = 64 * 2**20):
+                 no_decay=None, chunk_bytes: int = 64 * 2**20, attention: str = "auto"):
+        if attention == "auto":
+            attention = "mma" if cfg.head_dim in _MMA_HEAD_DIMS else "fp32"
+        if attention not in ("mma", "fp32") or (attention == "mma" and cfg.head_dim not in _MMA_HEAD_DIMS):
+            raise ValueError(f"attention {attention!r} for head_dim {cfg.head_dim}")
+        self.attention = attention
         if cfg.head_dim not in _FLASH:
             raise ValueError(f"head_dim {cfg.head_dim} not supported by the attention kernels ({sorted(_FLASH)})")
         if cfg.dim > 256 * 8:
@@ -188,7 +196,11 @@ class Engine:
         self._k = {name: kernel("bf16", name) for name in (
             "f32_to_bf16", "embed_fwd", "embed_bwd", "rmsnorm_fwd_bf16", "rmsnorm_bwd_bf16", "qkv_rope_split",
             "rope_bwd_pack", "attn_pack", "attn_delta", "swiglu_fwd_bf16", "swiglu_bwd_bf16", "ce_head_scale",
-            "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16")}
+            "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16",
+            "attn_delta_bf16")}
+        if attention == "mma":
+            self._mma = {name: kernel("bf16", f"{name}_d{D}") for name in ("flash_fwd_mma", "flash_bwd_dkdv_mma",
+                                                                            "flash_bwd_dq_mma")}
         self._flash = {name: kernel("attention", f"{name}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
                                                                                 "flash_bwd_dq")}
         self._k["f32_to_bf16"](_grid(off), (256,), (self.P, self.Pb, np.int64(off)))
@@ -230,19 +242,20 @@ class Engine:
         self.rstd2 = [e(N) for _ in range(L)]
         self.h1 = [e((N, C), bf) for _ in range(L)]
         self.h2 = [e((N, C), bf) for _ in range(L)]
-        self.q = [e((B, H, T, D)) for _ in range(L)]
-        self.k = [e((B, Hkv, T, D)) for _ in range(L)]
-        self.v = [e((B, Hkv, T, D)) for _ in range(L)]
+        qdt = bf if attention == "mma" else f32  # the attention operands
+        self.q = [e((B, H, T, D), qdt) for _ in range(L)]
+        self.k = [e((B, Hkv, T, D), qdt) for _ in range(L)]
+        self.v = [e((B, Hkv, T, D), qdt) for _ in range(L)]
         self.lse = [e((B, H, T)) for _ in range(L)]
         self.a = [e((N, HD), bf) for _ in range(L)]
         self.gu = [e((N, 2 * F), bf) for _ in range(L)]
         self.qkv = e((N, self.QKV), bf)
-        self.att = e((B, H, T, D))  # attention output (forward) / dq (backward)
+        self.att = e((B, H, T, D))  # fp32 attention output (forward) / dq (backward)
         self.m = e((N, F), bf)
         self.dm = e((N, F))
         self.dgu = e((N, 2 * F), bf)
         self.dh = e((N, C))
-        self.da = e((N, HD))
+        self.da = e((N, HD), qdt)  # gradient of the attention output
         self.delta = e((B, H, T))
         self.dk = e((B, Hkv, T, D))
         self.dv = e((B, Hkv, T, D))
@@ -367,6 +380,8 @@ class Engine:
         das = (i64(T * HD), i64(D), i64(HD))
         dims = (i32(H), i32(Hkv), i32(T), i32(T), scale)
         pairs = N * (H + 2 * Hkv) * (D // 2)
+        nqb = -(-T // 64)  # 64-row tiles of the tensor-core attention
+        mdims = (i32(H), i32(Hkv), i32(T), scale)
         norm_grid = ((N + 3) // 4,)
         eps = f32(cfg.norm_eps)
         xs, xmid = self.xs, self.xmid
@@ -375,11 +390,17 @@ class Engine:
             w = self.Lw[i]
             k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i], w["n1"], self.h1[i], self.rstd1[i], i32(N), i32(C), eps))
             gemm(self.mqkv, self.mh1[i], w["qkv"], tb=True)
-            k["qkv_rope_split"](_grid(pairs), (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i], self.v[i],
-                                                       i32(T), i32(H), i32(Hkv), i32(D), i64(pairs)))
-            self._flash["flash_fwd"]((-(-T // rows), B * H), (rows * G,),
-                                     (self.q[i], *qs, self.k[i], *ks, self.v[i], *ks, self.att, self.lse[i], *dims))
-            k["attn_pack"](_grid(N * HD), (256,), (self.att, self.a[i], i32(T), i32(H), i32(D), i64(N * HD)))
+            if self.attention == "mma":
+                k["qkv_rope_split_bf16"](_grid(pairs), (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i],
+                                                                self.v[i], i32(T), i32(H), i32(Hkv), i32(D), i64(pairs)))
+                self._mma["flash_fwd_mma"]((nqb, B * H), (128,), (self.q[i], self.k[i], self.v[i], self.a[i],
+                                                                 self.lse[i], i32(H), i32(Hkv), i32(T), scale))
+            else:
+                k["qkv_rope_split"](_grid(pairs), (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i], self.v[i],
+                                                           i32(T), i32(H), i32(Hkv), i32(D), i64(pairs)))
+                self._flash["flash_fwd"]((-(-T // rows), B * H), (rows * G,),
+                                         (self.q[i], *qs, self.k[i], *ks, self.v[i], *ks, self.att, self.lse[i], *dims))
+                k["attn_pack"](_grid(N * HD), (256,), (self.att, self.a[i], i32(T), i32(H), i32(D), i64(N * HD)))
             cp.cuda.runtime.memcpyAsync(xmid[i].data.ptr, xs[i].data.ptr, xs[i].nbytes, 3, stream)
             gemm(self.mxmid[i], self.ma[i], w["o"], tb=True, beta=1.0)
             k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xmid[i], w["n2"], self.h2[i], self.rstd2[i], i32(N), i32(C), eps))
@@ -422,13 +443,20 @@ class Engine:
             # attention half: x_mid = x_in + o(attn(rope(q(h1)), rope(k(h1)), v(h1)))
             gemm(w["do"], self.mdxb, self.ma[i], ta=True)
             gemm(self.mda, self.mdxb, w["o"])
-            k["attn_delta"]((-(-(N * H) // 8),), (256,), (self.a[i], self.da, self.delta, i32(T), i32(H), i32(D),
-                                                           i64(N * H)))
-            qkv = (self.q[i], *qs, self.k[i], *ks, self.v[i], *ks)
-            self._flash["flash_bwd_dkdv"]((-(-T // rows), B * Hkv), (rows * G,),
-                                          (*qkv, self.da, *das, self.lse[i], self.delta, self.dk, self.dv, *dims))
-            self._flash["flash_bwd_dq"]((-(-T // rows), B * H), (rows * G,),
-                                        (*qkv, self.da, *das, self.lse[i], self.delta, self.att, *dims))
+            if self.attention == "mma":
+                k["attn_delta_bf16"]((-(-(N * H) // 8),), (256,), (self.a[i], self.da, self.delta, i32(T), i32(H),
+                                                                   i32(D), i64(N * H)))
+                qkv = (self.q[i], self.k[i], self.v[i], self.da, self.lse[i], self.delta)
+                self._mma["flash_bwd_dkdv_mma"]((nqb, B * Hkv), (128,), (*qkv, self.dk, self.dv, *mdims))
+                self._mma["flash_bwd_dq_mma"]((nqb, B * H), (128,), (*qkv, self.att, *mdims))
+            else:
+                k["attn_delta"]((-(-(N * H) // 8),), (256,), (self.a[i], self.da, self.delta, i32(T), i32(H), i32(D),
+                                                               i64(N * H)))
+                qkv = (self.q[i], *qs, self.k[i], *ks, self.v[i], *ks)
+                self._flash["flash_bwd_dkdv"]((-(-T // rows), B * Hkv), (rows * G,),
+                                              (*qkv, self.da, *das, self.lse[i], self.delta, self.dk, self.dv, *dims))
+                self._flash["flash_bwd_dq"]((-(-T // rows), B * H), (rows * G,),
+                                            (*qkv, self.da, *das, self.lse[i], self.delta, self.att, *dims))
             k["rope_bwd_pack"](_grid(pairs), (256,), (self.att, self.dk, self.dv, self.cos, self.sin, self.dqkv,
                                                       i32(T), i32(H), i32(Hkv), i32(D), i64(pairs)))
             gemm(w["dqkv"], self.mdqkv, self.mh1[i], ta=True)

@@ -102,6 +102,10 @@ def case_bf16_rope(rng, shape):
     pairs = N * (H + 2 * Hkv) * (D // 2)
     args = (np.int32(T), np.int32(H), np.int32(Hkv), np.int32(D), np.int64(pairs))
     _k("qkv_rope_split")(((pairs + 255) // 256,), (256,), (qkv_b, _g(cos), _g(sin), q, k, v, *args))
+    qh = cupy.empty((B, H, T, D), dtype=np.uint16)
+    kh = cupy.empty((B, Hkv, T, D), dtype=np.uint16)
+    vh = cupy.empty((B, Hkv, T, D), dtype=np.uint16)
+    _k("qkv_rope_split_bf16")(((pairs + 255) // 256,), (256,), (qkv_b, _g(cos), _g(sin), qh, kh, vh, *args))
     c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
     x = qkv.reshape(B, T, H + 2 * Hkv, D).transpose(0, 2, 1, 3)
     qr = layers.rope_forward(x[:, :H], c64, s64)
@@ -112,7 +116,10 @@ def case_bf16_rope(rng, shape):
     _k("rope_bwd_pack")(((pairs + 255) // 256,), (256,), (_g(dq), _g(dk), _g(dv), _g(cos), _g(sin), out, *args))
     ref = np.concatenate([layers.rope_backward(dq, c64, s64), layers.rope_backward(dk, c64, s64), dv], axis=1)
     ref = ref.transpose(0, 2, 1, 3).reshape(N, W)
-    return [("bf16 qkv_rope_split q", q, qr, TOL_FP32), ("bf16 qkv_rope_split k", k, kr, TOL_FP32),
+    return [("bf16 qkv_rope_split_bf16 q", from_bf16(qh.get()), qr, TOL_BF16),
+            ("bf16 qkv_rope_split_bf16 k", from_bf16(kh.get()), kr, TOL_BF16),
+            ("bf16 qkv_rope_split_bf16 v", from_bf16(vh.get()), vr, TOL_FP32),
+            ("bf16 qkv_rope_split q", q, qr, TOL_FP32), ("bf16 qkv_rope_split k", k, kr, TOL_FP32),
             ("bf16 qkv_rope_split v", v, vr, TOL_FP32), ("bf16 rope_bwd_pack", from_bf16(out.get()), ref, TOL_BF16)]
 
 
@@ -190,6 +197,46 @@ def case_bf16_ce_heads(rng, shape):
             ("bf16 ce_heads dlogits", from_bf16(dlg.get()), dref, TOL_BF16)]
 
 
+def case_bf16_flash(rng, shape):
+    """shape (B, H, Hkv, T, D): tensor-core causal GQA attention forward and backward on bf16 operands,
+    against the float64 layer on the same (bf16-valued) inputs."""
+    import cupy
+
+    from nanoeuler.kernels import kernel
+    from nanoeuler.model import layers
+
+    B, H, Hkv, T, D = shape
+    N = B * T
+    qb, q = _dev_bf16(_randn(rng, (B, H, T, D), 1.5))
+    kb, k = _dev_bf16(_randn(rng, (B, Hkv, T, D), 1.5))
+    vb, v = _dev_bf16(_randn(rng, (B, Hkv, T, D)))
+    dout = _randn(rng, (B, H, T, D))
+    db, d64 = _dev_bf16(dout.transpose(0, 2, 1, 3).reshape(N, H * D))  # dO in the (N, H*D) layout
+    scale = np.float32(1.0 / math.sqrt(D))
+    dims = (np.int32(H), np.int32(Hkv), np.int32(T), scale)
+    nb = -(-T // 64)
+    o = cupy.empty((N, H * D), dtype=np.uint16)
+    lse = cupy.empty((B, H, T), dtype=np.float32)
+    kernel("bf16", f"flash_fwd_mma_d{D}")((nb, B * H), (128,), (qb, kb, vb, o, lse, *dims))
+    delta = cupy.empty((B, H, T), dtype=np.float32)
+    _k("attn_delta_bf16")((-(-(N * H) // 8),), (256,), (o, db, delta, np.int32(T), np.int32(H), np.int32(D),
+                                                       np.int64(N * H)))
+    dq = cupy.empty((B, H, T, D), dtype=np.float32)
+    dk = cupy.empty((B, Hkv, T, D), dtype=np.float32)
+    dv = cupy.empty((B, Hkv, T, D), dtype=np.float32)
+    kernel("bf16", f"flash_bwd_dkdv_mma_d{D}")((nb, B * Hkv), (128,), (qb, kb, vb, db, lse, delta, dk, dv, *dims))
+    kernel("bf16", f"flash_bwd_dq_mma_d{D}")((nb, B * H), (128,), (qb, kb, vb, db, lse, delta, dq, *dims))
+    out_r, cache = layers.attention_forward(q, k, v)
+    dq_r, dk_r, dv_r = layers.attention_backward(d64.reshape(B, T, H, D).transpose(0, 2, 1, 3), cache)
+    s = np.einsum("bhtd,bhsd->bhts", q, np.repeat(k, H // Hkv, axis=1)) / math.sqrt(D)
+    s = np.where(np.tril(np.ones((T, T), dtype=bool)), s, -np.inf)
+    lse_r = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+    return [("flash mma fwd out", from_bf16(o.get()), out_r.transpose(0, 2, 1, 3).reshape(N, H * D), TOL_BF16),
+            ("flash mma fwd lse", lse, lse_r, TOL_FP32),
+            ("flash mma bwd dq", dq, dq_r, TOL_BF16), ("flash mma bwd dk", dk, dk_r, TOL_BF16),
+            ("flash mma bwd dv", dv, dv_r, TOL_BF16)]
+
+
 def _engine_problem(rng, cfg, B, T):
     from nanoeuler.model.gradcheck import random_problem
 
@@ -211,13 +258,13 @@ def case_engine(rng, shape):
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.optim import AdamW, clip_grad_norm
 
-    which, B, T = shape
+    which, B, T, attention = shape
     if which == "small":
         cfg = ModelConfig.named("small")
     else:
         cfg = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=256, mtp_heads=4)
     params, inputs, targets = _engine_problem(rng, cfg, B, T)
-    eng = Engine(cfg, params, batch=B, seq=T, max_norm=0.5)
+    eng = Engine(cfg, params, batch=B, seq=T, max_norm=0.5, attention=attention)
     eng.forward_backward(_g(inputs, np.int32), _g(targets, np.int32))
     p64 = {n: p.astype(np.float64) for n, p in params.items()}
     loss_ref, g_ref = transformer.loss_and_grads(p64, inputs, targets, cfg)
@@ -258,8 +305,13 @@ CASES_BF16 = [
     (case_bf16_swiglu, (37, 341), "N37 F341", {}),
     (case_bf16_ce_heads, (70, 4, 4096), "N70 K4 V4096", {}),
     (case_bf16_ce_heads, (33, 2, 100), "N33 K2 V100", {}),
-    (case_engine, ("small", 2, 100), "small preset B2 T100 D32", {}),
-    (case_engine, ("d64", 2, 200), "2 layers D64 B2 T200", {}),
+    (case_bf16_flash, (2, 12, 4, 100, 64), "B2 H12/4 T100 D64", {}),
+    (case_bf16_flash, (1, 4, 4, 129, 64), "B1 H4/4 T129 D64", {}),
+    (case_bf16_flash, (2, 4, 2, 37, 32), "B2 H4/2 T37 D32", {}),
+    (case_bf16_flash, (1, 12, 4, 512, 64), "B1 H12/4 T512 D64", {}),
+    (case_engine, ("small", 2, 100, "mma"), "small preset B2 T100 D32", {}),
+    (case_engine, ("d64", 2, 200, "mma"), "2 layers D64 B2 T200", {}),
+    (case_engine, ("d64", 2, 200, "fp32"), "2 layers D64 B2 T200 fp32-attn", {}),
 ]
 
 __all__ = ["CASES_BF16", "to_bf16", "from_bf16", "bf16_round", "math"]

@@ -1,6 +1,7 @@
 # nanoeuler: raw downloads -> tokenizer -> shards -> base model -> chat model -> evaluation.
 #   snakemake --cores 12 results/chat.bin                               full run (GPU, network)
-#   snakemake --cores 2 --configfile config/tiny.yaml results/chat.bin  offline smoke run (CPU)
+#   snakemake results/chat.bin --cores 2 --configfile config/tiny.yaml  offline smoke run (CPU);
+#   name targets before --configfile, which takes several files
 # Rules are thin: each calls the `nanoeuler` CLI, passing only the config sections its stage
 # depends on (`--params`), so changing a section re-runs exactly the stages that read it.
 import os

@@ -169,6 +169,7 @@ def train(run: Run) -> dict:
     """Train to `run.total_steps` (resuming when possible), then write `run.out`. Returns the last metrics."""
     from nanoeuler import checkpoint
     from nanoeuler.model import transformer
+    from nanoeuler.backend import oom_guard
     from nanoeuler.optim import AdamW, clip_grad_norm, lr_at
 
     xp, sec, cfg = run.xp, run.section, run.cfg
@@ -210,33 +211,34 @@ def train(run: Run) -> dict:
                    dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
     tokens_since, t_since = 0, time.perf_counter()
     try:
-        for step0 in range(start, run.total_steps):
-            step = step0 + 1
-            lr = schedule(step0)
-            loss, norm, n_tokens = _update(run, params, opt, step0, lr, transformer.loss_and_grads, clip_grad_norm)
-            tokens_since += n_tokens
+        with oom_guard(int(sec["batch_size"]), cfg.ctx_len):  # a GPU OOM becomes one clear line
+            for step0 in range(start, run.total_steps):
+                step = step0 + 1
+                lr = schedule(step0)
+                loss, norm, n_tokens = _update(run, params, opt, step0, lr, transformer.loss_and_grads, clip_grad_norm)
+                tokens_since += n_tokens
 
-            final = step == run.total_steps
-            if step % int(sec["log_every"]) == 0 or final:
-                now = time.perf_counter()
-                rate = tokens_since / max(now - t_since, 1e-9)
-                last = {"step": step, "loss": float(loss), "lr": lr, "grad_norm": norm, "tokens_per_s": rate}
-                log.append(last)
+                final = step == run.total_steps
+                if step % int(sec["log_every"]) == 0 or final:
+                    now = time.perf_counter()
+                    rate = tokens_since / max(now - t_since, 1e-9)
+                    last = {"step": step, "loss": float(loss), "lr": lr, "grad_norm": norm, "tokens_per_s": rate}
+                    log.append(last)
+                    if bar is not None:
+                        bar.set_postfix_str(f"loss {loss:.4f} lr {lr:.2e} {rate:,.0f} tok/s", refresh=False)
+                    tokens_since, t_since = 0, now
+                if run.evaluate is not None and (step % int(sec["eval_every"]) == 0 or final):
+                    t0 = time.perf_counter()
+                    val = run.evaluate(params)
+                    log.append({"step": step, **val})
+                    last = {**last, **val}
+                    t_since += time.perf_counter() - t0  # keep evaluation out of tokens/s
+                if step % int(sec["checkpoint_every"]) == 0 or final:
+                    t0 = time.perf_counter()
+                    last_ckpt = _save_checkpoint(run, params, opt, step)
+                    t_since += time.perf_counter() - t0
                 if bar is not None:
-                    bar.set_postfix_str(f"loss {loss:.4f} lr {lr:.2e} {rate:,.0f} tok/s", refresh=False)
-                tokens_since, t_since = 0, now
-            if run.evaluate is not None and (step % int(sec["eval_every"]) == 0 or final):
-                t0 = time.perf_counter()
-                val = run.evaluate(params)
-                log.append({"step": step, **val})
-                last = {**last, **val}
-                t_since += time.perf_counter() - t0  # keep evaluation out of tokens/s
-            if step % int(sec["checkpoint_every"]) == 0 or final:
-                t0 = time.perf_counter()
-                last_ckpt = _save_checkpoint(run, params, opt, step)
-                t_since += time.perf_counter() - t0
-            if bar is not None:
-                bar.update(1)
+                    bar.update(1)
     finally:
         if bar is not None:
             bar.close()

@@ -7,48 +7,20 @@ Snakemake runs in a temporary working directory (-d), with the repository's Snak
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from nanoeuler import checkpoint
 from nanoeuler.config import REPO_ROOT
+from workflow_helpers import planned_jobs, snakemake
 
 TARGETS = ["results/chat.bin", "results/samples.md", "results/metrics.json", "results/loss.png"]
-BIN = Path(sys.executable).parent
-
-
-def snakemake(workdir: Path, configfile: Path, *extra: str) -> str:
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    cmd = [str(BIN / "snakemake"), *TARGETS, "-s", str(REPO_ROOT / "Snakefile"), "-d", str(workdir),
-           "--cores", "2", *extra, "--configfile", str(configfile)]
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    return out
-
-
-def planned_jobs(out: str) -> dict[str, int]:
-    """Rule -> job count from a dry run's 'Job stats' table ({} when there is nothing to do)."""
-    if "Nothing to be done" in out:
-        return {}
-    jobs = {}
-    for line in out.split("Job stats:", 1)[1].splitlines()[3:]:
-        parts = line.split()
-        if len(parts) != 2 or parts[0] == "total" or not parts[1].isdigit():
-            break
-        jobs[parts[0]] = int(parts[1])
-    return jobs
-
 
 @pytest.mark.slow
 def test_tiny_dag_end_to_end(tmp_path):
     tiny = REPO_ROOT / "config" / "tiny.yaml"
-    snakemake(tmp_path, tiny)
+    snakemake(tmp_path, tiny, TARGETS)
     for target in TARGETS:
         assert (tmp_path / target).stat().st_size > 0, target
     for rule in ("pretrain", "sft", "evaluate"):
@@ -62,15 +34,15 @@ def test_tiny_dag_end_to_end(tmp_path):
     _, _, meta = checkpoint.load_model(tmp_path / "results/chat.bin")
     assert meta["tokenizer"] and meta["stage"] == "sft"
 
-    assert planned_jobs(snakemake(tmp_path, tiny, "-n")) == {}
+    assert planned_jobs(snakemake(tmp_path, tiny, TARGETS, "-n")) == {}
 
     cfg = yaml.safe_load(tiny.read_text())
     cfg["sft"]["lr"] = cfg["sft"]["lr"] / 2
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(cfg))
-    assert planned_jobs(snakemake(tmp_path, changed, "-n")) == {"sft": 1, "evaluate": 1}
+    assert planned_jobs(snakemake(tmp_path, changed, TARGETS, "-n")) == {"sft": 1, "evaluate": 1}
     before = (tmp_path / "results/base.bin").stat().st_mtime_ns
-    snakemake(tmp_path, changed)
+    snakemake(tmp_path, changed, TARGETS)
     assert (tmp_path / "results/base.bin").stat().st_mtime_ns == before
     assert "other settings" in (tmp_path / "logs/sft.log").read_text()  # a fresh SFT run, not a resume
-    assert planned_jobs(snakemake(tmp_path, changed, "-n")) == {}
+    assert planned_jobs(snakemake(tmp_path, changed, TARGETS, "-n")) == {}

@@ -16,7 +16,7 @@ rule gutenberg:
     params:
         cfg=stage_params("gutenberg"),
         raw="data/gutenberg/raw",
-        root=workflow.basedir,
+        root=lambda wildcards: workflow.basedir,  # resolves relative sample paths; not a file prefix
     log:
         "logs/gutenberg.log",
     shell:
@@ -32,7 +32,7 @@ rule fineweb:
     params:
         cfg=stage_params("fineweb"),
         raw="data/web/raw",
-        root=workflow.basedir,
+        root=lambda wildcards: workflow.basedir,  # resolves relative sample paths; not a file prefix
     log:
         "logs/fineweb.log",
     shell:
@@ -48,7 +48,7 @@ rule alpaca:
     params:
         cfg=stage_params("alpaca"),
         raw="data/alpaca/raw",
-        root=workflow.basedir,
+        root=lambda wildcards: workflow.basedir,  # resolves relative sample paths; not a file prefix
     log:
         "logs/alpaca.log",
     shell:

@@ -18,6 +18,12 @@ __device__ __forceinline__ bf16 f2bf(float f) {
     return (bf16)(u >> 16);
 }
 
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
+}
+
+__device__ __forceinline__ unsigned ld32(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -94,48 +100,42 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
     if (lane == 0 && rstd) rstd[row] = r;
 }
 
-// Backward of y = x * rstd * w for `rows` rows per block (blockDim 256, C <= 256 * RB_MAX):
+// Backward of y = x * rstd * w, one warp per row, `rows` rows per block of 8 warps (C <= 32 * RB_MAX):
 //   dxn = rstd * (dy*w - xhat * mean(dy*w*xhat)),  xhat = x * rstd
 //   dx  = (accumulate ? dx : 0) + dxn  (float32, in place), dxb = bf16(dx)  (the next GEMM's operand)
-//   dw += sum over rows of dy * xhat  (one atomic add per column and block; dw zeroed by the caller)
-#define RB_MAX 8
+//   dw += sum over rows of dy * xhat  (per-warp partials in registers, summed over the block's warps in
+//         shared memory, then one atomic add per column and block; dw zeroed by the caller)
+// Two passes over each row (the second hits L1), so only the dw partials stay in registers.
+#define RB_MAX 32
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_bf16(
     const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w,
     const float* __restrict__ rstd, float* __restrict__ dx, bf16* __restrict__ dxb, float* __restrict__ dw,
     int N, int C, int rows, int accumulate) {
-    __shared__ float red[32];
+    __shared__ float part[8][32 * RB_MAX];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float dwacc[RB_MAX];
-    float wv[RB_MAX];
 #pragma unroll
-    for (int i = 0; i < RB_MAX; ++i) {
-        const int j = threadIdx.x + i * 256;
-        dwacc[i] = 0.f;
-        wv[i] = j < C ? w[j] : 0.f;
-    }
+    for (int i = 0; i < RB_MAX; ++i) dwacc[i] = 0.f;
     const int r0 = blockIdx.x * rows, r1 = min(N, r0 + rows);
-    for (int r = r0; r < r1; ++r) {
+    for (int r = r0 + warp; r < r1; r += 8) {
         const long long off = (long long)r * C;
         const float rs = rstd[r];
-        float dyv[RB_MAX], xh[RB_MAX];
         float dot = 0.f;
 #pragma unroll
         for (int i = 0; i < RB_MAX; ++i) {
-            const int j = threadIdx.x + i * 256;
-            dyv[i] = 0.f;
-            xh[i] = 0.f;
+            const int j = lane + 32 * i;
             if (j < C) {
-                dyv[i] = dy[off + j];
-                xh[i] = x[off + j] * rs;
-                dot = fmaf(dyv[i] * wv[i], xh[i], dot);
-                dwacc[i] = fmaf(dyv[i], xh[i], dwacc[i]);
+                const float d = dy[off + j], xh = x[off + j] * rs;
+                dot = fmaf(d * w[j], xh, dot);
+                dwacc[i] = fmaf(d, xh, dwacc[i]);
             }
         }
-        const float mean = block_sum(dot, red) / (float)C;
+        const float mean = warp_sum(dot) / (float)C;
 #pragma unroll
         for (int i = 0; i < RB_MAX; ++i) {
-            const int j = threadIdx.x + i * 256;
+            const int j = lane + 32 * i;
             if (j < C) {
-                float d = rs * (dyv[i] * wv[i] - xh[i] * mean);
+                float d = rs * (dy[off + j] * w[j] - x[off + j] * rs * mean);
                 if (accumulate) d += dx[off + j];
                 dx[off + j] = d;
                 dxb[off + j] = f2bf(d);
@@ -144,8 +144,15 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_bf16(
     }
 #pragma unroll
     for (int i = 0; i < RB_MAX; ++i) {
-        const int j = threadIdx.x + i * 256;
-        if (j < C) atomicAdd(dw + j, dwacc[i]);
+        const int j = lane + 32 * i;
+        if (j < C) part[warp][j] = dwacc[i];
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < C; j += blockDim.x) {
+        float t = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) t += part[k][j];
+        atomicAdd(dw + j, t);
     }
 }
 
@@ -183,34 +190,32 @@ extern "C" __global__ void qkv_rope_split(const bf16* __restrict__ qkv, const fl
     }
 }
 
-// dq (B,H,T,D), dk/dv (B,Hkv,T,D) float32 -> dqkv (N, (H+2Hkv)*D) bf16, the rotation undone on dq, dk.
+// dq (B,H,T,D) float32, dk/dv (B,Hkv,T,D) float32 -> dqkv (N, (H+2Hkv)*D) bf16, the rotation undone on dq, dk.
+// Grid: y over rows n = b*T + t (grid-stride), threads over the row's (H+2Hkv)*D/2 pairs.
 extern "C" __global__ void rope_bwd_pack(const float* __restrict__ dq, const float* __restrict__ dk,
                                          const float* __restrict__ dv, const float* __restrict__ cos_t,
                                          const float* __restrict__ sin_t, bf16* __restrict__ dqkv, int T, int H,
-                                         int Hkv, int D, long long n_pairs) {
-    const int half = D / 2, heads = H + 2 * Hkv;
-    for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < n_pairs;
-         p += (long long)gridDim.x * blockDim.x) {
-        const int i = (int)(p % half);
-        const long long hp = p / half;
-        const int hh = (int)(hp % heads);
-        const long long n = hp / heads;
-        const int t = (int)(n % T);
-        const long long b = n / T;
-        const float* src;
-        if (hh < H) src = dq + ((b * H + hh) * T + t) * (long long)D;
-        else if (hh < H + Hkv) src = dk + ((b * Hkv + (hh - H)) * T + t) * (long long)D;
-        else src = dv + ((b * Hkv + (hh - H - Hkv)) * T + t) * (long long)D;
-        const float y1 = src[i], y2 = src[i + half];
-        float x1 = y1, x2 = y2;
-        if (hh < H + Hkv) {
-            const float c = cos_t[t * half + i], s = sin_t[t * half + i];
-            x1 = y1 * c + y2 * s;
-            x2 = y2 * c - y1 * s;
+                                         int Hkv, int D, int N) {
+    const int half = D / 2, heads = H + 2 * Hkv, npairs = heads * half;
+    for (int n = blockIdx.y; n < N; n += gridDim.y) {
+        const int t = n % T, b = n / T;
+        for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < npairs; p += gridDim.x * blockDim.x) {
+            const int hh = p / half, i = p - hh * half;
+            const float* src;
+            if (hh < H) src = dq + (((long long)b * H + hh) * T + t) * D;
+            else if (hh < H + Hkv) src = dk + (((long long)b * Hkv + (hh - H)) * T + t) * D;
+            else src = dv + (((long long)b * Hkv + (hh - H - Hkv)) * T + t) * D;
+            const float y1 = src[i], y2 = src[i + half];
+            float x1 = y1, x2 = y2;
+            if (hh < H + Hkv) {
+                const float c = cos_t[t * half + i], s = sin_t[t * half + i];
+                x1 = y1 * c + y2 * s;
+                x2 = y2 * c - y1 * s;
+            }
+            bf16* dst = dqkv + (long long)n * heads * D + (long long)hh * D;
+            dst[i] = f2bf(x1);
+            dst[i + half] = f2bf(x2);
         }
-        bf16* dst = dqkv + n * (long long)heads * D + (long long)hh * D;
-        dst[i] = f2bf(x1);
-        dst[i + half] = f2bf(x2);
     }
 }
 
@@ -252,27 +257,57 @@ extern "C" __global__ void __launch_bounds__(256) attn_delta(const bf16* __restr
 
 // ---- SwiGLU ----------------------------------------------------------------------------------------
 
-// gu (N, 2F) bf16 = [gate | up] -> m (N, F) bf16 = silu(gate) * up.
-extern "C" __global__ void swiglu_fwd_bf16(const bf16* __restrict__ gu, bf16* __restrict__ m, int F, long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const long long r = i / F;
-        const int j = (int)(i - r * F);
-        const float g = bf2f(gu[r * 2 * F + j]), u = bf2f(gu[r * 2 * F + F + j]);
-        m[i] = f2bf(g / (1.f + expf(-g)) * u);
+__device__ __forceinline__ float silu_f(float g) { return g / (1.f + expf(-g)); }
+
+// gu (N, 2F) bf16 = [gate | up] -> m (N, F) bf16 = silu(gate) * up. Grid: x over column pairs, y over
+// rows (grid-stride); two columns per thread with 32-bit accesses when F is even.
+extern "C" __global__ void swiglu_fwd_bf16(const bf16* __restrict__ gu, bf16* __restrict__ m, int F, int N) {
+    const int j = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (j >= F) return;
+    for (int r = blockIdx.y; r < N; r += gridDim.y) {
+        const bf16* gr = gu + (long long)r * 2 * F;
+        bf16* mr = m + (long long)r * F;
+        if ((F & 1) == 0) {
+            const unsigned g2 = ld32(gr + j), u2 = ld32(gr + F + j);
+            const float h0 = silu_f(bf2f((bf16)(g2 & 0xffffu))) * bf2f((bf16)(u2 & 0xffffu));
+            const float h1 = silu_f(bf2f((bf16)(g2 >> 16))) * bf2f((bf16)(u2 >> 16));
+            *reinterpret_cast<unsigned*>(mr + j) = pack2(h0, h1);
+        } else {
+            for (int jj = j; jj < min(j + 2, F); ++jj) mr[jj] = f2bf(silu_f(bf2f(gr[jj])) * bf2f(gr[F + jj]));
+        }
     }
 }
 
-// dm (N, F) float32, gu (N, 2F) bf16 -> dgu (N, 2F) bf16 = [dgate | dup].
-extern "C" __global__ void swiglu_bwd_bf16(const float* __restrict__ dm, const bf16* __restrict__ gu,
-                                           bf16* __restrict__ dgu, int F, long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const long long r = i / F;
-        const int j = (int)(i - r * F);
-        const float g = bf2f(gu[r * 2 * F + j]), u = bf2f(gu[r * 2 * F + F + j]);
-        const float s = 1.f / (1.f + expf(-g));
-        const float d = dm[i];
-        dgu[r * 2 * F + j] = f2bf(d * u * s * (1.f + g * (1.f - s)));
-        dgu[r * 2 * F + F + j] = f2bf(d * g * s);
+// dm (N, F) bf16, gu (N, 2F) bf16 -> dgu (N, 2F) bf16 = [dgate | dup]; same grid as the forward.
+__device__ __forceinline__ void swiglu_grad(float d, float g, float u, float& dg, float& du) {
+    const float s = 1.f / (1.f + expf(-g));
+    dg = d * u * s * (1.f + g * (1.f - s));
+    du = d * g * s;
+}
+
+extern "C" __global__ void swiglu_bwd_bf16(const bf16* __restrict__ dm, const bf16* __restrict__ gu,
+                                           bf16* __restrict__ dgu, int F, int N) {
+    const int j = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (j >= F) return;
+    for (int r = blockIdx.y; r < N; r += gridDim.y) {
+        const bf16* gr = gu + (long long)r * 2 * F;
+        const bf16* dr = dm + (long long)r * F;
+        bf16* out = dgu + (long long)r * 2 * F;
+        if ((F & 1) == 0) {
+            const unsigned g2 = ld32(gr + j), u2 = ld32(gr + F + j), d2 = ld32(dr + j);
+            float dg0, du0, dg1, du1;
+            swiglu_grad(bf2f((bf16)(d2 & 0xffffu)), bf2f((bf16)(g2 & 0xffffu)), bf2f((bf16)(u2 & 0xffffu)), dg0, du0);
+            swiglu_grad(bf2f((bf16)(d2 >> 16)), bf2f((bf16)(g2 >> 16)), bf2f((bf16)(u2 >> 16)), dg1, du1);
+            *reinterpret_cast<unsigned*>(out + j) = pack2(dg0, dg1);
+            *reinterpret_cast<unsigned*>(out + F + j) = pack2(du0, du1);
+        } else {
+            for (int jj = j; jj < min(j + 2, F); ++jj) {
+                float dg, du;
+                swiglu_grad(bf2f(dr[jj]), bf2f(gr[jj]), bf2f(gr[F + jj]), dg, du);
+                out[jj] = f2bf(dg);
+                out[F + jj] = f2bf(du);
+            }
+        }
     }
 }
 
@@ -400,11 +435,6 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
-}
-
-__device__ __forceinline__ unsigned ld32(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
 
 // A fragments of 16 rows x D from a row-major bf16 matrix (row stride ld elements); rows >= rmax read 0.
 template <int D>
@@ -750,33 +780,31 @@ extern "C" __global__ void __launch_bounds__(256) attn_delta_bf16(const bf16* __
     if (lane == 0) delta[((n / T) * H + h) * T + (n % T)] = acc;
 }
 
-// As qkv_rope_split, with bf16 outputs (the tensor-core attention's operands).
+// As qkv_rope_split, with bf16 outputs (the tensor-core attention's operands). Grid as rope_bwd_pack's.
 extern "C" __global__ void qkv_rope_split_bf16(const bf16* __restrict__ qkv, const float* __restrict__ cos_t,
                                                const float* __restrict__ sin_t, bf16* __restrict__ q,
                                                bf16* __restrict__ k, bf16* __restrict__ v, int T, int H, int Hkv,
-                                               int D, long long n_pairs) {
-    const int half = D / 2, heads = H + 2 * Hkv;
-    for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < n_pairs;
-         p += (long long)gridDim.x * blockDim.x) {
-        const int i = (int)(p % half);
-        const long long hp = p / half;
-        const int hh = (int)(hp % heads);
-        const long long n = hp / heads;
-        const int t = (int)(n % T);
-        const long long b = n / T;
-        const bf16* src = qkv + n * (long long)heads * D + (long long)hh * D;
-        bf16* dst;
-        if (hh < H) dst = q + ((b * H + hh) * T + t) * (long long)D;
-        else if (hh < H + Hkv) dst = k + ((b * Hkv + (hh - H)) * T + t) * (long long)D;
-        else dst = v + ((b * Hkv + (hh - H - Hkv)) * T + t) * (long long)D;
-        if (hh < H + Hkv) {
-            const float x1 = bf2f(src[i]), x2 = bf2f(src[i + half]);
-            const float c = cos_t[t * half + i], s = sin_t[t * half + i];
-            dst[i] = f2bf(x1 * c - x2 * s);
-            dst[i + half] = f2bf(x2 * c + x1 * s);
-        } else {
-            dst[i] = src[i];
-            dst[i + half] = src[i + half];
+                                               int D, int N) {
+    const int half = D / 2, heads = H + 2 * Hkv, npairs = heads * half;
+    for (int n = blockIdx.y; n < N; n += gridDim.y) {
+        const int t = n % T, b = n / T;
+        const bf16* row = qkv + (long long)n * heads * D;
+        for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < npairs; p += gridDim.x * blockDim.x) {
+            const int hh = p / half, i = p - hh * half;
+            const bf16* src = row + hh * D;
+            bf16* dst;
+            if (hh < H) dst = q + (((long long)b * H + hh) * T + t) * D;
+            else if (hh < H + Hkv) dst = k + (((long long)b * Hkv + (hh - H)) * T + t) * D;
+            else dst = v + (((long long)b * Hkv + (hh - H - Hkv)) * T + t) * D;
+            if (hh < H + Hkv) {
+                const float x1 = bf2f(src[i]), x2 = bf2f(src[i + half]);
+                const float c = cos_t[t * half + i], s = sin_t[t * half + i];
+                dst[i] = f2bf(x1 * c - x2 * s);
+                dst[i + half] = f2bf(x2 * c + x1 * s);
+            } else {
+                dst[i] = src[i];
+                dst[i + half] = src[i + half];
+            }
         }
     }
 }

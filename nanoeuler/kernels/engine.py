@@ -122,8 +122,8 @@ class Engine:
         self.attention = attention
         if cfg.head_dim not in _FLASH:
             raise ValueError(f"head_dim {cfg.head_dim} not supported by the attention kernels ({sorted(_FLASH)})")
-        if cfg.dim > 256 * 8:
-            raise ValueError(f"dim {cfg.dim} exceeds the RMSNorm backward kernel's 2048")
+        if cfg.dim > 1024:
+            raise ValueError(f"dim {cfg.dim} exceeds the RMSNorm backward kernel's 1024")
         self.cfg = cfg
         self.B, self.T = int(batch), int(seq)
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
@@ -252,7 +252,7 @@ class Engine:
         self.qkv = e((N, self.QKV), bf)
         self.att = e((B, H, T, D))  # fp32 attention output (forward) / dq (backward)
         self.m = e((N, F), bf)
-        self.dm = e((N, F))
+        self.dm = e((N, F), bf)
         self.dgu = e((N, 2 * F), bf)
         self.dh = e((N, C))
         self.da = e((N, HD), qdt)  # gradient of the attention output
@@ -381,6 +381,8 @@ class Engine:
         dims = (i32(H), i32(Hkv), i32(T), i32(T), scale)
         pairs = N * (H + 2 * Hkv) * (D // 2)
         nqb = -(-T // 64)  # 64-row tiles of the tensor-core attention
+        row_grid = (-(-((H + 2 * Hkv) * (D // 2)) // 256), min(N, 65535))  # per-row kernels: x columns, y rows
+        glu_grid = (-(-F // 512), min(N, 65535))
         mdims = (i32(H), i32(Hkv), i32(T), scale)
         norm_grid = ((N + 3) // 4,)
         eps = f32(cfg.norm_eps)
@@ -391,8 +393,8 @@ class Engine:
             k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i], w["n1"], self.h1[i], self.rstd1[i], i32(N), i32(C), eps))
             gemm(self.mqkv, self.mh1[i], w["qkv"], tb=True)
             if self.attention == "mma":
-                k["qkv_rope_split_bf16"](_grid(pairs), (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i],
-                                                                self.v[i], i32(T), i32(H), i32(Hkv), i32(D), i64(pairs)))
+                k["qkv_rope_split_bf16"](row_grid, (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i],
+                                                            self.v[i], i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
                 self._mma["flash_fwd_mma"]((nqb, B * H), (128,), (self.q[i], self.k[i], self.v[i], self.a[i],
                                                                  self.lse[i], i32(H), i32(Hkv), i32(T), scale))
             else:
@@ -405,7 +407,7 @@ class Engine:
             gemm(self.mxmid[i], self.ma[i], w["o"], tb=True, beta=1.0)
             k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xmid[i], w["n2"], self.h2[i], self.rstd2[i], i32(N), i32(C), eps))
             gemm(self.mgu[i], self.mh2[i], w["gu"], tb=True)
-            k["swiglu_fwd_bf16"](_grid(N * F), (256,), (self.gu[i], self.m, i32(F), i64(N * F)))
+            k["swiglu_fwd_bf16"](glu_grid, (256,), (self.gu[i], self.m, i32(F), i32(N)))
             cp.cuda.runtime.memcpyAsync(xs[i + 1].data.ptr, xmid[i].data.ptr, xmid[i].nbytes, 3, stream)
             gemm(self.mxs[i + 1], self.mm, w["d"], tb=True, beta=1.0)
 
@@ -425,17 +427,17 @@ class Engine:
             gemm(self.dw_heads, dl, xc, ta=True, beta=1.0)
         k["ce_loss_reduce"]((1,), (1024,), (self.loss_rows, self.head_scale, self.loss, i64(N), i32(K)))
 
-        nb_rows = 64
+        nb_rows = 32
         nb_grid = (-(-N // nb_rows),)
         k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dxn, xs[L], self.w_norm, self.rstdf, self.dx, self.dxb,
                                                  self.dw_norm, i32(N), i32(C), i32(nb_rows), i32(0)))
         for i in reversed(range(L)):
             w = self.Lw[i]
             # MLP half: x_out = x_mid + down(silu(gate(h2)) * up(h2))
-            k["swiglu_fwd_bf16"](_grid(N * F), (256,), (self.gu[i], self.m, i32(F), i64(N * F)))
+            k["swiglu_fwd_bf16"](glu_grid, (256,), (self.gu[i], self.m, i32(F), i32(N)))
             gemm(w["dd"], self.mdxb, self.mm, ta=True)
             gemm(self.mdm, self.mdxb, w["d"])
-            k["swiglu_bwd_bf16"](_grid(N * F), (256,), (self.dm, self.gu[i], self.dgu, i32(F), i64(N * F)))
+            k["swiglu_bwd_bf16"](glu_grid, (256,), (self.dm, self.gu[i], self.dgu, i32(F), i32(N)))
             gemm(w["dgu"], self.mdgu, self.mh2[i], ta=True)
             gemm(self.mdh, self.mdgu, w["gu"])
             k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xmid[i], w["n2"], self.rstd2[i], self.dx, self.dxb,
@@ -457,8 +459,8 @@ class Engine:
                                               (*qkv, self.da, *das, self.lse[i], self.delta, self.dk, self.dv, *dims))
                 self._flash["flash_bwd_dq"]((-(-T // rows), B * H), (rows * G,),
                                             (*qkv, self.da, *das, self.lse[i], self.delta, self.att, *dims))
-            k["rope_bwd_pack"](_grid(pairs), (256,), (self.att, self.dk, self.dv, self.cos, self.sin, self.dqkv,
-                                                      i32(T), i32(H), i32(Hkv), i32(D), i64(pairs)))
+            k["rope_bwd_pack"](row_grid, (256,), (self.att, self.dk, self.dv, self.cos, self.sin, self.dqkv,
+                                                  i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
             gemm(w["dqkv"], self.mdqkv, self.mh1[i], ta=True)
             gemm(self.mdh, self.mdqkv, w["qkv"])
             k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xs[i], w["n1"], self.rstd1[i], self.dx, self.dxb,

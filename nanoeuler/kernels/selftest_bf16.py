@@ -105,7 +105,9 @@ def case_bf16_rope(rng, shape):
     qh = cupy.empty((B, H, T, D), dtype=np.uint16)
     kh = cupy.empty((B, Hkv, T, D), dtype=np.uint16)
     vh = cupy.empty((B, Hkv, T, D), dtype=np.uint16)
-    _k("qkv_rope_split_bf16")(((pairs + 255) // 256,), (256,), (qkv_b, _g(cos), _g(sin), qh, kh, vh, *args))
+    row_grid = (-(-((H + 2 * Hkv) * (D // 2)) // 256), min(N, 65535))
+    rargs = (np.int32(T), np.int32(H), np.int32(Hkv), np.int32(D), np.int32(N))
+    _k("qkv_rope_split_bf16")(row_grid, (256,), (qkv_b, _g(cos), _g(sin), qh, kh, vh, *rargs))
     c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
     x = qkv.reshape(B, T, H + 2 * Hkv, D).transpose(0, 2, 1, 3)
     qr = layers.rope_forward(x[:, :H], c64, s64)
@@ -113,7 +115,7 @@ def case_bf16_rope(rng, shape):
     vr = x[:, H + Hkv:]
     dq, dk, dv = _randn(rng, (B, H, T, D)), _randn(rng, (B, Hkv, T, D)), _randn(rng, (B, Hkv, T, D))
     out = cupy.empty((N, W), dtype=np.uint16)
-    _k("rope_bwd_pack")(((pairs + 255) // 256,), (256,), (_g(dq), _g(dk), _g(dv), _g(cos), _g(sin), out, *args))
+    _k("rope_bwd_pack")(row_grid, (256,), (_g(dq), _g(dk), _g(dv), _g(cos), _g(sin), out, *rargs))
     ref = np.concatenate([layers.rope_backward(dq, c64, s64), layers.rope_backward(dk, c64, s64), dv], axis=1)
     ref = ref.transpose(0, 2, 1, 3).reshape(N, W)
     return [("bf16 qkv_rope_split_bf16 q", from_bf16(qh.get()), qr, TOL_BF16),
@@ -152,10 +154,11 @@ def case_bf16_swiglu(rng, shape):
     N, F = shape
     gu_b, gu = _dev_bf16(np.concatenate([_randn(rng, (N, F), 3.0), _randn(rng, (N, F))], axis=1))
     m = cupy.empty((N, F), dtype=np.uint16)
-    _k("swiglu_fwd_bf16")(((N * F + 255) // 256,), (256,), (gu_b, m, np.int32(F), np.int64(N * F)))
-    dm = _randn(rng, (N, F))
+    grid = (-(-F // 512), min(N, 65535))
+    _k("swiglu_fwd_bf16")(grid, (256,), (gu_b, m, np.int32(F), np.int32(N)))
+    dm_b, dm = _dev_bf16(_randn(rng, (N, F)))
     dgu = cupy.empty((N, 2 * F), dtype=np.uint16)
-    _k("swiglu_bwd_bf16")(((N * F + 255) // 256,), (256,), (_g(dm), gu_b, dgu, np.int32(F), np.int64(N * F)))
+    _k("swiglu_bwd_bf16")(grid, (256,), (dm_b, gu_b, dgu, np.int32(F), np.int32(N)))
     hr, cr = layers.swiglu_forward(gu[:, :F], gu[:, F:])
     dgr, dur = layers.swiglu_backward(dm, cr)
     return [("bf16 swiglu fwd", from_bf16(m.get()), hr, TOL_BF16),
@@ -298,11 +301,13 @@ def case_engine(rng, shape):
 CASES_BF16 = [
     (case_bf16_rmsnorm, (300, 768), "N300 C768", {}),
     (case_bf16_rmsnorm, (37, 341), "N37 C341", {}),
+    (case_bf16_rmsnorm, (1000, 1024), "N1000 C1024", {}),
     (case_bf16_rope, (2, 37, 12, 4, 64), "B2 T37 H12/4 D64", {}),
     (case_bf16_rope, (1, 50, 4, 2, 32), "B1 T50 H4/2 D32", {}),
     (case_bf16_attn_layout, (2, 37, 12, 64), "B2 T37 H12 D64", {}),
     (case_bf16_swiglu, (100, 2048), "N100 F2048", {}),
     (case_bf16_swiglu, (37, 341), "N37 F341", {}),
+    (case_bf16_swiglu, (70000, 6), "N70000 F6 (rows > grid)", {}),
     (case_bf16_ce_heads, (70, 4, 4096), "N70 K4 V4096", {}),
     (case_bf16_ce_heads, (33, 2, 100), "N33 K2 V100", {}),
     (case_bf16_flash, (2, 12, 4, 100, 64), "B2 H12/4 T100 D64", {}),

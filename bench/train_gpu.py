@@ -46,7 +46,8 @@ if str(ROOT) not in sys.path:
 
 PEAK_BF16 = 989e12
 ALL_MODES = ("torch-eager", "torch-compile", "ours-fp32", "ours-bf16")
-# also available: ours-bf16-fa32 (the bf16 engine with the float32 FlashAttention of attention.cu)
+# also available: ours-bf16-ldm (the engine's attention with ldmatrix fragment loads), ours-bf16-fa32
+# (the bf16 engine with the float32 FlashAttention of attention.cu)
 
 
 def flops_per_token(cfg, T):
@@ -316,17 +317,19 @@ def agree(cfg, params_np, B, T, steps, log):
     from nanoeuler.optim import AdamW, clip_grad_norm, lr_at
 
     # Fixed data: a new batch every step, all drawn up front from one first-order Markov chain over the
-    # vocabulary (each token has 8 possible successors with random probabilities), so the loss falls
-    # towards the chain's entropy and levels off there instead of reaching zero by memorisation.
+    # vocabulary (each token has 16 possible successors, drawn from a Zipf-like distribution, with random
+    # probabilities), so the loss falls at once (token frequencies), then towards the chain's entropy,
+    # and levels off there instead of reaching zero by memorisation.
     rng = np.random.default_rng(7)
     V, W = cfg.vocab_size, T + cfg.mtp_heads
-    succ = rng.integers(0, V, size=(V, 8))
-    cum = np.cumsum(rng.dirichlet(np.ones(8), size=V), axis=1)
+    zipf = 1.0 / (np.arange(V) + 10.0)
+    succ = rng.choice(V, size=(V, 16), p=zipf / zipf.sum())
+    cum = np.cumsum(rng.dirichlet(np.full(16, 0.5), size=V), axis=1)
     state = rng.integers(0, V, size=steps * B)
     seq = np.empty((steps * B, W), dtype=np.int64)
     for t in range(W):
         seq[:, t] = state
-        idx = np.minimum((rng.random(state.size)[:, None] > cum[state]).sum(1), 7)
+        idx = np.minimum((rng.random(state.size)[:, None] > cum[state]).sum(1), 15)
         state = succ[state, idx]
     data = []
     for j in range(steps):
@@ -434,6 +437,8 @@ def main(argv=None) -> int:
                     ms, peak, loss = ours_fp32_run(cfg, params_np, B, T, args.fp32_steps or args.steps, 2, log)
                 elif mode == "ours-bf16":
                     ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log)
+                elif mode == "ours-bf16-ldm":
+                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log, "ldm")
                 elif mode == "ours-bf16-fa32":
                     ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log, "fp32")
                 else:

@@ -259,19 +259,30 @@ extern "C" __global__ void __launch_bounds__(256) attn_delta(const bf16* __restr
 
 __device__ __forceinline__ float silu_f(float g) { return g / (1.f + expf(-g)); }
 
-// gu (N, 2F) bf16 = [gate | up] -> m (N, F) bf16 = silu(gate) * up. Grid: x over column pairs, y over
-// rows (grid-stride); two columns per thread with 32-bit accesses when F is even.
+// SwiGLU kernels: grid x over groups of VEC columns (VEC = 8 when F % 8 == 0: 16-byte accesses; else 2,
+// with a scalar path for odd F), grid y over rows (grid-stride). The host computes the same VEC.
+__device__ __forceinline__ float lo_bf(unsigned w) { return bf2f((bf16)(w & 0xffffu)); }
+__device__ __forceinline__ float hi_bf(unsigned w) { return bf2f((bf16)(w >> 16)); }
+
+// gu (N, 2F) bf16 = [gate | up] -> m (N, F) bf16 = silu(gate) * up.
 extern "C" __global__ void swiglu_fwd_bf16(const bf16* __restrict__ gu, bf16* __restrict__ m, int F, int N) {
-    const int j = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
+    const int vec = (F & 7) == 0 ? 8 : 2;
+    const int j = vec * (blockIdx.x * blockDim.x + threadIdx.x);
     if (j >= F) return;
     for (int r = blockIdx.y; r < N; r += gridDim.y) {
         const bf16* gr = gu + (long long)r * 2 * F;
         bf16* mr = m + (long long)r * F;
-        if ((F & 1) == 0) {
+        if (vec == 8) {
+            const uint4 g4 = *reinterpret_cast<const uint4*>(gr + j), u4 = *reinterpret_cast<const uint4*>(gr + F + j);
+            const unsigned gw[4] = {g4.x, g4.y, g4.z, g4.w}, uw[4] = {u4.x, u4.y, u4.z, u4.w};
+            unsigned ow[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                ow[e] = pack2(silu_f(lo_bf(gw[e])) * lo_bf(uw[e]), silu_f(hi_bf(gw[e])) * hi_bf(uw[e]));
+            *reinterpret_cast<uint4*>(mr + j) = make_uint4(ow[0], ow[1], ow[2], ow[3]);
+        } else if ((F & 1) == 0) {
             const unsigned g2 = ld32(gr + j), u2 = ld32(gr + F + j);
-            const float h0 = silu_f(bf2f((bf16)(g2 & 0xffffu))) * bf2f((bf16)(u2 & 0xffffu));
-            const float h1 = silu_f(bf2f((bf16)(g2 >> 16))) * bf2f((bf16)(u2 >> 16));
-            *reinterpret_cast<unsigned*>(mr + j) = pack2(h0, h1);
+            *reinterpret_cast<unsigned*>(mr + j) = pack2(silu_f(lo_bf(g2)) * lo_bf(u2), silu_f(hi_bf(g2)) * hi_bf(u2));
         } else {
             for (int jj = j; jj < min(j + 2, F); ++jj) mr[jj] = f2bf(silu_f(bf2f(gr[jj])) * bf2f(gr[F + jj]));
         }
@@ -287,17 +298,34 @@ __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float& dg
 
 extern "C" __global__ void swiglu_bwd_bf16(const bf16* __restrict__ dm, const bf16* __restrict__ gu,
                                            bf16* __restrict__ dgu, int F, int N) {
-    const int j = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
+    const int vec = (F & 7) == 0 ? 8 : 2;
+    const int j = vec * (blockIdx.x * blockDim.x + threadIdx.x);
     if (j >= F) return;
     for (int r = blockIdx.y; r < N; r += gridDim.y) {
         const bf16* gr = gu + (long long)r * 2 * F;
         const bf16* dr = dm + (long long)r * F;
         bf16* out = dgu + (long long)r * 2 * F;
-        if ((F & 1) == 0) {
+        if (vec == 8) {
+            const uint4 g4 = *reinterpret_cast<const uint4*>(gr + j), u4 = *reinterpret_cast<const uint4*>(gr + F + j);
+            const uint4 d4 = *reinterpret_cast<const uint4*>(dr + j);
+            const unsigned gw[4] = {g4.x, g4.y, g4.z, g4.w}, uw[4] = {u4.x, u4.y, u4.z, u4.w};
+            const unsigned dw[4] = {d4.x, d4.y, d4.z, d4.w};
+            unsigned og[4], ou[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float dg0, du0, dg1, du1;
+                swiglu_grad(lo_bf(dw[e]), lo_bf(gw[e]), lo_bf(uw[e]), dg0, du0);
+                swiglu_grad(hi_bf(dw[e]), hi_bf(gw[e]), hi_bf(uw[e]), dg1, du1);
+                og[e] = pack2(dg0, dg1);
+                ou[e] = pack2(du0, du1);
+            }
+            *reinterpret_cast<uint4*>(out + j) = make_uint4(og[0], og[1], og[2], og[3]);
+            *reinterpret_cast<uint4*>(out + F + j) = make_uint4(ou[0], ou[1], ou[2], ou[3]);
+        } else if ((F & 1) == 0) {
             const unsigned g2 = ld32(gr + j), u2 = ld32(gr + F + j), d2 = ld32(dr + j);
             float dg0, du0, dg1, du1;
-            swiglu_grad(bf2f((bf16)(d2 & 0xffffu)), bf2f((bf16)(g2 & 0xffffu)), bf2f((bf16)(u2 & 0xffffu)), dg0, du0);
-            swiglu_grad(bf2f((bf16)(d2 >> 16)), bf2f((bf16)(g2 >> 16)), bf2f((bf16)(u2 >> 16)), dg1, du1);
+            swiglu_grad(lo_bf(d2), lo_bf(g2), lo_bf(u2), dg0, du0);
+            swiglu_grad(hi_bf(d2), hi_bf(g2), hi_bf(u2), dg1, du1);
             *reinterpret_cast<unsigned*>(out + j) = pack2(dg0, dg1);
             *reinterpret_cast<unsigned*>(out + F + j) = pack2(du0, du1);
         } else {
@@ -436,6 +464,31 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], 
 }
 
 
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// With LDM, B fragments come from shared memory through ldmatrix (x4: two n-tiles per instruction):
+// ldsm_b reads a row-major [n][k] tile as is, ldsm_bt reads a row-major [k][n] tile transposed, so no
+// transposed copy of a tile is ever stored. b[0], b[1] = (b0, b1) of n-tile n; b[2], b[3] of n-tile n+1.
+template <int LD>
+__device__ __forceinline__ void ldsm_b(unsigned (&b)[4], const bf16 (*tile)[LD], int n, int kc, int lane) {
+    const int i = lane >> 3, r = lane & 7;
+    const unsigned a = smem_u32(&tile[(n + (i >> 1)) * 8 + r][kc * 16 + (i & 1) * 8]);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(a));
+}
+
+template <int LD>
+__device__ __forceinline__ void ldsm_bt(unsigned (&b)[4], const bf16 (*tile)[LD], int n, int kk, int lane) {
+    const int i = lane >> 3, r = lane & 7;
+    const unsigned a = smem_u32(&tile[kk * 16 + (i & 1) * 8 + r][(n + (i >> 1)) * 8]);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(a));
+}
+
 // A fragments of 16 rows x D from a row-major bf16 matrix (row stride ld elements); rows >= rmax read 0.
 template <int D>
 __device__ __forceinline__ void load_a_frags(unsigned (&a)[D / 16][4], const bf16* base, long long ld, int r0,
@@ -471,13 +524,14 @@ __device__ __forceinline__ void load_tile(bf16 (*rm)[D + FA_PAD], bf16 (*tr)[FA_
     }
 }
 
-template <int D>
+template <int D, bool LDM>
 __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                    const bf16* __restrict__ v, bf16* __restrict__ o,
                                                    float* __restrict__ lse, int H, int Hkv, int T, float scale) {
     constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8;
     __shared__ __align__(16) bf16 Ks[FA_BR][D + FA_PAD];
-    __shared__ __align__(16) bf16 Vt[D][FA_BR + FA_PAD];
+    __shared__ __align__(16) bf16 Vt[LDM ? 1 : D][FA_BR + FA_PAD];  // V transposed (without LDM)
+    __shared__ __align__(16) bf16 Vs[LDM ? FA_BR : 1][D + FA_PAD];  // V as is (with LDM)
     const int nqb = (T + FA_BR - 1) / FA_BR;
     const int qb = nqb - 1 - blockIdx.x;  // longest rows first
     const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
@@ -498,15 +552,30 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
     for (int kb = 0; kb <= qb; ++kb) {
         __syncthreads();
         load_tile<D>(Ks, nullptr, kh, D, kb * FA_BR, T);
-        load_tile<D>(nullptr, Vt, vh, D, kb * FA_BR, T);
+        if (LDM) load_tile<D>(Vs, nullptr, vh, D, kb * FA_BR, T);
+        else load_tile<D>(nullptr, Vt, vh, D, kb * FA_BR, T);
         __syncthreads();
         float s[ST][4];
 #pragma unroll
-        for (int n = 0; n < ST; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        for (int n = 0; n < ST; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        if (LDM) {
 #pragma unroll
-            for (int kc = 0; kc < KC; ++kc)
-                mma16816(s[n], qa[kc], ld32(&Ks[n * 8 + g][kc * 16 + 2 * c]), ld32(&Ks[n * 8 + g][kc * 16 + 2 * c + 8]));
+            for (int n = 0; n < ST; n += 2) {
+#pragma unroll
+                for (int kc = 0; kc < KC; ++kc) {
+                    unsigned bb[4];
+                    ldsm_b<D + FA_PAD>(bb, Ks, n, kc, lane);
+                    mma16816(s[n], qa[kc], bb[0], bb[1]);
+                    mma16816(s[n + 1], qa[kc], bb[2], bb[3]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < ST; ++n) {
+#pragma unroll
+                for (int kc = 0; kc < KC; ++kc)
+                    mma16816(s[n], qa[kc], ld32(&Ks[n * 8 + g][kc * 16 + 2 * c]), ld32(&Ks[n * 8 + g][kc * 16 + 2 * c + 8]));
+            }
         }
         float mx0 = NEG, mx1 = NEG;
 #pragma unroll
@@ -547,9 +616,19 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
         for (int kk = 0; kk < FA_BR / 16; ++kk) {
             const unsigned pa[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
                                     pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            if (LDM) {
 #pragma unroll
-            for (int n = 0; n < NT; ++n)
-                mma16816(acc[n], pa, ld32(&Vt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Vt[n * 8 + g][kk * 16 + 2 * c + 8]));
+                for (int n = 0; n < NT; n += 2) {
+                    unsigned bb[4];
+                    ldsm_bt<D + FA_PAD>(bb, Vs, n, kk, lane);
+                    mma16816(acc[n], pa, bb[0], bb[1]);
+                    mma16816(acc[n + 1], pa, bb[2], bb[3]);
+                }
+            } else {
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+                    mma16816(acc[n], pa, ld32(&Vt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Vt[n * 8 + g][kk * 16 + 2 * c + 8]));
+            }
         }
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -576,16 +655,16 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
 
 // dk, dv for 64 keys of one (b, kv head): loops over the group's query heads and the query tiles at or
 // after the keys' tile.
-template <int D>
+template <int D, bool LDM>
 __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
     const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dk, float* __restrict__ dv,
     int H, int Hkv, int T, float scale) {
     constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8;
     __shared__ __align__(16) bf16 Qs[FA_BR][D + FA_PAD];
-    __shared__ __align__(16) bf16 Qt[D][FA_BR + FA_PAD];
+    __shared__ __align__(16) bf16 Qt[LDM ? 1 : D][FA_BR + FA_PAD];
     __shared__ __align__(16) bf16 Ds[FA_BR][D + FA_PAD];
-    __shared__ __align__(16) bf16 Dt[D][FA_BR + FA_PAD];
+    __shared__ __align__(16) bf16 Dt[LDM ? 1 : D][FA_BR + FA_PAD];
     __shared__ float lse_s[FA_BR], delta_s[FA_BR];
     const int nb = (T + FA_BR - 1) / FA_BR;
     const int kb = blockIdx.x;  // the first keys see the most queries: they start first
@@ -609,8 +688,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
         const long long bh = (long long)b * H + h;
         for (int qb = kb; qb < nb; ++qb) {
             __syncthreads();
-            load_tile<D>(Qs, Qt, q + bh * T * D, D, qb * FA_BR, T);
-            load_tile<D>(Ds, Dt, dO + (long long)b * T * HD + (long long)h * D, HD, qb * FA_BR, T);
+            load_tile<D>(Qs, LDM ? nullptr : Qt, q + bh * T * D, D, qb * FA_BR, T);
+            load_tile<D>(Ds, LDM ? nullptr : Dt, dO + (long long)b * T * HD + (long long)h * D, HD, qb * FA_BR, T);
             for (int i = threadIdx.x; i < FA_BR; i += blockDim.x) {
                 const int t = qb * FA_BR + i;
                 lse_s[i] = t < T ? lse[bh * T + t] * LOG2E : 0.f;
@@ -622,10 +701,29 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
             for (int n = 0; n < ST; ++n) {
                 s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
                 dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+            }
+            if (LDM) {
 #pragma unroll
-                for (int kc = 0; kc < KC; ++kc) {
-                    mma16816(s[n], ka[kc], ld32(&Qs[n * 8 + g][kc * 16 + 2 * c]), ld32(&Qs[n * 8 + g][kc * 16 + 2 * c + 8]));
-                    mma16816(dp[n], va[kc], ld32(&Ds[n * 8 + g][kc * 16 + 2 * c]), ld32(&Ds[n * 8 + g][kc * 16 + 2 * c + 8]));
+                for (int n = 0; n < ST; n += 2) {
+#pragma unroll
+                    for (int kc = 0; kc < KC; ++kc) {
+                        unsigned bq[4], bd[4];
+                        ldsm_b<D + FA_PAD>(bq, Qs, n, kc, lane);
+                        ldsm_b<D + FA_PAD>(bd, Ds, n, kc, lane);
+                        mma16816(s[n], ka[kc], bq[0], bq[1]);
+                        mma16816(s[n + 1], ka[kc], bq[2], bq[3]);
+                        mma16816(dp[n], va[kc], bd[0], bd[1]);
+                        mma16816(dp[n + 1], va[kc], bd[2], bd[3]);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int n = 0; n < ST; ++n) {
+#pragma unroll
+                    for (int kc = 0; kc < KC; ++kc) {
+                        mma16816(s[n], ka[kc], ld32(&Qs[n * 8 + g][kc * 16 + 2 * c]), ld32(&Qs[n * 8 + g][kc * 16 + 2 * c + 8]));
+                        mma16816(dp[n], va[kc], ld32(&Ds[n * 8 + g][kc * 16 + 2 * c]), ld32(&Ds[n * 8 + g][kc * 16 + 2 * c + 8]));
+                    }
                 }
             }
             // P^T and dS^T = P^T * (dP^T - delta), rows = keys, cols = queries
@@ -648,10 +746,23 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
                 const unsigned da[4] = {pack2(dp[2 * kk][0], dp[2 * kk][1]), pack2(dp[2 * kk][2], dp[2 * kk][3]),
                                         pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
                                         pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+                if (LDM) {
 #pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    mma16816(dva[n], pa, ld32(&Dt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Dt[n * 8 + g][kk * 16 + 2 * c + 8]));
-                    mma16816(dka[n], da, ld32(&Qt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Qt[n * 8 + g][kk * 16 + 2 * c + 8]));
+                    for (int n = 0; n < NT; n += 2) {
+                        unsigned bd[4], bq[4];
+                        ldsm_bt<D + FA_PAD>(bd, Ds, n, kk, lane);
+                        ldsm_bt<D + FA_PAD>(bq, Qs, n, kk, lane);
+                        mma16816(dva[n], pa, bd[0], bd[1]);
+                        mma16816(dva[n + 1], pa, bd[2], bd[3]);
+                        mma16816(dka[n], da, bq[0], bq[1]);
+                        mma16816(dka[n + 1], da, bq[2], bq[3]);
+                    }
+                } else {
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) {
+                        mma16816(dva[n], pa, ld32(&Dt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Dt[n * 8 + g][kk * 16 + 2 * c + 8]));
+                        mma16816(dka[n], da, ld32(&Qt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Qt[n * 8 + g][kk * 16 + 2 * c + 8]));
+                    }
                 }
             }
         }
@@ -673,14 +784,14 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
 }
 
 // dq for 64 queries of one (b, h): loops over the key tiles up to the diagonal.
-template <int D>
+template <int D, bool LDM>
 __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
     const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq, int H, int Hkv, int T,
     float scale) {
     constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8;
     __shared__ __align__(16) bf16 Ks[FA_BR][D + FA_PAD];
-    __shared__ __align__(16) bf16 Kt[D][FA_BR + FA_PAD];
+    __shared__ __align__(16) bf16 Kt[LDM ? 1 : D][FA_BR + FA_PAD];
     __shared__ __align__(16) bf16 Vs[FA_BR][D + FA_PAD];
     const int nb = (T + FA_BR - 1) / FA_BR;
     const int qb = nb - 1 - blockIdx.x;
@@ -704,7 +815,7 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     const float sl2 = scale * LOG2E;
     for (int kb = 0; kb <= qb; ++kb) {
         __syncthreads();
-        load_tile<D>(Ks, Kt, kh, D, kb * FA_BR, T);
+        load_tile<D>(Ks, LDM ? nullptr : Kt, kh, D, kb * FA_BR, T);
         load_tile<D>(Vs, nullptr, vh, D, kb * FA_BR, T);
         __syncthreads();
         float s[ST][4], dp[ST][4];
@@ -712,10 +823,29 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
         for (int n = 0; n < ST; ++n) {
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
             dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+        }
+        if (LDM) {
 #pragma unroll
-            for (int kc = 0; kc < KC; ++kc) {
-                mma16816(s[n], qa[kc], ld32(&Ks[n * 8 + g][kc * 16 + 2 * c]), ld32(&Ks[n * 8 + g][kc * 16 + 2 * c + 8]));
-                mma16816(dp[n], doa[kc], ld32(&Vs[n * 8 + g][kc * 16 + 2 * c]), ld32(&Vs[n * 8 + g][kc * 16 + 2 * c + 8]));
+            for (int n = 0; n < ST; n += 2) {
+#pragma unroll
+                for (int kc = 0; kc < KC; ++kc) {
+                    unsigned bk[4], bv[4];
+                    ldsm_b<D + FA_PAD>(bk, Ks, n, kc, lane);
+                    ldsm_b<D + FA_PAD>(bv, Vs, n, kc, lane);
+                    mma16816(s[n], qa[kc], bk[0], bk[1]);
+                    mma16816(s[n + 1], qa[kc], bk[2], bk[3]);
+                    mma16816(dp[n], doa[kc], bv[0], bv[1]);
+                    mma16816(dp[n + 1], doa[kc], bv[2], bv[3]);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < ST; ++n) {
+#pragma unroll
+                for (int kc = 0; kc < KC; ++kc) {
+                    mma16816(s[n], qa[kc], ld32(&Ks[n * 8 + g][kc * 16 + 2 * c]), ld32(&Ks[n * 8 + g][kc * 16 + 2 * c + 8]));
+                    mma16816(dp[n], doa[kc], ld32(&Vs[n * 8 + g][kc * 16 + 2 * c]), ld32(&Vs[n * 8 + g][kc * 16 + 2 * c + 8]));
+                }
             }
         }
 #pragma unroll
@@ -732,9 +862,19 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
         for (int kk = 0; kk < FA_BR / 16; ++kk) {
             const unsigned da[4] = {pack2(dp[2 * kk][0], dp[2 * kk][1]), pack2(dp[2 * kk][2], dp[2 * kk][3]),
                                     pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+            if (LDM) {
 #pragma unroll
-            for (int n = 0; n < NT; ++n)
-                mma16816(acc[n], da, ld32(&Kt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Kt[n * 8 + g][kk * 16 + 2 * c + 8]));
+                for (int n = 0; n < NT; n += 2) {
+                    unsigned bk[4];
+                    ldsm_bt<D + FA_PAD>(bk, Ks, n, kk, lane);
+                    mma16816(acc[n], da, bk[0], bk[1]);
+                    mma16816(acc[n + 1], da, bk[2], bk[3]);
+                }
+            } else {
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+                    mma16816(acc[n], da, ld32(&Kt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Kt[n * 8 + g][kk * 16 + 2 * c + 8]));
+            }
         }
     }
     float* dqh = dq + (long long)bh * T * D;
@@ -746,21 +886,23 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     }
 }
 
-#define FLASH_MMA_KERNELS(D)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_d##D(                                        \
+// VAR: mma (B fragments by 32-bit shared loads, transposed tile copies) or ldm (ldmatrix); LDM: its flag.
+#define FLASH_MMA_KERNELS_V(D, VAR, LDM)                                                                      \
+    extern "C" __global__ void __launch_bounds__(128) flash_fwd_##VAR##_d##D(                                    \
         const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int H, int Hkv, int T, float scale) {     \
-        flash_fwd_mma_impl<D>(q, k, v, o, lse, H, Hkv, T, scale);                                                 \
+        flash_fwd_mma_impl<D, LDM>(q, k, v, o, lse, H, Hkv, T, scale);                                            \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_mma_d##D(                                   \
+    extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_##VAR##_d##D(                               \
         const bf16* q, const bf16* k, const bf16* v, const bf16* dO, const float* lse, const float* delta,       \
         float* dk, float* dv, int H, int Hkv, int T, float scale) {                                              \
-        flash_bwd_dkdv_mma_impl<D>(q, k, v, dO, lse, delta, dk, dv, H, Hkv, T, scale);                            \
+        flash_bwd_dkdv_mma_impl<D, LDM>(q, k, v, dO, lse, delta, dk, dv, H, Hkv, T, scale);                       \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_mma_d##D(                                     \
+    extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_##VAR##_d##D(                                 \
         const bf16* q, const bf16* k, const bf16* v, const bf16* dO, const float* lse, const float* delta,       \
         float* dq, int H, int Hkv, int T, float scale) {                                                         \
-        flash_bwd_dq_mma_impl<D>(q, k, v, dO, lse, delta, dq, H, Hkv, T, scale);                                  \
+        flash_bwd_dq_mma_impl<D, LDM>(q, k, v, dO, lse, delta, dq, H, Hkv, T, scale);                             \
     }
+#define FLASH_MMA_KERNELS(D) FLASH_MMA_KERNELS_V(D, mma, false) FLASH_MMA_KERNELS_V(D, ldm, true)
 
 FLASH_MMA_KERNELS(32)
 FLASH_MMA_KERNELS(64)

@@ -18,9 +18,12 @@ tensor cores too (`flash_*_mma` in bf16.cu: bf16 q/k/v/O/dO, float32 softmax sta
 accumulators) for head sizes 32 and 64; `attention="fp32"` selects the float32 FlashAttention of
 `attention.cu` on float32 q/k/v instead (the only choice for other head sizes).
 
-Memory. All tensors live in buffers allocated once in `__init__`: three flat float32 arrays for
-parameters/gradients/moments (plus the second moment and the bf16 image), per-layer activations
-kept for the backward, and scratch shared by all layers. A step allocates nothing, and the host never
+Memory. All tensors live in buffers allocated once in `__init__`: flat float32 arrays for parameters,
+gradients and both moments, the flat bf16 image, the per-layer activations kept for the backward (the
+residual stream entering each layer, q/k/v, the attention output and its logsumexp, the gate/up
+product, the norms' 1/rms), and scratch shared by all layers. The residual stream after each attention
+half and the normed activations are recomputed in the backward (one GEMM and two RMSNorms per layer)
+instead of being kept. A step allocates nothing, and the host never
 waits on the device inside it: the per-head loss normalisation, the global gradient norm and the
 clipping factor are computed and consumed on the device.
 
@@ -117,7 +120,7 @@ class Engine:
                  no_decay=None, chunk_bytes: int = 64 * 2**20, attention: str = "auto"):
         if attention == "auto":
             attention = "mma" if cfg.head_dim in _MMA_HEAD_DIMS else "fp32"
-        if attention not in ("mma", "fp32") or (attention == "mma" and cfg.head_dim not in _MMA_HEAD_DIMS):
+        if attention not in ("mma", "ldm", "fp32") or (attention != "fp32" and cfg.head_dim not in _MMA_HEAD_DIMS):
             raise ValueError(f"attention {attention!r} for head_dim {cfg.head_dim}")
         self.attention = attention
         if cfg.head_dim not in _FLASH:
@@ -198,9 +201,9 @@ class Engine:
             "rope_bwd_pack", "attn_pack", "attn_delta", "swiglu_fwd_bf16", "swiglu_bwd_bf16", "ce_head_scale",
             "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16",
             "attn_delta_bf16")}
-        if attention == "mma":
-            self._mma = {name: kernel("bf16", f"{name}_d{D}") for name in ("flash_fwd_mma", "flash_bwd_dkdv_mma",
-                                                                            "flash_bwd_dq_mma")}
+        if attention != "fp32":  # "mma": B fragments by 32-bit shared loads; "ldm": by ldmatrix
+            self._mma = {name: kernel("bf16", f"{name}_{attention}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
+                                                                                      "flash_bwd_dq")}
         self._flash = {name: kernel("attention", f"{name}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
                                                                                 "flash_bwd_dq")}
         self._k["f32_to_bf16"](_grid(off), (256,), (self.P, self.Pb, np.int64(off)))
@@ -237,12 +240,14 @@ class Engine:
             return cp.empty(shape, dtype=dt)
 
         self.xs = [e((N, C)) for _ in range(L + 1)]  # residual stream entering layer i (xs[L]: trunk output)
-        self.xmid = [e((N, C)) for _ in range(L)]  # after the attention half of layer i
+        # Not kept per layer (recomputed in the backward, ~3% of the step, 50 MB per layer at B16xT512):
+        # the residual stream after the attention half, and both normed activations.
+        self.xmid = e((N, C))
+        self.hs = e((N, C), bf)
+        self.rstd_s = e(N)
         self.rstd1 = [e(N) for _ in range(L)]
         self.rstd2 = [e(N) for _ in range(L)]
-        self.h1 = [e((N, C), bf) for _ in range(L)]
-        self.h2 = [e((N, C), bf) for _ in range(L)]
-        qdt = bf if attention == "mma" else f32  # the attention operands
+        qdt = bf if attention != "fp32" else f32  # the attention operands
         self.q = [e((B, H, T, D), qdt) for _ in range(L)]
         self.k = [e((B, Hkv, T, D), qdt) for _ in range(L)]
         self.v = [e((B, Hkv, T, D), qdt) for _ in range(L)]
@@ -277,12 +282,11 @@ class Engine:
         self.cos, self.sin = layers.rope_tables(T, D, cfg.rope_theta, cp, np.float32)
         self.cos, self.sin = cp.ascontiguousarray(self.cos), cp.ascontiguousarray(self.sin)
         # matrix views used by the GEMMs
-        self.mh1 = [_M(x) for x in self.h1]
-        self.mh2 = [_M(x) for x in self.h2]
+        self.mhs = _M(self.hs)
         self.ma = [_M(x) for x in self.a]
         self.mgu = [_M(x) for x in self.gu]
         self.mxs = [_M(x) for x in self.xs]
-        self.mxmid = [_M(x) for x in self.xmid]
+        self.mxmid = _M(self.xmid)
         self.mqkv, self.mm, self.mdm, self.mdgu = _M(self.qkv), _M(self.m), _M(self.dm), _M(self.dgu)
         self.mdh, self.mda, self.mdqkv, self.mdxb = _M(self.dh), _M(self.da), _M(self.dqkv), _M(self.dxb)
         self.mxn, self.mdxn = _M(self.xn), _M(self.dxn)
@@ -382,20 +386,21 @@ class Engine:
         pairs = N * (H + 2 * Hkv) * (D // 2)
         nqb = -(-T // 64)  # 64-row tiles of the tensor-core attention
         row_grid = (-(-((H + 2 * Hkv) * (D // 2)) // 256), min(N, 65535))  # per-row kernels: x columns, y rows
-        glu_grid = (-(-F // 512), min(N, 65535))
+        glu_grid = (-(-F // (256 * (8 if F % 8 == 0 else 2))), min(N, 4096))
         mdims = (i32(H), i32(Hkv), i32(T), scale)
         norm_grid = ((N + 3) // 4,)
         eps = f32(cfg.norm_eps)
         xs, xmid = self.xs, self.xmid
+        nbytes = N * C * 4
 
         for i in range(L):
             w = self.Lw[i]
-            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i], w["n1"], self.h1[i], self.rstd1[i], i32(N), i32(C), eps))
-            gemm(self.mqkv, self.mh1[i], w["qkv"], tb=True)
-            if self.attention == "mma":
+            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i], w["n1"], self.hs, self.rstd1[i], i32(N), i32(C), eps))
+            gemm(self.mqkv, self.mhs, w["qkv"], tb=True)
+            if self.attention != "fp32":
                 k["qkv_rope_split_bf16"](row_grid, (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i],
                                                             self.v[i], i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
-                self._mma["flash_fwd_mma"]((nqb, B * H), (128,), (self.q[i], self.k[i], self.v[i], self.a[i],
+                self._mma["flash_fwd"]((nqb, B * H), (128,), (self.q[i], self.k[i], self.v[i], self.a[i],
                                                                  self.lse[i], i32(H), i32(Hkv), i32(T), scale))
             else:
                 k["qkv_rope_split"](_grid(pairs), (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i], self.v[i],
@@ -403,12 +408,12 @@ class Engine:
                 self._flash["flash_fwd"]((-(-T // rows), B * H), (rows * G,),
                                          (self.q[i], *qs, self.k[i], *ks, self.v[i], *ks, self.att, self.lse[i], *dims))
                 k["attn_pack"](_grid(N * HD), (256,), (self.att, self.a[i], i32(T), i32(H), i32(D), i64(N * HD)))
-            cp.cuda.runtime.memcpyAsync(xmid[i].data.ptr, xs[i].data.ptr, xs[i].nbytes, 3, stream)
-            gemm(self.mxmid[i], self.ma[i], w["o"], tb=True, beta=1.0)
-            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xmid[i], w["n2"], self.h2[i], self.rstd2[i], i32(N), i32(C), eps))
-            gemm(self.mgu[i], self.mh2[i], w["gu"], tb=True)
+            # x_mid is built in xs[i+1], which the MLP half then completes in place
+            cp.cuda.runtime.memcpyAsync(xs[i + 1].data.ptr, xs[i].data.ptr, nbytes, 3, stream)
+            gemm(self.mxs[i + 1], self.ma[i], w["o"], tb=True, beta=1.0)
+            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i + 1], w["n2"], self.hs, self.rstd2[i], i32(N), i32(C), eps))
+            gemm(self.mgu[i], self.mhs, w["gu"], tb=True)
             k["swiglu_fwd_bf16"](glu_grid, (256,), (self.gu[i], self.m, i32(F), i32(N)))
-            cp.cuda.runtime.memcpyAsync(xs[i + 1].data.ptr, xmid[i].data.ptr, xmid[i].nbytes, 3, stream)
             gemm(self.mxs[i + 1], self.mm, w["d"], tb=True, beta=1.0)
 
         k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[L], self.w_norm, self.xn, self.rstdf, i32(N), i32(C), eps))
@@ -438,19 +443,23 @@ class Engine:
             gemm(w["dd"], self.mdxb, self.mm, ta=True)
             gemm(self.mdm, self.mdxb, w["d"])
             k["swiglu_bwd_bf16"](glu_grid, (256,), (self.dm, self.gu[i], self.dgu, i32(F), i32(N)))
-            gemm(w["dgu"], self.mdgu, self.mh2[i], ta=True)
+            # recompute x_mid = x_in + o_proj(a) (same operands, same GEMM: the forward's values) and h2
+            cp.cuda.runtime.memcpyAsync(xmid.data.ptr, xs[i].data.ptr, nbytes, 3, stream)
+            gemm(self.mxmid, self.ma[i], w["o"], tb=True, beta=1.0)
+            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xmid, w["n2"], self.hs, self.rstd_s, i32(N), i32(C), eps))
+            gemm(w["dgu"], self.mdgu, self.mhs, ta=True)
             gemm(self.mdh, self.mdgu, w["gu"])
-            k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xmid[i], w["n2"], self.rstd2[i], self.dx, self.dxb,
+            k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xmid, w["n2"], self.rstd2[i], self.dx, self.dxb,
                                                      w["dn2"], i32(N), i32(C), i32(nb_rows), i32(1)))
             # attention half: x_mid = x_in + o(attn(rope(q(h1)), rope(k(h1)), v(h1)))
             gemm(w["do"], self.mdxb, self.ma[i], ta=True)
             gemm(self.mda, self.mdxb, w["o"])
-            if self.attention == "mma":
+            if self.attention != "fp32":
                 k["attn_delta_bf16"]((-(-(N * H) // 8),), (256,), (self.a[i], self.da, self.delta, i32(T), i32(H),
                                                                    i32(D), i64(N * H)))
                 qkv = (self.q[i], self.k[i], self.v[i], self.da, self.lse[i], self.delta)
-                self._mma["flash_bwd_dkdv_mma"]((nqb, B * Hkv), (128,), (*qkv, self.dk, self.dv, *mdims))
-                self._mma["flash_bwd_dq_mma"]((nqb, B * H), (128,), (*qkv, self.att, *mdims))
+                self._mma["flash_bwd_dkdv"]((nqb, B * Hkv), (128,), (*qkv, self.dk, self.dv, *mdims))
+                self._mma["flash_bwd_dq"]((nqb, B * H), (128,), (*qkv, self.att, *mdims))
             else:
                 k["attn_delta"]((-(-(N * H) // 8),), (256,), (self.a[i], self.da, self.delta, i32(T), i32(H), i32(D),
                                                                i64(N * H)))
@@ -461,7 +470,8 @@ class Engine:
                                             (*qkv, self.da, *das, self.lse[i], self.delta, self.att, *dims))
             k["rope_bwd_pack"](row_grid, (256,), (self.att, self.dk, self.dv, self.cos, self.sin, self.dqkv,
                                                   i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
-            gemm(w["dqkv"], self.mdqkv, self.mh1[i], ta=True)
+            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i], w["n1"], self.hs, self.rstd_s, i32(N), i32(C), eps))
+            gemm(w["dqkv"], self.mdqkv, self.mhs, ta=True)
             gemm(self.mdh, self.mdqkv, w["qkv"])
             k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xs[i], w["n1"], self.rstd1[i], self.dx, self.dxb,
                                                      w["dn1"], i32(N), i32(C), i32(nb_rows), i32(1)))

@@ -154,7 +154,7 @@ def case_bf16_swiglu(rng, shape):
     N, F = shape
     gu_b, gu = _dev_bf16(np.concatenate([_randn(rng, (N, F), 3.0), _randn(rng, (N, F))], axis=1))
     m = cupy.empty((N, F), dtype=np.uint16)
-    grid = (-(-F // 512), min(N, 65535))
+    grid = (-(-F // (256 * (8 if F % 8 == 0 else 2))), min(N, 4096))
     _k("swiglu_fwd_bf16")(grid, (256,), (gu_b, m, np.int32(F), np.int32(N)))
     dm_b, dm = _dev_bf16(_randn(rng, (N, F)))
     dgu = cupy.empty((N, 2 * F), dtype=np.uint16)
@@ -208,7 +208,7 @@ def case_bf16_flash(rng, shape):
     from nanoeuler.kernels import kernel
     from nanoeuler.model import layers
 
-    B, H, Hkv, T, D = shape
+    B, H, Hkv, T, D, var = shape
     N = B * T
     qb, q = _dev_bf16(_randn(rng, (B, H, T, D), 1.5))
     kb, k = _dev_bf16(_randn(rng, (B, Hkv, T, D), 1.5))
@@ -220,24 +220,24 @@ def case_bf16_flash(rng, shape):
     nb = -(-T // 64)
     o = cupy.empty((N, H * D), dtype=np.uint16)
     lse = cupy.empty((B, H, T), dtype=np.float32)
-    kernel("bf16", "flash_fwd_mma_d%d" % D)((nb, B * H), (128,), (qb, kb, vb, o, lse, *dims))
+    kernel("bf16", "flash_fwd_%s_d%d" % (var, D))((nb, B * H), (128,), (qb, kb, vb, o, lse, *dims))
     delta = cupy.empty((B, H, T), dtype=np.float32)
     _k("attn_delta_bf16")((-(-(N * H) // 8),), (256,), (o, db, delta, np.int32(T), np.int32(H), np.int32(D),
                                                        np.int64(N * H)))
     dq = cupy.empty((B, H, T, D), dtype=np.float32)
     dk = cupy.empty((B, Hkv, T, D), dtype=np.float32)
     dv = cupy.empty((B, Hkv, T, D), dtype=np.float32)
-    kernel("bf16", "flash_bwd_dkdv_mma_d%d" % D)((nb, B * Hkv), (128,), (qb, kb, vb, db, lse, delta, dk, dv, *dims))
-    kernel("bf16", "flash_bwd_dq_mma_d%d" % D)((nb, B * H), (128,), (qb, kb, vb, db, lse, delta, dq, *dims))
+    kernel("bf16", "flash_bwd_dkdv_%s_d%d" % (var, D))((nb, B * Hkv), (128,), (qb, kb, vb, db, lse, delta, dk, dv, *dims))
+    kernel("bf16", "flash_bwd_dq_%s_d%d" % (var, D))((nb, B * H), (128,), (qb, kb, vb, db, lse, delta, dq, *dims))
     out_r, cache = layers.attention_forward(q, k, v)
     dq_r, dk_r, dv_r = layers.attention_backward(d64.reshape(B, T, H, D).transpose(0, 2, 1, 3), cache)
     s = np.einsum("bhtd,bhsd->bhts", q, np.repeat(k, H // Hkv, axis=1)) / math.sqrt(D)
     s = np.where(np.tril(np.ones((T, T), dtype=bool)), s, -np.inf)
     lse_r = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
-    return [("flash mma fwd out", from_bf16(o.get()), out_r.transpose(0, 2, 1, 3).reshape(N, H * D), TOL_BF16),
-            ("flash mma fwd lse", lse, lse_r, TOL_FP32),
-            ("flash mma bwd dq", dq, dq_r, TOL_BF16), ("flash mma bwd dk", dk, dk_r, TOL_BF16),
-            ("flash mma bwd dv", dv, dv_r, TOL_BF16)]
+    return [(f"flash {var} fwd out", from_bf16(o.get()), out_r.transpose(0, 2, 1, 3).reshape(N, H * D), TOL_BF16),
+            (f"flash {var} fwd lse", lse, lse_r, TOL_FP32),
+            (f"flash {var} bwd dq", dq, dq_r, TOL_BF16), (f"flash {var} bwd dk", dk, dk_r, TOL_BF16),
+            (f"flash {var} bwd dv", dv, dv_r, TOL_BF16)]
 
 
 def _engine_problem(rng, cfg, B, T):
@@ -307,16 +307,23 @@ CASES_BF16 = [
     (case_bf16_attn_layout, (2, 37, 12, 64), "B2 T37 H12 D64", {}),
     (case_bf16_swiglu, (100, 2048), "N100 F2048", {}),
     (case_bf16_swiglu, (37, 341), "N37 F341", {}),
+    (case_bf16_swiglu, (37, 342), "N37 F342", {}),
     (case_bf16_swiglu, (70000, 6), "N70000 F6 (rows > grid)", {}),
     (case_bf16_ce_heads, (70, 4, 4096), "N70 K4 V4096", {}),
     (case_bf16_ce_heads, (33, 2, 100), "N33 K2 V100", {}),
-    (case_bf16_flash, (2, 12, 4, 100, 64), "B2 H12/4 T100 D64", {}),
-    (case_bf16_flash, (1, 4, 4, 129, 64), "B1 H4/4 T129 D64", {}),
-    (case_bf16_flash, (2, 4, 2, 37, 32), "B2 H4/2 T37 D32", {}),
-    (case_bf16_flash, (1, 12, 4, 512, 64), "B1 H12/4 T512 D64", {}),
+    (case_bf16_flash, (2, 12, 4, 100, 64, "mma"), "B2 H12/4 T100 D64", {}),
+    (case_bf16_flash, (1, 4, 4, 129, 64, "mma"), "B1 H4/4 T129 D64", {}),
+    (case_bf16_flash, (2, 4, 2, 37, 32, "mma"), "B2 H4/2 T37 D32", {}),
+    (case_bf16_flash, (1, 12, 4, 512, 64, "mma"), "B1 H12/4 T512 D64", {}),
+    (case_bf16_flash, (2, 12, 4, 100, 64, "ldm"), "B2 H12/4 T100 D64", {}),
+    (case_bf16_flash, (1, 4, 4, 129, 64, "ldm"), "B1 H4/4 T129 D64", {}),
+    (case_bf16_flash, (2, 4, 2, 37, 32, "ldm"), "B2 H4/2 T37 D32", {}),
+    (case_bf16_flash, (1, 12, 4, 512, 64, "ldm"), "B1 H12/4 T512 D64", {}),
     (case_engine, ("small", 2, 100, "mma"), "small preset B2 T100 D32", {}),
     (case_engine, ("d64", 2, 200, "mma"), "2 layers D64 B2 T200", {}),
     (case_engine, ("d64", 2, 200, "fp32"), "2 layers D64 B2 T200 fp32-attn", {}),
+    (case_engine, ("d64", 2, 200, "ldm"), "2 layers D64 B2 T200 ldm-attn", {}),
+    (case_engine, ("small", 2, 100, "ldm"), "small preset B2 T100 ldm-attn", {}),
 ]
 
 __all__ = ["CASES_BF16", "to_bf16", "from_bf16", "bf16_round", "math"]

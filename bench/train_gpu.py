@@ -46,8 +46,8 @@ if str(ROOT) not in sys.path:
 
 PEAK_BF16 = 989e12
 ALL_MODES = ("torch-eager", "torch-compile", "ours-fp32", "ours-bf16")
-# also available: ours-bf16-ldm (the engine's attention with ldmatrix fragment loads), ours-bf16-fa32
-# (the bf16 engine with the float32 FlashAttention of attention.cu)
+# also available: ours-bf16-ldm / ours-bf16-mma (the engine with either tensor-core attention variant;
+# ours-bf16 takes the engine's default), ours-bf16-fa32 (the float32 FlashAttention of attention.cu)
 
 
 def flops_per_token(cfg, T):
@@ -437,8 +437,8 @@ def main(argv=None) -> int:
                     ms, peak, loss = ours_fp32_run(cfg, params_np, B, T, args.fp32_steps or args.steps, 2, log)
                 elif mode == "ours-bf16":
                     ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log)
-                elif mode == "ours-bf16-ldm":
-                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log, "ldm")
+                elif mode in ("ours-bf16-ldm", "ours-bf16-mma"):
+                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log, mode[-3:])
                 elif mode == "ours-bf16-fa32":
                     ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log, "fp32")
                 else:

@@ -524,14 +524,84 @@ __device__ __forceinline__ void load_tile(bf16 (*rm)[D + FA_PAD], bf16 (*tr)[FA_
     }
 }
 
+// cp.async tile copy (the ldmatrix kernels keep tiles row-major, so a tile is a plain 16-byte copy and
+// the next tile can stream in while the current one is used: two stages).
+template <int D>
+__device__ __forceinline__ void cp_tile(bf16 (*dst)[D + FA_PAD], const bf16* base, long long ld, int r0, int rmax) {
+    for (int i = threadIdx.x; i < FA_BR * D / 8; i += blockDim.x) {
+        const int row = i / (D / 8), c8 = (i % (D / 8)) * 8;
+        if (r0 + row < rmax) {
+            const unsigned sa = smem_u32(&dst[row][c8]);
+            const bf16* src = base + (long long)(r0 + row) * ld + c8;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(src));
+        } else {
+            *reinterpret_cast<uint4*>(&dst[row][c8]) = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// S (16 rows x 64 columns of the other side) += A (16 x D, fragments) * tile^T (tile row-major [64][D]).
+template <int D, bool LDM>
+__device__ __forceinline__ void mma_rows_tile(float (&s)[FA_BR / 8][4], const unsigned (&a)[D / 16][4],
+                                              const bf16 (*tile)[D + FA_PAD], int g, int c, int lane) {
+    if constexpr (LDM) {
+#pragma unroll
+        for (int n = 0; n < FA_BR / 8; n += 2) {
+#pragma unroll
+            for (int kc = 0; kc < D / 16; ++kc) {
+                unsigned bb[4];
+                ldsm_b<D + FA_PAD>(bb, tile, n, kc, lane);
+                mma16816(s[n], a[kc], bb[0], bb[1]);
+                mma16816(s[n + 1], a[kc], bb[2], bb[3]);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int n = 0; n < FA_BR / 8; ++n) {
+#pragma unroll
+            for (int kc = 0; kc < D / 16; ++kc)
+                mma16816(s[n], a[kc], ld32(&tile[n * 8 + g][kc * 16 + 2 * c]), ld32(&tile[n * 8 + g][kc * 16 + 2 * c + 8]));
+        }
+    }
+}
+
+// acc (16 x D) += P (16 x 64, from float accumulators, rounded to bf16) * V, V a 64 x D tile: row-major
+// [64][D] (LDM, read transposed by ldmatrix) or already transposed [D][64] (vt).
+template <int D, bool LDM>
+__device__ __forceinline__ void mma_p_tile(float (&acc)[D / 8][4], const float (&p)[FA_BR / 8][4],
+                                           const bf16 (*tile)[D + FA_PAD], const bf16 (*vt)[FA_BR + FA_PAD], int g,
+                                           int c, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < FA_BR / 16; ++kk) {
+        const unsigned pa[4] = {pack2(p[2 * kk][0], p[2 * kk][1]), pack2(p[2 * kk][2], p[2 * kk][3]),
+                                pack2(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack2(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+        if constexpr (LDM) {
+#pragma unroll
+            for (int n = 0; n < D / 8; n += 2) {
+                unsigned bb[4];
+                ldsm_bt<D + FA_PAD>(bb, tile, n, kk, lane);
+                mma16816(acc[n], pa, bb[0], bb[1]);
+                mma16816(acc[n + 1], pa, bb[2], bb[3]);
+            }
+        } else {
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n)
+                mma16816(acc[n], pa, ld32(&vt[n * 8 + g][kk * 16 + 2 * c]), ld32(&vt[n * 8 + g][kk * 16 + 2 * c + 8]));
+        }
+    }
+}
+
 template <int D, bool LDM>
 __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                    const bf16* __restrict__ v, bf16* __restrict__ o,
                                                    float* __restrict__ lse, int H, int Hkv, int T, float scale) {
-    constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8;
-    __shared__ __align__(16) bf16 Ks[FA_BR][D + FA_PAD];
-    __shared__ __align__(16) bf16 Vt[LDM ? 1 : D][FA_BR + FA_PAD];  // V transposed (without LDM)
-    __shared__ __align__(16) bf16 Vs[LDM ? FA_BR : 1][D + FA_PAD];  // V as is (with LDM)
+    constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8, NS = LDM ? 2 : 1;
+    __shared__ __align__(16) bf16 Ks[NS][FA_BR][D + FA_PAD];
+    __shared__ __align__(16) bf16 Vs[NS][LDM ? FA_BR : 1][D + FA_PAD];  // V as is (LDM)
+    __shared__ __align__(16) bf16 Vt[LDM ? 1 : D][FA_BR + FA_PAD];      // V transposed (without LDM)
     const int nqb = (T + FA_BR - 1) / FA_BR;
     const int qb = nqb - 1 - blockIdx.x;  // longest rows first
     const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
@@ -540,6 +610,11 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
     const bf16* kh = k + ((long long)b * Hkv + hk) * T * D;
     const bf16* vh = v + ((long long)b * Hkv + hk) * T * D;
     const int r0 = qb * FA_BR + warp * 16;
+    if constexpr (LDM) {
+        cp_tile<D>(Ks[0], kh, D, 0, T);
+        cp_tile<D>(Vs[0], vh, D, 0, T);
+        cp_commit();
+    }
     unsigned qa[KC][4];
     load_a_frags<D>(qa, qh, D, r0, T, g, c);
     float acc[NT][4];
@@ -550,41 +625,36 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
     const float sl2 = scale * LOG2E;
     const int rowA = r0 + g, rowB = r0 + g + 8;
     for (int kb = 0; kb <= qb; ++kb) {
-        __syncthreads();
-        load_tile<D>(Ks, nullptr, kh, D, kb * FA_BR, T);
-        if (LDM) load_tile<D>(Vs, nullptr, vh, D, kb * FA_BR, T);
-        else load_tile<D>(nullptr, Vt, vh, D, kb * FA_BR, T);
-        __syncthreads();
+        const int st = LDM ? (kb & 1) : 0;
+        if constexpr (LDM) {
+            if (kb < qb) {
+                cp_tile<D>(Ks[st ^ 1], kh, D, (kb + 1) * FA_BR, T);
+                cp_tile<D>(Vs[st ^ 1], vh, D, (kb + 1) * FA_BR, T);
+                cp_commit();
+                cp_wait<1>();
+            } else {
+                cp_wait<0>();
+            }
+            __syncthreads();
+        } else {
+            __syncthreads();
+            load_tile<D>(Ks[0], nullptr, kh, D, kb * FA_BR, T);
+            load_tile<D>(nullptr, Vt, vh, D, kb * FA_BR, T);
+            __syncthreads();
+        }
         float s[ST][4];
 #pragma unroll
         for (int n = 0; n < ST; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-        if (LDM) {
-#pragma unroll
-            for (int n = 0; n < ST; n += 2) {
-#pragma unroll
-                for (int kc = 0; kc < KC; ++kc) {
-                    unsigned bb[4];
-                    ldsm_b<D + FA_PAD>(bb, Ks, n, kc, lane);
-                    mma16816(s[n], qa[kc], bb[0], bb[1]);
-                    mma16816(s[n + 1], qa[kc], bb[2], bb[3]);
-                }
-            }
-        } else {
-#pragma unroll
-            for (int n = 0; n < ST; ++n) {
-#pragma unroll
-                for (int kc = 0; kc < KC; ++kc)
-                    mma16816(s[n], qa[kc], ld32(&Ks[n * 8 + g][kc * 16 + 2 * c]), ld32(&Ks[n * 8 + g][kc * 16 + 2 * c + 8]));
-            }
-        }
+        mma_rows_tile<D, LDM>(s, qa, Ks[st], g, c, lane);
         float mx0 = NEG, mx1 = NEG;
+        const bool diag = kb == qb;  // only the diagonal tile holds keys after a row (or past T)
 #pragma unroll
         for (int n = 0; n < ST; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = kb * FA_BR + n * 8 + 2 * c + (e & 1);
                 const int row = e < 2 ? rowA : rowB;
-                s[n][e] = (key <= row && key < T) ? s[n][e] * sl2 : NEG;
+                s[n][e] = (!diag || (key <= row && key < T)) ? s[n][e] * sl2 : NEG;
             }
             mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
             mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
@@ -612,24 +682,8 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
             l0 += s[n][0] + s[n][1];
             l1 += s[n][2] + s[n][3];
         }
-#pragma unroll
-        for (int kk = 0; kk < FA_BR / 16; ++kk) {
-            const unsigned pa[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
-                                    pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-            if (LDM) {
-#pragma unroll
-                for (int n = 0; n < NT; n += 2) {
-                    unsigned bb[4];
-                    ldsm_bt<D + FA_PAD>(bb, Vs, n, kk, lane);
-                    mma16816(acc[n], pa, bb[0], bb[1]);
-                    mma16816(acc[n + 1], pa, bb[2], bb[3]);
-                }
-            } else {
-#pragma unroll
-                for (int n = 0; n < NT; ++n)
-                    mma16816(acc[n], pa, ld32(&Vt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Vt[n * 8 + g][kk * 16 + 2 * c + 8]));
-            }
-        }
+        mma_p_tile<D, LDM>(acc, s, Vs[st], Vt, g, c, lane);
+        if constexpr (LDM) __syncthreads();  // stage st is refilled by the next iteration
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -654,24 +708,46 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
 }
 
 // dk, dv for 64 keys of one (b, kv head): loops over the group's query heads and the query tiles at or
-// after the keys' tile.
+// after the keys' tile (with LDM: flattened into one loop, the next Q/dO tiles streaming in by cp.async).
 template <int D, bool LDM>
 __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
     const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dk, float* __restrict__ dv,
     int H, int Hkv, int T, float scale) {
-    constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8;
-    __shared__ __align__(16) bf16 Qs[FA_BR][D + FA_PAD];
+    constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8, NS = LDM ? 2 : 1;
+    __shared__ __align__(16) bf16 Qs[NS][FA_BR][D + FA_PAD];
+    __shared__ __align__(16) bf16 Ds[NS][FA_BR][D + FA_PAD];
     __shared__ __align__(16) bf16 Qt[LDM ? 1 : D][FA_BR + FA_PAD];
-    __shared__ __align__(16) bf16 Ds[FA_BR][D + FA_PAD];
     __shared__ __align__(16) bf16 Dt[LDM ? 1 : D][FA_BR + FA_PAD];
-    __shared__ float lse_s[FA_BR], delta_s[FA_BR];
+    __shared__ float lse_s[NS][FA_BR], delta_s[NS][FA_BR];
     const int nb = (T + FA_BR - 1) / FA_BR;
     const int kb = blockIdx.x;  // the first keys see the most queries: they start first
     const int bhk = blockIdx.y, b = bhk / Hkv, hk = bhk % Hkv, G = H / Hkv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const long long HD = (long long)H * D;
     const int r0 = kb * FA_BR + warp * 16;  // this warp's first key
+    const int nq = nb - kb, iters = G * nq;
+    // stage the Q/dO tiles (and their lse, delta) of iteration `it` into stage `st`
+    auto stage = [&](int it, int st) {
+        const int h = hk * G + it / nq, qb = kb + it % nq;
+        const long long bh = (long long)b * H + h;
+        if constexpr (LDM) {
+            cp_tile<D>(Qs[st], q + bh * T * D, D, qb * FA_BR, T);
+            cp_tile<D>(Ds[st], dO + (long long)b * T * HD + (long long)h * D, HD, qb * FA_BR, T);
+        } else {
+            load_tile<D>(Qs[st], Qt, q + bh * T * D, D, qb * FA_BR, T);
+            load_tile<D>(Ds[st], Dt, dO + (long long)b * T * HD + (long long)h * D, HD, qb * FA_BR, T);
+        }
+        for (int i = threadIdx.x; i < FA_BR; i += blockDim.x) {
+            const int t = qb * FA_BR + i;
+            lse_s[st][i] = t < T ? lse[bh * T + t] * LOG2E : 0.f;
+            delta_s[st][i] = t < T ? delta[bh * T + t] : 0.f;
+        }
+    };
+    if constexpr (LDM) {
+        stage(0, 0);
+        cp_commit();
+    }
     unsigned ka[KC][4], va[KC][4];
     load_a_frags<D>(ka, k + (long long)bhk * T * D, D, r0, T, g, c);
     load_a_frags<D>(va, v + (long long)bhk * T * D, D, r0, T, g, c);
@@ -683,89 +759,49 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
     }
     const float sl2 = scale * LOG2E;
     const int keyA = r0 + g, keyB = r0 + g + 8;
-    for (int hq = 0; hq < G; ++hq) {
-        const int h = hk * G + hq;
-        const long long bh = (long long)b * H + h;
-        for (int qb = kb; qb < nb; ++qb) {
-            __syncthreads();
-            load_tile<D>(Qs, LDM ? nullptr : Qt, q + bh * T * D, D, qb * FA_BR, T);
-            load_tile<D>(Ds, LDM ? nullptr : Dt, dO + (long long)b * T * HD + (long long)h * D, HD, qb * FA_BR, T);
-            for (int i = threadIdx.x; i < FA_BR; i += blockDim.x) {
-                const int t = qb * FA_BR + i;
-                lse_s[i] = t < T ? lse[bh * T + t] * LOG2E : 0.f;
-                delta_s[i] = t < T ? delta[bh * T + t] : 0.f;
-            }
-            __syncthreads();
-            float s[ST][4], dp[ST][4];
-#pragma unroll
-            for (int n = 0; n < ST; ++n) {
-                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-                dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
-            }
-            if (LDM) {
-#pragma unroll
-                for (int n = 0; n < ST; n += 2) {
-#pragma unroll
-                    for (int kc = 0; kc < KC; ++kc) {
-                        unsigned bq[4], bd[4];
-                        ldsm_b<D + FA_PAD>(bq, Qs, n, kc, lane);
-                        ldsm_b<D + FA_PAD>(bd, Ds, n, kc, lane);
-                        mma16816(s[n], ka[kc], bq[0], bq[1]);
-                        mma16816(s[n + 1], ka[kc], bq[2], bq[3]);
-                        mma16816(dp[n], va[kc], bd[0], bd[1]);
-                        mma16816(dp[n + 1], va[kc], bd[2], bd[3]);
-                    }
-                }
+    for (int it = 0; it < iters; ++it) {
+        const int qb = kb + it % nq;
+        const int st = LDM ? (it & 1) : 0;
+        if constexpr (LDM) {
+            if (it + 1 < iters) {
+                stage(it + 1, st ^ 1);
+                cp_commit();
+                cp_wait<1>();
             } else {
-#pragma unroll
-                for (int n = 0; n < ST; ++n) {
-#pragma unroll
-                    for (int kc = 0; kc < KC; ++kc) {
-                        mma16816(s[n], ka[kc], ld32(&Qs[n * 8 + g][kc * 16 + 2 * c]), ld32(&Qs[n * 8 + g][kc * 16 + 2 * c + 8]));
-                        mma16816(dp[n], va[kc], ld32(&Ds[n * 8 + g][kc * 16 + 2 * c]), ld32(&Ds[n * 8 + g][kc * 16 + 2 * c + 8]));
-                    }
-                }
+                cp_wait<0>();
             }
-            // P^T and dS^T = P^T * (dP^T - delta), rows = keys, cols = queries
+            __syncthreads();
+        } else {
+            __syncthreads();
+            stage(it, 0);
+            __syncthreads();
+        }
+        float s[ST][4], dp[ST][4];
 #pragma unroll
-            for (int n = 0; n < ST; ++n) {
+        for (int n = 0; n < ST; ++n) {
+            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+            dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+        }
+        mma_rows_tile<D, LDM>(s, ka, Qs[st], g, c, lane);   // S^T = K Q^T
+        mma_rows_tile<D, LDM>(dp, va, Ds[st], g, c, lane);  // dP^T = V dO^T
+        // P^T and dS^T = P^T * (dP^T - delta); rows = keys, columns = queries
+        const bool edge = qb == kb || qb == nb - 1;  // the causal diagonal, or queries past T
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int qi = n * 8 + 2 * c + (e & 1);
-                    const int t = qb * FA_BR + qi;
-                    const int key = e < 2 ? keyA : keyB;
-                    const float p = (t >= key && t < T && key < T) ? exp2f(s[n][e] * sl2 - lse_s[qi]) : 0.f;
-                    s[n][e] = p;
-                    dp[n][e] = p * (dp[n][e] - delta_s[qi]);
-                }
-            }
+        for (int n = 0; n < ST; ++n) {
 #pragma unroll
-            for (int kk = 0; kk < FA_BR / 16; ++kk) {
-                const unsigned pa[4] = {pack2(s[2 * kk][0], s[2 * kk][1]), pack2(s[2 * kk][2], s[2 * kk][3]),
-                                        pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-                const unsigned da[4] = {pack2(dp[2 * kk][0], dp[2 * kk][1]), pack2(dp[2 * kk][2], dp[2 * kk][3]),
-                                        pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                                        pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
-                if (LDM) {
-#pragma unroll
-                    for (int n = 0; n < NT; n += 2) {
-                        unsigned bd[4], bq[4];
-                        ldsm_bt<D + FA_PAD>(bd, Ds, n, kk, lane);
-                        ldsm_bt<D + FA_PAD>(bq, Qs, n, kk, lane);
-                        mma16816(dva[n], pa, bd[0], bd[1]);
-                        mma16816(dva[n + 1], pa, bd[2], bd[3]);
-                        mma16816(dka[n], da, bq[0], bq[1]);
-                        mma16816(dka[n + 1], da, bq[2], bq[3]);
-                    }
-                } else {
-#pragma unroll
-                    for (int n = 0; n < NT; ++n) {
-                        mma16816(dva[n], pa, ld32(&Dt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Dt[n * 8 + g][kk * 16 + 2 * c + 8]));
-                        mma16816(dka[n], da, ld32(&Qt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Qt[n * 8 + g][kk * 16 + 2 * c + 8]));
-                    }
-                }
+            for (int e = 0; e < 4; ++e) {
+                const int qi = n * 8 + 2 * c + (e & 1);
+                const int t = qb * FA_BR + qi;
+                const int key = e < 2 ? keyA : keyB;
+                const bool ok = !edge || (t >= key && t < T && key < T);
+                const float p = ok ? exp2f(s[n][e] * sl2 - lse_s[st][qi]) : 0.f;
+                s[n][e] = p;
+                dp[n][e] = p * (dp[n][e] - delta_s[st][qi]);
             }
         }
+        mma_p_tile<D, LDM>(dva, s, Ds[st], Dt, g, c, lane);   // dV += P^T dO
+        mma_p_tile<D, LDM>(dka, dp, Qs[st], Qt, g, c, lane);  // dK += dS^T Q
+        if constexpr (LDM) __syncthreads();
     }
     float* dkh = dk + (long long)bhk * T * D;
     float* dvh = dv + (long long)bhk * T * D;
@@ -789,10 +825,10 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
     const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq, int H, int Hkv, int T,
     float scale) {
-    constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8;
-    __shared__ __align__(16) bf16 Ks[FA_BR][D + FA_PAD];
+    constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8, NS = LDM ? 2 : 1;
+    __shared__ __align__(16) bf16 Ks[NS][FA_BR][D + FA_PAD];
+    __shared__ __align__(16) bf16 Vs[NS][FA_BR][D + FA_PAD];
     __shared__ __align__(16) bf16 Kt[LDM ? 1 : D][FA_BR + FA_PAD];
-    __shared__ __align__(16) bf16 Vs[FA_BR][D + FA_PAD];
     const int nb = (T + FA_BR - 1) / FA_BR;
     const int qb = nb - 1 - blockIdx.x;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
@@ -800,6 +836,13 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     const long long HD = (long long)H * D;
     const int r0 = qb * FA_BR + warp * 16;
     const int rowA = r0 + g, rowB = r0 + g + 8;
+    const bf16* kh = k + ((long long)b * Hkv + hk) * T * D;
+    const bf16* vh = v + ((long long)b * Hkv + hk) * T * D;
+    if constexpr (LDM) {
+        cp_tile<D>(Ks[0], kh, D, 0, T);
+        cp_tile<D>(Vs[0], vh, D, 0, T);
+        cp_commit();
+    }
     unsigned qa[KC][4], doa[KC][4];
     load_a_frags<D>(qa, q + (long long)bh * T * D, D, r0, T, g, c);
     load_a_frags<D>(doa, dO + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
@@ -807,75 +850,50 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     const float lB = rowB < T ? lse[(long long)bh * T + rowB] * LOG2E : 0.f;
     const float dA = rowA < T ? delta[(long long)bh * T + rowA] : 0.f;
     const float dB = rowB < T ? delta[(long long)bh * T + rowB] : 0.f;
-    const bf16* kh = k + ((long long)b * Hkv + hk) * T * D;
-    const bf16* vh = v + ((long long)b * Hkv + hk) * T * D;
     float acc[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     const float sl2 = scale * LOG2E;
     for (int kb = 0; kb <= qb; ++kb) {
-        __syncthreads();
-        load_tile<D>(Ks, LDM ? nullptr : Kt, kh, D, kb * FA_BR, T);
-        load_tile<D>(Vs, nullptr, vh, D, kb * FA_BR, T);
-        __syncthreads();
+        const int st = LDM ? (kb & 1) : 0;
+        if constexpr (LDM) {
+            if (kb < qb) {
+                cp_tile<D>(Ks[st ^ 1], kh, D, (kb + 1) * FA_BR, T);
+                cp_tile<D>(Vs[st ^ 1], vh, D, (kb + 1) * FA_BR, T);
+                cp_commit();
+                cp_wait<1>();
+            } else {
+                cp_wait<0>();
+            }
+            __syncthreads();
+        } else {
+            __syncthreads();
+            load_tile<D>(Ks[0], Kt, kh, D, kb * FA_BR, T);
+            load_tile<D>(Vs[0], nullptr, vh, D, kb * FA_BR, T);
+            __syncthreads();
+        }
         float s[ST][4], dp[ST][4];
 #pragma unroll
         for (int n = 0; n < ST; ++n) {
             s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
             dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
         }
-        if (LDM) {
-#pragma unroll
-            for (int n = 0; n < ST; n += 2) {
-#pragma unroll
-                for (int kc = 0; kc < KC; ++kc) {
-                    unsigned bk[4], bv[4];
-                    ldsm_b<D + FA_PAD>(bk, Ks, n, kc, lane);
-                    ldsm_b<D + FA_PAD>(bv, Vs, n, kc, lane);
-                    mma16816(s[n], qa[kc], bk[0], bk[1]);
-                    mma16816(s[n + 1], qa[kc], bk[2], bk[3]);
-                    mma16816(dp[n], doa[kc], bv[0], bv[1]);
-                    mma16816(dp[n + 1], doa[kc], bv[2], bv[3]);
-                }
-            }
-        } else {
-#pragma unroll
-            for (int n = 0; n < ST; ++n) {
-#pragma unroll
-                for (int kc = 0; kc < KC; ++kc) {
-                    mma16816(s[n], qa[kc], ld32(&Ks[n * 8 + g][kc * 16 + 2 * c]), ld32(&Ks[n * 8 + g][kc * 16 + 2 * c + 8]));
-                    mma16816(dp[n], doa[kc], ld32(&Vs[n * 8 + g][kc * 16 + 2 * c]), ld32(&Vs[n * 8 + g][kc * 16 + 2 * c + 8]));
-                }
-            }
-        }
+        mma_rows_tile<D, LDM>(s, qa, Ks[st], g, c, lane);    // S = Q K^T
+        mma_rows_tile<D, LDM>(dp, doa, Vs[st], g, c, lane);  // dP = dO V^T
+        const bool diag = kb == qb;
 #pragma unroll
         for (int n = 0; n < ST; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = kb * FA_BR + n * 8 + 2 * c + (e & 1);
                 const int row = e < 2 ? rowA : rowB;
-                const float p = (key <= row && key < T && row < T) ? exp2f(s[n][e] * sl2 - (e < 2 ? lA : lB)) : 0.f;
+                const bool ok = !diag || (key <= row && key < T && row < T);
+                const float p = ok ? exp2f(s[n][e] * sl2 - (e < 2 ? lA : lB)) : 0.f;
                 dp[n][e] = p * (dp[n][e] - (e < 2 ? dA : dB));
             }
         }
-#pragma unroll
-        for (int kk = 0; kk < FA_BR / 16; ++kk) {
-            const unsigned da[4] = {pack2(dp[2 * kk][0], dp[2 * kk][1]), pack2(dp[2 * kk][2], dp[2 * kk][3]),
-                                    pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1]), pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
-            if (LDM) {
-#pragma unroll
-                for (int n = 0; n < NT; n += 2) {
-                    unsigned bk[4];
-                    ldsm_bt<D + FA_PAD>(bk, Ks, n, kk, lane);
-                    mma16816(acc[n], da, bk[0], bk[1]);
-                    mma16816(acc[n + 1], da, bk[2], bk[3]);
-                }
-            } else {
-#pragma unroll
-                for (int n = 0; n < NT; ++n)
-                    mma16816(acc[n], da, ld32(&Kt[n * 8 + g][kk * 16 + 2 * c]), ld32(&Kt[n * 8 + g][kk * 16 + 2 * c + 8]));
-            }
-        }
+        mma_p_tile<D, LDM>(acc, dp, Ks[st], Kt, g, c, lane);  // dQ += dS K
+        if constexpr (LDM) __syncthreads();
     }
     float* dqh = dq + (long long)bh * T * D;
 #pragma unroll

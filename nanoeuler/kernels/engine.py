@@ -14,9 +14,12 @@ softmax and the loss are float32. Every matrix product runs on the tensor cores 
 bf16 image of the master weights that the AdamW kernel rewrites after each update), the normed
 activations, the SwiGLU output, the attention output and the gradients flowing into each GEMM.
 Products that feed the residual stream or a weight gradient write float32. Attention runs on the
-tensor cores too (`flash_*_mma` in bf16.cu: bf16 q/k/v/O/dO, float32 softmax statistics and
-accumulators) for head sizes 32 and 64; `attention="fp32"` selects the float32 FlashAttention of
-`attention.cu` on float32 q/k/v instead (the only choice for other head sizes).
+tensor cores too (`flash_*_{ldm,mma}` in bf16.cu: bf16 q/k/v/O/dO, float32 softmax statistics and
+accumulators) for head sizes 32 and 64: `attention="ldm"` (the default) loads the mma operands from
+shared memory with ldmatrix and streams the next tile in with cp.async while one is in use, `"mma"`
+loads them with plain 32-bit loads and copies tiles synchronously (same arithmetic, slower);
+`attention="fp32"` selects the float32 FlashAttention of `attention.cu` on float32 q/k/v instead
+(the only choice for other head sizes).
 
 Memory. All tensors live in buffers allocated once in `__init__`: flat float32 arrays for parameters,
 gradients and both moments, the flat bf16 image, the per-layer activations kept for the backward (the
@@ -119,7 +122,7 @@ class Engine:
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, max_norm: float = 1.0,
                  no_decay=None, chunk_bytes: int = 64 * 2**20, attention: str = "auto"):
         if attention == "auto":
-            attention = "mma" if cfg.head_dim in _MMA_HEAD_DIMS else "fp32"
+            attention = "ldm" if cfg.head_dim in _MMA_HEAD_DIMS else "fp32"
         if attention not in ("mma", "ldm", "fp32") or (attention != "fp32" and cfg.head_dim not in _MMA_HEAD_DIMS):
             raise ValueError(f"attention {attention!r} for head_dim {cfg.head_dim}")
         self.attention = attention

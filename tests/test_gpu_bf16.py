@@ -51,3 +51,34 @@ def test_bf16_selftest_case(case):
     for name, got, ref, tol in rows:
         err = rel_err(got, ref)
         assert np.isfinite(err) and err <= tol, f"{name} {label}: {err:.2e} > {tol:.0e}"
+
+
+def test_bench_torch_model_matches_ours_on_cpu():
+    """bench/train_gpu.py's PyTorch model is our architecture: same loss and gradients (float32, CPU)."""
+    torch = pytest.importorskip("torch")
+    import importlib.util
+    from pathlib import Path
+
+    from nanoeuler.model import transformer
+    from nanoeuler.model.config import ModelConfig
+
+    spec = importlib.util.spec_from_file_location("train_gpu", Path(__file__).parents[1] / "bench" / "train_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=32, mtp_heads=3)
+    params = {n: (p * 5 if p.ndim == 2 else p) for n, p in transformer.init_params(cfg, seed=1).items()}
+    rng = np.random.default_rng(0)
+    w = rng.integers(0, cfg.vocab_size, size=(2, 20 + cfg.mtp_heads))
+    ids = w[:, :20]
+    tg = np.stack([w[:, 1 + k:21 + k] for k in range(cfg.mtp_heads)], axis=-1)
+    model = bench.torch_model(cfg, params, torch.device("cpu"))
+    loss = model(torch.tensor(ids), torch.tensor(tg))
+    loss.backward()
+    ref, grads = transformer.loss_and_grads({n: p.astype(np.float64) for n, p in params.items()}, ids, tg, cfg)
+    assert abs(float(loss.detach()) - ref) < 1e-5 * ref
+    qkv = np.concatenate([grads[f"layers.1.self_attn.{x}_proj.weight"] for x in "qkv"])
+    got = model.blocks[1].wqkv.grad.numpy()
+    assert np.linalg.norm(got - qkv) <= 1e-4 * np.linalg.norm(qkv)
+    head = grads["mtp_heads.2.weight"]
+    assert np.linalg.norm(model.heads[2].grad.numpy() - head) <= 1e-4 * np.linalg.norm(head)
+    assert bench.flops_per_token(ModelConfig.named("gpu"), 512) == 717_225_984

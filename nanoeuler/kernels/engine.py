@@ -332,6 +332,26 @@ class Engine:
         self.t = int(t)
         self._k["f32_to_bf16"](_grid(self.total), (256,), (self.P, self.Pb, np.int64(self.total)))
 
+    @classmethod
+    def from_adamw(cls, cfg: ModelConfig, params: dict, opt, *, batch: int, seq: int, max_norm: float,
+                   **kwargs) -> "Engine":
+        """An engine with the hyper-parameters, decay exemptions, moments and step count of an
+        `optim.AdamW` (e.g. one just restored from a checkpoint)."""
+        eng = cls(cfg, params, batch=batch, seq=seq, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+                  weight_decay=opt.weight_decay, max_norm=max_norm, no_decay=opt.no_decay, **kwargs)
+        eng.load_state(params, opt.state_tensors(), opt.t)
+        return eng
+
+    def share_state(self, opt) -> dict:
+        """Point `opt.m` / `opt.v` at the engine's moments and return the engine's master weights as a
+        dict of views, so code that checkpoints or evaluates `params` and `opt` sees the engine's state
+        without copies. Keep `opt.t` equal to `self.t` after each step."""
+        state = self.state_tensors()
+        opt.m = {n: state[f"m.{n}"] for n in self.shapes}
+        opt.v = {n: state[f"v.{n}"] for n in self.shapes}
+        opt.t = self.t
+        return self.params()
+
     def nbytes(self) -> int:
         total = 0
         for v in self.__dict__.values():

@@ -82,3 +82,82 @@ def test_bench_torch_model_matches_ours_on_cpu():
     head = grads["mtp_heads.2.weight"]
     assert np.linalg.norm(model.heads[2].grad.numpy() - head) <= 1e-4 * np.linalg.norm(head)
     assert bench.flops_per_token(ModelConfig.named("gpu"), 512) == 717_225_984
+
+
+def _loop_run(tmp_path, precision, total_steps, *, short=False):
+    """A `loop.Run` of a head-size-64 model on the GPU, trained on a fixed repeating pattern.
+    short=True gives SFT-like batches: shorter than the context, prompt targets -1."""
+    import cupy
+
+    from nanoeuler.config import validate
+    from nanoeuler.model import transformer
+    from nanoeuler.model.config import ModelConfig
+    from nanoeuler.train import loop
+
+    cfg = ModelConfig(vocab_size=64, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=32, mtp_heads=2)
+    sec = dict(validate({})["pretrain"], lr=3e-3, warmup_steps=2, batch_size=4, log_every=1,
+               checkpoint_every=5, eval_every=1000, precision=precision)
+    B, T, K = 4, cfg.ctx_len - (7 if short else 0), cfg.mtp_heads
+    seq = (np.arange(T + K + B)[None, :] * 5 + np.arange(B)[:, None] * 3) % cfg.vocab_size  # learnable
+
+    class Batches:
+        def batch(self, step, micro):
+            w = np.stack([seq[b, b:b + T + K] for b in range(B)])
+            y = np.stack([w[:, 1 + k:T + 1 + k] for k in range(K)], axis=-1)
+            if short:
+                y[:, :5] = -1  # the "prompt": not trained
+                if step % 3 == 2:  # an epoch's last, smaller batch
+                    return w[:B - 1, :T], y[:B - 1]
+            return w[:, :T], y
+
+        def state(self):
+            return {}
+
+        def load_state(self, state):
+            pass
+
+    return loop.Run(stage="pretrain", cfg=cfg, section=sec, total_steps=total_steps, batches=Batches(),
+                    init_params=lambda: transformer.init_params(cfg, seed=0), tokenizer_json="{}",
+                    tokenizer_sha256="0" * 64, run_dir=tmp_path / precision / "run",
+                    out=tmp_path / precision / "base.bin", xp=cupy, progress=False)
+
+
+def _losses(run):
+    import json
+
+    return [r["loss"] for r in map(json.loads, open(run.run_dir / "metrics.jsonl")) if "loss" in r]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("short", [False, True], ids=["pretrain-batches", "padded-sft-batches"])
+def test_training_loop_in_bf16_tracks_fp32(tmp_path, short):
+    from nanoeuler.train import loop
+
+    runs = {p: _loop_run(tmp_path, p, 20, short=short) for p in ("fp32", "bf16")}
+    for run in runs.values():
+        loop.train(run)
+    fp32, bf16 = _losses(runs["fp32"]), _losses(runs["bf16"])
+    assert len(fp32) == len(bf16) == 20
+    assert bf16[-1] < 0.5 * bf16[0]  # it learns
+    assert abs(bf16[-1] - fp32[-1]) <= 0.05 * fp32[-1] + 0.02, (fp32, bf16)
+
+
+@pytest.mark.gpu
+def test_training_loop_in_bf16_resumes_from_its_checkpoint(tmp_path):
+    from nanoeuler import checkpoint
+    from nanoeuler.train import loop
+
+    run = _loop_run(tmp_path, "bf16", 10)
+    loop.train(run)
+    full = _losses(run)
+    final, _ = checkpoint.load(run.run_dir / "ckpt_00000010.bin")
+    (run.run_dir / "ckpt_00000010.bin").unlink()
+    run.out.unlink()
+    loop.train(_loop_run(tmp_path, "bf16", 10))  # resumes from step 5
+    resumed = _losses(run)
+    assert len(resumed) == 10
+    assert np.allclose(resumed, full, rtol=1e-3), (full, resumed)
+    again, meta = checkpoint.load(run.run_dir / "ckpt_00000010.bin")
+    assert int(meta["optim_t"]) == 10
+    w = "layers.0.mlp.down_proj.weight"
+    assert np.allclose(again[w], final[w], rtol=1e-3, atol=1e-5)

@@ -178,3 +178,13 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(data, t
     assert not (tmp_path / "base.bin").exists()
     t, _ = checkpoint.load(ckpts[-1])
     assert all(np.isfinite(v).all() for v in t.values())
+
+
+def test_bf16_precision_on_the_cpu_is_one_clear_error(data, tmp_path):
+    conf = write_config(tmp_path / "c.yaml", pretrain=dict(PRE, steps=5, precision="bf16"))  # device: cpu
+    r = pretrain(data, tmp_path, conf)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "nanoeuler pretrain: error: pretrain.precision bf16 runs on the GPU engine; "
+        "use --device gpu, or precision fp32 on the CPU"]
+    assert not (tmp_path / "base.bin").exists()

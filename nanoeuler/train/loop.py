@@ -196,6 +196,9 @@ def train(run: Run) -> dict:
         print(f"nanoeuler {run.stage}: resuming from step {start} ({rundir.checkpoint_path(run.run_dir, start)})",
               file=sys.stderr, flush=True)
     log.truncate_after(start)
+    engine = _bf16_engine(run, params, opt)
+    if engine is not None:
+        params = engine.share_state(opt)  # the loop's params and AdamW moments become views of the engine's
 
     def schedule(step0: int) -> float:
         return lr_at(step0, max_lr=sec["lr"], min_lr=sec["min_lr"], warmup_steps=sec["warmup_steps"],
@@ -215,7 +218,8 @@ def train(run: Run) -> dict:
             for step0 in range(start, run.total_steps):
                 step = step0 + 1
                 lr = schedule(step0)
-                loss, norm, n_tokens = _update(run, params, opt, step0, lr, transformer.loss_and_grads, clip_grad_norm)
+                loss, norm, n_tokens = _update(run, params, opt, step0, lr, transformer.loss_and_grads, clip_grad_norm,
+                                                  engine)
                 tokens_since += n_tokens
 
                 final = step == run.total_steps
@@ -257,12 +261,56 @@ def train(run: Run) -> dict:
     return last
 
 
-def _update(run: Run, params: dict, opt, step0: int, lr: float, loss_and_grads, clip_grad_norm):
+def _bf16_engine(run: Run, params: dict, opt):
+    """The GPU's bf16 training-step engine for `precision: bf16`, else None (the fp32 xp path).
+
+    The engine keeps fp32 master weights and AdamW moments in its own flat buffers, seeded from `params`
+    and `opt` (fresh or restored from a checkpoint); the caller then shares them with the loop."""
+    sec = run.section
+    if sec.get("precision", "fp32") != "bf16":
+        return None
+    if run.xp is np:
+        raise UserError(f"{run.stage}.precision bf16 runs on the GPU engine; use --device gpu, "
+                        "or precision fp32 on the CPU")
+    if int(sec["grad_accum"]) != 1:
+        raise UserError(f"{run.stage}.precision bf16 takes grad_accum 1 (got {sec['grad_accum']}); "
+                        "raise batch_size instead")
+    from nanoeuler.kernels.engine import Engine
+
+    return Engine.from_adamw(run.cfg, params, opt, batch=int(sec["batch_size"]), seq=run.cfg.ctx_len,
+                             max_norm=float(sec["grad_clip"]))
+
+
+def _engine_update(run: Run, engine, opt, step0: int, lr: float):
+    """One bf16 engine step. The engine is built for a fixed (batch_size, ctx_len), so smaller batches (SFT:
+    shorter sequences, an epoch's last batch) are padded at the end with ignored targets; causal attention keeps
+    padding from touching the real tokens, and rows without targets do not change the mean loss.
+    The update is applied before the loss is read (no host sync inside the step); a non-finite loss still
+    stops the run before any checkpoint of the bad state is written."""
+    x, y = run.batches.batch(step0, 0)
+    n_tokens = x.size
+    rows, cols = int(run.section["batch_size"]) - x.shape[0], run.cfg.ctx_len - x.shape[1]
+    if rows or cols:
+        x = np.pad(x, ((0, rows), (0, cols)))
+        y = np.pad(y, ((0, rows), (0, cols), (0, 0)), constant_values=-1)
+    xp = run.xp
+    engine.step(xp.asarray(x, dtype=np.int32), xp.asarray(y, dtype=np.int32), lr)
+    opt.t = engine.t
+    loss, norm = engine.last_loss(), engine.grad_norm()
+    for what, value in (("loss", loss), ("gradient norm", norm)):
+        if not math.isfinite(value):
+            _stop_nonfinite(run, what, value, step0 + 1)
+    return loss, norm, n_tokens
+
+
+def _update(run: Run, params: dict, opt, step0: int, lr: float, loss_and_grads, clip_grad_norm, engine=None):
     """One optimizer update (gradients summed over grad_accum micro-batches) -> (loss, grad norm, tokens).
 
     Everything stays on the params' device; the loss and the norm come back as Python floats, checked
     before the update so a non-finite value never reaches the parameters.
     """
+    if engine is not None:
+        return _engine_update(run, engine, opt, step0, lr)
     xp, accum, step = run.xp, int(run.section["grad_accum"]), step0 + 1
     loss, grads, n_tokens = 0.0, None, 0
     for micro in range(accum):

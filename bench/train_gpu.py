@@ -203,7 +203,6 @@ def _windows(cfg, B, T, seed, count=4):
 def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log):
     import cupy
 
-    from nanoeuler.kernels import adamw
     from nanoeuler.model import transformer
     from nanoeuler.optim import AdamW, clip_grad_norm
 
@@ -219,7 +218,7 @@ def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log):
         e0.record()
         loss, grads = transformer.loss_and_grads(params, ids, tg, cfg)
         clip_grad_norm(grads, 1.0)
-        adamw.step(opt, params, grads, 3e-4)
+        opt.step(params, grads, 3e-4)
         del grads
         e1.record()
         e1.synchronize()
@@ -311,7 +310,6 @@ def agree(cfg, params_np, B, T, steps, log):
     """Train the same init on the same fixed sequence of batches with fp32 and with the bf16 engine."""
     import cupy
 
-    from nanoeuler.kernels import adamw
     from nanoeuler.kernels.engine import Engine
     from nanoeuler.model import transformer
     from nanoeuler.optim import AdamW, clip_grad_norm, lr_at
@@ -352,7 +350,7 @@ def agree(cfg, params_np, B, T, steps, log):
         ids, tg = gpu_data[s % len(gpu_data)]
         loss, grads = transformer.loss_and_grads(params, ids, tg, cfg)
         clip_grad_norm(grads, 1.0)
-        adamw.step(opt, params, grads, lr(s))
+        opt.step(params, grads, lr(s))
         del grads
         losses.append(loss)
     out["fp32"] = losses

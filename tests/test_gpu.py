@@ -104,7 +104,6 @@ def _batch(cfg, rng, B=3, T=70):
 
 def _train(params, cfg, xp, steps=4, seed=0):
     """A few AdamW steps on fixed random batches; params (a dict on xp) change in place."""
-    from nanoeuler.kernels import adamw
     from nanoeuler.model import transformer
     from nanoeuler.optim import AdamW, clip_grad_norm
 
@@ -117,7 +116,7 @@ def _train(params, cfg, xp, steps=4, seed=0):
         if xp is np:
             opt.step(params, grads, 1e-2)
         else:
-            adamw.step(opt, params, grads, 1e-2)
+            opt.step(params, grads, 1e-2)
         losses.append(loss)
     return losses
 

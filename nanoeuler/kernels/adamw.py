@@ -1,17 +1,13 @@
 """Fused AdamW on the GPU: one kernel pass per tensor updates the parameter and both moments.
 
-Same arithmetic, in the same order, as `nanoeuler.optim.AdamW.step` (its NumPy path is the reference):
+Same arithmetic, in the same order, as the xp code of `nanoeuler.optim.AdamW.step`, which is its reference
+and which calls `step_tensor` for every tensor when the parameters are CuPy float32:
 
     >>> opt = AdamW(params)                      # params on the GPU (CuPy float32)      # doctest: +SKIP
-    >>> adamw.step(opt, params, grads, lr)       # == opt.step(params, grads, lr)        # doctest: +SKIP
-
-`step` reads the hyper-parameters, moments and step count from the optimizer object and advances its
-step count, so checkpoints (`state_tensors`) are unchanged.
+    >>> opt.step(params, grads, lr)              # one fused kernel per tensor           # doctest: +SKIP
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -40,16 +36,3 @@ def step_tensor(p, g, m, v, *, beta1, beta2, eps, decay, step_size, inv_sqrt_bc2
         (p, g, m, v, np.int64(n), np.float32(beta1), np.float32(beta2), np.float32(decay), np.float32(step_size),
          np.float32(inv_sqrt_bc2), np.float32(eps)))
 
-
-def step(opt, params: dict, grads: dict, lr: float) -> None:
-    """One AdamW step of `opt` (a `nanoeuler.optim.AdamW` whose state is on the GPU), in place."""
-    opt.t += 1
-    b1, b2 = opt.beta1, opt.beta2
-    bc1 = 1.0 - b1 ** opt.t
-    bc2 = 1.0 - b2 ** opt.t
-    step_size = lr / bc1
-    inv_sqrt_bc2 = 1.0 / math.sqrt(bc2)
-    for n, p in params.items():
-        decay = 1.0 - lr * opt.weight_decay if opt.weight_decay and n not in opt.no_decay else 1.0
-        step_tensor(p, grads[n], opt.m[n], opt.v[n], beta1=b1, beta2=b2, eps=opt.eps, decay=decay,
-                    step_size=step_size, inv_sqrt_bc2=inv_sqrt_bc2)

@@ -30,7 +30,6 @@ def main(argv=None) -> int:
     import cupy
 
     from nanoeuler.backend import oom_guard, resolve_device, tf32_enabled
-    from nanoeuler.kernels import adamw
     from nanoeuler.model import transformer
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.optim import AdamW, clip_grad_norm
@@ -57,7 +56,7 @@ def main(argv=None) -> int:
             e0.record()
             loss, grads = transformer.loss_and_grads(params, inputs, targets, cfg)
             norm = clip_grad_norm(grads, 1.0)
-            adamw.step(opt, params, grads, args.lr)
+            opt.step(params, grads, args.lr)  # the fused AdamW kernel on CuPy
             del grads
             e1.record()
             e1.synchronize()

@@ -84,75 +84,189 @@ extern "C" __global__ void embed_bwd(const float* __restrict__ dx, const int* __
 
 // ---- RMSNorm ---------------------------------------------------------------------------------------
 
-// One warp per row: y = bf16(x * rstd * w), rstd = 1/sqrt(mean(x^2) + eps). Block = 4 warps.
+// One warp per row: y = bf16(x * rstd * w), rstd = 1/sqrt(mean(x^2) + eps). Block = 4 warps. Rows are
+// read and written 16 bytes at a time when C is a multiple of 4.
+// With `copy` set, the row of x is also written to xc (float32): the forward starts the next residual
+// stream there (xc = x, then the residual GEMM adds into it), which saves a separate copy's read of x.
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
     const float* __restrict__ x, const float* __restrict__ w, bf16* __restrict__ y, float* __restrict__ rstd,
-    int N, int C, float eps) {
+    float* __restrict__ xc, int N, int C, float eps, int copy) {
     const int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     const float* xr = x + (long long)row * C;
+    bf16* yr = y + (long long)row * C;
+    float* cr = xc + (long long)row * C;
+    if ((C & 3) == 0) {  // 16-byte loads and copy stores, 8-byte bf16 stores
+        const int C4 = C >> 2;
+        const float4* x4 = reinterpret_cast<const float4*>(xr);
+        const float4* w4 = reinterpret_cast<const float4*>(w);
+        float ss = 0.f;
+        for (int g = lane; g < C4; g += 32) {
+            const float4 v = x4[g];
+            ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+        }
+        const float r = 1.f / sqrtf(warp_sum(ss) / (float)C + eps);
+        for (int g = lane; g < C4; g += 32) {
+            const float4 v = x4[g], wv = w4[g];
+            if (copy) reinterpret_cast<float4*>(cr)[g] = v;
+            reinterpret_cast<uint2*>(yr)[g] = make_uint2(pack2(v.x * r * wv.x, v.y * r * wv.y),
+                                                         pack2(v.z * r * wv.z, v.w * r * wv.w));
+        }
+        if (lane == 0 && rstd) rstd[row] = r;
+        return;
+    }
     float ss = 0.f;
     for (int j = lane; j < C; j += 32) ss = fmaf(xr[j], xr[j], ss);
     ss = warp_sum(ss);
     const float r = 1.f / sqrtf(ss / (float)C + eps);
-    bf16* yr = y + (long long)row * C;
-    for (int j = lane; j < C; j += 32) yr[j] = f2bf(xr[j] * r * w[j]);
+    if (copy) {
+        for (int j = lane; j < C; j += 32) {
+            const float v = xr[j];
+            cr[j] = v;
+            yr[j] = f2bf(v * r * w[j]);
+        }
+    } else {
+        for (int j = lane; j < C; j += 32) yr[j] = f2bf(xr[j] * r * w[j]);
+    }
     if (lane == 0 && rstd) rstd[row] = r;
 }
 
 // Backward of y = x * rstd * w, one warp per row, `rows` rows per block of 8 warps (C <= 32 * RB_MAX):
 //   dxn = rstd * (dy*w - xhat * mean(dy*w*xhat)),  xhat = x * rstd
 //   dx  = (accumulate ? dx : 0) + dxn  (float32, in place), dxb = bf16(dx)  (the next GEMM's operand)
-//   dw += sum over rows of dy * xhat  (per-warp partials in registers, summed over the block's warps in
-//         shared memory, then one atomic add per column and block; dw zeroed by the caller)
-// Two passes over each row (the second hits L1), so only the dw partials stay in registers.
+//   dwpart[block] = sum over the block's rows of dy * xhat  (per-warp partials in registers, summed over
+//         the block's warps in shared memory; no atomics). `rmsnorm_dw_reduce` then adds the column sums
+//         of dwpart (gridDim.x, C) to dw, in a fixed order, so dw is deterministic.
+// Two passes over each row (the second hits L1), so only the dw partials stay in registers. When C is a
+// multiple of 4 every access is 16 bytes wide (float4 loads and stores, 8-byte bf16 stores).
 #define RB_MAX 32
+#define RB_VEC (RB_MAX / 4)
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_bf16(
     const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w,
-    const float* __restrict__ rstd, float* __restrict__ dx, bf16* __restrict__ dxb, float* __restrict__ dw,
+    const float* __restrict__ rstd, float* __restrict__ dx, bf16* __restrict__ dxb, float* __restrict__ dwpart,
     int N, int C, int rows, int accumulate) {
     __shared__ float part[8][32 * RB_MAX];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float dwacc[RB_MAX];
-#pragma unroll
-    for (int i = 0; i < RB_MAX; ++i) dwacc[i] = 0.f;
     const int r0 = blockIdx.x * rows, r1 = min(N, r0 + rows);
-    for (int r = r0 + warp; r < r1; r += 8) {
-        const long long off = (long long)r * C;
-        const float rs = rstd[r];
-        float dot = 0.f;
+    if ((C & 3) == 0) {
+        const int C4 = C >> 2;
+        const float4* w4 = reinterpret_cast<const float4*>(w);
+        float4 acc[RB_VEC];
+#pragma unroll
+        for (int i = 0; i < RB_VEC; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int r = r0 + warp; r < r1; r += 8) {
+            const long long off = (long long)r * C;
+            const float4* dy4 = reinterpret_cast<const float4*>(dy + off);
+            const float4* x4 = reinterpret_cast<const float4*>(x + off);
+            const float rs = rstd[r];
+            float dot = 0.f;
+#pragma unroll
+            for (int i = 0; i < RB_VEC; ++i) {
+                const int g = lane + 32 * i;
+                if (g < C4) {
+                    const float4 d = dy4[g], xv = x4[g], wv = w4[g];
+                    const float h0 = xv.x * rs, h1 = xv.y * rs, h2 = xv.z * rs, h3 = xv.w * rs;
+                    dot = fmaf(d.x * wv.x, h0, dot);
+                    dot = fmaf(d.y * wv.y, h1, dot);
+                    dot = fmaf(d.z * wv.z, h2, dot);
+                    dot = fmaf(d.w * wv.w, h3, dot);
+                    acc[i].x = fmaf(d.x, h0, acc[i].x);
+                    acc[i].y = fmaf(d.y, h1, acc[i].y);
+                    acc[i].z = fmaf(d.z, h2, acc[i].z);
+                    acc[i].w = fmaf(d.w, h3, acc[i].w);
+                }
+            }
+            const float mean = warp_sum(dot) / (float)C;
+            float4* dx4 = reinterpret_cast<float4*>(dx + off);
+            uint2* dxb4 = reinterpret_cast<uint2*>(dxb + off);
+#pragma unroll
+            for (int i = 0; i < RB_VEC; ++i) {
+                const int g = lane + 32 * i;
+                if (g < C4) {
+                    const float4 d = dy4[g], xv = x4[g], wv = w4[g];
+                    const float sm = rs * mean;
+                    float4 o;
+                    o.x = rs * (d.x * wv.x - xv.x * sm);
+                    o.y = rs * (d.y * wv.y - xv.y * sm);
+                    o.z = rs * (d.z * wv.z - xv.z * sm);
+                    o.w = rs * (d.w * wv.w - xv.w * sm);
+                    if (accumulate) {
+                        const float4 p = dx4[g];
+                        o.x += p.x; o.y += p.y; o.z += p.z; o.w += p.w;
+                    }
+                    dx4[g] = o;
+                    dxb4[g] = make_uint2(pack2(o.x, o.y), pack2(o.z, o.w));
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < RB_VEC; ++i) {
+            const int g = lane + 32 * i;
+            if (g < C4) reinterpret_cast<float4*>(part[warp])[g] = acc[i];
+        }
+    } else {
+        float dwacc[RB_MAX];
+#pragma unroll
+        for (int i = 0; i < RB_MAX; ++i) dwacc[i] = 0.f;
+        for (int r = r0 + warp; r < r1; r += 8) {
+            const long long off = (long long)r * C;
+            const float rs = rstd[r];
+            float dot = 0.f;
+#pragma unroll
+            for (int i = 0; i < RB_MAX; ++i) {
+                const int j = lane + 32 * i;
+                if (j < C) {
+                    const float d = dy[off + j], xh = x[off + j] * rs;
+                    dot = fmaf(d * w[j], xh, dot);
+                    dwacc[i] = fmaf(d, xh, dwacc[i]);
+                }
+            }
+            const float mean = warp_sum(dot) / (float)C;
+#pragma unroll
+            for (int i = 0; i < RB_MAX; ++i) {
+                const int j = lane + 32 * i;
+                if (j < C) {
+                    float d = rs * (dy[off + j] * w[j] - x[off + j] * (rs * mean));
+                    if (accumulate) d += dx[off + j];
+                    dx[off + j] = d;
+                    dxb[off + j] = f2bf(d);
+                }
+            }
+        }
 #pragma unroll
         for (int i = 0; i < RB_MAX; ++i) {
             const int j = lane + 32 * i;
-            if (j < C) {
-                const float d = dy[off + j], xh = x[off + j] * rs;
-                dot = fmaf(d * w[j], xh, dot);
-                dwacc[i] = fmaf(d, xh, dwacc[i]);
-            }
+            if (j < C) part[warp][j] = dwacc[i];
         }
-        const float mean = warp_sum(dot) / (float)C;
-#pragma unroll
-        for (int i = 0; i < RB_MAX; ++i) {
-            const int j = lane + 32 * i;
-            if (j < C) {
-                float d = rs * (dy[off + j] * w[j] - x[off + j] * rs * mean);
-                if (accumulate) d += dx[off + j];
-                dx[off + j] = d;
-                dxb[off + j] = f2bf(d);
-            }
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < RB_MAX; ++i) {
-        const int j = lane + 32 * i;
-        if (j < C) part[warp][j] = dwacc[i];
     }
     __syncthreads();
+    float* out = dwpart + (long long)blockIdx.x * C;
     for (int j = threadIdx.x; j < C; j += blockDim.x) {
         float t = 0.f;
 #pragma unroll
         for (int k = 0; k < 8; ++k) t += part[k][j];
-        atomicAdd(dw + j, t);
+        out[j] = t;
+    }
+}
+
+// dw[j] += sum over p < nparts of dwpart[p, j]. Block (32, 32): x over 32 columns, y over the parts
+// (strided), then the 32 partial sums of a column added in shared memory. Grid x: ceil(C / 32).
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_dw_reduce(
+    const float* __restrict__ dwpart, float* __restrict__ dw, int nparts, int C) {
+    __shared__ float s[32][33];
+    const int j = blockIdx.x * 32 + threadIdx.x;
+    float t = 0.f;
+    if (j < C) {
+#pragma unroll 4
+        for (int p = threadIdx.y; p < nparts; p += 32) t += dwpart[(long long)p * C + j];
+    }
+    s[threadIdx.y][threadIdx.x] = t;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < C) {
+        float u = 0.f;
+#pragma unroll
+        for (int k = 0; k < 32; ++k) u += s[k][threadIdx.x];
+        dw[j] += u;
     }
 }
 

@@ -200,7 +200,8 @@ class Engine:
                 raise ValueError(f"parameter {n} has shape {tuple(src.shape)}, expected {s}")
             self.view(self.P, n)[...] = cp.asarray(src, dtype=f32)
         self._k = {name: kernel("bf16", name) for name in (
-            "f32_to_bf16", "embed_fwd", "embed_bwd", "rmsnorm_fwd_bf16", "rmsnorm_bwd_bf16", "qkv_rope_split",
+            "f32_to_bf16", "embed_fwd", "embed_bwd", "rmsnorm_fwd_bf16", "rmsnorm_bwd_bf16", "rmsnorm_dw_reduce",
+            "qkv_rope_split",
             "rope_bwd_pack", "attn_pack", "attn_delta", "swiglu_fwd_bf16", "swiglu_bwd_bf16", "ce_head_scale",
             "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16",
             "attn_delta_bf16")}
@@ -273,6 +274,8 @@ class Engine:
         self.xn = e((N, C), bf)
         self.rstdf = e(N)
         self.dxn = e((N, C))
+        self.nb_rows = 16  # rows per block of the RMSNorm backward; one row of dw partial sums per block
+        self.dwpart = e((-(-N // self.nb_rows), C))
         self.R = max(1, min(N, chunk_bytes // (4 * K * V)))
         self.logits = e((self.R, K * V))
         self.dlg = e((self.R, K * V), bf)
@@ -414,11 +417,12 @@ class Engine:
         norm_grid = ((N + 3) // 4,)
         eps = f32(cfg.norm_eps)
         xs, xmid = self.xs, self.xmid
-        nbytes = N * C * 4
 
         for i in range(L):
             w = self.Lw[i]
-            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i], w["n1"], self.hs, self.rstd1[i], i32(N), i32(C), eps))
+            # also copies x_in into xs[i+1], where x_mid is then built by the o_proj GEMM (beta=1)
+            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i], w["n1"], self.hs, self.rstd1[i], xs[i + 1], i32(N),
+                                                      i32(C), eps, i32(1)))
             gemm(self.mqkv, self.mhs, w["qkv"], tb=True)
             if self.attention != "fp32":
                 k["qkv_rope_split_bf16"](row_grid, (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i],
@@ -432,14 +436,15 @@ class Engine:
                                          (self.q[i], *qs, self.k[i], *ks, self.v[i], *ks, self.att, self.lse[i], *dims))
                 k["attn_pack"](_grid(N * HD), (256,), (self.att, self.a[i], i32(T), i32(H), i32(D), i64(N * HD)))
             # x_mid is built in xs[i+1], which the MLP half then completes in place
-            cp.cuda.runtime.memcpyAsync(xs[i + 1].data.ptr, xs[i].data.ptr, nbytes, 3, stream)
             gemm(self.mxs[i + 1], self.ma[i], w["o"], tb=True, beta=1.0)
-            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i + 1], w["n2"], self.hs, self.rstd2[i], i32(N), i32(C), eps))
+            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i + 1], w["n2"], self.hs, self.rstd2[i], xs[i + 1], i32(N),
+                                                      i32(C), eps, i32(0)))
             gemm(self.mgu[i], self.mhs, w["gu"], tb=True)
             k["swiglu_fwd_bf16"](glu_grid, (256,), (self.gu[i], self.m, i32(F), i32(N)))
             gemm(self.mxs[i + 1], self.mm, w["d"], tb=True, beta=1.0)
 
-        k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[L], self.w_norm, self.xn, self.rstdf, i32(N), i32(C), eps))
+        k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[L], self.w_norm, self.xn, self.rstdf, xs[L], i32(N), i32(C), eps,
+                                                  i32(0)))
         # output heads, all K at once per chunk of rows: logits (R, K*V) never exist for all rows
         R = self.R
         for r0 in range(0, N, R):
@@ -455,10 +460,17 @@ class Engine:
             gemm(self.dw_heads, dl, xc, ta=True, beta=1.0)
         k["ce_loss_reduce"]((1,), (1024,), (self.loss_rows, self.head_scale, self.loss, i64(N), i32(K)))
 
-        nb_rows = 32
-        nb_grid = (-(-N // nb_rows),)
+        nb_rows = self.nb_rows
+        nparts = self.dwpart.shape[0]
+        nb_grid = (nparts,)
+        red_grid, red_block = (-(-C // 32),), (32, 32)
+
+        def dw_reduce(dw):  # dw += column sums of the RMSNorm backward's per-block partials
+            k["rmsnorm_dw_reduce"](red_grid, red_block, (self.dwpart, dw, i32(nparts), i32(C)))
+
         k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dxn, xs[L], self.w_norm, self.rstdf, self.dx, self.dxb,
-                                                 self.dw_norm, i32(N), i32(C), i32(nb_rows), i32(0)))
+                                                 self.dwpart, i32(N), i32(C), i32(nb_rows), i32(0)))
+        dw_reduce(self.dw_norm)
         for i in reversed(range(L)):
             w = self.Lw[i]
             # MLP half: x_out = x_mid + down(silu(gate(h2)) * up(h2))
@@ -466,14 +478,18 @@ class Engine:
             gemm(w["dd"], self.mdxb, self.mm, ta=True)
             gemm(self.mdm, self.mdxb, w["d"])
             k["swiglu_bwd_bf16"](glu_grid, (256,), (self.dm, self.gu[i], self.dgu, i32(F), i32(N)))
-            # recompute x_mid = x_in + o_proj(a) (same operands, same GEMM: the forward's values) and h2
-            cp.cuda.runtime.memcpyAsync(xmid.data.ptr, xs[i].data.ptr, nbytes, 3, stream)
+            # recompute x_mid = x_in + o_proj(a) (same operands, same GEMM: the forward's values) and h2;
+            # the norm that recomputes h1 (into xn, free during the backward) also copies x_in into xmid
+            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i], w["n1"], self.xn, self.rstd_s, xmid, i32(N), i32(C),
+                                                      eps, i32(1)))
             gemm(self.mxmid, self.ma[i], w["o"], tb=True, beta=1.0)
-            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xmid, w["n2"], self.hs, self.rstd_s, i32(N), i32(C), eps))
+            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xmid, w["n2"], self.hs, self.rstd_s, xmid, i32(N), i32(C),
+                                                      eps, i32(0)))
             gemm(w["dgu"], self.mdgu, self.mhs, ta=True)
             gemm(self.mdh, self.mdgu, w["gu"])
             k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xmid, w["n2"], self.rstd2[i], self.dx, self.dxb,
-                                                     w["dn2"], i32(N), i32(C), i32(nb_rows), i32(1)))
+                                                     self.dwpart, i32(N), i32(C), i32(nb_rows), i32(1)))
+            dw_reduce(w["dn2"])
             # attention half: x_mid = x_in + o(attn(rope(q(h1)), rope(k(h1)), v(h1)))
             gemm(w["do"], self.mdxb, self.ma[i], ta=True)
             gemm(self.mda, self.mdxb, w["o"])
@@ -493,11 +509,11 @@ class Engine:
                                             (*qkv, self.da, *das, self.lse[i], self.delta, self.att, *dims))
             k["rope_bwd_pack"](row_grid, (256,), (self.att, self.dk, self.dv, self.cos, self.sin, self.dqkv,
                                                   i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
-            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i], w["n1"], self.hs, self.rstd_s, i32(N), i32(C), eps))
-            gemm(w["dqkv"], self.mdqkv, self.mhs, ta=True)
+            gemm(w["dqkv"], self.mdqkv, self.mxn, ta=True)
             gemm(self.mdh, self.mdqkv, w["qkv"])
             k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xs[i], w["n1"], self.rstd1[i], self.dx, self.dxb,
-                                                     w["dn1"], i32(N), i32(C), i32(nb_rows), i32(1)))
+                                                     self.dwpart, i32(N), i32(C), i32(nb_rows), i32(1)))
+            dw_reduce(w["dn1"])
         k["embed_bwd"](_grid(N * C), (256,), (self.dx, self.ids, self.demb, i32(C), i64(N * C)))
         k["sumsq"]((min(4096, -(-self.total // 256)),), (256,), (self.G, i64(self.total), self.sq))
 

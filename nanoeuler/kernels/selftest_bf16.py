@@ -58,7 +58,8 @@ def _dev_bf16(x):
 
 
 def case_bf16_rmsnorm(rng, shape):
-    """shape (N, C): forward to bf16, fused backward (dx accumulate + bf16 copy + dw)."""
+    """shape (N, C): forward to bf16 (+ copy of x), fused backward (dx accumulate + bf16 copy + dw partials),
+    the deterministic column reduction of the partials into dw."""
     import cupy
 
     from nanoeuler.model import layers
@@ -70,20 +71,27 @@ def case_bf16_rmsnorm(rng, shape):
     dx0 = _randn(rng, (N, C))
     y = cupy.empty((N, C), dtype=np.uint16)
     rstd = cupy.empty(N, dtype=np.float32)
-    _k("rmsnorm_fwd_bf16")(((N + 3) // 4,), (128,), (_g(x), _g(w), y, rstd, np.int32(N), np.int32(C), np.float32(1e-5)))
+    xc = cupy.empty((N, C), dtype=np.float32)
+    _k("rmsnorm_fwd_bf16")(((N + 3) // 4,), (128,), (_g(x), _g(w), y, rstd, xc, np.int32(N), np.int32(C),
+                                                      np.float32(1e-5), np.int32(1)))
     dx = _g(dx0)
     dxb = cupy.empty((N, C), dtype=np.uint16)
-    dw = cupy.zeros(C, dtype=np.float32)
+    dw0 = _randn(rng, (C,))
+    dw = _g(dw0)
     rows = 16
-    _k("rmsnorm_bwd_bf16")((-(-N // rows),), (256,), (_g(dy), _g(x), _g(w), rstd, dx, dxb, dw, np.int32(N),
-                                                       np.int32(C), np.int32(rows), np.int32(1)))
+    nparts = -(-N // rows)
+    dwpart = cupy.empty((nparts, C), dtype=np.float32)
+    _k("rmsnorm_bwd_bf16")((nparts,), (256,), (_g(dy), _g(x), _g(w), rstd, dx, dxb, dwpart, np.int32(N),
+                                               np.int32(C), np.int32(rows), np.int32(1)))
+    _k("rmsnorm_dw_reduce")((-(-C // 32),), (32, 32), (dwpart, dw, np.int32(nparts), np.int32(C)))
     yr, cr = layers.rmsnorm_forward(x, w, 1e-5)
     dxr, dwr = layers.rmsnorm_backward(dy.copy(), cr)
     return [("bf16 rmsnorm fwd y", from_bf16(y.get()), yr, TOL_BF16),
             ("bf16 rmsnorm fwd rstd", rstd, cr[1].reshape(N), TOL_FP32),
+            ("bf16 rmsnorm fwd copy of x", xc, x, TOL_FP32),
             ("bf16 rmsnorm bwd dx (+=)", dx, dx0 + dxr, TOL_FP32),
             ("bf16 rmsnorm bwd dx bf16 copy", from_bf16(dxb.get()), dx0 + dxr, TOL_BF16),
-            ("bf16 rmsnorm bwd dw", dw, dwr, TOL_FP32)]
+            ("bf16 rmsnorm bwd dw (+=, per-block partials)", dw, dw0 + dwr, TOL_FP32)]
 
 
 def case_bf16_rope(rng, shape):

@@ -179,16 +179,19 @@ def _check_targets(targets, ids, cfg, xp):
     return targets
 
 
+def _batch_on_device(params, inputs, targets, cfg):
+    """The params' array module, its layer namespace, and the checked (B,T) ids and (B,T,K) targets on it."""
+    xp = array_module(params["embed_tokens.weight"])
+    ids = _ids(inputs, xp, cfg.vocab_size, "inputs")
+    return xp, ops_for(xp), ids, _check_targets(targets, ids, cfg, xp)
+
+
 # ---- public API --------------------------------------------------------------------------------
 
 
 def loss_and_grads(params, inputs, targets, cfg: ModelConfig):
     """inputs (B,T) int, targets (B,T,K) int (-1 ignored) -> (loss: float, grads: dict like params)."""
-    emb = params["embed_tokens.weight"]
-    xp = array_module(emb)
-    ops = ops_for(xp)
-    ids = _ids(inputs, xp, cfg.vocab_size, "inputs")
-    targets = _check_targets(targets, ids, cfg, xp)
+    xp, ops, ids, targets = _batch_on_device(params, inputs, targets, cfg)
     B, T = ids.shape
     N = B * T
     xn, trunk = _trunk_forward(params, ids, cfg, ops, xp)
@@ -214,11 +217,7 @@ def loss_and_grads(params, inputs, targets, cfg: ModelConfig):
 
 def forward_loss(params, inputs, targets, cfg: ModelConfig):
     """The loss without a backward (evaluation) -> (loss: float, head_losses: list[float], head 0 first)."""
-    emb = params["embed_tokens.weight"]
-    xp = array_module(emb)
-    ops = ops_for(xp)
-    ids = _ids(inputs, xp, cfg.vocab_size, "inputs")
-    targets = _check_targets(targets, ids, cfg, xp)
+    xp, ops, ids, targets = _batch_on_device(params, inputs, targets, cfg)
     N = ids.size
     xn, _ = _trunk_forward(params, ids, cfg, ops, xp)
     xn2 = xn.reshape(N, cfg.dim)

@@ -46,8 +46,8 @@ if str(ROOT) not in sys.path:
 
 PEAK_BF16 = 989e12
 ALL_MODES = ("torch-eager", "torch-compile", "ours-fp32", "ours-bf16")
-# also available: ours-bf16-ldm / ours-bf16-mma (the engine with either tensor-core attention variant;
-# ours-bf16 takes the engine's default), ours-bf16-fa32 (the float32 FlashAttention of attention.cu)
+# also available: ours-bf16-<variant> for each `Engine` attention variant (fused, ldm, mma: tensor-core
+# attention; fp32: the float32 FlashAttention of attention.cu); ours-bf16 takes the engine's default
 
 
 def flops_per_token(cfg, T):
@@ -435,10 +435,10 @@ def main(argv=None) -> int:
                     ms, peak, loss = ours_fp32_run(cfg, params_np, B, T, args.fp32_steps or args.steps, 2, log)
                 elif mode == "ours-bf16":
                     ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log)
-                elif mode in ("ours-bf16-ldm", "ours-bf16-mma"):
-                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log, mode[-3:])
-                elif mode == "ours-bf16-fa32":
-                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log, "fp32")
+                elif mode.startswith("ours-bf16-"):
+                    variant = mode[len("ours-bf16-"):]
+                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log,
+                                                   "fp32" if variant == "fa32" else variant)
                 else:
                     raise ValueError(f"unknown mode {mode}")
             except Exception as exc:  # one failing mode must not lose the other rows

@@ -36,7 +36,10 @@ def test_engine_kernels_exist_in_bf16_cu():
     via_engine = {"f32_to_bf16", "embed_fwd", "embed_bwd", "sumsq", "adamw_clip_bf16"}
     for name in defined - via_engine:
         assert f'_k("{name}")' in tests, name
-    assert "case_engine" in tests and '"flash_fwd_%s_d%d" % (var, D)' in tests
+    assert "case_engine" in tests
+    for flash in ('"flash_fwd_%s_d%d" % (var, D)', '"flash_bwd_dkdv_%s_d%d" % (var, D)',
+                  '"flash_bwd_dq_%s_d%d" % (var, D)'):
+        assert flash in tests, flash
 
 
 @pytest.mark.gpu

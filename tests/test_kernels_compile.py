@@ -32,6 +32,9 @@ def _extern_kernels(path: Path) -> set[str]:
     # macro-generated families: FLASH_KERNELS(D, ...) defines flash_{fwd,bwd_dkdv,bwd_dq}_d{D}
     for d in re.findall(r"^FLASH_KERNELS\((\d+),", text, flags=re.M):
         names |= {f"flash_fwd_d{d}", f"flash_bwd_dkdv_d{d}", f"flash_bwd_dq_d{d}"}
+    # FLASH_MMA_KERNELS(D) (bf16.cu): flash_{fwd,bwd_dkdv,bwd_dq}_{mma,ldm}_d{D}
+    for d in re.findall(r"^FLASH_MMA_KERNELS\((\d+)\)", text, flags=re.M):
+        names |= {f"flash_{k}_{v}_d{d}" for k in ("fwd", "bwd_dkdv", "bwd_dq") for v in ("mma", "ldm")}
     return names
 
 
@@ -41,9 +44,13 @@ def test_every_launched_kernel_is_defined():
     for py in KERNEL_DIR.glob("*.py"):
         wanted += re.findall(r'kernel\("(\w+)", "(\w+)"\)', py.read_text())
         for file, stem in re.findall(r'kernel\("(\w+)", f"(\w+)_d\{D\}"\)', py.read_text()):
-            ops_text = (KERNEL_DIR / "ops.py").read_text()
-            sizes = re.search(r"_FLASH = \{([^}]*)\}", ops_text).group(1)
-            wanted += [(file, f"{stem}_d{d}") for d in re.findall(r"(\d+): \(", sizes)]
+            if file == "attention":  # the float32 kernels: every head size of ops.py's _FLASH
+                ops_text = (KERNEL_DIR / "ops.py").read_text()
+                sizes = re.findall(r"(\d+): \(", re.search(r"_FLASH = \{([^}]*)\}", ops_text).group(1))
+            else:  # the tensor-core kernels of bf16.cu: the engine's _MMA_HEAD_DIMS
+                engine_text = (KERNEL_DIR / "engine.py").read_text()
+                sizes = re.findall(r"\d+", re.search(r"_MMA_HEAD_DIMS = \(([^)]*)\)", engine_text).group(1))
+            wanted += [(file, f"{stem}_d{d}") for d in sizes]
     assert len(wanted) > 10
     missing = [f"{f}.cu:{n}" for f, n in wanted if n not in defined.get(f, set())]
     assert not missing, missing

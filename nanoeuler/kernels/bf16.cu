@@ -553,7 +553,8 @@ extern "C" __global__ void __launch_bounds__(256) adamw_clip_bf16(
 //
 // Causal GQA attention for head size D (32 or 64) with mma.sync m16n8k16 (bf16 in, float32 out).
 // Layouts: q (B,H,T,D), k/v (B,Hkv,T,D) bf16; O and dO in the o_proj operand layout (N, H*D) bf16 with
-// row n = b*T + t; lse/delta (B,H,T) float32; dq (B,H,T,D), dk/dv (B,Hkv,T,D) float32.
+// row n = b*T + t; lse/delta (B,H,T) float32. The backward writes dq, dk (rotation undone) and dv as bf16
+// straight into the qkv GEMM's gradient operand dqkv (N, (H+2Hkv)*D) and needs the RoPE tables for it.
 // Reference: nanoeuler.model.layers.attention_forward / attention_backward (S == T).
 //
 // Every block has 4 warps and owns 64 rows (queries, or keys in dkdv); each warp owns 16 of them and
@@ -656,6 +657,40 @@ __device__ __forceinline__ void cp_tile(bf16 (*dst)[D + FA_PAD], const bf16* bas
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// A warp's 16 rows x D of float32 accumulators (C fragments; rows tA = t0 + g and tB = t0 + g + 8 of
+// sequence b) times `scale`, written as bf16 into columns col0 .. col0 + D - 1 of the dqkv rows b*T + t
+// (row length W). With `rot` the half-split rotation is undone first (the gradient of q or k):
+// dx1 = dy1 cos + dy2 sin, dx2 = dy2 cos - dy1 sin for the pair (i, i + D/2); a thread holds both
+// halves of its pairs (n-tiles n and n + D/16), so this needs no exchange.
+template <int D>
+__device__ __forceinline__ void store_dqkv_rows(const float (&acc)[D / 8][4], bf16* __restrict__ dqkv, long long W,
+                                                int b, int T, int t0, int col0, float scale, bool rot,
+                                                const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                                int g, int c) {
+    constexpr int NT = D / 8, HALF = D / 2;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int t = t0 + g + 8 * hr;
+        if (t >= T) continue;
+        bf16* out = dqkv + ((long long)b * T + t) * W + col0;
+#pragma unroll
+        for (int n = 0; n < NT / 2; ++n) {
+            const int i = n * 8 + 2 * c;
+            float y1a = acc[n][2 * hr] * scale, y1b = acc[n][2 * hr + 1] * scale;
+            float y2a = acc[n + NT / 2][2 * hr] * scale, y2b = acc[n + NT / 2][2 * hr + 1] * scale;
+            if (rot) {
+                const float2 cs = *reinterpret_cast<const float2*>(cos_t + t * HALF + i);
+                const float2 sn = *reinterpret_cast<const float2*>(sin_t + t * HALF + i);
+                const float x1a = y1a * cs.x + y2a * sn.x, x2a = y2a * cs.x - y1a * sn.x;
+                const float x1b = y1b * cs.y + y2b * sn.y, x2b = y2b * cs.y - y1b * sn.y;
+                y1a = x1a; y2a = x2a; y1b = x1b; y2b = x2b;
+            }
+            *reinterpret_cast<unsigned*>(out + i) = pack2(y1a, y1b);
+            *reinterpret_cast<unsigned*>(out + i + HALF) = pack2(y2a, y2b);
+        }
+    }
+}
 
 // S (16 rows x 64 columns of the other side) += A (16 x D, fragments) * tile^T (tile row-major [64][D]).
 template <int D, bool LDM>
@@ -826,8 +861,8 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
 template <int D, bool LDM>
 __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
-    const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dk, float* __restrict__ dv,
-    int H, int Hkv, int T, float scale) {
+    const float* __restrict__ lse, const float* __restrict__ delta, bf16* __restrict__ dqkv,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t, int H, int Hkv, int T, float scale) {
     constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8, NS = LDM ? 2 : 1;
     __shared__ __align__(16) bf16 Qs[NS][FA_BR][D + FA_PAD];
     __shared__ __align__(16) bf16 Ds[NS][FA_BR][D + FA_PAD];
@@ -917,28 +952,17 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
         mma_p_tile<D, LDM>(dka, dp, Qs[st], Qt, g, c, lane);  // dK += dS^T Q
         if constexpr (LDM) __syncthreads();
     }
-    float* dkh = dk + (long long)bhk * T * D;
-    float* dvh = dv + (long long)bhk * T * D;
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        const int col = n * 8 + 2 * c;
-        if (keyA < T) {
-            *reinterpret_cast<float2*>(dkh + (long long)keyA * D + col) = make_float2(dka[n][0] * scale, dka[n][1] * scale);
-            *reinterpret_cast<float2*>(dvh + (long long)keyA * D + col) = make_float2(dva[n][0], dva[n][1]);
-        }
-        if (keyB < T) {
-            *reinterpret_cast<float2*>(dkh + (long long)keyB * D + col) = make_float2(dka[n][2] * scale, dka[n][3] * scale);
-            *reinterpret_cast<float2*>(dvh + (long long)keyB * D + col) = make_float2(dva[n][2], dva[n][3]);
-        }
-    }
+    const long long W = (long long)(H + 2 * Hkv) * D;
+    store_dqkv_rows<D>(dka, dqkv, W, b, T, kb * FA_BR + warp * 16, (H + hk) * D, scale, true, cos_t, sin_t, g, c);
+    store_dqkv_rows<D>(dva, dqkv, W, b, T, kb * FA_BR + warp * 16, (H + Hkv + hk) * D, 1.f, false, cos_t, sin_t, g, c);
 }
 
 // dq for 64 queries of one (b, h): loops over the key tiles up to the diagonal.
 template <int D, bool LDM>
 __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
-    const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq, int H, int Hkv, int T,
-    float scale) {
+    const float* __restrict__ lse, const float* __restrict__ delta, bf16* __restrict__ dqkv,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t, int H, int Hkv, int T, float scale) {
     constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8, NS = LDM ? 2 : 1;
     __shared__ __align__(16) bf16 Ks[NS][FA_BR][D + FA_PAD];
     __shared__ __align__(16) bf16 Vs[NS][FA_BR][D + FA_PAD];
@@ -1009,13 +1033,8 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
         mma_p_tile<D, LDM>(acc, dp, Ks[st], Kt, g, c, lane);  // dQ += dS K
         if constexpr (LDM) __syncthreads();
     }
-    float* dqh = dq + (long long)bh * T * D;
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        const int col = n * 8 + 2 * c;
-        if (rowA < T) *reinterpret_cast<float2*>(dqh + (long long)rowA * D + col) = make_float2(acc[n][0] * scale, acc[n][1] * scale);
-        if (rowB < T) *reinterpret_cast<float2*>(dqh + (long long)rowB * D + col) = make_float2(acc[n][2] * scale, acc[n][3] * scale);
-    }
+    store_dqkv_rows<D>(acc, dqkv, (long long)(H + 2 * Hkv) * D, b, T, qb * FA_BR + warp * 16, h * D, scale, true,
+                       cos_t, sin_t, g, c);
 }
 
 // VAR: mma (B fragments by 32-bit shared loads, transposed tile copies) or ldm (ldmatrix); LDM: its flag.
@@ -1026,13 +1045,13 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_##VAR##_d##D(                               \
         const bf16* q, const bf16* k, const bf16* v, const bf16* dO, const float* lse, const float* delta,       \
-        float* dk, float* dv, int H, int Hkv, int T, float scale) {                                              \
-        flash_bwd_dkdv_mma_impl<D, LDM>(q, k, v, dO, lse, delta, dk, dv, H, Hkv, T, scale);                       \
+        bf16* dqkv, const float* cos_t, const float* sin_t, int H, int Hkv, int T, float scale) {               \
+        flash_bwd_dkdv_mma_impl<D, LDM>(q, k, v, dO, lse, delta, dqkv, cos_t, sin_t, H, Hkv, T, scale);           \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_##VAR##_d##D(                                 \
         const bf16* q, const bf16* k, const bf16* v, const bf16* dO, const float* lse, const float* delta,       \
-        float* dq, int H, int Hkv, int T, float scale) {                                                         \
-        flash_bwd_dq_mma_impl<D, LDM>(q, k, v, dO, lse, delta, dq, H, Hkv, T, scale);                             \
+        bf16* dqkv, const float* cos_t, const float* sin_t, int H, int Hkv, int T, float scale) {               \
+        flash_bwd_dq_mma_impl<D, LDM>(q, k, v, dO, lse, delta, dqkv, cos_t, sin_t, H, Hkv, T, scale);             \
     }
 #define FLASH_MMA_KERNELS(D) FLASH_MMA_KERNELS_V(D, mma, false) FLASH_MMA_KERNELS_V(D, ldm, true)
 
@@ -1054,31 +1073,40 @@ extern "C" __global__ void __launch_bounds__(256) attn_delta_bf16(const bf16* __
     if (lane == 0) delta[((n / T) * H + h) * T + (n % T)] = acc;
 }
 
-// As qkv_rope_split, with bf16 outputs (the tensor-core attention's operands). Grid as rope_bwd_pack's.
+// qkv (N, (H+2Hkv)*D) bf16 -> q (B,H,T,D), k (B,Hkv,T,D) rotated, v (B,Hkv,T,D), all bf16 (the tensor-core
+// attention's operands). One thread per 8 pairs (i .. i+7 with i + D/2 .. i+D/2+7) of one head of one row:
+// 16-byte loads and stores (needs D % 16 == 0; the engine's tensor-core attention has D 32 or 64).
+// 1-D grid (grid-stride) over N * (H + 2Hkv) * D/16 items, 32-bit indices (the host checks the count).
 extern "C" __global__ void qkv_rope_split_bf16(const bf16* __restrict__ qkv, const float* __restrict__ cos_t,
                                                const float* __restrict__ sin_t, bf16* __restrict__ q,
                                                bf16* __restrict__ k, bf16* __restrict__ v, int T, int H, int Hkv,
                                                int D, int N) {
-    const int half = D / 2, heads = H + 2 * Hkv, npairs = heads * half;
-    for (int n = blockIdx.y; n < N; n += gridDim.y) {
-        const int t = n % T, b = n / T;
-        const bf16* row = qkv + (long long)n * heads * D;
-        for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < npairs; p += gridDim.x * blockDim.x) {
-            const int hh = p / half, i = p - hh * half;
-            const bf16* src = row + hh * D;
-            bf16* dst;
-            if (hh < H) dst = q + (((long long)b * H + hh) * T + t) * D;
-            else if (hh < H + Hkv) dst = k + (((long long)b * Hkv + (hh - H)) * T + t) * D;
-            else dst = v + (((long long)b * Hkv + (hh - H - Hkv)) * T + t) * D;
-            if (hh < H + Hkv) {
-                const float x1 = bf2f(src[i]), x2 = bf2f(src[i + half]);
-                const float c = cos_t[t * half + i], s = sin_t[t * half + i];
-                dst[i] = f2bf(x1 * c - x2 * s);
-                dst[i + half] = f2bf(x2 * c + x1 * s);
-            } else {
-                dst[i] = src[i];
-                dst[i + half] = src[i + half];
+    const int half = D / 2, octs = half / 8, heads = H + 2 * Hkv, items = N * heads * octs;
+    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < items; p += gridDim.x * blockDim.x) {
+        const int i = (p % octs) * 8, r = p / octs, hh = r % heads, n = r / heads, t = n % T, b = n / T;
+        const bf16* src = qkv + (long long)n * heads * D + hh * D;
+        bf16* dst;
+        if (hh < H) dst = q + (((long long)b * H + hh) * T + t) * D;
+        else if (hh < H + Hkv) dst = k + (((long long)b * Hkv + (hh - H)) * T + t) * D;
+        else dst = v + (((long long)b * Hkv + (hh - H - Hkv)) * T + t) * D;
+        uint4 lo = *reinterpret_cast<const uint4*>(src + i), hi = *reinterpret_cast<const uint4*>(src + i + half);
+        if (hh < H + Hkv) {
+            const float* cp = cos_t + t * half + i;
+            const float* sp = sin_t + t * half + i;
+            const float4 c0 = *reinterpret_cast<const float4*>(cp), c1 = *reinterpret_cast<const float4*>(cp + 4);
+            const float4 s0 = *reinterpret_cast<const float4*>(sp), s1 = *reinterpret_cast<const float4*>(sp + 4);
+            const float cs[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+            const float sn[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+            bf16* x1 = reinterpret_cast<bf16*>(&lo);
+            bf16* x2 = reinterpret_cast<bf16*>(&hi);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const float a = bf2f(x1[j]), e = bf2f(x2[j]);
+                x1[j] = f2bf(a * cs[j] - e * sn[j]);
+                x2[j] = f2bf(e * cs[j] + a * sn[j]);
             }
         }
+        *reinterpret_cast<uint4*>(dst + i) = lo;
+        *reinterpret_cast<uint4*>(dst + i + half) = hi;
     }
 }

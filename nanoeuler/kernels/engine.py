@@ -14,12 +14,14 @@ softmax and the loss are float32. Every matrix product runs on the tensor cores 
 bf16 image of the master weights that the AdamW kernel rewrites after each update), the normed
 activations, the SwiGLU output, the attention output and the gradients flowing into each GEMM.
 Products that feed the residual stream or a weight gradient write float32. Attention runs on the
-tensor cores too (`flash_*_{ldm,mma}` in bf16.cu: bf16 q/k/v/O/dO, float32 softmax statistics and
-accumulators) for head sizes 32 and 64: `attention="ldm"` (the default) loads the mma operands from
-shared memory with ldmatrix and streams the next tile in with cp.async while one is in use, `"mma"`
-loads them with plain 32-bit loads and copies tiles synchronously (same arithmetic, slower);
-`attention="fp32"` selects the float32 FlashAttention of `attention.cu` on float32 q/k/v instead
-(the only choice for other head sizes).
+tensor cores too (`flash_*` in bf16.cu: bf16 q/k/v/O/dO, float32 softmax statistics and accumulators)
+for head sizes 32 and 64, in two variants of the same arithmetic: `attention="ldm"` (the default) loads
+the mma operands from shared memory with ldmatrix and streams the next tile in with cp.async while one
+is in use; `"mma"` loads them with plain 32-bit loads and copies tiles synchronously (slower). The
+backward runs in two kernels (dk/dv, then dq, which recomputes S and dP; no atomics, so dq is
+deterministic) that write dq, dk (with the RoPE rotation undone) and dv as bf16 straight into the
+gradient operand of the qkv GEMM. `attention="fp32"` selects the float32 FlashAttention of
+`attention.cu` on float32 q/k/v instead (the only choice for other head sizes).
 
 Memory. All tensors live in buffers allocated once in `__init__`: flat float32 arrays for parameters,
 gradients and both moments, the flat bf16 image, the per-layer activations kept for the backward (the
@@ -56,6 +58,7 @@ _OP_N, _OP_T = 0, 1
 _ALIGN = 64  # elements: every tensor of the flat buffers starts 256-byte aligned (float32)
 _FLASH = {16: (1, 128), 32: (1, 128), 64: (2, 64), 128: (4, 32)}  # as in ops.py / attention.cu
 _MMA_HEAD_DIMS = (32, 64)  # tensor-core FlashAttention of bf16.cu
+ATTENTION_VARIANTS = ("ldm", "mma", "fp32")
 
 BF16_STORAGE = np.uint16  # bf16 words; converted by the kernels
 
@@ -123,7 +126,7 @@ class Engine:
                  no_decay=None, chunk_bytes: int = 64 * 2**20, attention: str = "auto"):
         if attention == "auto":
             attention = "ldm" if cfg.head_dim in _MMA_HEAD_DIMS else "fp32"
-        if attention not in ("mma", "ldm", "fp32") or (attention != "fp32" and cfg.head_dim not in _MMA_HEAD_DIMS):
+        if attention not in ATTENTION_VARIANTS or (attention != "fp32" and cfg.head_dim not in _MMA_HEAD_DIMS):
             raise ValueError(f"attention {attention!r} for head_dim {cfg.head_dim}")
         self.attention = attention
         if cfg.head_dim not in _FLASH:
@@ -259,15 +262,18 @@ class Engine:
         self.a = [e((N, HD), bf) for _ in range(L)]
         self.gu = [e((N, 2 * F), bf) for _ in range(L)]
         self.qkv = e((N, self.QKV), bf)
-        self.att = e((B, H, T, D))  # fp32 attention output (forward) / dq (backward)
+        if attention == "fp32":
+            self.att = e((B, H, T, D))  # fp32 attention output (forward) / dq (backward)
+            self.dk = e((B, Hkv, T, D))
+            self.dv = e((B, Hkv, T, D))
+        if N * self.QKV // 16 >= 2**31:
+            raise ValueError(f"batch {B} x seq {T} exceeds the 32-bit indexing of the RoPE kernels")
         self.m = e((N, F), bf)
         self.dm = e((N, F), bf)
         self.dgu = e((N, 2 * F), bf)
         self.dh = e((N, C))
         self.da = e((N, HD), qdt)  # gradient of the attention output
         self.delta = e((B, H, T))
-        self.dk = e((B, Hkv, T, D))
-        self.dv = e((B, Hkv, T, D))
         self.dqkv = e((N, self.QKV), bf)
         self.dx = e((N, C))
         self.dxb = e((N, C), bf)
@@ -412,6 +418,7 @@ class Engine:
         pairs = N * (H + 2 * Hkv) * (D // 2)
         nqb = -(-T // 64)  # 64-row tiles of the tensor-core attention
         row_grid = (-(-((H + 2 * Hkv) * (D // 2)) // 256), min(N, 65535))  # per-row kernels: x columns, y rows
+        split_grid = _grid(N * (H + 2 * Hkv) * (D // 16))  # qkv_rope_split_bf16: 8 pairs per thread
         glu_grid = (-(-F // (256 * (8 if F % 8 == 0 else 2))), min(N, 4096))
         mdims = (i32(H), i32(Hkv), i32(T), scale)
         norm_grid = ((N + 3) // 4,)
@@ -425,8 +432,8 @@ class Engine:
                                                       i32(C), eps, i32(1)))
             gemm(self.mqkv, self.mhs, w["qkv"], tb=True)
             if self.attention != "fp32":
-                k["qkv_rope_split_bf16"](row_grid, (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i],
-                                                            self.v[i], i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
+                k["qkv_rope_split_bf16"](split_grid, (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i],
+                                                              self.v[i], i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
                 self._mma["flash_fwd"]((nqb, B * H), (128,), (self.q[i], self.k[i], self.v[i], self.a[i],
                                                                  self.lse[i], i32(H), i32(Hkv), i32(T), scale))
             else:
@@ -497,8 +504,9 @@ class Engine:
                 k["attn_delta_bf16"]((-(-(N * H) // 8),), (256,), (self.a[i], self.da, self.delta, i32(T), i32(H),
                                                                    i32(D), i64(N * H)))
                 qkv = (self.q[i], self.k[i], self.v[i], self.da, self.lse[i], self.delta)
-                self._mma["flash_bwd_dkdv"]((nqb, B * Hkv), (128,), (*qkv, self.dk, self.dv, *mdims))
-                self._mma["flash_bwd_dq"]((nqb, B * H), (128,), (*qkv, self.att, *mdims))
+                rope = (self.dqkv, self.cos, self.sin, *mdims)
+                self._mma["flash_bwd_dkdv"]((nqb, B * Hkv), (128,), (*qkv, *rope))
+                self._mma["flash_bwd_dq"]((nqb, B * H), (128,), (*qkv, *rope))
             else:
                 k["attn_delta"]((-(-(N * H) // 8),), (256,), (self.a[i], self.da, self.delta, i32(T), i32(H), i32(D),
                                                                i64(N * H)))
@@ -507,8 +515,8 @@ class Engine:
                                               (*qkv, self.da, *das, self.lse[i], self.delta, self.dk, self.dv, *dims))
                 self._flash["flash_bwd_dq"]((-(-T // rows), B * H), (rows * G,),
                                             (*qkv, self.da, *das, self.lse[i], self.delta, self.att, *dims))
-            k["rope_bwd_pack"](row_grid, (256,), (self.att, self.dk, self.dv, self.cos, self.sin, self.dqkv,
-                                                  i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
+                k["rope_bwd_pack"](row_grid, (256,), (self.att, self.dk, self.dv, self.cos, self.sin, self.dqkv,
+                                                      i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
             gemm(w["dqkv"], self.mdqkv, self.mxn, ta=True)
             gemm(self.mdh, self.mdqkv, w["qkv"])
             k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xs[i], w["n1"], self.rstd1[i], self.dx, self.dxb,

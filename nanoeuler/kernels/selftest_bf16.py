@@ -115,7 +115,8 @@ def case_bf16_rope(rng, shape):
     vh = cupy.empty((B, Hkv, T, D), dtype=np.uint16)
     row_grid = (-(-((H + 2 * Hkv) * (D // 2)) // 256), min(N, 65535))
     rargs = (np.int32(T), np.int32(H), np.int32(Hkv), np.int32(D), np.int32(N))
-    _k("qkv_rope_split_bf16")(row_grid, (256,), (qkv_b, _g(cos), _g(sin), qh, kh, vh, *rargs))
+    split_grid = (-(-(N * (H + 2 * Hkv) * (D // 16)) // 256),)
+    _k("qkv_rope_split_bf16")(split_grid, (256,), (qkv_b, _g(cos), _g(sin), qh, kh, vh, *rargs))
     c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
     x = qkv.reshape(B, T, H + 2 * Hkv, D).transpose(0, 2, 1, 3)
     qr = layers.rope_forward(x[:, :H], c64, s64)
@@ -209,20 +210,23 @@ def case_bf16_ce_heads(rng, shape):
 
 
 def case_bf16_flash(rng, shape):
-    """shape (B, H, Hkv, T, D): tensor-core causal GQA attention forward and backward on bf16 operands,
-    against the float64 layer on the same (bf16-valued) inputs."""
+    """shape (B, H, Hkv, T, D, variant): tensor-core causal GQA attention forward and backward on bf16
+    operands, against the float64 layer on the same (bf16-valued) inputs. The backward's output is the
+    qkv GEMM's gradient operand dqkv (N, (H+2Hkv)*D): dq and dk with the RoPE rotation undone, and dv.
+    Variants: "mma" / "ldm"."""
     import cupy
 
     from nanoeuler.kernels import kernel
     from nanoeuler.model import layers
 
     B, H, Hkv, T, D, var = shape
-    N = B * T
+    N, W = B * T, (H + 2 * Hkv) * D
     qb, q = _dev_bf16(_randn(rng, (B, H, T, D), 1.5))
     kb, k = _dev_bf16(_randn(rng, (B, Hkv, T, D), 1.5))
     vb, v = _dev_bf16(_randn(rng, (B, Hkv, T, D)))
     dout = _randn(rng, (B, H, T, D))
     db, d64 = _dev_bf16(dout.transpose(0, 2, 1, 3).reshape(N, H * D))  # dO in the (N, H*D) layout
+    cos, sin = layers.rope_tables(T, D, 10000.0, np, np.float32)
     scale = np.float32(1.0 / math.sqrt(D))
     dims = (np.int32(H), np.int32(Hkv), np.int32(T), scale)
     nb = -(-T // 64)
@@ -232,20 +236,26 @@ def case_bf16_flash(rng, shape):
     delta = cupy.empty((B, H, T), dtype=np.float32)
     _k("attn_delta_bf16")((-(-(N * H) // 8),), (256,), (o, db, delta, np.int32(T), np.int32(H), np.int32(D),
                                                        np.int64(N * H)))
-    dq = cupy.empty((B, H, T, D), dtype=np.float32)
-    dk = cupy.empty((B, Hkv, T, D), dtype=np.float32)
-    dv = cupy.empty((B, Hkv, T, D), dtype=np.float32)
-    kernel("bf16", "flash_bwd_dkdv_%s_d%d" % (var, D))((nb, B * Hkv), (128,), (qb, kb, vb, db, lse, delta, dk, dv, *dims))
-    kernel("bf16", "flash_bwd_dq_%s_d%d" % (var, D))((nb, B * H), (128,), (qb, kb, vb, db, lse, delta, dq, *dims))
+    dqkv = cupy.empty((N, W), dtype=np.uint16)
+    rope = (dqkv, _g(cos), _g(sin), *dims)
+    kernel("bf16", "flash_bwd_dkdv_%s_d%d" % (var, D))((nb, B * Hkv), (128,), (qb, kb, vb, db, lse, delta, *rope))
+    kernel("bf16", "flash_bwd_dq_%s_d%d" % (var, D))((nb, B * H), (128,), (qb, kb, vb, db, lse, delta, *rope))
     out_r, cache = layers.attention_forward(q, k, v)
     dq_r, dk_r, dv_r = layers.attention_backward(d64.reshape(B, T, H, D).transpose(0, 2, 1, 3), cache)
+    c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
+    to_rows = lambda x: x.transpose(0, 2, 1, 3).reshape(N, -1)  # (B, heads, T, D) -> (N, heads*D)
+    got = from_bf16(dqkv.get())
     s = np.einsum("bhtd,bhsd->bhts", q, np.repeat(k, H // Hkv, axis=1)) / math.sqrt(D)
     s = np.where(np.tril(np.ones((T, T), dtype=bool)), s, -np.inf)
     lse_r = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
-    return [(f"flash {var} fwd out", from_bf16(o.get()), out_r.transpose(0, 2, 1, 3).reshape(N, H * D), TOL_BF16),
+    HD, KD = H * D, Hkv * D
+    return [(f"flash {var} fwd out", from_bf16(o.get()), to_rows(out_r), TOL_BF16),
             (f"flash {var} fwd lse", lse, lse_r, TOL_FP32),
-            (f"flash {var} bwd dq", dq, dq_r, TOL_BF16), (f"flash {var} bwd dk", dk, dk_r, TOL_BF16),
-            (f"flash {var} bwd dv", dv, dv_r, TOL_BF16)]
+            (f"flash {var} bwd dq (unrotated, in dqkv)", got[:, :HD], to_rows(layers.rope_backward(dq_r, c64, s64)),
+             TOL_BF16),
+            (f"flash {var} bwd dk (unrotated, in dqkv)", got[:, HD:HD + KD],
+             to_rows(layers.rope_backward(dk_r, c64, s64)), TOL_BF16),
+            (f"flash {var} bwd dv (in dqkv)", got[:, HD + KD:], to_rows(dv_r), TOL_BF16)]
 
 
 def _engine_problem(rng, cfg, B, T):
@@ -327,6 +337,7 @@ CASES_BF16 = [
     (case_bf16_flash, (1, 4, 4, 129, 64, "ldm"), "B1 H4/4 T129 D64", {}),
     (case_bf16_flash, (2, 4, 2, 37, 32, "ldm"), "B2 H4/2 T37 D32", {}),
     (case_bf16_flash, (1, 12, 4, 512, 64, "ldm"), "B1 H12/4 T512 D64", {}),
+    (case_bf16_flash, (3, 12, 4, 1024, 64, "ldm"), "B3 H12/4 T1024 D64", {}),
     (case_engine, ("small", 2, 100, "mma"), "small preset B2 T100 D32", {}),
     (case_engine, ("d64", 2, 200, "mma"), "2 layers D64 B2 T200", {}),
     (case_engine, ("d64", 2, 200, "fp32"), "2 layers D64 B2 T200 fp32-attn", {}),

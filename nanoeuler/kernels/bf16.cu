@@ -135,8 +135,8 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
 //   dxn = rstd * (dy*w - xhat * mean(dy*w*xhat)),  xhat = x * rstd
 //   dx  = (accumulate ? dx : 0) + dxn  (float32, in place), dxb = bf16(dx)  (the next GEMM's operand)
 //   dwpart[block] = sum over the block's rows of dy * xhat  (per-warp partials in registers, summed over
-//         the block's warps in shared memory; no atomics). `rmsnorm_dw_reduce` then adds the column sums
-//         of dwpart (gridDim.x, C) to dw, in a fixed order, so dw is deterministic.
+//         the block's warps in shared memory; no atomics). `rmsnorm_dw_reduce` then writes the column
+//         sums of dwpart (gridDim.x, C) into dw, in a fixed order, so dw is deterministic.
 // Two passes over each row (the second hits L1), so only the dw partials stay in registers. When C is a
 // multiple of 4 every access is 16 bytes wide (float4 loads and stores, 8-byte bf16 stores).
 #define RB_MAX 32
@@ -249,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_bf16(
     }
 }
 
-// dw[j] += sum over p < nparts of dwpart[p, j]. Block (32, 32): x over 32 columns, y over the parts
+// dw[j] = sum over p < nparts of dwpart[p, j] (overwrites: every gain's gradient comes from one norm). Block (32, 32): x over 32 columns, y over the parts
 // (strided), then the 32 partial sums of a column added in shared memory. Grid x: ceil(C / 32).
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_dw_reduce(
     const float* __restrict__ dwpart, float* __restrict__ dw, int nparts, int C) {
@@ -266,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_dw_reduce(
         float u = 0.f;
 #pragma unroll
         for (int k = 0; k < 32; ++k) u += s[k][threadIdx.x];
-        dw[j] += u;
+        dw[j] = u;
     }
 }
 
@@ -403,7 +403,9 @@ extern "C" __global__ void swiglu_fwd_bf16(const bf16* __restrict__ gu, bf16* __
     }
 }
 
-// dm (N, F) bf16, gu (N, 2F) bf16 -> dgu (N, 2F) bf16 = [dgate | dup]; same grid as the forward.
+// dm (N, F) bf16, gu (N, 2F) bf16 -> dgu (N, 2F) bf16 = [dgate | dup], and m (N, F) = silu(gate) * up again
+// (bit-identical to the forward's, for the down projection's weight gradient): the backward recomputes m
+// instead of keeping it, and doing it here saves a second read of gu. Same grid as the forward.
 __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float& dg, float& du) {
     const float s = 1.f / (1.f + expf(-g));
     dg = d * u * s * (1.f + g * (1.f - s));
@@ -411,7 +413,7 @@ __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float& dg
 }
 
 extern "C" __global__ void swiglu_bwd_bf16(const bf16* __restrict__ dm, const bf16* __restrict__ gu,
-                                           bf16* __restrict__ dgu, int F, int N) {
+                                           bf16* __restrict__ dgu, bf16* __restrict__ m, int F, int N) {
     const int vec = (F & 7) == 0 ? 8 : 2;
     const int j = vec * (blockIdx.x * blockDim.x + threadIdx.x);
     if (j >= F) return;
@@ -419,12 +421,13 @@ extern "C" __global__ void swiglu_bwd_bf16(const bf16* __restrict__ dm, const bf
         const bf16* gr = gu + (long long)r * 2 * F;
         const bf16* dr = dm + (long long)r * F;
         bf16* out = dgu + (long long)r * 2 * F;
+        bf16* mr = m + (long long)r * F;
         if (vec == 8) {
             const uint4 g4 = *reinterpret_cast<const uint4*>(gr + j), u4 = *reinterpret_cast<const uint4*>(gr + F + j);
             const uint4 d4 = *reinterpret_cast<const uint4*>(dr + j);
             const unsigned gw[4] = {g4.x, g4.y, g4.z, g4.w}, uw[4] = {u4.x, u4.y, u4.z, u4.w};
             const unsigned dw[4] = {d4.x, d4.y, d4.z, d4.w};
-            unsigned og[4], ou[4];
+            unsigned og[4], ou[4], om[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float dg0, du0, dg1, du1;
@@ -432,9 +435,11 @@ extern "C" __global__ void swiglu_bwd_bf16(const bf16* __restrict__ dm, const bf
                 swiglu_grad(hi_bf(dw[e]), hi_bf(gw[e]), hi_bf(uw[e]), dg1, du1);
                 og[e] = pack2(dg0, dg1);
                 ou[e] = pack2(du0, du1);
+                om[e] = pack2(silu_f(lo_bf(gw[e])) * lo_bf(uw[e]), silu_f(hi_bf(gw[e])) * hi_bf(uw[e]));
             }
             *reinterpret_cast<uint4*>(out + j) = make_uint4(og[0], og[1], og[2], og[3]);
             *reinterpret_cast<uint4*>(out + F + j) = make_uint4(ou[0], ou[1], ou[2], ou[3]);
+            *reinterpret_cast<uint4*>(mr + j) = make_uint4(om[0], om[1], om[2], om[3]);
         } else if ((F & 1) == 0) {
             const unsigned g2 = ld32(gr + j), u2 = ld32(gr + F + j), d2 = ld32(dr + j);
             float dg0, du0, dg1, du1;
@@ -442,12 +447,14 @@ extern "C" __global__ void swiglu_bwd_bf16(const bf16* __restrict__ dm, const bf
             swiglu_grad(hi_bf(d2), hi_bf(g2), hi_bf(u2), dg1, du1);
             *reinterpret_cast<unsigned*>(out + j) = pack2(dg0, dg1);
             *reinterpret_cast<unsigned*>(out + F + j) = pack2(du0, du1);
+            *reinterpret_cast<unsigned*>(mr + j) = pack2(silu_f(lo_bf(g2)) * lo_bf(u2), silu_f(hi_bf(g2)) * hi_bf(u2));
         } else {
             for (int jj = j; jj < min(j + 2, F); ++jj) {
                 float dg, du;
                 swiglu_grad(bf2f(dr[jj]), bf2f(gr[jj]), bf2f(gr[F + jj]), dg, du);
                 out[jj] = f2bf(dg);
                 out[F + jj] = f2bf(du);
+                mr[jj] = f2bf(silu_f(bf2f(gr[jj])) * bf2f(gr[F + jj]));
             }
         }
     }
@@ -1058,19 +1065,32 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
 FLASH_MMA_KERNELS(32)
 FLASH_MMA_KERNELS(64)
 
-// delta (B,H,T) = rowsum(dO * O), both bf16 in the (N, H*D) layout. One warp per (row, head).
+// delta (B,H,T) = rowsum(dO * O), both bf16 in the (N, H*D) layout (rows r = n*H + h of D values).
+// D/8 threads per row, 16-byte loads, summed by shuffles within the group (D/8 a power of two <= 32, so
+// groups never straddle a warp). Grid-stride over rows * D/8 threads, the loop uniform per block.
 extern "C" __global__ void __launch_bounds__(256) attn_delta_bf16(const bf16* __restrict__ a, const bf16* __restrict__ da,
                                                                   float* __restrict__ delta, int T, int H, int D,
                                                                   long long rows) {
-    const long long r = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (r >= rows) return;
-    const long long n = r / H;
-    const int h = (int)(r % H);
-    float acc = 0.f;
-    for (int d = lane; d < D; d += 32) acc = fmaf(bf2f(a[r * D + d]), bf2f(da[r * D + d]), acc);
-    acc = warp_sum(acc);
-    if (lane == 0) delta[((n / T) * H + h) * T + (n % T)] = acc;
+    const int per = D / 8;
+    const long long total = rows * per;
+    for (long long base = (long long)blockIdx.x * blockDim.x; base < total; base += (long long)gridDim.x * blockDim.x) {
+        const long long p = base + threadIdx.x, r = p / per;
+        const int part = (int)(p % per);
+        float acc = 0.f;
+        if (r < rows) {
+            const uint4 x = *reinterpret_cast<const uint4*>(a + r * D + part * 8);
+            const uint4 y = *reinterpret_cast<const uint4*>(da + r * D + part * 8);
+            const bf16* xe = reinterpret_cast<const bf16*>(&x);
+            const bf16* ye = reinterpret_cast<const bf16*>(&y);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc = fmaf(bf2f(xe[j]), bf2f(ye[j]), acc);
+        }
+        for (int o = per / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (r < rows && part == 0) {
+            const long long n = r / H;
+            delta[((n / T) * H + r % H) * T + n % T] = acc;
+        }
+    }
 }
 
 // qkv (N, (H+2Hkv)*D) bf16 -> q (B,H,T,D), k (B,Hkv,T,D) rotated, v (B,Hkv,T,D), all bf16 (the tensor-core

@@ -405,7 +405,10 @@ class Engine:
         stream = cp.cuda.get_current_stream().ptr
         self._load_batch(inputs, targets)
         self.gemm.cublas.setPointerMode(self.gemm.handle, 0)  # alpha/beta are host scalars
-        cp.cuda.runtime.memsetAsync(self.G.data.ptr, 0, self.G.nbytes, stream)
+        # Every gradient is overwritten by the step (GEMMs with beta=0, the first output-head chunk included,
+        # and the norm gains' column reduction) except the embedding's, which the backward scatters into
+        # with atomics: only it is zeroed (the padding between tensors stays zero from __init__).
+        cp.cuda.runtime.memsetAsync(self.demb.data.ptr, 0, self.demb.nbytes, stream)
         cp.cuda.runtime.memsetAsync(self.sq.data.ptr, 0, 4, stream)
         k["ce_head_scale"]((1,), (1024,), (self.tg, self.head_scale, i64(N), i32(K)))
         k["embed_fwd"](_grid(N * C), (256,), (self.ids, self.emb, self.xs[0], i32(C), i64(N * C)))
@@ -464,7 +467,7 @@ class Engine:
             k["ce_heads_fwd_bwd"]((rr, K), (256,), (lg.arr, self.tg[r0:r1], self.head_scale, self.loss_rows[r0:r1],
                                                      dl.arr, i32(V), i32(K)))
             gemm(_M(self.dxn[r0:r1]), dl, self.w_heads)
-            gemm(self.dw_heads, dl, xc, ta=True, beta=1.0)
+            gemm(self.dw_heads, dl, xc, ta=True, beta=0.0 if r0 == 0 else 1.0)
         k["ce_loss_reduce"]((1,), (1024,), (self.loss_rows, self.head_scale, self.loss, i64(N), i32(K)))
 
         nb_rows = self.nb_rows
@@ -472,7 +475,7 @@ class Engine:
         nb_grid = (nparts,)
         red_grid, red_block = (-(-C // 32),), (32, 32)
 
-        def dw_reduce(dw):  # dw += column sums of the RMSNorm backward's per-block partials
+        def dw_reduce(dw):  # dw = column sums of the RMSNorm backward's per-block partials
             k["rmsnorm_dw_reduce"](red_grid, red_block, (self.dwpart, dw, i32(nparts), i32(C)))
 
         k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dxn, xs[L], self.w_norm, self.rstdf, self.dx, self.dxb,
@@ -480,11 +483,11 @@ class Engine:
         dw_reduce(self.dw_norm)
         for i in reversed(range(L)):
             w = self.Lw[i]
-            # MLP half: x_out = x_mid + down(silu(gate(h2)) * up(h2))
-            k["swiglu_fwd_bf16"](glu_grid, (256,), (self.gu[i], self.m, i32(F), i32(N)))
-            gemm(w["dd"], self.mdxb, self.mm, ta=True)
+            # MLP half: x_out = x_mid + down(silu(gate(h2)) * up(h2)); the SwiGLU backward also recomputes
+            # m = silu(gate) * up, which the down projection's weight gradient then reads
             gemm(self.mdm, self.mdxb, w["d"])
-            k["swiglu_bwd_bf16"](glu_grid, (256,), (self.dm, self.gu[i], self.dgu, i32(F), i32(N)))
+            k["swiglu_bwd_bf16"](glu_grid, (256,), (self.dm, self.gu[i], self.dgu, self.m, i32(F), i32(N)))
+            gemm(w["dd"], self.mdxb, self.mm, ta=True)
             # recompute x_mid = x_in + o_proj(a) (same operands, same GEMM: the forward's values) and h2;
             # the norm that recomputes h1 (into xn, free during the backward) also copies x_in into xmid
             k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i], w["n1"], self.xn, self.rstd_s, xmid, i32(N), i32(C),
@@ -501,8 +504,8 @@ class Engine:
             gemm(w["do"], self.mdxb, self.ma[i], ta=True)
             gemm(self.mda, self.mdxb, w["o"])
             if self.attention != "fp32":
-                k["attn_delta_bf16"]((-(-(N * H) // 8),), (256,), (self.a[i], self.da, self.delta, i32(T), i32(H),
-                                                                   i32(D), i64(N * H)))
+                k["attn_delta_bf16"](_grid(N * H * (D // 8)), (256,), (self.a[i], self.da, self.delta, i32(T), i32(H),
+                                                                       i32(D), i64(N * H)))
                 qkv = (self.q[i], self.k[i], self.v[i], self.da, self.lse[i], self.delta)
                 rope = (self.dqkv, self.cos, self.sin, *mdims)
                 self._mma["flash_bwd_dkdv"]((nqb, B * Hkv), (128,), (*qkv, *rope))

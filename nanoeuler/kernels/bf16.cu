@@ -485,6 +485,8 @@ extern "C" __global__ void __launch_bounds__(1024) ce_head_scale(const int* __re
 // logits (R, K*V) float32 for rows r0 .. r0+R-1; grid (R, K), blockDim 256.
 //   loss[r, k] = lse - z[t]            (0 for ignored rows)
 //   dlg[r, k*V + j] = scale[k] * (softmax_j - [j == t])   bf16 (0 for ignored rows)
+// Three passes over the row (max, sum, gradient; the later two mostly hit L1), 16-byte loads and 8-byte
+// bf16 stores when V % 4 == 0; otherwise (V4 = 0) the scalar tail loops cover the row.
 extern "C" __global__ void __launch_bounds__(256) ce_heads_fwd_bwd(
     const float* __restrict__ logits, const int* __restrict__ targets, const float* __restrict__ scale,
     float* __restrict__ loss, bf16* __restrict__ dlg, int V, int K) {
@@ -493,21 +495,39 @@ extern "C" __global__ void __launch_bounds__(256) ce_heads_fwd_bwd(
     const int k = blockIdx.y;
     const float* z = logits + (r * K + k) * (long long)V;
     bf16* g = dlg + (r * K + k) * (long long)V;
+    const float4* z4 = reinterpret_cast<const float4*>(z);
+    const int V4 = (V & 3) == 0 ? V / 4 : 0, tail = 4 * V4;
     const int t = targets[r * K + k];
     if (t < 0) {
-        for (int j = threadIdx.x; j < V; j += blockDim.x) g[j] = 0;
+        for (int j = threadIdx.x; j < V4; j += blockDim.x) reinterpret_cast<uint2*>(g)[j] = make_uint2(0u, 0u);
+        for (int j = tail + threadIdx.x; j < V; j += blockDim.x) g[j] = 0;
         if (threadIdx.x == 0) loss[r * K + k] = 0.f;
         return;
     }
     float mx = __int_as_float(0xff800000);
-    for (int j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, z[j]);
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        const float4 a = z4[j];
+        mx = fmaxf(mx, fmaxf(fmaxf(a.x, a.y), fmaxf(a.z, a.w)));
+    }
+    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, z[j]);
     mx = block_max(mx, red);
     float s = 0.f;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(z[j] - mx);
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        const float4 a = z4[j];
+        s += (expf(a.x - mx) + expf(a.y - mx)) + (expf(a.z - mx) + expf(a.w - mx));
+    }
+    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) s += expf(z[j] - mx);
     s = block_sum(s, red);
     const float lse = mx + logf(s);
     const float sc = scale[k];
-    for (int j = threadIdx.x; j < V; j += blockDim.x) g[j] = f2bf(sc * (expf(z[j] - lse) - (j == t ? 1.f : 0.f)));
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        const float4 a = z4[j];
+        const int j0 = 4 * j;
+        reinterpret_cast<uint2*>(g)[j] = make_uint2(
+            pack2(sc * (expf(a.x - lse) - (j0 == t ? 1.f : 0.f)), sc * (expf(a.y - lse) - (j0 + 1 == t ? 1.f : 0.f))),
+            pack2(sc * (expf(a.z - lse) - (j0 + 2 == t ? 1.f : 0.f)), sc * (expf(a.w - lse) - (j0 + 3 == t ? 1.f : 0.f))));
+    }
+    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) g[j] = f2bf(sc * (expf(z[j] - lse) - (j == t ? 1.f : 0.f)));
     if (threadIdx.x == 0) loss[r * K + k] = lse - z[t];
 }
 

@@ -336,6 +336,7 @@ CASES_BF16 = [
     (case_bf16_swiglu, (70000, 6), "N70000 F6 (rows > grid)", {}),
     (case_bf16_ce_heads, (70, 4, 4096), "N70 K4 V4096", {}),
     (case_bf16_ce_heads, (33, 2, 100), "N33 K2 V100", {}),
+    (case_bf16_ce_heads, (33, 2, 101), "N33 K2 V101 (scalar path)", {}),
     (case_bf16_flash, (2, 12, 4, 100, 64, "mma"), "B2 H12/4 T100 D64", {}),
     (case_bf16_flash, (1, 4, 4, 129, 64, "mma"), "B1 H4/4 T129 D64", {}),
     (case_bf16_flash, (2, 4, 2, 37, 32, "mma"), "B2 H4/2 T37 D32", {}),

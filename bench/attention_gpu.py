@@ -1,0 +1,163 @@
+"""Causal GQA attention alone on one GPU: our tensor-core kernels (bf16.cu) against PyTorch's
+scaled_dot_product_attention backends, same shapes, same process.
+
+    python bench/attention_gpu.py                     # B16xT512 and B16xT1024, H12/4, D64
+    python bench/attention_gpu.py --rows 16x1024 --no-torch
+
+Ours, per layer of the `gpu` preset: flash_fwd_ldm (O and logsumexp), attn_delta_bf16, flash_bwd_dkdv_ldm
+and flash_bwd_dq_ldm (dq, dk, dv written into the qkv gradient operand with RoPE undone).
+
+PyTorch: `scaled_dot_product_attention(is_causal=True, enable_gqa=True)` on (B, H, T, D) bf16, forward
+and backward (autograd), under each SDPA backend that accepts the shapes (flash, cudnn, efficient).
+
+Each kernel (or torch call) runs 3 times, then 20 timed times between CUDA events; medians. TFLOP/s
+counts the causal half: forward 4 * B * H * D * T^2 / 2, backward 2.5x that (five products, not two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+def timed(fn, reps=20, warmup=3) -> float:
+    """Median milliseconds of fn() between CUDA events."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    ms = []
+    for _ in range(reps):
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ms.append(cupy.cuda.get_elapsed_time(e0, e1))
+    return statistics.median(ms)
+
+
+def ours(B, T, H, Hkv, D, rng):
+    """{kernel: ms} of our attention kernels on random inputs."""
+    import cupy
+
+    from nanoeuler.kernels import kernel
+    from nanoeuler.model import layers
+
+    fwd, dkdv, dq = (kernel("bf16", f"{k}_ldm_d{D}") for k in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"))
+    delta_k = kernel("bf16", "attn_delta_bf16")
+    N, W = B * T, (H + 2 * Hkv) * D
+
+    def bf16(shape, scale=1.0):  # random bf16 words (the top half of float32 values)
+        x = (rng.standard_normal(shape) * scale).astype(np.float32)
+        return cupy.asarray((x.view(np.uint32) >> 16).astype(np.uint16))
+
+    q, k, v = bf16((B, H, T, D), 1.5), bf16((B, Hkv, T, D), 1.5), bf16((B, Hkv, T, D))
+    dout = bf16((N, H * D))
+    cos, sin = (cupy.asarray(t) for t in layers.rope_tables(T, D, 10000.0, np, np.float32))
+    o = cupy.empty((N, H * D), dtype=np.uint16)
+    lse = cupy.empty((B, H, T), dtype=np.float32)
+    delta = cupy.empty((B, H, T), dtype=np.float32)
+    dqkv = cupy.empty((N, W), dtype=np.uint16)
+    i32 = np.int32
+    scale = np.float32(1.0 / math.sqrt(D))
+    nb = -(-T // 64)
+    times = {
+        "fwd": timed(lambda: fwd((nb, B * H), (128,), (q, k, v, o, lse, i32(H), i32(Hkv), i32(T), scale))),
+        "delta": timed(lambda: delta_k((-(-(N * H * D // 8) // 256),), (256,),
+                                       (o, dout, delta, i32(T), i32(H), i32(D), np.int64(N * H)))),
+    }
+    args = (q, k, v, dout, lse, delta, dqkv, cos, sin, i32(H), i32(Hkv), i32(T), scale)
+    times["dkdv"] = timed(lambda: dkdv((nb, B * Hkv), (128,), args))
+    times["dq"] = timed(lambda: dq((nb, B * H), (128,), args))
+    cupy.cuda.Stream.null.synchronize()
+    return times
+
+
+def torch_sdpa(B, T, H, Hkv, D):
+    """{backend: (fwd ms, bwd ms)} for the SDPA backends that run these shapes."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k = torch.randn(B, Hkv, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    v = torch.randn(B, Hkv, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    dout = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = {}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel([backend]):
+                def fwd():
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+                y = fwd()
+                f_ms = _torch_timed(fwd)
+                b_ms = _torch_timed(lambda: torch.autograd.grad(y, (q, k, v), dout, retain_graph=True))
+            out[name] = (f_ms, b_ms)
+        except Exception as exc:  # a backend that refuses the shapes is reported, not fatal
+            out[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+    return out
+
+
+def _torch_timed(fn, reps=20, warmup=3) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    ms = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ms.append(e0.elapsed_time(e1))
+    return statistics.median(ms)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="16x512,16x1024", help="comma-separated BxT")
+    ap.add_argument("--heads", default="12/4", help="query heads / key-value heads")
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--no-torch", action="store_true")
+    args = ap.parse_args(argv)
+    H, Hkv = (int(x) for x in args.heads.split("/"))
+    D = args.head_dim
+    lines = []
+    for row in args.rows.split(","):
+        B, T = (int(x) for x in row.split("x"))
+        fwd_flop = 4.0 * B * H * D * T * T / 2
+        times = ours(B, T, H, Hkv, D, np.random.default_rng(0))
+        bwd = times["delta"] + times["dkdv"] + times["dq"]
+        lines.append(f"B{B}xT{T:<5} ours              {times['fwd']:7.3f} {bwd:7.3f}  "
+                     f"{fwd_flop / times['fwd'] / 1e9:6.1f} {2.5 * fwd_flop / bwd / 1e9:6.1f}  "
+                     f"(delta {times['delta']:.3f}, dkdv {times['dkdv']:.3f}, dq {times['dq']:.3f})")
+        print(lines[-1], flush=True)
+        if not args.no_torch:
+            for name, res in torch_sdpa(B, T, H, Hkv, D).items():
+                if isinstance(res, str):
+                    lines.append(f"B{B}xT{T:<5} torch-{name:<11} {res}")
+                else:
+                    f_ms, b_ms = res
+                    lines.append(f"B{B}xT{T:<5} torch-{name:<11} {f_ms:7.3f} {b_ms:7.3f}  "
+                                 f"{fwd_flop / f_ms / 1e9:6.1f} {2.5 * fwd_flop / b_ms / 1e9:6.1f}")
+                print(lines[-1], flush=True)
+    print(f"\nrow        impl               fwd ms  bwd ms  fwd TF  bwd TF  (per layer; H{H}/{Hkv} D{D})")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -158,12 +158,15 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_bf16(
             const long long off = (long long)r * C;
             const float4* dy4 = reinterpret_cast<const float4*>(dy + off);
             const float4* x4 = reinterpret_cast<const float4*>(x + off);
+            const float4* dx4c = reinterpret_cast<const float4*>(dx + off);
             const float rs = rstd[r];
             float dot = 0.f;
+            float4 prev[RB_VEC];  // dx to accumulate onto, loaded with dy and x (not after the row's sum)
 #pragma unroll
             for (int i = 0; i < RB_VEC; ++i) {
                 const int g = lane + 32 * i;
                 if (g < C4) {
+                    prev[i] = accumulate ? dx4c[g] : make_float4(0.f, 0.f, 0.f, 0.f);
                     const float4 d = dy4[g], xv = x4[g], wv = w4[g];
                     const float h0 = xv.x * rs, h1 = xv.y * rs, h2 = xv.z * rs, h3 = xv.w * rs;
                     dot = fmaf(d.x * wv.x, h0, dot);
@@ -186,14 +189,10 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_bf16(
                     const float4 d = dy4[g], xv = x4[g], wv = w4[g];
                     const float sm = rs * mean;
                     float4 o;
-                    o.x = rs * (d.x * wv.x - xv.x * sm);
-                    o.y = rs * (d.y * wv.y - xv.y * sm);
-                    o.z = rs * (d.z * wv.z - xv.z * sm);
-                    o.w = rs * (d.w * wv.w - xv.w * sm);
-                    if (accumulate) {
-                        const float4 p = dx4[g];
-                        o.x += p.x; o.y += p.y; o.z += p.z; o.w += p.w;
-                    }
+                    o.x = prev[i].x + rs * (d.x * wv.x - xv.x * sm);
+                    o.y = prev[i].y + rs * (d.y * wv.y - xv.y * sm);
+                    o.z = prev[i].z + rs * (d.z * wv.z - xv.z * sm);
+                    o.w = prev[i].w + rs * (d.w * wv.w - xv.w * sm);
                     dx4[g] = o;
                     dxb4[g] = make_uint2(pack2(o.x, o.y), pack2(o.z, o.w));
                 }

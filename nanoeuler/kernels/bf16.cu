@@ -557,22 +557,43 @@ extern "C" __global__ void __launch_bounds__(256) sumsq(const float* __restrict_
 //   norm = sqrt(sumsq[0]); c = (max_norm > 0 && norm > max_norm) ? max_norm / (norm + 1e-6) : 1; g *= c
 //   m = b1 m + (1-b1) g ; v = b2 v + (1-b2) g^2 ; p = p * decay - step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps)
 //   pb = bf16(p)  (the GEMM copy of the weights)
+// Four elements per thread with 16-byte accesses (8-byte for pb): the engine's ranges start 64-element
+// aligned; a range whose length is not a multiple of 4 ends in a scalar tail.
+struct AdamWArgs {
+    float c, b1, b2, decay, step_size, inv_sqrt_bc2, eps;
+};
+
+__device__ __forceinline__ float adamw_one(float& p, float g, float& m, float& v, const AdamWArgs& a) {
+    g *= a.c;
+    m = a.b1 * m + (1.f - a.b1) * g;
+    v = a.b2 * v + (1.f - a.b2) * (g * g);
+    p = p * a.decay - a.step_size * (m / (sqrtf(v) * a.inv_sqrt_bc2 + a.eps));
+    return p;
+}
+
 extern "C" __global__ void __launch_bounds__(256) adamw_clip_bf16(
     float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
     bf16* __restrict__ pb, long long n, const float* __restrict__ sumsq_acc, float max_norm, float b1, float b2,
     float decay, float step_size, float inv_sqrt_bc2, float eps) {
     const float norm = sqrtf(sumsq_acc[0]);
     const float c = (max_norm > 0.f && norm > max_norm && norm <= 3.0e38f) ? max_norm / (norm + 1e-6f) : 1.f;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const float gi = g[i] * c;
-        const float mi = b1 * m[i] + (1.f - b1) * gi;
-        const float vi = b2 * v[i] + (1.f - b2) * (gi * gi);
-        m[i] = mi;
-        v[i] = vi;
-        const float pi = p[i] * decay - step_size * (mi / (sqrtf(vi) * inv_sqrt_bc2 + eps));
-        p[i] = pi;
-        pb[i] = f2bf(pi);
+    const AdamWArgs a = {c, b1, b2, decay, step_size, inv_sqrt_bc2, eps};
+    const long long n4 = n >> 2, stride = (long long)gridDim.x * blockDim.x;
+    float4* p4 = reinterpret_cast<float4*>(p);
+    float4* m4 = reinterpret_cast<float4*>(m);
+    float4* v4 = reinterpret_cast<float4*>(v);
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride) {
+        float4 pv = p4[i], mv = m4[i], vv = v4[i];
+        const float4 gv = reinterpret_cast<const float4*>(g)[i];
+        const float x = adamw_one(pv.x, gv.x, mv.x, vv.x, a), y = adamw_one(pv.y, gv.y, mv.y, vv.y, a);
+        const float z = adamw_one(pv.z, gv.z, mv.z, vv.z, a), w = adamw_one(pv.w, gv.w, mv.w, vv.w, a);
+        p4[i] = pv;
+        m4[i] = mv;
+        v4[i] = vv;
+        reinterpret_cast<uint2*>(pb)[i] = make_uint2(pack2(x, y), pack2(z, w));
     }
+    for (long long i = 4 * n4 + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        pb[i] = f2bf(adamw_one(p[i], g[i], m[i], v[i], a));
 }
 
 // ---- tensor-core FlashAttention (bf16 operands, float32 accumulation) --------------------------------
@@ -987,7 +1008,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
 template <int D, bool LDM>
 __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
-    const float* __restrict__ lse, const float* __restrict__ delta, bf16* __restrict__ dqkv,
+    const bf16* __restrict__ o, const float* __restrict__ lse, float* __restrict__ delta, bf16* __restrict__ dqkv,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t, int H, int Hkv, int T, float scale) {
     constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8, NS = LDM ? 2 : 1;
     __shared__ __align__(16) bf16 Ks[NS][FA_BR][D + FA_PAD];
@@ -1012,8 +1033,26 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     load_a_frags<D>(doa, dO + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
     const float lA = rowA < T ? lse[(long long)bh * T + rowA] * LOG2E : 0.f;
     const float lB = rowB < T ? lse[(long long)bh * T + rowB] * LOG2E : 0.f;
-    const float dA = rowA < T ? delta[(long long)bh * T + rowA] : 0.f;
-    const float dB = rowB < T ? delta[(long long)bh * T + rowB] : 0.f;
+    // delta = rowsum(dO * O) of this warp's rows, from the same A fragments (rows g | g + 8 in regs 0, 2 |
+    // 1, 3), summed over the quad's four threads; stored for the dk/dv kernel, which runs after this one
+    float dA = 0.f, dB = 0.f;
+    {
+        unsigned oa[KC][4];
+        load_a_frags<D>(oa, o + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+            dA += lo_bf(doa[kc][0]) * lo_bf(oa[kc][0]) + hi_bf(doa[kc][0]) * hi_bf(oa[kc][0]) +
+                  lo_bf(doa[kc][2]) * lo_bf(oa[kc][2]) + hi_bf(doa[kc][2]) * hi_bf(oa[kc][2]);
+            dB += lo_bf(doa[kc][1]) * lo_bf(oa[kc][1]) + hi_bf(doa[kc][1]) * hi_bf(oa[kc][1]) +
+                  lo_bf(doa[kc][3]) * lo_bf(oa[kc][3]) + hi_bf(doa[kc][3]) * hi_bf(oa[kc][3]);
+        }
+        dA += __shfl_xor_sync(0xffffffffu, dA, 1);
+        dA += __shfl_xor_sync(0xffffffffu, dA, 2);
+        dB += __shfl_xor_sync(0xffffffffu, dB, 1);
+        dB += __shfl_xor_sync(0xffffffffu, dB, 2);
+        if (c == 0 && rowA < T) delta[(long long)bh * T + rowA] = dA;
+        if (c == 0 && rowB < T) delta[(long long)bh * T + rowB] = dB;
+    }
     float acc[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
@@ -1075,42 +1114,14 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
         flash_bwd_dkdv_mma_impl<D, LDM>(q, k, v, dO, lse, delta, dqkv, cos_t, sin_t, H, Hkv, T, scale);           \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_##VAR##_d##D(                                 \
-        const bf16* q, const bf16* k, const bf16* v, const bf16* dO, const float* lse, const float* delta,       \
-        bf16* dqkv, const float* cos_t, const float* sin_t, int H, int Hkv, int T, float scale) {               \
-        flash_bwd_dq_mma_impl<D, LDM>(q, k, v, dO, lse, delta, dqkv, cos_t, sin_t, H, Hkv, T, scale);             \
+        const bf16* q, const bf16* k, const bf16* v, const bf16* dO, const bf16* o, const float* lse,            \
+        float* delta, bf16* dqkv, const float* cos_t, const float* sin_t, int H, int Hkv, int T, float scale) {  \
+        flash_bwd_dq_mma_impl<D, LDM>(q, k, v, dO, o, lse, delta, dqkv, cos_t, sin_t, H, Hkv, T, scale);          \
     }
 #define FLASH_MMA_KERNELS(D) FLASH_MMA_KERNELS_V(D, mma, false) FLASH_MMA_KERNELS_V(D, ldm, true)
 
 FLASH_MMA_KERNELS(32)
 FLASH_MMA_KERNELS(64)
-
-// delta (B,H,T) = rowsum(dO * O), both bf16 in the (N, H*D) layout (rows r = n*H + h of D values).
-// D/8 threads per row, 16-byte loads, summed by shuffles within the group (D/8 a power of two <= 32, so
-// groups never straddle a warp). Grid-stride over rows * D/8 threads, the loop uniform per block.
-extern "C" __global__ void __launch_bounds__(256) attn_delta_bf16(const bf16* __restrict__ a, const bf16* __restrict__ da,
-                                                                  float* __restrict__ delta, int T, int H, int D,
-                                                                  long long rows) {
-    const int per = D / 8;
-    const long long total = rows * per;
-    for (long long base = (long long)blockIdx.x * blockDim.x; base < total; base += (long long)gridDim.x * blockDim.x) {
-        const long long p = base + threadIdx.x, r = p / per;
-        const int part = (int)(p % per);
-        float acc = 0.f;
-        if (r < rows) {
-            const uint4 x = *reinterpret_cast<const uint4*>(a + r * D + part * 8);
-            const uint4 y = *reinterpret_cast<const uint4*>(da + r * D + part * 8);
-            const bf16* xe = reinterpret_cast<const bf16*>(&x);
-            const bf16* ye = reinterpret_cast<const bf16*>(&y);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc = fmaf(bf2f(xe[j]), bf2f(ye[j]), acc);
-        }
-        for (int o = per / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (r < rows && part == 0) {
-            const long long n = r / H;
-            delta[((n / T) * H + r % H) * T + n % T] = acc;
-        }
-    }
-}
 
 // qkv (N, (H+2Hkv)*D) bf16 -> q (B,H,T,D), k (B,Hkv,T,D) rotated, v (B,Hkv,T,D), all bf16 (the tensor-core
 // attention's operands). One thread per 8 pairs (i .. i+7 with i + D/2 .. i+D/2+7) of one head of one row:

@@ -208,8 +208,7 @@ class Engine:
             "f32_to_bf16", "embed_fwd", "embed_bwd", "rmsnorm_fwd_bf16", "rmsnorm_bwd_bf16", "rmsnorm_dw_reduce",
             "qkv_rope_split",
             "rope_bwd_pack", "attn_pack", "attn_delta", "swiglu_fwd_bf16", "swiglu_bwd_bf16", "ce_head_scale",
-            "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16",
-            "attn_delta_bf16")}
+            "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16")}
         if attention != "fp32":  # "mma": B fragments by 32-bit shared loads; "ldm": by ldmatrix
             self._mma = {name: kernel("bf16", f"{name}_{attention}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
                                                                                       "flash_bwd_dq")}
@@ -506,12 +505,12 @@ class Engine:
             gemm(w["do"], self.mdxb, self.ma[i], ta=True)
             gemm(self.mda, self.mdxb, w["o"])
             if self.attention != "fp32":
-                k["attn_delta_bf16"](_grid(N * H * (D // 8)), (256,), (self.a[i], self.da, self.delta, i32(T), i32(H),
-                                                                       i32(D), i64(N * H)))
-                qkv = (self.q[i], self.k[i], self.v[i], self.da, self.lse[i], self.delta)
+                # the dq kernel also computes delta = rowsum(dO * O), which the dk/dv kernel then reads
                 rope = (self.dqkv, self.cos, self.sin, *mdims)
-                self._mma["flash_bwd_dkdv"]((nqb, B * Hkv), (128,), (*qkv, *rope))
-                self._mma["flash_bwd_dq"]((nqb, B * H), (128,), (*qkv, *rope))
+                self._mma["flash_bwd_dq"]((nqb, B * H), (128,), (self.q[i], self.k[i], self.v[i], self.da, self.a[i],
+                                                                 self.lse[i], self.delta, *rope))
+                self._mma["flash_bwd_dkdv"]((nqb, B * Hkv), (128,), (self.q[i], self.k[i], self.v[i], self.da,
+                                                                     self.lse[i], self.delta, *rope))
             else:
                 k["attn_delta"]((-(-(N * H) // 8),), (256,), (self.a[i], self.da, self.delta, i32(T), i32(H), i32(D),
                                                                i64(N * H)))

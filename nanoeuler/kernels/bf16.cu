@@ -1,8 +1,9 @@
 // Kernels of the bf16 training-step engine (nanoeuler/kernels/engine.py).
 //
-// bf16 values are stored as raw 16-bit words (unsigned short) and converted by hand (round to nearest
-// even), so the file needs no CUDA header and compiles the same under NVRTC and nvcc. All arithmetic
-// is float32; bf16 is only a storage format for GEMM operands and activations.
+// bf16 values are stored as raw 16-bit words (unsigned short), widened by a shift and narrowed by the
+// hardware conversion in inline PTX (round to nearest even), so the file needs no CUDA header and
+// compiles the same under NVRTC and nvcc. All arithmetic is float32; bf16 is only a storage format for
+// GEMM operands and activations.
 //
 // References (NumPy, float64 in the self-test): nanoeuler.model.layers rmsnorm_*, rope_*, swiglu_*,
 // cross_entropy_*, embedding_*; nanoeuler.optim.AdamW.step and clip_grad_norm.
@@ -11,15 +12,19 @@ typedef unsigned short bf16;
 
 __device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((unsigned)h) << 16); }
 
+// float -> bf16, round to nearest even (NaN stays NaN), by the hardware conversion (sm_80 and later):
+// one instruction per value, or per pair in pack2 (lo in the low half), where the integer rounding
+// sequence it replaces took six.
 __device__ __forceinline__ bf16 f2bf(float f) {
-    unsigned u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
+    bf16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
 }
 
 __device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
+    unsigned d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
 }
 
 __device__ __forceinline__ unsigned ld32(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
@@ -613,6 +618,8 @@ extern "C" __global__ void __launch_bounds__(256) adamw_clip_bf16(
 // Softmax runs in base 2: s2 = s * scale * log2(e); lse is stored in natural units.
 
 #define FA_BR 64
+// Column (within a 64-wide tile) of C-fragment element e of n-tile n held by a thread of quad column c.
+__device__ __forceinline__ int qi_of(int n, int e, int c) { return n * 8 + 2 * c + (e & 1); }
 #define FA_PAD 8
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -843,15 +850,22 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
         for (int n = 0; n < ST; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
         mma_rows_tile<D, LDM>(s, qa, Ks[st], g, c, lane);
         float mx0 = NEG, mx1 = NEG;
-        const bool diag = kb == qb;  // only the diagonal tile holds keys after a row (or past T)
+#pragma unroll
+        for (int n = 0; n < ST; ++n) s[n][0] *= sl2, s[n][1] *= sl2, s[n][2] *= sl2, s[n][3] *= sl2;
+        // Only the diagonal tile holds keys after a row (or past T). The mask's index arithmetic sits
+        // behind this (block-uniform) branch: evaluated on every tile, it kept the integer pipe busier
+        // than the tensor cores.
+        if (kb == qb) {
+#pragma unroll
+            for (int n = 0; n < ST; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = kb * FA_BR + n * 8 + 2 * c + (e & 1);
+                    if (key > (e < 2 ? rowA : rowB) || key >= T) s[n][e] = NEG;
+                }
+        }
 #pragma unroll
         for (int n = 0; n < ST; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = kb * FA_BR + n * 8 + 2 * c + (e & 1);
-                const int row = e < 2 ? rowA : rowB;
-                s[n][e] = (!diag || (key <= row && key < T)) ? s[n][e] * sl2 : NEG;
-            }
             mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
             mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
         }
@@ -981,20 +995,23 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
         mma_rows_tile<D, LDM>(s, ka, Qs[st], g, c, lane);   // S^T = K Q^T
         mma_rows_tile<D, LDM>(dp, va, Ds[st], g, c, lane);  // dP^T = V dO^T
         // P^T and dS^T = P^T * (dP^T - delta); rows = keys, columns = queries
-        const bool edge = qb == kb || qb == nb - 1;  // the causal diagonal, or queries past T
 #pragma unroll
-        for (int n = 0; n < ST; ++n) {
+        for (int n = 0; n < ST; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int qi = n * 8 + 2 * c + (e & 1);
-                const int t = qb * FA_BR + qi;
-                const int key = e < 2 ? keyA : keyB;
-                const bool ok = !edge || (t >= key && t < T && key < T);
-                const float p = ok ? exp2f(s[n][e] * sl2 - lse_s[st][qi]) : 0.f;
-                s[n][e] = p;
-                dp[n][e] = p * (dp[n][e] - delta_s[st][qi]);
-            }
+            for (int e = 0; e < 4; ++e) s[n][e] = exp2f(s[n][e] * sl2 - lse_s[st][qi_of(n, e, c)]);
+        if (qb == kb || qb == nb - 1) {  // (block-uniform) the causal diagonal, or queries past T: P = 0 there
+#pragma unroll
+            for (int n = 0; n < ST; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int t = qb * FA_BR + qi_of(n, e, c), key = e < 2 ? keyA : keyB;
+                    if (t < key || t >= T || key >= T) s[n][e] = 0.f;
+                }
         }
+#pragma unroll
+        for (int n = 0; n < ST; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_s[st][qi_of(n, e, c)]);
         mma_p_tile<D, LDM>(dva, s, Ds[st], Dt, g, c, lane);   // dV += P^T dO
         mma_p_tile<D, LDM>(dka, dp, Qs[st], Qt, g, c, lane);  // dK += dS^T Q
         if constexpr (LDM) __syncthreads();
@@ -1083,18 +1100,23 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
         }
         mma_rows_tile<D, LDM>(s, qa, Ks[st], g, c, lane);    // S = Q K^T
         mma_rows_tile<D, LDM>(dp, doa, Vs[st], g, c, lane);  // dP = dO V^T
-        const bool diag = kb == qb;
 #pragma unroll
-        for (int n = 0; n < ST; ++n) {
+        for (int n = 0; n < ST; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = kb * FA_BR + n * 8 + 2 * c + (e & 1);
-                const int row = e < 2 ? rowA : rowB;
-                const bool ok = !diag || (key <= row && key < T && row < T);
-                const float p = ok ? exp2f(s[n][e] * sl2 - (e < 2 ? lA : lB)) : 0.f;
-                dp[n][e] = p * (dp[n][e] - (e < 2 ? dA : dB));
-            }
+            for (int e = 0; e < 4; ++e) s[n][e] = exp2f(s[n][e] * sl2 - (e < 2 ? lA : lB));
+        if (kb == qb) {  // (block-uniform) the diagonal tile: P = 0 for keys after the row, or past T
+#pragma unroll
+            for (int n = 0; n < ST; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = qi_of(n, e, c) + kb * FA_BR, row = e < 2 ? rowA : rowB;
+                    if (key > row || key >= T || row >= T) s[n][e] = 0.f;
+                }
         }
+#pragma unroll
+        for (int n = 0; n < ST; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - (e < 2 ? dA : dB));
         mma_p_tile<D, LDM>(acc, dp, Ks[st], Kt, g, c, lane);  // dQ += dS K
         if constexpr (LDM) __syncthreads();
     }

@@ -18,9 +18,10 @@ tensor cores too (`flash_*` in bf16.cu: bf16 q/k/v/O/dO, float32 softmax statist
 for head sizes 32 and 64, in two variants of the same arithmetic: `attention="ldm"` (the default) loads
 the mma operands from shared memory with ldmatrix and streams the next tile in with cp.async while one
 is in use; `"mma"` loads them with plain 32-bit loads and copies tiles synchronously (slower). The
-backward runs in two kernels (dk/dv, then dq, which recomputes S and dP; no atomics, so dq is
-deterministic) that write dq, dk (with the RoPE rotation undone) and dv as bf16 straight into the
-gradient operand of the qkv GEMM. `attention="fp32"` selects the float32 FlashAttention of
+backward runs in two kernels (dq, which also computes delta = rowsum(dO * O), then dk/dv; each
+recomputes S and dP, and neither uses atomics, so attention's gradients are deterministic) that write
+dq, dk (with the RoPE rotation undone) and dv as bf16 straight into the gradient operand of the qkv
+GEMM. `attention="fp32"` selects the float32 FlashAttention of
 `attention.cu` on float32 q/k/v instead (the only choice for other head sizes).
 
 Memory. All tensors live in buffers allocated once in `__init__`: flat float32 arrays for parameters,

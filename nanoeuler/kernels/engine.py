@@ -21,8 +21,8 @@ is in use; `"mma"` loads them with plain 32-bit loads and copies tiles synchrono
 backward runs in two kernels (dq, which also computes delta = rowsum(dO * O), then dk/dv; each
 recomputes S and dP, and neither uses atomics, so attention's gradients are deterministic) that write
 dq, dk (with the RoPE rotation undone) and dv as bf16 straight into the gradient operand of the qkv
-GEMM. `attention="fp32"` selects the float32 FlashAttention of
-`attention.cu` on float32 q/k/v instead (the only choice for other head sizes).
+GEMM. `attention="fp32"` selects the float32 FlashAttention of `attention.cu` on float32 q/k/v instead
+(the only choice for other head sizes).
 
 Memory. All tensors live in buffers allocated once in `__init__`: flat float32 arrays for parameters,
 gradients and both moments, the flat bf16 image, the per-layer activations kept for the backward (the

@@ -29,20 +29,30 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-def timed(fn, reps=20, warmup=3) -> float:
-    """Median milliseconds of fn() between CUDA events."""
-    import cupy
+def timed(fn, torch_events=False, reps=20, warmup=3) -> float:
+    """Median milliseconds of fn() between two CUDA events (CuPy's, or PyTorch's for torch calls)."""
+    if torch_events:
+        import torch
 
+        def event():
+            return torch.cuda.Event(enable_timing=True)
+
+        def elapsed(a, b):
+            return a.elapsed_time(b)
+    else:
+        import cupy
+
+        event, elapsed = cupy.cuda.Event, cupy.cuda.get_elapsed_time
     for _ in range(warmup):
         fn()
     ms = []
     for _ in range(reps):
-        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0, e1 = event(), event()
         e0.record()
         fn()
         e1.record()
         e1.synchronize()
-        ms.append(cupy.cuda.get_elapsed_time(e0, e1))
+        ms.append(elapsed(e0, e1))
     return statistics.median(ms)
 
 
@@ -98,28 +108,12 @@ def torch_sdpa(B, T, H, Hkv, D):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
                 y = fwd()
-                f_ms = _torch_timed(fwd)
-                b_ms = _torch_timed(lambda: torch.autograd.grad(y, (q, k, v), dout, retain_graph=True))
+                f_ms = timed(fwd, torch_events=True)
+                b_ms = timed(lambda: torch.autograd.grad(y, (q, k, v), dout, retain_graph=True), torch_events=True)
             out[name] = (f_ms, b_ms)
         except Exception as exc:  # a backend that refuses the shapes is reported, not fatal
             out[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
     return out
-
-
-def _torch_timed(fn, reps=20, warmup=3) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    ms = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ms.append(e0.elapsed_time(e1))
-    return statistics.median(ms)
 
 
 def main(argv=None) -> int:

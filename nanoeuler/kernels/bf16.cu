@@ -11,6 +11,18 @@
 typedef unsigned short bf16;
 
 __device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((unsigned)h) << 16); }
+// the low / high bf16 of a 32-bit word
+__device__ __forceinline__ float lo_bf(unsigned w) { return bf2f((bf16)(w & 0xffffu)); }
+__device__ __forceinline__ float hi_bf(unsigned w) { return bf2f((bf16)(w >> 16)); }
+// Element g of a row read as 4-vectors, float32 or bf16 (kernels templated on an input's storage):
+// ld4 = floats 4g .. 4g+3 (a 16- or 8-byte load), ld1 = float j.
+__device__ __forceinline__ float4 ld4(const float* p, int g) { return reinterpret_cast<const float4*>(p)[g]; }
+__device__ __forceinline__ float4 ld4(const bf16* p, int g) {
+    const uint2 b = reinterpret_cast<const uint2*>(p)[g];
+    return make_float4(lo_bf(b.x), hi_bf(b.x), lo_bf(b.y), hi_bf(b.y));
+}
+__device__ __forceinline__ float ld1(const float* p, long long j) { return p[j]; }
+__device__ __forceinline__ float ld1(const bf16* p, long long j) { return bf2f(p[j]); }
 
 // float -> bf16, round to nearest even (NaN stays NaN), by the hardware conversion (sm_80 and later):
 // one instruction per value, or per pair in pack2 (lo in the low half), where the integer rounding
@@ -89,55 +101,71 @@ extern "C" __global__ void embed_bwd(const float* __restrict__ dx, const int* __
 
 // ---- RMSNorm ---------------------------------------------------------------------------------------
 
-// One warp per row: y = bf16(x * rstd * w), rstd = 1/sqrt(mean(x^2) + eps). Block = 4 warps. Rows are
-// read and written 16 bytes at a time when C is a multiple of 4.
-// With `copy` set, the row of x is also written to xc (float32): the forward starts the next residual
-// stream there (xc = x, then the residual GEMM adds into it), which saves a separate copy's read of x.
+// One warp per row, blocks of 4 warps:
+//   xr = x + y     (only with `add`: y is a bf16 GEMM output, the branch that joins the residual stream)
+//   xout = xr      (float32, only with `store`: the residual stream carries on from there)
+//   h = bf16(xr * rstd * w),  rstd = 1/sqrt(mean(xr^2) + eps)
+// The residual GEMMs (o_proj, down) write their branch as bf16 and this kernel adds it in, because
+// cuBLAS took about twice as long to read and write the float32 stream itself (beta = 1) as to write
+// a bf16 output; the rounding is the one PyTorch's autocast makes there too. When C is a multiple of 4
+// and at most 32 * 4 * RMS_V4, the row stays in registers (16-byte loads, RMS_V4 per lane at most);
+// otherwise a scalar path reads it twice. xout may not alias x.
+#define RMS_V4 8
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
-    const float* __restrict__ x, const float* __restrict__ w, bf16* __restrict__ y, float* __restrict__ rstd,
-    float* __restrict__ xc, int N, int C, float eps, int copy) {
+    const float* __restrict__ x, const bf16* __restrict__ y, const float* __restrict__ w, bf16* __restrict__ h,
+    float* __restrict__ rstd, float* __restrict__ xout, int N, int C, float eps, int add, int store) {
     const int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
-    const float* xr = x + (long long)row * C;
-    bf16* yr = y + (long long)row * C;
-    float* cr = xc + (long long)row * C;
-    if ((C & 3) == 0) {  // 16-byte loads and copy stores, 8-byte bf16 stores
+    const long long off = (long long)row * C;
+    if ((C & 3) == 0 && C <= 128 * RMS_V4) {
         const int C4 = C >> 2;
-        const float4* x4 = reinterpret_cast<const float4*>(xr);
-        const float4* w4 = reinterpret_cast<const float4*>(w);
+        float4 v[RMS_V4];
         float ss = 0.f;
-        for (int g = lane; g < C4; g += 32) {
-            const float4 v = x4[g];
-            ss = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, ss))));
+#pragma unroll
+        for (int j = 0; j < RMS_V4; ++j) {
+            const int g = lane + 32 * j;
+            if (g < C4) {
+                v[j] = ld4(x + off, g);
+                if (add) {
+                    const float4 b = ld4(y + off, g);
+                    v[j].x += b.x, v[j].y += b.y, v[j].z += b.z, v[j].w += b.w;
+                }
+                ss = fmaf(v[j].x, v[j].x, fmaf(v[j].y, v[j].y, fmaf(v[j].z, v[j].z, fmaf(v[j].w, v[j].w, ss))));
+            }
         }
         const float r = 1.f / sqrtf(warp_sum(ss) / (float)C + eps);
-        for (int g = lane; g < C4; g += 32) {
-            const float4 v = x4[g], wv = w4[g];
-            if (copy) reinterpret_cast<float4*>(cr)[g] = v;
-            reinterpret_cast<uint2*>(yr)[g] = make_uint2(pack2(v.x * r * wv.x, v.y * r * wv.y),
-                                                         pack2(v.z * r * wv.z, v.w * r * wv.w));
+        const float4* w4 = reinterpret_cast<const float4*>(w);
+#pragma unroll
+        for (int j = 0; j < RMS_V4; ++j) {
+            const int g = lane + 32 * j;
+            if (g < C4) {
+                const float4 wv = w4[g];
+                if (store) reinterpret_cast<float4*>(xout + off)[g] = v[j];
+                reinterpret_cast<uint2*>(h + off)[g] = make_uint2(pack2(v[j].x * r * wv.x, v[j].y * r * wv.y),
+                                                                  pack2(v[j].z * r * wv.z, v[j].w * r * wv.w));
+            }
         }
         if (lane == 0 && rstd) rstd[row] = r;
         return;
     }
     float ss = 0.f;
-    for (int j = lane; j < C; j += 32) ss = fmaf(xr[j], xr[j], ss);
-    ss = warp_sum(ss);
-    const float r = 1.f / sqrtf(ss / (float)C + eps);
-    if (copy) {
-        for (int j = lane; j < C; j += 32) {
-            const float v = xr[j];
-            cr[j] = v;
-            yr[j] = f2bf(v * r * w[j]);
-        }
-    } else {
-        for (int j = lane; j < C; j += 32) yr[j] = f2bf(xr[j] * r * w[j]);
+    for (int j = lane; j < C; j += 32) {
+        const float v = x[off + j] + (add ? bf2f(y[off + j]) : 0.f);
+        ss = fmaf(v, v, ss);
+    }
+    const float r = 1.f / sqrtf(warp_sum(ss) / (float)C + eps);
+    for (int j = lane; j < C; j += 32) {
+        const float v = x[off + j] + (add ? bf2f(y[off + j]) : 0.f);
+        if (store) xout[off + j] = v;
+        h[off + j] = f2bf(v * r * w[j]);
     }
     if (lane == 0 && rstd) rstd[row] = r;
 }
 
 // Backward of y = x * rstd * w, one warp per row, `rows` rows per block of 8 warps (C <= 32 * RB_MAX):
 //   dxn = rstd * (dy*w - xhat * mean(dy*w*xhat)),  xhat = x * rstd
+// dy is bf16 (rmsnorm_bwd_bf16: the layers' norms, whose dy is a GEMM's bf16 output) or float32
+// (rmsnorm_bwd_bf16_f32dy: the final norm, whose dy the output heads accumulate over the heads);
 //   dx  = (accumulate ? dx : 0) + dxn  (float32, in place), dxb = bf16(dx)  (the next GEMM's operand)
 //   dwpart[block] = sum over the block's rows of dy * xhat  (per-warp partials in registers, summed over
 //         the block's warps in shared memory; no atomics). `rmsnorm_dw_reduce` then writes the column
@@ -146,8 +174,9 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
 // multiple of 4 every access is 16 bytes wide (float4 loads and stores, 8-byte bf16 stores).
 #define RB_MAX 32
 #define RB_VEC (RB_MAX / 4)
-extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_bf16(
-    const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w,
+template <typename DY>
+__device__ __forceinline__ void rmsnorm_bwd_impl(
+    const DY* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w,
     const float* __restrict__ rstd, float* __restrict__ dx, bf16* __restrict__ dxb, float* __restrict__ dwpart,
     int N, int C, int rows, int accumulate) {
     __shared__ float part[8][32 * RB_MAX];
@@ -161,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_bf16(
         for (int i = 0; i < RB_VEC; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
         for (int r = r0 + warp; r < r1; r += 8) {
             const long long off = (long long)r * C;
-            const float4* dy4 = reinterpret_cast<const float4*>(dy + off);
+            const DY* dyr = dy + off;
             const float4* x4 = reinterpret_cast<const float4*>(x + off);
             const float4* dx4c = reinterpret_cast<const float4*>(dx + off);
             const float rs = rstd[r];
@@ -172,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_bf16(
                 const int g = lane + 32 * i;
                 if (g < C4) {
                     prev[i] = accumulate ? dx4c[g] : make_float4(0.f, 0.f, 0.f, 0.f);
-                    const float4 d = dy4[g], xv = x4[g], wv = w4[g];
+                    const float4 d = ld4(dyr, g), xv = x4[g], wv = w4[g];
                     const float h0 = xv.x * rs, h1 = xv.y * rs, h2 = xv.z * rs, h3 = xv.w * rs;
                     dot = fmaf(d.x * wv.x, h0, dot);
                     dot = fmaf(d.y * wv.y, h1, dot);
@@ -191,7 +220,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_bf16(
             for (int i = 0; i < RB_VEC; ++i) {
                 const int g = lane + 32 * i;
                 if (g < C4) {
-                    const float4 d = dy4[g], xv = x4[g], wv = w4[g];
+                    const float4 d = ld4(dyr, g), xv = x4[g], wv = w4[g];
                     const float sm = rs * mean;
                     float4 o;
                     o.x = prev[i].x + rs * (d.x * wv.x - xv.x * sm);
@@ -220,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_bf16(
             for (int i = 0; i < RB_MAX; ++i) {
                 const int j = lane + 32 * i;
                 if (j < C) {
-                    const float d = dy[off + j], xh = x[off + j] * rs;
+                    const float d = ld1(dy, off + j), xh = x[off + j] * rs;
                     dot = fmaf(d * w[j], xh, dot);
                     dwacc[i] = fmaf(d, xh, dwacc[i]);
                 }
@@ -230,7 +259,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_bf16(
             for (int i = 0; i < RB_MAX; ++i) {
                 const int j = lane + 32 * i;
                 if (j < C) {
-                    float d = rs * (dy[off + j] * w[j] - x[off + j] * (rs * mean));
+                    float d = rs * (ld1(dy, off + j) * w[j] - x[off + j] * (rs * mean));
                     if (accumulate) d += dx[off + j];
                     dx[off + j] = d;
                     dxb[off + j] = f2bf(d);
@@ -252,6 +281,14 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_bwd_bf16(
         out[j] = t;
     }
 }
+#define RMSNORM_BWD(NAME, DY)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                                  \
+        const DY* dy, const float* x, const float* w, const float* rstd, float* dx, bf16* dxb, float* dwpart, \
+        int N, int C, int rows, int accumulate) {                                                            \
+        rmsnorm_bwd_impl<DY>(dy, x, w, rstd, dx, dxb, dwpart, N, C, rows, accumulate);                      \
+    }
+RMSNORM_BWD(rmsnorm_bwd_bf16, bf16)
+RMSNORM_BWD(rmsnorm_bwd_bf16_f32dy, float)
 
 // dw[j] = sum over p < nparts of dwpart[p, j] (overwrites: every gain's gradient comes from one norm). Block (32, 32): x over 32 columns, y over the parts
 // (strided), then the 32 partial sums of a column added in shared memory. Grid x: ceil(C / 32).
@@ -379,8 +416,6 @@ __device__ __forceinline__ float silu_f(float g) { return g / (1.f + expf(-g)); 
 
 // SwiGLU kernels: grid x over groups of VEC columns (VEC = 8 when F % 8 == 0: 16-byte accesses; else 2,
 // with a scalar path for odd F), grid y over rows (grid-stride). The host computes the same VEC.
-__device__ __forceinline__ float lo_bf(unsigned w) { return bf2f((bf16)(w & 0xffffu)); }
-__device__ __forceinline__ float hi_bf(unsigned w) { return bf2f((bf16)(w >> 16)); }
 
 // gu (N, 2F) bf16 = [gate | up] -> m (N, F) bf16 = silu(gate) * up.
 extern "C" __global__ void swiglu_fwd_bf16(const bf16* __restrict__ gu, bf16* __restrict__ m, int F, int N) {
@@ -486,19 +521,19 @@ extern "C" __global__ void __launch_bounds__(1024) ce_head_scale(const int* __re
     }
 }
 
-// logits (R, K*V) float32 for rows r0 .. r0+R-1; grid (R, K), blockDim 256.
+// Head k's logits (R, V) float32 for rows r0 .. r0+R-1 (targets and loss start at row r0); grid (R,),
+// blockDim 256.
 //   loss[r, k] = lse - z[t]            (0 for ignored rows)
-//   dlg[r, k*V + j] = scale[k] * (softmax_j - [j == t])   bf16 (0 for ignored rows)
+//   dlg[r, j] = scale[k] * (softmax_j - [j == t])   bf16 (0 for ignored rows)
 // Three passes over the row (max, sum, gradient; the later two mostly hit L1), 16-byte loads and 8-byte
 // bf16 stores when V % 4 == 0; otherwise (V4 = 0) the scalar tail loops cover the row.
 extern "C" __global__ void __launch_bounds__(256) ce_heads_fwd_bwd(
     const float* __restrict__ logits, const int* __restrict__ targets, const float* __restrict__ scale,
-    float* __restrict__ loss, bf16* __restrict__ dlg, int V, int K) {
+    float* __restrict__ loss, bf16* __restrict__ dlg, int V, int K, int k) {
     __shared__ float red[32];
     const long long r = blockIdx.x;
-    const int k = blockIdx.y;
-    const float* z = logits + (r * K + k) * (long long)V;
-    bf16* g = dlg + (r * K + k) * (long long)V;
+    const float* z = logits + r * V;
+    bf16* g = dlg + r * V;
     const float4* z4 = reinterpret_cast<const float4*>(z);
     const int V4 = (V & 3) == 0 ? V / 4 : 0, tail = 4 * V4;
     const int t = targets[r * K + k];
@@ -609,6 +644,11 @@ extern "C" __global__ void __launch_bounds__(256) adamw_clip_bf16(
 // straight into the qkv GEMM's gradient operand dqkv (N, (H+2Hkv)*D) and needs the RoPE tables for it.
 // Reference: nanoeuler.model.layers.attention_forward / attention_backward (S == T).
 //
+// Grids: x over (batch, head) pairs, y over the 64-row tiles, ordered so that the blocks with the most
+// work (the last query tiles; in dkdv the first key tiles) have the lowest y. The hardware starts
+// blocks in order of x, then y, so the longest start first and the short ones fill the tail: with the
+// tiles on x instead, long blocks of the last heads started last, and the multiprocessors sat idle
+// 10-17% of each kernel's time (ncu: SM active cycles against elapsed cycles).
 // Every block has 4 warps and owns 64 rows (queries, or keys in dkdv); each warp owns 16 of them and
 // keeps its operand fragments in registers. Tiles of the other side (64 rows) pass through shared
 // memory, once row-major (for products over d) and, where a product runs over the tile's rows, once
@@ -618,11 +658,38 @@ extern "C" __global__ void __launch_bounds__(256) adamw_clip_bf16(
 // Softmax runs in base 2: s2 = s * scale * log2(e); lse is stored in natural units.
 
 #define FA_BR 64
+// The backward kernels take the other side's 64-row tile in passes of FA_*_PASS columns (64 or 32),
+// under launch bounds of FA_*_BLOCKS blocks per multiprocessor. S and dP of one pass live in
+// registers: passes of 32 halve them, which lets the dq kernel run 4 blocks (16 warps) per
+// multiprocessor instead of 3; dq is bound by latency, not arithmetic (ncu: issue slots 45% busy), and
+// runs 8-10% faster so. The dk/dv kernel gained nothing from it (2 -> 3 blocks, at the price of a
+// small spill) and keeps whole tiles. The -D options of NVRTC override these (bench sweeps).
+#ifndef FA_DQ_PASS
+#define FA_DQ_PASS 32
+#endif
+#ifndef FA_DQ_BLOCKS
+#define FA_DQ_BLOCKS 4
+#endif
+#ifndef FA_DKDV_PASS
+#define FA_DKDV_PASS 64
+#endif
+#ifndef FA_DKDV_BLOCKS
+#define FA_DKDV_BLOCKS 1
+#endif
 // Column (within a 64-wide tile) of C-fragment element e of n-tile n held by a thread of quad column c.
 __device__ __forceinline__ int qi_of(int n, int e, int c) { return n * 8 + 2 * c + (e & 1); }
 #define FA_PAD 8
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
+
+// 2^x in one instruction (MUFU.EX2). exp2f without fast-math wraps the same instruction in a
+// denormal-range fix-up (a compare and two conditional multiplies per value); softmax weights below
+// 2^-126 count as 0 either way, so the attention kernels skip the fix-up. -inf gives 0.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
 
 __device__ __forceinline__ void mma16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile(
@@ -746,13 +813,14 @@ __device__ __forceinline__ void store_dqkv_rows(const float (&acc)[D / 8][4], bf
     }
 }
 
-// S (16 rows x 64 columns of the other side) += A (16 x D, fragments) * tile^T (tile row-major [64][D]).
-template <int D, bool LDM>
-__device__ __forceinline__ void mma_rows_tile(float (&s)[FA_BR / 8][4], const unsigned (&a)[D / 16][4],
+// S (16 rows x NC columns of the other side) += A (16 x D, fragments) * tile^T (tile row-major [NC][D];
+// NC = 64, a whole tile, or 32, half of one: pass the tile's row pointer at the half's first row).
+template <int D, bool LDM, int NC = FA_BR>
+__device__ __forceinline__ void mma_rows_tile(float (&s)[NC / 8][4], const unsigned (&a)[D / 16][4],
                                               const bf16 (*tile)[D + FA_PAD], int g, int c, int lane) {
     if constexpr (LDM) {
 #pragma unroll
-        for (int n = 0; n < FA_BR / 8; n += 2) {
+        for (int n = 0; n < NC / 8; n += 2) {
 #pragma unroll
             for (int kc = 0; kc < D / 16; ++kc) {
                 unsigned bb[4];
@@ -763,7 +831,7 @@ __device__ __forceinline__ void mma_rows_tile(float (&s)[FA_BR / 8][4], const un
         }
     } else {
 #pragma unroll
-        for (int n = 0; n < FA_BR / 8; ++n) {
+        for (int n = 0; n < NC / 8; ++n) {
 #pragma unroll
             for (int kc = 0; kc < D / 16; ++kc)
                 mma16816(s[n], a[kc], ld32(&tile[n * 8 + g][kc * 16 + 2 * c]), ld32(&tile[n * 8 + g][kc * 16 + 2 * c + 8]));
@@ -771,14 +839,15 @@ __device__ __forceinline__ void mma_rows_tile(float (&s)[FA_BR / 8][4], const un
     }
 }
 
-// acc (16 x D) += P (16 x 64, from float accumulators, rounded to bf16) * V, V a 64 x D tile: row-major
-// [64][D] (LDM, read transposed by ldmatrix) or already transposed [D][64] (vt).
-template <int D, bool LDM>
-__device__ __forceinline__ void mma_p_tile(float (&acc)[D / 8][4], const float (&p)[FA_BR / 8][4],
-                                           const bf16 (*tile)[D + FA_PAD], const bf16 (*vt)[FA_BR + FA_PAD], int g,
-                                           int c, int lane) {
+// acc (16 x D) += P (16 x NC, from float accumulators, rounded to bf16) * V, V an NC x D tile: row-major
+// [NC][D] (LDM, read transposed by ldmatrix; the row pointer at the tile's first row) or already
+// transposed [D][64] (vt, from column k0).
+template <int D, bool LDM, int NC = FA_BR>
+__device__ __forceinline__ void mma_p_tile(float (&acc)[D / 8][4], const float (&p)[NC / 8][4],
+                                           const bf16 (*tile)[D + FA_PAD], const bf16 (*vt)[FA_BR + FA_PAD], int k0,
+                                           int g, int c, int lane) {
 #pragma unroll
-    for (int kk = 0; kk < FA_BR / 16; ++kk) {
+    for (int kk = 0; kk < NC / 16; ++kk) {
         const unsigned pa[4] = {pack2(p[2 * kk][0], p[2 * kk][1]), pack2(p[2 * kk][2], p[2 * kk][3]),
                                 pack2(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack2(p[2 * kk + 1][2], p[2 * kk + 1][3])};
         if constexpr (LDM) {
@@ -792,7 +861,8 @@ __device__ __forceinline__ void mma_p_tile(float (&acc)[D / 8][4], const float (
         } else {
 #pragma unroll
             for (int n = 0; n < D / 8; ++n)
-                mma16816(acc[n], pa, ld32(&vt[n * 8 + g][kk * 16 + 2 * c]), ld32(&vt[n * 8 + g][kk * 16 + 2 * c + 8]));
+                mma16816(acc[n], pa, ld32(&vt[n * 8 + g][k0 + kk * 16 + 2 * c]),
+                         ld32(&vt[n * 8 + g][k0 + kk * 16 + 2 * c + 8]));
         }
     }
 }
@@ -806,8 +876,8 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
     __shared__ __align__(16) bf16 Vs[NS][LDM ? FA_BR : 1][D + FA_PAD];  // V as is (LDM)
     __shared__ __align__(16) bf16 Vt[LDM ? 1 : D][FA_BR + FA_PAD];      // V transposed (without LDM)
     const int nqb = (T + FA_BR - 1) / FA_BR;
-    const int qb = nqb - 1 - blockIdx.x;  // longest rows first
-    const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
+    const int qb = nqb - 1 - blockIdx.y;  // longest rows first (see "Grids" above)
+    const int bh = blockIdx.x, b = bh / H, h = bh % H, hk = h / (H / Hkv);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const bf16* qh = q + (long long)bh * T * D;
     const bf16* kh = k + ((long long)b * Hkv + hk) * T * D;
@@ -850,8 +920,6 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
         for (int n = 0; n < ST; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
         mma_rows_tile<D, LDM>(s, qa, Ks[st], g, c, lane);
         float mx0 = NEG, mx1 = NEG;
-#pragma unroll
-        for (int n = 0; n < ST; ++n) s[n][0] *= sl2, s[n][1] *= sl2, s[n][2] *= sl2, s[n][3] *= sl2;
         // Only the diagonal tile holds keys after a row (or past T). The mask's index arithmetic sits
         // behind this (block-uniform) branch: evaluated on every tile, it kept the integer pipe busier
         // than the tensor cores.
@@ -873,9 +941,11 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        // the maxima are taken over the raw scores and scaled once (scale > 0 keeps their order): the
+        // exponent of each weight is then one fma, s * sl2 - base
+        const float mn0 = fmaxf(m0, mx0 * sl2), mn1 = fmaxf(m1, mx1 * sl2);
         const float base0 = mn0 == NEG ? 0.f : mn0, base1 = mn1 == NEG ? 0.f : mn1;
-        const float al0 = exp2f(m0 - base0), al1 = exp2f(m1 - base1);
+        const float al0 = ex2(m0 - base0), al1 = ex2(m1 - base1);
         m0 = mn0;
         m1 = mn1;
         l0 *= al0;
@@ -887,12 +957,12 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
         }
 #pragma unroll
         for (int n = 0; n < ST; ++n) {
-            s[n][0] = exp2f(s[n][0] - base0); s[n][1] = exp2f(s[n][1] - base0);
-            s[n][2] = exp2f(s[n][2] - base1); s[n][3] = exp2f(s[n][3] - base1);
+            s[n][0] = ex2(fmaf(s[n][0], sl2, -base0)); s[n][1] = ex2(fmaf(s[n][1], sl2, -base0));
+            s[n][2] = ex2(fmaf(s[n][2], sl2, -base1)); s[n][3] = ex2(fmaf(s[n][3], sl2, -base1));
             l0 += s[n][0] + s[n][1];
             l1 += s[n][2] + s[n][3];
         }
-        mma_p_tile<D, LDM>(acc, s, Vs[st], Vt, g, c, lane);
+        mma_p_tile<D, LDM>(acc, s, Vs[st], Vt, 0, g, c, lane);
         if constexpr (LDM) __syncthreads();  // stage st is refilled by the next iteration
     }
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -924,15 +994,15 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
     const float* __restrict__ lse, const float* __restrict__ delta, bf16* __restrict__ dqkv,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t, int H, int Hkv, int T, float scale) {
-    constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8, NS = LDM ? 2 : 1;
+    constexpr int KC = D / 16, NT = D / 8, PC = FA_DKDV_PASS, PN = PC / 8, NS = LDM ? 2 : 1;
     __shared__ __align__(16) bf16 Qs[NS][FA_BR][D + FA_PAD];
     __shared__ __align__(16) bf16 Ds[NS][FA_BR][D + FA_PAD];
     __shared__ __align__(16) bf16 Qt[LDM ? 1 : D][FA_BR + FA_PAD];
     __shared__ __align__(16) bf16 Dt[LDM ? 1 : D][FA_BR + FA_PAD];
     __shared__ float lse_s[NS][FA_BR], delta_s[NS][FA_BR];
     const int nb = (T + FA_BR - 1) / FA_BR;
-    const int kb = blockIdx.x;  // the first keys see the most queries: they start first
-    const int bhk = blockIdx.y, b = bhk / Hkv, hk = bhk % Hkv, G = H / Hkv;
+    const int kb = blockIdx.y;  // the first keys see the most queries: they start first
+    const int bhk = blockIdx.x, b = bhk / Hkv, hk = bhk % Hkv, G = H / Hkv;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const long long HD = (long long)H * D;
     const int r0 = kb * FA_BR + warp * 16;  // this warp's first key
@@ -986,34 +1056,39 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
             stage(it, 0);
             __syncthreads();
         }
-        float s[ST][4], dp[ST][4];
+        // the query tile in passes of PC columns (see FA_DKDV_PASS)
+#pragma unroll 1
+        for (int q0 = 0; q0 < FA_BR; q0 += PC) {
+            if (qb == kb && q0 + PC <= warp * 16) continue;  // (warp-uniform) every query before every key
+            float s[PN][4], dp[PN][4];
 #pragma unroll
-        for (int n = 0; n < ST; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+            for (int n = 0; n < PN; ++n) {
+                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+                dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+            }
+            mma_rows_tile<D, LDM, PC>(s, ka, Qs[st] + q0, g, c, lane);   // S^T = K Q^T
+            mma_rows_tile<D, LDM, PC>(dp, va, Ds[st] + q0, g, c, lane);  // dP^T = V dO^T
+            // P^T and dS^T = P^T * (dP^T - delta); rows = keys, columns = queries
+#pragma unroll
+            for (int n = 0; n < PN; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[n][e] = ex2(fmaf(s[n][e], sl2, -lse_s[st][q0 + qi_of(n, e, c)]));
+            if (qb == kb || qb == nb - 1) {  // (block-uniform) the causal diagonal, or queries past T: P = 0 there
+#pragma unroll
+                for (int n = 0; n < PN; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int t = qb * FA_BR + q0 + qi_of(n, e, c), key = e < 2 ? keyA : keyB;
+                        if (t < key || t >= T || key >= T) s[n][e] = 0.f;
+                    }
+            }
+#pragma unroll
+            for (int n = 0; n < PN; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_s[st][q0 + qi_of(n, e, c)]);
+            mma_p_tile<D, LDM, PC>(dva, s, Ds[st] + q0, Dt, q0, g, c, lane);   // dV += P^T dO
+            mma_p_tile<D, LDM, PC>(dka, dp, Qs[st] + q0, Qt, q0, g, c, lane);  // dK += dS^T Q
         }
-        mma_rows_tile<D, LDM>(s, ka, Qs[st], g, c, lane);   // S^T = K Q^T
-        mma_rows_tile<D, LDM>(dp, va, Ds[st], g, c, lane);  // dP^T = V dO^T
-        // P^T and dS^T = P^T * (dP^T - delta); rows = keys, columns = queries
-#pragma unroll
-        for (int n = 0; n < ST; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = exp2f(s[n][e] * sl2 - lse_s[st][qi_of(n, e, c)]);
-        if (qb == kb || qb == nb - 1) {  // (block-uniform) the causal diagonal, or queries past T: P = 0 there
-#pragma unroll
-            for (int n = 0; n < ST; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int t = qb * FA_BR + qi_of(n, e, c), key = e < 2 ? keyA : keyB;
-                    if (t < key || t >= T || key >= T) s[n][e] = 0.f;
-                }
-        }
-#pragma unroll
-        for (int n = 0; n < ST; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_s[st][qi_of(n, e, c)]);
-        mma_p_tile<D, LDM>(dva, s, Ds[st], Dt, g, c, lane);   // dV += P^T dO
-        mma_p_tile<D, LDM>(dka, dp, Qs[st], Qt, g, c, lane);  // dK += dS^T Q
         if constexpr (LDM) __syncthreads();
     }
     const long long W = (long long)(H + 2 * Hkv) * D;
@@ -1027,13 +1102,13 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
     const bf16* __restrict__ o, const float* __restrict__ lse, float* __restrict__ delta, bf16* __restrict__ dqkv,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t, int H, int Hkv, int T, float scale) {
-    constexpr int KC = D / 16, NT = D / 8, ST = FA_BR / 8, NS = LDM ? 2 : 1;
+    constexpr int KC = D / 16, NT = D / 8, PC = FA_DQ_PASS, PN = PC / 8, NS = LDM ? 2 : 1;
     __shared__ __align__(16) bf16 Ks[NS][FA_BR][D + FA_PAD];
     __shared__ __align__(16) bf16 Vs[NS][FA_BR][D + FA_PAD];
     __shared__ __align__(16) bf16 Kt[LDM ? 1 : D][FA_BR + FA_PAD];
     const int nb = (T + FA_BR - 1) / FA_BR;
-    const int qb = nb - 1 - blockIdx.x;
-    const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
+    const int qb = nb - 1 - blockIdx.y;  // longest rows first
+    const int bh = blockIdx.x, b = bh / H, h = bh % H, hk = h / (H / Hkv);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const long long HD = (long long)H * D;
     const int r0 = qb * FA_BR + warp * 16;
@@ -1092,32 +1167,37 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
             load_tile<D>(Vs[0], nullptr, vh, D, kb * FA_BR, T);
             __syncthreads();
         }
-        float s[ST][4], dp[ST][4];
+        // the key tile in passes of PC columns (see FA_DQ_PASS)
+#pragma unroll 1
+        for (int k0 = 0; k0 < FA_BR; k0 += PC) {
+            if (kb == qb && k0 >= warp * 16 + 16) continue;  // (warp-uniform) every key after every row
+            float s[PN][4], dp[PN][4];
 #pragma unroll
-        for (int n = 0; n < ST; ++n) {
-            s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-            dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+            for (int n = 0; n < PN; ++n) {
+                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+                dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
+            }
+            mma_rows_tile<D, LDM, PC>(s, qa, Ks[st] + k0, g, c, lane);    // S = Q K^T
+            mma_rows_tile<D, LDM, PC>(dp, doa, Vs[st] + k0, g, c, lane);  // dP = dO V^T
+#pragma unroll
+            for (int n = 0; n < PN; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[n][e] = ex2(fmaf(s[n][e], sl2, -(e < 2 ? lA : lB)));
+            if (kb == qb) {  // (block-uniform) the diagonal tile: P = 0 for keys after the row, or past T
+#pragma unroll
+                for (int n = 0; n < PN; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = kb * FA_BR + k0 + qi_of(n, e, c), row = e < 2 ? rowA : rowB;
+                        if (key > row || key >= T || row >= T) s[n][e] = 0.f;
+                    }
+            }
+#pragma unroll
+            for (int n = 0; n < PN; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - (e < 2 ? dA : dB));
+            mma_p_tile<D, LDM, PC>(acc, dp, Ks[st] + k0, Kt, k0, g, c, lane);  // dQ += dS K
         }
-        mma_rows_tile<D, LDM>(s, qa, Ks[st], g, c, lane);    // S = Q K^T
-        mma_rows_tile<D, LDM>(dp, doa, Vs[st], g, c, lane);  // dP = dO V^T
-#pragma unroll
-        for (int n = 0; n < ST; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = exp2f(s[n][e] * sl2 - (e < 2 ? lA : lB));
-        if (kb == qb) {  // (block-uniform) the diagonal tile: P = 0 for keys after the row, or past T
-#pragma unroll
-            for (int n = 0; n < ST; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = qi_of(n, e, c) + kb * FA_BR, row = e < 2 ? rowA : rowB;
-                    if (key > row || key >= T || row >= T) s[n][e] = 0.f;
-                }
-        }
-#pragma unroll
-        for (int n = 0; n < ST; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - (e < 2 ? dA : dB));
-        mma_p_tile<D, LDM>(acc, dp, Ks[st], Kt, g, c, lane);  // dQ += dS K
         if constexpr (LDM) __syncthreads();
     }
     store_dqkv_rows<D>(acc, dqkv, (long long)(H + 2 * Hkv) * D, b, T, qb * FA_BR + warp * 16, h * D, scale, true,
@@ -1130,12 +1210,12 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
         const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int H, int Hkv, int T, float scale) {     \
         flash_fwd_mma_impl<D, LDM>(q, k, v, o, lse, H, Hkv, T, scale);                                            \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_##VAR##_d##D(                               \
+    extern "C" __global__ void __launch_bounds__(128, FA_DKDV_BLOCKS) flash_bwd_dkdv_##VAR##_d##D(                               \
         const bf16* q, const bf16* k, const bf16* v, const bf16* dO, const float* lse, const float* delta,       \
         bf16* dqkv, const float* cos_t, const float* sin_t, int H, int Hkv, int T, float scale) {               \
         flash_bwd_dkdv_mma_impl<D, LDM>(q, k, v, dO, lse, delta, dqkv, cos_t, sin_t, H, Hkv, T, scale);           \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_##VAR##_d##D(                                 \
+    extern "C" __global__ void __launch_bounds__(128, FA_DQ_BLOCKS) flash_bwd_dq_##VAR##_d##D(                                 \
         const bf16* q, const bf16* k, const bf16* v, const bf16* dO, const bf16* o, const float* lse,            \
         float* delta, bf16* dqkv, const float* cos_t, const float* sin_t, int H, int Hkv, int T, float scale) {  \
         flash_bwd_dq_mma_impl<D, LDM>(q, k, v, dO, o, lse, delta, dqkv, cos_t, sin_t, H, Hkv, T, scale);          \

@@ -13,7 +13,12 @@ softmax and the loss are float32. Every matrix product runs on the tensor cores 
 (`cublasGemmEx`, bf16 operands, float32 accumulation); its operands are bf16 copies: the weights (a
 bf16 image of the master weights that the AdamW kernel rewrites after each update), the normed
 activations, the SwiGLU output, the attention output and the gradients flowing into each GEMM.
-Products that feed the residual stream or a weight gradient write float32. Attention runs on the
+Products write float32 where float32 is summed next: the weight gradients, the logits, and the final
+norm's input gradient (summed over the output heads). The others write bf16, as autocast's linear
+layers do: the two branches that join the residual stream (o_proj, down), which the RMSNorm kernel
+reading the stream next adds to the float32 stream (cuBLAS took about twice as long to read and
+write the float32 stream itself), and the layers' normed-activation gradients, which the RMSNorm
+backward reads in float32 arithmetic (half the bytes of its largest input). Attention runs on the
 tensor cores too (`flash_*` in bf16.cu: bf16 q/k/v/O/dO, float32 softmax statistics and accumulators)
 for head sizes 32 and 64, in two variants of the same arithmetic: `attention="ldm"` (the default) loads
 the mma operands from shared memory with ldmatrix and streams the next tile in with cp.async while one
@@ -33,8 +38,9 @@ instead of being kept. A step allocates nothing, and the host never
 waits on the device inside it: the per-head loss normalisation, the global gradient norm and the
 clipping factor are computed and consumed on the device.
 
-Launches per step: 9 per layer forward, 19 per layer backward (recomputations included), 4 per chunk of
-output-head rows, and a handful for the optimizer (one AdamW launch per run of equally-decayed tensors).
+Launches per step: 9 per layer forward, 19 per layer backward (recomputations included), 4 per head
+and chunk of output-head rows, and a handful for the optimizer (one AdamW launch per run of
+equally-decayed tensors).
 The step stays device-bound: the host queues them faster than the GPU runs them. (Capturing the step
 as a CUDA graph would need cuBLAS calls that CuPy refuses during stream capture.)
 """
@@ -206,8 +212,8 @@ class Engine:
                 raise ValueError(f"parameter {n} has shape {tuple(src.shape)}, expected {s}")
             self.view(self.P, n)[...] = cp.asarray(src, dtype=f32)
         self._k = {name: kernel("bf16", name) for name in (
-            "f32_to_bf16", "embed_fwd", "embed_bwd", "rmsnorm_fwd_bf16", "rmsnorm_bwd_bf16", "rmsnorm_dw_reduce",
-            "qkv_rope_split",
+            "f32_to_bf16", "embed_fwd", "embed_bwd", "rmsnorm_fwd_bf16", "rmsnorm_bwd_bf16",
+            "rmsnorm_bwd_bf16_f32dy", "rmsnorm_dw_reduce", "qkv_rope_split",
             "rope_bwd_pack", "attn_pack", "attn_delta", "swiglu_fwd_bf16", "swiglu_bwd_bf16", "ce_head_scale",
             "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16")}
         if attention != "fp32":  # "mma": B fragments by 32-bit shared loads; "ldm": by ldmatrix
@@ -237,8 +243,9 @@ class Engine:
                 gu=wb(p + "mlp.gate_proj.weight", 2 * F), d=wb(p + "mlp.down_proj.weight", C),
                 dqkv=wg(p + "self_attn.q_proj.weight", self.QKV), do=wg(p + "self_attn.o_proj.weight", C),
                 dgu=wg(p + "mlp.gate_proj.weight", 2 * F), dd=wg(p + "mlp.down_proj.weight", C)))
-        self.w_heads = wb("lm_head.weight", K * V)
-        self.dw_heads = wg("lm_head.weight", K * V)
+        heads = ["lm_head.weight"] + [f"mtp_heads.{h}.weight" for h in range(1, K)]
+        self.w_head = [wb(n, V) for n in heads]
+        self.dw_head = [wg(n, V) for n in heads]
         self.w_norm = self.view(self.P, "norm.weight")
         self.dw_norm = self.view(self.G, "norm.weight")
         self.emb = self.view(self.P, "embed_tokens.weight")
@@ -252,6 +259,7 @@ class Engine:
         # Not kept per layer (recomputed in the backward, ~3% of the step, 50 MB per layer at B16xT512):
         # the residual stream after the attention half, and both normed activations.
         self.xmid = e((N, C))
+        self.ybr = e((N, C), bf)  # a residual branch (o_proj or down output) before the norm adds it in
         self.hs = e((N, C), bf)
         self.rstd_s = e(N)
         self.rstd1 = [e(N) for _ in range(L)]
@@ -273,7 +281,7 @@ class Engine:
         self.m = e((N, F), bf)
         self.dm = e((N, F), bf)
         self.dgu = e((N, 2 * F), bf)
-        self.dh = e((N, C))
+        self.dh = e((N, C), bf)  # gradient of a normed activation (a GEMM's output), into the norm's backward
         self.da = e((N, HD), qdt)  # gradient of the attention output
         self.delta = e((B, H, T))
         self.dqkv = e((N, self.QKV), bf)
@@ -284,9 +292,9 @@ class Engine:
         self.dxn = e((N, C))
         self.nb_rows = 16  # rows per block of the RMSNorm backward; one row of dw partial sums per block
         self.dwpart = e((-(-N // self.nb_rows), C))
-        self.R = max(1, min(N, chunk_bytes // (4 * K * V)))
-        self.logits = e((self.R, K * V))
-        self.dlg = e((self.R, K * V), bf)
+        self.R = max(1, min(N, chunk_bytes // (4 * V)))
+        self.logits = e((self.R, V))
+        self.dlg = e((self.R, V), bf)
         self.loss_rows = e((N, K))
         self.head_scale = e(K)
         self.loss = cp.zeros(1, dtype=f32)
@@ -299,8 +307,7 @@ class Engine:
         self.mhs = _M(self.hs)
         self.ma = [_M(x) for x in self.a]
         self.mgu = [_M(x) for x in self.gu]
-        self.mxs = [_M(x) for x in self.xs]
-        self.mxmid = _M(self.xmid)
+        self.mybr = _M(self.ybr)
         self.mqkv, self.mm, self.mdm, self.mdgu = _M(self.qkv), _M(self.m), _M(self.dm), _M(self.dgu)
         self.mdh, self.mda, self.mdqkv, self.mdxb = _M(self.dh), _M(self.da), _M(self.dqkv), _M(self.dxb)
         self.mxn, self.mdxn = _M(self.xn), _M(self.dxn)
@@ -428,18 +435,28 @@ class Engine:
         mdims = (i32(H), i32(Hkv), i32(T), scale)
         norm_grid = ((N + 3) // 4,)
         eps = f32(cfg.norm_eps)
-        xs, xmid = self.xs, self.xmid
+        xs, xmid, ybr = self.xs, self.xmid, self.ybr
 
+        def norm(x, w_, h, rstd, add=None, out=None):
+            """h = bf16(rmsnorm(x [+ add])) with its 1/rms; x [+ add] also into `out` when given."""
+            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (x, ybr if add is None else add, w_, h, rstd,
+                                                      x if out is None else out, i32(N), i32(C), eps,
+                                                      i32(add is not None), i32(out is not None)))
+
+        # The residual stream: x_in = xs[i]; x_mid = x_in + o_proj(attn) in the scratch xmid;
+        # x_out = x_mid + down(...) = xs[i+1]. Each branch GEMM writes bf16 into ybr, and the RMSNorm
+        # that reads the stream next adds it in and stores the float32 sum.
         for i in range(L):
             w = self.Lw[i]
-            # also copies x_in into xs[i+1], where x_mid is then built by the o_proj GEMM (beta=1)
-            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i], w["n1"], self.hs, self.rstd1[i], xs[i + 1], i32(N),
-                                                      i32(C), eps, i32(1)))
+            if i == 0:
+                norm(xs[0], w["n1"], self.hs, self.rstd1[0])
+            else:  # x_in = x_mid + the previous layer's MLP branch
+                norm(xmid, w["n1"], self.hs, self.rstd1[i], add=ybr, out=xs[i])
             gemm(self.mqkv, self.mhs, w["qkv"], tb=True)
             if self.attention != "fp32":
                 k["qkv_rope_split_bf16"](split_grid, (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i],
                                                               self.v[i], i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
-                self._mma["flash_fwd"]((nqb, B * H), (128,), (self.q[i], self.k[i], self.v[i], self.a[i],
+                self._mma["flash_fwd"]((B * H, nqb), (128,), (self.q[i], self.k[i], self.v[i], self.a[i],
                                                                  self.lse[i], i32(H), i32(Hkv), i32(T), scale))
             else:
                 k["qkv_rope_split"](_grid(pairs), (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i], self.v[i],
@@ -447,17 +464,16 @@ class Engine:
                 self._flash["flash_fwd"]((-(-T // rows), B * H), (rows * G,),
                                          (self.q[i], *qs, self.k[i], *ks, self.v[i], *ks, self.att, self.lse[i], *dims))
                 k["attn_pack"](_grid(N * HD), (256,), (self.att, self.a[i], i32(T), i32(H), i32(D), i64(N * HD)))
-            # x_mid is built in xs[i+1], which the MLP half then completes in place
-            gemm(self.mxs[i + 1], self.ma[i], w["o"], tb=True, beta=1.0)
-            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i + 1], w["n2"], self.hs, self.rstd2[i], xs[i + 1], i32(N),
-                                                      i32(C), eps, i32(0)))
+            gemm(self.mybr, self.ma[i], w["o"], tb=True)
+            norm(xs[i], w["n2"], self.hs, self.rstd2[i], add=ybr, out=xmid)  # x_mid
             gemm(self.mgu[i], self.mhs, w["gu"], tb=True)
             k["swiglu_fwd_bf16"](glu_grid, (256,), (self.gu[i], self.m, i32(F), i32(N)))
-            gemm(self.mxs[i + 1], self.mm, w["d"], tb=True, beta=1.0)
+            gemm(self.mybr, self.mm, w["d"], tb=True)
 
-        k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[L], self.w_norm, self.xn, self.rstdf, xs[L], i32(N), i32(C), eps,
-                                                  i32(0)))
-        # output heads, all K at once per chunk of rows: logits (R, K*V) never exist for all rows
+        norm(xmid, self.w_norm, self.xn, self.rstdf, add=ybr, out=xs[L])  # the trunk's output, normed
+        # output heads, one head and one chunk of R rows at a time: logits (R, V) never exist for all rows.
+        # Per head rather than all K heads at once: the weight gradient that each chunk's GEMM reads and
+        # writes back in float32 is then one head's (V, C), not (K*V, C), for the same arithmetic.
         R = self.R
         for r0 in range(0, N, R):
             r1 = min(N, r0 + R)
@@ -465,11 +481,13 @@ class Engine:
             lg = _M(self.logits[:rr])
             dl = _M(self.dlg[:rr])
             xc = _M(self.xn[r0:r1])
-            gemm(lg, xc, self.w_heads, tb=True)
-            k["ce_heads_fwd_bwd"]((rr, K), (256,), (lg.arr, self.tg[r0:r1], self.head_scale, self.loss_rows[r0:r1],
-                                                     dl.arr, i32(V), i32(K)))
-            gemm(_M(self.dxn[r0:r1]), dl, self.w_heads)
-            gemm(self.dw_heads, dl, xc, ta=True, beta=0.0 if r0 == 0 else 1.0)
+            dxc = _M(self.dxn[r0:r1])
+            for h, (wh, dwh) in enumerate(zip(self.w_head, self.dw_head)):
+                gemm(lg, xc, wh, tb=True)
+                k["ce_heads_fwd_bwd"]((rr,), (256,), (lg.arr, self.tg[r0:r1], self.head_scale,
+                                                      self.loss_rows[r0:r1], dl.arr, i32(V), i32(K), i32(h)))
+                gemm(dxc, dl, wh, beta=0.0 if h == 0 else 1.0)
+                gemm(dwh, dl, xc, ta=True, beta=0.0 if r0 == 0 else 1.0)
         k["ce_loss_reduce"]((1,), (1024,), (self.loss_rows, self.head_scale, self.loss, i64(N), i32(K)))
 
         nb_rows = self.nb_rows
@@ -480,7 +498,7 @@ class Engine:
         def dw_reduce(dw):  # dw = column sums of the RMSNorm backward's per-block partials
             k["rmsnorm_dw_reduce"](red_grid, red_block, (self.dwpart, dw, i32(nparts), i32(C)))
 
-        k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dxn, xs[L], self.w_norm, self.rstdf, self.dx, self.dxb,
+        k["rmsnorm_bwd_bf16_f32dy"](nb_grid, (256,), (self.dxn, xs[L], self.w_norm, self.rstdf, self.dx, self.dxb,
                                                  self.dwpart, i32(N), i32(C), i32(nb_rows), i32(0)))
         dw_reduce(self.dw_norm)
         for i in reversed(range(L)):
@@ -490,13 +508,11 @@ class Engine:
             gemm(self.mdm, self.mdxb, w["d"])
             k["swiglu_bwd_bf16"](glu_grid, (256,), (self.dm, self.gu[i], self.dgu, self.m, i32(F), i32(N)))
             gemm(w["dd"], self.mdxb, self.mm, ta=True)
-            # recompute x_mid = x_in + o_proj(a) (same operands, same GEMM: the forward's values) and h2;
-            # the norm that recomputes h1 (into xn, free during the backward) also copies x_in into xmid
-            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xs[i], w["n1"], self.xn, self.rstd_s, xmid, i32(N), i32(C),
-                                                      eps, i32(1)))
-            gemm(self.mxmid, self.ma[i], w["o"], tb=True, beta=1.0)
-            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (xmid, w["n2"], self.hs, self.rstd_s, xmid, i32(N), i32(C),
-                                                      eps, i32(0)))
+            # recompute h1 (into xn, free during the backward), and x_mid = x_in + o_proj(a) with h2 (same
+            # operands, same GEMM, same kernel: the forward's values)
+            norm(xs[i], w["n1"], self.xn, self.rstd_s)
+            gemm(self.mybr, self.ma[i], w["o"], tb=True)
+            norm(xs[i], w["n2"], self.hs, self.rstd_s, add=ybr, out=xmid)
             gemm(w["dgu"], self.mdgu, self.mhs, ta=True)
             gemm(self.mdh, self.mdgu, w["gu"])
             k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xmid, w["n2"], self.rstd2[i], self.dx, self.dxb,
@@ -508,9 +524,9 @@ class Engine:
             if self.attention != "fp32":
                 # the dq kernel also computes delta = rowsum(dO * O), which the dk/dv kernel then reads
                 rope = (self.dqkv, self.cos, self.sin, *mdims)
-                self._mma["flash_bwd_dq"]((nqb, B * H), (128,), (self.q[i], self.k[i], self.v[i], self.da, self.a[i],
+                self._mma["flash_bwd_dq"]((B * H, nqb), (128,), (self.q[i], self.k[i], self.v[i], self.da, self.a[i],
                                                                  self.lse[i], self.delta, *rope))
-                self._mma["flash_bwd_dkdv"]((nqb, B * Hkv), (128,), (self.q[i], self.k[i], self.v[i], self.da,
+                self._mma["flash_bwd_dkdv"]((B * Hkv, nqb), (128,), (self.q[i], self.k[i], self.v[i], self.da,
                                                                      self.lse[i], self.delta, *rope))
             else:
                 k["attn_delta"]((-(-(N * H) // 8),), (256,), (self.a[i], self.da, self.delta, i32(T), i32(H), i32(D),

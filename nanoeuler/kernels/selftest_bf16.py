@@ -58,8 +58,9 @@ def _dev_bf16(x):
 
 
 def case_bf16_rmsnorm(rng, shape):
-    """shape (N, C): forward to bf16 (+ copy of x), fused backward (dx accumulate + bf16 copy + dw partials),
-    the deterministic column reduction of the partials into dw."""
+    """shape (N, C): forward to bf16, alone and with a bf16 residual branch added in (the sum also stored),
+    fused backward (dx accumulate + bf16 copy + dw partials), the deterministic column reduction of the
+    partials into dw."""
     import cupy
 
     from nanoeuler.model import layers
@@ -69,29 +70,38 @@ def case_bf16_rmsnorm(rng, shape):
     w = 1.0 + _randn(rng, (C,), 0.3)
     dy = _randn(rng, (N, C))
     dx0 = _randn(rng, (N, C))
-    y = cupy.empty((N, C), dtype=np.uint16)
-    rstd = cupy.empty(N, dtype=np.float32)
-    xc = cupy.empty((N, C), dtype=np.float32)
-    _k("rmsnorm_fwd_bf16")(((N + 3) // 4,), (128,), (_g(x), _g(w), y, rstd, xc, np.int32(N), np.int32(C),
-                                                      np.float32(1e-5), np.int32(1)))
-    dx = _g(dx0)
-    dxb = cupy.empty((N, C), dtype=np.uint16)
-    dw0 = _randn(rng, (C,))
-    dw = _g(dw0)
+    branch_b, branch = _dev_bf16(_randn(rng, (N, C)))
+    fwd = _k("rmsnorm_fwd_bf16")
+    grid, dims = ((N + 3) // 4,), (np.int32(N), np.int32(C), np.float32(1e-5))
+    y = _g(np.full((N, C), 0xFFFF), np.uint16)  # poisoned: bf16 NaN
+    rstd = _g(np.full(N, np.nan))
+    unused = _g(np.full((N, C), np.nan))
+    fwd(grid, (128,), (_g(x), branch_b, _g(w), y, rstd, unused, *dims, np.int32(0), np.int32(0)))
+    ya = _g(np.full((N, C), 0xFFFF), np.uint16)
+    xa = _g(np.full((N, C), np.nan))
+    fwd(grid, (128,), (_g(x), branch_b, _g(w), ya, _g(np.full(N, np.nan)), xa, *dims, np.int32(1), np.int32(1)))
+    yr, cr = layers.rmsnorm_forward(x, w, 1e-5)
+    yar, _ = layers.rmsnorm_forward(x + branch, w, 1e-5)
+    rows_out = [("bf16 rmsnorm fwd y", from_bf16(y.get()), yr, TOL_BF16),
+                ("bf16 rmsnorm fwd rstd", rstd, cr[1].reshape(N), TOL_FP32),
+                ("bf16 rmsnorm fwd y of x + bf16 branch", from_bf16(ya.get()), yar, TOL_BF16),
+                ("bf16 rmsnorm fwd stored x + bf16 branch", xa, x + branch, TOL_FP32)]
     rows = 16
     nparts = -(-N // rows)
-    dwpart = cupy.empty((nparts, C), dtype=np.float32)
-    _k("rmsnorm_bwd_bf16")((nparts,), (256,), (_g(dy), _g(x), _g(w), rstd, dx, dxb, dwpart, np.int32(N),
-                                               np.int32(C), np.int32(rows), np.int32(1)))
-    _k("rmsnorm_dw_reduce")((-(-C // 32),), (32, 32), (dwpart, dw, np.int32(nparts), np.int32(C)))
-    yr, cr = layers.rmsnorm_forward(x, w, 1e-5)
-    dxr, dwr = layers.rmsnorm_backward(dy.copy(), cr)
-    return [("bf16 rmsnorm fwd y", from_bf16(y.get()), yr, TOL_BF16),
-            ("bf16 rmsnorm fwd rstd", rstd, cr[1].reshape(N), TOL_FP32),
-            ("bf16 rmsnorm fwd copy of x", xc, x, TOL_FP32),
-            ("bf16 rmsnorm bwd dx (+=)", dx, dx0 + dxr, TOL_FP32),
-            ("bf16 rmsnorm bwd dx bf16 copy", from_bf16(dxb.get()), dx0 + dxr, TOL_BF16),
-            ("bf16 rmsnorm bwd dw (per-block partials, reduced)", dw, dwr, TOL_FP32)]
+    # the backward with dy float32 (the final norm's) and bf16 (the layers')
+    for name, dy_dev, dy_ref in (("rmsnorm_bwd_bf16_f32dy", _g(dy), dy), ("rmsnorm_bwd_bf16", *_dev_bf16(dy))):
+        dx = _g(dx0)
+        dxb = _g(np.full((N, C), 0xFFFF), np.uint16)
+        dw = _g(np.full(C, np.nan))
+        dwpart = cupy.empty((nparts, C), dtype=np.float32)
+        _k(name)((nparts,), (256,), (dy_dev, _g(x), _g(w), rstd, dx, dxb, dwpart, np.int32(N), np.int32(C),
+                                     np.int32(rows), np.int32(1)))
+        _k("rmsnorm_dw_reduce")((-(-C // 32),), (32, 32), (dwpart, dw, np.int32(nparts), np.int32(C)))
+        dxr, dwr = layers.rmsnorm_backward(dy_ref.copy(), cr)
+        rows_out += [(f"{name} dx (+=)", dx, dx0 + dxr, TOL_FP32),
+                     (f"{name} dx bf16 copy", from_bf16(dxb.get()), dx0 + dxr, TOL_BF16),
+                     (f"{name} dw (per-block partials, reduced)", dw, dwr, TOL_FP32)]
+    return rows_out
 
 
 def case_bf16_rope(rng, shape):
@@ -195,7 +205,11 @@ def case_bf16_ce_heads(rng, shape):
     _k("ce_head_scale")((1,), (1024,), (tg, scale, np.int64(N), np.int32(K)))
     loss_rows = cupy.empty((N, K), dtype=np.float32)
     dlg = cupy.empty((N, K * V), dtype=np.uint16)
-    _k("ce_heads_fwd_bwd")((N, K), (256,), (_g(z), tg, scale, loss_rows, dlg, np.int32(V), np.int32(K)))
+    for k in range(K):  # one launch per head, on that head's logits (N, V), as the engine does
+        dlg_k = _g(np.full((N, V), 0xFFFF), np.uint16)  # poisoned: bf16 NaN
+        _k("ce_heads_fwd_bwd")((N,), (256,), (_g(z[:, k * V:(k + 1) * V]), tg, scale, loss_rows, dlg_k,
+                                             np.int32(V), np.int32(K), np.int32(k)))
+        dlg[:, k * V:(k + 1) * V] = dlg_k
     loss = cupy.empty(1, dtype=np.float32)
     _k("ce_loss_reduce")((1,), (1024,), (loss_rows, scale, loss, np.int64(N), np.int32(K)))
     counts = (t >= 0).sum(axis=0)
@@ -235,13 +249,13 @@ def case_bf16_flash(rng, shape):
     nb = -(-T // 64)
     o = cupy.empty((N, H * D), dtype=np.uint16)
     lse = cupy.empty((B, H, T), dtype=np.float32)
-    kernel("bf16", "flash_fwd_%s_d%d" % (var, D))((nb, B * H), (128,), (qb, kb, vb, o, lse, *dims))
+    kernel("bf16", "flash_fwd_%s_d%d" % (var, D))((B * H, nb), (128,), (qb, kb, vb, o, lse, *dims))
     delta = cupy.empty((B, H, T), dtype=np.float32)
     dqkv = cupy.empty((N, W), dtype=np.uint16)
     rope = (dqkv, _g(cos), _g(sin), *dims)
     # the dq kernel runs first: it also writes delta = rowsum(dO * O), which the dk/dv kernel reads
-    kernel("bf16", "flash_bwd_dq_%s_d%d" % (var, D))((nb, B * H), (128,), (qb, kb, vb, db, o, lse, delta, *rope))
-    kernel("bf16", "flash_bwd_dkdv_%s_d%d" % (var, D))((nb, B * Hkv), (128,), (qb, kb, vb, db, lse, delta, *rope))
+    kernel("bf16", "flash_bwd_dq_%s_d%d" % (var, D))((B * H, nb), (128,), (qb, kb, vb, db, o, lse, delta, *rope))
+    kernel("bf16", "flash_bwd_dkdv_%s_d%d" % (var, D))((B * Hkv, nb), (128,), (qb, kb, vb, db, lse, delta, *rope))
     out_r, cache = layers.attention_forward(q, k, v)
     dq_r, dk_r, dv_r = layers.attention_backward(d64.reshape(B, T, H, D).transpose(0, 2, 1, 3), cache)
     c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
@@ -290,7 +304,9 @@ def case_engine(rng, shape):
     else:
         cfg = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=256, mtp_heads=4)
     params, inputs, targets = _engine_problem(rng, cfg, B, T)
-    eng = Engine(cfg, params, batch=B, seq=T, max_norm=0.5, attention=attention)
+    # output-head chunks of 48 rows: several per step, the last one short, so the weight gradients'
+    # accumulation over chunks (and dxn's over heads) is checked
+    eng = Engine(cfg, params, batch=B, seq=T, max_norm=0.5, attention=attention, chunk_bytes=4 * cfg.vocab_size * 48)
     for _ in range(2):  # twice: a gradient that accumulated instead of being overwritten would double
         eng.forward_backward(_g(inputs, np.int32), _g(targets, np.int32))
     p64 = {n: p.astype(np.float64) for n, p in params.items()}

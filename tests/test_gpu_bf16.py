@@ -162,5 +162,10 @@ def test_training_loop_in_bf16_resumes_from_its_checkpoint(tmp_path):
     assert np.allclose(resumed, full, rtol=1e-3), (full, resumed)
     again, meta = checkpoint.load(run.run_dir / "ckpt_00000010.bin")
     assert int(meta["optim_t"]) == 10
-    w = "layers.0.mlp.down_proj.weight"
-    assert np.allclose(again[w], final[w], rtol=1e-3, atol=1e-5)
+    # Not bit-exact: the embedding backward and the gradient norm add float32 with atomics, in an order
+    # that varies, and AdamW turns such last-digit differences of a near-zero gradient into a whole
+    # step of size lr for that weight, so single weights may differ by ~lr. A broken resume (moments,
+    # step count or data order lost) moves every weight: compare the whole tensors.
+    for w in ("layers.0.mlp.down_proj.weight", "embed_tokens.weight"):
+        rel = np.linalg.norm(again[w] - final[w]) / np.linalg.norm(final[w])
+        assert rel < 1e-3, (w, rel)

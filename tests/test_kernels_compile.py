@@ -35,7 +35,8 @@ def _extern_kernels(path: Path) -> set[str]:
     # FLASH_MMA_KERNELS(D) (bf16.cu): flash_{fwd,bwd_dkdv,bwd_dq}_{mma,ldm}_d{D}
     for d in re.findall(r"^FLASH_MMA_KERNELS\((\d+)\)", text, flags=re.M):
         names |= {f"flash_{k}_{v}_d{d}" for k in ("fwd", "bwd_dkdv", "bwd_dq") for v in ("mma", "ldm")}
-    # RMSNORM_BWD(name, DY) (bf16.cu): one kernel per storage type of dy
+    # RMSNORM_BWD(name, DY) (bf16.cu): one kernel per storage type of dy (NAME: the macro's own body)
+    names.discard("NAME")
     names |= set(re.findall(r"^RMSNORM_BWD\((\w+),", text, flags=re.M))
     return names
 

@@ -89,13 +89,14 @@ def case_bf16_rmsnorm(rng, shape):
     rows = 16
     nparts = -(-N // rows)
     # the backward with dy float32 (the final norm's) and bf16 (the layers')
-    for name, dy_dev, dy_ref in (("rmsnorm_bwd_bf16_f32dy", _g(dy), dy), ("rmsnorm_bwd_bf16", *_dev_bf16(dy))):
+    for name, bwd, dy_dev, dy_ref in (("rmsnorm_bwd_bf16_f32dy", _k("rmsnorm_bwd_bf16_f32dy"), _g(dy), dy),
+                                      ("rmsnorm_bwd_bf16", _k("rmsnorm_bwd_bf16"), *_dev_bf16(dy))):
         dx = _g(dx0)
         dxb = _g(np.full((N, C), 0xFFFF), np.uint16)
         dw = _g(np.full(C, np.nan))
         dwpart = cupy.empty((nparts, C), dtype=np.float32)
-        _k(name)((nparts,), (256,), (dy_dev, _g(x), _g(w), rstd, dx, dxb, dwpart, np.int32(N), np.int32(C),
-                                     np.int32(rows), np.int32(1)))
+        bwd((nparts,), (256,), (dy_dev, _g(x), _g(w), rstd, dx, dxb, dwpart, np.int32(N), np.int32(C),
+                                np.int32(rows), np.int32(1)))
         _k("rmsnorm_dw_reduce")((-(-C // 32),), (32, 32), (dwpart, dw, np.int32(nparts), np.int32(C)))
         dxr, dwr = layers.rmsnorm_backward(dy_ref.copy(), cr)
         rows_out += [(f"{name} dx (+=)", dx, dx0 + dxr, TOL_FP32),

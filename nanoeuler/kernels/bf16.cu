@@ -867,6 +867,28 @@ __device__ __forceinline__ void mma_p_tile(float (&acc)[D / 8][4], const float (
     }
 }
 
+// One step of a kernel's loop over the other side's tiles 0 .. n-1, where load(i, s) brings tile i into
+// shared-memory stage s. With LDM (two stages, cp.async), tile it is already in flight (started by the
+// step before, or by the prologue's load(0, 0)); this starts tile it + 1 into the other stage, then
+// waits for tile it. Without, it loads tile it synchronously into stage 0.
+template <bool LDM, typename Load>
+__device__ __forceinline__ void tile_step(int it, int n, int st, Load&& load) {
+    if constexpr (LDM) {
+        if (it + 1 < n) {
+            load(it + 1, st ^ 1);
+            cp_commit();
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
+        }
+        __syncthreads();
+    } else {
+        __syncthreads();
+        load(it, 0);
+        __syncthreads();
+    }
+}
+
 template <int D, bool LDM>
 __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                    const bf16* __restrict__ v, bf16* __restrict__ o,
@@ -883,9 +905,17 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
     const bf16* kh = k + ((long long)b * Hkv + hk) * T * D;
     const bf16* vh = v + ((long long)b * Hkv + hk) * T * D;
     const int r0 = qb * FA_BR + warp * 16;
+    auto load = [&](int t, int st) {  // key tile t (see tile_step)
+        if constexpr (LDM) {
+            cp_tile<D>(Ks[st], kh, D, t * FA_BR, T);
+            cp_tile<D>(Vs[st], vh, D, t * FA_BR, T);
+        } else {
+            load_tile<D>(Ks[0], nullptr, kh, D, t * FA_BR, T);
+            load_tile<D>(nullptr, Vt, vh, D, t * FA_BR, T);
+        }
+    };
     if constexpr (LDM) {
-        cp_tile<D>(Ks[0], kh, D, 0, T);
-        cp_tile<D>(Vs[0], vh, D, 0, T);
+        load(0, 0);
         cp_commit();
     }
     unsigned qa[KC][4];
@@ -899,22 +929,7 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
     const int rowA = r0 + g, rowB = r0 + g + 8;
     for (int kb = 0; kb <= qb; ++kb) {
         const int st = LDM ? (kb & 1) : 0;
-        if constexpr (LDM) {
-            if (kb < qb) {
-                cp_tile<D>(Ks[st ^ 1], kh, D, (kb + 1) * FA_BR, T);
-                cp_tile<D>(Vs[st ^ 1], vh, D, (kb + 1) * FA_BR, T);
-                cp_commit();
-                cp_wait<1>();
-            } else {
-                cp_wait<0>();
-            }
-            __syncthreads();
-        } else {
-            __syncthreads();
-            load_tile<D>(Ks[0], nullptr, kh, D, kb * FA_BR, T);
-            load_tile<D>(nullptr, Vt, vh, D, kb * FA_BR, T);
-            __syncthreads();
-        }
+        tile_step<LDM>(kb, qb + 1, st, load);
         float s[ST][4];
 #pragma unroll
         for (int n = 0; n < ST; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -1007,8 +1022,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
     const long long HD = (long long)H * D;
     const int r0 = kb * FA_BR + warp * 16;  // this warp's first key
     const int nq = nb - kb, iters = G * nq;
-    // stage the Q/dO tiles (and their lse, delta) of iteration `it` into stage `st`
-    auto stage = [&](int it, int st) {
+    // the Q/dO tiles (and their lse, delta) of iteration `it` into stage `st` (see tile_step)
+    auto load = [&](int it, int st) {
         const int h = hk * G + it / nq, qb = kb + it % nq;
         const long long bh = (long long)b * H + h;
         if constexpr (LDM) {
@@ -1025,7 +1040,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
         }
     };
     if constexpr (LDM) {
-        stage(0, 0);
+        load(0, 0);
         cp_commit();
     }
     unsigned ka[KC][4], va[KC][4];
@@ -1042,20 +1057,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
     for (int it = 0; it < iters; ++it) {
         const int qb = kb + it % nq;
         const int st = LDM ? (it & 1) : 0;
-        if constexpr (LDM) {
-            if (it + 1 < iters) {
-                stage(it + 1, st ^ 1);
-                cp_commit();
-                cp_wait<1>();
-            } else {
-                cp_wait<0>();
-            }
-            __syncthreads();
-        } else {
-            __syncthreads();
-            stage(it, 0);
-            __syncthreads();
-        }
+        tile_step<LDM>(it, iters, st, load);
         // the query tile in passes of PC columns (see FA_DKDV_PASS)
 #pragma unroll 1
         for (int q0 = 0; q0 < FA_BR; q0 += PC) {
@@ -1115,9 +1117,17 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     const int rowA = r0 + g, rowB = r0 + g + 8;
     const bf16* kh = k + ((long long)b * Hkv + hk) * T * D;
     const bf16* vh = v + ((long long)b * Hkv + hk) * T * D;
+    auto load = [&](int t, int st) {  // key tile t (see tile_step)
+        if constexpr (LDM) {
+            cp_tile<D>(Ks[st], kh, D, t * FA_BR, T);
+            cp_tile<D>(Vs[st], vh, D, t * FA_BR, T);
+        } else {
+            load_tile<D>(Ks[0], Kt, kh, D, t * FA_BR, T);
+            load_tile<D>(Vs[0], nullptr, vh, D, t * FA_BR, T);
+        }
+    };
     if constexpr (LDM) {
-        cp_tile<D>(Ks[0], kh, D, 0, T);
-        cp_tile<D>(Vs[0], vh, D, 0, T);
+        load(0, 0);
         cp_commit();
     }
     unsigned qa[KC][4], doa[KC][4];
@@ -1151,22 +1161,7 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     const float sl2 = scale * LOG2E;
     for (int kb = 0; kb <= qb; ++kb) {
         const int st = LDM ? (kb & 1) : 0;
-        if constexpr (LDM) {
-            if (kb < qb) {
-                cp_tile<D>(Ks[st ^ 1], kh, D, (kb + 1) * FA_BR, T);
-                cp_tile<D>(Vs[st ^ 1], vh, D, (kb + 1) * FA_BR, T);
-                cp_commit();
-                cp_wait<1>();
-            } else {
-                cp_wait<0>();
-            }
-            __syncthreads();
-        } else {
-            __syncthreads();
-            load_tile<D>(Ks[0], Kt, kh, D, kb * FA_BR, T);
-            load_tile<D>(Vs[0], nullptr, vh, D, kb * FA_BR, T);
-            __syncthreads();
-        }
+        tile_step<LDM>(kb, qb + 1, st, load);
         // the key tile in passes of PC columns (see FA_DQ_PASS)
 #pragma unroll 1
         for (int k0 = 0; k0 < FA_BR; k0 += PC) {

@@ -102,8 +102,10 @@ extern "C" __global__ void embed_bwd(const float* __restrict__ dx, const int* __
 // ---- RMSNorm ---------------------------------------------------------------------------------------
 
 // One warp per row, blocks of 4 warps:
-//   xr = x + y     (only with `add`: y is a bf16 GEMM output, the branch that joins the residual stream)
-//   xout = xr      (float32, only with `store`: the residual stream carries on from there)
+//   xr = x + y + y2  (`nadd` = 0, 1 or 2 of the bf16 branches, added in that order: y and y2 are GEMM
+//                     outputs, the branches that join the residual stream: a layer's input is the
+//                     previous one's input plus its o_proj branch plus its down branch)
+//   xout = xr        (float32, only with `store`: the residual stream carries on from there)
 //   h = bf16(xr * rstd * w),  rstd = 1/sqrt(mean(xr^2) + eps)
 // The residual GEMMs (o_proj, down) write their branch as bf16 and this kernel adds it in, because
 // cuBLAS took about twice as long to read and write the float32 stream itself (beta = 1) as to write
@@ -112,8 +114,9 @@ extern "C" __global__ void embed_bwd(const float* __restrict__ dx, const int* __
 // otherwise a scalar path reads it twice. xout may not alias x.
 #define RMS_V4 8
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
-    const float* __restrict__ x, const bf16* __restrict__ y, const float* __restrict__ w, bf16* __restrict__ h,
-    float* __restrict__ rstd, float* __restrict__ xout, int N, int C, float eps, int add, int store) {
+    const float* __restrict__ x, const bf16* __restrict__ y, const bf16* __restrict__ y2, const float* __restrict__ w,
+    bf16* __restrict__ h, float* __restrict__ rstd, float* __restrict__ xout, int N, int C, float eps, int nadd,
+    int store) {
     const int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     const long long off = (long long)row * C;
@@ -126,8 +129,12 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
             const int g = lane + 32 * j;
             if (g < C4) {
                 v[j] = ld4(x + off, g);
-                if (add) {
+                if (nadd > 0) {
                     const float4 b = ld4(y + off, g);
+                    v[j].x += b.x, v[j].y += b.y, v[j].z += b.z, v[j].w += b.w;
+                }
+                if (nadd > 1) {
+                    const float4 b = ld4(y2 + off, g);
                     v[j].x += b.x, v[j].y += b.y, v[j].z += b.z, v[j].w += b.w;
                 }
                 ss = fmaf(v[j].x, v[j].x, fmaf(v[j].y, v[j].y, fmaf(v[j].z, v[j].z, fmaf(v[j].w, v[j].w, ss))));
@@ -148,14 +155,20 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
         if (lane == 0 && rstd) rstd[row] = r;
         return;
     }
+    auto xr = [&](int j) {
+        float v = x[off + j];
+        if (nadd > 0) v += bf2f(y[off + j]);
+        if (nadd > 1) v += bf2f(y2[off + j]);
+        return v;
+    };
     float ss = 0.f;
     for (int j = lane; j < C; j += 32) {
-        const float v = x[off + j] + (add ? bf2f(y[off + j]) : 0.f);
+        const float v = xr(j);
         ss = fmaf(v, v, ss);
     }
     const float r = 1.f / sqrtf(warp_sum(ss) / (float)C + eps);
     for (int j = lane; j < C; j += 32) {
-        const float v = x[off + j] + (add ? bf2f(y[off + j]) : 0.f);
+        const float v = xr(j);
         if (store) xout[off + j] = v;
         h[off + j] = f2bf(v * r * w[j]);
     }
@@ -164,6 +177,11 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
 
 // Backward of y = x * rstd * w, one warp per row, `rows` rows per block of 8 warps (C <= 32 * RB_MAX):
 //   dxn = rstd * (dy*w - xhat * mean(dy*w*xhat)),  xhat = x * rstd
+// x is the norm's float32 input, or that plus a bf16 branch when `xadd` is given (the residual stream
+// after a layer's attention half is not kept: it is the layer's input plus its o_proj branch, summed
+// here as the forward summed it). With `h` given, the kernel also writes h = bf16(xhat * w), the
+// forward's output bit for bit, which the weight gradient of the GEMM that read it needs next: the
+// normed activations are recomputed here, where x is read anyway, instead of being kept.
 // dy is bf16 (rmsnorm_bwd_bf16: the layers' norms, whose dy is a GEMM's bf16 output) or float32
 // (rmsnorm_bwd_bf16_f32dy: the final norm, whose dy the output heads accumulate over the heads);
 //   dx  = (accumulate ? dx : 0) + dxn  (float32, in place), dxb = bf16(dx)  (the next GEMM's operand)
@@ -176,9 +194,9 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
 #define RB_VEC (RB_MAX / 4)
 template <typename DY>
 __device__ __forceinline__ void rmsnorm_bwd_impl(
-    const DY* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w,
-    const float* __restrict__ rstd, float* __restrict__ dx, bf16* __restrict__ dxb, float* __restrict__ dwpart,
-    int N, int C, int rows, int accumulate) {
+    const DY* __restrict__ dy, const float* __restrict__ x, const bf16* __restrict__ xadd, const float* __restrict__ w,
+    const float* __restrict__ rstd, float* __restrict__ dx, bf16* __restrict__ dxb, bf16* __restrict__ h,
+    float* __restrict__ dwpart, int N, int C, int rows, int accumulate) {
     __shared__ float part[8][32 * RB_MAX];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r0 = blockIdx.x * rows, r1 = min(N, r0 + rows);
@@ -201,8 +219,16 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(
                 const int g = lane + 32 * i;
                 if (g < C4) {
                     prev[i] = accumulate ? dx4c[g] : make_float4(0.f, 0.f, 0.f, 0.f);
-                    const float4 d = ld4(dyr, g), xv = x4[g], wv = w4[g];
+                    const float4 d = ld4(dyr, g), wv = w4[g];
+                    float4 xv = x4[g];
+                    if (xadd) {
+                        const float4 b = ld4(xadd + off, g);
+                        xv.x += b.x, xv.y += b.y, xv.z += b.z, xv.w += b.w;
+                    }
                     const float h0 = xv.x * rs, h1 = xv.y * rs, h2 = xv.z * rs, h3 = xv.w * rs;
+                    if (h)
+                        reinterpret_cast<uint2*>(h + off)[g] = make_uint2(pack2(h0 * wv.x, h1 * wv.y),
+                                                                          pack2(h2 * wv.z, h3 * wv.w));
                     dot = fmaf(d.x * wv.x, h0, dot);
                     dot = fmaf(d.y * wv.y, h1, dot);
                     dot = fmaf(d.z * wv.z, h2, dot);
@@ -220,7 +246,12 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(
             for (int i = 0; i < RB_VEC; ++i) {
                 const int g = lane + 32 * i;
                 if (g < C4) {
-                    const float4 d = ld4(dyr, g), xv = x4[g], wv = w4[g];
+                    const float4 d = ld4(dyr, g), wv = w4[g];
+                    float4 xv = x4[g];
+                    if (xadd) {
+                        const float4 b = ld4(xadd + off, g);
+                        xv.x += b.x, xv.y += b.y, xv.z += b.z, xv.w += b.w;
+                    }
                     const float sm = rs * mean;
                     float4 o;
                     o.x = prev[i].x + rs * (d.x * wv.x - xv.x * sm);
@@ -238,6 +269,7 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(
             if (g < C4) reinterpret_cast<float4*>(part[warp])[g] = acc[i];
         }
     } else {
+        auto xin = [&](long long j) { return xadd ? x[j] + bf2f(xadd[j]) : x[j]; };
         float dwacc[RB_MAX];
 #pragma unroll
         for (int i = 0; i < RB_MAX; ++i) dwacc[i] = 0.f;
@@ -249,7 +281,8 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(
             for (int i = 0; i < RB_MAX; ++i) {
                 const int j = lane + 32 * i;
                 if (j < C) {
-                    const float d = ld1(dy, off + j), xh = x[off + j] * rs;
+                    const float d = ld1(dy, off + j), xh = xin(off + j) * rs;
+                    if (h) h[off + j] = f2bf(xh * w[j]);
                     dot = fmaf(d * w[j], xh, dot);
                     dwacc[i] = fmaf(d, xh, dwacc[i]);
                 }
@@ -259,7 +292,7 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(
             for (int i = 0; i < RB_MAX; ++i) {
                 const int j = lane + 32 * i;
                 if (j < C) {
-                    float d = rs * (ld1(dy, off + j) * w[j] - x[off + j] * (rs * mean));
+                    float d = rs * (ld1(dy, off + j) * w[j] - xin(off + j) * (rs * mean));
                     if (accumulate) d += dx[off + j];
                     dx[off + j] = d;
                     dxb[off + j] = f2bf(d);
@@ -283,9 +316,9 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(
 }
 #define RMSNORM_BWD(NAME, DY)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                  \
-        const DY* dy, const float* x, const float* w, const float* rstd, float* dx, bf16* dxb, float* dwpart, \
-        int N, int C, int rows, int accumulate) {                                                            \
-        rmsnorm_bwd_impl<DY>(dy, x, w, rstd, dx, dxb, dwpart, N, C, rows, accumulate);                      \
+        const DY* dy, const float* x, const bf16* xadd, const float* w, const float* rstd, float* dx,         \
+        bf16* dxb, bf16* h, float* dwpart, int N, int C, int rows, int accumulate) {                         \
+        rmsnorm_bwd_impl<DY>(dy, x, xadd, w, rstd, dx, dxb, h, dwpart, N, C, rows, accumulate);              \
     }
 RMSNORM_BWD(rmsnorm_bwd_bf16, bf16)
 RMSNORM_BWD(rmsnorm_bwd_bf16_f32dy, float)

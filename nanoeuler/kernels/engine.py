@@ -31,14 +31,17 @@ GEMM. `attention="fp32"` selects the float32 FlashAttention of `attention.cu` on
 
 Memory. All tensors live in buffers allocated once in `__init__`: flat float32 arrays for parameters,
 gradients and both moments, the flat bf16 image, the per-layer activations kept for the backward (the
-residual stream entering each layer, q/k/v, the attention output and its logsumexp, the gate/up
-product, the norms' 1/rms), and scratch shared by all layers. The residual stream after each attention
-half and the normed activations are recomputed in the backward (one GEMM and two RMSNorms per layer)
-instead of being kept. A step allocates nothing, and the host never
-waits on the device inside it: the per-head loss normalisation, the global gradient norm and the
-clipping factor are computed and consumed on the device.
+residual stream entering each layer, the o_proj branch as bf16, q/k/v, the attention output and its
+logsumexp, the gate/up product, the norms' 1/rms), and scratch shared by all layers (scratch with
+disjoint lifetimes shares memory: the MLP's and the output heads'). The residual stream after each
+attention half is not stored: every kernel that reads it sums the layer's input and its o_proj branch
+as the forward did. The normed activations are not stored either: each RMSNorm backward writes its
+forward output again (bit for bit) while it reads x anyway, and the weight gradient that reads it runs
+after it. A step allocates nothing, and the host never waits on the device inside it: the per-head
+loss normalisation, the global gradient norm and the clipping factor are computed and consumed on the
+device.
 
-Launches per step: 9 per layer forward, 19 per layer backward (recomputations included), 4 per head
+Launches per step: 9 per layer forward, 15 per layer backward, 4 per head
 and chunk of output-head rows, and a handful for the optimizer (one AdamW launch per run of
 equally-decayed tensors).
 The step stays device-bound: the host queues them faster than the GPU runs them. (Capturing the step
@@ -70,6 +73,7 @@ _MMA_HEAD_DIMS = (32, 64)  # tensor-core FlashAttention of bf16.cu
 ATTENTION_VARIANTS = ("ldm", "mma", "fp32")
 
 BF16_STORAGE = np.uint16  # bf16 words; converted by the kernels
+_NULL = np.uint64(0)  # a null pointer argument (an optional input or output a kernel skips)
 
 
 def _cublas():
@@ -256,12 +260,13 @@ class Engine:
             return cp.empty(shape, dtype=dt)
 
         self.xs = [e((N, C)) for _ in range(L + 1)]  # residual stream entering layer i (xs[L]: trunk output)
-        # Not kept per layer (recomputed in the backward, ~3% of the step, 50 MB per layer at B16xT512):
-        # the residual stream after the attention half, and both normed activations.
-        self.xmid = e((N, C))
-        self.ybr = e((N, C), bf)  # a residual branch (o_proj or down output) before the norm adds it in
+        # The o_proj branch is kept as bf16, and the residual stream after the attention half is never
+        # stored: it is xs[i] + ob[i], summed by whichever kernel reads it (the forward's norms, the
+        # backward's second norm). The normed activations are not kept either: the RMSNorm backward
+        # writes them again (h = bf16(xhat * w)) for the weight gradients that read them next.
+        self.ob = [e((N, C), bf) for _ in range(L)]
+        self.ybr = e((N, C), bf)  # the down branch before the next norm adds it in
         self.hs = e((N, C), bf)
-        self.rstd_s = e(N)
         self.rstd1 = [e(N) for _ in range(L)]
         self.rstd2 = [e(N) for _ in range(L)]
         qdt = bf if attention != "fp32" else f32  # the attention operands
@@ -271,20 +276,25 @@ class Engine:
         self.lse = [e((B, H, T)) for _ in range(L)]
         self.a = [e((N, HD), bf) for _ in range(L)]
         self.gu = [e((N, 2 * F), bf) for _ in range(L)]
-        self.qkv = e((N, self.QKV), bf)
+        self.qkv = e((N, self.QKV), bf)  # the qkv GEMM's output in the forward, its gradient in the backward
+        self.dqkv = self.qkv
         if attention == "fp32":
             self.att = e((B, H, T, D))  # fp32 attention output (forward) / dq (backward)
             self.dk = e((B, Hkv, T, D))
             self.dv = e((B, Hkv, T, D))
         if N * self.QKV // 16 >= 2**31:
             raise ValueError(f"batch {B} x seq {T} exceeds the 32-bit indexing of the RoPE kernels")
-        self.m = e((N, F), bf)
-        self.dm = e((N, F), bf)
-        self.dgu = e((N, 2 * F), bf)
+        # The MLP's scratch (m, dm, dgu) is dead while the output heads run, and the heads' chunk of
+        # logits and their gradient is dead outside them: both sets are views of one arena.
+        self.R = max(1, min(N, chunk_bytes // (4 * V)))
+        mlp = self._carve([((N, F), bf), ((N, F), bf), ((N, 2 * F), bf)])
+        head = self._carve([((self.R, V), f32), ((self.R, V), bf)])
+        self.arena = cp.empty(max(mlp[-1], head[-1]), dtype=np.uint8)
+        self.m, self.dm, self.dgu = (self.arena[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in mlp[0])
+        self.logits, self.dlg = (self.arena[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in head[0])
         self.dh = e((N, C), bf)  # gradient of a normed activation (a GEMM's output), into the norm's backward
         self.da = e((N, HD), qdt)  # gradient of the attention output
         self.delta = e((B, H, T))
-        self.dqkv = e((N, self.QKV), bf)
         self.dx = e((N, C))
         self.dxb = e((N, C), bf)
         self.xn = e((N, C), bf)
@@ -292,9 +302,6 @@ class Engine:
         self.dxn = e((N, C))
         self.nb_rows = 16  # rows per block of the RMSNorm backward; one row of dw partial sums per block
         self.dwpart = e((-(-N // self.nb_rows), C))
-        self.R = max(1, min(N, chunk_bytes // (4 * V)))
-        self.logits = e((self.R, V))
-        self.dlg = e((self.R, V), bf)
         self.loss_rows = e((N, K))
         self.head_scale = e(K)
         self.loss = cp.zeros(1, dtype=f32)
@@ -310,8 +317,19 @@ class Engine:
         self.mybr = _M(self.ybr)
         self.mqkv, self.mm, self.mdm, self.mdgu = _M(self.qkv), _M(self.m), _M(self.dm), _M(self.dgu)
         self.mdh, self.mda, self.mdqkv, self.mdxb = _M(self.dh), _M(self.da), _M(self.dqkv), _M(self.dxb)
-        self.mxn, self.mdxn = _M(self.xn), _M(self.dxn)
+        self.mdxn = _M(self.dxn)
+        self.mob = [_M(x) for x in self.ob]
         cp.cuda.get_current_stream().synchronize()
+
+    @staticmethod
+    def _carve(tensors):
+        """[(shape, dtype)] -> ([(byte offset, bytes, shape, dtype)], total bytes), each 256-byte aligned."""
+        out, off = [], 0
+        for shape, dt in tensors:
+            n = int(np.prod(shape)) * np.dtype(dt).itemsize
+            out.append((off, n, shape, dt))
+            off += -(-n // 256) * 256
+        return out, off
 
     # ---- parameter access ----------------------------------------------------------------------------
 
@@ -371,13 +389,12 @@ class Engine:
         return self.params()
 
     def nbytes(self) -> int:
-        total = 0
+        """Device bytes of the engine's buffers (views into them, such as the arena's, not counted twice)."""
+        arrays = []
         for v in self.__dict__.values():
-            if isinstance(v, cp.ndarray):
-                total += v.nbytes
-            elif isinstance(v, list) and v and isinstance(v[0], cp.ndarray):
-                total += sum(x.nbytes for x in v)
-        return total
+            arrays += v if isinstance(v, list) else [v]
+        owned = {id(a): a for a in arrays if isinstance(a, cp.ndarray) and a.base is None}
+        return sum(a.nbytes for a in owned.values())
 
     def last_loss(self) -> float:
         """The loss of the last step (synchronises with the device)."""
@@ -435,23 +452,23 @@ class Engine:
         mdims = (i32(H), i32(Hkv), i32(T), scale)
         norm_grid = ((N + 3) // 4,)
         eps = f32(cfg.norm_eps)
-        xs, xmid, ybr = self.xs, self.xmid, self.ybr
+        xs, ob, ybr = self.xs, self.ob, self.ybr
 
-        def norm(x, w_, h, rstd, add=None, out=None):
-            """h = bf16(rmsnorm(x [+ add])) with its 1/rms; x [+ add] also into `out` when given."""
-            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (x, ybr if add is None else add, w_, h, rstd,
-                                                      x if out is None else out, i32(N), i32(C), eps,
-                                                      i32(add is not None), i32(out is not None)))
+        def norm(x, w_, h, rstd, add=(), out=None):
+            """h = bf16(rmsnorm(x + the bf16 branches in `add`)) with its 1/rms; the sum also into `out`."""
+            y, y2 = (tuple(add) + (x, x))[:2]  # unread placeholders where fewer than two branches
+            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (x, y, y2, w_, h, rstd, x if out is None else out, i32(N),
+                                                      i32(C), eps, i32(len(add)), i32(out is not None)))
 
-        # The residual stream: x_in = xs[i]; x_mid = x_in + o_proj(attn) in the scratch xmid;
-        # x_out = x_mid + down(...) = xs[i+1]. Each branch GEMM writes bf16 into ybr, and the RMSNorm
-        # that reads the stream next adds it in and stores the float32 sum.
+        # The residual stream: x_in = xs[i]; x_mid = x_in + ob[i] (the o_proj branch, kept as bf16;
+        # x_mid itself is never stored); x_out = x_mid + down(...) = xs[i+1]. The RMSNorm that reads the
+        # stream next adds the bf16 branches in (and stores the float32 sum where it is kept).
         for i in range(L):
             w = self.Lw[i]
             if i == 0:
                 norm(xs[0], w["n1"], self.hs, self.rstd1[0])
-            else:  # x_in = x_mid + the previous layer's MLP branch
-                norm(xmid, w["n1"], self.hs, self.rstd1[i], add=ybr, out=xs[i])
+            else:  # x_in = x_in of the previous layer + its o_proj branch + its MLP branch
+                norm(xs[i - 1], w["n1"], self.hs, self.rstd1[i], add=(ob[i - 1], ybr), out=xs[i])
             gemm(self.mqkv, self.mhs, w["qkv"], tb=True)
             if self.attention != "fp32":
                 k["qkv_rope_split_bf16"](split_grid, (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i],
@@ -464,13 +481,13 @@ class Engine:
                 self._flash["flash_fwd"]((-(-T // rows), B * H), (rows * G,),
                                          (self.q[i], *qs, self.k[i], *ks, self.v[i], *ks, self.att, self.lse[i], *dims))
                 k["attn_pack"](_grid(N * HD), (256,), (self.att, self.a[i], i32(T), i32(H), i32(D), i64(N * HD)))
-            gemm(self.mybr, self.ma[i], w["o"], tb=True)
-            norm(xs[i], w["n2"], self.hs, self.rstd2[i], add=ybr, out=xmid)  # x_mid
+            gemm(self.mob[i], self.ma[i], w["o"], tb=True)
+            norm(xs[i], w["n2"], self.hs, self.rstd2[i], add=(ob[i],))  # of x_mid
             gemm(self.mgu[i], self.mhs, w["gu"], tb=True)
             k["swiglu_fwd_bf16"](glu_grid, (256,), (self.gu[i], self.m, i32(F), i32(N)))
             gemm(self.mybr, self.mm, w["d"], tb=True)
 
-        norm(xmid, self.w_norm, self.xn, self.rstdf, add=ybr, out=xs[L])  # the trunk's output, normed
+        norm(xs[L - 1], self.w_norm, self.xn, self.rstdf, add=(ob[L - 1], ybr), out=xs[L])  # trunk output, normed
         # output heads, one head and one chunk of R rows at a time: logits (R, V) never exist for all rows.
         # Per head rather than all K heads at once: the weight gradient that each chunk's GEMM reads and
         # writes back in float32 is then one head's (V, C), not (K*V, C), for the same arithmetic.
@@ -498,8 +515,9 @@ class Engine:
         def dw_reduce(dw):  # dw = column sums of the RMSNorm backward's per-block partials
             k["rmsnorm_dw_reduce"](red_grid, red_block, (self.dwpart, dw, i32(nparts), i32(C)))
 
-        k["rmsnorm_bwd_bf16_f32dy"](nb_grid, (256,), (self.dxn, xs[L], self.w_norm, self.rstdf, self.dx, self.dxb,
-                                                 self.dwpart, i32(N), i32(C), i32(nb_rows), i32(0)))
+        k["rmsnorm_bwd_bf16_f32dy"](nb_grid, (256,), (self.dxn, xs[L], _NULL, self.w_norm, self.rstdf, self.dx,
+                                                      self.dxb, _NULL, self.dwpart, i32(N), i32(C), i32(nb_rows),
+                                                      i32(0)))
         dw_reduce(self.dw_norm)
         for i in reversed(range(L)):
             w = self.Lw[i]
@@ -508,16 +526,13 @@ class Engine:
             gemm(self.mdm, self.mdxb, w["d"])
             k["swiglu_bwd_bf16"](glu_grid, (256,), (self.dm, self.gu[i], self.dgu, self.m, i32(F), i32(N)))
             gemm(w["dd"], self.mdxb, self.mm, ta=True)
-            # recompute h1 (into xn, free during the backward), and x_mid = x_in + o_proj(a) with h2 (same
-            # operands, same GEMM, same kernel: the forward's values)
-            norm(xs[i], w["n1"], self.xn, self.rstd_s)
-            gemm(self.mybr, self.ma[i], w["o"], tb=True)
-            norm(xs[i], w["n2"], self.hs, self.rstd_s, add=ybr, out=xmid)
-            gemm(w["dgu"], self.mdgu, self.mhs, ta=True)
+            # h2 = norm2(x_mid), x_mid = xs[i] + ob[i]: the norm's backward sums x_mid as the forward did and
+            # writes h2 again (into hs) for the gate/up weight gradient
             gemm(self.mdh, self.mdgu, w["gu"])
-            k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xmid, w["n2"], self.rstd2[i], self.dx, self.dxb,
-                                                     self.dwpart, i32(N), i32(C), i32(nb_rows), i32(1)))
+            k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xs[i], ob[i], w["n2"], self.rstd2[i], self.dx, self.dxb,
+                                                     self.hs, self.dwpart, i32(N), i32(C), i32(nb_rows), i32(1)))
             dw_reduce(w["dn2"])
+            gemm(w["dgu"], self.mdgu, self.mhs, ta=True)
             # attention half: x_mid = x_in + o(attn(rope(q(h1)), rope(k(h1)), v(h1)))
             gemm(w["do"], self.mdxb, self.ma[i], ta=True)
             gemm(self.mda, self.mdxb, w["o"])
@@ -538,11 +553,12 @@ class Engine:
                                             (*qkv, self.da, *das, self.lse[i], self.delta, self.att, *dims))
                 k["rope_bwd_pack"](row_grid, (256,), (self.att, self.dk, self.dv, self.cos, self.sin, self.dqkv,
                                                       i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
-            gemm(w["dqkv"], self.mdqkv, self.mxn, ta=True)
+            # h1 = norm1(xs[i]), written again by the norm's backward for the qkv weight gradient
             gemm(self.mdh, self.mdqkv, w["qkv"])
-            k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xs[i], w["n1"], self.rstd1[i], self.dx, self.dxb,
-                                                     self.dwpart, i32(N), i32(C), i32(nb_rows), i32(1)))
+            k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xs[i], _NULL, w["n1"], self.rstd1[i], self.dx, self.dxb,
+                                                     self.hs, self.dwpart, i32(N), i32(C), i32(nb_rows), i32(1)))
             dw_reduce(w["dn1"])
+            gemm(w["dqkv"], self.mdqkv, self.mhs, ta=True)
         k["embed_bwd"](_grid(N * C), (256,), (self.dx, self.ids, self.demb, i32(C), i64(N * C)))
         k["sumsq"]((min(4096, -(-self.total // 256)),), (256,), (self.G, i64(self.total), self.sq))
 

@@ -58,9 +58,10 @@ def _dev_bf16(x):
 
 
 def case_bf16_rmsnorm(rng, shape):
-    """shape (N, C): forward to bf16, alone and with a bf16 residual branch added in (the sum also stored),
-    fused backward (dx accumulate + bf16 copy + dw partials), the deterministic column reduction of the
-    partials into dw."""
+    """shape (N, C): forward to bf16, alone and with one and two bf16 residual branches added in (the sum
+    also stored); fused backward (dx accumulate + bf16 copy + dw partials), of x alone and of x plus a
+    bf16 branch, with the normed activations written again (bit for bit the forward's); the
+    deterministic column reduction of the partials into dw."""
     import cupy
 
     from nanoeuler.model import layers
@@ -71,37 +72,55 @@ def case_bf16_rmsnorm(rng, shape):
     dy = _randn(rng, (N, C))
     dx0 = _randn(rng, (N, C))
     branch_b, branch = _dev_bf16(_randn(rng, (N, C)))
+    branch2_b, branch2 = _dev_bf16(_randn(rng, (N, C)))
     fwd = _k("rmsnorm_fwd_bf16")
     grid, dims = ((N + 3) // 4,), (np.int32(N), np.int32(C), np.float32(1e-5))
-    y = _g(np.full((N, C), 0xFFFF), np.uint16)  # poisoned: bf16 NaN
-    rstd = _g(np.full(N, np.nan))
-    unused = _g(np.full((N, C), np.nan))
-    fwd(grid, (128,), (_g(x), branch_b, _g(w), y, rstd, unused, *dims, np.int32(0), np.int32(0)))
-    ya = _g(np.full((N, C), 0xFFFF), np.uint16)
-    xa = _g(np.full((N, C), np.nan))
-    fwd(grid, (128,), (_g(x), branch_b, _g(w), ya, _g(np.full(N, np.nan)), xa, *dims, np.int32(1), np.int32(1)))
+
+    def forward(nadd, store):
+        """(h, rstd, stored sum) of the forward kernel on x plus the first `nadd` branches."""
+        h = _g(np.full((N, C), 0xFFFF), np.uint16)  # poisoned: bf16 NaN
+        rstd = _g(np.full(N, np.nan))
+        xout = _g(np.full((N, C), np.nan))
+        fwd(grid, (128,), (_g(x), branch_b, branch2_b, _g(w), h, rstd, xout, *dims, np.int32(nadd),
+                           np.int32(store)))
+        return h, rstd, xout
+
+    y, rstd, _ = forward(0, 0)
+    ya, rstda, xa = forward(1, 1)
+    yaa, _, xaa = forward(2, 1)
     yr, cr = layers.rmsnorm_forward(x, w, 1e-5)
-    yar, _ = layers.rmsnorm_forward(x + branch, w, 1e-5)
+    yar, cra = layers.rmsnorm_forward(x + branch, w, 1e-5)
+    yaar, _ = layers.rmsnorm_forward(x + branch + branch2, w, 1e-5)
     rows_out = [("bf16 rmsnorm fwd y", from_bf16(y.get()), yr, TOL_BF16),
                 ("bf16 rmsnorm fwd rstd", rstd, cr[1].reshape(N), TOL_FP32),
                 ("bf16 rmsnorm fwd y of x + bf16 branch", from_bf16(ya.get()), yar, TOL_BF16),
-                ("bf16 rmsnorm fwd stored x + bf16 branch", xa, x + branch, TOL_FP32)]
+                ("bf16 rmsnorm fwd stored x + bf16 branch", xa, x + branch, TOL_FP32),
+                ("bf16 rmsnorm fwd y of x + 2 bf16 branches", from_bf16(yaa.get()), yaar, TOL_BF16),
+                ("bf16 rmsnorm fwd stored x + 2 bf16 branches", xaa, x + branch + branch2, TOL_FP32)]
     rows = 16
     nparts = -(-N // rows)
-    # the backward with dy float32 (the final norm's) and bf16 (the layers')
-    for name, bwd, dy_dev, dy_ref in (("rmsnorm_bwd_bf16_f32dy", _k("rmsnorm_bwd_bf16_f32dy"), _g(dy), dy),
-                                      ("rmsnorm_bwd_bf16", _k("rmsnorm_bwd_bf16"), *_dev_bf16(dy))):
+    null = np.uint64(0)
+    # the backward with dy float32 (the final norm's) and bf16 (the layers'); the layers' of x alone and
+    # of x plus a branch (the residual stream after the attention half), writing h again
+    for name, bwd, (dy_dev, dy_ref), xadd, y_fwd, r_fwd, c_ref in (
+            ("rmsnorm_bwd_bf16_f32dy", _k("rmsnorm_bwd_bf16_f32dy"), (_g(dy), dy), None, None, rstd, cr),
+            ("rmsnorm_bwd_bf16", _k("rmsnorm_bwd_bf16"), _dev_bf16(dy), None, y, rstd, cr),
+            ("rmsnorm_bwd_bf16 of x + branch", _k("rmsnorm_bwd_bf16"), _dev_bf16(dy), branch_b, ya, rstda, cra)):
         dx = _g(dx0)
         dxb = _g(np.full((N, C), 0xFFFF), np.uint16)
+        h = _g(np.full((N, C), 0xFFFF), np.uint16) if y_fwd is not None else None
         dw = _g(np.full(C, np.nan))
         dwpart = cupy.empty((nparts, C), dtype=np.float32)
-        bwd((nparts,), (256,), (dy_dev, _g(x), _g(w), rstd, dx, dxb, dwpart, np.int32(N), np.int32(C),
-                                np.int32(rows), np.int32(1)))
+        bwd((nparts,), (256,), (dy_dev, _g(x), null if xadd is None else xadd, _g(w), r_fwd, dx, dxb,
+                                null if h is None else h, dwpart, np.int32(N), np.int32(C), np.int32(rows),
+                                np.int32(1)))
         _k("rmsnorm_dw_reduce")((-(-C // 32),), (32, 32), (dwpart, dw, np.int32(nparts), np.int32(C)))
-        dxr, dwr = layers.rmsnorm_backward(dy_ref.copy(), cr)
+        dxr, dwr = layers.rmsnorm_backward(dy_ref.copy(), c_ref)
         rows_out += [(f"{name} dx (+=)", dx, dx0 + dxr, TOL_FP32),
                      (f"{name} dx bf16 copy", from_bf16(dxb.get()), dx0 + dxr, TOL_BF16),
                      (f"{name} dw (per-block partials, reduced)", dw, dwr, TOL_FP32)]
+        if h is not None:  # the recomputed normed activation equals the forward kernel's output exactly
+            rows_out.append((f"{name} h again = forward h", from_bf16(h.get()), from_bf16(y_fwd.get()), 0.0))
     return rows_out
 
 

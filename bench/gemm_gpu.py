@@ -44,7 +44,7 @@ def step_gemms(cfg, B, T, rows_per_chunk):
     return [
         # forward, per layer
         ("fwd qkv = h1 Wqkv^T", L, (N, QKV, C), (N, C), False, (QKV, C), True, bf, 0),
-        ("fwd ybr = a Wo^T", 2 * L, (N, C, HD), (N, HD), False, (C, HD), True, bf, 0),  # + its recompute
+        ("fwd ob = a Wo^T", L, (N, C, HD), (N, HD), False, (C, HD), True, bf, 0),
         ("fwd gu = h2 Wgu^T", L, (N, 2 * F, C), (N, C), False, (2 * F, C), True, bf, 0),
         ("fwd ybr = m Wd^T", L, (N, C, F), (N, F), False, (C, F), True, bf, 0),
         # output heads, per head and chunk of rows
@@ -106,14 +106,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args(argv)
 
+    from nanoeuler.kernels.engine import carve, head_chunk_rows, mlp_scratch
     from nanoeuler.model.config import ModelConfig
 
     cfg = ModelConfig.named(args.preset)
-    # the engine's chunk: 64 MiB of float32 logits of one head
-    R = args.chunk_rows or max(1, (64 * 2**20) // (4 * cfg.vocab_size))
     rng = np.random.default_rng(0)
     for row in args.rows.split(","):
         B, T = (int(x) for x in row.split("x"))
+        # the engine's chunk: as many rows as the MLP scratch holds
+        R = args.chunk_rows or head_chunk_rows(B * T, cfg.vocab_size, carve(mlp_scratch(B * T, cfg.hidden))[1])
         print(f"\nB{B}xT{T}, output-head chunk {R} rows")
         print(f"{'product':<24} {'M':>6} {'N':>6} {'K':>6} {'out':>4} {'count':>5} {'ms':>7} {'TFLOP/s':>8} "
               f"{'step ms':>8} {'torch ms':>8} {'x torch':>7}")

@@ -148,6 +148,15 @@ def test_training_loop_in_bf16_tracks_fp32(tmp_path, short):
 
 
 @pytest.mark.gpu
+def test_engine_doctests():
+    import doctest
+
+    from nanoeuler.kernels import engine
+
+    assert doctest.testmod(engine).failed == 0
+
+
+@pytest.mark.gpu
 def test_training_loop_in_bf16_resumes_from_its_checkpoint(tmp_path):
     from nanoeuler import checkpoint
     from nanoeuler.train import loop

@@ -127,6 +127,45 @@ class _Gemm:
                            beta_ptr, c.ptr, c.dt, c.ld, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
 
 
+def carve(tensors) -> tuple[list, int]:
+    """[(shape, dtype)] -> ([(byte offset, bytes, shape, dtype)], total bytes): tensors laid out one
+    after another in one byte buffer, each 256-byte aligned."""
+    out, off = [], 0
+    for shape, dt in tensors:
+        n = int(np.prod(shape)) * np.dtype(dt).itemsize
+        out.append((off, n, shape, dt))
+        off += -(-n // 256) * 256
+    return out, off
+
+
+def mlp_scratch(N: int, F: int) -> list:
+    """(shape, dtype) of the MLP's scratch: m = silu(gate) * up, its gradient dm, and d(gate|up)."""
+    return [((N, F), BF16_STORAGE), ((N, F), BF16_STORAGE), ((N, 2 * F), BF16_STORAGE)]
+
+
+def head_chunk_rows(N: int, V: int, arena_bytes: int, chunk_bytes: int | None = None) -> int:
+    """Rows of one output-head chunk (float32 logits and their bf16 gradient, 6V bytes a row).
+
+    By default as many rows as the MLP's scratch holds (the heads run while it is dead), and at least
+    64 MiB of logits; `chunk_bytes` caps the logits at that many bytes instead. The rows are then spread
+    evenly over the chunks: larger chunks make larger, more efficient GEMMs (B64xT512: 2 chunks of
+    16384 rows instead of 8 of 4096).
+
+        >>> head_chunk_rows(N=32768, V=4096, arena_bytes=8 * 32768 * 2048)
+        16384
+        >>> head_chunk_rows(N=8192, V=4096, arena_bytes=8 * 8192 * 2048)    # 64 MiB of logits: 4096 rows
+        4096
+        >>> head_chunk_rows(N=1000, V=4096, arena_bytes=0, chunk_bytes=4 * 4096 * 48)   # 21 chunks
+        48
+    """
+    if chunk_bytes is None:
+        rows = max(2**26 // (4 * V), arena_bytes // (6 * V))
+    else:
+        rows = chunk_bytes // (4 * V)
+    rows = max(1, min(N, rows))
+    return -(-N // -(-N // rows))
+
+
 def _grid(n, threads=256, cap=65535 * 8):
     return (max(1, min(cap, (n + threads - 1) // threads)),)
 
@@ -136,7 +175,7 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, params: dict, *, batch: int, seq: int, lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, max_norm: float = 1.0,
-                 no_decay=None, chunk_bytes: int = 64 * 2**20, attention: str = "auto"):
+                 no_decay=None, chunk_bytes: int | None = None, attention: str = "auto"):
         if attention == "auto":
             attention = "ldm" if cfg.head_dim in _MMA_HEAD_DIMS else "fp32"
         if attention not in ATTENTION_VARIANTS or (attention != "fp32" and cfg.head_dim not in _MMA_HEAD_DIMS):
@@ -286,12 +325,12 @@ class Engine:
             raise ValueError(f"batch {B} x seq {T} exceeds the 32-bit indexing of the RoPE kernels")
         # The MLP's scratch (m, dm, dgu) is dead while the output heads run, and the heads' chunk of
         # logits and their gradient is dead outside them: both sets are views of one arena.
-        self.R = max(1, min(N, chunk_bytes // (4 * V)))
-        mlp = self._carve([((N, F), bf), ((N, F), bf), ((N, 2 * F), bf)])
-        head = self._carve([((self.R, V), f32), ((self.R, V), bf)])
-        self.arena = cp.empty(max(mlp[-1], head[-1]), dtype=np.uint8)
-        self.m, self.dm, self.dgu = (self.arena[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in mlp[0])
-        self.logits, self.dlg = (self.arena[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in head[0])
+        mlp, mlp_bytes = carve(mlp_scratch(N, F))
+        self.R = head_chunk_rows(N, V, mlp_bytes, chunk_bytes)
+        head, head_bytes = carve([((self.R, V), f32), ((self.R, V), bf)])
+        self.arena = cp.empty(max(mlp_bytes, head_bytes), dtype=np.uint8)
+        self.m, self.dm, self.dgu = (self.arena[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in mlp)
+        self.logits, self.dlg = (self.arena[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in head)
         self.dh = e((N, C), bf)  # gradient of a normed activation (a GEMM's output), into the norm's backward
         self.da = e((N, HD), qdt)  # gradient of the attention output
         self.delta = e((B, H, T))
@@ -320,16 +359,6 @@ class Engine:
         self.mdxn = _M(self.dxn)
         self.mob = [_M(x) for x in self.ob]
         cp.cuda.get_current_stream().synchronize()
-
-    @staticmethod
-    def _carve(tensors):
-        """[(shape, dtype)] -> ([(byte offset, bytes, shape, dtype)], total bytes), each 256-byte aligned."""
-        out, off = [], 0
-        for shape, dt in tensors:
-            n = int(np.prod(shape)) * np.dtype(dt).itemsize
-            out.append((off, n, shape, dt))
-            off += -(-n // 256) * 256
-        return out, off
 
     # ---- parameter access ----------------------------------------------------------------------------
 

@@ -48,9 +48,9 @@ def step_gemms(cfg, B, T, rows_per_chunk):
         ("fwd gu = h2 Wgu^T", L, (N, 2 * F, C), (N, C), False, (2 * F, C), True, bf, 0),
         ("fwd ybr = m Wd^T", L, (N, C, F), (N, F), False, (C, F), True, bf, 0),
         # output heads, per head and chunk of rows
-        ("heads logits = xn Wk^T", K * chunks, (R, V, C), (R, C), False, (V, C), True, f32, 0),
+        ("heads logits = xn Wk^T", K * chunks, (R, V, C), (R, C), False, (V, C), True, bf, 0),
         ("heads dxn += dlg Wk", K * chunks, (R, C, V), (R, V), False, (V, C), False, f32, 1),
-        ("heads dWk += dlg^T xn", K * chunks, (V, C, R), (R, V), True, (R, C), False, f32, 1),
+        ("heads dWk += dlg^T xn", K * chunks, (V, C, R), (R, V), True, (R, C), False, f32, int(chunks > 1)),
         # backward, per layer
         ("bwd dm = dx Wd", L, (N, F, C), (N, C), False, (C, F), False, bf, 0),
         ("bwd dWd = dx^T m", L, (C, F, N), (N, C), True, (N, F), False, f32, 0),

@@ -554,53 +554,55 @@ extern "C" __global__ void __launch_bounds__(1024) ce_head_scale(const int* __re
     }
 }
 
-// Head k's logits (R, V) float32 for rows r0 .. r0+R-1 (targets and loss start at row r0); grid (R,),
-// blockDim 256.
+// Head k's logits (R, V) bf16 for rows r0 .. r0+R-1 (targets and loss start at row r0), overwritten in
+// place by their gradient; grid (R,), blockDim 256.
 //   loss[r, k] = lse - z[t]            (0 for ignored rows)
-//   dlg[r, j] = scale[k] * (softmax_j - [j == t])   bf16 (0 for ignored rows)
-// Three passes over the row (max, sum, gradient; the later two mostly hit L1), 16-byte loads and 8-byte
-// bf16 stores when V % 4 == 0; otherwise (V4 = 0) the scalar tail loops cover the row.
+//   z[r, j] <- scale[k] * (softmax_j - [j == t])   bf16 (0 for ignored rows)
+// The logits are bf16 as autocast's linear layers give them; max, sum and lse are float32. Three passes
+// over the row (max, sum, gradient; the later two mostly hit L1), 8-byte accesses (4 values) when
+// V % 4 == 0; otherwise (V4 = 0) the scalar tail loops cover the row. In place is safe: each value is
+// read and then written by the same thread, and z[t] is read before any write (barriers in between).
 extern "C" __global__ void __launch_bounds__(256) ce_heads_fwd_bwd(
-    const float* __restrict__ logits, const int* __restrict__ targets, const float* __restrict__ scale,
-    float* __restrict__ loss, bf16* __restrict__ dlg, int V, int K, int k) {
+    bf16* __restrict__ z, const int* __restrict__ targets, const float* __restrict__ scale,
+    float* __restrict__ loss, int V, int K, int k) {
     __shared__ float red[32];
     const long long r = blockIdx.x;
-    const float* z = logits + r * V;
-    bf16* g = dlg + r * V;
-    const float4* z4 = reinterpret_cast<const float4*>(z);
+    bf16* zr = z + r * V;
+    uint2* z4 = reinterpret_cast<uint2*>(zr);  // the gradient's 4-value stores
     const int V4 = (V & 3) == 0 ? V / 4 : 0, tail = 4 * V4;
     const int t = targets[r * K + k];
     if (t < 0) {
-        for (int j = threadIdx.x; j < V4; j += blockDim.x) reinterpret_cast<uint2*>(g)[j] = make_uint2(0u, 0u);
-        for (int j = tail + threadIdx.x; j < V; j += blockDim.x) g[j] = 0;
+        for (int j = threadIdx.x; j < V4; j += blockDim.x) z4[j] = make_uint2(0u, 0u);
+        for (int j = tail + threadIdx.x; j < V; j += blockDim.x) zr[j] = 0;
         if (threadIdx.x == 0) loss[r * K + k] = 0.f;
         return;
     }
+    const float zt = ld1(zr, t);
     float mx = __int_as_float(0xff800000);
     for (int j = threadIdx.x; j < V4; j += blockDim.x) {
-        const float4 a = z4[j];
+        const float4 a = ld4(zr, j);
         mx = fmaxf(mx, fmaxf(fmaxf(a.x, a.y), fmaxf(a.z, a.w)));
     }
-    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, z[j]);
+    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, ld1(zr, j));
     mx = block_max(mx, red);
     float s = 0.f;
     for (int j = threadIdx.x; j < V4; j += blockDim.x) {
-        const float4 a = z4[j];
+        const float4 a = ld4(zr, j);
         s += (expf(a.x - mx) + expf(a.y - mx)) + (expf(a.z - mx) + expf(a.w - mx));
     }
-    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) s += expf(z[j] - mx);
+    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) s += expf(ld1(zr, j) - mx);
     s = block_sum(s, red);
     const float lse = mx + logf(s);
     const float sc = scale[k];
     for (int j = threadIdx.x; j < V4; j += blockDim.x) {
-        const float4 a = z4[j];
+        const float4 a = ld4(zr, j);
         const int j0 = 4 * j;
-        reinterpret_cast<uint2*>(g)[j] = make_uint2(
+        z4[j] = make_uint2(
             pack2(sc * (expf(a.x - lse) - (j0 == t ? 1.f : 0.f)), sc * (expf(a.y - lse) - (j0 + 1 == t ? 1.f : 0.f))),
             pack2(sc * (expf(a.z - lse) - (j0 + 2 == t ? 1.f : 0.f)), sc * (expf(a.w - lse) - (j0 + 3 == t ? 1.f : 0.f))));
     }
-    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) g[j] = f2bf(sc * (expf(z[j] - lse) - (j == t ? 1.f : 0.f)));
-    if (threadIdx.x == 0) loss[r * K + k] = lse - z[t];
+    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) zr[j] = f2bf(sc * (expf(ld1(zr, j) - lse) - (j == t ? 1.f : 0.f)));
+    if (threadIdx.x == 0) loss[r * K + k] = lse - zt;
 }
 
 // out[0] = sum_k scale[k] * sum_r loss[r, k]. One block of 1024 threads.

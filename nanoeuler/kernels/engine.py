@@ -13,9 +13,10 @@ softmax and the loss are float32. Every matrix product runs on the tensor cores 
 (`cublasGemmEx`, bf16 operands, float32 accumulation); its operands are bf16 copies: the weights (a
 bf16 image of the master weights that the AdamW kernel rewrites after each update), the normed
 activations, the SwiGLU output, the attention output and the gradients flowing into each GEMM.
-Products write float32 where float32 is summed next: the weight gradients, the logits, and the final
-norm's input gradient (summed over the output heads). The others write bf16, as autocast's linear
-layers do: the two branches that join the residual stream (o_proj, down), which the RMSNorm kernel
+Products write float32 where float32 is summed next: the weight gradients and the final norm's input
+gradient (summed over the output heads). The others write bf16, as autocast's linear layers do: the
+logits (the cross-entropy kernel reads them in float32 arithmetic and overwrites them with their bf16
+gradient), the two branches that join the residual stream (o_proj, down), which the RMSNorm kernel
 reading the stream next adds to the float32 stream (cuBLAS took about twice as long to read and
 write the float32 stream itself), and the layers' normed-activation gradients, which the RMSNorm
 backward reads in float32 arithmetic (half the bytes of its largest input). Attention runs on the
@@ -144,24 +145,23 @@ def mlp_scratch(N: int, F: int) -> list:
 
 
 def head_chunk_rows(N: int, V: int, arena_bytes: int, chunk_bytes: int | None = None) -> int:
-    """Rows of one output-head chunk (float32 logits and their bf16 gradient, 6V bytes a row).
+    """Rows of one output-head chunk (bf16 logits, overwritten by their gradient: 2V bytes a row).
 
     By default as many rows as the MLP's scratch holds (the heads run while it is dead), and at least
     64 MiB of logits; `chunk_bytes` caps the logits at that many bytes instead. The rows are then spread
-    evenly over the chunks: larger chunks make larger, more efficient GEMMs (B64xT512: 2 chunks of
-    16384 rows instead of 8 of 4096).
+    evenly over the chunks: larger chunks make larger, more efficient GEMMs.
 
-        >>> head_chunk_rows(N=32768, V=4096, arena_bytes=8 * 32768 * 2048)
-        16384
-        >>> head_chunk_rows(N=8192, V=4096, arena_bytes=8 * 8192 * 2048)    # 64 MiB of logits: 4096 rows
-        4096
-        >>> head_chunk_rows(N=1000, V=4096, arena_bytes=0, chunk_bytes=4 * 4096 * 48)   # 21 chunks
+        >>> head_chunk_rows(N=32768, V=4096, arena_bytes=8 * 32768 * 2048)     # B64xT512: one chunk
+        32768
+        >>> head_chunk_rows(N=40000, V=4096, arena_bytes=2**28)   # 32768 rows fit: 2 chunks of 20000
+        20000
+        >>> head_chunk_rows(N=1000, V=4096, arena_bytes=0, chunk_bytes=2 * 4096 * 48)   # 21 chunks
         48
     """
     if chunk_bytes is None:
-        rows = max(2**26 // (4 * V), arena_bytes // (6 * V))
+        rows = max(2**26, arena_bytes) // (2 * V)
     else:
-        rows = chunk_bytes // (4 * V)
+        rows = chunk_bytes // (2 * V)
     rows = max(1, min(N, rows))
     return -(-N // -(-N // rows))
 
@@ -324,13 +324,12 @@ class Engine:
         if N * self.QKV // 16 >= 2**31:
             raise ValueError(f"batch {B} x seq {T} exceeds the 32-bit indexing of the RoPE kernels")
         # The MLP's scratch (m, dm, dgu) is dead while the output heads run, and the heads' chunk of
-        # logits and their gradient is dead outside them: both sets are views of one arena.
+        # logits (overwritten by their gradient) is dead outside them: both are views of one arena.
         mlp, mlp_bytes = carve(mlp_scratch(N, F))
         self.R = head_chunk_rows(N, V, mlp_bytes, chunk_bytes)
-        head, head_bytes = carve([((self.R, V), f32), ((self.R, V), bf)])
-        self.arena = cp.empty(max(mlp_bytes, head_bytes), dtype=np.uint8)
+        self.arena = cp.empty(max(mlp_bytes, 2 * self.R * V), dtype=np.uint8)
         self.m, self.dm, self.dgu = (self.arena[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in mlp)
-        self.logits, self.dlg = (self.arena[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in head)
+        self.logits = self.arena[:2 * self.R * V].view(bf).reshape(self.R, V)  # then, in place, their gradient
         self.dh = e((N, C), bf)  # gradient of a normed activation (a GEMM's output), into the norm's backward
         self.da = e((N, HD), qdt)  # gradient of the attention output
         self.delta = e((B, H, T))
@@ -524,16 +523,15 @@ class Engine:
         for r0 in range(0, N, R):
             r1 = min(N, r0 + R)
             rr = r1 - r0
-            lg = _M(self.logits[:rr])
-            dl = _M(self.dlg[:rr])
+            lg = _M(self.logits[:rr])  # the logits, then (in place) their gradient
             xc = _M(self.xn[r0:r1])
             dxc = _M(self.dxn[r0:r1])
             for h, (wh, dwh) in enumerate(zip(self.w_head, self.dw_head)):
                 gemm(lg, xc, wh, tb=True)
                 k["ce_heads_fwd_bwd"]((rr,), (256,), (lg.arr, self.tg[r0:r1], self.head_scale,
-                                                      self.loss_rows[r0:r1], dl.arr, i32(V), i32(K), i32(h)))
-                gemm(dxc, dl, wh, beta=0.0 if h == 0 else 1.0)
-                gemm(dwh, dl, xc, ta=True, beta=0.0 if r0 == 0 else 1.0)
+                                                      self.loss_rows[r0:r1], i32(V), i32(K), i32(h)))
+                gemm(dxc, lg, wh, beta=0.0 if h == 0 else 1.0)
+                gemm(dwh, lg, xc, ta=True, beta=0.0 if r0 == 0 else 1.0)
         k["ce_loss_reduce"]((1,), (1024,), (self.loss_rows, self.head_scale, self.loss, i64(N), i32(K)))
 
         nb_rows = self.nb_rows

@@ -810,6 +810,9 @@ __device__ __forceinline__ void cp_tile(bf16 (*dst)[D + FA_PAD], const bf16* bas
         }
     }
 }
+__device__ __forceinline__ void cp_f32(float* dst, const float* src) {  // one float, by cp.async
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_u32(dst)), "l"(src));
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -1068,10 +1071,19 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
             load_tile<D>(Qs[st], Qt, q + bh * T * D, D, qb * FA_BR, T);
             load_tile<D>(Ds[st], Dt, dO + (long long)b * T * HD + (long long)h * D, HD, qb * FA_BR, T);
         }
-        for (int i = threadIdx.x; i < FA_BR; i += blockDim.x) {
+        for (int i = threadIdx.x; i < FA_BR; i += blockDim.x) {  // with LDM also by cp.async: no stall here
             const int t = qb * FA_BR + i;
-            lse_s[st][i] = t < T ? lse[bh * T + t] * LOG2E : 0.f;
-            delta_s[st][i] = t < T ? delta[bh * T + t] : 0.f;
+            if constexpr (LDM) {
+                if (t < T) {
+                    cp_f32(&lse_s[st][i], lse + bh * T + t);
+                    cp_f32(&delta_s[st][i], delta + bh * T + t);
+                } else {
+                    lse_s[st][i] = delta_s[st][i] = 0.f;
+                }
+            } else {
+                lse_s[st][i] = t < T ? lse[bh * T + t] : 0.f;
+                delta_s[st][i] = t < T ? delta[bh * T + t] : 0.f;
+            }
         }
     };
     if constexpr (LDM) {
@@ -1109,7 +1121,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
 #pragma unroll
             for (int n = 0; n < PN; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[n][e] = ex2(fmaf(s[n][e], sl2, -lse_s[st][q0 + qi_of(n, e, c)]));
+                for (int e = 0; e < 4; ++e) s[n][e] = ex2(fmaf(s[n][e], sl2, -LOG2E * lse_s[st][q0 + qi_of(n, e, c)]));
             if (qb == kb || qb == nb - 1) {  // (block-uniform) the causal diagonal, or queries past T: P = 0 there
 #pragma unroll
                 for (int n = 0; n < PN; ++n)

@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:
 
 PEAK_BF16 = 989e12
 ALL_MODES = ("torch-eager", "torch-compile", "ours-fp32", "ours-bf16")
-# also available: ours-bf16-<variant> for each `Engine` attention variant (fused, ldm, mma: tensor-core
+# also available: ours-bf16-<variant> for each `Engine` attention variant (wg, ldm, mma: tensor-core
 # attention; fp32: the float32 FlashAttention of attention.cu); ours-bf16 takes the engine's default
 
 

@@ -18,10 +18,18 @@ def test_there_are_kernel_files():
     assert {"attention", "rmsnorm", "elementwise", "cross_entropy", "adamw"} <= names
 
 
+def _targets():  # sm_90 for every file; also sm_90a (wgmma) for files with code behind its feature macro
+    for path in sources():
+        yield pytest.param(path, "sm_90", id=f"{path.name}-sm_90")
+        if "__CUDA_ARCH_FEAT_SM90_ALL" in path.read_text():
+            yield pytest.param(path, "sm_90a", id=f"{path.name}-sm_90a")
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("path", sources(), ids=lambda p: p.name)
-def test_cu_file_compiles(path, tmp_path):
-    out = subprocess.run([NVCC, "-arch=sm_90", *COMPILE_OPTIONS, "-c", "-o", str(tmp_path / "k.o"), str(path)],
+@pytest.mark.parametrize("path,arch", list(_targets()))
+def test_cu_file_compiles(path, arch, tmp_path):
+    target = f"-gencode=arch=compute_{arch[3:]},code={arch}"
+    out = subprocess.run([NVCC, target, *COMPILE_OPTIONS, "-c", "-o", str(tmp_path / "k.o"), str(path)],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 

@@ -7,7 +7,10 @@ every kernel against its reference.
 
 CuPy is imported only when a kernel is first asked for, so importing this package on a CPU-only install
 costs nothing. Modules are compiled once per process and device (NVRTC, for the device's own
-architecture; CuPy also keeps compiled binaries in its on-disk kernel cache).
+architecture; CuPy also keeps compiled binaries in its on-disk kernel cache). On a Hopper GPU
+(compute capability 9.0) they are built for sm_90a, the target that has the warpgroup instructions
+(wgmma); code that needs them sits behind `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)`, and
+`has_sm90a()` tells the host whether it was built.
 
     >>> fn = kernel("elementwise", "swiglu_fwd")        # doctest: +SKIP
     >>> launch(fn, n, (g, u, h, np.int64(n)))           # doctest: +SKIP
@@ -38,9 +41,18 @@ def module(name: str):
     mod = _MODULES.get(key)
     if mod is None:
         code = (KERNEL_DIR / f"{name}.cu").read_text(encoding="utf-8")
-        mod = cupy.RawModule(code=code, options=COMPILE_OPTIONS)
+        # CuPy appends its own -arch=sm_90; NVRTC then builds for the sm_90a named here
+        extra = ("-arch=sm_90a",) if has_sm90a() else ()
+        mod = cupy.RawModule(code=code, options=COMPILE_OPTIONS + extra)
         _MODULES[key] = mod
     return mod
+
+
+def has_sm90a() -> bool:
+    """Whether kernels are built for sm_90a (the current device has compute capability 9.0)."""
+    import cupy
+
+    return cupy.cuda.Device().compute_capability == "90"
 
 
 def kernel(file: str, name: str):

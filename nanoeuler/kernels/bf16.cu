@@ -1267,6 +1267,205 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
 FLASH_MMA_KERNELS(32)
 FLASH_MMA_KERNELS(64)
 
+// ---- Hopper warpgroup attention forward (wgmma, sm_90a) -------------------------------------------------
+// Has a body only when built for sm_90a (the module is, on a compute-capability-9.0 device: see
+// kernels/__init__.py); elsewhere the engine uses flash_fwd_ldm. Same arithmetic and outputs as flash_fwd_ldm_d64, with the
+// block's 4 warps acting as one warpgroup: each key tile's S = Q K^T (64 x 64) is 4 wgmma.m64n64k16
+// (Q from registers, K from shared memory) and O += P V another 4 (P from registers, the accumulator
+// layout of S being the A-fragment layout, V from shared memory read transposed by the tensor core).
+// No ldmatrix: the tensor core reads K and V from shared memory itself, in the 128-byte-swizzled layout
+// below. The accumulators have the mma.sync C layout per warp (warp w holds rows 16w .. 16w+15), so the
+// softmax is the one of flash_fwd_mma_impl.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// A 64 x 64 bf16 tile (128-byte rows) as wgmma reads it with 128-byte swizzling: the 16-byte chunk j
+// of row r lies at chunk j ^ (r % 8) of that row, and the tile starts 1024-byte aligned.
+__device__ __forceinline__ unsigned sw128(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+// cp.async of a 64-row tile (rows r0.., row stride ld) into the swizzled tile at shared address dst;
+// rows >= rmax become zeros. 128 threads.
+__device__ __forceinline__ void cp_tile_sw(unsigned dst, const bf16* base, long long ld, int r0, int rmax) {
+    for (int i = threadIdx.x; i < FA_BR * 8; i += blockDim.x) {
+        const int row = i >> 3, ch = i & 7;
+        const unsigned sa = dst + sw128(row, ch);
+        if (r0 + row < rmax) {
+            const bf16* src = base + (long long)(r0 + row) * ld + ch * 8;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(src));
+        } else {
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sa), "r"(0u));
+        }
+    }
+}
+
+// Shared-memory matrix descriptor (PTX "matrix descriptor"): start address, leading and stride byte
+// offsets (16-byte units), 128-byte swizzle. Stride 1024 bytes: the next 8 rows of the tile. K-major
+// operands (K here, rows = n, 64 contiguous k) start at +32 bytes per 16 k; the transposed operand
+// (V, rows = k, 64 contiguous n) starts at +2048 bytes per 16 k, and its leading offset, the step to
+// the next 64 n, never comes into play for n = 64.
+__device__ __forceinline__ unsigned long long wg_desc(unsigned saddr, unsigned lead16) {
+    return (unsigned long long)((saddr & 0x3FFFFu) >> 4) | ((unsigned long long)lead16 << 16) | (64ull << 32) |
+           (1ull << 62);
+}
+
+// d (64 x 64, float32, this thread's 32 values in the mma C layout) += A (64 x 16, this thread's 4 A
+// registers) * B (16 x 64 from shared memory; TB = 1: stored with n contiguous). Asynchronous: the
+// caller fences before, commits and waits after.
+template <int TB>
+__device__ __forceinline__ void wgmma_64x64x16(float (&d)[8][4], const unsigned (&a)[4], unsigned long long b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, 1, 1, 1, %37;\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+          "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+          "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB));
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit_wait() {
+    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Registers a wgmma reads or writes asynchronously: "used" here, after the wait, so the compiler
+// neither reads the results early nor reuses the operands' registers while the wgmma runs.
+template <int N>
+__device__ __forceinline__ void wg_hold(float (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i][0]), "+f"(r[i][1]), "+f"(r[i][2]), "+f"(r[i][3])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void wg_hold(unsigned (&r)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i][0]), "+r"(r[i][1]), "+r"(r[i][2]), "+r"(r[i][3])::"memory");
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+extern "C" __global__ void __launch_bounds__(128) flash_fwd_wg_d64(const bf16* __restrict__ q, const bf16* __restrict__ k,
+                                                                 const bf16* __restrict__ v, bf16* __restrict__ o,
+                                                                 float* __restrict__ lse, int H, int Hkv, int T,
+                                                                 float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int D = 64, KC = D / 16, NT = D / 8, ST = FA_BR / 8, TILE = FA_BR * D * 2;
+    __shared__ __align__(128) unsigned char smem_raw[4 * TILE + 1024];
+    const unsigned sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;  // K stage 0, 1, then V stage 0, 1
+    const int nqb = (T + FA_BR - 1) / FA_BR;
+    const int qb = nqb - 1 - blockIdx.y;  // longest rows first (see "Grids" above)
+    const int bh = blockIdx.x, b = bh / H, h = bh % H, hk = h / (H / Hkv);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const bf16* kh = k + ((long long)b * Hkv + hk) * T * D;
+    const bf16* vh = v + ((long long)b * Hkv + hk) * T * D;
+    const int r0 = qb * FA_BR + warp * 16;
+    auto load = [&](int t, int st) {  // key tile t into stage st
+        cp_tile_sw(sbase + st * TILE, kh, D, t * FA_BR, T);
+        cp_tile_sw(sbase + (2 + st) * TILE, vh, D, t * FA_BR, T);
+    };
+    load(0, 0);
+    cp_commit();
+    unsigned qa[KC][4];
+    load_a_frags<D>(qa, q + (long long)bh * T * D, D, r0, T, g, c);
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    const float NEG = __int_as_float(0xff800000);
+    float m0 = NEG, m1 = NEG, l0 = 0.f, l1 = 0.f;
+    const float sl2 = scale * LOG2E;
+    const int rowA = r0 + g, rowB = r0 + g + 8;
+    for (int kb = 0; kb <= qb; ++kb) {
+        const int st = kb & 1;
+        if (kb < qb) {
+            load(kb + 1, st ^ 1);
+            cp_commit();
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the tile's writes, seen by wgmma
+        __syncthreads();
+        float s[ST][4];
+#pragma unroll
+        for (int n = 0; n < ST; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) wgmma_64x64x16<0>(s, qa[kc], wg_desc(sbase + st * TILE + kc * 32, 1));
+        wg_commit_wait();
+        wg_hold(s);
+        float mx0 = NEG, mx1 = NEG;
+        if (kb == qb) {  // the diagonal tile (see flash_fwd_mma_impl)
+#pragma unroll
+            for (int n = 0; n < ST; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = kb * FA_BR + n * 8 + 2 * c + (e & 1);
+                    if (key > (e < 2 ? rowA : rowB) || key >= T) s[n][e] = NEG;
+                }
+        }
+#pragma unroll
+        for (int n = 0; n < ST; ++n) {
+            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float mn0 = fmaxf(m0, mx0 * sl2), mn1 = fmaxf(m1, mx1 * sl2);
+        const float base0 = mn0 == NEG ? 0.f : mn0, base1 = mn1 == NEG ? 0.f : mn1;
+        const float al0 = ex2(m0 - base0), al1 = ex2(m1 - base1);
+        m0 = mn0;
+        m1 = mn1;
+        l0 *= al0;
+        l1 *= al1;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            acc[n][0] *= al0; acc[n][1] *= al0;
+            acc[n][2] *= al1; acc[n][3] *= al1;
+        }
+        unsigned pa[FA_BR / 16][4];
+#pragma unroll
+        for (int n = 0; n < ST; ++n) {
+            s[n][0] = ex2(fmaf(s[n][0], sl2, -base0)); s[n][1] = ex2(fmaf(s[n][1], sl2, -base0));
+            s[n][2] = ex2(fmaf(s[n][2], sl2, -base1)); s[n][3] = ex2(fmaf(s[n][3], sl2, -base1));
+            l0 += s[n][0] + s[n][1];
+            l1 += s[n][2] + s[n][3];
+            pa[n / 2][(n & 1) * 2] = pack2(s[n][0], s[n][1]);
+            pa[n / 2][(n & 1) * 2 + 1] = pack2(s[n][2], s[n][3]);
+        }
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < FA_BR / 16; ++kk) wgmma_64x64x16<1>(acc, pa[kk], wg_desc(sbase + (2 + st) * TILE + kk * 2048, 64));
+        wg_commit_wait();
+        wg_hold(acc);
+        wg_hold(pa);
+        __syncthreads();  // stage st is refilled by the next iteration
+    }
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+    const long long HD = (long long)H * D;
+    if (rowA < T) {
+        bf16* orow = o + ((long long)b * T + rowA) * HD + (long long)h * D;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+            *reinterpret_cast<unsigned*>(orow + n * 8 + 2 * c) = pack2(acc[n][0] * inv0, acc[n][1] * inv0);
+        if (c == 0) lse[(long long)bh * T + rowA] = (m0 + log2f(l0)) * LN2;
+    }
+    if (rowB < T) {
+        bf16* orow = o + ((long long)b * T + rowB) * HD + (long long)h * D;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+            *reinterpret_cast<unsigned*>(orow + n * 8 + 2 * c) = pack2(acc[n][2] * inv1, acc[n][3] * inv1);
+        if (c == 0) lse[(long long)bh * T + rowB] = (m1 + log2f(l1)) * LN2;
+    }
+#else
+    __trap();  // built for another target: the engine launches this kernel only on sm_90a builds
+#endif
+}
+
 // qkv (N, (H+2Hkv)*D) bf16 -> q (B,H,T,D), k (B,Hkv,T,D) rotated, v (B,Hkv,T,D), all bf16 (the tensor-core
 // attention's operands). One thread per 8 pairs (i .. i+7 with i + D/2 .. i+D/2+7) of one head of one row:
 // 16-byte loads and stores (needs D % 16 == 0; the engine's tensor-core attention has D 32 or 64).

@@ -21,13 +21,14 @@ reading the stream next adds to the float32 stream (cuBLAS took about twice as l
 write the float32 stream itself), and the layers' normed-activation gradients, which the RMSNorm
 backward reads in float32 arithmetic (half the bytes of its largest input). Attention runs on the
 tensor cores too (`flash_*` in bf16.cu: bf16 q/k/v/O/dO, float32 softmax statistics and accumulators)
-for head sizes 32 and 64, in two variants of the same arithmetic: `attention="ldm"` (the default) loads
-the mma operands from shared memory with ldmatrix and streams the next tile in with cp.async while one
-is in use; `"mma"` loads them with plain 32-bit loads and copies tiles synchronously (slower). The
-backward runs in two kernels (dq, which also computes delta = rowsum(dO * O), then dk/dv; each
-recomputes S and dP, and neither uses atomics, so attention's gradients are deterministic) that write
-dq, dk (with the RoPE rotation undone) and dv as bf16 straight into the gradient operand of the qkv
-GEMM. `attention="fp32"` selects the float32 FlashAttention of `attention.cu` on float32 q/k/v instead
+for head sizes 32 and 64, in variants of the same arithmetic: `attention="ldm"` loads the mma operands
+from shared memory with ldmatrix and streams the next tile in with cp.async while one is in use;
+`"mma"` loads them with plain 32-bit loads and copies tiles synchronously (slower); `"wg"`, the default
+for head size 64 on a compute-capability-9.0 GPU (H100, H200), runs the forward as warpgroup matrix
+products (wgmma, sm_90a) and the backward as `"ldm"` does. The backward runs in two kernels (dq, which
+also computes delta = rowsum(dO * O), then dk/dv; each recomputes S and dP, and neither uses atomics,
+so attention's gradients are deterministic) that write dq, dk (with the RoPE rotation undone) and dv
+as bf16 straight into the gradient operand of the qkv GEMM. `attention="fp32"` selects the float32 FlashAttention of `attention.cu` on float32 q/k/v instead
 (the only choice for other head sizes).
 
 Memory. All tensors live in buffers allocated once in `__init__`: flat float32 arrays for parameters,
@@ -56,7 +57,7 @@ import math
 import cupy as cp
 import numpy as np
 
-from nanoeuler.kernels import kernel
+from nanoeuler.kernels import has_sm90a, kernel
 from nanoeuler.model import layers
 from nanoeuler.model.config import ModelConfig
 from nanoeuler.optim import default_no_decay
@@ -71,7 +72,7 @@ _OP_N, _OP_T = 0, 1
 _ALIGN = 64  # elements: every tensor of the flat buffers starts 256-byte aligned (float32)
 _FLASH = {16: (1, 128), 32: (1, 128), 64: (2, 64), 128: (4, 32)}  # as in ops.py / attention.cu
 _MMA_HEAD_DIMS = (32, 64)  # tensor-core FlashAttention of bf16.cu
-ATTENTION_VARIANTS = ("ldm", "mma", "fp32")
+ATTENTION_VARIANTS = ("wg", "ldm", "mma", "fp32")
 
 BF16_STORAGE = np.uint16  # bf16 words; converted by the kernels
 _NULL = np.uint64(0)  # a null pointer argument (an optional input or output a kernel skips)
@@ -177,9 +178,12 @@ class Engine:
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, max_norm: float = 1.0,
                  no_decay=None, chunk_bytes: int | None = None, attention: str = "auto"):
         if attention == "auto":
-            attention = "ldm" if cfg.head_dim in _MMA_HEAD_DIMS else "fp32"
-        if attention not in ATTENTION_VARIANTS or (attention != "fp32" and cfg.head_dim not in _MMA_HEAD_DIMS):
-            raise ValueError(f"attention {attention!r} for head_dim {cfg.head_dim}")
+            attention = ("wg" if cfg.head_dim == 64 and has_sm90a() else
+                         "ldm" if cfg.head_dim in _MMA_HEAD_DIMS else "fp32")
+        if (attention not in ATTENTION_VARIANTS or (attention != "fp32" and cfg.head_dim not in _MMA_HEAD_DIMS)
+                or (attention == "wg" and (cfg.head_dim != 64 or not has_sm90a()))):
+            raise ValueError(f"attention {attention!r} for head_dim {cfg.head_dim}"
+                             + (" (needs head_dim 64 on a compute-capability-9.0 GPU)" if attention == "wg" else ""))
         self.attention = attention
         if cfg.head_dim not in _FLASH:
             raise ValueError(f"head_dim {cfg.head_dim} not supported by the attention kernels ({sorted(_FLASH)})")
@@ -259,9 +263,11 @@ class Engine:
             "rmsnorm_bwd_bf16_f32dy", "rmsnorm_dw_reduce", "qkv_rope_split",
             "rope_bwd_pack", "attn_pack", "attn_delta", "swiglu_fwd_bf16", "swiglu_bwd_bf16", "ce_head_scale",
             "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16")}
-        if attention != "fp32":  # "mma": B fragments by 32-bit shared loads; "ldm": by ldmatrix
-            self._mma = {name: kernel("bf16", f"{name}_{attention}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
-                                                                                      "flash_bwd_dq")}
+        if attention != "fp32":  # "mma": B fragments by 32-bit shared loads; "ldm": by ldmatrix; "wg": the
+            # wgmma forward, then the ldm backward
+            bwd = "ldm" if attention == "wg" else attention
+            self._mma = {"flash_fwd": kernel("bf16", f"flash_fwd_{attention}_d{D}"),
+                         **{name: kernel("bf16", f"{name}_{bwd}_d{D}") for name in ("flash_bwd_dkdv", "flash_bwd_dq")}}
         self._flash = {name: kernel("attention", f"{name}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
                                                                                 "flash_bwd_dq")}
         self._k["f32_to_bf16"](_grid(off), (256,), (self.P, self.Pb, np.int64(off)))

@@ -249,13 +249,17 @@ def case_bf16_flash(rng, shape):
     """shape (B, H, Hkv, T, D, variant): tensor-core causal GQA attention forward and backward on bf16
     operands, against the float64 layer on the same (bf16-valued) inputs. The backward's output is the
     qkv GEMM's gradient operand dqkv (N, (H+2Hkv)*D): dq and dk with the RoPE rotation undone, and dv.
-    Variants: "mma" / "ldm"."""
+    Variants: "mma" / "ldm"; "wg" (sm_90a builds only, else no rows): the wgmma forward, then the ldm
+    backward."""
     import cupy
 
-    from nanoeuler.kernels import kernel
+    from nanoeuler.kernels import has_sm90a, kernel
     from nanoeuler.model import layers
 
     B, H, Hkv, T, D, var = shape
+    if var == "wg" and not has_sm90a():
+        return []
+    bwd = "ldm" if var == "wg" else var
     N, W = B * T, (H + 2 * Hkv) * D
     qb, q = _dev_bf16(_randn(rng, (B, H, T, D), 1.5))
     kb, k = _dev_bf16(_randn(rng, (B, Hkv, T, D), 1.5))
@@ -273,8 +277,8 @@ def case_bf16_flash(rng, shape):
     dqkv = cupy.empty((N, W), dtype=np.uint16)
     rope = (dqkv, _g(cos), _g(sin), *dims)
     # the dq kernel runs first: it also writes delta = rowsum(dO * O), which the dk/dv kernel reads
-    kernel("bf16", "flash_bwd_dq_%s_d%d" % (var, D))((B * H, nb), (128,), (qb, kb, vb, db, o, lse, delta, *rope))
-    kernel("bf16", "flash_bwd_dkdv_%s_d%d" % (var, D))((B * Hkv, nb), (128,), (qb, kb, vb, db, lse, delta, *rope))
+    kernel("bf16", "flash_bwd_dq_%s_d%d" % (bwd, D))((B * H, nb), (128,), (qb, kb, vb, db, o, lse, delta, *rope))
+    kernel("bf16", "flash_bwd_dkdv_%s_d%d" % (bwd, D))((B * Hkv, nb), (128,), (qb, kb, vb, db, lse, delta, *rope))
     out_r, cache = layers.attention_forward(q, k, v)
     dq_r, dk_r, dv_r = layers.attention_backward(d64.reshape(B, T, H, D).transpose(0, 2, 1, 3), cache)
     c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
@@ -312,12 +316,15 @@ def case_engine(rng, shape):
     optimizer step (clip + AdamW) vs float64 optim on the engine's own gradients."""
     import cupy
 
+    from nanoeuler.kernels import has_sm90a
     from nanoeuler.kernels.engine import Engine
     from nanoeuler.model import transformer
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.optim import AdamW, clip_grad_norm
 
     which, B, T, attention = shape
+    if attention == "wg" and not has_sm90a():
+        return []
     if which == "small":
         cfg = ModelConfig.named("small")
     else:
@@ -380,11 +387,16 @@ CASES_BF16 = [
     (case_bf16_flash, (2, 4, 2, 37, 32, "ldm"), "B2 H4/2 T37 D32", {}),
     (case_bf16_flash, (1, 12, 4, 512, 64, "ldm"), "B1 H12/4 T512 D64", {}),
     (case_bf16_flash, (3, 12, 4, 1024, 64, "ldm"), "B3 H12/4 T1024 D64", {}),
+    (case_bf16_flash, (2, 12, 4, 100, 64, "wg"), "B2 H12/4 T100 D64", {}),
+    (case_bf16_flash, (1, 4, 4, 129, 64, "wg"), "B1 H4/4 T129 D64", {}),
+    (case_bf16_flash, (1, 12, 4, 512, 64, "wg"), "B1 H12/4 T512 D64", {}),
+    (case_bf16_flash, (3, 12, 4, 1024, 64, "wg"), "B3 H12/4 T1024 D64", {}),
     (case_engine, ("small", 2, 100, "mma"), "small preset B2 T100 D32", {}),
     (case_engine, ("d64", 2, 200, "mma"), "2 layers D64 B2 T200", {}),
     (case_engine, ("d64", 2, 200, "fp32"), "2 layers D64 B2 T200 fp32-attn", {}),
     (case_engine, ("d64", 2, 200, "ldm"), "2 layers D64 B2 T200 ldm-attn", {}),
     (case_engine, ("small", 2, 100, "ldm"), "small preset B2 T100 ldm-attn", {}),
+    (case_engine, ("d64", 2, 200, "wg"), "2 layers D64 B2 T200 wg-attn", {}),
 ]
 
 __all__ = ["CASES_BF16", "to_bf16", "from_bf16", "bf16_round", "math"]

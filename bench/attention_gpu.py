@@ -6,8 +6,8 @@ scaled_dot_product_attention backends, same shapes, same process.
 
 Ours, per layer of the `gpu` preset: flash_fwd_ldm (O and logsumexp), flash_bwd_dq_ldm (dq, and
 delta = rowsum(dO * O) for the next kernel), flash_bwd_dkdv_ldm (dk, dv); dq, dk and dv are written into
-the qkv gradient operand with RoPE undone. On a compute-capability-9.0 GPU also the wgmma forward,
-flash_fwd_wg_d64 (row "ours-wg").
+the qkv gradient operand with RoPE undone. On a compute-capability-9.0 GPU also the same three
+kernels on warpgroup matrix products, flash_*_wg_d64 (row "ours-wg").
 
 PyTorch: `scaled_dot_product_attention(is_causal=True, enable_gqa=True)` on (B, H, T, D) bf16, forward
 and backward (autograd), under each SDPA backend that accepts the shapes (flash, cudnn, efficient).
@@ -90,9 +90,11 @@ def ours(B, T, H, Hkv, D, rng):
     rope = (dqkv, cos, sin, i32(H), i32(Hkv), i32(T), scale)
     times["dq"] = timed(lambda: dq((B * H, nb), (128,), (q, k, v, dout, o, lse, delta, *rope)))
     times["dkdv"] = timed(lambda: dkdv((B * Hkv, nb), (128,), (q, k, v, dout, lse, delta, *rope)))
-    if D == 64 and has_sm90a():  # the wgmma forward (sm_90a builds)
-        fwd_wg = kernel("bf16", "flash_fwd_wg_d64")
-        times["fwd wg"] = timed(lambda: fwd_wg((B * H, nb), (128,), (q, k, v, o, lse, i32(H), i32(Hkv), i32(T), scale)))
+    if D == 64 and has_sm90a():  # the wgmma kernels (sm_90a builds)
+        fwd, dkdv, dq = (kernel("bf16", f"{k}_wg_d64") for k in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"))
+        times["wg fwd"] = timed(lambda: fwd((B * H, nb), (128,), (q, k, v, o, lse, i32(H), i32(Hkv), i32(T), scale)))
+        times["wg dq"] = timed(lambda: dq((B * H, nb), (128,), (q, k, v, dout, o, lse, delta, *rope)))
+        times["wg dkdv"] = timed(lambda: dkdv((B * Hkv, nb), (128,), (q, k, v, dout, lse, delta, *rope)))
     cupy.cuda.Stream.null.synchronize()
     return times
 
@@ -144,9 +146,11 @@ def main(argv=None) -> int:
                      f"{fwd_flop / times['fwd'] / 1e9:6.1f} {2.5 * fwd_flop / bwd / 1e9:6.1f}  "
                      f"(dq with delta {times['dq']:.3f}, dkdv {times['dkdv']:.3f})")
         print(lines[-1], flush=True)
-        if "fwd wg" in times:
-            lines.append(f"B{B}xT{T:<5} ours-wg (fwd)     {times['fwd wg']:7.3f}     -    "
-                         f"{fwd_flop / times['fwd wg'] / 1e9:6.1f}      -")
+        if "wg fwd" in times:
+            bwd = times["wg dkdv"] + times["wg dq"]
+            lines.append(f"B{B}xT{T:<5} ours-wg           {times['wg fwd']:7.3f} {bwd:7.3f}  "
+                         f"{fwd_flop / times['wg fwd'] / 1e9:6.1f} {2.5 * fwd_flop / bwd / 1e9:6.1f}  "
+                         f"(dq with delta {times['wg dq']:.3f}, dkdv {times['wg dkdv']:.3f})")
             print(lines[-1], flush=True)
         if not args.no_torch:
             for name, res in torch_sdpa(B, T, H, Hkv, D).items():

@@ -909,7 +909,8 @@ __device__ __forceinline__ void mma_p_tile(float (&acc)[D / 8][4], const float (
 // shared-memory stage s. With LDM (two stages, cp.async), tile it is already in flight (started by the
 // step before, or by the prologue's load(0, 0)); this starts tile it + 1 into the other stage, then
 // waits for tile it. Without, it loads tile it synchronously into stage 0.
-template <bool LDM, typename Load>
+// WG: the tiles are read by wgmma (the async proxy), which needs a proxy fence after the copies land.
+template <bool LDM, typename Load, bool WG = false>
 __device__ __forceinline__ void tile_step(int it, int n, int st, Load&& load) {
     if constexpr (LDM) {
         if (it + 1 < n) {
@@ -919,6 +920,7 @@ __device__ __forceinline__ void tile_step(int it, int n, int st, Load&& load) {
         } else {
             cp_wait<0>();
         }
+        if constexpr (WG) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
     } else {
         __syncthreads();
@@ -1145,6 +1147,30 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
     store_dqkv_rows<D>(dva, dqkv, W, b, T, kb * FA_BR + warp * 16, (H + Hkv + hk) * D, 1.f, false, cos_t, sin_t, g, c);
 }
 
+// delta = rowsum(dO * O) of a warp's 16 rows r0.. (dA: row r0 + g, dB: row r0 + g + 8), from dO's A
+// fragments and O's (rows g | g + 8 in regs 0, 2 | 1, 3), summed over the quad's four threads; stored
+// into delta_h (one (b, h)'s T values) for the dk/dv kernel, which runs after the dq kernel.
+template <int D>
+__device__ __forceinline__ void rows_delta(float& dA, float& dB, const unsigned (&doa)[D / 16][4], const bf16* o_rows,
+                                           long long ld, int r0, int T, int g, int c, float* __restrict__ delta_h) {
+    unsigned oa[D / 16][4];
+    load_a_frags<D>(oa, o_rows, ld, r0, T, g, c);
+    dA = dB = 0.f;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+        dA += lo_bf(doa[kc][0]) * lo_bf(oa[kc][0]) + hi_bf(doa[kc][0]) * hi_bf(oa[kc][0]) +
+              lo_bf(doa[kc][2]) * lo_bf(oa[kc][2]) + hi_bf(doa[kc][2]) * hi_bf(oa[kc][2]);
+        dB += lo_bf(doa[kc][1]) * lo_bf(oa[kc][1]) + hi_bf(doa[kc][1]) * hi_bf(oa[kc][1]) +
+              lo_bf(doa[kc][3]) * lo_bf(oa[kc][3]) + hi_bf(doa[kc][3]) * hi_bf(oa[kc][3]);
+    }
+    dA += __shfl_xor_sync(0xffffffffu, dA, 1);
+    dA += __shfl_xor_sync(0xffffffffu, dA, 2);
+    dB += __shfl_xor_sync(0xffffffffu, dB, 1);
+    dB += __shfl_xor_sync(0xffffffffu, dB, 2);
+    if (c == 0 && r0 + g < T) delta_h[r0 + g] = dA;
+    if (c == 0 && r0 + g + 8 < T) delta_h[r0 + g + 8] = dB;
+}
+
 // dq for 64 queries of one (b, h): loops over the key tiles up to the diagonal.
 template <int D, bool LDM>
 __device__ __forceinline__ void flash_bwd_dq_mma_impl(
@@ -1182,26 +1208,9 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     load_a_frags<D>(doa, dO + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
     const float lA = rowA < T ? lse[(long long)bh * T + rowA] * LOG2E : 0.f;
     const float lB = rowB < T ? lse[(long long)bh * T + rowB] * LOG2E : 0.f;
-    // delta = rowsum(dO * O) of this warp's rows, from the same A fragments (rows g | g + 8 in regs 0, 2 |
-    // 1, 3), summed over the quad's four threads; stored for the dk/dv kernel, which runs after this one
-    float dA = 0.f, dB = 0.f;
-    {
-        unsigned oa[KC][4];
-        load_a_frags<D>(oa, o + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
-#pragma unroll
-        for (int kc = 0; kc < KC; ++kc) {
-            dA += lo_bf(doa[kc][0]) * lo_bf(oa[kc][0]) + hi_bf(doa[kc][0]) * hi_bf(oa[kc][0]) +
-                  lo_bf(doa[kc][2]) * lo_bf(oa[kc][2]) + hi_bf(doa[kc][2]) * hi_bf(oa[kc][2]);
-            dB += lo_bf(doa[kc][1]) * lo_bf(oa[kc][1]) + hi_bf(doa[kc][1]) * hi_bf(oa[kc][1]) +
-                  lo_bf(doa[kc][3]) * lo_bf(oa[kc][3]) + hi_bf(doa[kc][3]) * hi_bf(oa[kc][3]);
-        }
-        dA += __shfl_xor_sync(0xffffffffu, dA, 1);
-        dA += __shfl_xor_sync(0xffffffffu, dA, 2);
-        dB += __shfl_xor_sync(0xffffffffu, dB, 1);
-        dB += __shfl_xor_sync(0xffffffffu, dB, 2);
-        if (c == 0 && rowA < T) delta[(long long)bh * T + rowA] = dA;
-        if (c == 0 && rowB < T) delta[(long long)bh * T + rowB] = dB;
-    }
+    float dA, dB;
+    rows_delta<D>(dA, dB, doa, o + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c,
+                  delta + (long long)bh * T);
     float acc[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
@@ -1307,22 +1316,41 @@ __device__ __forceinline__ unsigned long long wg_desc(unsigned saddr, unsigned l
            (1ull << 62);
 }
 
-// d (64 x 64, float32, this thread's 32 values in the mma C layout) += A (64 x 16, this thread's 4 A
-// registers) * B (16 x 64 from shared memory; TB = 1: stored with n contiguous). Asynchronous: the
-// caller fences before, commits and waits after.
-template <int TB>
+// d (64 x 64, float32, this thread's 32 values in the mma C layout) = (ACC ? d : 0) + A (64 x 16, this
+// thread's 4 A registers) * B (16 x 64 from shared memory; TB = 1: stored with n contiguous).
+// Asynchronous: the caller fences before, commits and waits after.
+template <int TB, int ACC = 1>
 __device__ __forceinline__ void wgmma_64x64x16(float (&d)[8][4], const unsigned (&a)[4], unsigned long long b) {
     asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, 1, 1, 1, %37;\n"
+        "{%32, %33, %34, %35}, %36, p, 1, 1, %37;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
           "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
           "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
           "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
           "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB), "n"(ACC));
+}
+// d (+)= A (64 x 64, 4 k-steps of A registers) * B, the 64 x 64 tile at shared address `tile`: read as
+// [n][k] (TB = 0, K-major: 32 bytes further per 16 k) or as [k][n] (TB = 1: 2048 bytes further).
+template <int TB, int ACC>
+__device__ __forceinline__ void wgmma_64x64x64(float (&d)[8][4], const unsigned (&a)[4][4], unsigned tile) {
+    wgmma_64x64x16<TB, ACC>(d, a[0], wg_desc(tile, TB ? 64 : 1));
+#pragma unroll
+    for (int kc = 1; kc < 4; ++kc) wgmma_64x64x16<TB, 1>(d, a[kc], wg_desc(tile + kc * (TB ? 2048 : 32), TB ? 64 : 1));
+}
+// 4 A-register k-steps (16 rows x 64 columns of a warp, bf16) from 64 float accumulator columns
+__device__ __forceinline__ void frags_of(unsigned (&a)[4][4], const float (&x)[8][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        a[kk][0] = pack2(x[2 * kk][0], x[2 * kk][1]);
+        a[kk][1] = pack2(x[2 * kk][2], x[2 * kk][3]);
+        a[kk][2] = pack2(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+        a[kk][3] = pack2(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+    }
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit_wait() {
@@ -1375,21 +1403,10 @@ extern "C" __global__ void __launch_bounds__(128) flash_fwd_wg_d64(const bf16* _
     const int rowA = r0 + g, rowB = r0 + g + 8;
     for (int kb = 0; kb <= qb; ++kb) {
         const int st = kb & 1;
-        if (kb < qb) {
-            load(kb + 1, st ^ 1);
-            cp_commit();
-            cp_wait<1>();
-        } else {
-            cp_wait<0>();
-        }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the tile's writes, seen by wgmma
-        __syncthreads();
+        tile_step<true, decltype(load)&, true>(kb, qb + 1, st, load);
         float s[ST][4];
-#pragma unroll
-        for (int n = 0; n < ST; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
         wg_fence();
-#pragma unroll
-        for (int kc = 0; kc < KC; ++kc) wgmma_64x64x16<0>(s, qa[kc], wg_desc(sbase + st * TILE + kc * 32, 1));
+        wgmma_64x64x64<0, 0>(s, qa, sbase + st * TILE);  // S = Q K^T
         wg_commit_wait();
         wg_hold(s);
         float mx0 = NEG, mx1 = NEG;
@@ -1423,19 +1440,17 @@ extern "C" __global__ void __launch_bounds__(128) flash_fwd_wg_d64(const bf16* _
             acc[n][0] *= al0; acc[n][1] *= al0;
             acc[n][2] *= al1; acc[n][3] *= al1;
         }
-        unsigned pa[FA_BR / 16][4];
 #pragma unroll
         for (int n = 0; n < ST; ++n) {
             s[n][0] = ex2(fmaf(s[n][0], sl2, -base0)); s[n][1] = ex2(fmaf(s[n][1], sl2, -base0));
             s[n][2] = ex2(fmaf(s[n][2], sl2, -base1)); s[n][3] = ex2(fmaf(s[n][3], sl2, -base1));
             l0 += s[n][0] + s[n][1];
             l1 += s[n][2] + s[n][3];
-            pa[n / 2][(n & 1) * 2] = pack2(s[n][0], s[n][1]);
-            pa[n / 2][(n & 1) * 2 + 1] = pack2(s[n][2], s[n][3]);
         }
+        unsigned pa[4][4];
+        frags_of(pa, s);
         wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < FA_BR / 16; ++kk) wgmma_64x64x16<1>(acc, pa[kk], wg_desc(sbase + (2 + st) * TILE + kk * 2048, 64));
+        wgmma_64x64x64<1, 1>(acc, pa, sbase + (2 + st) * TILE);  // O += P V
         wg_commit_wait();
         wg_hold(acc);
         wg_hold(pa);
@@ -1463,6 +1478,184 @@ extern "C" __global__ void __launch_bounds__(128) flash_fwd_wg_d64(const bf16* _
     }
 #else
     __trap();  // built for another target: the engine launches this kernel only on sm_90a builds
+#endif
+}
+
+// dk, dv for 64 keys of one (b, kv head), as flash_bwd_dkdv_mma_impl with whole 64-query passes: per
+// query tile S^T = K Q^T and dP^T = V dO^T (K, V from registers; Q, dO tiles read [n][k]), then
+// dV += P^T dO and dK += dS^T Q (P^T, dS^T from registers; the same tiles read [k][n]).
+extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_wg_d64(
+    const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
+    const float* __restrict__ lse, const float* __restrict__ delta, bf16* __restrict__ dqkv,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t, int H, int Hkv, int T, float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int D = 64, KC = D / 16, NT = D / 8, TILE = FA_BR * D * 2;
+    __shared__ __align__(128) unsigned char smem_raw[4 * TILE + 1024];  // Q stage 0, 1, then dO stage 0, 1
+    __shared__ float lse_s[2][FA_BR], delta_s[2][FA_BR];
+    const unsigned sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const int nb = (T + FA_BR - 1) / FA_BR;
+    const int kb = blockIdx.y;  // the first keys see the most queries: they start first
+    const int bhk = blockIdx.x, b = bhk / Hkv, hk = bhk % Hkv, G = H / Hkv;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const long long HD = (long long)H * D;
+    const int r0 = kb * FA_BR + warp * 16;  // this warp's first key
+    const int nq = nb - kb, iters = G * nq;
+    auto load = [&](int it, int st) {  // the Q/dO tiles, lse and delta of iteration `it` into stage `st`
+        const int h = hk * G + it / nq, qb = kb + it % nq;
+        const long long bh = (long long)b * H + h;
+        cp_tile_sw(sbase + st * TILE, q + bh * T * D, D, qb * FA_BR, T);
+        cp_tile_sw(sbase + (2 + st) * TILE, dO + (long long)b * T * HD + (long long)h * D, HD, qb * FA_BR, T);
+        for (int i = threadIdx.x; i < FA_BR; i += blockDim.x) {
+            const int t = qb * FA_BR + i;
+            if (t < T) {
+                cp_f32(&lse_s[st][i], lse + bh * T + t);
+                cp_f32(&delta_s[st][i], delta + bh * T + t);
+            } else {
+                lse_s[st][i] = delta_s[st][i] = 0.f;
+            }
+        }
+    };
+    load(0, 0);
+    cp_commit();
+    unsigned ka[KC][4], va[KC][4];
+    load_a_frags<D>(ka, k + (long long)bhk * T * D, D, r0, T, g, c);
+    load_a_frags<D>(va, v + (long long)bhk * T * D, D, r0, T, g, c);
+    float dka[NT][4], dva[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        dka[n][0] = dka[n][1] = dka[n][2] = dka[n][3] = 0.f;
+        dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.f;
+    }
+    const float sl2 = scale * LOG2E;
+    const int keyA = r0 + g, keyB = r0 + g + 8;
+    for (int it = 0; it < iters; ++it) {
+        const int qb = kb + it % nq, st = it & 1;
+        tile_step<true, decltype(load)&, true>(it, iters, st, load);
+        const unsigned qs = sbase + st * TILE, ds = sbase + (2 + st) * TILE;
+        float s[NT][4], dp[NT][4];
+        wg_fence();
+        wgmma_64x64x64<0, 0>(s, ka, qs);   // S^T = K Q^T
+        wgmma_64x64x64<0, 0>(dp, va, ds);  // dP^T = V dO^T
+        wg_commit_wait();
+        wg_hold(s);
+        wg_hold(dp);
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = ex2(fmaf(s[n][e], sl2, -LOG2E * lse_s[st][qi_of(n, e, c)]));
+        if (qb == kb || qb == nb - 1) {  // (block-uniform) the causal diagonal, or queries past T
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int t = qb * FA_BR + qi_of(n, e, c), key = e < 2 ? keyA : keyB;
+                    if (t < key || t >= T || key >= T) s[n][e] = 0.f;
+                }
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_s[st][qi_of(n, e, c)]);
+        unsigned pa[KC][4], dsa[KC][4];
+        frags_of(pa, s);
+        frags_of(dsa, dp);
+        wg_fence();
+        wgmma_64x64x64<1, 1>(dva, pa, ds);   // dV += P^T dO
+        wgmma_64x64x64<1, 1>(dka, dsa, qs);  // dK += dS^T Q
+        wg_commit_wait();
+        wg_hold(dva);
+        wg_hold(dka);
+        wg_hold(pa);
+        wg_hold(dsa);
+        __syncthreads();  // stage st is refilled by the next iteration
+    }
+    const long long W = (long long)(H + 2 * Hkv) * D;
+    store_dqkv_rows<D>(dka, dqkv, W, b, T, kb * FA_BR + warp * 16, (H + hk) * D, scale, true, cos_t, sin_t, g, c);
+    store_dqkv_rows<D>(dva, dqkv, W, b, T, kb * FA_BR + warp * 16, (H + Hkv + hk) * D, 1.f, false, cos_t, sin_t, g, c);
+#else
+    __trap();
+#endif
+}
+
+// dq for 64 queries of one (b, h), as flash_bwd_dq_mma_impl with whole 64-key passes: per key tile
+// S = Q K^T and dP = dO V^T (Q, dO from registers; K, V tiles read [n][k]), then dQ += dS K (the K
+// tile read [k][n]).
+extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_wg_d64(
+    const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
+    const bf16* __restrict__ o, const float* __restrict__ lse, float* __restrict__ delta, bf16* __restrict__ dqkv,
+    const float* __restrict__ cos_t, const float* __restrict__ sin_t, int H, int Hkv, int T, float scale) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int D = 64, KC = D / 16, NT = D / 8, TILE = FA_BR * D * 2;
+    __shared__ __align__(128) unsigned char smem_raw[4 * TILE + 1024];  // K stage 0, 1, then V stage 0, 1
+    const unsigned sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const int nb = (T + FA_BR - 1) / FA_BR;
+    const int qb = nb - 1 - blockIdx.y;  // longest rows first
+    const int bh = blockIdx.x, b = bh / H, h = bh % H, hk = h / (H / Hkv);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const long long HD = (long long)H * D;
+    const int r0 = qb * FA_BR + warp * 16;
+    const int rowA = r0 + g, rowB = r0 + g + 8;
+    const bf16* kh = k + ((long long)b * Hkv + hk) * T * D;
+    const bf16* vh = v + ((long long)b * Hkv + hk) * T * D;
+    auto load = [&](int t, int st) {  // key tile t into stage st
+        cp_tile_sw(sbase + st * TILE, kh, D, t * FA_BR, T);
+        cp_tile_sw(sbase + (2 + st) * TILE, vh, D, t * FA_BR, T);
+    };
+    load(0, 0);
+    cp_commit();
+    unsigned qa[KC][4], doa[KC][4];
+    load_a_frags<D>(qa, q + (long long)bh * T * D, D, r0, T, g, c);
+    load_a_frags<D>(doa, dO + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
+    const float lA = rowA < T ? lse[(long long)bh * T + rowA] * LOG2E : 0.f;
+    const float lB = rowB < T ? lse[(long long)bh * T + rowB] * LOG2E : 0.f;
+    float dA, dB;
+    rows_delta<D>(dA, dB, doa, o + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c,
+                  delta + (long long)bh * T);
+    float acc[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    const float sl2 = scale * LOG2E;
+    for (int kb = 0; kb <= qb; ++kb) {
+        const int st = kb & 1;
+        tile_step<true, decltype(load)&, true>(kb, qb + 1, st, load);
+        const unsigned ks = sbase + st * TILE, vs = sbase + (2 + st) * TILE;
+        float s[NT][4], dp[NT][4];
+        wg_fence();
+        wgmma_64x64x64<0, 0>(s, qa, ks);    // S = Q K^T
+        wgmma_64x64x64<0, 0>(dp, doa, vs);  // dP = dO V^T
+        wg_commit_wait();
+        wg_hold(s);
+        wg_hold(dp);
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = ex2(fmaf(s[n][e], sl2, -(e < 2 ? lA : lB)));
+        if (kb == qb) {  // (block-uniform) the diagonal tile: P = 0 for keys after the row, or past T
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = kb * FA_BR + qi_of(n, e, c), row = e < 2 ? rowA : rowB;
+                    if (key > row || key >= T || row >= T) s[n][e] = 0.f;
+                }
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - (e < 2 ? dA : dB));
+        unsigned dsa[KC][4];
+        frags_of(dsa, dp);
+        wg_fence();
+        wgmma_64x64x64<1, 1>(acc, dsa, ks);  // dQ += dS K
+        wg_commit_wait();
+        wg_hold(acc);
+        wg_hold(dsa);
+        __syncthreads();  // stage st is refilled by the next iteration
+    }
+    store_dqkv_rows<D>(acc, dqkv, (long long)(H + 2 * Hkv) * D, b, T, qb * FA_BR + warp * 16, h * D, scale, true,
+                       cos_t, sin_t, g, c);
+#else
+    __trap();
 #endif
 }
 

@@ -24,8 +24,9 @@ tensor cores too (`flash_*` in bf16.cu: bf16 q/k/v/O/dO, float32 softmax statist
 for head sizes 32 and 64, in variants of the same arithmetic: `attention="ldm"` loads the mma operands
 from shared memory with ldmatrix and streams the next tile in with cp.async while one is in use;
 `"mma"` loads them with plain 32-bit loads and copies tiles synchronously (slower); `"wg"`, the default
-for head size 64 on a compute-capability-9.0 GPU (H100, H200), runs the forward as warpgroup matrix
-products (wgmma, sm_90a) and the backward as `"ldm"` does. The backward runs in two kernels (dq, which
+for head size 64 on a compute-capability-9.0 GPU (H100, H200), runs every product as a warpgroup matrix
+product (wgmma, sm_90a) on whole 64 x 64 tiles, the tensor cores reading the streamed tiles from shared
+memory themselves. The backward runs in two kernels (dq, which
 also computes delta = rowsum(dO * O), then dk/dv; each recomputes S and dP, and neither uses atomics,
 so attention's gradients are deterministic) that write dq, dk (with the RoPE rotation undone) and dv
 as bf16 straight into the gradient operand of the qkv GEMM. `attention="fp32"` selects the float32 FlashAttention of `attention.cu` on float32 q/k/v instead
@@ -263,11 +264,9 @@ class Engine:
             "rmsnorm_bwd_bf16_f32dy", "rmsnorm_dw_reduce", "qkv_rope_split",
             "rope_bwd_pack", "attn_pack", "attn_delta", "swiglu_fwd_bf16", "swiglu_bwd_bf16", "ce_head_scale",
             "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16")}
-        if attention != "fp32":  # "mma": B fragments by 32-bit shared loads; "ldm": by ldmatrix; "wg": the
-            # wgmma forward, then the ldm backward
-            bwd = "ldm" if attention == "wg" else attention
-            self._mma = {"flash_fwd": kernel("bf16", f"flash_fwd_{attention}_d{D}"),
-                         **{name: kernel("bf16", f"{name}_{bwd}_d{D}") for name in ("flash_bwd_dkdv", "flash_bwd_dq")}}
+        if attention != "fp32":  # "mma": B fragments by 32-bit shared loads; "ldm": by ldmatrix; "wg": wgmma
+            self._mma = {name: kernel("bf16", f"{name}_{attention}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
+                                                                                      "flash_bwd_dq")}
         self._flash = {name: kernel("attention", f"{name}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
                                                                                 "flash_bwd_dq")}
         self._k["f32_to_bf16"](_grid(off), (256,), (self.P, self.Pb, np.int64(off)))

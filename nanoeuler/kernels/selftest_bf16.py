@@ -249,8 +249,7 @@ def case_bf16_flash(rng, shape):
     """shape (B, H, Hkv, T, D, variant): tensor-core causal GQA attention forward and backward on bf16
     operands, against the float64 layer on the same (bf16-valued) inputs. The backward's output is the
     qkv GEMM's gradient operand dqkv (N, (H+2Hkv)*D): dq and dk with the RoPE rotation undone, and dv.
-    Variants: "mma" / "ldm"; "wg" (sm_90a builds only, else no rows): the wgmma forward, then the ldm
-    backward."""
+    Variants: "mma" / "ldm"; "wg" (wgmma; sm_90a builds only, else no rows)."""
     import cupy
 
     from nanoeuler.kernels import has_sm90a, kernel
@@ -259,7 +258,6 @@ def case_bf16_flash(rng, shape):
     B, H, Hkv, T, D, var = shape
     if var == "wg" and not has_sm90a():
         return []
-    bwd = "ldm" if var == "wg" else var
     N, W = B * T, (H + 2 * Hkv) * D
     qb, q = _dev_bf16(_randn(rng, (B, H, T, D), 1.5))
     kb, k = _dev_bf16(_randn(rng, (B, Hkv, T, D), 1.5))
@@ -277,8 +275,8 @@ def case_bf16_flash(rng, shape):
     dqkv = cupy.empty((N, W), dtype=np.uint16)
     rope = (dqkv, _g(cos), _g(sin), *dims)
     # the dq kernel runs first: it also writes delta = rowsum(dO * O), which the dk/dv kernel reads
-    kernel("bf16", "flash_bwd_dq_%s_d%d" % (bwd, D))((B * H, nb), (128,), (qb, kb, vb, db, o, lse, delta, *rope))
-    kernel("bf16", "flash_bwd_dkdv_%s_d%d" % (bwd, D))((B * Hkv, nb), (128,), (qb, kb, vb, db, lse, delta, *rope))
+    kernel("bf16", "flash_bwd_dq_%s_d%d" % (var, D))((B * H, nb), (128,), (qb, kb, vb, db, o, lse, delta, *rope))
+    kernel("bf16", "flash_bwd_dkdv_%s_d%d" % (var, D))((B * Hkv, nb), (128,), (qb, kb, vb, db, lse, delta, *rope))
     out_r, cache = layers.attention_forward(q, k, v)
     dq_r, dk_r, dv_r = layers.attention_backward(d64.reshape(B, T, H, D).transpose(0, 2, 1, 3), cache)
     c64, s64 = cos.astype(np.float64), sin.astype(np.float64)

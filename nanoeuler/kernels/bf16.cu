@@ -929,6 +929,167 @@ __device__ __forceinline__ void tile_step(int it, int n, int st, Load&& load) {
     }
 }
 
+// Zeroes a warp's accumulator fragments (N n-tiles of the mma C layout).
+template <int N>
+__device__ __forceinline__ void zero_frags(float (&x)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) x[n][0] = x[n][1] = x[n][2] = x[n][3] = 0.f;
+}
+
+// The dk/dv kernels' per-query statistics of one query tile (queries t0 .. t0 + 63 of one (b, h); lse_h
+// and delta_h point at its T values) into shared memory, by cp.async (ASYNC, completing with the tile's
+// copies) or by plain loads; 0 past T.
+template <bool ASYNC>
+__device__ __forceinline__ void stage_query_stats(float* lse_d, float* delta_d, const float* __restrict__ lse_h,
+                                                  const float* __restrict__ delta_h, int t0, int T) {
+    for (int i = threadIdx.x; i < FA_BR; i += blockDim.x) {
+        const int t = t0 + i;
+        if (ASYNC && t < T) {
+            cp_f32(&lse_d[i], lse_h + t);
+            cp_f32(&delta_d[i], delta_h + t);
+        } else {
+            lse_d[i] = t < T ? lse_h[t] : 0.f;
+            delta_d[i] = t < T ? delta_h[t] : 0.f;
+        }
+    }
+}
+
+// One key tile of the forward's online softmax, for a warp's rows rowA = r0 + g and rowB = r0 + g + 8:
+// s holds the raw scores of the tile (mma C layout, keys key0 + column); on the diagonal tile (diag) the
+// keys after each row, or past T, are masked first. Then acc, l and the running maxima m (base-2 units)
+// are rescaled to the new maxima, and s becomes the (unnormalised) weights, summed into l.
+template <int NT>
+__device__ __forceinline__ void online_softmax_tile(float (&s)[FA_BR / 8][4], float (&acc)[NT][4], float& m0, float& m1,
+                                                    float& l0, float& l1, float sl2, bool diag, int key0, int rowA,
+                                                    int rowB, int T, int c) {
+    constexpr int ST = FA_BR / 8;
+    const float NEG = __int_as_float(0xff800000);
+    float mx0 = NEG, mx1 = NEG;
+    // Only the diagonal tile holds keys after a row (or past T). The mask's index arithmetic sits
+    // behind this (block-uniform) branch: evaluated on every tile, it kept the integer pipe busier
+    // than the tensor cores.
+    if (diag) {
+#pragma unroll
+        for (int n = 0; n < ST; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key0 + n * 8 + 2 * c + (e & 1);
+                if (key > (e < 2 ? rowA : rowB) || key >= T) s[n][e] = NEG;
+            }
+    }
+#pragma unroll
+    for (int n = 0; n < ST; ++n) {
+        mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    // the maxima are taken over the raw scores and scaled once (scale > 0 keeps their order): the
+    // exponent of each weight is then one fma, s * sl2 - base
+    const float mn0 = fmaxf(m0, mx0 * sl2), mn1 = fmaxf(m1, mx1 * sl2);
+    const float base0 = mn0 == NEG ? 0.f : mn0, base1 = mn1 == NEG ? 0.f : mn1;
+    const float al0 = ex2(m0 - base0), al1 = ex2(m1 - base1);
+    m0 = mn0;
+    m1 = mn1;
+    l0 *= al0;
+    l1 *= al1;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        acc[n][0] *= al0; acc[n][1] *= al0;
+        acc[n][2] *= al1; acc[n][3] *= al1;
+    }
+#pragma unroll
+    for (int n = 0; n < ST; ++n) {
+        s[n][0] = ex2(fmaf(s[n][0], sl2, -base0)); s[n][1] = ex2(fmaf(s[n][1], sl2, -base0));
+        s[n][2] = ex2(fmaf(s[n][2], sl2, -base1)); s[n][3] = ex2(fmaf(s[n][3], sl2, -base1));
+        l0 += s[n][0] + s[n][1];
+        l1 += s[n][2] + s[n][3];
+    }
+}
+
+// The forward's end for a warp's rows: O = acc / l as bf16 into the (N, H*D) rows of head h, and the
+// logsumexp (natural units) of (b, h)'s rows.
+template <int D>
+__device__ __forceinline__ void store_o_lse(const float (&acc)[D / 8][4], float m0, float m1, float l0, float l1,
+                                            bf16* __restrict__ o, float* __restrict__ lse, int b, int h, int H, int T,
+                                            int rowA, int rowB, int c) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
+    const long long HD = (long long)H * D, bh = (long long)b * H + h;
+    if (rowA < T) {
+        bf16* orow = o + ((long long)b * T + rowA) * HD + (long long)h * D;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<unsigned*>(orow + n * 8 + 2 * c) = pack2(acc[n][0] * inv0, acc[n][1] * inv0);
+        if (c == 0) lse[bh * T + rowA] = (m0 + log2f(l0)) * LN2;
+    }
+    if (rowB < T) {
+        bf16* orow = o + ((long long)b * T + rowB) * HD + (long long)h * D;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            *reinterpret_cast<unsigned*>(orow + n * 8 + 2 * c) = pack2(acc[n][2] * inv1, acc[n][3] * inv1);
+        if (c == 0) lse[bh * T + rowB] = (m1 + log2f(l1)) * LN2;
+    }
+}
+
+// The dk/dv kernels' weights for one pass of PN*8 queries (columns; rows = a warp's keys keyA, keyB):
+// S^T -> P^T = 2^(S^T * scale * log2(e) - lse * log2(e)), zero where a query precedes the key or either
+// lies past T (only when `mask`: the diagonal or the last query tile), and dP^T -> dS^T = P^T * (dP^T -
+// delta). lse_q and delta_q: the pass's queries' values, t0: its first query.
+template <int PN>
+__device__ __forceinline__ void dkdv_weights(float (&s)[PN][4], float (&dp)[PN][4], const float* lse_q,
+                                             const float* delta_q, float sl2, bool mask, int t0, int keyA, int keyB,
+                                             int T, int c) {
+#pragma unroll
+    for (int n = 0; n < PN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = ex2(fmaf(s[n][e], sl2, -LOG2E * lse_q[qi_of(n, e, c)]));
+    if (mask) {
+#pragma unroll
+        for (int n = 0; n < PN; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = t0 + qi_of(n, e, c), key = e < 2 ? keyA : keyB;
+                if (t < key || t >= T || key >= T) s[n][e] = 0.f;
+            }
+    }
+#pragma unroll
+    for (int n = 0; n < PN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_q[qi_of(n, e, c)]);
+}
+
+// The dq kernels' weights for one pass of PN*8 keys (columns, the first key0; rows = a warp's queries
+// rowA, rowB with lse lA, lB in base-2 units and delta dA, dB): P = 2^(S * scale * log2(e) - lse), zero
+// for keys after the row or past T (only when `mask`: the diagonal tile), and dS = P * (dP - delta).
+template <int PN>
+__device__ __forceinline__ void dq_weights(float (&s)[PN][4], float (&dp)[PN][4], float lA, float lB, float dA,
+                                           float dB, float sl2, bool mask, int key0, int rowA, int rowB, int T,
+                                           int c) {
+#pragma unroll
+    for (int n = 0; n < PN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = ex2(fmaf(s[n][e], sl2, -(e < 2 ? lA : lB)));
+    if (mask) {
+#pragma unroll
+        for (int n = 0; n < PN; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = key0 + qi_of(n, e, c), row = e < 2 ? rowA : rowB;
+                if (key > row || key >= T || row >= T) s[n][e] = 0.f;
+            }
+    }
+#pragma unroll
+    for (int n = 0; n < PN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - (e < 2 ? dA : dB));
+}
+
 template <int D, bool LDM>
 __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                    const bf16* __restrict__ v, bf16* __restrict__ o,
@@ -961,8 +1122,7 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
     unsigned qa[KC][4];
     load_a_frags<D>(qa, qh, D, r0, T, g, c);
     float acc[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    zero_frags(acc);
     const float NEG = __int_as_float(0xff800000);
     float m0 = NEG, m1 = NEG, l0 = 0.f, l1 = 0.f;
     const float sl2 = scale * LOG2E;
@@ -971,75 +1131,13 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
         const int st = LDM ? (kb & 1) : 0;
         tile_step<LDM>(kb, qb + 1, st, load);
         float s[ST][4];
-#pragma unroll
-        for (int n = 0; n < ST; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        zero_frags(s);
         mma_rows_tile<D, LDM>(s, qa, Ks[st], g, c, lane);
-        float mx0 = NEG, mx1 = NEG;
-        // Only the diagonal tile holds keys after a row (or past T). The mask's index arithmetic sits
-        // behind this (block-uniform) branch: evaluated on every tile, it kept the integer pipe busier
-        // than the tensor cores.
-        if (kb == qb) {
-#pragma unroll
-            for (int n = 0; n < ST; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = kb * FA_BR + n * 8 + 2 * c + (e & 1);
-                    if (key > (e < 2 ? rowA : rowB) || key >= T) s[n][e] = NEG;
-                }
-        }
-#pragma unroll
-        for (int n = 0; n < ST; ++n) {
-            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        // the maxima are taken over the raw scores and scaled once (scale > 0 keeps their order): the
-        // exponent of each weight is then one fma, s * sl2 - base
-        const float mn0 = fmaxf(m0, mx0 * sl2), mn1 = fmaxf(m1, mx1 * sl2);
-        const float base0 = mn0 == NEG ? 0.f : mn0, base1 = mn1 == NEG ? 0.f : mn1;
-        const float al0 = ex2(m0 - base0), al1 = ex2(m1 - base1);
-        m0 = mn0;
-        m1 = mn1;
-        l0 *= al0;
-        l1 *= al1;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            acc[n][0] *= al0; acc[n][1] *= al0;
-            acc[n][2] *= al1; acc[n][3] *= al1;
-        }
-#pragma unroll
-        for (int n = 0; n < ST; ++n) {
-            s[n][0] = ex2(fmaf(s[n][0], sl2, -base0)); s[n][1] = ex2(fmaf(s[n][1], sl2, -base0));
-            s[n][2] = ex2(fmaf(s[n][2], sl2, -base1)); s[n][3] = ex2(fmaf(s[n][3], sl2, -base1));
-            l0 += s[n][0] + s[n][1];
-            l1 += s[n][2] + s[n][3];
-        }
+        online_softmax_tile(s, acc, m0, m1, l0, l1, sl2, kb == qb, kb * FA_BR, rowA, rowB, T, c);
         mma_p_tile<D, LDM>(acc, s, Vs[st], Vt, 0, g, c, lane);
         if constexpr (LDM) __syncthreads();  // stage st is refilled by the next iteration
     }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
-    const long long HD = (long long)H * D;
-    if (rowA < T) {
-        bf16* orow = o + ((long long)b * T + rowA) * HD + (long long)h * D;
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-            *reinterpret_cast<unsigned*>(orow + n * 8 + 2 * c) = pack2(acc[n][0] * inv0, acc[n][1] * inv0);
-        if (c == 0) lse[(long long)bh * T + rowA] = (m0 + log2f(l0)) * LN2;
-    }
-    if (rowB < T) {
-        bf16* orow = o + ((long long)b * T + rowB) * HD + (long long)h * D;
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-            *reinterpret_cast<unsigned*>(orow + n * 8 + 2 * c) = pack2(acc[n][2] * inv1, acc[n][3] * inv1);
-        if (c == 0) lse[(long long)bh * T + rowB] = (m1 + log2f(l1)) * LN2;
-    }
+    store_o_lse<D>(acc, m0, m1, l0, l1, o, lse, b, h, H, T, rowA, rowB, c);
 }
 
 // dk, dv for 64 keys of one (b, kv head): loops over the group's query heads and the query tiles at or
@@ -1073,20 +1171,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
             load_tile<D>(Qs[st], Qt, q + bh * T * D, D, qb * FA_BR, T);
             load_tile<D>(Ds[st], Dt, dO + (long long)b * T * HD + (long long)h * D, HD, qb * FA_BR, T);
         }
-        for (int i = threadIdx.x; i < FA_BR; i += blockDim.x) {  // with LDM also by cp.async: no stall here
-            const int t = qb * FA_BR + i;
-            if constexpr (LDM) {
-                if (t < T) {
-                    cp_f32(&lse_s[st][i], lse + bh * T + t);
-                    cp_f32(&delta_s[st][i], delta + bh * T + t);
-                } else {
-                    lse_s[st][i] = delta_s[st][i] = 0.f;
-                }
-            } else {
-                lse_s[st][i] = t < T ? lse[bh * T + t] : 0.f;
-                delta_s[st][i] = t < T ? delta[bh * T + t] : 0.f;
-            }
-        }
+        stage_query_stats<LDM>(lse_s[st], delta_s[st], lse + bh * T, delta + bh * T, qb * FA_BR, T);  // LDM: no stall
     };
     if constexpr (LDM) {
         load(0, 0);
@@ -1096,11 +1181,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
     load_a_frags<D>(ka, k + (long long)bhk * T * D, D, r0, T, g, c);
     load_a_frags<D>(va, v + (long long)bhk * T * D, D, r0, T, g, c);
     float dka[NT][4], dva[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        dka[n][0] = dka[n][1] = dka[n][2] = dka[n][3] = 0.f;
-        dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.f;
-    }
+    zero_frags(dka);
+    zero_frags(dva);
     const float sl2 = scale * LOG2E;
     const int keyA = r0 + g, keyB = r0 + g + 8;
     for (int it = 0; it < iters; ++it) {
@@ -1112,31 +1194,14 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
         for (int q0 = 0; q0 < FA_BR; q0 += PC) {
             if (qb == kb && q0 + PC <= warp * 16) continue;  // (warp-uniform) every query before every key
             float s[PN][4], dp[PN][4];
-#pragma unroll
-            for (int n = 0; n < PN; ++n) {
-                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-                dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
-            }
+            zero_frags(s);
+            zero_frags(dp);
             mma_rows_tile<D, LDM, PC>(s, ka, Qs[st] + q0, g, c, lane);   // S^T = K Q^T
             mma_rows_tile<D, LDM, PC>(dp, va, Ds[st] + q0, g, c, lane);  // dP^T = V dO^T
-            // P^T and dS^T = P^T * (dP^T - delta); rows = keys, columns = queries
-#pragma unroll
-            for (int n = 0; n < PN; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[n][e] = ex2(fmaf(s[n][e], sl2, -LOG2E * lse_s[st][q0 + qi_of(n, e, c)]));
-            if (qb == kb || qb == nb - 1) {  // (block-uniform) the causal diagonal, or queries past T: P = 0 there
-#pragma unroll
-                for (int n = 0; n < PN; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int t = qb * FA_BR + q0 + qi_of(n, e, c), key = e < 2 ? keyA : keyB;
-                        if (t < key || t >= T || key >= T) s[n][e] = 0.f;
-                    }
-            }
-#pragma unroll
-            for (int n = 0; n < PN; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_s[st][q0 + qi_of(n, e, c)]);
+            // P^T and dS^T = P^T * (dP^T - delta); rows = keys, columns = queries; masked on the causal
+            // diagonal and in the last query tile (queries past T)
+            dkdv_weights(s, dp, lse_s[st] + q0, delta_s[st] + q0, sl2, qb == kb || qb == nb - 1, qb * FA_BR + q0,
+                         keyA, keyB, T, c);
             mma_p_tile<D, LDM, PC>(dva, s, Ds[st] + q0, Dt, q0, g, c, lane);   // dV += P^T dO
             mma_p_tile<D, LDM, PC>(dka, dp, Qs[st] + q0, Qt, q0, g, c, lane);  // dK += dS^T Q
         }
@@ -1147,14 +1212,22 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
     store_dqkv_rows<D>(dva, dqkv, W, b, T, kb * FA_BR + warp * 16, (H + Hkv + hk) * D, 1.f, false, cos_t, sin_t, g, c);
 }
 
-// delta = rowsum(dO * O) of a warp's 16 rows r0.. (dA: row r0 + g, dB: row r0 + g + 8), from dO's A
-// fragments and O's (rows g | g + 8 in regs 0, 2 | 1, 3), summed over the quad's four threads; stored
-// into delta_h (one (b, h)'s T values) for the dk/dv kernel, which runs after the dq kernel.
+// A dq kernel's rows: the Q and dO A fragments of a warp's 16 rows r0.. of (b, h), their logsumexp in
+// base-2 units (lA: row r0 + g, lB: row r0 + g + 8), and delta = rowsum(dO * O) from dO's fragments and
+// O's (rows g | g + 8 in regs 0, 2 | 1, 3), summed over the quad's four threads and also stored for the
+// dk/dv kernel, which runs after the dq kernel.
 template <int D>
-__device__ __forceinline__ void rows_delta(float& dA, float& dB, const unsigned (&doa)[D / 16][4], const bf16* o_rows,
-                                           long long ld, int r0, int T, int g, int c, float* __restrict__ delta_h) {
+__device__ __forceinline__ void dq_rows(unsigned (&qa)[D / 16][4], unsigned (&doa)[D / 16][4], float& lA, float& lB,
+                                        float& dA, float& dB, const bf16* __restrict__ q, const bf16* __restrict__ dO,
+                                        const bf16* __restrict__ o, const float* __restrict__ lse,
+                                        float* __restrict__ delta, int b, int h, int H, int T, int r0, int g, int c) {
+    const long long HD = (long long)H * D, bh = (long long)b * H + h;
+    load_a_frags<D>(qa, q + bh * T * D, D, r0, T, g, c);
+    load_a_frags<D>(doa, dO + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
+    lA = r0 + g < T ? lse[bh * T + r0 + g] * LOG2E : 0.f;
+    lB = r0 + g + 8 < T ? lse[bh * T + r0 + g + 8] * LOG2E : 0.f;
     unsigned oa[D / 16][4];
-    load_a_frags<D>(oa, o_rows, ld, r0, T, g, c);
+    load_a_frags<D>(oa, o + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
     dA = dB = 0.f;
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
@@ -1167,8 +1240,8 @@ __device__ __forceinline__ void rows_delta(float& dA, float& dB, const unsigned 
     dA += __shfl_xor_sync(0xffffffffu, dA, 2);
     dB += __shfl_xor_sync(0xffffffffu, dB, 1);
     dB += __shfl_xor_sync(0xffffffffu, dB, 2);
-    if (c == 0 && r0 + g < T) delta_h[r0 + g] = dA;
-    if (c == 0 && r0 + g + 8 < T) delta_h[r0 + g + 8] = dB;
+    if (c == 0 && r0 + g < T) delta[bh * T + r0 + g] = dA;
+    if (c == 0 && r0 + g + 8 < T) delta[bh * T + r0 + g + 8] = dB;
 }
 
 // dq for 64 queries of one (b, h): loops over the key tiles up to the diagonal.
@@ -1185,7 +1258,6 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
     const int qb = nb - 1 - blockIdx.y;  // longest rows first
     const int bh = blockIdx.x, b = bh / H, h = bh % H, hk = h / (H / Hkv);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const long long HD = (long long)H * D;
     const int r0 = qb * FA_BR + warp * 16;
     const int rowA = r0 + g, rowB = r0 + g + 8;
     const bf16* kh = k + ((long long)b * Hkv + hk) * T * D;
@@ -1204,16 +1276,10 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
         cp_commit();
     }
     unsigned qa[KC][4], doa[KC][4];
-    load_a_frags<D>(qa, q + (long long)bh * T * D, D, r0, T, g, c);
-    load_a_frags<D>(doa, dO + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
-    const float lA = rowA < T ? lse[(long long)bh * T + rowA] * LOG2E : 0.f;
-    const float lB = rowB < T ? lse[(long long)bh * T + rowB] * LOG2E : 0.f;
-    float dA, dB;
-    rows_delta<D>(dA, dB, doa, o + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c,
-                  delta + (long long)bh * T);
+    float lA, lB, dA, dB;
+    dq_rows<D>(qa, doa, lA, lB, dA, dB, q, dO, o, lse, delta, b, h, H, T, r0, g, c);
     float acc[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    zero_frags(acc);
     const float sl2 = scale * LOG2E;
     for (int kb = 0; kb <= qb; ++kb) {
         const int st = LDM ? (kb & 1) : 0;
@@ -1223,30 +1289,11 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
         for (int k0 = 0; k0 < FA_BR; k0 += PC) {
             if (kb == qb && k0 >= warp * 16 + 16) continue;  // (warp-uniform) every key after every row
             float s[PN][4], dp[PN][4];
-#pragma unroll
-            for (int n = 0; n < PN; ++n) {
-                s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-                dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
-            }
+            zero_frags(s);
+            zero_frags(dp);
             mma_rows_tile<D, LDM, PC>(s, qa, Ks[st] + k0, g, c, lane);    // S = Q K^T
             mma_rows_tile<D, LDM, PC>(dp, doa, Vs[st] + k0, g, c, lane);  // dP = dO V^T
-#pragma unroll
-            for (int n = 0; n < PN; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[n][e] = ex2(fmaf(s[n][e], sl2, -(e < 2 ? lA : lB)));
-            if (kb == qb) {  // (block-uniform) the diagonal tile: P = 0 for keys after the row, or past T
-#pragma unroll
-                for (int n = 0; n < PN; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = kb * FA_BR + k0 + qi_of(n, e, c), row = e < 2 ? rowA : rowB;
-                        if (key > row || key >= T || row >= T) s[n][e] = 0.f;
-                    }
-            }
-#pragma unroll
-            for (int n = 0; n < PN; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - (e < 2 ? dA : dB));
+            dq_weights(s, dp, lA, lB, dA, dB, sl2, kb == qb, kb * FA_BR + k0, rowA, rowB, T, c);
             mma_p_tile<D, LDM, PC>(acc, dp, Ks[st] + k0, Kt, k0, g, c, lane);  // dQ += dS K
         }
         if constexpr (LDM) __syncthreads();
@@ -1395,8 +1442,7 @@ extern "C" __global__ void __launch_bounds__(128) flash_fwd_wg_d64(const bf16* _
     unsigned qa[KC][4];
     load_a_frags<D>(qa, q + (long long)bh * T * D, D, r0, T, g, c);
     float acc[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    zero_frags(acc);
     const float NEG = __int_as_float(0xff800000);
     float m0 = NEG, m1 = NEG, l0 = 0.f, l1 = 0.f;
     const float sl2 = scale * LOG2E;
@@ -1409,44 +1455,7 @@ extern "C" __global__ void __launch_bounds__(128) flash_fwd_wg_d64(const bf16* _
         wgmma_64x64x64<0, 0>(s, qa, sbase + st * TILE);  // S = Q K^T
         wg_commit_wait();
         wg_hold(s);
-        float mx0 = NEG, mx1 = NEG;
-        if (kb == qb) {  // the diagonal tile (see flash_fwd_mma_impl)
-#pragma unroll
-            for (int n = 0; n < ST; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = kb * FA_BR + n * 8 + 2 * c + (e & 1);
-                    if (key > (e < 2 ? rowA : rowB) || key >= T) s[n][e] = NEG;
-                }
-        }
-#pragma unroll
-        for (int n = 0; n < ST; ++n) {
-            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float mn0 = fmaxf(m0, mx0 * sl2), mn1 = fmaxf(m1, mx1 * sl2);
-        const float base0 = mn0 == NEG ? 0.f : mn0, base1 = mn1 == NEG ? 0.f : mn1;
-        const float al0 = ex2(m0 - base0), al1 = ex2(m1 - base1);
-        m0 = mn0;
-        m1 = mn1;
-        l0 *= al0;
-        l1 *= al1;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            acc[n][0] *= al0; acc[n][1] *= al0;
-            acc[n][2] *= al1; acc[n][3] *= al1;
-        }
-#pragma unroll
-        for (int n = 0; n < ST; ++n) {
-            s[n][0] = ex2(fmaf(s[n][0], sl2, -base0)); s[n][1] = ex2(fmaf(s[n][1], sl2, -base0));
-            s[n][2] = ex2(fmaf(s[n][2], sl2, -base1)); s[n][3] = ex2(fmaf(s[n][3], sl2, -base1));
-            l0 += s[n][0] + s[n][1];
-            l1 += s[n][2] + s[n][3];
-        }
+        online_softmax_tile(s, acc, m0, m1, l0, l1, sl2, kb == qb, kb * FA_BR, rowA, rowB, T, c);
         unsigned pa[4][4];
         frags_of(pa, s);
         wg_fence();
@@ -1456,26 +1465,7 @@ extern "C" __global__ void __launch_bounds__(128) flash_fwd_wg_d64(const bf16* _
         wg_hold(pa);
         __syncthreads();  // stage st is refilled by the next iteration
     }
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = 1.f / l0, inv1 = 1.f / l1;
-    const long long HD = (long long)H * D;
-    if (rowA < T) {
-        bf16* orow = o + ((long long)b * T + rowA) * HD + (long long)h * D;
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-            *reinterpret_cast<unsigned*>(orow + n * 8 + 2 * c) = pack2(acc[n][0] * inv0, acc[n][1] * inv0);
-        if (c == 0) lse[(long long)bh * T + rowA] = (m0 + log2f(l0)) * LN2;
-    }
-    if (rowB < T) {
-        bf16* orow = o + ((long long)b * T + rowB) * HD + (long long)h * D;
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-            *reinterpret_cast<unsigned*>(orow + n * 8 + 2 * c) = pack2(acc[n][2] * inv1, acc[n][3] * inv1);
-        if (c == 0) lse[(long long)bh * T + rowB] = (m1 + log2f(l1)) * LN2;
-    }
+    store_o_lse<D>(acc, m0, m1, l0, l1, o, lse, b, h, H, T, rowA, rowB, c);
 #else
     __trap();  // built for another target: the engine launches this kernel only on sm_90a builds
 #endif
@@ -1505,15 +1495,7 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_wg_d64(
         const long long bh = (long long)b * H + h;
         cp_tile_sw(sbase + st * TILE, q + bh * T * D, D, qb * FA_BR, T);
         cp_tile_sw(sbase + (2 + st) * TILE, dO + (long long)b * T * HD + (long long)h * D, HD, qb * FA_BR, T);
-        for (int i = threadIdx.x; i < FA_BR; i += blockDim.x) {
-            const int t = qb * FA_BR + i;
-            if (t < T) {
-                cp_f32(&lse_s[st][i], lse + bh * T + t);
-                cp_f32(&delta_s[st][i], delta + bh * T + t);
-            } else {
-                lse_s[st][i] = delta_s[st][i] = 0.f;
-            }
-        }
+        stage_query_stats<true>(lse_s[st], delta_s[st], lse + bh * T, delta + bh * T, qb * FA_BR, T);
     };
     load(0, 0);
     cp_commit();
@@ -1521,11 +1503,8 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_wg_d64(
     load_a_frags<D>(ka, k + (long long)bhk * T * D, D, r0, T, g, c);
     load_a_frags<D>(va, v + (long long)bhk * T * D, D, r0, T, g, c);
     float dka[NT][4], dva[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        dka[n][0] = dka[n][1] = dka[n][2] = dka[n][3] = 0.f;
-        dva[n][0] = dva[n][1] = dva[n][2] = dva[n][3] = 0.f;
-    }
+    zero_frags(dka);
+    zero_frags(dva);
     const float sl2 = scale * LOG2E;
     const int keyA = r0 + g, keyB = r0 + g + 8;
     for (int it = 0; it < iters; ++it) {
@@ -1539,23 +1518,7 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_wg_d64(
         wg_commit_wait();
         wg_hold(s);
         wg_hold(dp);
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = ex2(fmaf(s[n][e], sl2, -LOG2E * lse_s[st][qi_of(n, e, c)]));
-        if (qb == kb || qb == nb - 1) {  // (block-uniform) the causal diagonal, or queries past T
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int t = qb * FA_BR + qi_of(n, e, c), key = e < 2 ? keyA : keyB;
-                    if (t < key || t >= T || key >= T) s[n][e] = 0.f;
-                }
-        }
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_s[st][qi_of(n, e, c)]);
+        dkdv_weights(s, dp, lse_s[st], delta_s[st], sl2, qb == kb || qb == nb - 1, qb * FA_BR, keyA, keyB, T, c);
         unsigned pa[KC][4], dsa[KC][4];
         frags_of(pa, s);
         frags_of(dsa, dp);
@@ -1592,7 +1555,6 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_wg_d64(
     const int qb = nb - 1 - blockIdx.y;  // longest rows first
     const int bh = blockIdx.x, b = bh / H, h = bh % H, hk = h / (H / Hkv);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const long long HD = (long long)H * D;
     const int r0 = qb * FA_BR + warp * 16;
     const int rowA = r0 + g, rowB = r0 + g + 8;
     const bf16* kh = k + ((long long)b * Hkv + hk) * T * D;
@@ -1604,16 +1566,10 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_wg_d64(
     load(0, 0);
     cp_commit();
     unsigned qa[KC][4], doa[KC][4];
-    load_a_frags<D>(qa, q + (long long)bh * T * D, D, r0, T, g, c);
-    load_a_frags<D>(doa, dO + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
-    const float lA = rowA < T ? lse[(long long)bh * T + rowA] * LOG2E : 0.f;
-    const float lB = rowB < T ? lse[(long long)bh * T + rowB] * LOG2E : 0.f;
-    float dA, dB;
-    rows_delta<D>(dA, dB, doa, o + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c,
-                  delta + (long long)bh * T);
+    float lA, lB, dA, dB;
+    dq_rows<D>(qa, doa, lA, lB, dA, dB, q, dO, o, lse, delta, b, h, H, T, r0, g, c);
     float acc[NT][4];
-#pragma unroll
-    for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    zero_frags(acc);
     const float sl2 = scale * LOG2E;
     for (int kb = 0; kb <= qb; ++kb) {
         const int st = kb & 1;
@@ -1626,23 +1582,7 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_wg_d64(
         wg_commit_wait();
         wg_hold(s);
         wg_hold(dp);
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = ex2(fmaf(s[n][e], sl2, -(e < 2 ? lA : lB)));
-        if (kb == qb) {  // (block-uniform) the diagonal tile: P = 0 for keys after the row, or past T
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = kb * FA_BR + qi_of(n, e, c), row = e < 2 ? rowA : rowB;
-                    if (key > row || key >= T || row >= T) s[n][e] = 0.f;
-                }
-        }
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - (e < 2 ? dA : dB));
+        dq_weights(s, dp, lA, lB, dA, dB, sl2, kb == qb, kb * FA_BR, rowA, rowB, T, c);
         unsigned dsa[KC][4];
         frags_of(dsa, dp);
         wg_fence();

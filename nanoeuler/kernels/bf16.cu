@@ -1037,14 +1037,13 @@ __device__ __forceinline__ void store_o_lse(const float (&acc)[D / 8][4], float 
     }
 }
 
-// The dk/dv kernels' weights for one pass of PN*8 queries (columns; rows = a warp's keys keyA, keyB):
-// S^T -> P^T = 2^(S^T * scale * log2(e) - lse * log2(e)), zero where a query precedes the key or either
-// lies past T (only when `mask`: the diagonal or the last query tile), and dP^T -> dS^T = P^T * (dP^T -
-// delta). lse_q and delta_q: the pass's queries' values, t0: its first query.
+// The dk/dv kernels' weights for one pass of PN*8 queries (columns, the first t0; rows = a warp's keys
+// keyA, keyB): S^T -> P^T = 2^(S^T * scale * log2(e) - lse * log2(e)), zero where a query precedes the
+// key or either lies past T (only when `mask`: the diagonal or the last query tile); lse_q: the pass's
+// queries' values. Then (dkdv_dscores) dP^T -> dS^T = P^T * (dP^T - delta).
 template <int PN>
-__device__ __forceinline__ void dkdv_weights(float (&s)[PN][4], float (&dp)[PN][4], const float* lse_q,
-                                             const float* delta_q, float sl2, bool mask, int t0, int keyA, int keyB,
-                                             int T, int c) {
+__device__ __forceinline__ void dkdv_probs(float (&s)[PN][4], const float* lse_q, float sl2, bool mask, int t0,
+                                           int keyA, int keyB, int T, int c) {
 #pragma unroll
     for (int n = 0; n < PN; ++n)
 #pragma unroll
@@ -1058,19 +1057,22 @@ __device__ __forceinline__ void dkdv_weights(float (&s)[PN][4], float (&dp)[PN][
                 if (t < key || t >= T || key >= T) s[n][e] = 0.f;
             }
     }
+}
+template <int PN>
+__device__ __forceinline__ void dkdv_dscores(float (&dp)[PN][4], const float (&p)[PN][4], const float* delta_q, int c) {
 #pragma unroll
     for (int n = 0; n < PN; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_q[qi_of(n, e, c)]);
+        for (int e = 0; e < 4; ++e) dp[n][e] = p[n][e] * (dp[n][e] - delta_q[qi_of(n, e, c)]);
 }
 
 // The dq kernels' weights for one pass of PN*8 keys (columns, the first key0; rows = a warp's queries
-// rowA, rowB with lse lA, lB in base-2 units and delta dA, dB): P = 2^(S * scale * log2(e) - lse), zero
-// for keys after the row or past T (only when `mask`: the diagonal tile), and dS = P * (dP - delta).
+// rowA, rowB with lse lA, lB in base-2 units): P = 2^(S * scale * log2(e) - lse), zero for keys after
+// the row or past T (only when `mask`: the diagonal tile). Then (dq_dscores, with the rows' delta dA,
+// dB) dS = P * (dP - delta).
 template <int PN>
-__device__ __forceinline__ void dq_weights(float (&s)[PN][4], float (&dp)[PN][4], float lA, float lB, float dA,
-                                           float dB, float sl2, bool mask, int key0, int rowA, int rowB, int T,
-                                           int c) {
+__device__ __forceinline__ void dq_probs(float (&s)[PN][4], float lA, float lB, float sl2, bool mask, int key0,
+                                         int rowA, int rowB, int T, int c) {
 #pragma unroll
     for (int n = 0; n < PN; ++n)
 #pragma unroll
@@ -1084,10 +1086,13 @@ __device__ __forceinline__ void dq_weights(float (&s)[PN][4], float (&dp)[PN][4]
                 if (key > row || key >= T || row >= T) s[n][e] = 0.f;
             }
     }
+}
+template <int PN>
+__device__ __forceinline__ void dq_dscores(float (&dp)[PN][4], const float (&p)[PN][4], float dA, float dB) {
 #pragma unroll
     for (int n = 0; n < PN; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - (e < 2 ? dA : dB));
+        for (int e = 0; e < 4; ++e) dp[n][e] = p[n][e] * (dp[n][e] - (e < 2 ? dA : dB));
 }
 
 template <int D, bool LDM>
@@ -1200,8 +1205,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
             mma_rows_tile<D, LDM, PC>(dp, va, Ds[st] + q0, g, c, lane);  // dP^T = V dO^T
             // P^T and dS^T = P^T * (dP^T - delta); rows = keys, columns = queries; masked on the causal
             // diagonal and in the last query tile (queries past T)
-            dkdv_weights(s, dp, lse_s[st] + q0, delta_s[st] + q0, sl2, qb == kb || qb == nb - 1, qb * FA_BR + q0,
-                         keyA, keyB, T, c);
+            dkdv_probs(s, lse_s[st] + q0, sl2, qb == kb || qb == nb - 1, qb * FA_BR + q0, keyA, keyB, T, c);
+            dkdv_dscores(dp, s, delta_s[st] + q0, c);
             mma_p_tile<D, LDM, PC>(dva, s, Ds[st] + q0, Dt, q0, g, c, lane);   // dV += P^T dO
             mma_p_tile<D, LDM, PC>(dka, dp, Qs[st] + q0, Qt, q0, g, c, lane);  // dK += dS^T Q
         }
@@ -1293,7 +1298,8 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
             zero_frags(dp);
             mma_rows_tile<D, LDM, PC>(s, qa, Ks[st] + k0, g, c, lane);    // S = Q K^T
             mma_rows_tile<D, LDM, PC>(dp, doa, Vs[st] + k0, g, c, lane);  // dP = dO V^T
-            dq_weights(s, dp, lA, lB, dA, dB, sl2, kb == qb, kb * FA_BR + k0, rowA, rowB, T, c);
+            dq_probs(s, lA, lB, sl2, kb == qb, kb * FA_BR + k0, rowA, rowB, T, c);
+            dq_dscores(dp, s, dA, dB);
             mma_p_tile<D, LDM, PC>(acc, dp, Ks[st] + k0, Kt, k0, g, c, lane);  // dQ += dS K
         }
         if constexpr (LDM) __syncthreads();
@@ -1400,8 +1406,12 @@ __device__ __forceinline__ void frags_of(unsigned (&a)[4][4], const float (&x)[8
     }
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>  // until at most the N most recently committed groups are still running
+__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void wg_commit_wait() {
-    asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+    wg_commit();
+    wg_wait<0>();
 }
 // Registers a wgmma reads or writes asynchronously: "used" here, after the wait, so the compiler
 // neither reads the results early nor reuses the operands' registers while the wgmma runs.
@@ -1511,19 +1521,27 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_wg_d64(
         const int qb = kb + it % nq, st = it & 1;
         tile_step<true, decltype(load)&, true>(it, iters, st, load);
         const unsigned qs = sbase + st * TILE, ds = sbase + (2 + st) * TILE;
+        // four groups of products, each overlapping the arithmetic that follows it: P^T is formed while
+        // dP^T is multiplied, dS^T while dV is
         float s[NT][4], dp[NT][4];
         wg_fence();
-        wgmma_64x64x64<0, 0>(s, ka, qs);   // S^T = K Q^T
+        wgmma_64x64x64<0, 0>(s, ka, qs);  // S^T = K Q^T
+        wg_commit();
         wgmma_64x64x64<0, 0>(dp, va, ds);  // dP^T = V dO^T
-        wg_commit_wait();
+        wg_commit();
+        wg_wait<1>();
         wg_hold(s);
-        wg_hold(dp);
-        dkdv_weights(s, dp, lse_s[st], delta_s[st], sl2, qb == kb || qb == nb - 1, qb * FA_BR, keyA, keyB, T, c);
+        dkdv_probs(s, lse_s[st], sl2, qb == kb || qb == nb - 1, qb * FA_BR, keyA, keyB, T, c);
         unsigned pa[KC][4], dsa[KC][4];
         frags_of(pa, s);
+        wg_fence();
+        wgmma_64x64x64<1, 1>(dva, pa, ds);  // dV += P^T dO
+        wg_commit();
+        wg_wait<1>();
+        wg_hold(dp);
+        dkdv_dscores(dp, s, delta_s[st], c);
         frags_of(dsa, dp);
         wg_fence();
-        wgmma_64x64x64<1, 1>(dva, pa, ds);   // dV += P^T dO
         wgmma_64x64x64<1, 1>(dka, dsa, qs);  // dK += dS^T Q
         wg_commit_wait();
         wg_hold(dva);
@@ -1577,12 +1595,16 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_wg_d64(
         const unsigned ks = sbase + st * TILE, vs = sbase + (2 + st) * TILE;
         float s[NT][4], dp[NT][4];
         wg_fence();
-        wgmma_64x64x64<0, 0>(s, qa, ks);    // S = Q K^T
-        wgmma_64x64x64<0, 0>(dp, doa, vs);  // dP = dO V^T
-        wg_commit_wait();
+        wgmma_64x64x64<0, 0>(s, qa, ks);  // S = Q K^T
+        wg_commit();
+        wgmma_64x64x64<0, 0>(dp, doa, vs);  // dP = dO V^T, multiplied while P is formed
+        wg_commit();
+        wg_wait<1>();
         wg_hold(s);
+        dq_probs(s, lA, lB, sl2, kb == qb, kb * FA_BR, rowA, rowB, T, c);
+        wg_wait<0>();
         wg_hold(dp);
-        dq_weights(s, dp, lA, lB, dA, dB, sl2, kb == qb, kb * FA_BR, rowA, rowB, T, c);
+        dq_dscores(dp, s, dA, dB);
         unsigned dsa[KC][4];
         frags_of(dsa, dp);
         wg_fence();

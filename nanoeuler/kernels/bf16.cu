@@ -1145,6 +1145,18 @@ __device__ __forceinline__ void flash_fwd_mma_impl(const bf16* __restrict__ q, c
     store_o_lse<D>(acc, m0, m1, l0, l1, o, lse, b, h, H, T, rowA, rowB, c);
 }
 
+// A dk/dv kernel's rows: the K and V A fragments of a warp's 16 keys r0.. of the (batch, kv head) pair
+// bhk, and its dK, dV accumulators, zeroed.
+template <int D>
+__device__ __forceinline__ void dkdv_rows(unsigned (&ka)[D / 16][4], unsigned (&va)[D / 16][4], float (&dka)[D / 8][4],
+                                          float (&dva)[D / 8][4], const bf16* __restrict__ k,
+                                          const bf16* __restrict__ v, int bhk, int T, int r0, int g, int c) {
+    load_a_frags<D>(ka, k + (long long)bhk * T * D, D, r0, T, g, c);
+    load_a_frags<D>(va, v + (long long)bhk * T * D, D, r0, T, g, c);
+    zero_frags(dka);
+    zero_frags(dva);
+}
+
 // dk, dv for 64 keys of one (b, kv head): loops over the group's query heads and the query tiles at or
 // after the keys' tile (with LDM: flattened into one loop, the next Q/dO tiles streaming in by cp.async).
 template <int D, bool LDM>
@@ -1183,11 +1195,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
         cp_commit();
     }
     unsigned ka[KC][4], va[KC][4];
-    load_a_frags<D>(ka, k + (long long)bhk * T * D, D, r0, T, g, c);
-    load_a_frags<D>(va, v + (long long)bhk * T * D, D, r0, T, g, c);
     float dka[NT][4], dva[NT][4];
-    zero_frags(dka);
-    zero_frags(dva);
+    dkdv_rows<D>(ka, va, dka, dva, k, v, bhk, T, r0, g, c);
     const float sl2 = scale * LOG2E;
     const int keyA = r0 + g, keyB = r0 + g + 8;
     for (int it = 0; it < iters; ++it) {
@@ -1510,11 +1519,8 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_wg_d64(
     load(0, 0);
     cp_commit();
     unsigned ka[KC][4], va[KC][4];
-    load_a_frags<D>(ka, k + (long long)bhk * T * D, D, r0, T, g, c);
-    load_a_frags<D>(va, v + (long long)bhk * T * D, D, r0, T, g, c);
     float dka[NT][4], dva[NT][4];
-    zero_frags(dka);
-    zero_frags(dva);
+    dkdv_rows<D>(ka, va, dka, dva, k, v, bhk, T, r0, g, c);
     const float sl2 = scale * LOG2E;
     const int keyA = r0 + g, keyB = r0 + g + 8;
     for (int it = 0; it < iters; ++it) {

@@ -1338,15 +1338,16 @@ __device__ __forceinline__ void flash_bwd_dq_mma_impl(
 FLASH_MMA_KERNELS(32)
 FLASH_MMA_KERNELS(64)
 
-// ---- Hopper warpgroup attention forward (wgmma, sm_90a) -------------------------------------------------
-// Has a body only when built for sm_90a (the module is, on a compute-capability-9.0 device: see
-// kernels/__init__.py); elsewhere the engine uses flash_fwd_ldm. Same arithmetic and outputs as flash_fwd_ldm_d64, with the
-// block's 4 warps acting as one warpgroup: each key tile's S = Q K^T (64 x 64) is 4 wgmma.m64n64k16
-// (Q from registers, K from shared memory) and O += P V another 4 (P from registers, the accumulator
-// layout of S being the A-fragment layout, V from shared memory read transposed by the tensor core).
-// No ldmatrix: the tensor core reads K and V from shared memory itself, in the 128-byte-swizzled layout
-// below. The accumulators have the mma.sync C layout per warp (warp w holds rows 16w .. 16w+15), so the
-// softmax is the one of flash_fwd_mma_impl.
+// ---- Hopper warpgroup attention (wgmma, sm_90a) ----------------------------------------------------------
+// flash_{fwd,bwd_dq,bwd_dkdv}_wg_d64 have a body only when built for sm_90a (the module is, on a
+// compute-capability-9.0 device: see kernels/__init__.py); elsewhere the engine uses the ldm kernels.
+// Same arithmetic, grids and outputs as those, with the block's 4 warps acting as one warpgroup: every
+// product is a whole 64 x 64 tile in 4 wgmma.m64n64k16. The operand held per row (Q, K, V, dO, or the
+// softmax weights, whose accumulator layout is the A-fragment layout) comes from registers; the
+// streamed tiles come from shared memory, which the tensor cores read themselves (no ldmatrix) in the
+// 128-byte-swizzled layout below, as [n][k] or, transposed, as [k][n]. The accumulators have the
+// mma.sync C layout per warp (warp w holds rows 16w .. 16w+15), so the softmax and weight steps are the
+// ldm kernels' own device functions.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // A 64 x 64 bf16 tile (128-byte rows) as wgmma reads it with 128-byte swizzling: the 16-byte chunk j

@@ -39,6 +39,12 @@ def randn(*shape):
     return RNG.standard_normal(shape)
 
 
+def test_docstring_examples():
+    import doctest
+
+    assert doctest.testmod(L).failed == 0
+
+
 def test_ops_for_numpy_is_the_reference():
     assert ops_for(np) is L
 
@@ -76,6 +82,30 @@ def test_rmsnorm_float32_stays_float32():
     y, cache = L.rmsnorm_forward(x, w, 1e-5)
     dx, dw = L.rmsnorm_backward(np.ones_like(y), cache)
     assert y.dtype == dx.dtype == dw.dtype == np.float32
+
+
+def test_folded_gain_grads_match_the_unfolded_norm_and_linear():
+    """Training xhat @ (w * gain).T gives the gradients of rmsnorm (with its gain) followed by linear."""
+    x, gain, w = randn(3, 4, 8), 1 + 0.3 * randn(8), randn(5, 8)
+    dy = randn(3, 4, 5)
+    # unfolded: y = linear(rmsnorm(x, gain)), gradients through both layers
+    h, cache = L.rmsnorm_forward(x, gain, 1e-5)
+    dh, dw_ref = L.linear_backward(dy, h, w)
+    dx_ref, dgain_ref = L.rmsnorm_backward(dh, cache)
+    # folded: y = linear(xhat, w * gain), the norm without a gain
+    xhat, cache1 = L.rmsnorm_forward(x, np.ones(8), 1e-5)
+    np.testing.assert_allclose(L.linear_forward(xhat, w * gain), L.linear_forward(h, w), rtol=1e-12, atol=1e-12)
+    dxhat, dw_folded = L.linear_backward(dy, xhat, w * gain)
+    dx, _ = L.rmsnorm_backward(dxhat, cache1)
+    dw, dgain = L.folded_gain_grads(w, dw_folded, gain)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dw, dw_ref, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dgain, dgain_ref, rtol=1e-10, atol=1e-12)
+    # and against finite differences of the folded product in (w, gain)
+    f = lambda w_, g_: L.linear_forward(xhat, w_ * g_)
+    nw, ng = numeric_vjp(f, [w.copy(), gain.copy()], dy)
+    assert_close(dw, nw)
+    assert_close(dgain, ng)
 
 
 # ---- RoPE ---------------------------------------------------------------------------------------

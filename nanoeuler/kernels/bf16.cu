@@ -76,9 +76,23 @@ __device__ __forceinline__ float block_max(float x, float* red) {
 
 // ---- conversions, embedding ----------------------------------------------------------------------
 
-extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ y, long long n) {
+// Element e's factor of a gain-folded matrix of C columns (1 where gain is null): gain[e % C]. The
+// engine keeps every folded matrix under 2^31 elements.
+__device__ __forceinline__ float gain_at(const float* gain, int C, long long e) {
+    return gain ? gain[(unsigned)e % (unsigned)C] : 1.f;
+}
+// The factors of elements e .. e+3 (e a multiple of 4).
+__device__ __forceinline__ float4 gain_at4(const float* gain, int C, long long e) {
+    if (!gain) return make_float4(1.f, 1.f, 1.f, 1.f);
+    if ((C & 3) == 0) return reinterpret_cast<const float4*>(gain)[((unsigned)e % (unsigned)C) >> 2];
+    return make_float4(gain_at(gain, C, e), gain_at(gain, C, e + 1), gain_at(gain, C, e + 2), gain_at(gain, C, e + 3));
+}
+
+// y = bf16(x * gain[i % C]): the GEMM image of a weight matrix with a norm gain folded in; gain null: y = bf16(x).
+extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ y, long long n,
+                                       const float* __restrict__ gain, int C) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        y[i] = f2bf(x[i]);
+        y[i] = f2bf(x[i] * gain_at(gain, C, i));
 }
 
 // x (N,C) float32 = E[ids] ; ids int32 (N,)
@@ -100,13 +114,20 @@ extern "C" __global__ void embed_bwd(const float* __restrict__ dx, const int* __
 }
 
 // ---- RMSNorm ---------------------------------------------------------------------------------------
+//
+// The engine folds each norm's gain into the weights of the GEMM that reads the norm's output: with
+// xhat = x * rstd, the product (xhat * gain) W^T equals xhat (W * gain)^T, where W * gain scales column j
+// of W by gain[j]. So the forward writes xhat alone (bf16), the GEMM reads it with the folded weights,
+// the backward's GEMM through the same folded weights gives dL/dxhat directly, and the norm's backward
+// needs only xhat and rstd: no float32 input, no branch, no gain. The gain's and the weights' own
+// gradients come from the weight gradient of the folded product (gain_fold_grad, below).
 
 // One warp per row, blocks of 4 warps:
 //   xr = x + y + y2  (`nadd` = 0, 1 or 2 of the bf16 branches, added in that order: y and y2 are GEMM
 //                     outputs, the branches that join the residual stream: a layer's input is the
 //                     previous one's input plus its o_proj branch plus its down branch)
 //   xout = xr        (float32, only with `store`: the residual stream carries on from there)
-//   h = bf16(xr * rstd * w),  rstd = 1/sqrt(mean(xr^2) + eps)
+//   xhat = bf16(xr * rstd),  rstd = 1/sqrt(mean(xr^2) + eps)
 // The residual GEMMs (o_proj, down) write their branch as bf16 and this kernel adds it in, because
 // cuBLAS took about twice as long to read and write the float32 stream itself (beta = 1) as to write
 // a bf16 output; the rounding is the one PyTorch's autocast makes there too. When C is a multiple of 4
@@ -114,9 +135,8 @@ extern "C" __global__ void embed_bwd(const float* __restrict__ dx, const int* __
 // otherwise a scalar path reads it twice. xout may not alias x.
 #define RMS_V4 8
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
-    const float* __restrict__ x, const bf16* __restrict__ y, const bf16* __restrict__ y2, const float* __restrict__ w,
-    bf16* __restrict__ h, float* __restrict__ rstd, float* __restrict__ xout, int N, int C, float eps, int nadd,
-    int store) {
+    const float* __restrict__ x, const bf16* __restrict__ y, const bf16* __restrict__ y2, bf16* __restrict__ xhat,
+    float* __restrict__ rstd, float* __restrict__ xout, int N, int C, float eps, int nadd, int store) {
     const int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (row >= N) return;
     const long long off = (long long)row * C;
@@ -141,15 +161,13 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
             }
         }
         const float r = 1.f / sqrtf(warp_sum(ss) / (float)C + eps);
-        const float4* w4 = reinterpret_cast<const float4*>(w);
 #pragma unroll
         for (int j = 0; j < RMS_V4; ++j) {
             const int g = lane + 32 * j;
             if (g < C4) {
-                const float4 wv = w4[g];
                 if (store) reinterpret_cast<float4*>(xout + off)[g] = v[j];
-                reinterpret_cast<uint2*>(h + off)[g] = make_uint2(pack2(v[j].x * r * wv.x, v[j].y * r * wv.y),
-                                                                  pack2(v[j].z * r * wv.z, v[j].w * r * wv.w));
+                reinterpret_cast<uint2*>(xhat + off)[g] = make_uint2(pack2(v[j].x * r, v[j].y * r),
+                                                                     pack2(v[j].z * r, v[j].w * r));
             }
         }
         if (lane == 0 && rstd) rstd[row] = r;
@@ -170,169 +188,125 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
     for (int j = lane; j < C; j += 32) {
         const float v = xr(j);
         if (store) xout[off + j] = v;
-        h[off + j] = f2bf(v * r * w[j]);
+        xhat[off + j] = f2bf(v * r);
     }
     if (lane == 0 && rstd) rstd[row] = r;
 }
 
-// Backward of y = x * rstd * w, one warp per row, `rows` rows per block of 8 warps (C <= 32 * RB_MAX):
-//   dxn = rstd * (dy*w - xhat * mean(dy*w*xhat)),  xhat = x * rstd
-// x is the norm's float32 input, or that plus a bf16 branch when `xadd` is given (the residual stream
-// after a layer's attention half is not kept: it is the layer's input plus its o_proj branch, summed
-// here as the forward summed it). With `h` given, the kernel also writes h = bf16(xhat * w), the
-// forward's output bit for bit, which the weight gradient of the GEMM that read it needs next: the
-// normed activations are recomputed here, where x is read anyway, instead of being kept.
-// dy is bf16 (rmsnorm_bwd_bf16: the layers' norms, whose dy is a GEMM's bf16 output) or float32
-// (rmsnorm_bwd_bf16_f32dy: the final norm, whose dy the output heads accumulate over the heads);
-//   dx  = (accumulate ? dx : 0) + dxn  (float32, in place), dxb = bf16(dx)  (the next GEMM's operand)
-//   dwpart[block] = sum over the block's rows of dy * xhat  (per-warp partials in registers, summed over
-//         the block's warps in shared memory; no atomics). `rmsnorm_dw_reduce` then writes the column
-//         sums of dwpart (gridDim.x, C) into dw, in a fixed order, so dw is deterministic.
-// Two passes over each row (the second hits L1), so only the dw partials stay in registers. When C is a
-// multiple of 4 every access is 16 bytes wide (float4 loads and stores, 8-byte bf16 stores).
-#define RB_MAX 32
-#define RB_VEC (RB_MAX / 4)
+// Backward of xhat = x * rstd, one warp per row, 8 rows per block of 8 warps:
+//   dx = (accumulate ? dx : 0) + rstd * (g - xhat * mean(g * xhat)),  dxb = bf16(dx)  (the next GEMM's operand)
+// g = dL/dxhat is the output of the GEMM that read xhat through the gain-folded weights: bf16 for the
+// layers' norms (rmsnorm_bwd_bf16), float32 for the final norm, whose g the output heads sum
+// (rmsnorm_bwd_bf16_f32dy). xhat is the forward's bf16 output. When C is a multiple of 4 and at most
+// 32 * 4 * RB_VEC the row stays in registers (16-byte loads of g and dx, 8-byte of xhat); otherwise a
+// scalar path reads it twice.
+#define RB_VEC 8
 template <typename DY>
-__device__ __forceinline__ void rmsnorm_bwd_impl(
-    const DY* __restrict__ dy, const float* __restrict__ x, const bf16* __restrict__ xadd, const float* __restrict__ w,
-    const float* __restrict__ rstd, float* __restrict__ dx, bf16* __restrict__ dxb, bf16* __restrict__ h,
-    float* __restrict__ dwpart, int N, int C, int rows, int accumulate) {
-    __shared__ float part[8][32 * RB_MAX];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int r0 = blockIdx.x * rows, r1 = min(N, r0 + rows);
-    if ((C & 3) == 0) {
+__device__ __forceinline__ void rmsnorm_bwd_impl(const DY* __restrict__ g, const bf16* __restrict__ xhat,
+                                                 const float* __restrict__ rstd, float* __restrict__ dx,
+                                                 bf16* __restrict__ dxb, int N, int C, int accumulate) {
+    const int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= N) return;
+    const long long off = (long long)row * C;
+    const float rs = rstd[row];
+    if ((C & 3) == 0 && C <= 128 * RB_VEC) {
         const int C4 = C >> 2;
-        const float4* w4 = reinterpret_cast<const float4*>(w);
-        float4 acc[RB_VEC];
-#pragma unroll
-        for (int i = 0; i < RB_VEC; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int r = r0 + warp; r < r1; r += 8) {
-            const long long off = (long long)r * C;
-            const DY* dyr = dy + off;
-            const float4* x4 = reinterpret_cast<const float4*>(x + off);
-            const float4* dx4c = reinterpret_cast<const float4*>(dx + off);
-            const float rs = rstd[r];
-            float dot = 0.f;
-            float4 prev[RB_VEC];  // dx to accumulate onto, loaded with dy and x (not after the row's sum)
-#pragma unroll
-            for (int i = 0; i < RB_VEC; ++i) {
-                const int g = lane + 32 * i;
-                if (g < C4) {
-                    prev[i] = accumulate ? dx4c[g] : make_float4(0.f, 0.f, 0.f, 0.f);
-                    const float4 d = ld4(dyr, g), wv = w4[g];
-                    float4 xv = x4[g];
-                    if (xadd) {
-                        const float4 b = ld4(xadd + off, g);
-                        xv.x += b.x, xv.y += b.y, xv.z += b.z, xv.w += b.w;
-                    }
-                    const float h0 = xv.x * rs, h1 = xv.y * rs, h2 = xv.z * rs, h3 = xv.w * rs;
-                    if (h)
-                        reinterpret_cast<uint2*>(h + off)[g] = make_uint2(pack2(h0 * wv.x, h1 * wv.y),
-                                                                          pack2(h2 * wv.z, h3 * wv.w));
-                    dot = fmaf(d.x * wv.x, h0, dot);
-                    dot = fmaf(d.y * wv.y, h1, dot);
-                    dot = fmaf(d.z * wv.z, h2, dot);
-                    dot = fmaf(d.w * wv.w, h3, dot);
-                    acc[i].x = fmaf(d.x, h0, acc[i].x);
-                    acc[i].y = fmaf(d.y, h1, acc[i].y);
-                    acc[i].z = fmaf(d.z, h2, acc[i].z);
-                    acc[i].w = fmaf(d.w, h3, acc[i].w);
-                }
-            }
-            const float mean = warp_sum(dot) / (float)C;
-            float4* dx4 = reinterpret_cast<float4*>(dx + off);
-            uint2* dxb4 = reinterpret_cast<uint2*>(dxb + off);
-#pragma unroll
-            for (int i = 0; i < RB_VEC; ++i) {
-                const int g = lane + 32 * i;
-                if (g < C4) {
-                    const float4 d = ld4(dyr, g), wv = w4[g];
-                    float4 xv = x4[g];
-                    if (xadd) {
-                        const float4 b = ld4(xadd + off, g);
-                        xv.x += b.x, xv.y += b.y, xv.z += b.z, xv.w += b.w;
-                    }
-                    const float sm = rs * mean;
-                    float4 o;
-                    o.x = prev[i].x + rs * (d.x * wv.x - xv.x * sm);
-                    o.y = prev[i].y + rs * (d.y * wv.y - xv.y * sm);
-                    o.z = prev[i].z + rs * (d.z * wv.z - xv.z * sm);
-                    o.w = prev[i].w + rs * (d.w * wv.w - xv.w * sm);
-                    dx4[g] = o;
-                    dxb4[g] = make_uint2(pack2(o.x, o.y), pack2(o.z, o.w));
-                }
-            }
-        }
+        float4 gv[RB_VEC], hv[RB_VEC], prev[RB_VEC];
+        float dot = 0.f;
 #pragma unroll
         for (int i = 0; i < RB_VEC; ++i) {
-            const int g = lane + 32 * i;
-            if (g < C4) reinterpret_cast<float4*>(part[warp])[g] = acc[i];
-        }
-    } else {
-        auto xin = [&](long long j) { return xadd ? x[j] + bf2f(xadd[j]) : x[j]; };
-        float dwacc[RB_MAX];
-#pragma unroll
-        for (int i = 0; i < RB_MAX; ++i) dwacc[i] = 0.f;
-        for (int r = r0 + warp; r < r1; r += 8) {
-            const long long off = (long long)r * C;
-            const float rs = rstd[r];
-            float dot = 0.f;
-#pragma unroll
-            for (int i = 0; i < RB_MAX; ++i) {
-                const int j = lane + 32 * i;
-                if (j < C) {
-                    const float d = ld1(dy, off + j), xh = xin(off + j) * rs;
-                    if (h) h[off + j] = f2bf(xh * w[j]);
-                    dot = fmaf(d * w[j], xh, dot);
-                    dwacc[i] = fmaf(d, xh, dwacc[i]);
-                }
-            }
-            const float mean = warp_sum(dot) / (float)C;
-#pragma unroll
-            for (int i = 0; i < RB_MAX; ++i) {
-                const int j = lane + 32 * i;
-                if (j < C) {
-                    float d = rs * (ld1(dy, off + j) * w[j] - xin(off + j) * (rs * mean));
-                    if (accumulate) d += dx[off + j];
-                    dx[off + j] = d;
-                    dxb[off + j] = f2bf(d);
-                }
+            const int c = lane + 32 * i;
+            if (c < C4) {
+                gv[i] = ld4(g + off, c);
+                hv[i] = ld4(xhat + off, c);
+                prev[i] = accumulate ? ld4(dx + off, c) : make_float4(0.f, 0.f, 0.f, 0.f);
+                dot = fmaf(gv[i].x, hv[i].x, fmaf(gv[i].y, hv[i].y, fmaf(gv[i].z, hv[i].z, fmaf(gv[i].w, hv[i].w, dot))));
             }
         }
+        const float sm = rs * warp_sum(dot) / (float)C;
 #pragma unroll
-        for (int i = 0; i < RB_MAX; ++i) {
-            const int j = lane + 32 * i;
-            if (j < C) part[warp][j] = dwacc[i];
+        for (int i = 0; i < RB_VEC; ++i) {
+            const int c = lane + 32 * i;
+            if (c < C4) {
+                float4 o;
+                o.x = prev[i].x + (rs * gv[i].x - sm * hv[i].x);
+                o.y = prev[i].y + (rs * gv[i].y - sm * hv[i].y);
+                o.z = prev[i].z + (rs * gv[i].z - sm * hv[i].z);
+                o.w = prev[i].w + (rs * gv[i].w - sm * hv[i].w);
+                reinterpret_cast<float4*>(dx + off)[c] = o;
+                reinterpret_cast<uint2*>(dxb + off)[c] = make_uint2(pack2(o.x, o.y), pack2(o.z, o.w));
+            }
         }
+        return;
     }
-    __syncthreads();
-    float* out = dwpart + (long long)blockIdx.x * C;
-    for (int j = threadIdx.x; j < C; j += blockDim.x) {
-        float t = 0.f;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) t += part[k][j];
-        out[j] = t;
+    float dot = 0.f;
+    for (int j = lane; j < C; j += 32) dot = fmaf(ld1(g, off + j), bf2f(xhat[off + j]), dot);
+    const float sm = rs * warp_sum(dot) / (float)C;
+    for (int j = lane; j < C; j += 32) {
+        float d = rs * ld1(g, off + j) - sm * bf2f(xhat[off + j]);
+        if (accumulate) d += dx[off + j];
+        dx[off + j] = d;
+        dxb[off + j] = f2bf(d);
     }
 }
 #define RMSNORM_BWD(NAME, DY)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256) NAME(                                                  \
-        const DY* dy, const float* x, const bf16* xadd, const float* w, const float* rstd, float* dx,         \
-        bf16* dxb, bf16* h, float* dwpart, int N, int C, int rows, int accumulate) {                         \
-        rmsnorm_bwd_impl<DY>(dy, x, xadd, w, rstd, dx, dxb, h, dwpart, N, C, rows, accumulate);              \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const DY* g, const bf16* xhat, const float* rstd,  \
+                                                           float* dx, bf16* dxb, int N, int C, int accumulate) { \
+        rmsnorm_bwd_impl<DY>(g, xhat, rstd, dx, dxb, N, C, accumulate);                                      \
     }
 RMSNORM_BWD(rmsnorm_bwd_bf16, bf16)
 RMSNORM_BWD(rmsnorm_bwd_bf16_f32dy, float)
 
-// dw[j] = sum over p < nparts of dwpart[p, j] (overwrites: every gain's gradient comes from one norm). Block (32, 32): x over 32 columns, y over the parts
-// (strided), then the 32 partial sums of a column added in shared memory. Grid x: ceil(C / 32).
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_dw_reduce(
-    const float* __restrict__ dwpart, float* __restrict__ dw, int nparts, int C) {
+// The gradients of a weight matrix W (R, C) read by a GEMM with a norm's gain folded in (W' = W * gain,
+// column j scaled by gain[j]), from that GEMM's float32 weight gradient dW' = dy^T xhat, held in G:
+//   G = dW = dW' * gain                                   (in place)
+//   part[s, j] = sum over the rows of split s of W * dW'   (column_sums of part = the gain's gradient)
+//   acc[0] += sum of dW^2                                 (these tensors' share of the gradient norm)
+// Block of 8 warps: a warp's lanes take 32 adjacent columns, the warps every 8th row of the split's
+// `rows` rows; grid (ceil(C / 32), splits). The gain's gradient is summed in a fixed order (no atomics).
+extern "C" __global__ void __launch_bounds__(256) gain_fold_grad(
+    const float* __restrict__ W, float* __restrict__ G, const float* __restrict__ gain, float* __restrict__ part,
+    int R, int C, int rows, float* __restrict__ acc) {
+    __shared__ float cols[8][33];
+    __shared__ float red[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int j = blockIdx.x * 32 + lane;
+    const int r0 = blockIdx.y * rows, r1 = min(R, r0 + rows);
+    float t = 0.f, sq = 0.f;
+    if (j < C) {
+        const float s = gain[j];
+#pragma unroll 4
+        for (int r = r0 + warp; r < r1; r += 8) {
+            const long long o = (long long)r * C + j;
+            const float d = G[o];
+            t = fmaf(W[o], d, t);
+            const float dw = d * s;
+            G[o] = dw;
+            sq = fmaf(dw, dw, sq);
+        }
+    }
+    cols[warp][lane] = t;
+    sq = block_sum(sq, red);  // ends in a barrier after cols is written
+    if (warp == 0 && j < C) {
+        float u = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) u += cols[k][lane];
+        part[(long long)blockIdx.y * C + j] = u;
+    }
+    if (threadIdx.x == 0) atomicAdd(acc, sq);
+}
+
+// out[j] = sum over p < nparts of part[p, j] (overwrites), in a fixed order. Block (32, 32): x over 32
+// columns, y over the parts (strided), then the 32 partial sums of a column added in shared memory.
+// Grid x: ceil(C / 32).
+extern "C" __global__ void __launch_bounds__(1024) column_sums(
+    const float* __restrict__ part, float* __restrict__ out, int nparts, int C) {
     __shared__ float s[32][33];
     const int j = blockIdx.x * 32 + threadIdx.x;
     float t = 0.f;
     if (j < C) {
 #pragma unroll 4
-        for (int p = threadIdx.y; p < nparts; p += 32) t += dwpart[(long long)p * C + j];
+        for (int p = threadIdx.y; p < nparts; p += 32) t += part[(long long)p * C + j];
     }
     s[threadIdx.y][threadIdx.x] = t;
     __syncthreads();
@@ -340,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_dw_reduce(
         float u = 0.f;
 #pragma unroll
         for (int k = 0; k < 32; ++k) u += s[k][threadIdx.x];
-        dw[j] = u;
+        out[j] = u;
     }
 }
 
@@ -631,7 +605,9 @@ extern "C" __global__ void __launch_bounds__(256) sumsq(const float* __restrict_
 // AdamW over a flat range, with global-norm clipping read from the device (no host round trip):
 //   norm = sqrt(sumsq[0]); c = (max_norm > 0 && norm > max_norm) ? max_norm / (norm + 1e-6) : 1; g *= c
 //   m = b1 m + (1-b1) g ; v = b2 v + (1-b2) g^2 ; p = p * decay - step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps)
-//   pb = bf16(p)  (the GEMM copy of the weights)
+//   pb = bf16(p * gain[i % C])  (the GEMM image of the weights; gain null: bf16(p)). A range with a gain
+//        is one matrix of C columns that a GEMM reads with that norm gain folded in; the engine updates
+//        the gains first, so the image holds the new weights times the new gain.
 // Four elements per thread with 16-byte accesses (8-byte for pb): the engine's ranges start 64-element
 // aligned; a range whose length is not a multiple of 4 ends in a scalar tail.
 struct AdamWArgs {
@@ -649,7 +625,7 @@ __device__ __forceinline__ float adamw_one(float& p, float g, float& m, float& v
 extern "C" __global__ void __launch_bounds__(256) adamw_clip_bf16(
     float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
     bf16* __restrict__ pb, long long n, const float* __restrict__ sumsq_acc, float max_norm, float b1, float b2,
-    float decay, float step_size, float inv_sqrt_bc2, float eps) {
+    float decay, float step_size, float inv_sqrt_bc2, float eps, const float* __restrict__ gain, int C) {
     const float norm = sqrtf(sumsq_acc[0]);
     const float c = (max_norm > 0.f && norm > max_norm && norm <= 3.0e38f) ? max_norm / (norm + 1e-6f) : 1.f;
     const AdamWArgs a = {c, b1, b2, decay, step_size, inv_sqrt_bc2, eps};
@@ -660,15 +636,16 @@ extern "C" __global__ void __launch_bounds__(256) adamw_clip_bf16(
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride) {
         float4 pv = p4[i], mv = m4[i], vv = v4[i];
         const float4 gv = reinterpret_cast<const float4*>(g)[i];
+        const float4 s = gain_at4(gain, C, 4 * i);
         const float x = adamw_one(pv.x, gv.x, mv.x, vv.x, a), y = adamw_one(pv.y, gv.y, mv.y, vv.y, a);
         const float z = adamw_one(pv.z, gv.z, mv.z, vv.z, a), w = adamw_one(pv.w, gv.w, mv.w, vv.w, a);
         p4[i] = pv;
         m4[i] = mv;
         v4[i] = vv;
-        reinterpret_cast<uint2*>(pb)[i] = make_uint2(pack2(x, y), pack2(z, w));
+        reinterpret_cast<uint2*>(pb)[i] = make_uint2(pack2(x * s.x, y * s.y), pack2(z * s.z, w * s.w));
     }
     for (long long i = 4 * n4 + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        pb[i] = f2bf(adamw_one(p[i], g[i], m[i], v[i], a));
+        pb[i] = f2bf(adamw_one(p[i], g[i], m[i], v[i], a) * gain_at(gain, C, i));
 }
 
 // ---- tensor-core FlashAttention (bf16 operands, float32 accumulation) --------------------------------

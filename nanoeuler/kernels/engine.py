@@ -19,7 +19,7 @@ logits (the cross-entropy kernel reads them in float32 arithmetic and overwrites
 gradient), the two branches that join the residual stream (o_proj, down), which the RMSNorm kernel
 reading the stream next adds to the float32 stream (cuBLAS took about twice as long to read and
 write the float32 stream itself), and the layers' normed-activation gradients, which the RMSNorm
-backward reads in float32 arithmetic (half the bytes of its largest input). Attention runs on the
+backward reads in float32 arithmetic. Attention runs on the
 tensor cores too (`flash_*` in bf16.cu: bf16 q/k/v/O/dO, float32 softmax statistics and accumulators)
 for head sizes 32 and 64, in variants of the same arithmetic: `attention="ldm"` loads the mma operands
 from shared memory with ldmatrix and streams the next tile in with cp.async while one is in use;
@@ -32,21 +32,30 @@ deterministic) that write dq, dk (with the RoPE rotation undone) and dv as bf16 
 gradient operand of the qkv GEMM. `attention="fp32"` selects the float32 FlashAttention of
 `attention.cu` on float32 q/k/v instead (the only choice for other head sizes).
 
+Norm gains folded into the weights. Each RMSNorm feeds one stacked GEMM (the first norm qkv, the second
+gate/up, the final norm the output heads), and (xhat * gain) W^T = xhat (W * gain)^T, where W * gain
+scales column j of W by gain[j]. So the norms write xhat = x / rms(x) alone, the GEMM image of those
+matrices is bf16(W * gain) (written by AdamW, which updates the gains first), and the backward's GEMM
+through the same image gives dL/dxhat. The norm's backward then needs only xhat (bf16, kept from the
+forward) and 1/rms: not the float32 residual stream, so the stream is never kept. The weight-gradient
+GEMM gives dW' = dy^T xhat, the gradient of the folded matrix; `gain_fold_grad` turns it into dW =
+dW' * gain and the gain's gradient, the column sums of W * dW' (`layers.folded_gain_grads` is the
+reference). The arithmetic is the model's; only where bf16 rounding falls moves (bf16(W * gain) and
+bf16(xhat) where autocast rounds W and xhat * gain).
+
 Memory. All tensors live in buffers allocated once in `__init__`: flat float32 arrays for parameters,
 gradients and both moments, the flat bf16 image, the per-layer activations kept for the backward (the
-residual stream entering each layer, the o_proj branch as bf16, q/k/v, the attention output and its
-logsumexp, the gate/up product, the norms' 1/rms), and scratch shared by all layers (scratch with
-disjoint lifetimes shares memory: the MLP's and the output heads'). The residual stream after each
-attention half is not stored: every kernel that reads it sums the layer's input and its o_proj branch
-as the forward did. The normed activations are not stored either: each RMSNorm backward writes its
-forward output again (bit for bit) while it reads x anyway, and the weight gradient that reads it runs
-after it. A step allocates nothing, and the host never waits on the device inside it: the per-head
-loss normalisation, the global gradient norm and the clipping factor are computed and consumed on the
-device.
+two norms' xhat as bf16 and their 1/rms, q/k/v, the attention output and its logsumexp, the gate/up
+product), and scratch shared by all layers (scratch with disjoint lifetimes shares memory: the MLP's
+and the output heads'). The residual stream lives in two buffers that alternate by layer, and the
+stream after each attention half is never stored: the norm that reads it sums the layer's input and
+the o_proj branch. A step allocates nothing, and the host never waits on the device inside it: the
+per-head loss normalisation, the global gradient norm and the clipping factor are computed and
+consumed on the device.
 
-Launches per step: 9 per layer forward, 15 per layer backward, 4 per head
-and chunk of output-head rows, and a handful for the optimizer (one AdamW launch per run of
-equally-decayed tensors).
+Launches per step: 9 per layer forward, 17 per layer backward, 4 per head and chunk of output-head
+rows, and a few dozen for the optimizer (one AdamW launch per run of equally-decayed tensors, and one
+per gain-folded matrix).
 The step stays device-bound: the host queues them faster than the GPU runs them. (Capturing the step
 as a CUDA graph would need cuBLAS calls that CuPy refuses during stream capture.)
 """
@@ -77,6 +86,7 @@ ATTENTION_VARIANTS = ("wg", "ldm", "mma", "fp32")
 
 BF16_STORAGE = np.uint16  # bf16 words; converted by the kernels
 _NULL = np.uint64(0)  # a null pointer argument (an optional input or output a kernel skips)
+_FOLD_SPLITS = 64  # row splits of gain_fold_grad at most (its column sums are reduced by column_sums)
 
 
 def _cublas():
@@ -168,6 +178,17 @@ def head_chunk_rows(N: int, V: int, arena_bytes: int, chunk_bytes: int | None = 
     return -(-N // -(-N // rows))
 
 
+def gain_fold_splits(rows: int) -> tuple[int, int]:
+    """(row splits, rows per split) of `gain_fold_grad` over a matrix of `rows` rows: splits of at least
+    32 rows, at most _FOLD_SPLITS of them (their column sums are then added by `column_sums`).
+
+        >>> gain_fold_splits(1280), gain_fold_splits(16384), gain_fold_splits(37)
+        ((40, 32), (64, 256), (2, 19))
+    """
+    splits = min(_FOLD_SPLITS, -(-rows // 32))
+    return splits, -(-rows // splits)
+
+
 def _grid(n, threads=256, cap=65535 * 8):
     return (max(1, min(cap, (n + threads - 1) // threads)),)
 
@@ -188,8 +209,6 @@ class Engine:
         self.attention = attention
         if cfg.head_dim not in _FLASH:
             raise ValueError(f"head_dim {cfg.head_dim} not supported by the attention kernels ({sorted(_FLASH)})")
-        if cfg.dim > 1024:
-            raise ValueError(f"dim {cfg.dim} exceeds the RMSNorm backward kernel's 1024")
         self.cfg = cfg
         self.B, self.T = int(batch), int(seq)
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
@@ -209,43 +228,54 @@ class Engine:
         self.no_decay = set(no_decay)
 
         # ---- flat layout: groups of tensors that one GEMM reads as a single stacked matrix ----
-        groups = [["embed_tokens.weight"]]
+        # (tensors, the norm gain folded into them or None): the qkv and gate/up projections and the
+        # output heads read a norm's output, and their GEMM image carries that norm's gain (see __doc__).
+        groups = [(["embed_tokens.weight"], None)]
         for i in range(L):
             p = f"layers.{i}."
-            groups += [[p + "input_layernorm.weight"], [p + "post_attention_layernorm.weight"]]
-        groups.append(["norm.weight"])
+            groups += [([p + "input_layernorm.weight"], None), ([p + "post_attention_layernorm.weight"], None)]
+        groups.append((["norm.weight"], None))
         for i in range(L):
             p = f"layers.{i}."
-            groups += [[p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
-                       [p + "self_attn.o_proj.weight"], [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-                       [p + "mlp.down_proj.weight"]]
-        groups.append(["lm_head.weight"] + [f"mtp_heads.{k}.weight" for k in range(1, K)])
-        groups.sort(key=lambda g: g[0] not in self.no_decay)  # stable: undecayed tensors first
+            groups += [([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
+                        p + "input_layernorm.weight"), ([p + "self_attn.o_proj.weight"], None),
+                       ([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "post_attention_layernorm.weight"),
+                       ([p + "mlp.down_proj.weight"], None)]
+        groups.append((["lm_head.weight"] + [f"mtp_heads.{k}.weight" for k in range(1, K)], "norm.weight"))
+        # Stable sort: the gain-folded matrices last, so that AdamW updates every gain before the images
+        # that fold it in, and the gradient norm's plain sum covers a prefix; undecayed before decayed.
+        groups.sort(key=lambda g: (g[1] is not None, g[0][0] not in self.no_decay))
         self.offsets: dict[str, int] = {}
         self.group_of: dict[str, tuple[int, int]] = {}
-        runs: list[list] = []  # [start, end, decayed]
+        self.gain_of: dict[str, str] = {}  # matrix name -> the norm gain folded into its GEMM image
+        runs: list[list] = []  # [start, end, decayed, gain name or None, columns]: one AdamW launch each
         off = 0
-        for g in groups:
-            decayed = {n not in self.no_decay for n in g}
+        for names, gain in groups:
+            decayed = {n not in self.no_decay for n in names}
             if len(decayed) != 1:
-                raise ValueError(f"tensors {g} are read by one GEMM but differ in weight decay")
+                raise ValueError(f"tensors {names} are read by one GEMM but differ in weight decay")
             d = decayed.pop()
             start = off
-            for n in g:
+            for n in names:
                 self.offsets[n] = off
                 off += int(np.prod(shapes[n]))
-            for n in g:
+                if gain is not None:
+                    self.gain_of[n] = gain
+            for n in names:
                 self.group_of[n] = (start, off)
+            if gain is not None and off - start >= 2**31:
+                raise ValueError(f"tensors {names} exceed the 32-bit indexing of the gain-folding kernels")
             end = -(-off // _ALIGN) * _ALIGN
-            if runs and runs[-1][2] == d and runs[-1][1] == start:
+            if gain is None and runs and runs[-1][2] == d and runs[-1][3] is None and runs[-1][1] == start:
                 runs[-1][1] = end
             else:
-                runs.append([start, end, d])
+                runs.append([start, end, d, gain, shapes[names[0]][-1]])
             off = end
         if set(self.offsets) != set(shapes):
             raise ValueError("flat layout does not cover the parameters")
         self.total = off
         self.runs = [tuple(r) for r in runs]
+        self.fold_start = min((r[0] for r in runs if r[3] is not None), default=off)
         self.shapes = shapes
 
         f32, bf = np.float32, BF16_STORAGE
@@ -259,9 +289,12 @@ class Engine:
             if tuple(src.shape) != tuple(s):
                 raise ValueError(f"parameter {n} has shape {tuple(src.shape)}, expected {s}")
             self.view(self.P, n)[...] = cp.asarray(src, dtype=f32)
+        # the runs with their gains as device views (AdamW writes the image of a run times its gain)
+        self.runs = [(start, end, d, _NULL if g is None else self.view(self.P, g), cols)
+                     for start, end, d, g, cols in self.runs]
         self._k = {name: kernel("bf16", name) for name in (
             "f32_to_bf16", "embed_fwd", "embed_bwd", "rmsnorm_fwd_bf16", "rmsnorm_bwd_bf16",
-            "rmsnorm_bwd_bf16_f32dy", "rmsnorm_dw_reduce", "qkv_rope_split",
+            "rmsnorm_bwd_bf16_f32dy", "gain_fold_grad", "column_sums", "qkv_rope_split",
             "rope_bwd_pack", "attn_pack", "attn_delta", "swiglu_fwd_bf16", "swiglu_bwd_bf16", "ce_head_scale",
             "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16")}
         if attention != "fp32":  # "mma": B fragments by 32-bit shared loads; "ldm": by ldmatrix; "wg": wgmma
@@ -269,8 +302,8 @@ class Engine:
                                                                                       "flash_bwd_dq")}
         self._flash = {name: kernel("attention", f"{name}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
                                                                                 "flash_bwd_dq")}
-        self._k["f32_to_bf16"](_grid(off), (256,), (self.P, self.Pb, np.int64(off)))
         self.gemm = _Gemm()
+        self._refresh_image()
 
         # ---- weight views (bf16 for GEMMs, float32 gradient views of the same stacking) ----
         def wb(first, rows):  # bf16 stacked matrix starting at tensor `first`
@@ -281,21 +314,27 @@ class Engine:
             o = self.offsets[first]
             return _M(self.G[o:o + rows * self._cols(first)].reshape(rows, self._cols(first)))
 
+        def fold_args(first, gain):
+            """What the backward needs to turn the gradient of a gain-folded GEMM image into the gradients
+            of the matrix and of the gain: (W, dW as flat float32 views, the gain, its gradient, rows)."""
+            start, end = self.group_of[first]
+            return (self.P[start:end], self.G[start:end], self.view(self.P, gain), self.view(self.G, gain),
+                    (end - start) // self._cols(first))
+
         self.Lw = []
         for i in range(L):
             p = f"layers.{i}."
             self.Lw.append(dict(
-                n1=self.view(self.P, p + "input_layernorm.weight"), n2=self.view(self.P, p + "post_attention_layernorm.weight"),
-                dn1=self.view(self.G, p + "input_layernorm.weight"), dn2=self.view(self.G, p + "post_attention_layernorm.weight"),
                 qkv=wb(p + "self_attn.q_proj.weight", self.QKV), o=wb(p + "self_attn.o_proj.weight", C),
                 gu=wb(p + "mlp.gate_proj.weight", 2 * F), d=wb(p + "mlp.down_proj.weight", C),
                 dqkv=wg(p + "self_attn.q_proj.weight", self.QKV), do=wg(p + "self_attn.o_proj.weight", C),
-                dgu=wg(p + "mlp.gate_proj.weight", 2 * F), dd=wg(p + "mlp.down_proj.weight", C)))
+                dgu=wg(p + "mlp.gate_proj.weight", 2 * F), dd=wg(p + "mlp.down_proj.weight", C),
+                fold_qkv=fold_args(p + "self_attn.q_proj.weight", p + "input_layernorm.weight"),
+                fold_gu=fold_args(p + "mlp.gate_proj.weight", p + "post_attention_layernorm.weight")))
         heads = ["lm_head.weight"] + [f"mtp_heads.{h}.weight" for h in range(1, K)]
         self.w_head = [wb(n, V) for n in heads]
         self.dw_head = [wg(n, V) for n in heads]
-        self.w_norm = self.view(self.P, "norm.weight")
-        self.dw_norm = self.view(self.G, "norm.weight")
+        self.fold_heads = fold_args("lm_head.weight", "norm.weight")
         self.emb = self.view(self.P, "embed_tokens.weight")
         self.demb = self.view(self.G, "embed_tokens.weight")
 
@@ -303,14 +342,15 @@ class Engine:
         def e(shape, dt=f32):
             return cp.empty(shape, dtype=dt)
 
-        self.xs = [e((N, C)) for _ in range(L + 1)]  # residual stream entering layer i (xs[L]: trunk output)
-        # The o_proj branch is kept as bf16, and the residual stream after the attention half is never
-        # stored: it is xs[i] + ob[i], summed by whichever kernel reads it (the forward's norms, the
-        # backward's second norm). The normed activations are not kept either: the RMSNorm backward
-        # writes them again (h = bf16(xhat * w)) for the weight gradients that read them next.
-        self.ob = [e((N, C), bf) for _ in range(L)]
-        self.ybr = e((N, C), bf)  # the down branch before the next norm adds it in
-        self.hs = e((N, C), bf)
+        # The residual stream lives in two float32 buffers that alternate by layer: the backward never
+        # reads it. Each norm's output xhat (bf16, no gain: the gains are folded into the weights that read
+        # it) and 1/rms are what the backward keeps of the norms. The branches that join the stream (o_proj,
+        # down) are bf16 and are added in by the norm that reads the stream next.
+        self.xs = [e((N, C)), e((N, C))]  # layer i reads the stream from xs[i % 2]
+        self.ob = e((N, C), bf)  # the o_proj branch
+        self.ybr = e((N, C), bf)  # the down branch
+        self.xh1 = [e((N, C), bf) for _ in range(L)]  # xhat of each layer's first norm (input of qkv)
+        self.xh2 = [e((N, C), bf) for _ in range(L)]  # xhat of its second norm (input of gate/up)
         self.rstd1 = [e(N) for _ in range(L)]
         self.rstd2 = [e(N) for _ in range(L)]
         qdt = bf if attention != "fp32" else f32  # the attention operands
@@ -335,16 +375,15 @@ class Engine:
         self.arena = cp.empty(max(mlp_bytes, 2 * self.R * V), dtype=np.uint8)
         self.m, self.dm, self.dgu = (self.arena[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in mlp)
         self.logits = self.arena[:2 * self.R * V].view(bf).reshape(self.R, V)  # then, in place, their gradient
-        self.dh = e((N, C), bf)  # gradient of a normed activation (a GEMM's output), into the norm's backward
+        self.dh = e((N, C), bf)  # dL/dxhat of a layer's norm (a GEMM's output), into the norm's backward
         self.da = e((N, HD), qdt)  # gradient of the attention output
         self.delta = e((B, H, T))
         self.dx = e((N, C))
         self.dxb = e((N, C), bf)
-        self.xn = e((N, C), bf)
+        self.xn = e((N, C), bf)  # xhat of the final norm: the output heads' input
         self.rstdf = e(N)
-        self.dxn = e((N, C))
-        self.nb_rows = 16  # rows per block of the RMSNorm backward; one row of dw partial sums per block
-        self.dwpart = e((-(-N // self.nb_rows), C))
+        self.dxn = e((N, C))  # its dL/dxhat, summed over the heads
+        self.gpart = e((_FOLD_SPLITS, C))  # per-split column sums of gain_fold_grad
         self.loss_rows = e((N, K))
         self.head_scale = e(K)
         self.loss = cp.zeros(1, dtype=f32)
@@ -354,14 +393,14 @@ class Engine:
         self.cos, self.sin = layers.rope_tables(T, D, cfg.rope_theta, cp, np.float32)
         self.cos, self.sin = cp.ascontiguousarray(self.cos), cp.ascontiguousarray(self.sin)
         # matrix views used by the GEMMs
-        self.mhs = _M(self.hs)
+        self.mxh1, self.mxh2 = [_M(x) for x in self.xh1], [_M(x) for x in self.xh2]
         self.ma = [_M(x) for x in self.a]
         self.mgu = [_M(x) for x in self.gu]
         self.mybr = _M(self.ybr)
         self.mqkv, self.mm, self.mdm, self.mdgu = _M(self.qkv), _M(self.m), _M(self.dm), _M(self.dgu)
         self.mdh, self.mda, self.mdqkv, self.mdxb = _M(self.dh), _M(self.da), _M(self.dqkv), _M(self.dxb)
         self.mdxn = _M(self.dxn)
-        self.mob = [_M(x) for x in self.ob]
+        self.mob = _M(self.ob)
         cp.cuda.get_current_stream().synchronize()
 
     # ---- parameter access ----------------------------------------------------------------------------
@@ -399,7 +438,14 @@ class Engine:
                 self.view(self.Mo, n)[...] = cp.asarray(tensors[f"m.{n}"], dtype=np.float32)
                 self.view(self.Vo, n)[...] = cp.asarray(tensors[f"v.{n}"], dtype=np.float32)
         self.t = int(t)
-        self._k["f32_to_bf16"](_grid(self.total), (256,), (self.P, self.Pb, np.int64(self.total)))
+        self._refresh_image()
+
+    def _refresh_image(self) -> None:
+        """The bf16 GEMM image of the master weights, the folded norm gains included."""
+        for start, end, _, gain, cols in self.runs:
+            n = end - start
+            self._k["f32_to_bf16"](_grid(n), (256,), (self.P[start:end], self.Pb[start:end], np.int64(n), gain,
+                                                      np.int32(cols)))
 
     @classmethod
     def from_adamw(cls, cfg: ModelConfig, params: dict, opt, *, batch: int, seq: int, max_norm: float,
@@ -465,7 +511,7 @@ class Engine:
         self._load_batch(inputs, targets)
         self.gemm.cublas.setPointerMode(self.gemm.handle, 0)  # alpha/beta are host scalars
         # Every gradient is overwritten by the step (GEMMs with beta=0, the first output-head chunk included,
-        # and the norm gains' column reduction) except the embedding's, which the backward scatters into
+        # and the norm gains' column sums) except the embedding's, which the backward scatters into
         # with atomics: only it is zeroed (the padding between tensors stays zero from __init__).
         cp.cuda.runtime.memsetAsync(self.demb.data.ptr, 0, self.demb.nbytes, stream)
         cp.cuda.runtime.memsetAsync(self.sq.data.ptr, 0, 4, stream)
@@ -487,22 +533,22 @@ class Engine:
         eps = f32(cfg.norm_eps)
         xs, ob, ybr = self.xs, self.ob, self.ybr
 
-        def norm(x, w_, h, rstd, add=(), out=None):
-            """h = bf16(rmsnorm(x + the bf16 branches in `add`)) with its 1/rms; the sum also into `out`."""
+        def norm(x, xhat, rstd, add=(), out=None):
+            """xhat = bf16((x + the bf16 branches in `add`) * rstd) and rstd; the sum also into `out`."""
             y, y2 = (tuple(add) + (x, x))[:2]  # unread placeholders where fewer than two branches
-            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (x, y, y2, w_, h, rstd, x if out is None else out, i32(N),
+            k["rmsnorm_fwd_bf16"](norm_grid, (128,), (x, y, y2, xhat, rstd, x if out is None else out, i32(N),
                                                       i32(C), eps, i32(len(add)), i32(out is not None)))
 
-        # The residual stream: x_in = xs[i]; x_mid = x_in + ob[i] (the o_proj branch, kept as bf16;
-        # x_mid itself is never stored); x_out = x_mid + down(...) = xs[i+1]. The RMSNorm that reads the
-        # stream next adds the bf16 branches in (and stores the float32 sum where it is kept).
+        # The residual stream: x_in = xs[i % 2]; x_mid = x_in + ob (the o_proj branch, bf16; x_mid itself
+        # is never stored); x_out = x_mid + ybr (the down branch), stored into xs[(i + 1) % 2] by the next
+        # layer's first norm, which adds both branches in.
         for i in range(L):
             w = self.Lw[i]
             if i == 0:
-                norm(xs[0], w["n1"], self.hs, self.rstd1[0])
+                norm(xs[0], self.xh1[0], self.rstd1[0])
             else:  # x_in = x_in of the previous layer + its o_proj branch + its MLP branch
-                norm(xs[i - 1], w["n1"], self.hs, self.rstd1[i], add=(ob[i - 1], ybr), out=xs[i])
-            gemm(self.mqkv, self.mhs, w["qkv"], tb=True)
+                norm(xs[(i - 1) % 2], self.xh1[i], self.rstd1[i], add=(ob, ybr), out=xs[i % 2])
+            gemm(self.mqkv, self.mxh1[i], w["qkv"], tb=True)
             if self.attention != "fp32":
                 k["qkv_rope_split_bf16"](split_grid, (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i],
                                                               self.v[i], i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
@@ -514,13 +560,13 @@ class Engine:
                 self._flash["flash_fwd"]((-(-T // rows), B * H), (rows * G,),
                                          (self.q[i], *qs, self.k[i], *ks, self.v[i], *ks, self.att, self.lse[i], *dims))
                 k["attn_pack"](_grid(N * HD), (256,), (self.att, self.a[i], i32(T), i32(H), i32(D), i64(N * HD)))
-            gemm(self.mob[i], self.ma[i], w["o"], tb=True)
-            norm(xs[i], w["n2"], self.hs, self.rstd2[i], add=(ob[i],))  # of x_mid
-            gemm(self.mgu[i], self.mhs, w["gu"], tb=True)
+            gemm(self.mob, self.ma[i], w["o"], tb=True)
+            norm(xs[i % 2], self.xh2[i], self.rstd2[i], add=(ob,))  # of x_mid
+            gemm(self.mgu[i], self.mxh2[i], w["gu"], tb=True)
             k["swiglu_fwd_bf16"](glu_grid, (256,), (self.gu[i], self.m, i32(F), i32(N)))
             gemm(self.mybr, self.mm, w["d"], tb=True)
 
-        norm(xs[L - 1], self.w_norm, self.xn, self.rstdf, add=(ob[L - 1], ybr), out=xs[L])  # trunk output, normed
+        norm(xs[(L - 1) % 2], self.xn, self.rstdf, add=(ob, ybr))  # the trunk's output, normed
         # output heads, one head and one chunk of R rows at a time: logits (R, V) never exist for all rows.
         # Per head rather than all K heads at once: the weight gradient that each chunk's GEMM reads and
         # writes back in float32 is then one head's (V, C), not (K*V, C), for the same arithmetic.
@@ -539,18 +585,20 @@ class Engine:
                 gemm(dwh, lg, xc, ta=True, beta=0.0 if r0 == 0 else 1.0)
         k["ce_loss_reduce"]((1,), (1024,), (self.loss_rows, self.head_scale, self.loss, i64(N), i32(K)))
 
-        nb_rows = self.nb_rows
-        nparts = self.dwpart.shape[0]
-        nb_grid = (nparts,)
-        red_grid, red_block = (-(-C // 32),), (32, 32)
+        nb_grid = (-(-N // 8),)  # the RMSNorm backward: a warp per row, 8 rows per block
 
-        def dw_reduce(dw):  # dw = column sums of the RMSNorm backward's per-block partials
-            k["rmsnorm_dw_reduce"](red_grid, red_block, (self.dwpart, dw, i32(nparts), i32(C)))
+        def fold(wmat, dwmat, gain, dgain, rows):
+            """dW' (the folded image's weight gradient, in G) -> dW = dW' * gain in place, and the gain's
+            gradient = column sums of W * dW'; their squares into the gradient norm."""
+            splits, per_split = gain_fold_splits(rows)
+            k["gain_fold_grad"]((-(-C // 32), splits), (256,), (wmat, dwmat, gain, self.gpart, i32(rows), i32(C),
+                                                                i32(per_split), self.sq))
+            k["column_sums"]((-(-C // 32),), (32, 32), (self.gpart, dgain, i32(splits), i32(C)))
 
-        k["rmsnorm_bwd_bf16_f32dy"](nb_grid, (256,), (self.dxn, xs[L], _NULL, self.w_norm, self.rstdf, self.dx,
-                                                      self.dxb, _NULL, self.dwpart, i32(N), i32(C), i32(nb_rows),
-                                                      i32(0)))
-        dw_reduce(self.dw_norm)
+        fold(*self.fold_heads)
+        # dL/dxhat of the final norm (dxn, float32: summed over the heads) -> dx of the trunk's output
+        k["rmsnorm_bwd_bf16_f32dy"](nb_grid, (256,), (self.dxn, self.xn, self.rstdf, self.dx, self.dxb, i32(N),
+                                                      i32(C), i32(0)))
         for i in reversed(range(L)):
             w = self.Lw[i]
             # MLP half: x_out = x_mid + down(silu(gate(h2)) * up(h2)); the SwiGLU backward also recomputes
@@ -558,13 +606,13 @@ class Engine:
             gemm(self.mdm, self.mdxb, w["d"])
             k["swiglu_bwd_bf16"](glu_grid, (256,), (self.dm, self.gu[i], self.dgu, self.m, i32(F), i32(N)))
             gemm(w["dd"], self.mdxb, self.mm, ta=True)
-            # h2 = norm2(x_mid), x_mid = xs[i] + ob[i]: the norm's backward sums x_mid as the forward did and
-            # writes h2 again (into hs) for the gate/up weight gradient
+            # gate/up read xhat2 = norm2(x_mid) through weights with the norm's gain folded in: the GEMM
+            # gives dL/dxhat2, the norm's backward needs only xhat2 and rstd2
             gemm(self.mdh, self.mdgu, w["gu"])
-            k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xs[i], ob[i], w["n2"], self.rstd2[i], self.dx, self.dxb,
-                                                     self.hs, self.dwpart, i32(N), i32(C), i32(nb_rows), i32(1)))
-            dw_reduce(w["dn2"])
-            gemm(w["dgu"], self.mdgu, self.mhs, ta=True)
+            k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, self.xh2[i], self.rstd2[i], self.dx, self.dxb, i32(N),
+                                                     i32(C), i32(1)))
+            gemm(w["dgu"], self.mdgu, self.mxh2[i], ta=True)
+            fold(*w["fold_gu"])
             # attention half: x_mid = x_in + o(attn(rope(q(h1)), rope(k(h1)), v(h1)))
             gemm(w["do"], self.mdxb, self.ma[i], ta=True)
             gemm(self.mda, self.mdxb, w["o"])
@@ -585,14 +633,16 @@ class Engine:
                                             (*qkv, self.da, *das, self.lse[i], self.delta, self.att, *dims))
                 k["rope_bwd_pack"](row_grid, (256,), (self.att, self.dk, self.dv, self.cos, self.sin, self.dqkv,
                                                       i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
-            # h1 = norm1(xs[i]), written again by the norm's backward for the qkv weight gradient
+            # the same for qkv and xhat1 = norm1(x_in)
             gemm(self.mdh, self.mdqkv, w["qkv"])
-            k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, xs[i], _NULL, w["n1"], self.rstd1[i], self.dx, self.dxb,
-                                                     self.hs, self.dwpart, i32(N), i32(C), i32(nb_rows), i32(1)))
-            dw_reduce(w["dn1"])
-            gemm(w["dqkv"], self.mdqkv, self.mhs, ta=True)
+            k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, self.xh1[i], self.rstd1[i], self.dx, self.dxb, i32(N),
+                                                     i32(C), i32(1)))
+            gemm(w["dqkv"], self.mdqkv, self.mxh1[i], ta=True)
+            fold(*w["fold_qkv"])
         k["embed_bwd"](_grid(N * C), (256,), (self.dx, self.ids, self.demb, i32(C), i64(N * C)))
-        k["sumsq"]((min(4096, -(-self.total // 256)),), (256,), (self.G, i64(self.total), self.sq))
+        # the gradient norm: the folded matrices added their squares already; the rest lie before them
+        n = self.fold_start
+        k["sumsq"]((min(4096, -(-n // 256)),), (256,), (self.G, i64(n), self.sq))
 
     def optimizer_step(self, lr: float) -> None:
         """Clip (by the norm in `self.sq`) and apply AdamW to every parameter; refresh the bf16 image."""
@@ -601,14 +651,14 @@ class Engine:
         step_size = lr / (1.0 - b1 ** self.t)
         inv_sqrt_bc2 = 1.0 / math.sqrt(1.0 - b2 ** self.t)
         f32 = np.float32
-        for start, end, decayed in self.runs:
+        for start, end, decayed, gain, cols in self.runs:  # every gain before the images that fold it in
             n = end - start
             decay = 1.0 - lr * self.weight_decay if (decayed and self.weight_decay) else 1.0
             self._k["adamw_clip_bf16"](
                 (min(4096, -(-n // 256)),), (256,),
                 (self.P[start:end], self.G[start:end], self.Mo[start:end], self.Vo[start:end], self.Pb[start:end],
                  np.int64(n), self.sq, f32(self.max_norm), f32(b1), f32(b2), f32(decay), f32(step_size),
-                 f32(inv_sqrt_bc2), f32(self.eps)))
+                 f32(inv_sqrt_bc2), f32(self.eps), gain, np.int32(cols)))
 
     def step(self, inputs, targets, lr: float | None = None) -> None:
         """One training step (forward, backward, clipping, AdamW), queued on the current stream."""

@@ -58,17 +58,15 @@ def _dev_bf16(x):
 
 
 def case_bf16_rmsnorm(rng, shape):
-    """shape (N, C): forward to bf16, alone and with one and two bf16 residual branches added in (the sum
-    also stored); fused backward (dx accumulate + bf16 copy + dw partials), of x alone and of x plus a
-    bf16 branch, with the normed activations written again (bit for bit the forward's); the
-    deterministic column reduction of the partials into dw."""
-    import cupy
-
+    """shape (N, C): forward to bf16 xhat = x / rms(x) (no gain: the engine folds it into the next GEMM's
+    weights), alone and with one and two bf16 residual branches added in (the sum also stored); backward
+    from dL/dxhat (bf16 for the layers' norms, float32 for the final norm's) and the bf16 xhat and 1/rms
+    of the forward: dx accumulated in place, and its bf16 copy."""
     from nanoeuler.model import layers
 
     N, C = shape
     x = _randn(rng, (N, C), 2.0) + 0.5
-    w = 1.0 + _randn(rng, (C,), 0.3)
+    ones = np.ones(C)
     dy = _randn(rng, (N, C))
     dx0 = _randn(rng, (N, C))
     branch_b, branch = _dev_bf16(_randn(rng, (N, C)))
@@ -77,51 +75,65 @@ def case_bf16_rmsnorm(rng, shape):
     grid, dims = ((N + 3) // 4,), (np.int32(N), np.int32(C), np.float32(1e-5))
 
     def forward(nadd, store):
-        """(h, rstd, stored sum) of the forward kernel on x plus the first `nadd` branches."""
-        h = _g(np.full((N, C), 0xFFFF), np.uint16)  # poisoned: bf16 NaN
+        """(xhat, rstd, stored sum) of the forward kernel on x plus the first `nadd` branches."""
+        xhat = _g(np.full((N, C), 0xFFFF), np.uint16)  # poisoned: bf16 NaN
         rstd = _g(np.full(N, np.nan))
         xout = _g(np.full((N, C), np.nan))
-        fwd(grid, (128,), (_g(x), branch_b, branch2_b, _g(w), h, rstd, xout, *dims, np.int32(nadd),
-                           np.int32(store)))
-        return h, rstd, xout
+        fwd(grid, (128,), (_g(x), branch_b, branch2_b, xhat, rstd, xout, *dims, np.int32(nadd), np.int32(store)))
+        return xhat, rstd, xout
 
     y, rstd, _ = forward(0, 0)
-    ya, rstda, xa = forward(1, 1)
+    ya, _, xa = forward(1, 1)
     yaa, _, xaa = forward(2, 1)
-    yr, cr = layers.rmsnorm_forward(x, w, 1e-5)
-    yar, cra = layers.rmsnorm_forward(x + branch, w, 1e-5)
-    yaar, _ = layers.rmsnorm_forward(x + branch + branch2, w, 1e-5)
-    rows_out = [("bf16 rmsnorm fwd y", from_bf16(y.get()), yr, TOL_BF16),
+    yr, cr = layers.rmsnorm_forward(x, ones, 1e-5)
+    yar, _ = layers.rmsnorm_forward(x + branch, ones, 1e-5)
+    yaar, _ = layers.rmsnorm_forward(x + branch + branch2, ones, 1e-5)
+    rows_out = [("bf16 rmsnorm fwd xhat", from_bf16(y.get()), yr, TOL_BF16),
                 ("bf16 rmsnorm fwd rstd", rstd, cr[1].reshape(N), TOL_FP32),
-                ("bf16 rmsnorm fwd y of x + bf16 branch", from_bf16(ya.get()), yar, TOL_BF16),
+                ("bf16 rmsnorm fwd xhat of x + bf16 branch", from_bf16(ya.get()), yar, TOL_BF16),
                 ("bf16 rmsnorm fwd stored x + bf16 branch", xa, x + branch, TOL_FP32),
-                ("bf16 rmsnorm fwd y of x + 2 bf16 branches", from_bf16(yaa.get()), yaar, TOL_BF16),
+                ("bf16 rmsnorm fwd xhat of x + 2 bf16 branches", from_bf16(yaa.get()), yaar, TOL_BF16),
                 ("bf16 rmsnorm fwd stored x + 2 bf16 branches", xaa, x + branch + branch2, TOL_FP32)]
-    rows = 16
-    nparts = -(-N // rows)
-    null = np.uint64(0)
-    # the backward with dy float32 (the final norm's) and bf16 (the layers'); the layers' of x alone and
-    # of x plus a branch (the residual stream after the attention half), writing h again
-    for name, bwd, (dy_dev, dy_ref), xadd, y_fwd, r_fwd, c_ref in (
-            ("rmsnorm_bwd_bf16_f32dy", _k("rmsnorm_bwd_bf16_f32dy"), (_g(dy), dy), None, None, rstd, cr),
-            ("rmsnorm_bwd_bf16", _k("rmsnorm_bwd_bf16"), _dev_bf16(dy), None, y, rstd, cr),
-            ("rmsnorm_bwd_bf16 of x + branch", _k("rmsnorm_bwd_bf16"), _dev_bf16(dy), branch_b, ya, rstda, cra)):
+    # the backward reads the forward's own bf16 xhat and float32 rstd: the reference takes those values
+    cache = (from_bf16(y.get()), rstd.get().astype(np.float64).reshape(N, 1), ones)
+    for name, bwd, (dy_dev, dy_ref) in (("rmsnorm_bwd_bf16_f32dy", _k("rmsnorm_bwd_bf16_f32dy"), (_g(dy), dy)),
+                                        ("rmsnorm_bwd_bf16", _k("rmsnorm_bwd_bf16"), _dev_bf16(dy))):
         dx = _g(dx0)
         dxb = _g(np.full((N, C), 0xFFFF), np.uint16)
-        h = _g(np.full((N, C), 0xFFFF), np.uint16) if y_fwd is not None else None
-        dw = _g(np.full(C, np.nan))
-        dwpart = cupy.empty((nparts, C), dtype=np.float32)
-        bwd((nparts,), (256,), (dy_dev, _g(x), null if xadd is None else xadd, _g(w), r_fwd, dx, dxb,
-                                null if h is None else h, dwpart, np.int32(N), np.int32(C), np.int32(rows),
-                                np.int32(1)))
-        _k("rmsnorm_dw_reduce")((-(-C // 32),), (32, 32), (dwpart, dw, np.int32(nparts), np.int32(C)))
-        dxr, dwr = layers.rmsnorm_backward(dy_ref.copy(), c_ref)
+        bwd((-(-N // 8),), (256,), (dy_dev, y, rstd, dx, dxb, np.int32(N), np.int32(C), np.int32(1)))
+        dxr, _ = layers.rmsnorm_backward(dy_ref.copy(), cache)
         rows_out += [(f"{name} dx (+=)", dx, dx0 + dxr, TOL_FP32),
-                     (f"{name} dx bf16 copy", from_bf16(dxb.get()), dx0 + dxr, TOL_BF16),
-                     (f"{name} dw (per-block partials, reduced)", dw, dwr, TOL_FP32)]
-        if h is not None:  # the recomputed normed activation equals the forward kernel's output exactly
-            rows_out.append((f"{name} h again = forward h", from_bf16(h.get()), from_bf16(y_fwd.get()), 0.0))
+                     (f"{name} dx bf16 copy", from_bf16(dxb.get()), dx0 + dxr, TOL_BF16)]
+    dx = _g(np.full((N, C), np.nan))  # accumulate = 0 overwrites (the final norm's first gradient)
+    dxb = _g(np.full((N, C), 0xFFFF), np.uint16)
+    _k("rmsnorm_bwd_bf16_f32dy")((-(-N // 8),), (256,), (_g(dy), y, rstd, dx, dxb, np.int32(N), np.int32(C),
+                                                         np.int32(0)))
+    rows_out.append(("rmsnorm_bwd_bf16_f32dy dx (=)", dx, layers.rmsnorm_backward(dy.copy(), cache)[0], TOL_FP32))
     return rows_out
+
+
+def case_bf16_gain_fold(rng, shape):
+    """shape (R, C): the gradient of a weight matrix read with a norm gain folded in (dW' in place ->
+    dW = dW' * gain), the gain's gradient (per-split column sums of W * dW', then column_sums) and the
+    squares added to the gradient norm's accumulator."""
+    from nanoeuler.kernels.engine import gain_fold_splits
+    from nanoeuler.model import layers
+
+    R, C = shape
+    w, dwf, gain = _randn(rng, (R, C)), _randn(rng, (R, C)), 1.0 + _randn(rng, (C,), 0.3)
+    g = _g(dwf)
+    acc0 = 3.0
+    acc = _g(np.array([acc0]))
+    splits, per_split = gain_fold_splits(R)
+    part = _g(np.full((splits, C), np.nan))
+    dgain = _g(np.full(C, np.nan))
+    _k("gain_fold_grad")((-(-C // 32), splits), (256,), (_g(w), g, _g(gain), part, np.int32(R), np.int32(C),
+                                                         np.int32(per_split), acc))
+    _k("column_sums")((-(-C // 32),), (32, 32), (part, dgain, np.int32(splits), np.int32(C)))
+    dw_ref, dgain_ref = layers.folded_gain_grads(w, dwf, gain)
+    return [("gain_fold_grad dW = dW' * gain", g, dw_ref, TOL_FP32),
+            ("gain_fold_grad + column_sums: the gain's gradient", dgain, dgain_ref, TOL_FP32),
+            ("gain_fold_grad sum of squares", acc, np.array([acc0 + (dw_ref ** 2).sum()]), TOL_FP32)]
 
 
 def case_bf16_rope(rng, shape):
@@ -357,7 +369,10 @@ def case_engine(rng, shape):
     rows.append(("engine clip+adamw update", upd, upd_ref, 1e-4))
     pb = eng.Pb.get()
     img = np.concatenate([from_bf16(pb[eng.offsets[n]:eng.offsets[n] + ref_p[n].size]) for n in names])
-    rows.append(("engine bf16 weight image", img, np.concatenate([ref_p[n].ravel() for n in names]), TOL_BF16))
+    # the GEMM image of the matrices that read a norm carries the norm's (updated) gain
+    img_ref = [ref_p[n] * ref_p[eng.gain_of[n]] if n in eng.gain_of else ref_p[n] for n in names]
+    rows.append(("engine bf16 weight image (gains folded)", img, np.concatenate([r.ravel() for r in img_ref]),
+                 TOL_BF16))
     del eng
     return rows
 
@@ -366,6 +381,10 @@ CASES_BF16 = [
     (case_bf16_rmsnorm, (300, 768), "N300 C768", {}),
     (case_bf16_rmsnorm, (37, 341), "N37 C341", {}),
     (case_bf16_rmsnorm, (1000, 1024), "N1000 C1024", {}),
+    (case_bf16_rmsnorm, (20, 1100), "N20 C1100 (scalar path)", {}),
+    (case_bf16_gain_fold, (1280, 768), "R1280 C768", {}),
+    (case_bf16_gain_fold, (16384, 768), "R16384 C768", {}),
+    (case_bf16_gain_fold, (37, 341), "R37 C341", {}),
     (case_bf16_rope, (2, 37, 12, 4, 64), "B2 T37 H12/4 D64", {}),
     (case_bf16_rope, (1, 50, 4, 2, 32), "B1 T50 H4/2 D32", {}),
     (case_bf16_attn_layout, (2, 37, 12, 64), "B2 T37 H12 D64", {}),

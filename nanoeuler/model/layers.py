@@ -67,6 +67,25 @@ def rmsnorm_backward(dy, cache):
     return dxhat, dw
 
 
+def folded_gain_grads(w, dw_folded, gain):
+    """Gradients of a linear layer's weight w (out, in) and of the norm gain (in,) before it, from the
+    weight gradient of the folded product.
+
+    A norm's gain can be folded into the weight that reads the norm: (xhat * gain) @ w.T equals
+    xhat @ (w * gain).T, since w * gain scales column j of w by gain[j]. Training the folded product
+    gives dw_folded = dy.T @ xhat, and by the chain rule through w_folded = w * gain:
+
+        dw = dw_folded * gain            dgain[j] = sum_o w[o, j] * dw_folded[o, j]
+
+    Worked example: w = [[1, 2]], gain = [3, 4], so w * gain = [[3, 8]]; with dw_folded = [[0.5, 1]],
+
+        >>> dw, dgain = folded_gain_grads(np.array([[1., 2.]]), np.array([[0.5, 1.]]), np.array([3., 4.]))
+        >>> dw.tolist(), dgain.tolist()
+        ([[1.5, 4.0]], [0.5, 2.0])
+    """
+    return dw_folded * gain, (w * dw_folded).sum(axis=0)
+
+
 # ---- rotary position embedding (half-split pairing, HF rotate_half) ---------------------------
 
 

@@ -262,24 +262,38 @@ RMSNORM_BWD(rmsnorm_bwd_bf16_f32dy, float)
 //   G = dW = dW' * gain                                   (in place)
 //   part[s, j] = sum over the rows of split s of W * dW'   (column_sums of part = the gain's gradient)
 //   acc[0] += sum of dW^2                                 (these tensors' share of the gradient norm)
-// Block of 8 warps: a warp's lanes take 32 adjacent columns, the warps every 8th row of the split's
-// `rows` rows; grid (ceil(C / 32), splits). The gain's gradient is summed in a fixed order (no atomics).
+// Block of 8 warps: a warp's lanes take FOLD_COLS adjacent columns (4 per lane, 16-byte accesses, when C
+// is a multiple of 4; else 1 per lane), the warps every 8th row of the split's `rows` rows; grid
+// (ceil(C / FOLD_COLS), splits). The gain's gradient is summed in a fixed order (no atomics).
 extern "C" __global__ void __launch_bounds__(256) gain_fold_grad(
     const float* __restrict__ W, float* __restrict__ G, const float* __restrict__ gain, float* __restrict__ part,
     int R, int C, int rows, float* __restrict__ acc) {
-    __shared__ float cols[8][33];
+    __shared__ float4 cols[8][32];
     __shared__ float red[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int j = blockIdx.x * 32 + lane;
     const int r0 = blockIdx.y * rows, r1 = min(R, r0 + rows);
-    float t = 0.f, sq = 0.f;
-    if (j < C) {
+    const bool v4 = (C & 3) == 0;
+    const int j = blockIdx.x * (v4 ? 128 : 32) + (v4 ? 4 : 1) * lane;  // this lane's first column
+    float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+    float sq = 0.f;
+    if (v4 && j < C) {
+        const float4 s = reinterpret_cast<const float4*>(gain)[j >> 2];
+#pragma unroll 4
+        for (int r = r0 + warp; r < r1; r += 8) {
+            const long long o = ((long long)r * C + j) >> 2;
+            const float4 d = reinterpret_cast<const float4*>(G)[o], w = reinterpret_cast<const float4*>(W)[o];
+            t.x = fmaf(w.x, d.x, t.x), t.y = fmaf(w.y, d.y, t.y), t.z = fmaf(w.z, d.z, t.z), t.w = fmaf(w.w, d.w, t.w);
+            const float4 dw = make_float4(d.x * s.x, d.y * s.y, d.z * s.z, d.w * s.w);
+            reinterpret_cast<float4*>(G)[o] = dw;
+            sq = fmaf(dw.x, dw.x, fmaf(dw.y, dw.y, fmaf(dw.z, dw.z, fmaf(dw.w, dw.w, sq))));
+        }
+    } else if (!v4 && j < C) {
         const float s = gain[j];
 #pragma unroll 4
         for (int r = r0 + warp; r < r1; r += 8) {
             const long long o = (long long)r * C + j;
             const float d = G[o];
-            t = fmaf(W[o], d, t);
+            t.x = fmaf(W[o], d, t.x);
             const float dw = d * s;
             G[o] = dw;
             sq = fmaf(dw, dw, sq);
@@ -288,10 +302,12 @@ extern "C" __global__ void __launch_bounds__(256) gain_fold_grad(
     cols[warp][lane] = t;
     sq = block_sum(sq, red);  // ends in a barrier after cols is written
     if (warp == 0 && j < C) {
-        float u = 0.f;
+        float4 u = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) u += cols[k][lane];
-        part[(long long)blockIdx.y * C + j] = u;
+        for (int k = 0; k < 8; ++k) u.x += cols[k][lane].x, u.y += cols[k][lane].y, u.z += cols[k][lane].z, u.w += cols[k][lane].w;
+        float* out = part + (long long)blockIdx.y * C + j;
+        out[0] = u.x;
+        if (v4) out[1] = u.y, out[2] = u.z, out[3] = u.w;
     }
     if (threadIdx.x == 0) atomicAdd(acc, sq);
 }
@@ -532,10 +548,13 @@ extern "C" __global__ void __launch_bounds__(1024) ce_head_scale(const int* __re
 // place by their gradient; grid (R,), blockDim 256.
 //   loss[r, k] = lse - z[t]            (0 for ignored rows)
 //   z[r, j] <- scale[k] * (softmax_j - [j == t])   bf16 (0 for ignored rows)
-// The logits are bf16 as autocast's linear layers give them; max, sum and lse are float32. Three passes
-// over the row (max, sum, gradient; the later two mostly hit L1), 8-byte accesses (4 values) when
-// V % 4 == 0; otherwise (V4 = 0) the scalar tail loops cover the row. In place is safe: each value is
-// read and then written by the same thread, and z[t] is read before any write (barriers in between).
+// The logits are bf16 as autocast's linear layers give them; max, sum and lse are float32. When V is a
+// multiple of 4 and at most 4 * 256 * CE_V4 (4096 values: 16 a thread), the row is read once into
+// registers (8-byte loads), its exponentials kept there for the gradient, and written once. Otherwise
+// three passes over the row (max, sum, gradient; the later two mostly hit L1), 4 values at a time when
+// V % 4 == 0, with scalar tail loops. In place is safe: each value is read and then written by the same
+// thread, and z[t] is read before any write (barriers in between).
+#define CE_V4 4
 extern "C" __global__ void __launch_bounds__(256) ce_heads_fwd_bwd(
     bf16* __restrict__ z, const int* __restrict__ targets, const float* __restrict__ scale,
     float* __restrict__ loss, int V, int K, int k) {
@@ -552,6 +571,38 @@ extern "C" __global__ void __launch_bounds__(256) ce_heads_fwd_bwd(
         return;
     }
     const float zt = ld1(zr, t);
+    const float sc = scale[k];
+    if (V4 && V4 <= 256 * CE_V4) {
+        const float NEG = __int_as_float(0xff800000);
+        float4 e[CE_V4];
+        float mx = NEG;
+#pragma unroll
+        for (int i = 0; i < CE_V4; ++i) {
+            const int j = threadIdx.x + 256 * i;
+            e[i] = j < V4 ? ld4(zr, j) : make_float4(NEG, NEG, NEG, NEG);
+            mx = fmaxf(mx, fmaxf(fmaxf(e[i].x, e[i].y), fmaxf(e[i].z, e[i].w)));
+        }
+        mx = block_max(mx, red);
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < CE_V4; ++i) {  // exp(-inf - mx) = 0 for the padding
+            e[i] = make_float4(expf(e[i].x - mx), expf(e[i].y - mx), expf(e[i].z - mx), expf(e[i].w - mx));
+            s += (e[i].x + e[i].y) + (e[i].z + e[i].w);
+        }
+        s = block_sum(s, red);
+        const float inv = sc / s;
+#pragma unroll
+        for (int i = 0; i < CE_V4; ++i) {
+            const int j = threadIdx.x + 256 * i;
+            if (j < V4) {
+                const int j0 = 4 * j;
+                z4[j] = make_uint2(pack2(e[i].x * inv - (j0 == t ? sc : 0.f), e[i].y * inv - (j0 + 1 == t ? sc : 0.f)),
+                                   pack2(e[i].z * inv - (j0 + 2 == t ? sc : 0.f), e[i].w * inv - (j0 + 3 == t ? sc : 0.f)));
+            }
+        }
+        if (threadIdx.x == 0) loss[r * K + k] = mx + logf(s) - zt;
+        return;
+    }
     float mx = __int_as_float(0xff800000);
     for (int j = threadIdx.x; j < V4; j += blockDim.x) {
         const float4 a = ld4(zr, j);
@@ -567,7 +618,6 @@ extern "C" __global__ void __launch_bounds__(256) ce_heads_fwd_bwd(
     for (int j = tail + threadIdx.x; j < V; j += blockDim.x) s += expf(ld1(zr, j) - mx);
     s = block_sum(s, red);
     const float lse = mx + logf(s);
-    const float sc = scale[k];
     for (int j = threadIdx.x; j < V4; j += blockDim.x) {
         const float4 a = ld4(zr, j);
         const int j0 = 4 * j;

@@ -189,6 +189,11 @@ def gain_fold_splits(rows: int) -> tuple[int, int]:
     return splits, -(-rows // splits)
 
 
+def gain_fold_columns(C: int) -> int:
+    """Columns per block of `gain_fold_grad`: 4 per lane (16-byte accesses) when C is a multiple of 4."""
+    return 128 if C % 4 == 0 else 32
+
+
 def _grid(n, threads=256, cap=65535 * 8):
     return (max(1, min(cap, (n + threads - 1) // threads)),)
 
@@ -586,13 +591,14 @@ class Engine:
         k["ce_loss_reduce"]((1,), (1024,), (self.loss_rows, self.head_scale, self.loss, i64(N), i32(K)))
 
         nb_grid = (-(-N // 8),)  # the RMSNorm backward: a warp per row, 8 rows per block
+        fold_cols = gain_fold_columns(C)
 
         def fold(wmat, dwmat, gain, dgain, rows):
             """dW' (the folded image's weight gradient, in G) -> dW = dW' * gain in place, and the gain's
             gradient = column sums of W * dW'; their squares into the gradient norm."""
             splits, per_split = gain_fold_splits(rows)
-            k["gain_fold_grad"]((-(-C // 32), splits), (256,), (wmat, dwmat, gain, self.gpart, i32(rows), i32(C),
-                                                                i32(per_split), self.sq))
+            k["gain_fold_grad"]((-(-C // fold_cols), splits), (256,), (wmat, dwmat, gain, self.gpart, i32(rows),
+                                                                       i32(C), i32(per_split), self.sq))
             k["column_sums"]((-(-C // 32),), (32, 32), (self.gpart, dgain, i32(splits), i32(C)))
 
         fold(*self.fold_heads)

@@ -116,7 +116,7 @@ def case_bf16_gain_fold(rng, shape):
     """shape (R, C): the gradient of a weight matrix read with a norm gain folded in (dW' in place ->
     dW = dW' * gain), the gain's gradient (per-split column sums of W * dW', then column_sums) and the
     squares added to the gradient norm's accumulator."""
-    from nanoeuler.kernels.engine import gain_fold_splits
+    from nanoeuler.kernels.engine import gain_fold_columns, gain_fold_splits
     from nanoeuler.model import layers
 
     R, C = shape
@@ -127,8 +127,8 @@ def case_bf16_gain_fold(rng, shape):
     splits, per_split = gain_fold_splits(R)
     part = _g(np.full((splits, C), np.nan))
     dgain = _g(np.full(C, np.nan))
-    _k("gain_fold_grad")((-(-C // 32), splits), (256,), (_g(w), g, _g(gain), part, np.int32(R), np.int32(C),
-                                                         np.int32(per_split), acc))
+    _k("gain_fold_grad")((-(-C // gain_fold_columns(C)), splits), (256,), (_g(w), g, _g(gain), part, np.int32(R),
+                                                                           np.int32(C), np.int32(per_split), acc))
     _k("column_sums")((-(-C // 32),), (32, 32), (part, dgain, np.int32(splits), np.int32(C)))
     dw_ref, dgain_ref = layers.folded_gain_grads(w, dwf, gain)
     return [("gain_fold_grad dW = dW' * gain", g, dw_ref, TOL_FP32),
@@ -384,7 +384,8 @@ CASES_BF16 = [
     (case_bf16_rmsnorm, (20, 1100), "N20 C1100 (scalar path)", {}),
     (case_bf16_gain_fold, (1280, 768), "R1280 C768", {}),
     (case_bf16_gain_fold, (16384, 768), "R16384 C768", {}),
-    (case_bf16_gain_fold, (37, 341), "R37 C341", {}),
+    (case_bf16_gain_fold, (37, 341), "R37 C341 (scalar path)", {}),
+    (case_bf16_gain_fold, (100, 200), "R100 C200", {}),
     (case_bf16_rope, (2, 37, 12, 4, 64), "B2 T37 H12/4 D64", {}),
     (case_bf16_rope, (1, 50, 4, 2, 32), "B1 T50 H4/2 D32", {}),
     (case_bf16_attn_layout, (2, 37, 12, 64), "B2 T37 H12 D64", {}),

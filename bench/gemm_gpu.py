@@ -77,7 +77,6 @@ def ours_ms(spec, rng):
     a, b = _M(bf16(a_shape)), _M(bf16(b_shape))
     c = _M(cupy.zeros((M, N), dtype=np.float32 if out == "f32" else BF16_STORAGE))
     gemm = _Gemm()
-    gemm.cublas.setPointerMode(gemm.handle, 0)
     return timed(lambda: gemm(c, a, b, ta=ta, tb=tb, beta=float(beta)), inner=10)
 
 

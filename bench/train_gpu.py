@@ -47,7 +47,8 @@ if str(ROOT) not in sys.path:
 PEAK_BF16 = 989e12
 ALL_MODES = ("torch-eager", "torch-compile", "ours-fp32", "ours-bf16")
 # also available: ours-bf16-<variant> for each `Engine` attention variant (wg, ldm, mma: tensor-core
-# attention; fp32: the float32 FlashAttention of attention.cu); ours-bf16 takes the engine's default
+# attention; fp32: the float32 FlashAttention of attention.cu); ours-bf16 takes the engine's default;
+# ours-bf16-eager runs every step kernel by kernel (no CUDA graph)
 
 
 def flops_per_token(cfg, T):
@@ -231,14 +232,14 @@ def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log):
     return statistics.median(ms), peak, float(loss)
 
 
-def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, attention="auto"):
+def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, attention="auto", graph=True):
     import cupy
 
     from nanoeuler.kernels.engine import Engine
 
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
-    eng = Engine(cfg, params_np, batch=B, seq=T, lr=3e-4, attention=attention)
+    eng = Engine(cfg, params_np, batch=B, seq=T, lr=3e-4, attention=attention, graph=graph)
     data = [(cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32)) for i, t in _windows(cfg, B, T, 2)]
     ms = []
     events = []
@@ -435,6 +436,8 @@ def main(argv=None) -> int:
                     ms, peak, loss = ours_fp32_run(cfg, params_np, B, T, args.fp32_steps or args.steps, 2, log)
                 elif mode == "ours-bf16":
                     ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log)
+                elif mode == "ours-bf16-eager":
+                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log, graph=False)
                 elif mode.startswith("ours-bf16-"):
                     variant = mode[len("ours-bf16-"):]
                     ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log,

@@ -655,6 +655,9 @@ extern "C" __global__ void __launch_bounds__(256) sumsq(const float* __restrict_
 // AdamW over a flat range, with global-norm clipping read from the device (no host round trip):
 //   norm = sqrt(sumsq[0]); c = (max_norm > 0 && norm > max_norm) ? max_norm / (norm + 1e-6) : 1; g *= c
 //   m = b1 m + (1-b1) g ; v = b2 v + (1-b2) g^2 ; p = p * decay - step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps)
+//   The values that change from step to step are read from the device, hyper = (step_size, inv_sqrt_bc2,
+//   the decay factor of decayed ranges), so that a captured CUDA graph of the step stays valid; decay is
+//   that factor where `decayed`, else 1.
 //   pb = bf16(p * gain[i % C])  (the GEMM image of the weights; gain null: bf16(p)). A range with a gain
 //        is one matrix of C columns that a GEMM reads with that norm gain folded in; the engine updates
 //        the gains first, so the image holds the new weights times the new gain.
@@ -674,11 +677,11 @@ __device__ __forceinline__ float adamw_one(float& p, float g, float& m, float& v
 
 extern "C" __global__ void __launch_bounds__(256) adamw_clip_bf16(
     float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
-    bf16* __restrict__ pb, long long n, const float* __restrict__ sumsq_acc, float max_norm, float b1, float b2,
-    float decay, float step_size, float inv_sqrt_bc2, float eps, const float* __restrict__ gain, int C) {
+    bf16* __restrict__ pb, long long n, const float* __restrict__ sumsq_acc, const float* __restrict__ hyper,
+    int decayed, float max_norm, float b1, float b2, float eps, const float* __restrict__ gain, int C) {
     const float norm = sqrtf(sumsq_acc[0]);
     const float c = (max_norm > 0.f && norm > max_norm && norm <= 3.0e38f) ? max_norm / (norm + 1e-6f) : 1.f;
-    const AdamWArgs a = {c, b1, b2, decay, step_size, inv_sqrt_bc2, eps};
+    const AdamWArgs a = {c, b1, b2, decayed ? hyper[2] : 1.f, hyper[0], hyper[1], eps};
     const long long n4 = n >> 2, stride = (long long)gridDim.x * blockDim.x;
     float4* p4 = reinterpret_cast<float4*>(p);
     float4* m4 = reinterpret_cast<float4*>(m);

@@ -56,13 +56,16 @@ consumed on the device.
 Launches per step: 9 per layer forward, 17 per layer backward, 4 per head and chunk of output-head
 rows, and a few dozen for the optimizer (one AdamW launch per run of equally-decayed tensors, and one
 per gain-folded matrix).
-The step stays device-bound: the host queues them faster than the GPU runs them. (Capturing the step
-as a CUDA graph would need cuBLAS calls that CuPy refuses during stream capture.)
+From the second step on, `step` replays the whole step as one CUDA graph, captured once on the
+engine's own stream: the GPU runs the kernels back to back instead of waiting for each launch. (CuPy
+refuses cuBLAS calls during capture, so the GEMMs call cuBLAS through ctypes: see `_Gemm`.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 
 import cupy as cp
 import numpy as np
@@ -89,12 +92,22 @@ _NULL = np.uint64(0)  # a null pointer argument (an optional input or output a k
 _FOLD_SPLITS = 64  # row splits of gain_fold_grad at most (its column sums are reduced by column_sums)
 
 
-def _cublas():
+def _load_cublas():
+    """The cuBLAS library CuPy uses, opened with ctypes (the engine calls it directly: see `_Gemm`)."""
+    import ctypes
+
+    cp.cuda.device.get_cublas_handle()  # makes CuPy load its cuBLAS into the process
+    major = cp.cuda.runtime.runtimeGetVersion() // 1000
     try:
-        from cupy_backends.cuda.libs import cublas
-    except ImportError:  # older layouts
-        from cupy.cuda import cublas
-    return cublas
+        return ctypes.CDLL(f"libcublas.so.{major}")  # the loaded library, found by its soname
+    except OSError:
+        pass
+    with open("/proc/self/maps") as maps:  # CuPy loaded it from a path of its own: open that one
+        for line in maps:
+            path = line.split()[-1]
+            if "/libcublas.so" in path:
+                return ctypes.CDLL(path)
+    raise RuntimeError(f"cannot find the cuBLAS library (libcublas.so.{major}) that CuPy loaded")
 
 
 class _M:
@@ -118,13 +131,47 @@ class _M:
 
 
 class _Gemm:
-    """c (M,N) = op(a) @ op(b) [+ beta * c], row-major operands, bf16 or float32, float32 accumulation."""
+    """c (M,N) = op(a) @ op(b) [+ beta * c], row-major operands, bf16 or float32, float32 accumulation.
 
-    def __init__(self):
-        self.cublas = _cublas()
-        self.handle = cp.cuda.device.get_cublas_handle()
+    `cublasGemmEx` on a cuBLAS handle of its own, bound to `stream`, called through ctypes rather than
+    through CuPy's binding: CuPy refuses every cuBLAS call while a stream is being captured into a CUDA
+    graph, and the engine captures its whole step (cuBLAS itself supports capture). The handle has its
+    own workspace, so captured GEMMs never allocate; alpha and beta are host values, fixed at capture.
+    """
+
+    WORKSPACE = 32 << 20  # bytes: what cuBLAS asks for on Hopper
+
+    def __init__(self, stream=None):
+        import ctypes
+
+        lib = _load_cublas()
+        c_int, c_void_p = ctypes.c_int, ctypes.c_void_p
+        self._lib = lib
+        self._call = lib.cublasGemmEx
+        self._call.argtypes = [c_void_p, c_int, c_int, c_int, c_int, c_int, c_void_p, c_void_p, c_int, c_int,
+                               c_void_p, c_int, c_int, c_void_p, c_void_p, c_int, c_int, c_int, c_int]
+        self._call.restype = c_int
+        handle = c_void_p()
+        self._check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
+        self.handle = handle
+        stream = cp.cuda.get_current_stream() if stream is None else stream
+        self._check(lib.cublasSetStream_v2(handle, c_void_p(stream.ptr)), "cublasSetStream")
+        self.workspace = cp.empty(self.WORKSPACE, dtype=np.uint8)
+        self._check(lib.cublasSetWorkspace_v2(handle, c_void_p(self.workspace.data.ptr), ctypes.c_size_t(self.WORKSPACE)),
+                    "cublasSetWorkspace")
+        self._check(lib.cublasSetPointerMode_v2(handle, 0), "cublasSetPointerMode")  # alpha/beta on the host
         self._one = np.ones(1, dtype=np.float32)
         self._zero = np.zeros(1, dtype=np.float32)
+
+    @staticmethod
+    def _check(status, what):
+        if status != 0:
+            raise RuntimeError(f"{what} failed: cuBLAS status {status}")
+
+    def __del__(self):
+        if getattr(self, "handle", None) is not None:
+            self._lib.cublasDestroy_v2(self.handle)
+            self.handle = None
 
     def __call__(self, c: _M, a: _M, b: _M, ta=False, tb=False, beta=0.0):
         M, N = c.rows, c.cols
@@ -135,9 +182,9 @@ class _Gemm:
             raise ValueError(f"GEMM shapes: c {M}x{N}, op(a) {am}x{K}, op(b) {bk}x{bn}")
         beta_ptr = self._one.ctypes.data if beta else self._zero.ctypes.data
         # Column-major cuBLAS computes c^T = op(b)^T op(a)^T.
-        self.cublas.gemmEx(self.handle, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, N, M, K,
-                           self._one.ctypes.data, b.ptr, b.dt, b.ld, a.ptr, a.dt, a.ld,
-                           beta_ptr, c.ptr, c.dt, c.ld, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+        self._check(self._call(self.handle, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, N, M, K,
+                               self._one.ctypes.data, b.ptr, b.dt, b.ld, a.ptr, a.dt, a.ld,
+                               beta_ptr, c.ptr, c.dt, c.ld, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
 
 
 def carve(tensors) -> tuple[list, int]:
@@ -203,7 +250,7 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, params: dict, *, batch: int, seq: int, lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, max_norm: float = 1.0,
-                 no_decay=None, chunk_bytes: int | None = None, attention: str = "auto"):
+                 no_decay=None, chunk_bytes: int | None = None, attention: str = "auto", graph: bool = True):
         if attention == "auto":
             attention = ("wg" if cfg.head_dim == 64 and has_sm90a() else
                          "ldm" if cfg.head_dim in _MMA_HEAD_DIMS else "fp32")
@@ -307,7 +354,15 @@ class Engine:
                                                                                       "flash_bwd_dq")}
         self._flash = {name: kernel("attention", f"{name}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
                                                                                 "flash_bwd_dq")}
-        self.gemm = _Gemm()
+        # The engine's work runs on a stream of its own (capturable into a CUDA graph; see `step`), ordered
+        # against the caller's current stream by events.
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.gemm = _Gemm(self.stream)
+        self.graph = bool(graph)
+        self._graph = None  # the captured step, after one step run kernel by kernel
+        self._eager_steps = 0
+        self.hyper = cp.zeros(3, dtype=f32)  # AdamW's per-step values (step size, 1/sqrt(bc2), decay factor)
+        self._hyper_host = np.zeros(3, dtype=f32)
         self._refresh_image()
 
         # ---- weight views (bf16 for GEMMs, float32 gradient views of the same stacking) ----
@@ -502,8 +557,73 @@ class Engine:
         cp.copyto(self.ids, cp.asarray(inputs).reshape(N), casting="unsafe")
         cp.copyto(self.tg, cp.asarray(targets).reshape(N, K), casting="unsafe")
 
+    @contextlib.contextmanager
+    def _on_stream(self):
+        """Queue the engine's work on its stream, after what the caller's current stream has queued and
+        before what it queues next (events: the host does not wait)."""
+        caller = cp.cuda.get_current_stream()
+        self.stream.wait_event(caller.record())
+        with self.stream:
+            yield
+        caller.wait_event(self.stream.record())
+
     def forward_backward(self, inputs, targets) -> None:
         """Loss into `self.loss`, gradients into `self.G`, sum of squared gradients into `self.sq`."""
+        self._load_batch(inputs, targets)
+        with self._on_stream():
+            self._forward_backward()
+
+    def optimizer_step(self, lr: float) -> None:
+        """Clip (by the norm in `self.sq`) and apply AdamW to every parameter; refresh the bf16 image."""
+        self._set_hyper(lr)
+        with self._on_stream():
+            self._adamw()
+
+    def step(self, inputs, targets, lr: float | None = None) -> None:
+        """One training step (forward, backward, clipping, AdamW), queued without a host sync.
+
+        The first step runs kernel by kernel; it compiles the kernels and lets cuBLAS choose its
+        algorithms. The second is captured into a CUDA graph (`graph=True`), and from then on a step is
+        the copy of the batch and of AdamW's per-step values into the engine's buffers, and one launch of
+        that graph: the GPU runs the step's ~500 kernels back to back, without a launch gap between them."""
+        self._load_batch(inputs, targets)
+        self._set_hyper(self.lr if lr is None else float(lr))
+        with self._on_stream():
+            if self._graph is None and self.graph and self._eager_steps:
+                self._graph = self._capture()
+            if self._graph is not None:
+                self._graph.launch(self.stream)
+            else:
+                self._forward_backward()
+                self._adamw()
+                self._eager_steps += 1
+
+    def _capture(self):
+        """The whole step as a CUDA graph, or None (with a warning) where capture fails."""
+        try:
+            self.stream.begin_capture()
+            try:
+                self._forward_backward()
+                self._adamw()
+            finally:
+                graph = self.stream.end_capture()
+            return graph
+        except Exception as exc:  # e.g. a CuPy or driver without stream capture: run kernel by kernel
+            warnings.warn(f"capturing the training step into a CUDA graph failed ({type(exc).__name__}: {exc}); "
+                          "running it kernel by kernel", RuntimeWarning, stacklevel=3)
+            self.graph = False
+            return None
+
+    def _set_hyper(self, lr: float) -> None:
+        """Count the step and queue AdamW's values for it (step size, 1/sqrt(1 - b2^t), decay factor) on
+        the current stream; the copy from pageable memory is staged at once, so the host never waits."""
+        self.t += 1
+        self._hyper_host[:] = (lr / (1.0 - self.beta1 ** self.t), 1.0 / math.sqrt(1.0 - self.beta2 ** self.t),
+                               1.0 - lr * self.weight_decay)
+        cp.cuda.runtime.memcpyAsync(self.hyper.data.ptr, self._hyper_host.ctypes.data, self._hyper_host.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
+
+    def _forward_backward(self) -> None:
         cfg = self.cfg
         L, C, H, Hkv, D, F, V, K = (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden,
                                     cfg.vocab_size, cfg.mtp_heads)
@@ -513,8 +633,6 @@ class Engine:
         gemm = self.gemm
         i32, i64, f32 = np.int32, np.int64, np.float32
         stream = cp.cuda.get_current_stream().ptr
-        self._load_batch(inputs, targets)
-        self.gemm.cublas.setPointerMode(self.gemm.handle, 0)  # alpha/beta are host scalars
         # Every gradient is overwritten by the step (GEMMs with beta=0, the first output-head chunk included,
         # and the norm gains' column sums) except the embedding's, which the backward scatters into
         # with atomics: only it is zeroed (the padding between tensors stays zero from __init__).
@@ -650,23 +768,12 @@ class Engine:
         n = self.fold_start
         k["sumsq"]((min(4096, -(-n // 256)),), (256,), (self.G, i64(n), self.sq))
 
-    def optimizer_step(self, lr: float) -> None:
-        """Clip (by the norm in `self.sq`) and apply AdamW to every parameter; refresh the bf16 image."""
-        self.t += 1
-        b1, b2 = self.beta1, self.beta2
-        step_size = lr / (1.0 - b1 ** self.t)
-        inv_sqrt_bc2 = 1.0 / math.sqrt(1.0 - b2 ** self.t)
+    def _adamw(self) -> None:
         f32 = np.float32
         for start, end, decayed, gain, cols in self.runs:  # every gain before the images that fold it in
             n = end - start
-            decay = 1.0 - lr * self.weight_decay if (decayed and self.weight_decay) else 1.0
             self._k["adamw_clip_bf16"](
                 (min(4096, -(-n // 256)),), (256,),
                 (self.P[start:end], self.G[start:end], self.Mo[start:end], self.Vo[start:end], self.Pb[start:end],
-                 np.int64(n), self.sq, f32(self.max_norm), f32(b1), f32(b2), f32(decay), f32(step_size),
-                 f32(inv_sqrt_bc2), f32(self.eps), gain, np.int32(cols)))
-
-    def step(self, inputs, targets, lr: float | None = None) -> None:
-        """One training step (forward, backward, clipping, AdamW), queued on the current stream."""
-        self.forward_backward(inputs, targets)
-        self.optimizer_step(self.lr if lr is None else float(lr))
+                 np.int64(n), self.sq, self.hyper, np.int32(decayed), f32(self.max_norm), f32(self.beta1),
+                 f32(self.beta2), f32(self.eps), gain, np.int32(cols)))

@@ -326,7 +326,6 @@ class Engine:
         if set(self.offsets) != set(shapes):
             raise ValueError("flat layout does not cover the parameters")
         self.total = off
-        self.runs = [tuple(r) for r in runs]
         self.fold_start = min((r[0] for r in runs if r[3] is not None), default=off)
         self.shapes = shapes
 
@@ -343,7 +342,7 @@ class Engine:
             self.view(self.P, n)[...] = cp.asarray(src, dtype=f32)
         # the runs with their gains as device views (AdamW writes the image of a run times its gain)
         self.runs = [(start, end, d, _NULL if g is None else self.view(self.P, g), cols)
-                     for start, end, d, g, cols in self.runs]
+                     for start, end, d, g, cols in runs]
         self._k = {name: kernel("bf16", name) for name in (
             "f32_to_bf16", "embed_fwd", "embed_bwd", "rmsnorm_fwd_bf16", "rmsnorm_bwd_bf16",
             "rmsnorm_bwd_bf16_f32dy", "gain_fold_grad", "column_sums", "qkv_rope_split",
@@ -459,7 +458,6 @@ class Engine:
         self.mybr = _M(self.ybr)
         self.mqkv, self.mm, self.mdm, self.mdgu = _M(self.qkv), _M(self.m), _M(self.dm), _M(self.dgu)
         self.mdh, self.mda, self.mdqkv, self.mdxb = _M(self.dh), _M(self.da), _M(self.dqkv), _M(self.dxb)
-        self.mdxn = _M(self.dxn)
         self.mob = _M(self.ob)
         cp.cuda.get_current_stream().synchronize()
 

@@ -4,7 +4,7 @@
     python bench/gemm_gpu.py --rows 16x512,64x512 --no-torch
 
 Each product of `nanoeuler.kernels.engine.Engine.forward_backward` runs at its own shape and operand
-layout through the engine's cuBLAS wrapper (`_Gemm`: bf16 operands, float32 accumulation, the output
+layout through the engine's cuBLAS wrapper (`cublas.Gemm`: bf16 operands, float32 accumulation, the output
 bf16 or float32 as in the step, beta = 1 where the step accumulates), 3 times, then 20 timed samples
 of 10 back-to-back calls between CUDA events; medians. `count` is how often the step runs it, so
 `step ms` = ms x count, and the column sums to the step's GEMM time (compare with
@@ -66,7 +66,7 @@ def step_gemms(cfg, B, T, rows_per_chunk):
 def ours_ms(spec, rng):
     import cupy
 
-    from nanoeuler.kernels.engine import BF16_STORAGE, _Gemm, _M
+    from nanoeuler.kernels.cublas import BF16_STORAGE, Gemm, Matrix
 
     _, _, (M, N, _K), a_shape, ta, b_shape, tb, out, beta = spec
 
@@ -74,9 +74,9 @@ def ours_ms(spec, rng):
         x = rng.standard_normal(shape).astype(np.float32)
         return cupy.asarray((x.view(np.uint32) >> 16).astype(BF16_STORAGE))
 
-    a, b = _M(bf16(a_shape)), _M(bf16(b_shape))
-    c = _M(cupy.zeros((M, N), dtype=np.float32 if out == "f32" else BF16_STORAGE))
-    gemm = _Gemm()
+    a, b = Matrix(bf16(a_shape)), Matrix(bf16(b_shape))
+    c = Matrix(cupy.zeros((M, N), dtype=np.float32 if out == "f32" else BF16_STORAGE))
+    gemm = Gemm()
     return timed(lambda: gemm(c, a, b, ta=ta, tb=tb, beta=float(beta)), inner=10)
 
 

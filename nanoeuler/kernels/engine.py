@@ -58,7 +58,7 @@ rows, and a few dozen for the optimizer (one AdamW launch per run of equally-dec
 per gain-folded matrix).
 From the second step on, `step` replays the whole step as one CUDA graph, captured once on the
 engine's own stream: the GPU runs the kernels back to back instead of waiting for each launch. (CuPy
-refuses cuBLAS calls during capture, so the GEMMs call cuBLAS through ctypes: see `_Gemm`.)
+refuses cuBLAS calls during capture, so the GEMMs call cuBLAS through ctypes: see `cublas.py`.)
 """
 
 from __future__ import annotations
@@ -71,120 +71,18 @@ import cupy as cp
 import numpy as np
 
 from nanoeuler.kernels import has_sm90a, kernel
+from nanoeuler.kernels.cublas import BF16_STORAGE, Gemm, Matrix
 from nanoeuler.model import layers
 from nanoeuler.model.config import ModelConfig
 from nanoeuler.optim import default_no_decay
-
-# cuBLAS / CUDA enums
-_CUDA_R_32F = 0
-_CUDA_R_16BF = 14
-_CUBLAS_COMPUTE_32F = 68
-_CUBLAS_GEMM_DEFAULT = -1
-_OP_N, _OP_T = 0, 1
 
 _ALIGN = 64  # elements: every tensor of the flat buffers starts 256-byte aligned (float32)
 _FLASH = {16: (1, 128), 32: (1, 128), 64: (2, 64), 128: (4, 32)}  # as in ops.py / attention.cu
 _MMA_HEAD_DIMS = (32, 64)  # tensor-core FlashAttention of bf16.cu
 ATTENTION_VARIANTS = ("wg", "ldm", "mma", "fp32")
 
-BF16_STORAGE = np.uint16  # bf16 words; converted by the kernels
 _NULL = np.uint64(0)  # a null pointer argument (an optional input or output a kernel skips)
 _FOLD_SPLITS = 64  # row splits of gain_fold_grad at most (its column sums are reduced by column_sums)
-
-
-def _load_cublas():
-    """The cuBLAS library CuPy uses, opened with ctypes (the engine calls it directly: see `_Gemm`)."""
-    import ctypes
-
-    cp.cuda.device.get_cublas_handle()  # makes CuPy load its cuBLAS into the process
-    major = cp.cuda.runtime.runtimeGetVersion() // 1000
-    try:
-        return ctypes.CDLL(f"libcublas.so.{major}")  # the loaded library, found by its soname
-    except OSError:
-        pass
-    with open("/proc/self/maps") as maps:  # CuPy loaded it from a path of its own: open that one
-        for line in maps:
-            path = line.split()[-1]
-            if "/libcublas.so" in path:
-                return ctypes.CDLL(path)
-    raise RuntimeError(f"cannot find the cuBLAS library (libcublas.so.{major}) that CuPy loaded")
-
-
-class _M:
-    """A row-major matrix view for cuBLAS: pointer, shape, leading dimension, CUDA data type."""
-
-    __slots__ = ("arr", "ptr", "rows", "cols", "ld", "dt")
-
-    def __init__(self, arr):
-        if arr.ndim != 2 or arr.strides[1] != arr.itemsize:
-            raise ValueError(f"GEMM operand must be 2-D with unit column stride, got {arr.shape} {arr.strides}")
-        self.arr = arr
-        self.ptr = arr.data.ptr
-        self.rows, self.cols = arr.shape
-        self.ld = arr.strides[0] // arr.itemsize
-        if arr.dtype == np.float32:
-            self.dt = _CUDA_R_32F
-        elif arr.dtype == BF16_STORAGE:
-            self.dt = _CUDA_R_16BF
-        else:
-            raise ValueError(f"GEMM operand dtype {arr.dtype}")
-
-
-class _Gemm:
-    """c (M,N) = op(a) @ op(b) [+ beta * c], row-major operands, bf16 or float32, float32 accumulation.
-
-    `cublasGemmEx` on a cuBLAS handle of its own, bound to `stream`, called through ctypes rather than
-    through CuPy's binding: CuPy refuses every cuBLAS call while a stream is being captured into a CUDA
-    graph, and the engine captures its whole step (cuBLAS itself supports capture). The handle has its
-    own workspace, so captured GEMMs never allocate; alpha and beta are host values, fixed at capture.
-    """
-
-    WORKSPACE = 32 << 20  # bytes: what cuBLAS asks for on Hopper
-
-    def __init__(self, stream=None):
-        import ctypes
-
-        lib = _load_cublas()
-        c_int, c_void_p = ctypes.c_int, ctypes.c_void_p
-        self._lib = lib
-        self._call = lib.cublasGemmEx
-        self._call.argtypes = [c_void_p, c_int, c_int, c_int, c_int, c_int, c_void_p, c_void_p, c_int, c_int,
-                               c_void_p, c_int, c_int, c_void_p, c_void_p, c_int, c_int, c_int, c_int]
-        self._call.restype = c_int
-        handle = c_void_p()
-        self._check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
-        self.handle = handle
-        stream = cp.cuda.get_current_stream() if stream is None else stream
-        self._check(lib.cublasSetStream_v2(handle, c_void_p(stream.ptr)), "cublasSetStream")
-        self.workspace = cp.empty(self.WORKSPACE, dtype=np.uint8)
-        self._check(lib.cublasSetWorkspace_v2(handle, c_void_p(self.workspace.data.ptr), ctypes.c_size_t(self.WORKSPACE)),
-                    "cublasSetWorkspace")
-        self._check(lib.cublasSetPointerMode_v2(handle, 0), "cublasSetPointerMode")  # alpha/beta on the host
-        self._one = np.ones(1, dtype=np.float32)
-        self._zero = np.zeros(1, dtype=np.float32)
-
-    @staticmethod
-    def _check(status, what):
-        if status != 0:
-            raise RuntimeError(f"{what} failed: cuBLAS status {status}")
-
-    def __del__(self):
-        if getattr(self, "handle", None) is not None:
-            self._lib.cublasDestroy_v2(self.handle)
-            self.handle = None
-
-    def __call__(self, c: _M, a: _M, b: _M, ta=False, tb=False, beta=0.0):
-        M, N = c.rows, c.cols
-        K = a.rows if ta else a.cols
-        am = a.cols if ta else a.rows
-        bk, bn = (b.cols, b.rows) if tb else (b.rows, b.cols)
-        if am != M or bk != K or bn != N:
-            raise ValueError(f"GEMM shapes: c {M}x{N}, op(a) {am}x{K}, op(b) {bk}x{bn}")
-        beta_ptr = self._one.ctypes.data if beta else self._zero.ctypes.data
-        # Column-major cuBLAS computes c^T = op(b)^T op(a)^T.
-        self._check(self._call(self.handle, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, N, M, K,
-                               self._one.ctypes.data, b.ptr, b.dt, b.ld, a.ptr, a.dt, a.ld,
-                               beta_ptr, c.ptr, c.dt, c.ld, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
 
 
 def carve(tensors) -> tuple[list, int]:
@@ -356,7 +254,7 @@ class Engine:
         # The engine's work runs on a stream of its own (capturable into a CUDA graph; see `step`), ordered
         # against the caller's current stream by events.
         self.stream = cp.cuda.Stream(non_blocking=True)
-        self.gemm = _Gemm(self.stream)
+        self.gemm = Gemm(self.stream)
         self.graph = bool(graph)
         self._graph = None  # the captured step, after one step run kernel by kernel
         self._eager_steps = 0
@@ -367,11 +265,11 @@ class Engine:
         # ---- weight views (bf16 for GEMMs, float32 gradient views of the same stacking) ----
         def wb(first, rows):  # bf16 stacked matrix starting at tensor `first`
             o = self.offsets[first]
-            return _M(self.Pb[o:o + rows * self._cols(first)].reshape(rows, self._cols(first)))
+            return Matrix(self.Pb[o:o + rows * self._cols(first)].reshape(rows, self._cols(first)))
 
         def wg(first, rows):
             o = self.offsets[first]
-            return _M(self.G[o:o + rows * self._cols(first)].reshape(rows, self._cols(first)))
+            return Matrix(self.G[o:o + rows * self._cols(first)].reshape(rows, self._cols(first)))
 
         def fold_args(first, gain):
             """What the backward needs to turn the gradient of a gain-folded GEMM image into the gradients
@@ -452,13 +350,13 @@ class Engine:
         self.cos, self.sin = layers.rope_tables(T, D, cfg.rope_theta, cp, np.float32)
         self.cos, self.sin = cp.ascontiguousarray(self.cos), cp.ascontiguousarray(self.sin)
         # matrix views used by the GEMMs
-        self.mxh1, self.mxh2 = [_M(x) for x in self.xh1], [_M(x) for x in self.xh2]
-        self.ma = [_M(x) for x in self.a]
-        self.mgu = [_M(x) for x in self.gu]
-        self.mybr = _M(self.ybr)
-        self.mqkv, self.mm, self.mdm, self.mdgu = _M(self.qkv), _M(self.m), _M(self.dm), _M(self.dgu)
-        self.mdh, self.mda, self.mdqkv, self.mdxb = _M(self.dh), _M(self.da), _M(self.dqkv), _M(self.dxb)
-        self.mob = _M(self.ob)
+        self.mxh1, self.mxh2 = [Matrix(x) for x in self.xh1], [Matrix(x) for x in self.xh2]
+        self.ma = [Matrix(x) for x in self.a]
+        self.mgu = [Matrix(x) for x in self.gu]
+        self.mybr = Matrix(self.ybr)
+        self.mqkv, self.mm, self.mdm, self.mdgu = Matrix(self.qkv), Matrix(self.m), Matrix(self.dm), Matrix(self.dgu)
+        self.mdh, self.mda, self.mdqkv, self.mdxb = Matrix(self.dh), Matrix(self.da), Matrix(self.dqkv), Matrix(self.dxb)
+        self.mob = Matrix(self.ob)
         cp.cuda.get_current_stream().synchronize()
 
     # ---- parameter access ----------------------------------------------------------------------------
@@ -695,9 +593,9 @@ class Engine:
         for r0 in range(0, N, R):
             r1 = min(N, r0 + R)
             rr = r1 - r0
-            lg = _M(self.logits[:rr])  # the logits, then (in place) their gradient
-            xc = _M(self.xn[r0:r1])
-            dxc = _M(self.dxn[r0:r1])
+            lg = Matrix(self.logits[:rr])  # the logits, then (in place) their gradient
+            xc = Matrix(self.xn[r0:r1])
+            dxc = Matrix(self.dxn[r0:r1])
             for h, (wh, dwh) in enumerate(zip(self.w_head, self.dw_head)):
                 gemm(lg, xc, wh, tb=True)
                 k["ce_heads_fwd_bwd"]((rr,), (256,), (lg.arr, self.tg[r0:r1], self.head_scale,

@@ -1,0 +1,116 @@
+"""Matrix products on the tensor cores: cuBLAS's `cublasGemmEx` called through ctypes.
+
+The engine calls cuBLAS directly rather than through CuPy's binding because CuPy refuses every cuBLAS
+call while a stream is being captured into a CUDA graph, and the engine captures its whole step
+(cuBLAS itself supports capture). Operands are row-major CuPy matrices, bf16 (stored as uint16 words)
+or float32, with float32 accumulation; cuBLAS picks the algorithm by its own heuristic:
+
+    >>> gemm = Gemm(stream)                                     # doctest: +SKIP
+    >>> gemm(Matrix(c), Matrix(a), Matrix(b), tb=True)          # c = a @ b.T   # doctest: +SKIP
+
+Row-major c (M, N) = op(a) op(b) is, to column-major cuBLAS, c^T (N, M) = op(b)^T op(a)^T: every call
+passes b first and a second.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import cupy as cp
+import numpy as np
+
+BF16_STORAGE = np.uint16  # bf16 words; converted by the kernels
+
+# cuBLAS / CUDA enums
+_CUDA_R_32F = 0
+_CUDA_R_16BF = 14
+_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_GEMM_DEFAULT = -1
+_OP_N, _OP_T = 0, 1
+
+WORKSPACE = 32 << 20  # bytes: what cuBLAS asks for on Hopper
+
+
+def load_cublas():
+    """The cuBLAS library CuPy uses, opened with ctypes."""
+    cp.cuda.device.get_cublas_handle()  # makes CuPy load its cuBLAS into the process
+    major = cp.cuda.runtime.runtimeGetVersion() // 1000
+    try:
+        return ctypes.CDLL(f"libcublas.so.{major}")  # the loaded library, found by its soname
+    except OSError:
+        pass
+    with open("/proc/self/maps") as maps:  # CuPy loaded it from a path of its own: open that one
+        for line in maps:
+            path = line.split()[-1]
+            if "/libcublas.so" in path:
+                return ctypes.CDLL(path)
+    raise RuntimeError(f"cannot find the cuBLAS library (libcublas.so.{major}) that CuPy loaded")
+
+
+def _check(status, what):
+    if status != 0:
+        raise RuntimeError(f"{what} failed: cuBLAS status {status}")
+
+
+class Matrix:
+    """A row-major matrix view for cuBLAS: pointer, shape, leading dimension, CUDA data type."""
+
+    __slots__ = ("arr", "ptr", "rows", "cols", "ld", "dt")
+
+    def __init__(self, arr):
+        if arr.ndim != 2 or arr.strides[1] != arr.itemsize:
+            raise ValueError(f"GEMM operand must be 2-D with unit column stride, got {arr.shape} {arr.strides}")
+        self.arr = arr
+        self.ptr = arr.data.ptr
+        self.rows, self.cols = arr.shape
+        self.ld = arr.strides[0] // arr.itemsize
+        if arr.dtype == np.float32:
+            self.dt = _CUDA_R_32F
+        elif arr.dtype == BF16_STORAGE:
+            self.dt = _CUDA_R_16BF
+        else:
+            raise ValueError(f"GEMM operand dtype {arr.dtype}")
+
+
+class Gemm:
+    """c (M,N) = op(a) @ op(b) [+ c] by `cublasGemmEx` on a handle of its own, bound to `stream`.
+
+    The handle has its own workspace, so captured GEMMs never allocate; alpha and beta are host values,
+    fixed at capture."""
+
+    def __init__(self, stream=None):
+        lib = load_cublas()
+        c_int, c_void_p = ctypes.c_int, ctypes.c_void_p
+        self._lib = lib
+        self._call = lib.cublasGemmEx
+        self._call.argtypes = [c_void_p, c_int, c_int, c_int, c_int, c_int, c_void_p, c_void_p, c_int, c_int,
+                               c_void_p, c_int, c_int, c_void_p, c_void_p, c_int, c_int, c_int, c_int]
+        self._call.restype = c_int
+        handle = c_void_p()
+        _check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
+        self.handle = handle
+        stream = cp.cuda.get_current_stream() if stream is None else stream
+        _check(lib.cublasSetStream_v2(handle, c_void_p(stream.ptr)), "cublasSetStream")
+        self.workspace = cp.empty(WORKSPACE, dtype=np.uint8)
+        _check(lib.cublasSetWorkspace_v2(handle, c_void_p(self.workspace.data.ptr), ctypes.c_size_t(WORKSPACE)),
+               "cublasSetWorkspace")
+        _check(lib.cublasSetPointerMode_v2(handle, 0), "cublasSetPointerMode")  # alpha/beta on the host
+        self._one = np.ones(1, dtype=np.float32)
+        self._zero = np.zeros(1, dtype=np.float32)
+
+    def __del__(self):
+        if getattr(self, "handle", None) is not None:
+            self._lib.cublasDestroy_v2(self.handle)
+            self.handle = None
+
+    def __call__(self, c: Matrix, a: Matrix, b: Matrix, ta=False, tb=False, beta=0.0):
+        M, N = c.rows, c.cols
+        K = a.rows if ta else a.cols
+        am = a.cols if ta else a.rows
+        bk, bn = (b.cols, b.rows) if tb else (b.rows, b.cols)
+        if am != M or bk != K or bn != N:
+            raise ValueError(f"GEMM shapes: c {M}x{N}, op(a) {am}x{K}, op(b) {bk}x{bn}")
+        beta_ptr = self._one.ctypes.data if beta else self._zero.ctypes.data
+        _check(self._call(self.handle, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, N, M, K,
+                          self._one.ctypes.data, b.ptr, b.dt, b.ld, a.ptr, a.dt, a.ld,
+                          beta_ptr, c.ptr, c.dt, c.ld, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT), "cublasGemmEx")

@@ -5,9 +5,9 @@ reference on exactly the values the GPU sees (inputs the kernel reads as bf16 ar
 relative error ||out - ref|| / ||ref||. Tolerance 1e-2 (DESIGN.md: bf16 operands); float32 results
 of bf16 kernels that involve no bf16 rounding are held to float32's 1e-5.
 
-Cases: each bf16 kernel on its own; the whole model's loss and every gradient from the engine against
-`transformer.loss_and_grads` in float64; one engine optimizer step (clipping + AdamW) against
-`optim.clip_grad_norm` + `optim.AdamW.step` in float64.
+Cases: the engine's cuBLAS wrapper at the step's layouts; each bf16 kernel on its own; the whole model's
+loss and every gradient from the engine against `transformer.loss_and_grads` in float64; one engine
+optimizer step (clipping + AdamW) against `optim.clip_grad_norm` + `optim.AdamW.step` in float64.
 """
 
 from __future__ import annotations
@@ -310,6 +310,29 @@ def case_bf16_flash(rng, shape):
             (f"flash {var} bwd dv (in dqkv)", got[:, HD + KD:], to_rows(dv_r), TOL_BF16)]
 
 
+def case_bf16_gemm(rng, shape):
+    """shape (M, N, K, ta, tb, out, beta): c (M,N) = op(a) @ op(b) [+ c] through the engine's cuBLAS
+    wrapper (`cublas.Gemm`), bf16 operands, a bf16 or float32 output, against float64 on the bf16 values."""
+    import cupy
+
+    from nanoeuler.kernels.cublas import Gemm, Matrix
+
+    M, N, K, ta, tb, out, beta = shape
+    a, a64 = _dev_bf16(_randn(rng, (K, M) if ta else (M, K)))
+    b, b64 = _dev_bf16(_randn(rng, (N, K) if tb else (K, N)))
+    c0 = _randn(rng, (M, N))
+    c0 = c0 if out == "f32" else bf16_round(c0)  # what c holds before an accumulating product
+    ref = (a64.T if ta else a64) @ (b64.T if tb else b64) + (c0 if beta else 0.0)
+    if beta:
+        c = _g(c0) if out == "f32" else _dev_bf16(c0)[0]
+    else:
+        c = cupy.empty((M, N), dtype=np.float32 if out == "f32" else np.uint16)
+    Gemm()(Matrix(c), Matrix(a), Matrix(b), ta=ta, tb=tb, beta=float(beta))
+    got = c.get().astype(np.float64) if out == "f32" else from_bf16(c.get())
+    # float32 outputs differ from the reference by the float32 accumulation alone
+    return [(f"gemm {out}{' +c' if beta else ''}", got, ref, TOL_BF16 if out == "bf16" else 1e-4)]
+
+
 def _engine_problem(rng, cfg, B, T):
     from nanoeuler.model.gradcheck import random_problem
 
@@ -378,6 +401,13 @@ def case_engine(rng, shape):
 
 
 CASES_BF16 = [
+    # the engine's products, at the step's layouts (op(a), op(b)), output types and accumulation
+    (case_bf16_gemm, (300, 1280, 768, False, True, "bf16", 0), "M300 N1280 K768 a b^T", {}),
+    (case_bf16_gemm, (300, 768, 2048, False, False, "bf16", 0), "M300 N768 K2048 a b", {}),
+    (case_bf16_gemm, (768, 2048, 300, True, False, "f32", 0), "M768 N2048 K300 a^T b", {}),
+    (case_bf16_gemm, (4096, 768, 300, True, False, "f32", 1), "M4096 N768 K300 a^T b +c", {}),
+    (case_bf16_gemm, (300, 768, 4096, False, False, "f32", 1), "M300 N768 K4096 a b +c", {}),
+    (case_bf16_gemm, (37, 100, 64, False, True, "bf16", 1), "M37 N100 K64 a b^T +c (unaligned rows)", {}),
     (case_bf16_rmsnorm, (300, 768), "N300 C768", {}),
     (case_bf16_rmsnorm, (37, 341), "N37 C341", {}),
     (case_bf16_rmsnorm, (1000, 1024), "N1000 C1024", {}),

@@ -46,9 +46,9 @@ if str(ROOT) not in sys.path:
 
 PEAK_BF16 = 989e12
 ALL_MODES = ("torch-eager", "torch-compile", "ours-fp32", "ours-bf16")
-# also available: ours-bf16-<variant> for each `Engine` attention variant (wg, ldm, mma: tensor-core
-# attention; fp32: the float32 FlashAttention of attention.cu); ours-bf16 takes the engine's default;
-# ours-bf16-eager runs every step kernel by kernel (no CUDA graph)
+# also available: ours-bf16-<flag>[-<flag>...] with the engine's options named by flags (engine_options):
+# an attention variant (wg, ldm, mma: tensor-core attention; fa32: the float32 FlashAttention of
+# attention.cu), eager (every step kernel by kernel, no CUDA graph); ours-bf16 takes the engine's defaults
 
 
 def flops_per_token(cfg, T):
@@ -232,14 +232,32 @@ def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log):
     return statistics.median(ms), peak, float(loss)
 
 
-def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, attention="auto", graph=True):
+def engine_options(mode: str) -> dict:
+    """`Engine` keyword arguments of a mode `ours-bf16[-flag...]`, each flag an attention variant (wg, ldm,
+    mma; fa32 for the float32 FlashAttention) or `eager` (no CUDA graph).
+
+        >>> engine_options("ours-bf16-ldm-eager"), engine_options("ours-bf16-fa32"), engine_options("ours-bf16")
+        ({'attention': 'ldm', 'graph': False}, {'attention': 'fp32'}, {})
+    """
+    opts: dict = {}
+    for flag in mode.split("-")[2:]:
+        if flag in ("wg", "ldm", "mma", "fa32"):
+            opts["attention"] = "fp32" if flag == "fa32" else flag
+        elif flag == "eager":
+            opts["graph"] = False
+        else:
+            raise ValueError(f"unknown flag {flag!r} in mode {mode!r}")
+    return opts
+
+
+def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, **options):
     import cupy
 
     from nanoeuler.kernels.engine import Engine
 
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
-    eng = Engine(cfg, params_np, batch=B, seq=T, lr=3e-4, attention=attention, graph=graph)
+    eng = Engine(cfg, params_np, batch=B, seq=T, lr=3e-4, **options)
     data = [(cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32)) for i, t in _windows(cfg, B, T, 2)]
     ms = []
     events = []
@@ -264,7 +282,7 @@ def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, attention="auto", gr
     return statistics.median(ms), peak, loss
 
 
-def profile_engine(cfg, params_np, B, T, log, attention="auto"):
+def profile_engine(cfg, params_np, B, T, log, **options):
     """Kernel time of two engine steps by kernel name (CUPTI through the PyTorch profiler), and by kind."""
     import cupy
     import torch
@@ -273,7 +291,7 @@ def profile_engine(cfg, params_np, B, T, log, attention="auto"):
     from nanoeuler.kernels.engine import Engine
 
     torch.zeros(1, device="cuda")
-    eng = Engine(cfg, params_np, batch=B, seq=T, lr=3e-4, attention=attention)
+    eng = Engine(cfg, params_np, batch=B, seq=T, lr=3e-4, **options)
     ids, tg = [(cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32)) for i, t in _windows(cfg, B, T, 3, 1)][0]
     for _ in range(3):
         eng.step(ids, tg)
@@ -296,10 +314,11 @@ def profile_engine(cfg, params_np, B, T, log, attention="auto"):
         kinds[kind] = kinds.get(kind, 0.0) + us / 2
         rows.append((us / 2, ev.count // 2, name[:90]))
     total = sum(kinds.values())
-    log(f"profile B{B}xT{T} attention={eng.attention}: {total / 1e3:.1f} ms of kernels per step")
+    log(f"profile B{B}xT{T} {options or 'defaults'} (attention {eng.attention}): {total / 1e3:.1f} ms of kernels "
+        f"per step")
     for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1]):
         log(f"  {kind:<14} {us / 1e3:8.2f} ms  {us / total:6.1%}")
-    for us, n, name in sorted(rows, reverse=True)[:22]:
+    for us, n, name in sorted(rows, reverse=True)[:30]:
         log(f"  {us / 1e3:8.2f} ms  x{n:<4} {name}")
     del eng
 
@@ -434,14 +453,9 @@ def main(argv=None) -> int:
                     ms, peak, loss = torch_run(cfg, params_np, B, T, args.steps, args.warmup, True, log)
                 elif mode == "ours-fp32":
                     ms, peak, loss = ours_fp32_run(cfg, params_np, B, T, args.fp32_steps or args.steps, 2, log)
-                elif mode == "ours-bf16":
-                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log)
-                elif mode == "ours-bf16-eager":
-                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log, graph=False)
-                elif mode.startswith("ours-bf16-"):
-                    variant = mode[len("ours-bf16-"):]
+                elif mode == "ours-bf16" or mode.startswith("ours-bf16-"):
                     ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log,
-                                                   "fp32" if variant == "fa32" else variant)
+                                                   **engine_options(mode))
                 else:
                     raise ValueError(f"unknown mode {mode}")
             except Exception as exc:  # one failing mode must not lose the other rows
@@ -470,11 +484,13 @@ def main(argv=None) -> int:
             f"{(r['tokens_s'] / c['tokens_s']) if c else float('nan'):>9.2f} "
             f"{(r['peak_gib'] / c['peak_gib']) if c else float('nan'):>11.2f}")
     if args.profile:  # after the timings: the profiler must not slow the timed runs
+        ours = [m for m in modes if m.startswith("ours-bf16")] or ["ours-bf16"]
         for B, T in rows:
-            try:
-                profile_engine(cfg, params_np, B, T, log)
-            except Exception as exc:
-                log(f"  profile failed: {type(exc).__name__}: {str(exc)[:200]}")
+            for mode in ours:
+                try:
+                    profile_engine(cfg, params_np, B, T, log, **engine_options(mode))
+                except Exception as exc:
+                    log(f"  profile failed: {type(exc).__name__}: {str(exc)[:200]}")
     return 0
 
 

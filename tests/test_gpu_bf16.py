@@ -61,6 +61,21 @@ def test_bf16_selftest_case(case):
         assert np.isfinite(err) and err <= tol, f"{name} {label}: {err:.2e} > {tol:.0e}"
 
 
+def test_bench_modes_name_engine_options():
+    """bench/train_gpu.py's `ours-bf16-<flag>...` modes: the flags' engine options, unknown flags refused."""
+    import doctest
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("train_gpu", Path(__file__).parents[1] / "bench" / "train_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert doctest.testmod(bench).failed == 0
+    assert bench.engine_options("ours-bf16-wg") == {"attention": "wg"}
+    with pytest.raises(ValueError, match="unknown flag 'fast'"):
+        bench.engine_options("ours-bf16-fast")
+
+
 def test_bench_torch_model_matches_ours_on_cpu():
     """bench/train_gpu.py's PyTorch model is our architecture: same loss and gradients (float32, CPU)."""
     torch = pytest.importorskip("torch")

@@ -61,15 +61,22 @@ def test_bf16_selftest_case(case):
         assert np.isfinite(err) and err <= tol, f"{name} {label}: {err:.2e} > {tol:.0e}"
 
 
-def test_bench_modes_name_engine_options():
-    """bench/train_gpu.py's `ours-bf16-<flag>...` modes: the flags' engine options, unknown flags refused."""
-    import doctest
+def _bench_train_gpu():
+    """bench/train_gpu.py as a module (bench/ is a folder of scripts, not a package)."""
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("train_gpu", Path(__file__).parents[1] / "bench" / "train_gpu.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_modes_name_engine_options():
+    """bench/train_gpu.py's `ours-bf16-<flag>...` modes: the flags' engine options, unknown flags refused."""
+    import doctest
+
+    bench = _bench_train_gpu()
     assert doctest.testmod(bench).failed == 0
     assert bench.engine_options("ours-bf16-wg") == {"attention": "wg"}
     with pytest.raises(ValueError, match="unknown flag 'fast'"):
@@ -79,15 +86,10 @@ def test_bench_modes_name_engine_options():
 def test_bench_torch_model_matches_ours_on_cpu():
     """bench/train_gpu.py's PyTorch model is our architecture: same loss and gradients (float32, CPU)."""
     torch = pytest.importorskip("torch")
-    import importlib.util
-    from pathlib import Path
-
     from nanoeuler.model import transformer
     from nanoeuler.model.config import ModelConfig
 
-    spec = importlib.util.spec_from_file_location("train_gpu", Path(__file__).parents[1] / "bench" / "train_gpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_train_gpu()
     cfg = ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=32, mtp_heads=3)
     params = {n: (p * 5 if p.ndim == 2 else p) for n, p in transformer.init_params(cfg, seed=1).items()}
     rng = np.random.default_rng(0)

@@ -46,9 +46,7 @@ if str(ROOT) not in sys.path:
 
 PEAK_BF16 = 989e12
 ALL_MODES = ("torch-eager", "torch-compile", "ours-fp32", "ours-bf16")
-# also available: ours-bf16-<flag>[-<flag>...] with the engine's options named by flags (engine_options):
-# an attention variant (wg, ldm, mma: tensor-core attention; fa32: the float32 FlashAttention of
-# attention.cu), eager (every step kernel by kernel, no CUDA graph); ours-bf16 takes the engine's defaults
+# also available: ours-bf16-<flag>[-<flag>...], the engine's options named by flags (see engine_options)
 
 
 def flops_per_token(cfg, T):

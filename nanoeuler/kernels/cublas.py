@@ -95,9 +95,9 @@ class Gemm:
         self.handle = handle
         stream = cp.cuda.get_current_stream() if stream is None else stream
         _check(lib.cublasSetStream_v2(handle, c_void_p(stream.ptr)), "cublasSetStream")
-        self.workspace = cp.empty(WORKSPACE, dtype=np.uint8) if WORKSPACE else None
-        _check(lib.cublasSetWorkspace_v2(handle, c_void_p(self.workspace.data.ptr if WORKSPACE else None),
-                                         ctypes.c_size_t(WORKSPACE)), "cublasSetWorkspace")
+        self.workspace = cp.empty(WORKSPACE, dtype=np.uint8)  # of size 0: a null pointer
+        _check(lib.cublasSetWorkspace_v2(handle, c_void_p(self.workspace.data.ptr), ctypes.c_size_t(WORKSPACE)),
+               "cublasSetWorkspace")
         _check(lib.cublasSetPointerMode_v2(handle, 0), "cublasSetPointerMode")  # alpha/beta on the host
         self._one = np.ones(1, dtype=np.float32)
         self._zero = np.zeros(1, dtype=np.float32)

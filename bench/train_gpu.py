@@ -25,6 +25,12 @@ where N_mm is the number of parameters used in matrix products (all but the embe
 gains; the four output heads count) and 6*L*T*C is causal attention (QK^T and PV, 2*T*C per token and
 layer forward with the causal half, times 3 for forward+backward). MFU = FLOP/s / 989e12 (H100 SXM dense
 bf16 peak), also for float32 runs, so the columns compare.
+
+Clocks: while each mode's timed steps run, the SM clock, the power draw and whether the power cap is
+throttling are read every 100 ms (NVML; columns MHz, W, capped: medians, and the share of samples
+throttled). An H100/H200 under a sustained load holds its power limit by lowering the SM clock, so a
+step's time depends on the chip's power behaviour as well as on the code; the columns show when it did.
+The power is a one-second average: 20 short steps (B16xT512: 0.3 s) end before it settles; --steps 100 do not.
 """
 
 from __future__ import annotations
@@ -52,6 +58,99 @@ ALL_MODES = ("torch-eager", "torch-compile", "ours-fp32", "ours-bf16")
 def flops_per_token(cfg, T):
     n_mm = cfg.n_params() - cfg.vocab_size * cfg.dim - (2 * cfg.n_layers + 1) * cfg.dim
     return 6 * n_mm + 6 * cfg.n_layers * T * cfg.dim
+
+
+class PowerSampler:
+    """SM clock, power draw and power-cap throttling of one GPU, read through NVML (the driver's management
+    library) every `period_ms` by a thread while the sampler is open; `window()` marks a span of host time,
+    `summary(window)` sums up the samples within it.
+
+        >>> with PowerSampler("00000000:19:00.0") as power:                    # doctest: +SKIP
+        ...     with power.window() as w:
+        ...         run_timed_steps()
+        >>> power.summary(w)                                                  # doctest: +SKIP
+        {'mhz': 1650.0, 'watts': 693.4, 'capped': 0.9, 'samples': 31}
+
+    The power is NVML's power usage, an average over about the last second: read it for windows of
+    seconds. Without the library (no NVIDIA driver) every summary is None."""
+
+    SM_CLOCK = 1  # NVML_CLOCK_SM
+    SW_POWER_CAP = 0x4  # nvmlClocksThrottleReasonSwPowerCap
+
+    def __init__(self, pci_bus_id: str, period_ms: int = 100, library: str = "libnvidia-ml.so.1"):
+        self.bus, self.period, self.library = pci_bus_id, period_ms / 1e3, library
+        self.samples: list = []  # (epoch seconds, MHz, W, capped)
+        self._thread = None
+
+    def __enter__(self):
+        import ctypes
+        import threading
+
+        try:
+            nvml = ctypes.CDLL(self.library)
+        except OSError:
+            return self
+        handle = ctypes.c_void_p()
+        if nvml.nvmlInit_v2() != 0:
+            return self
+        if nvml.nvmlDeviceGetHandleByPciBusId_v2(self.bus.encode(), ctypes.byref(handle)) != 0:
+            nvml.nvmlShutdown()
+            return self
+        self._nvml, self._stop = nvml, threading.Event()
+
+        def sample():
+            clock, mw, reasons = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
+            while not self._stop.is_set():
+                t = time.time()
+                if (nvml.nvmlDeviceGetClockInfo(handle, self.SM_CLOCK, ctypes.byref(clock)) == 0
+                        and nvml.nvmlDeviceGetPowerUsage(handle, ctypes.byref(mw)) == 0
+                        and nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle, ctypes.byref(reasons)) == 0):
+                    self.samples.append((t, float(clock.value), mw.value / 1e3, bool(reasons.value & self.SW_POWER_CAP)))
+                self._stop.wait(self.period)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._nvml.nvmlShutdown()
+            self._thread = None
+        return False
+
+    class Window:
+        """A span of host time (epoch seconds), set by `with`."""
+
+        def __init__(self):
+            self.t0 = self.t1 = None
+
+        def __enter__(self):
+            self.t0 = time.time()
+            return self
+
+        def __exit__(self, *exc):
+            self.t1 = time.time()
+            return False
+
+    def window(self) -> PowerSampler.Window:
+        return self.Window()
+
+    def summary(self, w: PowerSampler.Window):
+        """Median MHz and W and the share of throttled samples within the window; None without a sample.
+
+            >>> p = PowerSampler("0")
+            >>> p.samples = [(1.0, 1980.0, 120.0, False), (2.0, 1650.0, 693.4, True), (3.0, 1515.0, 696.7, True)]
+            >>> w = p.window(); w.t0, w.t1 = 1.5, 3.5
+            >>> p.summary(w)
+            {'mhz': 1582.5, 'watts': 695.05, 'capped': 1.0, 'samples': 2}
+        """
+        inside = [s for s in self.samples if w.t1 is not None and w.t0 <= s[0] <= w.t1]
+        if not inside:
+            return None
+        return {"mhz": statistics.median(s[1] for s in inside), "watts": round(statistics.median(s[2] for s in inside), 2),
+                "capped": round(sum(s[3] for s in inside) / len(inside), 2), "samples": len(inside)}
 
 
 # ---- PyTorch model ---------------------------------------------------------------------------------
@@ -132,7 +231,7 @@ def torch_model(cfg, params_np, device):
     return Model().to(device)
 
 
-def torch_run(cfg, params_np, B, T, steps, warmup, compiled, log):
+def torch_run(cfg, params_np, B, T, steps, warmup, compiled, log, window):
     import torch
 
     dev = torch.device("cuda")
@@ -170,13 +269,14 @@ def torch_run(cfg, params_np, B, T, steps, warmup, compiled, log):
     torch.cuda.reset_peak_memory_stats()
     times = []
     loss = None
-    for i in range(steps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        loss = step(i)
-        e1.record()
-        times.append((e0, e1))
-    torch.cuda.synchronize()
+    with window:  # the timed steps (for PowerSampler)
+        for i in range(steps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            loss = step(i)
+            e1.record()
+            times.append((e0, e1))
+        torch.cuda.synchronize()
     ms = [a.elapsed_time(b) for a, b in times]
     peak = torch.cuda.max_memory_allocated()
     reserved = torch.cuda.max_memory_reserved()
@@ -199,7 +299,7 @@ def _windows(cfg, B, T, seed, count=4):
     return out
 
 
-def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log):
+def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log, window):
     import cupy
 
     from nanoeuler.model import transformer
@@ -210,8 +310,8 @@ def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log):
     params = {n: cupy.asarray(p) for n, p in params_np.items()}
     opt = AdamW(params, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     data = [(cupy.asarray(i), cupy.asarray(t)) for i, t in _windows(cfg, B, T, 2)]
-    ms, loss = [], None
-    for s in range(warmup + steps):
+
+    def step(s):
         ids, tg = data[s % len(data)]
         e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
         e0.record()
@@ -221,8 +321,15 @@ def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log):
         del grads
         e1.record()
         e1.synchronize()
-        if s >= warmup:
-            ms.append(cupy.cuda.get_elapsed_time(e0, e1))
+        return loss, cupy.cuda.get_elapsed_time(e0, e1)
+
+    for s in range(warmup):
+        step(s)
+    with window:
+        loss, ms = None, []
+        for s in range(warmup, warmup + steps):
+            loss, t = step(s)
+            ms.append(t)
     peak = pool.total_bytes()
     log(f"  last loss {loss:.4f}; note: loss_and_grads reads the loss on the host every step")
     del params, opt, data
@@ -248,7 +355,7 @@ def engine_options(mode: str) -> dict:
     return opts
 
 
-def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, **options):
+def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, window, **options):
     import cupy
 
     from nanoeuler.kernels.engine import Engine
@@ -257,19 +364,20 @@ def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, **options):
     pool.free_all_blocks()
     eng = Engine(cfg, params_np, batch=B, seq=T, lr=3e-4, **options)
     data = [(cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32)) for i, t in _windows(cfg, B, T, 2)]
-    ms = []
-    events = []
-    for s in range(warmup + steps):
+
+    def step(s):
         ids, tg = data[s % len(data)]
         e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
         e0.record()
         eng.step(ids, tg, lr=3e-4)
         e1.record()
-        if s >= warmup:
-            events.append((e0, e1))
-        else:
-            e1.synchronize()
-    cupy.cuda.Stream.null.synchronize()
+        return e0, e1
+
+    for s in range(warmup):
+        step(s)[1].synchronize()
+    with window:
+        events = [step(s) for s in range(warmup, warmup + steps)]
+        cupy.cuda.Stream.null.synchronize()
     ms = [cupy.cuda.get_elapsed_time(a, b) for a, b in events]
     loss = float(eng.last_loss())
     peak = pool.total_bytes()
@@ -391,6 +499,54 @@ def agree(cfg, params_np, B, T, steps, log):
 # ---- main ------------------------------------------------------------------------------------------
 
 
+def clocks_columns(summary) -> str:
+    """The table's MHz, W and capped columns of a `PowerSampler.summary` (dashes without one).
+
+        >>> clocks_columns({"mhz": 1650.0, "watts": 693.4, "capped": 0.9, "samples": 31})
+        ' 1650  693    90%'
+        >>> clocks_columns(None)
+        '    -    -      -'
+    """
+    if not summary:
+        return f"{'-':>5} {'-':>4} {'-':>6}"
+    return f"{summary['mhz']:>5.0f} {summary['watts']:>4.0f} {summary['capped']:>6.0%}"
+
+
+def run_rows(cfg, params_np, rows, modes, args, power, results, log):
+    """Each mode at each (B, T) row, one after another; a result dict per mode that ran (a failing mode is
+    reported and skipped). Each result's "window" spans its timed steps (see PowerSampler)."""
+    for B, T in rows:
+        fpt = flops_per_token(cfg, T)
+        for mode in modes:
+            log(f"{mode} B{B}xT{T}")
+            t0 = time.perf_counter()
+            window = power.window()
+            try:
+                if mode == "torch-eager":
+                    ms, peak, loss = torch_run(cfg, params_np, B, T, args.steps, args.warmup, False, log, window)
+                elif mode == "torch-compile":
+                    ms, peak, loss = torch_run(cfg, params_np, B, T, args.steps, args.warmup, True, log, window)
+                elif mode == "ours-fp32":
+                    ms, peak, loss = ours_fp32_run(cfg, params_np, B, T, args.fp32_steps or args.steps, 2, log,
+                                                   window)
+                elif mode == "ours-bf16" or mode.startswith("ours-bf16-"):
+                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log, window,
+                                                   **engine_options(mode))
+                else:
+                    raise ValueError(f"unknown mode {mode}")
+            except Exception as exc:  # one failing mode must not lose the other rows
+                import traceback
+
+                traceback.print_exc()
+                log(f"  {mode} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            tps = B * T / ms * 1e3
+            results.append(dict(mode=mode, B=B, T=T, ms=ms, tokens_s=tps, tflops=tps * fpt / 1e12,
+                                mfu=tps * fpt / PEAK_BF16, peak_gib=peak / 2**30, loss=loss, window=window,
+                                wall_s=time.perf_counter() - t0))
+            log(f"  {ms:.1f} ms/step, {tps:,.0f} tokens/s, peak {peak / 2**30:.2f} GiB")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpu")
@@ -438,40 +594,17 @@ def main(argv=None) -> int:
 
     log(f"device {name}; torch {torch.__version__}, cupy {cupy.__version__}; preset {args.preset} "
         f"({cfg.n_params():,} params); {args.steps} timed steps after {args.warmup} warm-up")
+    power = PowerSampler(cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.Device().id))
     results = []
-    for B, T in rows:
-        fpt = flops_per_token(cfg, T)
-        for mode in modes:
-            log(f"{mode} B{B}xT{T}")
-            t0 = time.perf_counter()
-            try:
-                if mode == "torch-eager":
-                    ms, peak, loss = torch_run(cfg, params_np, B, T, args.steps, args.warmup, False, log)
-                elif mode == "torch-compile":
-                    ms, peak, loss = torch_run(cfg, params_np, B, T, args.steps, args.warmup, True, log)
-                elif mode == "ours-fp32":
-                    ms, peak, loss = ours_fp32_run(cfg, params_np, B, T, args.fp32_steps or args.steps, 2, log)
-                elif mode == "ours-bf16" or mode.startswith("ours-bf16-"):
-                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log,
-                                                   **engine_options(mode))
-                else:
-                    raise ValueError(f"unknown mode {mode}")
-            except Exception as exc:  # one failing mode must not lose the other rows
-                import traceback
-
-                traceback.print_exc()
-                log(f"  {mode} failed: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            tps = B * T / ms * 1e3
-            results.append(dict(mode=mode, B=B, T=T, ms=ms, tokens_s=tps, tflops=tps * fpt / 1e12,
-                                mfu=tps * fpt / PEAK_BF16, peak_gib=peak / 2**30, loss=loss,
-                                wall_s=time.perf_counter() - t0))
-            log(f"  {ms:.1f} ms/step, {tps:,.0f} tokens/s, peak {peak / 2**30:.2f} GiB")
+    with power:
+        run_rows(cfg, params_np, rows, modes, args, power, results, log)
+    for r in results:
+        r["clocks"] = power.summary(r.pop("window"))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     log("")
     log(f"{'row':<10} {'mode':<14} {'ms/step':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8} "
-        f"{'x eager':>8} {'x compile':>9} {'mem/compile':>11}")
+        f"{'x eager':>8} {'x compile':>9} {'mem/compile':>11} {'MHz':>5} {'W':>4} {'capped':>6}")
     for r in results:
         ref = {m["mode"]: m for m in results if (m["B"], m["T"]) == (r["B"], r["T"])}
         e = ref.get("torch-eager")
@@ -480,7 +613,7 @@ def main(argv=None) -> int:
             f"{r['mfu']:>6.1%} {r['peak_gib']:>8.2f} "
             f"{(r['tokens_s'] / e['tokens_s']) if e else float('nan'):>8.2f} "
             f"{(r['tokens_s'] / c['tokens_s']) if c else float('nan'):>9.2f} "
-            f"{(r['peak_gib'] / c['peak_gib']) if c else float('nan'):>11.2f}")
+            f"{(r['peak_gib'] / c['peak_gib']) if c else float('nan'):>11.2f} {clocks_columns(r['clocks'])}")
     if args.profile:  # after the timings: the profiler must not slow the timed runs
         ours = [m for m in modes if m.startswith("ours-bf16")] or ["ours-bf16"]
         for B, T in rows:

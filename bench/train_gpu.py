@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import statistics
 import sys
 import time
@@ -62,16 +61,16 @@ def flops_per_token(cfg, T):
 
 class PowerSampler:
     """SM clock, power draw and power-cap throttling of one GPU, read through NVML (the driver's management
-    library) every `period_ms` by a thread while the sampler is open; `window()` marks a span of host time,
-    `summary(window)` sums up the samples within it.
+    library) every `period_ms` by a thread while the sampler is open; `span()` marks a span of host time,
+    `summary(span)` sums up the samples within it.
 
         >>> with PowerSampler("00000000:19:00.0") as power:                    # doctest: +SKIP
-        ...     with power.window() as w:
+        ...     with power.span() as w:
         ...         run_timed_steps()
         >>> power.summary(w)                                                  # doctest: +SKIP
         {'mhz': 1650.0, 'watts': 693.4, 'capped': 0.9, 'samples': 31}
 
-    The power is NVML's power usage, an average over about the last second: read it for windows of
+    The power is NVML's power usage, an average over about the last second: read it over spans of
     seconds. Without the library (no NVIDIA driver) every summary is None."""
 
     SM_CLOCK = 1  # NVML_CLOCK_SM
@@ -120,7 +119,7 @@ class PowerSampler:
             self._thread = None
         return False
 
-    class Window:
+    class Span:
         """A span of host time (epoch seconds), set by `with`."""
 
         def __init__(self):
@@ -134,15 +133,15 @@ class PowerSampler:
             self.t1 = time.time()
             return False
 
-    def window(self) -> PowerSampler.Window:
-        return self.Window()
+    def span(self) -> PowerSampler.Span:
+        return self.Span()
 
-    def summary(self, w: PowerSampler.Window):
-        """Median MHz and W and the share of throttled samples within the window; None without a sample.
+    def summary(self, w: PowerSampler.Span):
+        """Median MHz and W and the share of throttled samples within the span; None without a sample.
 
             >>> p = PowerSampler("0")
             >>> p.samples = [(1.0, 1980.0, 120.0, False), (2.0, 1650.0, 693.4, True), (3.0, 1515.0, 696.7, True)]
-            >>> w = p.window(); w.t0, w.t1 = 1.5, 3.5
+            >>> w = p.span(); w.t0, w.t1 = 1.5, 3.5
             >>> p.summary(w)
             {'mhz': 1582.5, 'watts': 695.05, 'capped': 1.0, 'samples': 2}
         """
@@ -231,7 +230,7 @@ def torch_model(cfg, params_np, device):
     return Model().to(device)
 
 
-def torch_run(cfg, params_np, B, T, steps, warmup, compiled, log, window):
+def torch_run(cfg, params_np, B, T, steps, warmup, compiled, log, timed):
     import torch
 
     dev = torch.device("cuda")
@@ -269,7 +268,7 @@ def torch_run(cfg, params_np, B, T, steps, warmup, compiled, log, window):
     torch.cuda.reset_peak_memory_stats()
     times = []
     loss = None
-    with window:  # the timed steps (for PowerSampler)
+    with timed:  # the timed steps' span of time (PowerSampler)
         for i in range(steps):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
@@ -299,7 +298,7 @@ def _windows(cfg, B, T, seed, count=4):
     return out
 
 
-def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log, window):
+def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log, timed):
     import cupy
 
     from nanoeuler.model import transformer
@@ -325,7 +324,7 @@ def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log, window):
 
     for s in range(warmup):
         step(s)
-    with window:
+    with timed:
         loss, ms = None, []
         for s in range(warmup, warmup + steps):
             loss, t = step(s)
@@ -355,7 +354,7 @@ def engine_options(mode: str) -> dict:
     return opts
 
 
-def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, window, **options):
+def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, timed, **options):
     import cupy
 
     from nanoeuler.kernels.engine import Engine
@@ -375,7 +374,7 @@ def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, window, **options):
 
     for s in range(warmup):
         step(s)[1].synchronize()
-    with window:
+    with timed:
         events = [step(s) for s in range(warmup, warmup + steps)]
         cupy.cuda.Stream.null.synchronize()
     ms = [cupy.cuda.get_elapsed_time(a, b) for a, b in events]
@@ -512,25 +511,26 @@ def clocks_columns(summary) -> str:
     return f"{summary['mhz']:>5.0f} {summary['watts']:>4.0f} {summary['capped']:>6.0%}"
 
 
-def run_rows(cfg, params_np, rows, modes, args, power, results, log):
-    """Each mode at each (B, T) row, one after another; a result dict per mode that ran (a failing mode is
-    reported and skipped). Each result's "window" spans its timed steps (see PowerSampler)."""
+def run_rows(cfg, params_np, rows, modes, args, power, log) -> list:
+    """Each mode at each (B, T) row, one after another: a result dict per mode that ran (a failing mode is
+    reported and skipped), its "span" the time of its timed steps (see PowerSampler)."""
+    results = []
     for B, T in rows:
         fpt = flops_per_token(cfg, T)
         for mode in modes:
             log(f"{mode} B{B}xT{T}")
             t0 = time.perf_counter()
-            window = power.window()
+            span = power.span()
             try:
                 if mode == "torch-eager":
-                    ms, peak, loss = torch_run(cfg, params_np, B, T, args.steps, args.warmup, False, log, window)
+                    ms, peak, loss = torch_run(cfg, params_np, B, T, args.steps, args.warmup, False, log, span)
                 elif mode == "torch-compile":
-                    ms, peak, loss = torch_run(cfg, params_np, B, T, args.steps, args.warmup, True, log, window)
+                    ms, peak, loss = torch_run(cfg, params_np, B, T, args.steps, args.warmup, True, log, span)
                 elif mode == "ours-fp32":
                     ms, peak, loss = ours_fp32_run(cfg, params_np, B, T, args.fp32_steps or args.steps, 2, log,
-                                                   window)
+                                                   span)
                 elif mode == "ours-bf16" or mode.startswith("ours-bf16-"):
-                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log, window,
+                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log, span,
                                                    **engine_options(mode))
                 else:
                     raise ValueError(f"unknown mode {mode}")
@@ -542,9 +542,10 @@ def run_rows(cfg, params_np, rows, modes, args, power, results, log):
                 continue
             tps = B * T / ms * 1e3
             results.append(dict(mode=mode, B=B, T=T, ms=ms, tokens_s=tps, tflops=tps * fpt / 1e12,
-                                mfu=tps * fpt / PEAK_BF16, peak_gib=peak / 2**30, loss=loss, window=window,
+                                mfu=tps * fpt / PEAK_BF16, peak_gib=peak / 2**30, loss=loss, span=span,
                                 wall_s=time.perf_counter() - t0))
             log(f"  {ms:.1f} ms/step, {tps:,.0f} tokens/s, peak {peak / 2**30:.2f} GiB")
+    return results
 
 
 def main(argv=None) -> int:
@@ -595,11 +596,10 @@ def main(argv=None) -> int:
     log(f"device {name}; torch {torch.__version__}, cupy {cupy.__version__}; preset {args.preset} "
         f"({cfg.n_params():,} params); {args.steps} timed steps after {args.warmup} warm-up")
     power = PowerSampler(cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.Device().id))
-    results = []
     with power:
-        run_rows(cfg, params_np, rows, modes, args, power, results, log)
+        results = run_rows(cfg, params_np, rows, modes, args, power, log)
     for r in results:
-        r["clocks"] = power.summary(r.pop("window"))
+        r["clocks"] = power.summary(r.pop("span"))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     log("")

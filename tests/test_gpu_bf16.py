@@ -87,7 +87,7 @@ def test_bench_clock_sampler_without_nvml():
     """Without NVML (no NVIDIA driver) the benchmark still runs: its clock columns are dashes."""
     bench = _bench_train_gpu()
     power = bench.PowerSampler("0", library="libnanoeuler-no-such-library.so")
-    with power, power.window() as w:
+    with power, power.span() as w:
         pass
     assert power.summary(w) is None
     assert bench.clocks_columns(power.summary(w)).split() == ["-", "-", "-"]

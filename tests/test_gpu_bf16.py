@@ -79,6 +79,7 @@ def test_bench_modes_name_engine_options():
     bench = _bench_train_gpu()
     assert doctest.testmod(bench).failed == 0
     assert bench.engine_options("ours-bf16-wg") == {"attention": "wg"}
+    assert bench.engine_options("ours-bf16-nofuse-eager") == {"fuse_swiglu": False, "graph": False}
     with pytest.raises(ValueError, match="unknown flag 'fast'"):
         bench.engine_options("ours-bf16-fast")
 
@@ -178,7 +179,8 @@ def test_training_loop_in_bf16_tracks_fp32(tmp_path, short):
 
 
 @pytest.mark.gpu
-def test_engine_graph_replay_matches_kernel_by_kernel():
+@pytest.mark.parametrize("hidden", [0, 384], ids=["F341", "F384"])  # F384: the fused SwiGLU backward on sm_90a
+def test_engine_graph_replay_matches_kernel_by_kernel(hidden):
     """Steps replayed from the captured CUDA graph compute what the kernel-by-kernel steps compute, with
     the batch and the learning rate of each step (AdamW's per-step values live on the device)."""
     import cupy
@@ -187,7 +189,8 @@ def test_engine_graph_replay_matches_kernel_by_kernel():
     from nanoeuler.model import transformer
     from nanoeuler.model.config import ModelConfig
 
-    cfg = ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=64, mtp_heads=2)
+    cfg = ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=64, mtp_heads=2,
+                      ffn_hidden=hidden)
     params = transformer.init_params(cfg, seed=0)
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, 256, (4, 64)), rng.integers(-1, 256, (4, 64, 2))) for _ in range(4)]
@@ -243,3 +246,20 @@ def test_training_loop_in_bf16_resumes_from_its_checkpoint(tmp_path):
     for w in ("layers.0.mlp.down_proj.weight", "embed_tokens.weight"):
         rel = np.linalg.norm(again[w] - final[w]) / np.linalg.norm(final[w])
         assert rel < 1e-3, (w, rel)
+
+
+@pytest.mark.gpu
+def test_tile_map_encodes_bf16_matrices_and_refuses_others():
+    """A tensor map is 128 bytes on the device; float32 data or a misaligned row stride is refused with
+    the reason, before the driver sees it."""
+    import cupy
+
+    from nanoeuler.kernels.tma import tile_map
+
+    words = cupy.zeros((300, 768), dtype=np.uint16)
+    m = tile_map(words, 128)
+    assert m.shape == (128,) and m.dtype == np.uint8 and int(m.any()) == 1
+    with pytest.raises(ValueError, match="bf16 words"):
+        tile_map(cupy.zeros((300, 768), dtype=np.float32), 128)
+    with pytest.raises(ValueError, match="row stride"):
+        tile_map(cupy.zeros((300, 770), dtype=np.uint16)[:, :768], 128)

@@ -435,7 +435,11 @@ extern "C" __global__ void __launch_bounds__(256) attn_delta(const bf16* __restr
 
 // ---- SwiGLU ----------------------------------------------------------------------------------------
 
-__device__ __forceinline__ float silu_f(float g) { return g / (1.f + expf(-g)); }
+// sigmoid by the fast exponential and division (a few float32 ulps; every result is stored as bf16). The
+// forward, the backward and the fused backward all compute m = silu(gate) * up by these same operations,
+// so the m that the backward recomputes is the forward's, bit for bit.
+__device__ __forceinline__ float sigmoid_f(float g) { return __fdividef(1.f, 1.f + __expf(-g)); }
+__device__ __forceinline__ float silu_f(float g) { return g * sigmoid_f(g); }
 
 // SwiGLU kernels: grid x over groups of VEC columns (VEC = 8 when F % 8 == 0: 16-byte accesses; else 2,
 // with a scalar path for odd F), grid y over rows (grid-stride). The host computes the same VEC.
@@ -469,7 +473,7 @@ extern "C" __global__ void swiglu_fwd_bf16(const bf16* __restrict__ gu, bf16* __
 // (bit-identical to the forward's, for the down projection's weight gradient): the backward recomputes m
 // instead of keeping it, and doing it here saves a second read of gu. Same grid as the forward.
 __device__ __forceinline__ void swiglu_grad(float d, float g, float u, float& dg, float& du) {
-    const float s = 1.f / (1.f + expf(-g));
+    const float s = sigmoid_f(g);
     dg = d * u * s * (1.f + g * (1.f - s));
     du = d * g * s;
 }
@@ -1693,5 +1697,241 @@ extern "C" __global__ void qkv_rope_split_bf16(const bf16* __restrict__ qkv, con
         }
         *reinterpret_cast<uint4*>(dst + i) = lo;
         *reinterpret_cast<uint4*>(dst + i + half) = hi;
+    }
+}
+
+// ---- the SwiGLU backward inside its GEMM (wgmma and TMA, sm_90a) -----------------------------------
+// In the backward of the MLP, dm = dy Wd (dy (N, C): the gradient of the down branch; Wd (C, F): the
+// down projection) is a GEMM whose output only the SwiGLU backward reads. swiglu_bwd_gemm computes a
+// 128 x 128 tile of dm in float32 registers and applies the SwiGLU backward to it there: dgate and dup
+// into dgu, and m = silu(gate) * up again (bit-identical to the forward's, for the down projection's
+// weight gradient), as swiglu_bwd_bf16 does. dm never goes to memory (nor through bf16).
+//
+// Persistent: a block per multiprocessor takes tiles blockIdx.x, + gridDim.x, ... Its 288 threads:
+// - warp 8, the producer: one lane copies the operands' k steps (64 wide) into a ring of SG_STAGES
+//   shared-memory stages by TMA (cp.async.bulk.tensor, 128-byte swizzle: the layout wgmma reads),
+//   a stage's "full" mbarrier counting the bytes in, its "empty" one the two warpgroups done with it.
+//   It runs ahead into the next tile while the warpgroups finish the last one.
+// - warps 0-7, two warpgroups: warpgroup w multiplies rows 64 w .. of the tile by its 128 columns
+//   (wgmma.m64n128k16, both operands from shared memory), then runs the epilogue.
+// Operands: dy, and wdt, the fused kernel's image of Wd: transposed (F, C; k contiguous, as wgmma
+// reads shared memory untransposed) and its rows permuted by 128-row block (wdt_image), so that row n
+// of a staged tile is hidden column sg_column(n) of the tile. The wgmma C layout gives lane l of a warp
+// the accumulator columns n = 8 nc + 2 (l % 4) + e (nc the 8-column chunk, e = 0, 1); with the
+// permutation, each lane holds 8 consecutive hidden columns of each 32-column group, so the epilogue
+// reads gate/up and writes dgate, dup and m with 16-byte accesses.
+// The epilogue's inputs travel while the tile is multiplied: bulk copies (cp.async.bulk, one 256-byte
+// row of gate or up per thread, bytes counted on an mbarrier) bring the tile's rows into shared memory;
+// the warpgroups read them into registers after the products, and then start the next tile's copies.
+// Needs C % 64 == 0 and F % 128 == 0 (the engine checks); rows past N are zeros (TMA fills them) in the
+// products and skipped in the epilogue.
+#define SG_BK 64
+#define SG_STAGES 4
+#define SG_GU_LD 160  // bf16 words per staged gate/up row: 128 + 32, so rows 2 apart start 64 bytes apart in the banks
+// shared memory: 1 KiB alignment + SG_STAGES x 32 KiB + gate and up (2 x 128 x SG_GU_LD x 2 bytes) +
+// 2 SG_STAGES + 1 mbarriers (engine.py: SWIGLU_GEMM_SMEM)
+
+// Tile column j (0..127) -> the row n of the staged Wd^T tile that holds it (the inverse of sg_column).
+__device__ __forceinline__ int sg_row(int j) {
+    return ((((j >> 5) << 2) + ((j >> 1) & 3)) << 3) + (((j >> 3) & 3) << 1) + (j & 1);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Accumulator column n (chunk nc = n / 8, lane column q = n / 2 % 4, e = n % 2) -> column of the tile.
+__device__ __forceinline__ int sg_column(int n) {
+    const int nc = n >> 3;
+    return ((nc >> 2) << 5) + (((n >> 1) & 3) << 3) + ((nc & 3) << 1) + (n & 1);
+}
+
+// d (64 x N, float32, this thread's N/2 values in the C layout) += A (64 x 16) B (16 x N), both from
+// shared memory (descriptors; K-major). Asynchronous, as wgmma_64x64x16.
+__device__ __forceinline__ void wgmma_ss(float (&d)[16][4], unsigned long long a, unsigned long long b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "l"(a), "l"(b));
+}
+// Wait until the mbarrier at shared address `bar` completes the phase of this parity.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// The box at (c0 inner, c1 outer) of the 2-D tensor map at `map` (a global address) into shared memory.
+__device__ __forceinline__ void tma_2d(unsigned dst, const void* map, int c0, int c1, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void* __restrict__ dy_map,
+                                                                    const void* __restrict__ wdt_map, int wdt_row0,
+                                                                    const bf16* __restrict__ gu, bf16* __restrict__ dgu,
+                                                                    bf16* __restrict__ m, int N, int C, int F) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int ST = SG_STAGES, TILE = 128 * SG_BK * 2, STAGE = 2 * TILE, GU = 128 * SG_GU_LD * 2;
+    extern __shared__ __align__(128) unsigned char sg_smem[];
+    const int wg = threadIdx.x >> 7, t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
+    const unsigned stages = (smem_u32(sg_smem) + 1023u) & ~1023u, gus = stages + ST * STAGE;
+    const unsigned full = gus + 2 * GU, empty = full + 8 * ST, gubar = empty + 8 * ST;
+    const int KT = C / SG_BK, ncols = F / 128, tiles = (N + 127) / 128 * ncols;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < ST; ++s) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full + 8 * s));
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 2;\n" ::"r"(empty + 8 * s));
+        }
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(gubar));
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 2) {  // the producer warp
+        if (threadIdx.x == 256) {
+            asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(dy_map) : "memory");
+            asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(wdt_map) : "memory");
+            int g = 0;  // k steps issued, over all tiles: stage g % ST, its use number g / ST
+            for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+                const int row0 = tile / ncols * 128, col0 = tile % ncols * 128;
+                for (int kt = 0; kt < KT; ++kt, ++g) {
+                    const int s = g % ST;
+                    mbar_wait(empty + 8 * s, ((g / ST) & 1) ^ 1);  // the stage's previous use is done
+                    mbar_expect(full + 8 * s, STAGE);
+                    tma_2d(stages + s * STAGE, dy_map, kt * SG_BK, row0, full + 8 * s);
+                    tma_2d(stages + s * STAGE + TILE, wdt_map, kt * SG_BK, wdt_row0 + col0, full + 8 * s);
+                }
+            }
+        }
+        return;
+    }
+    // The tile's gate and up rows into shared memory: one 256-byte bulk copy per thread (row t / 2, gate or
+    // up), the bytes counted on gubar.
+    auto fetch_gu = [&](int tile) {
+        const int row0 = tile / ncols * 128, col0 = tile % ncols * 128, rows = min(128, N - row0);
+        const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // after the last tile's reads
+        if (threadIdx.x == 0) mbar_expect(gubar, rows * 512);
+        if (r < rows)
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 256, [%2];\n"
+                         ::"r"(gus + half * GU + r * SG_GU_LD * 2),
+                         "l"(gu + (long long)(row0 + r) * 2 * F + half * F + col0), "r"(gubar) : "memory");
+    };
+    int tile = blockIdx.x;
+    if (tile < tiles) fetch_gu(tile);
+    int g = 0;  // k steps consumed, as the producer counts them
+    for (int i = 0; tile < tiles; ++i) {
+        const int next = tile + gridDim.x, row0 = tile / ncols * 128, col0 = tile % ncols * 128;
+        float acc[16][4];
+#pragma unroll
+        for (int c = 0; c < 16; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.f;
+        for (int kt = 0; kt < KT; ++kt, ++g) {
+            const int s = g % ST;
+            mbar_wait(full + 8 * s, (g / ST) & 1);
+            const unsigned as = stages + s * STAGE + wg * (TILE / 2), bs = stages + s * STAGE + TILE;
+            wg_fence();
+#pragma unroll
+            for (int kc = 0; kc < SG_BK / 16; ++kc) wgmma_ss(acc, wg_desc(as + kc * 32, 1), wg_desc(bs + kc * 32, 1));
+            wg_commit();
+            wg_wait<1>();  // step g - 1 done: its stage is free as far as this warpgroup goes
+            wg_hold(acc);
+            if (kt > 0 && t == 0) mbar_arrive(empty + 8 * ((g - 1) % ST));
+        }
+        wg_wait<0>();
+        wg_hold(acc);
+        if (t == 0) mbar_arrive(empty + 8 * ((g - 1) % ST));
+        // this lane's rows (rl, rl + 8) of the tile, and per 32-column group its 8 consecutive hidden columns
+        mbar_wait(gubar, i & 1);
+        uint4 g4[2][4], u4[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int rl = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+            for (int gi = 0; gi < 4; ++gi) {
+                const unsigned a = gus + (rl * SG_GU_LD + 32 * gi + 8 * q) * 2;
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(g4[h][gi].x), "=r"(g4[h][gi].y), "=r"(g4[h][gi].z), "=r"(g4[h][gi].w) : "r"(a));
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(u4[h][gi].x), "=r"(u4[h][gi].y), "=r"(u4[h][gi].z), "=r"(u4[h][gi].w)
+                             : "r"(a + GU));
+            }
+        }
+        bar_sync(1, 256);  // every thread holds its gate/up: the next tile's may land
+        if (next < tiles) fetch_gu(next);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
+            if (r >= N) continue;
+            bf16* dr = dgu + (long long)r * 2 * F + col0;
+            bf16* mr = m + (long long)r * F + col0;
+#pragma unroll
+            for (int gi = 0; gi < 4; ++gi) {
+                const int j = 32 * gi + 8 * q;
+                const unsigned gw[4] = {g4[h][gi].x, g4[h][gi].y, g4[h][gi].z, g4[h][gi].w};
+                const unsigned uw[4] = {u4[h][gi].x, u4[h][gi].y, u4[h][gi].z, u4[h][gi].w};
+                unsigned og[4], ou[4], om[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {  // hidden columns j + 2e, j + 2e + 1: chunk 4 gi + e
+                    float dg0, du0, dg1, du1;
+                    const float g0 = lo_bf(gw[e]), g1 = hi_bf(gw[e]), u0 = lo_bf(uw[e]), u1 = hi_bf(uw[e]);
+                    swiglu_grad(acc[4 * gi + e][2 * h], g0, u0, dg0, du0);
+                    swiglu_grad(acc[4 * gi + e][2 * h + 1], g1, u1, dg1, du1);
+                    og[e] = pack2(dg0, dg1);
+                    ou[e] = pack2(du0, du1);
+                    om[e] = pack2(silu_f(g0) * u0, silu_f(g1) * u1);
+                }
+                *reinterpret_cast<uint4*>(dr + j) = make_uint4(og[0], og[1], og[2], og[3]);
+                *reinterpret_cast<uint4*>(dr + F + j) = make_uint4(ou[0], ou[1], ou[2], ou[3]);
+                *reinterpret_cast<uint4*>(mr + j) = make_uint4(om[0], om[1], om[2], om[3]);
+            }
+        }
+        tile = next;
+    }
+#else
+    __trap();  // built for another target: the engine launches this kernel only on sm_90a builds
+#endif
+}
+
+// The fused kernel's image of the down projections: `count` matrices Wd (rows x cols, bf16; cols % 128
+// == 0) at base + offs[z] -> dst, each transposed (cols x rows) with its rows permuted within blocks of
+// 128: column c of Wd becomes row (c / 128) 128 + sg_row(c % 128). Grid (ceil(cols / 32), ceil(rows / 32),
+// count), block (32, 8): a 32 x 32 tile through shared memory (padded against bank conflicts), so reads
+// and writes go along rows.
+extern "C" __global__ void wdt_image(const bf16* __restrict__ base, const long long* __restrict__ offs,
+                                     bf16* __restrict__ dst, int rows, int cols) {
+    __shared__ bf16 tile[32][34];
+    const bf16* src = base + offs[blockIdx.z];
+    bf16* out = dst + (long long)blockIdx.z * rows * cols;
+    const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32, x = threadIdx.x;
+    for (int i = threadIdx.y; i < 32; i += 8)
+        if (r0 + i < rows && c0 + x < cols) tile[i][x] = src[(long long)(r0 + i) * cols + c0 + x];
+    __syncthreads();
+    for (int i = threadIdx.y; i < 32; i += 8) {
+        const int c = c0 + i;
+        if (c < cols && r0 + x < rows) out[(long long)((c & ~127) + sg_row(c & 127)) * rows + r0 + x] = tile[x][i];
     }
 }

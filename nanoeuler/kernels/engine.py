@@ -53,9 +53,16 @@ the o_proj branch. A step allocates nothing, and the host never waits on the dev
 per-head loss normalisation, the global gradient norm and the clipping factor are computed and
 consumed on the device.
 
-Launches per step: 9 per layer forward, 17 per layer backward, 4 per head and chunk of output-head
-rows, and a few dozen for the optimizer (one AdamW launch per run of equally-decayed tensors, and one
-per gain-folded matrix).
+The SwiGLU backward inside its GEMM (`fuse_swiglu`, the default where `can_fuse_swiglu`: sm_90a, dim %
+64 == 0, hidden % 128 == 0). The backward's dm = dy Wd is read only by the SwiGLU backward, so
+`swiglu_bwd_gemm` (bf16.cu) computes dm tile by tile on the tensor cores and applies the SwiGLU
+backward to the tile in registers: dm never goes to memory. Its operands arrive by TMA copies (tensor
+maps: `tma.py`) from dxb and from `wdt`, an image of every layer's Wd transposed and permuted that
+`wdt_image` rewrites after each AdamW step. Elsewhere cuBLAS writes dm and `swiglu_bwd_bf16` reads it.
+
+Launches per step: 9 per layer forward, 16 per layer backward (17 without the fused SwiGLU backward),
+4 per head and chunk of output-head rows, and a few dozen for the optimizer (one AdamW launch per run
+of equally-decayed tensors, and one per gain-folded matrix, and one for `wdt_image`).
 From the second step on, `step` replays the whole step as one CUDA graph, captured once on the
 engine's own stream: the GPU runs the kernels back to back instead of waiting for each launch. (CuPy
 refuses cuBLAS calls during capture, so the GEMMs call cuBLAS through ctypes: see `cublas.py`.)
@@ -72,6 +79,7 @@ import numpy as np
 
 from nanoeuler.kernels import has_sm90a, kernel
 from nanoeuler.kernels.cublas import BF16_STORAGE, Gemm, Matrix
+from nanoeuler.kernels.tma import tile_map
 from nanoeuler.model import layers
 from nanoeuler.model.config import ModelConfig
 from nanoeuler.optim import default_no_decay
@@ -82,6 +90,8 @@ _MMA_HEAD_DIMS = (32, 64)  # tensor-core FlashAttention of bf16.cu
 ATTENTION_VARIANTS = ("wg", "ldm", "mma", "fp32")
 
 _NULL = np.uint64(0)  # a null pointer argument (an optional input or output a kernel skips)
+SWIGLU_GEMM_SMEM = 1024 + 4 * 32768 + 2 * 128 * 160 * 2 + 9 * 8  # swiglu_bwd_gemm (bf16.cu): alignment, SG_STAGES
+# stages of 32 KiB, gate and up (rows of SG_GU_LD words), 2 SG_STAGES + 1 mbarriers
 _FOLD_SPLITS = 64  # row splits of gain_fold_grad at most (its column sums are reduced by column_sums)
 
 
@@ -96,9 +106,35 @@ def carve(tensors) -> tuple[list, int]:
     return out, off
 
 
-def mlp_scratch(N: int, F: int) -> list:
-    """(shape, dtype) of the MLP's scratch: m = silu(gate) * up, its gradient dm, and d(gate|up)."""
-    return [((N, F), BF16_STORAGE), ((N, F), BF16_STORAGE), ((N, 2 * F), BF16_STORAGE)]
+def mlp_scratch(N: int, F: int, fused: bool = False) -> list:
+    """(shape, dtype) of the MLP's scratch: m = silu(gate) * up, d(gate|up), and (unless the SwiGLU
+    backward runs inside its GEMM, `swiglu_bwd_gemm`) dm, the gradient of m."""
+    return [((N, F), BF16_STORAGE), ((N, 2 * F), BF16_STORAGE)] + ([] if fused else [((N, F), BF16_STORAGE)])
+
+
+def sg_row(j: int) -> int:
+    """Row of a 128-row block of `wdt_image` that holds column j (0..127) of the block (bf16.cu's sg_row):
+    the order that gives each lane of `swiglu_bwd_gemm` 8 consecutive hidden columns.
+
+        >>> [sg_row(j) for j in (0, 1, 2, 8, 32)]
+        [0, 1, 8, 2, 32]
+    """
+    return ((((j >> 5) << 2) + ((j >> 1) & 3)) << 3) + (((j >> 3) & 3) << 1) + (j & 1)
+
+
+def swiglu_gemm_grid(N: int, F: int, sms: int) -> tuple:
+    """Grid of the persistent `swiglu_bwd_gemm`: a block per multiprocessor, at most one per tile of 128 rows
+    x 128 hidden columns.
+
+        >>> swiglu_gemm_grid(32768, 2048, sms=132), swiglu_gemm_grid(300, 1024, sms=132)
+        ((132,), (24,))
+    """
+    return (min(sms, -(-N // 128) * (F // 128)),)
+
+
+def can_fuse_swiglu(C: int, F: int) -> bool:
+    """Whether `swiglu_bwd_gemm` takes these widths (its tiles: 64 of C, 128 of F) on this GPU (sm_90a)."""
+    return C % 64 == 0 and F % 128 == 0 and has_sm90a()
 
 
 def head_chunk_rows(N: int, V: int, arena_bytes: int, chunk_bytes: int | None = None) -> int:
@@ -148,7 +184,8 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, params: dict, *, batch: int, seq: int, lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, max_norm: float = 1.0,
-                 no_decay=None, chunk_bytes: int | None = None, attention: str = "auto", graph: bool = True):
+                 no_decay=None, chunk_bytes: int | None = None, attention: str = "auto", graph: bool = True,
+                 fuse_swiglu: bool | None = None):
         if attention == "auto":
             attention = ("wg" if cfg.head_dim == 64 and has_sm90a() else
                          "ldm" if cfg.head_dim in _MMA_HEAD_DIMS else "fp32")
@@ -157,6 +194,13 @@ class Engine:
             raise ValueError(f"attention {attention!r} for head_dim {cfg.head_dim}"
                              + (" (needs head_dim 64 on a compute-capability-9.0 GPU)" if attention == "wg" else ""))
         self.attention = attention
+        if fuse_swiglu is None:
+            fuse_swiglu = can_fuse_swiglu(cfg.dim, cfg.hidden)
+        elif fuse_swiglu and not can_fuse_swiglu(cfg.dim, cfg.hidden):
+            raise ValueError(f"fuse_swiglu needs dim % 64 == 0 and hidden % 128 == 0 on a compute-capability-9.0 "
+                             f"GPU (dim {cfg.dim}, hidden {cfg.hidden})")
+        self.fuse_swiglu = bool(fuse_swiglu)
+        self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         if cfg.head_dim not in _FLASH:
             raise ValueError(f"head_dim {cfg.head_dim} not supported by the attention kernels ({sorted(_FLASH)})")
         self.cfg = cfg
@@ -245,7 +289,15 @@ class Engine:
             "f32_to_bf16", "embed_fwd", "embed_bwd", "rmsnorm_fwd_bf16", "rmsnorm_bwd_bf16",
             "rmsnorm_bwd_bf16_f32dy", "gain_fold_grad", "column_sums", "qkv_rope_split",
             "rope_bwd_pack", "attn_pack", "attn_delta", "swiglu_fwd_bf16", "swiglu_bwd_bf16", "ce_head_scale",
-            "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16")}
+            "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16",
+            "wdt_image", "swiglu_bwd_gemm")}
+        if self.fuse_swiglu:  # its shared-memory stages exceed the 48 KiB a kernel gets without asking
+            self._k["swiglu_bwd_gemm"].max_dynamic_shared_size_bytes = SWIGLU_GEMM_SMEM
+            # every layer's Wd transposed, rows permuted (`wdt_image`): the fused kernel's k-contiguous
+            # operand, rewritten with the bf16 image
+            self.wdt = cp.empty((L, F, C), dtype=BF16_STORAGE)
+            self.wd_offsets = cp.asarray([self.offsets[f"layers.{i}.mlp.down_proj.weight"] for i in range(L)],
+                                         dtype=np.int64)
         if attention != "fp32":  # "mma": B fragments by 32-bit shared loads; "ldm": by ldmatrix; "wg": wgmma
             self._mma = {name: kernel("bf16", f"{name}_{attention}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
                                                                                       "flash_bwd_dq")}
@@ -327,16 +379,20 @@ class Engine:
             raise ValueError(f"batch {B} x seq {T} exceeds the 32-bit indexing of the RoPE kernels")
         # The MLP's scratch (m, dm, dgu) is dead while the output heads run, and the heads' chunk of
         # logits (overwritten by their gradient) is dead outside them: both are views of one arena.
-        mlp, mlp_bytes = carve(mlp_scratch(N, F))
+        mlp, mlp_bytes = carve(mlp_scratch(N, F, self.fuse_swiglu))
         self.R = head_chunk_rows(N, V, mlp_bytes, chunk_bytes)
         self.arena = cp.empty(max(mlp_bytes, 2 * self.R * V), dtype=np.uint8)
-        self.m, self.dm, self.dgu = (self.arena[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in mlp)
+        self.m, self.dgu, *dm = (self.arena[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in mlp)
+        self.dm = dm[0] if dm else None
         self.logits = self.arena[:2 * self.R * V].view(bf).reshape(self.R, V)  # then, in place, their gradient
         self.dh = e((N, C), bf)  # dL/dxhat of a layer's norm (a GEMM's output), into the norm's backward
         self.da = e((N, HD), qdt)  # gradient of the attention output
         self.delta = e((B, H, T))
         self.dx = e((N, C))
         self.dxb = e((N, C), bf)
+        if self.fuse_swiglu:  # what swiglu_bwd_gemm's TMA copies read: boxes of 128 rows x 64 columns
+            self.dy_map = tile_map(self.dxb, 128)
+            self.wdt_map = tile_map(self.wdt.reshape(L * F, C), 128)
         self.xn = e((N, C), bf)  # xhat of the final norm: the output heads' input
         self.rstdf = e(N)
         self.dxn = e((N, C))  # its dL/dxhat, summed over the heads
@@ -354,7 +410,8 @@ class Engine:
         self.ma = [Matrix(x) for x in self.a]
         self.mgu = [Matrix(x) for x in self.gu]
         self.mybr = Matrix(self.ybr)
-        self.mqkv, self.mm, self.mdm, self.mdgu = Matrix(self.qkv), Matrix(self.m), Matrix(self.dm), Matrix(self.dgu)
+        self.mqkv, self.mm, self.mdgu = Matrix(self.qkv), Matrix(self.m), Matrix(self.dgu)
+        self.mdm = None if self.dm is None else Matrix(self.dm)
         self.mdh, self.mda, self.mdqkv, self.mdxb = Matrix(self.dh), Matrix(self.da), Matrix(self.dqkv), Matrix(self.dxb)
         self.mob = Matrix(self.ob)
         cp.cuda.get_current_stream().synchronize()
@@ -402,6 +459,7 @@ class Engine:
             n = end - start
             self._k["f32_to_bf16"](_grid(n), (256,), (self.P[start:end], self.Pb[start:end], np.int64(n), gain,
                                                       np.int32(cols)))
+        self._refresh_wdt()
 
     @classmethod
     def from_adamw(cls, cfg: ModelConfig, params: dict, opt, *, batch: int, seq: int, max_norm: float,
@@ -622,9 +680,15 @@ class Engine:
         for i in reversed(range(L)):
             w = self.Lw[i]
             # MLP half: x_out = x_mid + down(silu(gate(h2)) * up(h2)); the SwiGLU backward also recomputes
-            # m = silu(gate) * up, which the down projection's weight gradient then reads
-            gemm(self.mdm, self.mdxb, w["d"])
-            k["swiglu_bwd_bf16"](glu_grid, (256,), (self.dm, self.gu[i], self.dgu, self.m, i32(F), i32(N)))
+            # m = silu(gate) * up, which the down projection's weight gradient then reads. Fused: dm = dy Wd
+            # and the SwiGLU backward in one kernel, dm never stored.
+            if self.fuse_swiglu:
+                k["swiglu_bwd_gemm"](swiglu_gemm_grid(N, F, self.sms), (288,), (self.dy_map, self.wdt_map, i32(i * F), self.gu[i], self.dgu,
+                                                                       self.m, i32(N), i32(C), i32(F)),
+                                     shared_mem=SWIGLU_GEMM_SMEM)
+            else:
+                gemm(self.mdm, self.mdxb, w["d"])
+                k["swiglu_bwd_bf16"](glu_grid, (256,), (self.dm, self.gu[i], self.dgu, self.m, i32(F), i32(N)))
             gemm(w["dd"], self.mdxb, self.mm, ta=True)
             # gate/up read xhat2 = norm2(x_mid) through weights with the norm's gain folded in: the GEMM
             # gives dL/dxhat2, the norm's backward needs only xhat2 and rstd2
@@ -673,3 +737,11 @@ class Engine:
                 (self.P[start:end], self.G[start:end], self.Mo[start:end], self.Vo[start:end], self.Pb[start:end],
                  np.int64(n), self.sq, self.hyper, np.int32(decayed), f32(self.max_norm), f32(self.beta1),
                  f32(self.beta2), f32(self.eps), gain, np.int32(cols)))
+        self._refresh_wdt()
+
+    def _refresh_wdt(self) -> None:
+        """`swiglu_bwd_gemm`'s image of every layer's Wd, from the bf16 image (nothing when not fused)."""
+        if self.fuse_swiglu:
+            C, F, L = self.cfg.dim, self.cfg.hidden, self.cfg.n_layers
+            self._k["wdt_image"]((-(-F // 32), -(-C // 32), L), (32, 8), (self.Pb, self.wd_offsets, self.wdt,
+                                                                              np.int32(C), np.int32(F)))

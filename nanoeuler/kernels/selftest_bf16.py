@@ -219,6 +219,46 @@ def case_bf16_swiglu(rng, shape):
             ("bf16 swiglu bwd m == fwd m", from_bf16(m2.get()), m_fwd, 0.0)]
 
 
+def case_bf16_swiglu_gemm(rng, shape):
+    """shape (N, C, F): the SwiGLU backward inside its GEMM (`swiglu_bwd_gemm`, sm_90a builds only, else
+    no rows): dm = dy Wd in float32, then dgu and m, against float64 on the bf16 operands. Wd's image comes
+    from `wdt_image` out of a flat buffer (two matrices at given offsets; the kernel reads the second
+    through a tensor map of both, as the engine reads its layers), checked exactly: transposed, rows
+    permuted by 128-row block."""
+    import cupy
+
+    from nanoeuler.kernels import has_sm90a
+    from nanoeuler.kernels.engine import SWIGLU_GEMM_SMEM, sg_row, swiglu_gemm_grid
+    from nanoeuler.kernels.tma import tile_map
+    from nanoeuler.model import layers
+
+    if not has_sm90a():
+        return []
+    N, C, F = shape
+    dy_b, dy = _dev_bf16(_randn(rng, (N, C)))
+    flat = to_bf16(_randn(rng, 2 * C * F + 64, 0.05))  # two Wd (C, F) at offsets 64 and 64 + C F
+    offs = np.array([64, 64 + C * F], dtype=np.int64)
+    wd = from_bf16(flat[offs[1]:offs[1] + C * F]).reshape(C, F)
+    wdt = cupy.full((2, F, C), 0xFFFF, dtype=np.uint16)
+    _k("wdt_image")((-(-F // 32), -(-C // 32), 2), (32, 8), (_g(flat, np.uint16), _g(offs, np.int64), wdt,
+                                                             np.int32(C), np.int32(F)))
+    gu_b, gu = _dev_bf16(np.concatenate([_randn(rng, (N, F), 3.0), _randn(rng, (N, F))], axis=1))
+    dgu = cupy.full((N, 2 * F), 0xFFFF, dtype=np.uint16)  # NaN words
+    m = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
+    fn = _k("swiglu_bwd_gemm")
+    fn.max_dynamic_shared_size_bytes = SWIGLU_GEMM_SMEM
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    fn(swiglu_gemm_grid(N, F, sms), (288,), (tile_map(dy_b, 128), tile_map(wdt.reshape(2 * F, C), 128), np.int32(F),
+                                             gu_b, dgu, m, np.int32(N), np.int32(C), np.int32(F)),
+       shared_mem=SWIGLU_GEMM_SMEM)
+    hr, cr = layers.swiglu_forward(gu[:, :F], gu[:, F:])
+    dgr, dur = layers.swiglu_backward(dy @ wd, cr)
+    rows = np.array([c // 128 * 128 + sg_row(c % 128) for c in range(F)])  # image row of each column of Wd
+    return [("bf16 wdt_image (Wd^T, rows permuted)", from_bf16(wdt[1].get())[rows], wd.T, 0.0),
+            ("bf16 swiglu_bwd_gemm dgu", from_bf16(dgu.get()), np.concatenate([dgr, dur], axis=1), TOL_BF16),
+            ("bf16 swiglu_bwd_gemm m", from_bf16(m.get()), hr, TOL_BF16)]
+
+
 def case_bf16_ce_heads(rng, shape):
     """shape (N, K, V): per-head scales, fused loss + bf16 dlogits, the loss reduction."""
     import cupy
@@ -360,12 +400,16 @@ def case_engine(rng, shape):
         return []
     if which == "small":
         cfg = ModelConfig.named("small")
+    elif which == "d384":  # hidden 1024: the SwiGLU backward runs inside its GEMM on sm_90a
+        cfg = ModelConfig(vocab_size=1024, dim=384, n_layers=2, n_heads=6, n_kv_heads=2, ctx_len=256, mtp_heads=4)
     else:
         cfg = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=256, mtp_heads=4)
     params, inputs, targets = _engine_problem(rng, cfg, B, T)
     # output-head chunks of 48 rows: several per step, the last one short, so the weight gradients'
     # accumulation over chunks (and dxn's over heads) is checked
     eng = Engine(cfg, params, batch=B, seq=T, max_norm=0.5, attention=attention, chunk_bytes=2 * cfg.vocab_size * 48)
+    if which == "d384" and not eng.fuse_swiglu:
+        raise RuntimeError("the d384 engine case is meant to run the fused SwiGLU backward, and does not")
     for _ in range(2):  # twice: a gradient that accumulated instead of being overwritten would double
         eng.forward_backward(_g(inputs, np.int32), _g(targets, np.int32))
     p64 = {n: p.astype(np.float64) for n, p in params.items()}
@@ -423,6 +467,11 @@ CASES_BF16 = [
     (case_bf16_swiglu, (37, 341), "N37 F341", {}),
     (case_bf16_swiglu, (37, 342), "N37 F342", {}),
     (case_bf16_swiglu, (70000, 6), "N70000 F6 (rows > grid)", {}),
+    (case_bf16_swiglu_gemm, (300, 768, 2048), "N300 C768 F2048 (a short row tile)", {}),
+    (case_bf16_swiglu_gemm, (64, 64, 128), "N64 C64 F128 (one tile, one k step)", {}),
+    (case_bf16_swiglu_gemm, (190, 128, 128), "N190 C128 F128 (2 row tiles, the second short)", {}),
+    (case_bf16_swiglu_gemm, (40000, 256, 256), "N40000 C256 F256 (several tiles a block)", {}),
+    (case_bf16_swiglu_gemm, (1000, 384, 1024), "N1000 C384 F1024", {}),
     (case_bf16_ce_heads, (70, 4, 4096), "N70 K4 V4096", {}),
     (case_bf16_ce_heads, (33, 2, 100), "N33 K2 V100", {}),
     (case_bf16_ce_heads, (33, 2, 101), "N33 K2 V101 (scalar path)", {}),
@@ -445,6 +494,7 @@ CASES_BF16 = [
     (case_engine, ("d64", 2, 200, "ldm"), "2 layers D64 B2 T200 ldm-attn", {}),
     (case_engine, ("small", 2, 100, "ldm"), "small preset B2 T100 ldm-attn", {}),
     (case_engine, ("d64", 2, 200, "wg"), "2 layers D64 B2 T200 wg-attn", {}),
+    (case_engine, ("d384", 2, 200, "wg"), "2 layers C384 F1024 B2 T200 wg-attn, fused SwiGLU backward", {}),
 ]
 
 __all__ = ["CASES_BF16", "to_bf16", "from_bf16", "bf16_round", "math"]

@@ -1715,11 +1715,12 @@ extern "C" __global__ void qkv_rope_split_bf16(const bf16* __restrict__ qkv, con
 // - warps 0-7, two warpgroups: warpgroup w multiplies rows 64 w .. of the tile by its 128 columns
 //   (wgmma.m64n128k16, both operands from shared memory), then runs the epilogue.
 // Operands: dy, and wdt, the fused kernel's image of Wd: transposed (F, C; k contiguous, as wgmma
-// reads shared memory untransposed) and its rows permuted by 128-row block (wdt_image), so that row n
-// of a staged tile is hidden column sg_column(n) of the tile. The wgmma C layout gives lane l of a warp
-// the accumulator columns n = 8 nc + 2 (l % 4) + e (nc the 8-column chunk, e = 0, 1); with the
-// permutation, each lane holds 8 consecutive hidden columns of each 32-column group, so the epilogue
-// reads gate/up and writes dgate, dup and m with 16-byte accesses.
+// reads shared memory untransposed) and its rows permuted by 128-row block (wdt_image): hidden column
+// j of a tile is row sg_row(j) of the staged tile, i.e. accumulator column n = sg_row(j). The wgmma C
+// layout gives lane l of a warp the accumulator columns n = 8 nc + 2 (l % 4) + e (nc the 8-column chunk,
+// e = 0, 1), which sg_row maps to hidden columns 32 (nc / 4) + 8 (l % 4) + 2 (nc % 4) + e: each lane
+// holds 8 consecutive hidden columns of each 32-column group, so the epilogue reads gate/up and writes
+// dgate, dup and m with 16-byte accesses.
 // The epilogue's inputs travel while the tile is multiplied: bulk copies (cp.async.bulk, one 256-byte
 // row of gate or up per thread, bytes counted on an mbarrier) bring the tile's rows into shared memory;
 // the warpgroups read them into registers after the products, and then start the next tile's copies.
@@ -1731,18 +1732,12 @@ extern "C" __global__ void qkv_rope_split_bf16(const bf16* __restrict__ qkv, con
 // shared memory: 1 KiB alignment + SG_STAGES x 32 KiB + gate and up (2 x 128 x SG_GU_LD x 2 bytes) +
 // 2 SG_STAGES + 1 mbarriers (engine.py: SWIGLU_GEMM_SMEM)
 
-// Tile column j (0..127) -> the row n of the staged Wd^T tile that holds it (the inverse of sg_column).
+// Tile column j (0..127) -> the row n of the staged Wd^T tile that holds it.
 __device__ __forceinline__ int sg_row(int j) {
     return ((((j >> 5) << 2) + ((j >> 1) & 3)) << 3) + (((j >> 3) & 3) << 1) + (j & 1);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Accumulator column n (chunk nc = n / 8, lane column q = n / 2 % 4, e = n % 2) -> column of the tile.
-__device__ __forceinline__ int sg_column(int n) {
-    const int nc = n >> 3;
-    return ((nc >> 2) << 5) + (((n >> 1) & 3) << 3) + ((nc & 3) << 1) + (n & 1);
-}
-
 // d (64 x N, float32, this thread's N/2 values in the C layout) += A (64 x 16) B (16 x N), both from
 // shared memory (descriptors; K-major). Asynchronous, as wgmma_64x64x16.
 __device__ __forceinline__ void wgmma_ss(float (&d)[16][4], unsigned long long a, unsigned long long b) {

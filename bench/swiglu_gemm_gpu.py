@@ -29,7 +29,7 @@ def main(argv=None) -> int:
 
     from nanoeuler.kernels import has_sm90a, kernel
     from nanoeuler.kernels.cublas import Gemm, Matrix
-    from nanoeuler.kernels.engine import SWIGLU_GEMM_SMEM, sg_row, swiglu_gemm_grid
+    from nanoeuler.kernels.engine import run_swiglu_bwd_gemm, swiglu_bwd_gemm_kernel, wdt_image_rows
     from nanoeuler.kernels.tma import tile_map
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -81,18 +81,15 @@ def main(argv=None) -> int:
     dgu_ref, m_ref = dgu.copy(), m.copy()
     compare = ""
     if has_sm90a():
-        image_row = np.array([c // 128 * 128 + sg_row(c % 128) for c in range(F)])  # as wdt_image lays Wd out
         wdt = cp.empty((F, C), cp.uint16)
-        wdt[cp.asarray(image_row)] = wd.T
-        fn = kernel("bf16", "swiglu_bwd_gemm")
-        fn.max_dynamic_shared_size_bytes = SWIGLU_GEMM_SMEM
-        maps = (tile_map(dy, 128), tile_map(wdt, 128), np.int32(0))
+        wdt[cp.asarray(wdt_image_rows(F))] = wd.T  # as wdt_image lays Wd out
+        fn = swiglu_bwd_gemm_kernel()
+        maps = (tile_map(dy, 128), tile_map(wdt, 128))
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         dgu.fill(0)
         m.fill(0)
-        rows.append(("swiglu_bwd_gemm (fused)", timed(lambda: fn(
-            swiglu_gemm_grid(N, F, sms), (288,), (*maps, gu, dgu, m, np.int32(N), np.int32(C), np.int32(F)),
-            shared_mem=SWIGLU_GEMM_SMEM))))
+        rows.append(("swiglu_bwd_gemm (fused)",
+                     timed(lambda: run_swiglu_bwd_gemm(fn, *maps, 0, gu, dgu, m, N, C, F, sms))))
         err = float(cp.linalg.norm(f32(dgu) - f32(dgu_ref)) / cp.linalg.norm(f32(dgu_ref)))
         compare = f"d(gate|up) rel. diff {err:.1e}, m identical: {bool((m == m_ref).all())}"
     name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()

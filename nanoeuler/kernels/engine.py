@@ -92,6 +92,7 @@ ATTENTION_VARIANTS = ("wg", "ldm", "mma", "fp32")
 _NULL = np.uint64(0)  # a null pointer argument (an optional input or output a kernel skips)
 SWIGLU_GEMM_SMEM = 1024 + 4 * 32768 + 2 * 128 * 160 * 2 + 9 * 8  # swiglu_bwd_gemm (bf16.cu): alignment, SG_STAGES
 # stages of 32 KiB, gate and up (rows of SG_GU_LD words), 2 SG_STAGES + 1 mbarriers
+SWIGLU_GEMM_THREADS = 288  # swiglu_bwd_gemm's two warpgroups and its producer warp
 _FOLD_SPLITS = 64  # row splits of gain_fold_grad at most (its column sums are reduced by column_sums)
 
 
@@ -120,6 +121,30 @@ def sg_row(j: int) -> int:
         [0, 1, 8, 2, 32]
     """
     return ((((j >> 5) << 2) + ((j >> 1) & 3)) << 3) + (((j >> 3) & 3) << 1) + (j & 1)
+
+
+def wdt_image_rows(F: int) -> np.ndarray:
+    """The row of `wdt_image`'s output that holds each of the F columns of Wd (F % 128 == 0).
+
+        >>> wdt_image_rows(256)[[0, 2, 130]]
+        array([  0,   8, 136])
+    """
+    return np.array([c // 128 * 128 + sg_row(c % 128) for c in range(F)])
+
+
+def swiglu_bwd_gemm_kernel():
+    """The `swiglu_bwd_gemm` kernel, allowed the shared memory it needs (more than the default 48 KiB)."""
+    fn = kernel("bf16", "swiglu_bwd_gemm")
+    fn.max_dynamic_shared_size_bytes = SWIGLU_GEMM_SMEM
+    return fn
+
+
+def run_swiglu_bwd_gemm(fn, dy_map, wdt_map, wdt_row0: int, gu, dgu, m, N: int, C: int, F: int, sms: int) -> None:
+    """d(gate|up) into dgu and m, from dy (through `dy_map`, boxes of 128 rows), the rows wdt_row0 ..
+    wdt_row0 + F of a `wdt_image` output (through `wdt_map`) and gu (bf16.cu's swiglu_bwd_gemm)."""
+    i32 = np.int32
+    fn(swiglu_gemm_grid(N, F, sms), (SWIGLU_GEMM_THREADS,),
+       (dy_map, wdt_map, i32(wdt_row0), gu, dgu, m, i32(N), i32(C), i32(F)), shared_mem=SWIGLU_GEMM_SMEM)
 
 
 def swiglu_gemm_grid(N: int, F: int, sms: int) -> tuple:
@@ -290,9 +315,9 @@ class Engine:
             "rmsnorm_bwd_bf16_f32dy", "gain_fold_grad", "column_sums", "qkv_rope_split",
             "rope_bwd_pack", "attn_pack", "attn_delta", "swiglu_fwd_bf16", "swiglu_bwd_bf16", "ce_head_scale",
             "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16",
-            "wdt_image", "swiglu_bwd_gemm")}
-        if self.fuse_swiglu:  # its shared-memory stages exceed the 48 KiB a kernel gets without asking
-            self._k["swiglu_bwd_gemm"].max_dynamic_shared_size_bytes = SWIGLU_GEMM_SMEM
+            "wdt_image")}
+        if self.fuse_swiglu:
+            self._swiglu_gemm = swiglu_bwd_gemm_kernel()
             # every layer's Wd transposed, rows permuted (`wdt_image`): the fused kernel's k-contiguous
             # operand, rewritten with the bf16 image
             self.wdt = cp.empty((L, F, C), dtype=BF16_STORAGE)
@@ -683,9 +708,8 @@ class Engine:
             # m = silu(gate) * up, which the down projection's weight gradient then reads. Fused: dm = dy Wd
             # and the SwiGLU backward in one kernel, dm never stored.
             if self.fuse_swiglu:
-                k["swiglu_bwd_gemm"](swiglu_gemm_grid(N, F, self.sms), (288,), (self.dy_map, self.wdt_map, i32(i * F), self.gu[i], self.dgu,
-                                                                       self.m, i32(N), i32(C), i32(F)),
-                                     shared_mem=SWIGLU_GEMM_SMEM)
+                run_swiglu_bwd_gemm(self._swiglu_gemm, self.dy_map, self.wdt_map, i * F, self.gu[i], self.dgu, self.m,
+                                    N, C, F, self.sms)
             else:
                 gemm(self.mdm, self.mdxb, w["d"])
                 k["swiglu_bwd_bf16"](glu_grid, (256,), (self.dm, self.gu[i], self.dgu, self.m, i32(F), i32(N)))

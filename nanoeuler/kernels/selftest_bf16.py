@@ -228,7 +228,7 @@ def case_bf16_swiglu_gemm(rng, shape):
     import cupy
 
     from nanoeuler.kernels import has_sm90a
-    from nanoeuler.kernels.engine import SWIGLU_GEMM_SMEM, sg_row, swiglu_gemm_grid
+    from nanoeuler.kernels.engine import run_swiglu_bwd_gemm, swiglu_bwd_gemm_kernel, wdt_image_rows
     from nanoeuler.kernels.tma import tile_map
     from nanoeuler.model import layers
 
@@ -245,16 +245,11 @@ def case_bf16_swiglu_gemm(rng, shape):
     gu_b, gu = _dev_bf16(np.concatenate([_randn(rng, (N, F), 3.0), _randn(rng, (N, F))], axis=1))
     dgu = cupy.full((N, 2 * F), 0xFFFF, dtype=np.uint16)  # NaN words
     m = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
-    fn = _k("swiglu_bwd_gemm")
-    fn.max_dynamic_shared_size_bytes = SWIGLU_GEMM_SMEM
-    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    fn(swiglu_gemm_grid(N, F, sms), (288,), (tile_map(dy_b, 128), tile_map(wdt.reshape(2 * F, C), 128), np.int32(F),
-                                             gu_b, dgu, m, np.int32(N), np.int32(C), np.int32(F)),
-       shared_mem=SWIGLU_GEMM_SMEM)
+    run_swiglu_bwd_gemm(swiglu_bwd_gemm_kernel(), tile_map(dy_b, 128), tile_map(wdt.reshape(2 * F, C), 128), F, gu_b,
+                        dgu, m, N, C, F, cupy.cuda.Device().attributes["MultiProcessorCount"])
     hr, cr = layers.swiglu_forward(gu[:, :F], gu[:, F:])
     dgr, dur = layers.swiglu_backward(dy @ wd, cr)
-    rows = np.array([c // 128 * 128 + sg_row(c % 128) for c in range(F)])  # image row of each column of Wd
-    return [("bf16 wdt_image (Wd^T, rows permuted)", from_bf16(wdt[1].get())[rows], wd.T, 0.0),
+    return [("bf16 wdt_image (Wd^T, rows permuted)", from_bf16(wdt[1].get())[wdt_image_rows(F)], wd.T, 0.0),
             ("bf16 swiglu_bwd_gemm dgu", from_bf16(dgu.get()), np.concatenate([dgr, dur], axis=1), TOL_BF16),
             ("bf16 swiglu_bwd_gemm m", from_bf16(m.get()), hr, TOL_BF16)]
 

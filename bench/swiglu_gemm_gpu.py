@@ -29,7 +29,7 @@ def main(argv=None) -> int:
 
     from nanoeuler.kernels import has_sm90a, kernel
     from nanoeuler.kernels.cublas import Gemm, Matrix
-    from nanoeuler.kernels.engine import run_swiglu_bwd_gemm, swiglu_bwd_gemm_kernel, wdt_image_rows
+    from nanoeuler.kernels.engine import prepare_swiglu_bwd_gemm, run_swiglu_bwd_gemm, wdt_image_rows
     from nanoeuler.kernels.tma import tile_map
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     if has_sm90a():
         wdt = cp.empty((F, C), cp.uint16)
         wdt[cp.asarray(wdt_image_rows(F))] = wd.T  # as wdt_image lays Wd out
-        fn = swiglu_bwd_gemm_kernel()
+        fn = prepare_swiglu_bwd_gemm(kernel("bf16", "swiglu_bwd_gemm"))
         maps = (tile_map(dy, 128), tile_map(wdt, 128))
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         dgu.fill(0)

@@ -132,9 +132,8 @@ def wdt_image_rows(F: int) -> np.ndarray:
     return np.array([c // 128 * 128 + sg_row(c % 128) for c in range(F)])
 
 
-def swiglu_bwd_gemm_kernel():
-    """The `swiglu_bwd_gemm` kernel, allowed the shared memory it needs (more than the default 48 KiB)."""
-    fn = kernel("bf16", "swiglu_bwd_gemm")
+def prepare_swiglu_bwd_gemm(fn):
+    """`fn`, the `swiglu_bwd_gemm` kernel, allowed the shared memory it needs (more than the default 48 KiB)."""
     fn.max_dynamic_shared_size_bytes = SWIGLU_GEMM_SMEM
     return fn
 
@@ -317,7 +316,7 @@ class Engine:
             "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16",
             "wdt_image")}
         if self.fuse_swiglu:
-            self._swiglu_gemm = swiglu_bwd_gemm_kernel()
+            self._swiglu_gemm = prepare_swiglu_bwd_gemm(kernel("bf16", "swiglu_bwd_gemm"))
             # every layer's Wd transposed, rows permuted (`wdt_image`): the fused kernel's k-contiguous
             # operand, rewritten with the bf16 image
             self.wdt = cp.empty((L, F, C), dtype=BF16_STORAGE)

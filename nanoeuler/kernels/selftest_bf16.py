@@ -228,7 +228,7 @@ def case_bf16_swiglu_gemm(rng, shape):
     import cupy
 
     from nanoeuler.kernels import has_sm90a
-    from nanoeuler.kernels.engine import run_swiglu_bwd_gemm, swiglu_bwd_gemm_kernel, wdt_image_rows
+    from nanoeuler.kernels.engine import prepare_swiglu_bwd_gemm, run_swiglu_bwd_gemm, wdt_image_rows
     from nanoeuler.kernels.tma import tile_map
     from nanoeuler.model import layers
 
@@ -245,8 +245,9 @@ def case_bf16_swiglu_gemm(rng, shape):
     gu_b, gu = _dev_bf16(np.concatenate([_randn(rng, (N, F), 3.0), _randn(rng, (N, F))], axis=1))
     dgu = cupy.full((N, 2 * F), 0xFFFF, dtype=np.uint16)  # NaN words
     m = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
-    run_swiglu_bwd_gemm(swiglu_bwd_gemm_kernel(), tile_map(dy_b, 128), tile_map(wdt.reshape(2 * F, C), 128), F, gu_b,
-                        dgu, m, N, C, F, cupy.cuda.Device().attributes["MultiProcessorCount"])
+    fn = prepare_swiglu_bwd_gemm(_k("swiglu_bwd_gemm"))
+    run_swiglu_bwd_gemm(fn, tile_map(dy_b, 128), tile_map(wdt.reshape(2 * F, C), 128), F, gu_b, dgu, m, N, C, F,
+                        cupy.cuda.Device().attributes["MultiProcessorCount"])
     hr, cr = layers.swiglu_forward(gu[:, :F], gu[:, F:])
     dgr, dur = layers.swiglu_backward(dy @ wd, cr)
     return [("bf16 wdt_image (Wd^T, rows permuted)", from_bf16(wdt[1].get())[wdt_image_rows(F)], wd.T, 0.0),

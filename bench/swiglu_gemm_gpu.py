@@ -1,13 +1,16 @@
-"""The MLP backward's dm = dy Wd and SwiGLU backward at the step's shapes, fused or not.
+"""The MLP's SwiGLU products at the step's shapes, fused with their GEMMs or not.
 
     python bench/swiglu_gemm_gpu.py                 # N = 32768 rows (B64xT512), C 768, F 2048
     python bench/swiglu_gemm_gpu.py --rows 8192     # B16xT512
 
-Unfused (the engine without `fuse_swiglu`): cuBLAS writes dm as bf16, then `swiglu_bwd_bf16` reads dm and
-gate/up and writes d(gate|up) and m. Fused (`swiglu_bwd_gemm`, sm_90a): one kernel, dm kept in registers.
-Random bf16 operands; 3 warm-up calls, then the median of 30 calls between CUDA events. The last
-columns compare the fused outputs with the unfused ones: d(gate|up) differ by bf16 rounding (the fused
-dm is rounded once, after float32 accumulation, as cuBLAS's is), m must be identical.
+Forward, unfused (the engine without `fuse_swiglu`): cuBLAS writes gu = x Wgu^T as bf16, then
+`swiglu_fwd_bf16` reads it and writes m; fused (`swiglu_fwd_gemm`, sm_90a): one kernel writes gu and m.
+Backward, unfused: cuBLAS writes dm = dy Wd as bf16, then `swiglu_bwd_bf16` reads dm and gate/up and
+writes d(gate|up) and m; fused (`swiglu_bwd_gemm`): one kernel, dm kept in registers.
+Random bf16 operands; 3 warm-up calls, then the median of 30 calls between CUDA events. The last lines
+compare the fused outputs with the unfused ones: gu must be identical to the bf16 rounding of the same
+float32 sums, up to cuBLAS's summation order; d(gate|up) differ by bf16 rounding (the fused dm is
+rounded once, after float32 accumulation, as cuBLAS's is); m must equal the unfused m of the same gu.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ def main(argv=None) -> int:
 
     from nanoeuler.kernels import has_sm90a, kernel
     from nanoeuler.kernels.cublas import Gemm, Matrix
-    from nanoeuler.kernels.engine import prepare_swiglu_bwd_gemm, run_swiglu_bwd_gemm, wdt_image_rows
-    from nanoeuler.kernels.tma import tile_map
+    from nanoeuler.kernels.engine import (prepare_swiglu_gemm, run_swiglu_bwd_gemm, run_swiglu_fwd_gemm,
+                                          wdt_image_rows)
+    from nanoeuler.kernels.tma import gate_up_map, tile_map
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=32768)
@@ -60,45 +64,68 @@ def main(argv=None) -> int:
             ts.append(cp.cuda.get_elapsed_time(a, b))
         return statistics.median(ts)
 
+    x = bf16(rng.standard_normal((N, C)))
+    wgu = bf16(rng.standard_normal((2 * F, C)) * 0.05)
     dy = bf16(rng.standard_normal((N, C)) * 0.5)
     wd = bf16(rng.standard_normal((C, F)) * 0.05)
     gu = bf16(rng.standard_normal((N, 2 * F)))
+    gu_f, m_f = cp.empty((N, 2 * F), cp.uint16), cp.empty((N, F), cp.uint16)
     dm = cp.empty((N, F), cp.uint16)
     dgu, m = cp.empty((N, 2 * F), cp.uint16), cp.empty((N, F), cp.uint16)
     gemm = Gemm(cp.cuda.get_current_stream())
-    glu = kernel("bf16", "swiglu_bwd_bf16")
+    glu_fwd, glu_bwd = kernel("bf16", "swiglu_fwd_bf16"), kernel("bf16", "swiglu_bwd_bf16")
     vec = 8 if F % 8 == 0 else 2
     glu_grid = (-(-F // (256 * vec)), min(N, 4096))
 
-    def unfused():
-        gemm(Matrix(dm), Matrix(dy), Matrix(wd))
-        glu(glu_grid, (256,), (dm, gu, dgu, m, np.int32(F), np.int32(N)))
+    def fwd_gemm():
+        gemm(Matrix(gu_f), Matrix(x), Matrix(wgu), tb=True)
 
-    flop = 2 * N * C * F
-    rows = [("cuBLAS dm", timed(lambda: gemm(Matrix(dm), Matrix(dy), Matrix(wd)))),
-            ("swiglu_bwd_bf16", timed(lambda: glu(glu_grid, (256,), (dm, gu, dgu, m, np.int32(F), np.int32(N))))),
-            ("unfused (both)", timed(unfused))]
-    dgu_ref, m_ref = dgu.copy(), m.copy()
-    compare = ""
+    def fwd_glu():
+        glu_fwd(glu_grid, (256,), (gu_f, m_f, np.int32(F), np.int32(N)))
+
+    def bwd_gemm():
+        gemm(Matrix(dm), Matrix(dy), Matrix(wd))
+
+    def bwd_glu():
+        glu_bwd(glu_grid, (256,), (dm, gu, dgu, m, np.int32(F), np.int32(N)))
+
+    rows = [("fwd: cuBLAS gu", 2, timed(fwd_gemm)), ("fwd: swiglu_fwd_bf16", 0, timed(fwd_glu)),
+            ("fwd: unfused (both)", 2, timed(lambda: (fwd_gemm(), fwd_glu()))),
+            ("bwd: cuBLAS dm", 1, timed(bwd_gemm)), ("bwd: swiglu_bwd_bf16", 0, timed(bwd_glu)),
+            ("bwd: unfused (both)", 1, timed(lambda: (bwd_gemm(), bwd_glu())))]
+    gu_ref, dgu_ref, m_ref = gu_f.copy(), dgu.copy(), m.copy()
+    compare = []
     if has_sm90a():
+        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        fwd = prepare_swiglu_gemm(kernel("bf16", "swiglu_fwd_gemm"))
+        fwd_maps = (tile_map(x, 128), gate_up_map(wgu), tile_map(gu_f, 64), tile_map(m_f, 64))
+        gu_f.fill(0)
+        m_f.fill(0)
+        rows.append(("fwd: swiglu_fwd_gemm (fused)", 2,
+                     timed(lambda: run_swiglu_fwd_gemm(fwd, *fwd_maps, N, C, F, sms))))
+        err = float(cp.linalg.norm(f32(gu_f) - f32(gu_ref)) / cp.linalg.norm(f32(gu_ref)))
+        fwd_glu_of_fused = m_f.copy()
+        fwd_glu()  # the unfused m of the fused kernel's gu
+        compare.append(f"fwd fused vs unfused: gu rel. diff {err:.1e}, m identical to swiglu_fwd_bf16 of its gu: "
+                       f"{bool((fwd_glu_of_fused == m_f).all())}")
         wdt = cp.empty((F, C), cp.uint16)
         wdt[cp.asarray(wdt_image_rows(F))] = wd.T  # as wdt_image lays Wd out
-        fn = prepare_swiglu_bwd_gemm(kernel("bf16", "swiglu_bwd_gemm"))
-        maps = (tile_map(dy, 128), tile_map(wdt, 128))
-        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        bwd = prepare_swiglu_gemm(kernel("bf16", "swiglu_bwd_gemm"))
+        bwd_maps = (tile_map(dy, 128), tile_map(wdt, 128), 0, tile_map(gu, 64), tile_map(dgu, 64), tile_map(m, 64))
         dgu.fill(0)
         m.fill(0)
-        rows.append(("swiglu_bwd_gemm (fused)",
-                     timed(lambda: run_swiglu_bwd_gemm(fn, *maps, 0, gu, dgu, m, N, C, F, sms))))
+        rows.append(("bwd: swiglu_bwd_gemm (fused)", 1,
+                     timed(lambda: run_swiglu_bwd_gemm(bwd, *bwd_maps, N, C, F, sms))))
         err = float(cp.linalg.norm(f32(dgu) - f32(dgu_ref)) / cp.linalg.norm(f32(dgu_ref)))
-        compare = f"d(gate|up) rel. diff {err:.1e}, m identical: {bool((m == m_ref).all())}"
+        compare.append(f"bwd fused vs unfused: d(gate|up) rel. diff {err:.1e}, m identical: {bool((m == m_ref).all())}")
     name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
     print(f"{name}: N {N}, C {C}, F {F}; median of {args.reps} calls")
-    print(f"{'kernel':<26} {'ms':>7} {'TFLOP/s':>8}")
-    for label, ms in rows:
-        print(f"{label:<26} {ms:7.3f} {flop / ms / 1e9 if label != 'swiglu_bwd_bf16' else float('nan'):8.1f}")
-    if compare:
-        print(f"fused vs unfused: {compare}")
+    print(f"{'kernel':<30} {'ms':>7} {'TFLOP/s':>8}")
+    for label, products, ms in rows:  # products: how many N x C x F products (gate/up is two)
+        tflops = f"{products * 2 * N * C * F / ms / 1e9:8.1f}" if products else f"{'-':>8}"
+        print(f"{label:<30} {ms:7.3f} {tflops}")
+    for line in compare:
+        print(line)
     return 0
 
 

@@ -338,8 +338,8 @@ def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log, timed):
 
 def engine_options(mode: str) -> dict:
     """`Engine` keyword arguments of a mode `ours-bf16[-flag...]`, each flag an attention variant (wg, ldm,
-    mma; fa32 for the float32 FlashAttention), `eager` (no CUDA graph) or `nofuse` (the SwiGLU backward
-    after its GEMM, not inside it).
+    mma; fa32 for the float32 FlashAttention), `eager` (no CUDA graph) or `nofuse` (the SwiGLU forward
+    and backward after their GEMMs, not inside them).
 
         >>> engine_options("ours-bf16-ldm-eager"), engine_options("ours-bf16-fa32"), engine_options("ours-bf16")
         ({'attention': 'ldm', 'graph': False}, {'attention': 'fp32'}, {})

@@ -249,12 +249,12 @@ def test_training_loop_in_bf16_resumes_from_its_checkpoint(tmp_path):
 
 
 @pytest.mark.gpu
-def test_tile_map_encodes_bf16_matrices_and_refuses_others():
+def test_tensor_maps_encode_bf16_matrices_and_refuse_others():
     """A tensor map is 128 bytes on the device; float32 data or a misaligned row stride is refused with
     the reason, before the driver sees it."""
     import cupy
 
-    from nanoeuler.kernels.tma import tile_map
+    from nanoeuler.kernels.tma import gate_up_map, tile_map
 
     words = cupy.zeros((300, 768), dtype=np.uint16)
     m = tile_map(words, 128)
@@ -263,3 +263,7 @@ def test_tile_map_encodes_bf16_matrices_and_refuses_others():
         tile_map(cupy.zeros((300, 768), dtype=np.float32), 128)
     with pytest.raises(ValueError, match="row stride"):
         tile_map(cupy.zeros((300, 770), dtype=np.uint16)[:, :768], 128)
+    g = gate_up_map(cupy.zeros((4096, 768), dtype=np.uint16))  # the 5-D view of a gate/up weight
+    assert g.shape == (128,) and int(g.any()) == 1
+    with pytest.raises(ValueError, match="F % 64 == 0"):
+        gate_up_map(cupy.zeros((2 * 96, 768), dtype=np.uint16))

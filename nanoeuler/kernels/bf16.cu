@@ -1721,16 +1721,17 @@ extern "C" __global__ void qkv_rope_split_bf16(const bf16* __restrict__ qkv, con
 // e = 0, 1), which sg_row maps to hidden columns 32 (nc / 4) + 8 (l % 4) + 2 (nc % 4) + e: each lane
 // holds 8 consecutive hidden columns of each 32-column group, so the epilogue reads gate/up and writes
 // dgate, dup and m with 16-byte accesses.
-// The epilogue's inputs travel while the tile is multiplied: bulk copies (cp.async.bulk, one 256-byte
-// row of gate or up per thread, bytes counted on an mbarrier) bring the tile's rows into shared memory;
-// the warpgroups read them into registers after the products, and then start the next tile's copies.
+// The epilogue's data moves by TMA too, per warpgroup: its rows of gate and up come into shared memory
+// while the tile is multiplied; the epilogue writes d(gate) and d(up) over them and m beside them, and
+// TMA stores take them to memory while the warpgroup multiplies its next tile. (With the stores issued
+// from registers, every block reached its epilogue at the same moment and the tensor cores waited for
+// memory: the epilogue took 0.14 ms at B64xT512, nearly as long as the products.)
 // Needs C % 64 == 0 and F % 128 == 0 (the engine checks); rows past N are zeros (TMA fills them) in the
-// products and skipped in the epilogue.
+// products, and TMA stores leave them out.
 #define SG_BK 64
 #define SG_STAGES 4
-#define SG_GU_LD 160  // bf16 words per staged gate/up row: 128 + 32, so rows 2 apart start 64 bytes apart in the banks
-// shared memory: 1 KiB alignment + SG_STAGES x 32 KiB + gate and up (2 x 128 x SG_GU_LD x 2 bytes) +
-// 2 SG_STAGES + 1 mbarriers (engine.py: SWIGLU_GEMM_SMEM)
+// shared memory: 1 KiB alignment + SG_STAGES x 32 KiB, then per kernel the epilogue's boxes and the
+// mbarriers (engine.py: SWIGLU_FWD_GEMM_SMEM, SWIGLU_BWD_GEMM_SMEM)
 
 // Tile column j (0..127) -> the row n of the staged Wd^T tile that holds it.
 __device__ __forceinline__ int sg_row(int j) {
@@ -1781,28 +1782,98 @@ __device__ __forceinline__ void tma_2d(unsigned dst, const void* map, int c0, in
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
                  ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
+// The 5-D box at (c0, 0, 0, 0, c4) of the tensor map at `map` into shared memory.
+__device__ __forceinline__ void tma_5d(unsigned dst, const void* map, int c0, int c4, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3, %3, %3, %4}], [%5];\n"
+                 ::"r"(dst), "l"(map), "r"(c0), "r"(0), "r"(c4), "r"(bar) : "memory");
+}
+// Shared memory at `src` -> the box at (c0, c1) of the 2-D tensor map at `map` (rows past its edge are
+// not written), in the issuing thread's current bulk group.
+__device__ __forceinline__ void tma_store_2d(const void* map, int c0, int c1, unsigned src) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+                 ::"l"(map), "r"(c0), "r"(c1), "r"(src) : "memory");
+}
 __device__ __forceinline__ void bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// The pieces both fused kernels share: the ring's mbarriers, the producer's loop and a warpgroup's products
+// for one tile. A stage holds the tile's 128 rows of the left operand (at 0) and its 128 rows of the right
+// one (at SG_TILE), 64 k each: 16 KiB each, 128-byte swizzled.
+#define SG_TILE (128 * SG_BK * 2)
+#define SG_STAGE (2 * SG_TILE)
+
+// Thread 0: the stages' "full" mbarriers (one arrival: the producer's, plus the bytes) and "empty" ones
+// (an arrival per consumer warpgroup).
+__device__ __forceinline__ void sg_init_ring(unsigned full, unsigned empty) {
+    for (int s = 0; s < SG_STAGES; ++s) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full + 8 * s));
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 2;\n" ::"r"(empty + 8 * s));
+    }
+}
+
+// The producer lane: for each of this block's tiles (blockIdx.x, + gridDim.x, ...) and each of its KT k
+// steps, wait until the next stage is free, announce its bytes, and have `issue(tile, kt, stage address,
+// full mbarrier)` start the copies into it.
+template <typename Issue>
+__device__ __forceinline__ void sg_produce(int tiles, int KT, unsigned stages, unsigned full, unsigned empty,
+                                           Issue issue) {
+    int g = 0;  // k steps issued, over all tiles: stage g % SG_STAGES, its use number g / SG_STAGES
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x)
+        for (int kt = 0; kt < KT; ++kt, ++g) {
+            const int s = g % SG_STAGES;
+            mbar_wait(empty + 8 * s, ((g / SG_STAGES) & 1) ^ 1);  // the stage's previous use is done
+            mbar_expect(full + 8 * s, SG_STAGE);
+            issue(tile, kt, stages + s * SG_STAGE, full + 8 * s);
+        }
+}
+
+// Warpgroup wg (thread t of it): acc = rows 64 wg .. 64 wg + 63 of the tile times its 128 columns, over
+// the KT k steps from the ring's step g on (g advances past them). Each stage is handed back (its empty
+// mbarrier) once this warpgroup's products from it are done. `late()` runs once the products of k step
+// max(KT - 3, 0) are issued.
+template <typename Late>
+__device__ __forceinline__ void sg_products(float (&acc)[16][4], int& g, int KT, unsigned stages, unsigned full,
+                                            unsigned empty, int wg, int t, Late late) {
+#pragma unroll
+    for (int c = 0; c < 16; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.f;
+    for (int kt = 0; kt < KT; ++kt, ++g) {
+        const int s = g % SG_STAGES;
+        mbar_wait(full + 8 * s, (g / SG_STAGES) & 1);
+        const unsigned as = stages + s * SG_STAGE + wg * (SG_TILE / 2), bs = stages + s * SG_STAGE + SG_TILE;
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < SG_BK / 16; ++kc) wgmma_ss(acc, wg_desc(as + kc * 32, 1), wg_desc(bs + kc * 32, 1));
+        wg_commit();
+        if (kt == max(KT - 3, 0)) late();
+        wg_wait<1>();  // step g - 1 done: its stage is free as far as this warpgroup goes
+        wg_hold(acc);
+        if (kt > 0 && t == 0) mbar_arrive(empty + 8 * ((g - 1) % SG_STAGES));
+    }
+    wg_wait<0>();
+    wg_hold(acc);
+    if (t == 0) mbar_arrive(empty + 8 * ((g - 1) % SG_STAGES));
 }
 #endif
 
 extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void* __restrict__ dy_map,
                                                                     const void* __restrict__ wdt_map, int wdt_row0,
-                                                                    const bf16* __restrict__ gu, bf16* __restrict__ dgu,
-                                                                    bf16* __restrict__ m, int N, int C, int F) {
+                                                                    const void* __restrict__ gu_map,
+                                                                    const void* __restrict__ dgu_map,
+                                                                    const void* __restrict__ m_map, int N, int C, int F) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int ST = SG_STAGES, TILE = 128 * SG_BK * 2, STAGE = 2 * TILE, GU = 128 * SG_GU_LD * 2;
+    constexpr int BOX = 64 * 64 * 2;  // one 64 x 64 bf16 box: 8 KiB
     extern __shared__ __align__(128) unsigned char sg_smem[];
     const int wg = threadIdx.x >> 7, t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
-    const unsigned stages = (smem_u32(sg_smem) + 1023u) & ~1023u, gus = stages + ST * STAGE;
-    const unsigned full = gus + 2 * GU, empty = full + 8 * ST, gubar = empty + 8 * ST;
+    const unsigned stages = (smem_u32(sg_smem) + 1023u) & ~1023u, gus = stages + SG_STAGES * SG_STAGE;
+    const unsigned ms = gus + 8 * BOX, full = ms + 4 * BOX, empty = full + 8 * SG_STAGES;
+    const unsigned gubar = empty + 8 * SG_STAGES + 8 * (threadIdx.x >> 7);  // this warpgroup's
     const int KT = C / SG_BK, ncols = F / 128, tiles = (N + 127) / 128 * ncols;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < ST; ++s) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full + 8 * s));
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 2;\n" ::"r"(empty + 8 * s));
-        }
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(gubar));
+        sg_init_ring(full, empty);
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(empty + 8 * SG_STAGES));
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(empty + 8 * SG_STAGES + 8));
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -1810,87 +1881,55 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
         if (threadIdx.x == 256) {
             asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(dy_map) : "memory");
             asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(wdt_map) : "memory");
-            int g = 0;  // k steps issued, over all tiles: stage g % ST, its use number g / ST
-            for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-                const int row0 = tile / ncols * 128, col0 = tile % ncols * 128;
-                for (int kt = 0; kt < KT; ++kt, ++g) {
-                    const int s = g % ST;
-                    mbar_wait(empty + 8 * s, ((g / ST) & 1) ^ 1);  // the stage's previous use is done
-                    mbar_expect(full + 8 * s, STAGE);
-                    tma_2d(stages + s * STAGE, dy_map, kt * SG_BK, row0, full + 8 * s);
-                    tma_2d(stages + s * STAGE + TILE, wdt_map, kt * SG_BK, wdt_row0 + col0, full + 8 * s);
-                }
-            }
+            sg_produce(tiles, KT, stages, full, empty, [&](int tile, int kt, unsigned dst, unsigned bar) {
+                tma_2d(dst, dy_map, kt * SG_BK, tile / ncols * 128, bar);
+                tma_2d(dst + SG_TILE, wdt_map, kt * SG_BK, wdt_row0 + tile % ncols * 128, bar);
+            });
         }
         return;
     }
-    // The tile's gate and up rows into shared memory: one 256-byte bulk copy per thread (row t / 2, gate or
-    // up), the bytes counted on gubar.
-    auto fetch_gu = [&](int tile) {
-        const int row0 = tile / ncols * 128, col0 = tile % ncols * 128, rows = min(128, N - row0);
-        const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // after the last tile's reads
-        if (threadIdx.x == 0) mbar_expect(gubar, rows * 512);
-        if (r < rows)
-            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 256, [%2];\n"
-                         ::"r"(gus + half * GU + r * SG_GU_LD * 2),
-                         "l"(gu + (long long)(row0 + r) * 2 * F + half * F + col0), "r"(gubar) : "memory");
-    };
-    int tile = blockIdx.x;
-    if (tile < tiles) fetch_gu(tile);
+    if (t == 0) {
+        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(gu_map) : "memory");
+        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(dgu_map) : "memory");
+        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(m_map) : "memory");
+    }
+    // This warpgroup's rows of the tile: gate and up in (two 64 x 64 boxes each, by TMA, while the tile is
+    // multiplied), d(gate) and d(up) written over them, m into two boxes of its own, all out by TMA stores.
+    // The boxes are 128-byte swizzled (16-byte chunk c of row r at chunk c ^ (r % 8)), so the 8 rows that a
+    // warp's access covers fall in different banks.
+    const unsigned gb = gus + wg * 4 * BOX, mb = ms + wg * 2 * BOX;
     int g = 0;  // k steps consumed, as the producer counts them
-    for (int i = 0; tile < tiles; ++i) {
-        const int next = tile + gridDim.x, row0 = tile / ncols * 128, col0 = tile % ncols * 128;
+    for (int i = 0, tile = blockIdx.x; tile < tiles; ++i, tile += gridDim.x) {
+        const int row0 = tile / ncols * 128 + wg * 64, col0 = tile % ncols * 128;
         float acc[16][4];
-#pragma unroll
-        for (int c = 0; c < 16; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.f;
-        for (int kt = 0; kt < KT; ++kt, ++g) {
-            const int s = g % ST;
-            mbar_wait(full + 8 * s, (g / ST) & 1);
-            const unsigned as = stages + s * STAGE + wg * (TILE / 2), bs = stages + s * STAGE + TILE;
-            wg_fence();
-#pragma unroll
-            for (int kc = 0; kc < SG_BK / 16; ++kc) wgmma_ss(acc, wg_desc(as + kc * 32, 1), wg_desc(bs + kc * 32, 1));
-            wg_commit();
-            wg_wait<1>();  // step g - 1 done: its stage is free as far as this warpgroup goes
-            wg_hold(acc);
-            if (kt > 0 && t == 0) mbar_arrive(empty + 8 * ((g - 1) % ST));
-        }
-        wg_wait<0>();
-        wg_hold(acc);
-        if (t == 0) mbar_arrive(empty + 8 * ((g - 1) % ST));
-        // this lane's rows (rl, rl + 8) of the tile, and per 32-column group its 8 consecutive hidden columns
-        mbar_wait(gubar, i & 1);
-        uint4 g4[2][4], u4[2][4];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int rl = wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
-#pragma unroll
-            for (int gi = 0; gi < 4; ++gi) {
-                const unsigned a = gus + (rl * SG_GU_LD + 32 * gi + 8 * q) * 2;
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(g4[h][gi].x), "=r"(g4[h][gi].y), "=r"(g4[h][gi].z), "=r"(g4[h][gi].w) : "r"(a));
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(u4[h][gi].x), "=r"(u4[h][gi].y), "=r"(u4[h][gi].z), "=r"(u4[h][gi].w)
-                             : "r"(a + GU));
+        sg_products(acc, g, KT, stages, full, empty, wg, t, [&] {
+            // three k steps before the end, the last tile's boxes have left shared memory and this one's
+            // gate and up come in (waiting for the boxes at the first k step stalled the products: 0.35
+            // against 0.30 ms at B64xT512; halfway, 0.31)
+            if (t == 0) {
+                asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+                mbar_expect(gubar, 4 * BOX);
+                for (int b = 0; b < 4; ++b)  // gate, gate, up, up: 64 hidden columns each
+                    tma_2d(gb + b * BOX, gu_map, (b >> 1) * F + col0 + (b & 1) * 64, row0, gubar);
             }
-        }
-        bar_sync(1, 256);  // every thread holds its gate/up: the next tile's may land
-        if (next < tiles) fetch_gu(next);
+        });
+        mbar_wait(gubar, i & 1);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = row0 + wg * 64 + warp * 16 + (lane >> 2) + 8 * h;
-            if (r >= N) continue;
-            bf16* dr = dgu + (long long)r * 2 * F + col0;
-            bf16* mr = m + (long long)r * F + col0;
+        for (int h = 0; h < 2; ++h) {  // this lane's rows rl and rl + 8; per 32-column group gi, its 8 columns
+            const int rl = warp * 16 + (lane >> 2) + 8 * h;
 #pragma unroll
-            for (int gi = 0; gi < 4; ++gi) {
-                const int j = 32 * gi + 8 * q;
-                const unsigned gw[4] = {g4[h][gi].x, g4[h][gi].y, g4[h][gi].z, g4[h][gi].w};
-                const unsigned uw[4] = {u4[h][gi].x, u4[h][gi].y, u4[h][gi].z, u4[h][gi].w};
+            for (int gi = 0; gi < 4; ++gi) {  // hidden columns 32 gi + 8 q .. + 7: box gi / 2, chunk 4 (gi % 2) + q
+                const unsigned off = (gi >> 1) * BOX + rl * 128 + (((4 * (gi & 1) + q) ^ (rl & 7)) << 4);
+                const unsigned a = gb + off;
+                uint4 g4, u4;
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(g4.x), "=r"(g4.y), "=r"(g4.z), "=r"(g4.w) : "r"(a));
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(u4.x), "=r"(u4.y), "=r"(u4.z), "=r"(u4.w) : "r"(a + 2 * BOX));
+                const unsigned gw[4] = {g4.x, g4.y, g4.z, g4.w}, uw[4] = {u4.x, u4.y, u4.z, u4.w};
                 unsigned og[4], ou[4], om[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {  // hidden columns j + 2e, j + 2e + 1: chunk 4 gi + e
+                for (int e = 0; e < 4; ++e) {  // hidden columns + 2e, + 2e + 1: accumulator chunk 4 gi + e
                     float dg0, du0, dg1, du1;
                     const float g0 = lo_bf(gw[e]), g1 = hi_bf(gw[e]), u0 = lo_bf(uw[e]), u1 = hi_bf(uw[e]);
                     swiglu_grad(acc[4 * gi + e][2 * h], g0, u0, dg0, du0);
@@ -1899,13 +1938,123 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
                     ou[e] = pack2(du0, du1);
                     om[e] = pack2(silu_f(g0) * u0, silu_f(g1) * u1);
                 }
-                *reinterpret_cast<uint4*>(dr + j) = make_uint4(og[0], og[1], og[2], og[3]);
-                *reinterpret_cast<uint4*>(dr + F + j) = make_uint4(ou[0], ou[1], ou[2], ou[3]);
-                *reinterpret_cast<uint4*>(mr + j) = make_uint4(om[0], om[1], om[2], om[3]);
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                             ::"r"(a), "r"(og[0]), "r"(og[1]), "r"(og[2]), "r"(og[3]));
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                             ::"r"(a + 2 * BOX), "r"(ou[0]), "r"(ou[1]), "r"(ou[2]), "r"(ou[3]));
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                             ::"r"(mb + off), "r"(om[0]), "r"(om[1]), "r"(om[2]), "r"(om[3]));
             }
         }
-        tile = next;
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, seen by the TMA stores
+        bar_sync(2 + wg, 128);
+        if (t == 0 && row0 < N) {
+            for (int b = 0; b < 4; ++b) tma_store_2d(dgu_map, (b >> 1) * F + col0 + (b & 1) * 64, row0, gb + b * BOX);
+            for (int b = 0; b < 2; ++b) tma_store_2d(m_map, col0 + b * 64, row0, mb + b * BOX);
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        }
     }
+    if (t == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#else
+    __trap();  // built for another target: the engine launches this kernel only on sm_90a builds
+#endif
+}
+
+// ---- the gate/up projection with the SwiGLU forward inside (wgmma and TMA, sm_90a) -----------------
+// gu = xhat2 Wgu^T (xhat2 (N, C): the second norm's output; Wgu (2F, C): gate rows, then up rows) and m =
+// silu(gate) * up, in one kernel: swiglu_fwd_bf16 no longer reads gu back. The design is swiglu_bwd_gemm's
+// (persistent, a producer warp feeding the ring by TMA, two warpgroups on 128 x 128 tiles), without the
+// gate/up prefetch. A tile is 128 rows x 64 hidden units: its 128 right-operand rows are the units' 64
+// gate rows, then their 64 up rows, so a lane holds the gate and up of the same units. The order of the
+// rows within each 64 is the lanes' (sg_fwd_unit): accumulator column n = 8 nc + 2 (l % 4) + e of lane l
+// (nc < 8) is gate unit 16 (l % 4) + 2 nc + e, column 64 + n the same unit's up; each lane then holds 16
+// consecutive units of its two rows and stores gate, up and m 16 bytes at a time. That order is a view of
+// Wgu, not a copy: the tensor map (tma.gate_up_map) is 5-D, (k, e, l % 4, nc, block of 64 units), with
+// the row strides 1, 16, 2 and 64, and one box of (64, 2, 4, 8, 1) is 64 rows in the lanes' order.
+// gate and up are rounded to bf16 before m is computed from them, as swiglu_fwd_bf16 does from the stored
+// gu: m is bit-identical to the unfused path's, and to what the backward recomputes.
+// The outputs leave by TMA stores: each warpgroup writes its 64 rows of gate, up and m into shared memory
+// and one of its threads hands the three boxes to the TMA unit, which writes them to memory while the
+// warpgroup goes on to its next tile's products. (Written with st.global from the registers instead, the
+// epilogue took as long as the products: every block reaches it at the same moment, and the stores of
+// all of them then queued for memory while the tensor cores waited.)
+// Needs C % 64 == 0 and F % 64 == 0.
+
+extern "C" __global__ void __launch_bounds__(288, 1) swiglu_fwd_gemm(const void* __restrict__ x_map,
+                                                                    const void* __restrict__ w_map,
+                                                                    const void* __restrict__ gu_map,
+                                                                    const void* __restrict__ m_map, int N, int C, int F) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int OUT = 64 * 64 * 2;  // one 64 x 64 bf16 box of the output: 8 KiB
+    extern __shared__ __align__(128) unsigned char sg_smem[];
+    const int wg = threadIdx.x >> 7, t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
+    const unsigned stages = (smem_u32(sg_smem) + 1023u) & ~1023u, outs = stages + SG_STAGES * SG_STAGE;
+    const unsigned full = outs + 6 * OUT, empty = full + 8 * SG_STAGES;
+    const int KT = C / SG_BK, units = F / 64, tiles = (N + 127) / 128 * units;
+    if (threadIdx.x == 0) {
+        sg_init_ring(full, empty);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 2) {  // the producer warp
+        if (threadIdx.x == 256) {
+            asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(x_map) : "memory");
+            asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(w_map) : "memory");
+            sg_produce(tiles, KT, stages, full, empty, [&](int tile, int kt, unsigned dst, unsigned bar) {
+                const int u = tile % units;
+                tma_2d(dst, x_map, kt * SG_BK, tile / units * 128, bar);
+                tma_5d(dst + SG_TILE, w_map, kt * SG_BK, u, bar);                       // gate rows
+                tma_5d(dst + SG_TILE + SG_TILE / 2, w_map, kt * SG_BK, units + u, bar);  // up rows
+            });
+        }
+        return;
+    }
+    if (t == 0) {
+        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(gu_map) : "memory");
+        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(m_map) : "memory");
+    }
+    // This warpgroup's rows of the tile leave through shared memory: gate, up and m, a 64 x 64 box each,
+    // in the 128-byte swizzle that the TMA store reads (16-byte chunk c of row r at chunk c ^ (r % 8):
+    // the 8 rows that a warp's store covers fall in different banks).
+    const unsigned out = outs + wg * 3 * OUT;
+    int g = 0;  // k steps consumed, as the producer counts them
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int row0 = tile / units * 128 + wg * 64, unit0 = tile % units * 64;
+        float acc[16][4];
+        sg_products(acc, g, KT, stages, full, empty, wg, t, [] {});
+        if (t == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // the last tile's boxes are out
+        bar_sync(2 + wg, 128);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // this lane's rows rl and rl + 8, units unit0 + 16 q .. + 15 of each
+            const int rl = warp * 16 + (lane >> 2) + 8 * h;
+            unsigned og[8], ou[8], om[8];
+#pragma unroll
+            for (int nc = 0; nc < 8; ++nc) {  // units 16 q + 2 nc, + 1
+                og[nc] = pack2(acc[nc][2 * h], acc[nc][2 * h + 1]);
+                ou[nc] = pack2(acc[nc + 8][2 * h], acc[nc + 8][2 * h + 1]);
+                om[nc] = pack2(silu_f(lo_bf(og[nc])) * lo_bf(ou[nc]), silu_f(hi_bf(og[nc])) * hi_bf(ou[nc]));
+            }
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+                const unsigned a = out + rl * 128 + (((2 * q + v) ^ (rl & 7)) << 4);
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                             ::"r"(a), "r"(og[4 * v]), "r"(og[4 * v + 1]), "r"(og[4 * v + 2]), "r"(og[4 * v + 3]));
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                             ::"r"(a + OUT), "r"(ou[4 * v]), "r"(ou[4 * v + 1]), "r"(ou[4 * v + 2]), "r"(ou[4 * v + 3]));
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                             ::"r"(a + 2 * OUT), "r"(om[4 * v]), "r"(om[4 * v + 1]), "r"(om[4 * v + 2]), "r"(om[4 * v + 3]));
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, seen by the TMA store
+        bar_sync(2 + wg, 128);
+        if (t == 0 && row0 < N) {
+            tma_store_2d(gu_map, unit0, row0, out);
+            tma_store_2d(gu_map, F + unit0, row0, out + OUT);
+            tma_store_2d(m_map, unit0, row0, out + 2 * OUT);
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        }
+    }
+    if (t == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 #else
     __trap();  // built for another target: the engine launches this kernel only on sm_90a builds
 #endif

@@ -53,14 +53,16 @@ the o_proj branch. A step allocates nothing, and the host never waits on the dev
 per-head loss normalisation, the global gradient norm and the clipping factor are computed and
 consumed on the device.
 
-The SwiGLU backward inside its GEMM (`fuse_swiglu`, the default where `can_fuse_swiglu`: sm_90a, dim %
-64 == 0, hidden % 128 == 0). The backward's dm = dy Wd is read only by the SwiGLU backward, so
-`swiglu_bwd_gemm` (bf16.cu) computes dm tile by tile on the tensor cores and applies the SwiGLU
-backward to the tile in registers: dm never goes to memory. Its operands arrive by TMA copies (tensor
-maps: `tma.py`) from dxb and from `wdt`, an image of every layer's Wd transposed and permuted that
-`wdt_image` rewrites after each AdamW step. Elsewhere cuBLAS writes dm and `swiglu_bwd_bf16` reads it.
+The SwiGLU inside its GEMMs (`fuse_swiglu`, the default where `can_fuse_swiglu`: sm_90a, dim % 64 == 0,
+hidden % 128 == 0). Forward: `swiglu_fwd_gemm` (bf16.cu) computes gate/up tile by tile on the tensor
+cores and writes m = silu(gate) * up next to them from the same registers, so nothing reads gu back.
+Backward: dm = dy Wd is read only by the SwiGLU backward, so `swiglu_bwd_gemm` computes dm tile by tile
+and applies the SwiGLU backward to the tile in registers: dm never goes to memory. Their operands arrive
+by TMA copies (tensor maps: `tma.py`): xhat2 and the bf16 image's Wgu (in the lanes' row order, a view),
+dxb and `wdt`, an image of every layer's Wd transposed and permuted that `wdt_image` rewrites after
+each AdamW step. Elsewhere cuBLAS writes gu and dm, and `swiglu_fwd_bf16` / `swiglu_bwd_bf16` read them.
 
-Launches per step: 9 per layer forward, 16 per layer backward (17 without the fused SwiGLU backward),
+Launches per step: 8 per layer forward, 16 per layer backward (9 and 17 without the fused SwiGLU),
 4 per head and chunk of output-head rows, and a few dozen for the optimizer (one AdamW launch per run
 of equally-decayed tensors, and one per gain-folded matrix, and one for `wdt_image`).
 From the second step on, `step` replays the whole step as one CUDA graph, captured once on the
@@ -79,7 +81,7 @@ import numpy as np
 
 from nanoeuler.kernels import has_sm90a, kernel
 from nanoeuler.kernels.cublas import BF16_STORAGE, Gemm, Matrix
-from nanoeuler.kernels.tma import tile_map
+from nanoeuler.kernels.tma import gate_up_map, tile_map
 from nanoeuler.model import layers
 from nanoeuler.model.config import ModelConfig
 from nanoeuler.optim import default_no_decay
@@ -90,9 +92,13 @@ _MMA_HEAD_DIMS = (32, 64)  # tensor-core FlashAttention of bf16.cu
 ATTENTION_VARIANTS = ("wg", "ldm", "mma", "fp32")
 
 _NULL = np.uint64(0)  # a null pointer argument (an optional input or output a kernel skips)
-SWIGLU_GEMM_SMEM = 1024 + 4 * 32768 + 2 * 128 * 160 * 2 + 9 * 8  # swiglu_bwd_gemm (bf16.cu): alignment, SG_STAGES
-# stages of 32 KiB, gate and up (rows of SG_GU_LD words), 2 SG_STAGES + 1 mbarriers
-SWIGLU_GEMM_THREADS = 288  # swiglu_bwd_gemm's two warpgroups and its producer warp
+# The fused SwiGLU kernels (bf16.cu): two warpgroups and a producer warp; shared memory = 1 KiB of alignment,
+# SG_STAGES stages of 32 KiB and their 2 SG_STAGES mbarriers, and the epilogue's 8 KiB boxes of 64 x 64:
+# in the forward gate, up and m of each warpgroup (6), in the backward gate and up (8, then d(gate) and
+# d(up) over them) and m (4), with an mbarrier per warpgroup.
+SWIGLU_GEMM_THREADS = 288
+SWIGLU_FWD_GEMM_SMEM = 1024 + 4 * 32768 + 6 * 8192 + 8 * 8
+SWIGLU_BWD_GEMM_SMEM = 1024 + 4 * 32768 + 12 * 8192 + 10 * 8
 _FOLD_SPLITS = 64  # row splits of gain_fold_grad at most (its column sums are reduced by column_sums)
 
 
@@ -132,32 +138,47 @@ def wdt_image_rows(F: int) -> np.ndarray:
     return np.array([c // 128 * 128 + sg_row(c % 128) for c in range(F)])
 
 
-def prepare_swiglu_bwd_gemm(fn):
-    """`fn`, the `swiglu_bwd_gemm` kernel, allowed the shared memory it needs (more than the default 48 KiB)."""
-    fn.max_dynamic_shared_size_bytes = SWIGLU_GEMM_SMEM
+def prepare_swiglu_gemm(fn):
+    """`fn`, one of the fused SwiGLU kernels, allowed the shared memory they need (more than the default 48 KiB)."""
+    fn.max_dynamic_shared_size_bytes = max(SWIGLU_FWD_GEMM_SMEM, SWIGLU_BWD_GEMM_SMEM)
     return fn
 
 
-def run_swiglu_bwd_gemm(fn, dy_map, wdt_map, wdt_row0: int, gu, dgu, m, N: int, C: int, F: int, sms: int) -> None:
-    """d(gate|up) into dgu and m, from dy (through `dy_map`, boxes of 128 rows), the rows wdt_row0 ..
-    wdt_row0 + F of a `wdt_image` output (through `wdt_map`) and gu (bf16.cu's swiglu_bwd_gemm)."""
+def run_swiglu_fwd_gemm(fn, x_map, w_map, gu_map, m_map, N: int, C: int, F: int, sms: int) -> None:
+    """gu = xhat Wgu^T and m = silu(gate) * up, from xhat (through `x_map`: `tile_map` with boxes of 128
+    rows) and Wgu (through `w_map`: `gate_up_map`), into gu (N, 2F) and m (N, F) (through `gu_map` and
+    `m_map`: `tile_map` with boxes of 64 rows) (bf16.cu's swiglu_fwd_gemm)."""
+    i32 = np.int32
+    fn(swiglu_gemm_grid(N, F, sms, 64), (SWIGLU_GEMM_THREADS,), (x_map, w_map, gu_map, m_map, i32(N), i32(C), i32(F)),
+       shared_mem=SWIGLU_FWD_GEMM_SMEM)
+
+
+def run_swiglu_bwd_gemm(fn, dy_map, wdt_map, wdt_row0: int, gu_map, dgu_map, m_map, N: int, C: int, F: int,
+                        sms: int) -> None:
+    """d(gate|up) and m, from dy (through `dy_map`: `tile_map`, boxes of 128 rows), the rows wdt_row0 ..
+    wdt_row0 + F of a `wdt_image` output (through `wdt_map`, the same) and gu; gu, dgu (N, 2F) and m (N, F)
+    through `tile_map`s with boxes of 64 rows (bf16.cu's swiglu_bwd_gemm)."""
     i32 = np.int32
     fn(swiglu_gemm_grid(N, F, sms), (SWIGLU_GEMM_THREADS,),
-       (dy_map, wdt_map, i32(wdt_row0), gu, dgu, m, i32(N), i32(C), i32(F)), shared_mem=SWIGLU_GEMM_SMEM)
+       (dy_map, wdt_map, i32(wdt_row0), gu_map, dgu_map, m_map, i32(N), i32(C), i32(F)),
+       shared_mem=SWIGLU_BWD_GEMM_SMEM)
 
 
-def swiglu_gemm_grid(N: int, F: int, sms: int) -> tuple:
-    """Grid of the persistent `swiglu_bwd_gemm`: a block per multiprocessor, at most one per tile of 128 rows
-    x 128 hidden columns.
+def swiglu_gemm_grid(N: int, F: int, sms: int, tile_units: int = 128) -> tuple:
+    """Grid of a persistent fused SwiGLU kernel: a block per multiprocessor, at most one per tile of 128 rows
+    x `tile_units` hidden units (128 in the backward, 64 in the forward).
 
         >>> swiglu_gemm_grid(32768, 2048, sms=132), swiglu_gemm_grid(300, 1024, sms=132)
         ((132,), (24,))
+        >>> swiglu_gemm_grid(300, 1024, sms=132, tile_units=64)
+        ((48,),)
     """
-    return (min(sms, -(-N // 128) * (F // 128)),)
+    return (min(sms, -(-N // 128) * (F // tile_units)),)
 
 
 def can_fuse_swiglu(C: int, F: int) -> bool:
-    """Whether `swiglu_bwd_gemm` takes these widths (its tiles: 64 of C, 128 of F) on this GPU (sm_90a)."""
+    """Whether the fused SwiGLU kernels take these widths (k steps of 64 of C; tiles of 64 or 128 units of
+    F) on this GPU (sm_90a)."""
     return C % 64 == 0 and F % 128 == 0 and has_sm90a()
 
 
@@ -316,7 +337,8 @@ class Engine:
             "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16",
             "wdt_image")}
         if self.fuse_swiglu:
-            self._swiglu_gemm = prepare_swiglu_bwd_gemm(kernel("bf16", "swiglu_bwd_gemm"))
+            self._swiglu_fwd_gemm = prepare_swiglu_gemm(kernel("bf16", "swiglu_fwd_gemm"))
+            self._swiglu_gemm = prepare_swiglu_gemm(kernel("bf16", "swiglu_bwd_gemm"))
             # every layer's Wd transposed, rows permuted (`wdt_image`): the fused kernel's k-contiguous
             # operand, rewritten with the bf16 image
             self.wdt = cp.empty((L, F, C), dtype=BF16_STORAGE)
@@ -414,9 +436,14 @@ class Engine:
         self.delta = e((B, H, T))
         self.dx = e((N, C))
         self.dxb = e((N, C), bf)
-        if self.fuse_swiglu:  # what swiglu_bwd_gemm's TMA copies read: boxes of 128 rows x 64 columns
+        if self.fuse_swiglu:  # what the fused SwiGLU kernels' TMA copies read: boxes of 128 rows x 64 columns
             self.dy_map = tile_map(self.dxb, 128)
             self.wdt_map = tile_map(self.wdt.reshape(L * F, C), 128)
+            self.xh2_maps = [tile_map(x, 128) for x in self.xh2]
+            self.wgu_maps = [gate_up_map(w["gu"].arr) for w in self.Lw]  # the bf16 image: rewritten in place
+            self.gu_maps = [tile_map(x, 64) for x in self.gu]  # the epilogues' boxes: 64 rows x 64 columns
+            self.m_map = tile_map(self.m, 64)
+            self.dgu_map = tile_map(self.dgu, 64)
         self.xn = e((N, C), bf)  # xhat of the final norm: the output heads' input
         self.rstdf = e(N)
         self.dxn = e((N, C))  # its dL/dxhat, summed over the heads
@@ -663,8 +690,12 @@ class Engine:
                 k["attn_pack"](_grid(N * HD), (256,), (self.att, self.a[i], i32(T), i32(H), i32(D), i64(N * HD)))
             gemm(self.mob, self.ma[i], w["o"], tb=True)
             norm(xs[i % 2], self.xh2[i], self.rstd2[i], add=(ob,))  # of x_mid
-            gemm(self.mgu[i], self.mxh2[i], w["gu"], tb=True)
-            k["swiglu_fwd_bf16"](glu_grid, (256,), (self.gu[i], self.m, i32(F), i32(N)))
+            if self.fuse_swiglu:  # gate/up and m = silu(gate) * up in one kernel
+                run_swiglu_fwd_gemm(self._swiglu_fwd_gemm, self.xh2_maps[i], self.wgu_maps[i], self.gu_maps[i],
+                                    self.m_map, N, C, F, self.sms)
+            else:
+                gemm(self.mgu[i], self.mxh2[i], w["gu"], tb=True)
+                k["swiglu_fwd_bf16"](glu_grid, (256,), (self.gu[i], self.m, i32(F), i32(N)))
             gemm(self.mybr, self.mm, w["d"], tb=True)
 
         norm(xs[(L - 1) % 2], self.xn, self.rstdf, add=(ob, ybr))  # the trunk's output, normed
@@ -707,8 +738,8 @@ class Engine:
             # m = silu(gate) * up, which the down projection's weight gradient then reads. Fused: dm = dy Wd
             # and the SwiGLU backward in one kernel, dm never stored.
             if self.fuse_swiglu:
-                run_swiglu_bwd_gemm(self._swiglu_gemm, self.dy_map, self.wdt_map, i * F, self.gu[i], self.dgu, self.m,
-                                    N, C, F, self.sms)
+                run_swiglu_bwd_gemm(self._swiglu_gemm, self.dy_map, self.wdt_map, i * F, self.gu_maps[i], self.dgu_map,
+                                    self.m_map, N, C, F, self.sms)
             else:
                 gemm(self.mdm, self.mdxb, w["d"])
                 k["swiglu_bwd_bf16"](glu_grid, (256,), (self.dm, self.gu[i], self.dgu, self.m, i32(F), i32(N)))

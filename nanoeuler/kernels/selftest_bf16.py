@@ -228,7 +228,7 @@ def case_bf16_swiglu_gemm(rng, shape):
     import cupy
 
     from nanoeuler.kernels import has_sm90a
-    from nanoeuler.kernels.engine import prepare_swiglu_bwd_gemm, run_swiglu_bwd_gemm, wdt_image_rows
+    from nanoeuler.kernels.engine import prepare_swiglu_gemm, run_swiglu_bwd_gemm, wdt_image_rows
     from nanoeuler.kernels.tma import tile_map
     from nanoeuler.model import layers
 
@@ -245,14 +245,46 @@ def case_bf16_swiglu_gemm(rng, shape):
     gu_b, gu = _dev_bf16(np.concatenate([_randn(rng, (N, F), 3.0), _randn(rng, (N, F))], axis=1))
     dgu = cupy.full((N, 2 * F), 0xFFFF, dtype=np.uint16)  # NaN words
     m = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
-    fn = prepare_swiglu_bwd_gemm(_k("swiglu_bwd_gemm"))
-    run_swiglu_bwd_gemm(fn, tile_map(dy_b, 128), tile_map(wdt.reshape(2 * F, C), 128), F, gu_b, dgu, m, N, C, F,
-                        cupy.cuda.Device().attributes["MultiProcessorCount"])
+    fn = prepare_swiglu_gemm(_k("swiglu_bwd_gemm"))
+    run_swiglu_bwd_gemm(fn, tile_map(dy_b, 128), tile_map(wdt.reshape(2 * F, C), 128), F, tile_map(gu_b, 64),
+                        tile_map(dgu, 64), tile_map(m, 64), N, C, F, cupy.cuda.Device().attributes["MultiProcessorCount"])
     hr, cr = layers.swiglu_forward(gu[:, :F], gu[:, F:])
     dgr, dur = layers.swiglu_backward(dy @ wd, cr)
     return [("bf16 wdt_image (Wd^T, rows permuted)", from_bf16(wdt[1].get())[wdt_image_rows(F)], wd.T, 0.0),
             ("bf16 swiglu_bwd_gemm dgu", from_bf16(dgu.get()), np.concatenate([dgr, dur], axis=1), TOL_BF16),
             ("bf16 swiglu_bwd_gemm m", from_bf16(m.get()), hr, TOL_BF16)]
+
+
+def case_bf16_swiglu_fwd_gemm(rng, shape):
+    """shape (N, C, F): the gate/up projection with the SwiGLU forward inside (`swiglu_fwd_gemm`, sm_90a
+    builds only, else no rows): gu = x Wgu^T in float32 and m, against float64 on the bf16 operands, and m
+    bit-identical to `swiglu_fwd_bf16` applied to the kernel's own gu (what the backward recomputes). Wgu
+    sits at an offset in a flat buffer, as the engine's bf16 image holds it, read through `gate_up_map`."""
+    import cupy
+
+    from nanoeuler.kernels import has_sm90a
+    from nanoeuler.kernels.engine import prepare_swiglu_gemm, run_swiglu_fwd_gemm
+    from nanoeuler.kernels.tma import gate_up_map, tile_map
+    from nanoeuler.model import layers
+
+    if not has_sm90a():
+        return []
+    N, C, F = shape
+    x_b, x = _dev_bf16(_randn(rng, (N, C)))
+    flat = to_bf16(_randn(rng, 2 * F * C + 128, 0.1))
+    w = from_bf16(flat[128:]).reshape(2 * F, C)
+    wgu = _g(flat, np.uint16)[128:].reshape(2 * F, C)
+    gu = cupy.full((N, 2 * F), 0xFFFF, dtype=np.uint16)  # NaN words
+    m = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
+    run_swiglu_fwd_gemm(prepare_swiglu_gemm(_k("swiglu_fwd_gemm")), tile_map(x_b, 128), gate_up_map(wgu),
+                        tile_map(gu, 64), tile_map(m, 64), N, C, F, cupy.cuda.Device().attributes["MultiProcessorCount"])
+    m_ref = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
+    _k("swiglu_fwd_bf16")((-(-F // 2048), min(N, 4096)), (256,), (gu, m_ref, np.int32(F), np.int32(N)))
+    gur = x @ w.T
+    hr, _ = layers.swiglu_forward(gur[:, :F], gur[:, F:])
+    return [("bf16 swiglu_fwd_gemm gu", from_bf16(gu.get()), gur, TOL_BF16),
+            ("bf16 swiglu_fwd_gemm m", from_bf16(m.get()), hr, TOL_BF16),
+            ("bf16 swiglu_fwd_gemm m == swiglu_fwd_bf16 of its gu", from_bf16(m.get()), from_bf16(m_ref.get()), 0.0)]
 
 
 def case_bf16_ce_heads(rng, shape):
@@ -468,6 +500,11 @@ CASES_BF16 = [
     (case_bf16_swiglu_gemm, (190, 128, 128), "N190 C128 F128 (2 row tiles, the second short)", {}),
     (case_bf16_swiglu_gemm, (40000, 256, 256), "N40000 C256 F256 (several tiles a block)", {}),
     (case_bf16_swiglu_gemm, (1000, 384, 1024), "N1000 C384 F1024", {}),
+    (case_bf16_swiglu_fwd_gemm, (300, 768, 2048), "N300 C768 F2048 (a short row tile)", {}),
+    (case_bf16_swiglu_fwd_gemm, (64, 64, 64), "N64 C64 F64 (one tile, one k step)", {}),
+    (case_bf16_swiglu_fwd_gemm, (190, 128, 128), "N190 C128 F128 (2 row tiles, the second short)", {}),
+    (case_bf16_swiglu_fwd_gemm, (40000, 256, 192), "N40000 C256 F192 (several tiles a block)", {}),
+    (case_bf16_swiglu_fwd_gemm, (1000, 384, 1024), "N1000 C384 F1024", {}),
     (case_bf16_ce_heads, (70, 4, 4096), "N70 K4 V4096", {}),
     (case_bf16_ce_heads, (33, 2, 100), "N33 K2 V100", {}),
     (case_bf16_ce_heads, (33, 2, 101), "N33 K2 V101 (scalar path)", {}),

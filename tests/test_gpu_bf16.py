@@ -204,7 +204,9 @@ def test_engine_graph_replay_matches_kernel_by_kernel(hidden):
             losses.append(eng.last_loss())
         assert (eng._graph is not None) == graph and eng.t == len(batches)
         runs[graph] = losses, {n: p.get() for n, p in eng.params().items()}
-    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=2e-5)
+    # rtol: kernel-by-kernel runs of this engine differ among themselves by up to 1.2e-5 in the losses of
+    # steps 2-4 (the atomics below); a learning rate frozen at capture moves them by about 1e-2.
+    np.testing.assert_allclose(runs[True][0], runs[False][0], rtol=5e-5)
     # Not bit-exact: the embedding gradient and the gradient norm add with atomics, and AdamW turns the
     # last-bit differences of near-zero gradients into steps of size lr (two kernel-by-kernel runs differ
     # by up to 3e-3 here, the embedding most). Step 2's learning rate frozen into the graph would move

@@ -171,7 +171,7 @@ def swiglu_gemm_grid(N: int, F: int, sms: int, tile_units: int = 128) -> tuple:
         >>> swiglu_gemm_grid(32768, 2048, sms=132), swiglu_gemm_grid(300, 1024, sms=132)
         ((132,), (24,))
         >>> swiglu_gemm_grid(300, 1024, sms=132, tile_units=64)
-        ((48,),)
+        (48,)
     """
     return (min(sms, -(-N // 128) * (F // tile_units)),)
 

@@ -1966,7 +1966,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
 // (persistent, a producer warp feeding the ring by TMA, two warpgroups on 128 x 128 tiles), without the
 // gate/up prefetch. A tile is 128 rows x 64 hidden units: its 128 right-operand rows are the units' 64
 // gate rows, then their 64 up rows, so a lane holds the gate and up of the same units. The order of the
-// rows within each 64 is the lanes' (sg_fwd_unit): accumulator column n = 8 nc + 2 (l % 4) + e of lane l
+// rows within each 64 is the lanes': accumulator column n = 8 nc + 2 (l % 4) + e of lane l
 // (nc < 8) is gate unit 16 (l % 4) + 2 nc + e, column 64 + n the same unit's up; each lane then holds 16
 // consecutive units of its two rows and stores gate, up and m 16 bytes at a time. That order is a view of
 // Wgu, not a copy: the tensor map (tma.gate_up_map) is 5-D, (k, e, l % 4, nc, block of 64 units), with

@@ -1,8 +1,9 @@
 """Tensor maps for Hopper's tensor memory accelerator (TMA): what `cp.async.bulk.tensor` copies from.
 
-A tensor map describes a 2-D bf16 matrix in global memory (its address, shape and row stride) and the
-box that one copy moves into shared memory, with the 128-byte swizzle that the warpgroup matrix
-instructions read. The driver encodes it (`cuTensorMapEncodeTiled`, called here through ctypes: CuPy
+A tensor map describes a bf16 matrix in global memory (its address, shape and row stride) and the
+box that one copy moves into shared memory or back, with the 128-byte swizzle that the warpgroup matrix
+instructions read. `tile_map` sees the matrix as it is; `gate_up_map` sees a gate/up weight as a 5-D
+tensor whose boxes arrive with their rows in the order the fused SwiGLU kernel's lanes want. The driver encodes it (`cuTensorMapEncodeTiled`, called here through ctypes: CuPy
 does not wrap it); the 128 bytes then live in device memory, and a kernel takes their address.
 
     >>> m = tile_map(dy, box_rows=128)      # dy: (N, C) bf16 words on the device      # doctest: +SKIP

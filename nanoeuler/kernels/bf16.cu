@@ -1723,9 +1723,9 @@ extern "C" __global__ void qkv_rope_split_bf16(const bf16* __restrict__ qkv, con
 // dgate, dup and m with 16-byte accesses.
 // The epilogue's data moves by TMA too, per warpgroup: its rows of gate and up come into shared memory
 // while the tile is multiplied; the epilogue writes d(gate) and d(up) over them and m beside them, and
-// TMA stores take them to memory while the warpgroup multiplies its next tile. (With the stores issued
-// from registers, every block reached its epilogue at the same moment and the tensor cores waited for
-// memory: the epilogue took 0.14 ms at B64xT512, nearly as long as the products.)
+// TMA stores take them to memory while the warpgroup multiplies its next tile. (It runs as fast as the
+// version that read gate/up into registers and stored from there, with fewer registers, and in the
+// forward kernel's form, where the TMA stores were what made the fusion pay.)
 // Needs C % 64 == 0 and F % 128 == 0 (the engine checks); rows past N are zeros (TMA fills them) in the
 // products, and TMA stores leave them out.
 #define SG_BK 64
@@ -1771,6 +1771,13 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
         "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
         "@!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
+__device__ __forceinline__ void mbar_init(unsigned bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+// Before a thread's first copy through the tensor map at `map` (kernel-argument memory written by the host).
+__device__ __forceinline__ void tma_acquire(const void* map) {
+    tma_acquire(map);
+}
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
@@ -1808,8 +1815,8 @@ __device__ __forceinline__ void bar_sync(int id, int threads) {
 // (an arrival per consumer warpgroup).
 __device__ __forceinline__ void sg_init_ring(unsigned full, unsigned empty) {
     for (int s = 0; s < SG_STAGES; ++s) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(full + 8 * s));
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 2;\n" ::"r"(empty + 8 * s));
+        mbar_init(full + 8 * s, 1);
+        mbar_init(empty + 8 * s, 2);
     }
 }
 
@@ -1872,15 +1879,15 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
     const int KT = C / SG_BK, ncols = F / 128, tiles = (N + 127) / 128 * ncols;
     if (threadIdx.x == 0) {
         sg_init_ring(full, empty);
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(empty + 8 * SG_STAGES));
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(empty + 8 * SG_STAGES + 8));
+        mbar_init(empty + 8 * SG_STAGES, 1);  // the warpgroups' gubar
+        mbar_init(empty + 8 * SG_STAGES + 8, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
     if (wg == 2) {  // the producer warp
         if (threadIdx.x == 256) {
-            asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(dy_map) : "memory");
-            asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(wdt_map) : "memory");
+            tma_acquire(dy_map);
+            tma_acquire(wdt_map);
             sg_produce(tiles, KT, stages, full, empty, [&](int tile, int kt, unsigned dst, unsigned bar) {
                 tma_2d(dst, dy_map, kt * SG_BK, tile / ncols * 128, bar);
                 tma_2d(dst + SG_TILE, wdt_map, kt * SG_BK, wdt_row0 + tile % ncols * 128, bar);
@@ -1888,11 +1895,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
         }
         return;
     }
-    if (t == 0) {
-        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(gu_map) : "memory");
-        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(dgu_map) : "memory");
-        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(m_map) : "memory");
-    }
+    if (t == 0) tma_acquire(gu_map), tma_acquire(dgu_map), tma_acquire(m_map);
     // This warpgroup's rows of the tile: gate and up in (two 64 x 64 boxes each, by TMA, while the tile is
     // multiplied), d(gate) and d(up) written over them, m into two boxes of its own, all out by TMA stores.
     // The boxes are 128-byte swizzled (16-byte chunk c of row r at chunk c ^ (r % 8)), so the 8 rows that a
@@ -1998,8 +2001,8 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_fwd_gemm(const void*
     __syncthreads();
     if (wg == 2) {  // the producer warp
         if (threadIdx.x == 256) {
-            asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(x_map) : "memory");
-            asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(w_map) : "memory");
+            tma_acquire(x_map);
+            tma_acquire(w_map);
             sg_produce(tiles, KT, stages, full, empty, [&](int tile, int kt, unsigned dst, unsigned bar) {
                 const int u = tile % units;
                 tma_2d(dst, x_map, kt * SG_BK, tile / units * 128, bar);
@@ -2009,10 +2012,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_fwd_gemm(const void*
         }
         return;
     }
-    if (t == 0) {
-        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(gu_map) : "memory");
-        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(m_map) : "memory");
-    }
+    if (t == 0) tma_acquire(gu_map), tma_acquire(m_map);
     // This warpgroup's rows of the tile leave through shared memory: gate, up and m, a 64 x 64 box each,
     // in the 128-byte swizzle that the TMA store reads (16-byte chunk c of row r at chunk c ^ (r % 8):
     // the 8 rows that a warp's store covers fall in different banks).

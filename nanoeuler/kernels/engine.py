@@ -338,8 +338,8 @@ class Engine:
             "wdt_image")}
         if self.fuse_swiglu:
             self._swiglu_fwd_gemm = prepare_swiglu_gemm(kernel("bf16", "swiglu_fwd_gemm"))
-            self._swiglu_gemm = prepare_swiglu_gemm(kernel("bf16", "swiglu_bwd_gemm"))
-            # every layer's Wd transposed, rows permuted (`wdt_image`): the fused kernel's k-contiguous
+            self._swiglu_bwd_gemm = prepare_swiglu_gemm(kernel("bf16", "swiglu_bwd_gemm"))
+            # every layer's Wd transposed, rows permuted (`wdt_image`): the fused backward's k-contiguous
             # operand, rewritten with the bf16 image
             self.wdt = cp.empty((L, F, C), dtype=BF16_STORAGE)
             self.wd_offsets = cp.asarray([self.offsets[f"layers.{i}.mlp.down_proj.weight"] for i in range(L)],
@@ -436,7 +436,7 @@ class Engine:
         self.delta = e((B, H, T))
         self.dx = e((N, C))
         self.dxb = e((N, C), bf)
-        if self.fuse_swiglu:  # what the fused SwiGLU kernels' TMA copies read: boxes of 128 rows x 64 columns
+        if self.fuse_swiglu:  # the fused SwiGLU kernels' TMA copies: boxes of 64 columns, 128 rows for the products
             self.dy_map = tile_map(self.dxb, 128)
             self.wdt_map = tile_map(self.wdt.reshape(L * F, C), 128)
             self.xh2_maps = [tile_map(x, 128) for x in self.xh2]
@@ -738,7 +738,7 @@ class Engine:
             # m = silu(gate) * up, which the down projection's weight gradient then reads. Fused: dm = dy Wd
             # and the SwiGLU backward in one kernel, dm never stored.
             if self.fuse_swiglu:
-                run_swiglu_bwd_gemm(self._swiglu_gemm, self.dy_map, self.wdt_map, i * F, self.gu_maps[i], self.dgu_map,
+                run_swiglu_bwd_gemm(self._swiglu_bwd_gemm, self.dy_map, self.wdt_map, i * F, self.gu_maps[i], self.dgu_map,
                                     self.m_map, N, C, F, self.sms)
             else:
                 gemm(self.mdm, self.mdxb, w["d"])

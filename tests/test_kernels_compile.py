@@ -65,3 +65,19 @@ def test_every_launched_kernel_is_defined():
     assert len(wanted) > 10
     missing = [f"{f}.cu:{n}" for f, n in wanted if n not in defined.get(f, set())]
     assert not missing, missing
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_tma_kernels_acquire_their_tensor_maps(tmp_path):
+    """Each sm_90a kernel that copies through a tensor map (cp.async.bulk.tensor) first fences its view of
+    the map (fence.proxy.tensormap acquire): the maps are bytes the host wrote into global memory."""
+    path = KERNEL_DIR / "bf16.cu"
+    ptx = tmp_path / "bf16.ptx"
+    out = subprocess.run([NVCC, "-gencode=arch=compute_90a,code=sm_90a", *COMPILE_OPTIONS, "-ptx", "-o", str(ptx),
+                          str(path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    entries = re.split(r"\.entry ", ptx.read_text())[1:]
+    tma = {e.split("(", 1)[0]: e for e in entries if "cp.async.bulk.tensor" in e}
+    assert {"swiglu_fwd_gemm", "swiglu_bwd_gemm"} <= set(tma)
+    unfenced = [name for name, body in tma.items() if "fence.proxy.tensormap::generic.acquire" not in body]
+    assert not unfenced, unfenced

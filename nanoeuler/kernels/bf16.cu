@@ -1776,7 +1776,7 @@ __device__ __forceinline__ void mbar_init(unsigned bar, int count) {
 }
 // Before a thread's first copy through the tensor map at `map` (kernel-argument memory written by the host).
 __device__ __forceinline__ void tma_acquire(const void* map) {
-    tma_acquire(map);
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(unsigned bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");

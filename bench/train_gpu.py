@@ -338,8 +338,9 @@ def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log, timed):
 
 def engine_options(mode: str) -> dict:
     """`Engine` keyword arguments of a mode `ours-bf16[-flag...]`, each flag an attention variant (wg, ldm,
-    mma; fa32 for the float32 FlashAttention), `eager` (no CUDA graph) or `nofuse` (the SwiGLU forward
-    and backward after their GEMMs, not inside them).
+    mma; fa32 for the float32 FlashAttention), `eager` (no CUDA graph), `norope` (RoPE and the attention
+    layouts after the qkv GEMM, not inside it) or `nofuse` (that, and the SwiGLU forward and backward
+    after their GEMMs too).
 
         >>> engine_options("ours-bf16-ldm-eager"), engine_options("ours-bf16-fa32"), engine_options("ours-bf16")
         ({'attention': 'ldm', 'graph': False}, {'attention': 'fp32'}, {})
@@ -350,8 +351,10 @@ def engine_options(mode: str) -> dict:
             opts["attention"] = "fp32" if flag == "fa32" else flag
         elif flag == "eager":
             opts["graph"] = False
+        elif flag == "norope":
+            opts["fuse_rope"] = False
         elif flag == "nofuse":
-            opts["fuse_swiglu"] = False
+            opts["fuse_swiglu"] = opts["fuse_rope"] = False
         else:
             raise ValueError(f"unknown flag {flag!r} in mode {mode!r}")
     return opts

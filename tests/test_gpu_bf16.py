@@ -79,7 +79,9 @@ def test_bench_modes_name_engine_options():
     bench = _bench_train_gpu()
     assert doctest.testmod(bench).failed == 0
     assert bench.engine_options("ours-bf16-wg") == {"attention": "wg"}
-    assert bench.engine_options("ours-bf16-nofuse-eager") == {"fuse_swiglu": False, "graph": False}
+    assert bench.engine_options("ours-bf16-nofuse-eager") == {"fuse_swiglu": False, "fuse_rope": False,
+                                                              "graph": False}
+    assert bench.engine_options("ours-bf16-norope") == {"fuse_rope": False}
     with pytest.raises(ValueError, match="unknown flag 'fast'"):
         bench.engine_options("ours-bf16-fast")
 
@@ -256,7 +258,7 @@ def test_tensor_maps_encode_bf16_matrices_and_refuse_others():
     the reason, before the driver sees it."""
     import cupy
 
-    from nanoeuler.kernels.tma import gate_up_map, tile_map
+    from nanoeuler.kernels.tma import gate_up_map, heads_map, tile_map
 
     words = cupy.zeros((300, 768), dtype=np.uint16)
     m = tile_map(words, 128)
@@ -269,3 +271,9 @@ def test_tensor_maps_encode_bf16_matrices_and_refuse_others():
     assert g.shape == (128,) and int(g.any()) == 1
     with pytest.raises(ValueError, match="F % 64 == 0"):
         gate_up_map(cupy.zeros((2 * 96, 768), dtype=np.uint16))
+    h = heads_map(cupy.zeros((2, 12, 512, 64), dtype=np.uint16))  # q (B, H, T, 64): a box per head and 64 positions
+    assert h.shape == (128,) and int(h.any()) == 1
+    with pytest.raises(ValueError, match="T % 64 == 0"):
+        heads_map(cupy.zeros((2, 12, 200, 64), dtype=np.uint16))
+    with pytest.raises(ValueError, match=r"\(B, heads, T, 64\)"):
+        heads_map(cupy.zeros((2, 12, 512, 32), dtype=np.uint16))

@@ -1801,6 +1801,11 @@ __device__ __forceinline__ void tma_store_2d(const void* map, int c0, int c1, un
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
                  ::"l"(map), "r"(c0), "r"(c1), "r"(src) : "memory");
 }
+// The same into the box at (c0, c1, c2) of a 3-D tensor map.
+__device__ __forceinline__ void tma_store_3d(const void* map, int c0, int c1, int c2, unsigned src) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                 ::"l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(src) : "memory");
+}
 __device__ __forceinline__ void bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -2051,6 +2056,116 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_fwd_gemm(const void*
             tma_store_2d(gu_map, unit0, row0, out);
             tma_store_2d(gu_map, F + unit0, row0, out + OUT);
             tma_store_2d(m_map, unit0, row0, out + 2 * OUT);
+            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        }
+    }
+    if (t == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#else
+    __trap();  // built for another target: the engine launches this kernel only on sm_90a builds
+#endif
+}
+
+// ---- the qkv projection with RoPE and the attention layouts inside (wgmma and TMA, sm_90a) -----------
+// qkv = xhat1 Wqkv^T (xhat1 (N, C): the first norm's output, rows n = b T + t; Wqkv ((H + 2 Hkv) 64, C):
+// q rows, k rows, v rows), then q and k rotated by RoPE (half split: d and d + 32 of a head, by cos/sin
+// (T, 32) at position t) and every head written in the attention kernels' layouts, q (B, H, T, 64) and
+// k, v (B, Hkv, T, 64), in one kernel: qkv_rope_split_bf16 no longer reads the qkv product back. The
+// design is swiglu_fwd_gemm's (persistent, a producer warp feeding the ring by TMA, two warpgroups on
+// 128 x 128 tiles); a tile is 128 rows x two heads, the weight rows in their own order. In the wgmma C
+// layout lane l holds the columns 8 nc + 2 (l % 4) + e, so head dimension d (chunk nc = d / 8 of the
+// head) and its partner d + 32 (chunk nc + 4) are in the same lane: the rotation needs no exchange.
+// As in the unfused path, each product is rounded to bf16 before it is rotated, so q/k/v are bit-identical
+// to qkv_rope_split_bf16 of the same bf16 product.
+// Each warpgroup writes its 64 rows of the two heads into two 64 x 64 boxes of shared memory (128-byte
+// swizzle), and TMA stores move each box to its head through 3-D maps (64, T, B heads) (tma.heads_map):
+// a box at (0, t0, b H + h) is positions t0 .. t0 + 63 of head h of sequence b. The cos/sin of the rows
+// are loaded while the tile's last k steps multiply.
+// Needs head size 64, C % 64 == 0 and T % 64 == 0 (a warpgroup's 64 rows then lie in one sequence); a
+// tile's second head past the last v head is not stored, nor rows past N.
+extern "C" __global__ void __launch_bounds__(288, 1) qkv_rope_gemm(const void* __restrict__ x_map,
+                                                                  const void* __restrict__ w_map,
+                                                                  const void* __restrict__ q_map,
+                                                                  const void* __restrict__ k_map,
+                                                                  const void* __restrict__ v_map,
+                                                                  const float* __restrict__ cos_t,
+                                                                  const float* __restrict__ sin_t, int N, int C,
+                                                                  int T, int H, int Hkv) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int BOX = 64 * 64 * 2;  // one head's 64 rows, bf16: 8 KiB
+    extern __shared__ __align__(128) unsigned char sg_smem[];
+    const int wg = threadIdx.x >> 7, t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
+    const unsigned stages = (smem_u32(sg_smem) + 1023u) & ~1023u, outs = stages + SG_STAGES * SG_STAGE;
+    const unsigned full = outs + 4 * BOX, empty = full + 8 * SG_STAGES;
+    const int heads = H + 2 * Hkv, ncols = (heads + 1) / 2, KT = C / SG_BK, tiles = (N + 127) / 128 * ncols;
+    if (threadIdx.x == 0) {
+        sg_init_ring(full, empty);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (wg == 2) {  // the producer warp
+        if (threadIdx.x == 256) {
+            tma_acquire(x_map);
+            tma_acquire(w_map);
+            sg_produce(tiles, KT, stages, full, empty, [&](int tile, int kt, unsigned dst, unsigned bar) {
+                tma_2d(dst, x_map, kt * SG_BK, tile / ncols * 128, bar);
+                tma_2d(dst + SG_TILE, w_map, kt * SG_BK, tile % ncols * 128, bar);
+            });
+        }
+        return;
+    }
+    if (t == 0) tma_acquire(q_map), tma_acquire(k_map), tma_acquire(v_map);
+    const unsigned out = outs + wg * 2 * BOX;  // this warpgroup's two heads
+    int g = 0;  // k steps consumed, as the producer counts them
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int row0 = tile / ncols * 128 + wg * 64, head0 = tile % ncols * 2;
+        float acc[16][4];
+        float2 cs[2][4], sn[2][4];  // cos/sin of this lane's rows rl and rl + 8, head dimensions 8 j + 2 q + e
+        sg_products(acc, g, KT, stages, full, empty, wg, t, [&] {  // loaded while the last k steps multiply
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int pos = (row0 + warp * 16 + (lane >> 2) + 8 * h) % T;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    cs[h][j] = *reinterpret_cast<const float2*>(cos_t + pos * 32 + 8 * j + 2 * q);
+                    sn[h][j] = *reinterpret_cast<const float2*>(sin_t + pos * 32 + 8 * j + 2 * q);
+                }
+            }
+        });
+        if (t == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // the last tile's boxes are out
+        bar_sync(2 + wg, 128);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // this lane's rows rl and rl + 8; head dimensions 8 j + 2 q + e, + 32
+            const int rl = warp * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+            for (int hd = 0; hd < 2; ++hd) {
+                const bool rotate = head0 + hd < H + Hkv;  // q and k heads; v as it is
+                const unsigned row = out + hd * BOX + rl * 128 + 4 * q;
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const unsigned w1 = pack2(acc[8 * hd + j][2 * h], acc[8 * hd + j][2 * h + 1]);
+                    const unsigned w2 = pack2(acc[8 * hd + j + 4][2 * h], acc[8 * hd + j + 4][2 * h + 1]);
+                    unsigned y1 = w1, y2 = w2;
+                    if (rotate) {
+                        const float a0 = lo_bf(w1), a1 = hi_bf(w1), b0 = lo_bf(w2), b1 = hi_bf(w2);
+                        const float2 c = cs[h][j], sv = sn[h][j];
+                        y1 = pack2(a0 * c.x - b0 * sv.x, a1 * c.y - b1 * sv.y);
+                        y2 = pack2(b0 * c.x + a0 * sv.x, b1 * c.y + a1 * sv.y);
+                    }
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row + ((j ^ (rl & 7)) << 4)), "r"(y1));
+                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row + (((j + 4) ^ (rl & 7)) << 4)), "r"(y2));
+                }
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, seen by the TMA stores
+        bar_sync(2 + wg, 128);
+        if (t == 0 && row0 < N) {
+            for (int hd = 0; hd < 2; ++hd) {
+                const int hh = head0 + hd;
+                if (hh >= heads) break;
+                const void* map = hh < H ? q_map : hh < H + Hkv ? k_map : v_map;
+                const int nh = hh < H ? H : Hkv, hl = hh < H ? hh : hh < H + Hkv ? hh - H : hh - H - Hkv;
+                tma_store_3d(map, 0, row0 % T, row0 / T * nh + hl, out + hd * BOX);
+            }
             asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
         }
     }

@@ -62,7 +62,12 @@ by TMA copies (tensor maps: `tma.py`): xhat2 and the bf16 image's Wgu (in the la
 dxb and `wdt`, an image of every layer's Wd transposed and permuted that `wdt_image` rewrites after
 each AdamW step. Elsewhere cuBLAS writes gu and dm, and `swiglu_fwd_bf16` / `swiglu_bwd_bf16` read them.
 
-Launches per step: 8 per layer forward, 16 per layer backward (9 and 17 without the fused SwiGLU),
+RoPE inside the qkv GEMM (`fuse_rope`, the default where `can_fuse_rope`: sm_90a, head size 64, dim % 64
+== 0, seq % 64 == 0, bf16 attention): `qkv_rope_gemm` computes qkv tile by tile (128 rows x 2 heads),
+rotates q and k in registers and stores every head straight into q/k/v in the attention layout, by
+TMA through `tma.heads_map`. Elsewhere cuBLAS writes qkv and `qkv_rope_split_bf16` reads it.
+
+Launches per step: 7 per layer forward, 16 per layer backward (9 and 17 without the fused kernels),
 4 per head and chunk of output-head rows, and a few dozen for the optimizer (one AdamW launch per run
 of equally-decayed tensors, and one per gain-folded matrix, and one for `wdt_image`).
 From the second step on, `step` replays the whole step as one CUDA graph, captured once on the
@@ -81,7 +86,7 @@ import numpy as np
 
 from nanoeuler.kernels import has_sm90a, kernel
 from nanoeuler.kernels.cublas import BF16_STORAGE, Gemm, Matrix
-from nanoeuler.kernels.tma import gate_up_map, tile_map
+from nanoeuler.kernels.tma import gate_up_map, heads_map, tile_map
 from nanoeuler.model import layers
 from nanoeuler.model.config import ModelConfig
 from nanoeuler.optim import default_no_decay
@@ -99,6 +104,9 @@ _NULL = np.uint64(0)  # a null pointer argument (an optional input or output a k
 SWIGLU_GEMM_THREADS = 288
 SWIGLU_FWD_GEMM_SMEM = 1024 + 4 * 32768 + 6 * 8192 + 8 * 8
 SWIGLU_BWD_GEMM_SMEM = 1024 + 4 * 32768 + 12 * 8192 + 10 * 8
+# The qkv projection with RoPE inside (qkv_rope_gemm): the same threads and ring, and each warpgroup's two
+# heads of 64 x 64 as the epilogue's boxes.
+QKV_ROPE_GEMM_SMEM = 1024 + 4 * 32768 + 4 * 8192 + 8 * 8
 _FOLD_SPLITS = 64  # row splits of gain_fold_grad at most (its column sums are reduced by column_sums)
 
 
@@ -138,10 +146,37 @@ def wdt_image_rows(F: int) -> np.ndarray:
     return np.array([c // 128 * 128 + sg_row(c % 128) for c in range(F)])
 
 
-def prepare_swiglu_gemm(fn):
-    """`fn`, one of the fused SwiGLU kernels, allowed the shared memory they need (more than the default 48 KiB)."""
-    fn.max_dynamic_shared_size_bytes = max(SWIGLU_FWD_GEMM_SMEM, SWIGLU_BWD_GEMM_SMEM)
+def prepare_fused_gemm(fn):
+    """`fn`, one of the GEMM kernels with an epilogue inside (the fused SwiGLU kernels, `qkv_rope_gemm`),
+    allowed the shared memory they need (more than the default 48 KiB)."""
+    fn.max_dynamic_shared_size_bytes = max(SWIGLU_FWD_GEMM_SMEM, SWIGLU_BWD_GEMM_SMEM, QKV_ROPE_GEMM_SMEM)
     return fn
+
+
+def run_qkv_rope_gemm(fn, x_map, w_map, q_map, k_map, v_map, cos, sin, N: int, C: int, T: int, H: int, Hkv: int,
+                      sms: int) -> None:
+    """qkv = xhat Wqkv^T, q and k rotated by RoPE (cos/sin: (T, 32) float32), into q (B, H, T, 64) and k, v
+    (B, Hkv, T, 64), T % 64 == 0; xhat (N = B T rows) and Wqkv through `tile_map`s with boxes of 128 rows, q/k/v through
+    `heads_map`s (bf16.cu's qkv_rope_gemm)."""
+    i32 = np.int32
+    fn(qkv_rope_gemm_grid(N, H + 2 * Hkv, sms), (SWIGLU_GEMM_THREADS,),
+       (x_map, w_map, q_map, k_map, v_map, cos, sin, i32(N), i32(C), i32(T), i32(H), i32(Hkv)),
+       shared_mem=QKV_ROPE_GEMM_SMEM)
+
+
+def qkv_rope_gemm_grid(N: int, heads: int, sms: int) -> tuple:
+    """Grid of `qkv_rope_gemm`: a block per multiprocessor, at most one per tile of 128 rows x 2 heads.
+
+        >>> qkv_rope_gemm_grid(32768, 20, sms=132), qkv_rope_gemm_grid(192, 7, sms=132)
+        ((132,), (8,))
+    """
+    return (min(sms, -(-N // 128) * -(-heads // 2)),)
+
+
+def can_fuse_rope(C: int, D: int, T: int, attention: str) -> bool:
+    """Whether `qkv_rope_gemm` takes this model and sequence length on this GPU: head size 64, C % 64 == 0,
+    T % 64 == 0, sm_90a, bf16 attention operands."""
+    return D == 64 and C % 64 == 0 and T % 64 == 0 and attention != "fp32" and has_sm90a()
 
 
 def run_swiglu_fwd_gemm(fn, x_map, w_map, gu_map, m_map, N: int, C: int, F: int, sms: int) -> None:
@@ -230,7 +265,7 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params: dict, *, batch: int, seq: int, lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, max_norm: float = 1.0,
                  no_decay=None, chunk_bytes: int | None = None, attention: str = "auto", graph: bool = True,
-                 fuse_swiglu: bool | None = None):
+                 fuse_swiglu: bool | None = None, fuse_rope: bool | None = None):
         if attention == "auto":
             attention = ("wg" if cfg.head_dim == 64 and has_sm90a() else
                          "ldm" if cfg.head_dim in _MMA_HEAD_DIMS else "fp32")
@@ -245,6 +280,13 @@ class Engine:
             raise ValueError(f"fuse_swiglu needs dim % 64 == 0 and hidden % 128 == 0 on a compute-capability-9.0 "
                              f"GPU (dim {cfg.dim}, hidden {cfg.hidden})")
         self.fuse_swiglu = bool(fuse_swiglu)
+        if fuse_rope is None:
+            fuse_rope = can_fuse_rope(cfg.dim, cfg.head_dim, int(seq), attention)
+        elif fuse_rope and not can_fuse_rope(cfg.dim, cfg.head_dim, int(seq), attention):
+            raise ValueError(f"fuse_rope needs head_dim 64, dim % 64 == 0, seq % 64 == 0 and bf16 attention on a "
+                             f"compute-capability-9.0 GPU (head_dim {cfg.head_dim}, dim {cfg.dim}, seq {seq}, "
+                             f"attention {attention!r})")
+        self.fuse_rope = bool(fuse_rope)
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         if cfg.head_dim not in _FLASH:
             raise ValueError(f"head_dim {cfg.head_dim} not supported by the attention kernels ({sorted(_FLASH)})")
@@ -337,13 +379,15 @@ class Engine:
             "ce_heads_fwd_bwd", "ce_loss_reduce", "sumsq", "adamw_clip_bf16", "qkv_rope_split_bf16",
             "wdt_image")}
         if self.fuse_swiglu:
-            self._swiglu_fwd_gemm = prepare_swiglu_gemm(kernel("bf16", "swiglu_fwd_gemm"))
-            self._swiglu_bwd_gemm = prepare_swiglu_gemm(kernel("bf16", "swiglu_bwd_gemm"))
+            self._swiglu_fwd_gemm = prepare_fused_gemm(kernel("bf16", "swiglu_fwd_gemm"))
+            self._swiglu_bwd_gemm = prepare_fused_gemm(kernel("bf16", "swiglu_bwd_gemm"))
             # every layer's Wd transposed, rows permuted (`wdt_image`): the fused backward's k-contiguous
             # operand, rewritten with the bf16 image
             self.wdt = cp.empty((L, F, C), dtype=BF16_STORAGE)
             self.wd_offsets = cp.asarray([self.offsets[f"layers.{i}.mlp.down_proj.weight"] for i in range(L)],
                                          dtype=np.int64)
+        if self.fuse_rope:
+            self._qkv_rope_gemm = prepare_fused_gemm(kernel("bf16", "qkv_rope_gemm"))
         if attention != "fp32":  # "mma": B fragments by 32-bit shared loads; "ldm": by ldmatrix; "wg": wgmma
             self._mma = {name: kernel("bf16", f"{name}_{attention}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
                                                                                       "flash_bwd_dq")}
@@ -444,6 +488,10 @@ class Engine:
             self.gu_maps = [tile_map(x, 64) for x in self.gu]  # the epilogues' boxes: 64 rows x 64 columns
             self.m_map = tile_map(self.m, 64)
             self.dgu_map = tile_map(self.dgu, 64)
+        if self.fuse_rope:  # qkv_rope_gemm's: xhat1 and Wqkv in boxes of 128 rows, q/k/v a box per head and 64 positions
+            self.xh1_maps = [tile_map(x, 128) for x in self.xh1]
+            self.wqkv_maps = [tile_map(w["qkv"].arr, 128) for w in self.Lw]
+            self.qkv_maps = [(heads_map(q), heads_map(k), heads_map(v)) for q, k, v in zip(self.q, self.k, self.v)]
         self.xn = e((N, C), bf)  # xhat of the final norm: the output heads' input
         self.rstdf = e(N)
         self.dxn = e((N, C))  # its dL/dxhat, summed over the heads
@@ -676,10 +724,15 @@ class Engine:
                 norm(xs[0], self.xh1[0], self.rstd1[0])
             else:  # x_in = x_in of the previous layer + its o_proj branch + its MLP branch
                 norm(xs[(i - 1) % 2], self.xh1[i], self.rstd1[i], add=(ob, ybr), out=xs[i % 2])
-            gemm(self.mqkv, self.mxh1[i], w["qkv"], tb=True)
+            if self.fuse_rope:  # q/k/v, rotated, straight from the product's registers
+                run_qkv_rope_gemm(self._qkv_rope_gemm, self.xh1_maps[i], self.wqkv_maps[i], *self.qkv_maps[i],
+                                  self.cos, self.sin, N, C, T, H, Hkv, self.sms)
+            else:
+                gemm(self.mqkv, self.mxh1[i], w["qkv"], tb=True)
             if self.attention != "fp32":
-                k["qkv_rope_split_bf16"](split_grid, (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i],
-                                                              self.v[i], i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
+                if not self.fuse_rope:
+                    k["qkv_rope_split_bf16"](split_grid, (256,), (self.qkv, self.cos, self.sin, self.q[i], self.k[i],
+                                                                  self.v[i], i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
                 self._mma["flash_fwd"]((B * H, nqb), (128,), (self.q[i], self.k[i], self.v[i], self.a[i],
                                                                  self.lse[i], i32(H), i32(Hkv), i32(T), scale))
             else:

@@ -228,7 +228,7 @@ def case_bf16_swiglu_gemm(rng, shape):
     import cupy
 
     from nanoeuler.kernels import has_sm90a
-    from nanoeuler.kernels.engine import prepare_swiglu_gemm, run_swiglu_bwd_gemm, wdt_image_rows
+    from nanoeuler.kernels.engine import prepare_fused_gemm, run_swiglu_bwd_gemm, wdt_image_rows
     from nanoeuler.kernels.tma import tile_map
     from nanoeuler.model import layers
 
@@ -245,7 +245,7 @@ def case_bf16_swiglu_gemm(rng, shape):
     gu_b, gu = _dev_bf16(np.concatenate([_randn(rng, (N, F), 3.0), _randn(rng, (N, F))], axis=1))
     dgu = cupy.full((N, 2 * F), 0xFFFF, dtype=np.uint16)  # NaN words
     m = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
-    fn = prepare_swiglu_gemm(_k("swiglu_bwd_gemm"))
+    fn = prepare_fused_gemm(_k("swiglu_bwd_gemm"))
     run_swiglu_bwd_gemm(fn, tile_map(dy_b, 128), tile_map(wdt.reshape(2 * F, C), 128), F, tile_map(gu_b, 64),
                         tile_map(dgu, 64), tile_map(m, 64), N, C, F, cupy.cuda.Device().attributes["MultiProcessorCount"])
     hr, cr = layers.swiglu_forward(gu[:, :F], gu[:, F:])
@@ -263,7 +263,7 @@ def case_bf16_swiglu_fwd_gemm(rng, shape):
     import cupy
 
     from nanoeuler.kernels import has_sm90a
-    from nanoeuler.kernels.engine import prepare_swiglu_gemm, run_swiglu_fwd_gemm
+    from nanoeuler.kernels.engine import prepare_fused_gemm, run_swiglu_fwd_gemm
     from nanoeuler.kernels.tma import gate_up_map, tile_map
     from nanoeuler.model import layers
 
@@ -276,7 +276,7 @@ def case_bf16_swiglu_fwd_gemm(rng, shape):
     wgu = _g(flat, np.uint16)[128:].reshape(2 * F, C)
     gu = cupy.full((N, 2 * F), 0xFFFF, dtype=np.uint16)  # NaN words
     m = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
-    run_swiglu_fwd_gemm(prepare_swiglu_gemm(_k("swiglu_fwd_gemm")), tile_map(x_b, 128), gate_up_map(wgu),
+    run_swiglu_fwd_gemm(prepare_fused_gemm(_k("swiglu_fwd_gemm")), tile_map(x_b, 128), gate_up_map(wgu),
                         tile_map(gu, 64), tile_map(m, 64), N, C, F, cupy.cuda.Device().attributes["MultiProcessorCount"])
     m_ref = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
     _k("swiglu_fwd_bf16")((-(-F // 2048), min(N, 4096)), (256,), (gu, m_ref, np.int32(F), np.int32(N)))
@@ -285,6 +285,39 @@ def case_bf16_swiglu_fwd_gemm(rng, shape):
     return [("bf16 swiglu_fwd_gemm gu", from_bf16(gu.get()), gur, TOL_BF16),
             ("bf16 swiglu_fwd_gemm m", from_bf16(m.get()), hr, TOL_BF16),
             ("bf16 swiglu_fwd_gemm m == swiglu_fwd_bf16 of its gu", from_bf16(m.get()), from_bf16(m_ref.get()), 0.0)]
+
+
+def case_bf16_qkv_rope_gemm(rng, shape):
+    """shape (B, T, H, Hkv, C): the qkv projection with RoPE and the attention layouts inside
+    (`qkv_rope_gemm`, sm_90a builds only, else no rows): q/k/v (head size 64) against float64 on the bf16
+    operands. Wqkv sits at an offset in a flat buffer, as in the engine's bf16 image. The outputs start as
+    NaN words, so a row or head that no store reached fails the comparison."""
+    import cupy
+
+    from nanoeuler.kernels import has_sm90a
+    from nanoeuler.kernels.engine import prepare_fused_gemm, run_qkv_rope_gemm
+    from nanoeuler.kernels.tma import heads_map, tile_map
+    from nanoeuler.model import layers
+
+    if not has_sm90a():
+        return []
+    B, T, H, Hkv, C = shape
+    N, W, D = B * T, (H + 2 * Hkv) * 64, 64
+    x_b, x = _dev_bf16(_randn(rng, (N, C)))
+    flat = to_bf16(_randn(rng, W * C + 128, 0.1))
+    w = from_bf16(flat[128:]).reshape(W, C)
+    wqkv = _g(flat, np.uint16)[128:].reshape(W, C)
+    outs = [cupy.full((B, n, T, D), 0xFFFF, dtype=np.uint16) for n in (H, Hkv, Hkv)]  # NaN words
+    cos, sin = layers.rope_tables(T, D, 10000.0, np, np.float32)
+    run_qkv_rope_gemm(prepare_fused_gemm(_k("qkv_rope_gemm")), tile_map(x_b, 128), tile_map(wqkv, 128),
+                      *(heads_map(o) for o in outs), _g(cos), _g(sin), N, C, T, H, Hkv,
+                      cupy.cuda.Device().attributes["MultiProcessorCount"])
+    c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
+    heads = (x @ w.T).reshape(B, T, H + 2 * Hkv, D).transpose(0, 2, 1, 3)
+    refs = (layers.rope_forward(heads[:, :H], c64, s64), layers.rope_forward(heads[:, H:H + Hkv], c64, s64),
+            heads[:, H + Hkv:])
+    return [(f"bf16 qkv_rope_gemm {name}", from_bf16(o.get()), ref, TOL_BF16)
+            for name, o, ref in zip("qkv", outs, refs)]
 
 
 def case_bf16_ce_heads(rng, shape):
@@ -428,7 +461,7 @@ def case_engine(rng, shape):
         return []
     if which == "small":
         cfg = ModelConfig.named("small")
-    elif which == "d384":  # hidden 1024: the SwiGLU backward runs inside its GEMM on sm_90a
+    elif which == "d384":  # hidden 1024, head size 64: the SwiGLU and RoPE run inside their GEMMs on sm_90a
         cfg = ModelConfig(vocab_size=1024, dim=384, n_layers=2, n_heads=6, n_kv_heads=2, ctx_len=256, mtp_heads=4)
     else:
         cfg = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=256, mtp_heads=4)
@@ -436,8 +469,8 @@ def case_engine(rng, shape):
     # output-head chunks of 48 rows: several per step, the last one short, so the weight gradients'
     # accumulation over chunks (and dxn's over heads) is checked
     eng = Engine(cfg, params, batch=B, seq=T, max_norm=0.5, attention=attention, chunk_bytes=2 * cfg.vocab_size * 48)
-    if which == "d384" and not eng.fuse_swiglu:
-        raise RuntimeError("the d384 engine case is meant to run the fused SwiGLU backward, and does not")
+    if which == "d384" and not (eng.fuse_swiglu and eng.fuse_rope):
+        raise RuntimeError("the d384 engine case is meant to run the fused SwiGLU and RoPE kernels, and does not")
     for _ in range(2):  # twice: a gradient that accumulated instead of being overwritten would double
         eng.forward_backward(_g(inputs, np.int32), _g(targets, np.int32))
     p64 = {n: p.astype(np.float64) for n, p in params.items()}
@@ -505,6 +538,10 @@ CASES_BF16 = [
     (case_bf16_swiglu_fwd_gemm, (190, 128, 128), "N190 C128 F128 (2 row tiles, the second short)", {}),
     (case_bf16_swiglu_fwd_gemm, (40000, 256, 192), "N40000 C256 F192 (several tiles a block)", {}),
     (case_bf16_swiglu_fwd_gemm, (1000, 384, 1024), "N1000 C384 F1024", {}),
+    (case_bf16_qkv_rope_gemm, (3, 192, 6, 2, 384), "B3 T192 H6/2 C384 (a short row tile)", {}),
+    (case_bf16_qkv_rope_gemm, (1, 64, 1, 1, 64), "B1 T64 H1/1 C64 (one tile, one k step, 3 heads)", {}),
+    (case_bf16_qkv_rope_gemm, (2, 320, 5, 1, 128), "B2 T320 H5/1 C128 (tiles across q/k and k/v)", {}),
+    (case_bf16_qkv_rope_gemm, (8, 512, 12, 4, 768), "B8 T512 H12/4 C768 (several tiles a block)", {}),
     (case_bf16_ce_heads, (70, 4, 4096), "N70 K4 V4096", {}),
     (case_bf16_ce_heads, (33, 2, 100), "N33 K2 V100", {}),
     (case_bf16_ce_heads, (33, 2, 101), "N33 K2 V101 (scalar path)", {}),
@@ -527,7 +564,7 @@ CASES_BF16 = [
     (case_engine, ("d64", 2, 200, "ldm"), "2 layers D64 B2 T200 ldm-attn", {}),
     (case_engine, ("small", 2, 100, "ldm"), "small preset B2 T100 ldm-attn", {}),
     (case_engine, ("d64", 2, 200, "wg"), "2 layers D64 B2 T200 wg-attn", {}),
-    (case_engine, ("d384", 2, 200, "wg"), "2 layers C384 F1024 B2 T200 wg-attn, fused SwiGLU backward", {}),
+    (case_engine, ("d384", 2, 256, "wg"), "2 layers C384 F1024 B2 T256 wg-attn, fused SwiGLU and RoPE", {}),
 ]
 
 __all__ = ["CASES_BF16", "to_bf16", "from_bf16", "bf16_round", "math"]

@@ -3,7 +3,8 @@
 A tensor map describes a bf16 matrix in global memory (its address, shape and row stride) and the
 box that one copy moves into shared memory or back, with the 128-byte swizzle that the warpgroup matrix
 instructions read. `tile_map` sees the matrix as it is; `gate_up_map` sees a gate/up weight as a 5-D
-tensor whose boxes arrive with their rows in the order the fused SwiGLU kernel's lanes want. The driver encodes it (`cuTensorMapEncodeTiled`, called here through ctypes: CuPy
+tensor whose boxes arrive with their rows in the order the fused SwiGLU kernel's lanes want;
+`heads_map` sees attention operands (B, heads, T, 64) as one 64 x 64 box per head and 64 positions. The driver encodes it (`cuTensorMapEncodeTiled`, called here through ctypes: CuPy
 does not wrap it); the 128 bytes then live in device memory, and a kernel takes their address.
 
     >>> m = tile_map(dy, box_rows=128)      # dy: (N, C) bf16 words on the device      # doctest: +SKIP
@@ -91,3 +92,17 @@ def gate_up_map(w):
     r = w.strides[0]
     return _encode(w, (cols, 2, 4, 8, rows // 64), (r, 16 * r, 2 * r, 64 * r), (64, 2, 4, 8, 1),
                    f"the gate/up weight ({rows} x {cols})")
+
+
+def heads_map(x):
+    """The tensor map through which `qkv_rope_gemm` (bf16.cu) stores into an attention operand `x` (B, heads,
+    T, 64) of bf16 words: 3-D, (64, T, B heads), a box (64, 64, 1) being 64 positions of one head of one
+    sequence (T % 64 == 0)."""
+    if x.ndim != 4 or x.shape[3] != 64 or x.dtype.itemsize != 2 or not x.flags.c_contiguous:
+        raise ValueError(f"heads_map needs contiguous bf16 words (B, heads, T, 64), got {x.dtype} shape {x.shape}")
+    B, heads, T, D = x.shape
+    if T % 64:
+        raise ValueError(f"heads_map needs T % 64 == 0 (boxes of 64 positions), got T {T}")
+    _check(x.reshape(B * heads * T, D), "heads_map")
+    return _encode(x, (D, T, B * heads), (2 * D, 2 * D * T), (64, 64, 1),
+                   f"attention operands ({B}, {heads}, {T}, {D})")

@@ -1710,10 +1710,13 @@ extern "C" __global__ void qkv_rope_split_bf16(const bf16* __restrict__ qkv, con
 // Persistent: a block per multiprocessor takes tiles blockIdx.x, + gridDim.x, ... Its 288 threads:
 // - warp 8, the producer: one lane copies the operands' k steps (64 wide) into a ring of SG_STAGES
 //   shared-memory stages by TMA (cp.async.bulk.tensor, 128-byte swizzle: the layout wgmma reads),
-//   a stage's "full" mbarrier counting the bytes in, its "empty" one the two warpgroups done with it.
+//   a stage's "full" mbarrier counting the bytes in, its "empty" one the warpgroup done with it.
 //   It runs ahead into the next tile while the warpgroups finish the last one.
-// - warps 0-7, two warpgroups: warpgroup w multiplies rows 64 w .. of the tile by its 128 columns
-//   (wgmma.m64n128k16, both operands from shared memory), then runs the epilogue.
+// - warps 0-7, two warpgroups in ping-pong (sg_products): warpgroup w multiplies every other tile, all
+//   its 128 rows by its 128 columns (wgmma.m64n128k16 on each 64-row half, both operands from shared
+//   memory), then runs the epilogue while the other warpgroup multiplies the next tile. (An earlier
+//   ping-pong on 64-row tiles was slower than both warpgroups on one tile: one m64n128 product at a time
+//   did not keep the tensor cores busy, and every 64 rows loaded the weight tile again.)
 // Operands: dy, and wdt, the fused kernel's image of Wd: transposed (F, C; k contiguous, as wgmma
 // reads shared memory untransposed) and its rows permuted by 128-row block (wdt_image): hidden column
 // j of a tile is row sg_row(j) of the staged tile, i.e. accumulator column n = sg_row(j). The wgmma C
@@ -1721,17 +1724,16 @@ extern "C" __global__ void qkv_rope_split_bf16(const bf16* __restrict__ qkv, con
 // e = 0, 1), which sg_row maps to hidden columns 32 (nc / 4) + 8 (l % 4) + 2 (nc % 4) + e: each lane
 // holds 8 consecutive hidden columns of each 32-column group, so the epilogue reads gate/up and writes
 // dgate, dup and m with 16-byte accesses.
-// The epilogue's data moves by TMA too, per warpgroup: its rows of gate and up come into shared memory
-// while the tile is multiplied; the epilogue writes d(gate) and d(up) over them and m beside them, and
-// TMA stores take them to memory while the warpgroup multiplies its next tile. (It runs as fast as the
-// version that read gate/up into registers and stored from there, with fewer registers, and in the
-// forward kernel's form, where the TMA stores were what made the fusion pay.)
+// The epilogue's data moves by TMA too, per warpgroup and 64-row half of its tile: the half's gate and up
+// come into shared memory (the first half's while the tile is multiplied, the second's once the first's
+// results have left), the epilogue writes d(gate) and d(up) over them and m beside them, and TMA stores
+// take them to memory.
 // Needs C % 64 == 0 and F % 128 == 0 (the engine checks); rows past N are zeros (TMA fills them) in the
 // products, and TMA stores leave them out.
 #define SG_BK 64
 #define SG_STAGES 4
 // shared memory: 1 KiB alignment + SG_STAGES x 32 KiB, then per kernel the epilogue's boxes and the
-// mbarriers (engine.py: SWIGLU_FWD_GEMM_SMEM, SWIGLU_BWD_GEMM_SMEM)
+// mbarriers (engine.py: SWIGLU_FWD_GEMM_SMEM, SWIGLU_BWD_GEMM_SMEM, QKV_ROPE_GEMM_SMEM)
 
 // Tile column j (0..127) -> the row n of the staged Wd^T tile that holds it.
 __device__ __forceinline__ int sg_row(int j) {
@@ -1810,19 +1812,22 @@ __device__ __forceinline__ void bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// The pieces both fused kernels share: the ring's mbarriers, the producer's loop and a warpgroup's products
+// The pieces the fused kernels share: the ring's mbarriers, the producer's loop and a warpgroup's products
 // for one tile. A stage holds the tile's 128 rows of the left operand (at 0) and its 128 rows of the right
 // one (at SG_TILE), 64 k each: 16 KiB each, 128-byte swizzled.
 #define SG_TILE (128 * SG_BK * 2)
 #define SG_STAGE (2 * SG_TILE)
 
 // Thread 0: the stages' "full" mbarriers (one arrival: the producer's, plus the bytes) and "empty" ones
-// (an arrival per consumer warpgroup).
+// (one arrival: the warpgroup that multiplied from the stage).
 __device__ __forceinline__ void sg_init_ring(unsigned full, unsigned empty) {
     for (int s = 0; s < SG_STAGES; ++s) {
         mbar_init(full + 8 * s, 1);
-        mbar_init(empty + 8 * s, 2);
+        mbar_init(empty + 8 * s, 1);
     }
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // The producer lane: for each of this block's tiles (blockIdx.x, + gridDim.x, ...) and each of its KT k
@@ -1841,30 +1846,43 @@ __device__ __forceinline__ void sg_produce(int tiles, int KT, unsigned stages, u
         }
 }
 
-// Warpgroup wg (thread t of it): acc = rows 64 wg .. 64 wg + 63 of the tile times its 128 columns, over
-// the KT k steps from the ring's step g on (g advances past them). Each stage is handed back (its empty
-// mbarrier) once this warpgroup's products from it are done. `late()` runs once the products of k step
-// max(KT - 3, 0) are issued.
+// Warpgroup wg (thread t of it), ping-pong: it multiplies whole tiles, the block's tiles k = wg, wg + 2, ...
+// of its n (tile k = blockIdx.x + k gridDim.x), so that one warpgroup's epilogue runs while the other
+// multiplies. acc[i] = rows 64 i .. 64 i + 63 of tile k times its 128 columns, over the KT k steps of the
+// ring from step k KT on: two wgmma per 16 k, sharing the right operand. The warpgroups take turns at
+// issuing their products (named barriers 4 and 5; a turn passes once the last k step is issued, while it
+// still runs), so the stages are consumed in the producer's order. Each stage is handed back (its empty
+// mbarrier) once the products from it are done. `late()` runs once k step max(KT - 3, 0) is issued.
 template <typename Late>
-__device__ __forceinline__ void sg_products(float (&acc)[16][4], int& g, int KT, unsigned stages, unsigned full,
-                                            unsigned empty, int wg, int t, Late late) {
+__device__ __forceinline__ void sg_products(float (&acc)[2][16][4], int k, int n, int KT, unsigned stages,
+                                            unsigned full, unsigned empty, int wg, int t, Late late) {
 #pragma unroll
-    for (int c = 0; c < 16; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.f;
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int c = 0; c < 16; ++c) acc[i][c][0] = acc[i][c][1] = acc[i][c][2] = acc[i][c][3] = 0.f;
+    int g = k * KT;
+    if (k > 0) bar_sync(4 + wg, 256);  // the other warpgroup has issued tile k - 1's products
     for (int kt = 0; kt < KT; ++kt, ++g) {
         const int s = g % SG_STAGES;
         mbar_wait(full + 8 * s, (g / SG_STAGES) & 1);
-        const unsigned as = stages + s * SG_STAGE + wg * (SG_TILE / 2), bs = stages + s * SG_STAGE + SG_TILE;
+        const unsigned as = stages + s * SG_STAGE, bs = as + SG_TILE;
         wg_fence();
 #pragma unroll
-        for (int kc = 0; kc < SG_BK / 16; ++kc) wgmma_ss(acc, wg_desc(as + kc * 32, 1), wg_desc(bs + kc * 32, 1));
+        for (int kc = 0; kc < SG_BK / 16; ++kc) {
+            wgmma_ss(acc[0], wg_desc(as + kc * 32, 1), wg_desc(bs + kc * 32, 1));
+            wgmma_ss(acc[1], wg_desc(as + SG_TILE / 2 + kc * 32, 1), wg_desc(bs + kc * 32, 1));
+        }
         wg_commit();
+        if (kt == KT - 1 && k + 1 < n) bar_arrive(4 + (wg ^ 1), 256);  // the other warpgroup's turn
         if (kt == max(KT - 3, 0)) late();
-        wg_wait<1>();  // step g - 1 done: its stage is free as far as this warpgroup goes
-        wg_hold(acc);
+        wg_wait<1>();  // step g - 1 done: its stage is free
+        wg_hold(acc[0]);
+        wg_hold(acc[1]);
         if (kt > 0 && t == 0) mbar_arrive(empty + 8 * ((g - 1) % SG_STAGES));
     }
     wg_wait<0>();
-    wg_hold(acc);
+    wg_hold(acc[0]);
+    wg_hold(acc[1]);
     if (t == 0) mbar_arrive(empty + 8 * ((g - 1) % SG_STAGES));
 }
 #endif
@@ -1875,21 +1893,21 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
                                                                     const void* __restrict__ dgu_map,
                                                                     const void* __restrict__ m_map, int N, int C, int F) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int BOX = 64 * 64 * 2;  // one 64 x 64 bf16 box: 8 KiB
+    constexpr int BOX = 64 * 64 * 2;
     extern __shared__ __align__(128) unsigned char sg_smem[];
     const int wg = threadIdx.x >> 7, t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
     const unsigned stages = (smem_u32(sg_smem) + 1023u) & ~1023u, gus = stages + SG_STAGES * SG_STAGE;
     const unsigned ms = gus + 8 * BOX, full = ms + 4 * BOX, empty = full + 8 * SG_STAGES;
-    const unsigned gubar = empty + 8 * SG_STAGES + 8 * (threadIdx.x >> 7);  // this warpgroup's
+    const unsigned gubar = empty + 8 * SG_STAGES + 8 * (threadIdx.x >> 7);
     const int KT = C / SG_BK, ncols = F / 128, tiles = (N + 127) / 128 * ncols;
     if (threadIdx.x == 0) {
         sg_init_ring(full, empty);
-        mbar_init(empty + 8 * SG_STAGES, 1);  // the warpgroups' gubar
+        mbar_init(empty + 8 * SG_STAGES, 1);
         mbar_init(empty + 8 * SG_STAGES + 8, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    if (wg == 2) {  // the producer warp
+    if (wg == 2) {
         if (threadIdx.x == 256) {
             tma_acquire(dy_map);
             tma_acquire(wdt_map);
@@ -1901,65 +1919,70 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
         return;
     }
     if (t == 0) tma_acquire(gu_map), tma_acquire(dgu_map), tma_acquire(m_map);
-    // This warpgroup's rows of the tile: gate and up in (two 64 x 64 boxes each, by TMA, while the tile is
-    // multiplied), d(gate) and d(up) written over them, m into two boxes of its own, all out by TMA stores.
-    // The boxes are 128-byte swizzled (16-byte chunk c of row r at chunk c ^ (r % 8)), so the 8 rows that a
-    // warp's access covers fall in different banks.
+    // This warpgroup's boxes hold one 64-row half of its tile at a time: gate, gate, up, up (64 hidden columns
+    // each), d(gate) and d(up) then written over them, and m, m. They are 128-byte swizzled (16-byte chunk c
+    // of row r at chunk c ^ (r % 8)), so the 8 rows that a warp's access covers fall in different banks.
     const unsigned gb = gus + wg * 4 * BOX, mb = ms + wg * 2 * BOX;
-    int g = 0;  // k steps consumed, as the producer counts them
-    for (int i = 0, tile = blockIdx.x; tile < tiles; ++i, tile += gridDim.x) {
-        const int row0 = tile / ncols * 128 + wg * 64, col0 = tile % ncols * 128;
-        float acc[16][4];
-        sg_products(acc, g, KT, stages, full, empty, wg, t, [&] {
-            // three k steps before the end, the last tile's boxes have left shared memory and this one's
-            // gate and up come in (waiting for the boxes at the first k step stalled the products: 0.35
-            // against 0.30 ms at B64xT512; halfway, 0.31)
+    const int n = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
+    int fetched = 0;  // gate/up fetches waited for: the parity of gubar's next phase
+    for (int k = wg; k < n; k += 2) {
+        const int tile = blockIdx.x + k * gridDim.x, row0 = tile / ncols * 128, col0 = tile % ncols * 128;
+        auto fetch = [&](int r) {  // once the last stores have left the boxes: gate/up of rows r .. r + 63
             if (t == 0) {
                 asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
                 mbar_expect(gubar, 4 * BOX);
-                for (int b = 0; b < 4; ++b)  // gate, gate, up, up: 64 hidden columns each
-                    tma_2d(gb + b * BOX, gu_map, (b >> 1) * F + col0 + (b & 1) * 64, row0, gubar);
+                for (int b = 0; b < 4; ++b)
+                    tma_2d(gb + b * BOX, gu_map, (b >> 1) * F + col0 + (b & 1) * 64, r, gubar);
             }
-        });
-        mbar_wait(gubar, i & 1);
+        };
+        float acc[2][16][4];
+        // three k steps before the end, the first half's gate/up come in (waiting for the last tile's stores
+        // at the first k step stalled the products: 0.35 against 0.30 ms at B64xT512, before the ping-pong)
+        sg_products(acc, k, n, KT, stages, full, empty, wg, t, [&] { fetch(row0); });
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // this lane's rows rl and rl + 8; per 32-column group gi, its 8 columns
-            const int rl = warp * 16 + (lane >> 2) + 8 * h;
+        for (int half = 0; half < 2; ++half) {
+            mbar_wait(gubar, fetched++ & 1);
 #pragma unroll
-            for (int gi = 0; gi < 4; ++gi) {  // hidden columns 32 gi + 8 q .. + 7: box gi / 2, chunk 4 (gi % 2) + q
-                const unsigned off = (gi >> 1) * BOX + rl * 128 + (((4 * (gi & 1) + q) ^ (rl & 7)) << 4);
-                const unsigned a = gb + off;
-                uint4 g4, u4;
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(g4.x), "=r"(g4.y), "=r"(g4.z), "=r"(g4.w) : "r"(a));
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(u4.x), "=r"(u4.y), "=r"(u4.z), "=r"(u4.w) : "r"(a + 2 * BOX));
-                const unsigned gw[4] = {g4.x, g4.y, g4.z, g4.w}, uw[4] = {u4.x, u4.y, u4.z, u4.w};
-                unsigned og[4], ou[4], om[4];
+            for (int h = 0; h < 2; ++h) {  // this lane's rows rl and rl + 8; per 32-column group gi, its 8 columns
+                const int rl = warp * 16 + (lane >> 2) + 8 * h;
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {  // hidden columns + 2e, + 2e + 1: accumulator chunk 4 gi + e
-                    float dg0, du0, dg1, du1;
-                    const float g0 = lo_bf(gw[e]), g1 = hi_bf(gw[e]), u0 = lo_bf(uw[e]), u1 = hi_bf(uw[e]);
-                    swiglu_grad(acc[4 * gi + e][2 * h], g0, u0, dg0, du0);
-                    swiglu_grad(acc[4 * gi + e][2 * h + 1], g1, u1, dg1, du1);
-                    og[e] = pack2(dg0, dg1);
-                    ou[e] = pack2(du0, du1);
-                    om[e] = pack2(silu_f(g0) * u0, silu_f(g1) * u1);
+                for (int gi = 0; gi < 4; ++gi) {  // hidden columns 32 gi + 8 q .. + 7: box gi / 2, chunk 4 (gi % 2) + q
+                    const unsigned off = (gi >> 1) * BOX + rl * 128 + (((4 * (gi & 1) + q) ^ (rl & 7)) << 4);
+                    const unsigned a = gb + off;
+                    uint4 g4, u4;
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                                 : "=r"(g4.x), "=r"(g4.y), "=r"(g4.z), "=r"(g4.w) : "r"(a));
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                                 : "=r"(u4.x), "=r"(u4.y), "=r"(u4.z), "=r"(u4.w) : "r"(a + 2 * BOX));
+                    const unsigned gw[4] = {g4.x, g4.y, g4.z, g4.w}, uw[4] = {u4.x, u4.y, u4.z, u4.w};
+                    unsigned og[4], ou[4], om[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {  // hidden columns + 2e, + 2e + 1: accumulator chunk 4 gi + e
+                        float dg0, du0, dg1, du1;
+                        const float g0 = lo_bf(gw[e]), g1 = hi_bf(gw[e]), u0 = lo_bf(uw[e]), u1 = hi_bf(uw[e]);
+                        swiglu_grad(acc[half][4 * gi + e][2 * h], g0, u0, dg0, du0);
+                        swiglu_grad(acc[half][4 * gi + e][2 * h + 1], g1, u1, dg1, du1);
+                        og[e] = pack2(dg0, dg1);
+                        ou[e] = pack2(du0, du1);
+                        om[e] = pack2(silu_f(g0) * u0, silu_f(g1) * u1);
+                    }
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                                 ::"r"(a), "r"(og[0]), "r"(og[1]), "r"(og[2]), "r"(og[3]));
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                                 ::"r"(a + 2 * BOX), "r"(ou[0]), "r"(ou[1]), "r"(ou[2]), "r"(ou[3]));
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                                 ::"r"(mb + off), "r"(om[0]), "r"(om[1]), "r"(om[2]), "r"(om[3]));
                 }
-                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
-                             ::"r"(a), "r"(og[0]), "r"(og[1]), "r"(og[2]), "r"(og[3]));
-                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
-                             ::"r"(a + 2 * BOX), "r"(ou[0]), "r"(ou[1]), "r"(ou[2]), "r"(ou[3]));
-                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
-                             ::"r"(mb + off), "r"(om[0]), "r"(om[1]), "r"(om[2]), "r"(om[3]));
             }
-        }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, seen by the TMA stores
-        bar_sync(2 + wg, 128);
-        if (t == 0 && row0 < N) {
-            for (int b = 0; b < 4; ++b) tma_store_2d(dgu_map, (b >> 1) * F + col0 + (b & 1) * 64, row0, gb + b * BOX);
-            for (int b = 0; b < 2; ++b) tma_store_2d(m_map, col0 + b * 64, row0, mb + b * BOX);
-            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, seen by the TMA stores
+            bar_sync(2 + wg, 128);
+            const int r = row0 + 64 * half;
+            if (t == 0 && r < N) {
+                for (int b = 0; b < 4; ++b) tma_store_2d(dgu_map, (b >> 1) * F + col0 + (b & 1) * 64, r, gb + b * BOX);
+                for (int b = 0; b < 2; ++b) tma_store_2d(m_map, col0 + b * 64, r, mb + b * BOX);
+                asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+            }
+            if (half == 0) fetch(row0 + 64);
         }
     }
     if (t == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
@@ -1971,8 +1994,8 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
 // ---- the gate/up projection with the SwiGLU forward inside (wgmma and TMA, sm_90a) -----------------
 // gu = xhat2 Wgu^T (xhat2 (N, C): the second norm's output; Wgu (2F, C): gate rows, then up rows) and m =
 // silu(gate) * up, in one kernel: swiglu_fwd_bf16 no longer reads gu back. The design is swiglu_bwd_gemm's
-// (persistent, a producer warp feeding the ring by TMA, two warpgroups on 128 x 128 tiles), without the
-// gate/up prefetch. A tile is 128 rows x 64 hidden units: its 128 right-operand rows are the units' 64
+// (persistent, a producer warp feeding the ring by TMA, two warpgroups in ping-pong on 128 x 128 tiles),
+// without the gate/up prefetch. A tile is 128 rows x 64 hidden units: its 128 right-operand rows are the units' 64
 // gate rows, then their 64 up rows, so a lane holds the gate and up of the same units. The order of the
 // rows within each 64 is the lanes': accumulator column n = 8 nc + 2 (l % 4) + e of lane l
 // (nc < 8) is gate unit 16 (l % 4) + 2 nc + e, column 64 + n the same unit's up; each lane then holds 16
@@ -1981,11 +2004,11 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
 // the row strides 1, 16, 2 and 64, and one box of (64, 2, 4, 8, 1) is 64 rows in the lanes' order.
 // gate and up are rounded to bf16 before m is computed from them, as swiglu_fwd_bf16 does from the stored
 // gu: m is bit-identical to the unfused path's, and to what the backward recomputes.
-// The outputs leave by TMA stores: each warpgroup writes its 64 rows of gate, up and m into shared memory
-// and one of its threads hands the three boxes to the TMA unit, which writes them to memory while the
-// warpgroup goes on to its next tile's products. (Written with st.global from the registers instead, the
-// epilogue took as long as the products: every block reaches it at the same moment, and the stores of
-// all of them then queued for memory while the tensor cores waited.)
+// The outputs leave by TMA stores: a warpgroup writes its tile's gate, up and m into shared memory (64 x 64
+// boxes, two per output) and one of its threads hands the boxes to the TMA unit, which writes them to
+// memory. (Written with st.global from the registers instead, before the ping-pong, the epilogue took as
+// long as the products: every block reached it at the same moment, and the stores of all of them then
+// queued for memory while the tensor cores waited.)
 // Needs C % 64 == 0 and F % 64 == 0.
 
 extern "C" __global__ void __launch_bounds__(288, 1) swiglu_fwd_gemm(const void* __restrict__ x_map,
@@ -1997,7 +2020,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_fwd_gemm(const void*
     extern __shared__ __align__(128) unsigned char sg_smem[];
     const int wg = threadIdx.x >> 7, t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
     const unsigned stages = (smem_u32(sg_smem) + 1023u) & ~1023u, outs = stages + SG_STAGES * SG_STAGE;
-    const unsigned full = outs + 6 * OUT, empty = full + 8 * SG_STAGES;
+    const unsigned full = outs + 12 * OUT, empty = full + 8 * SG_STAGES;
     const int KT = C / SG_BK, units = F / 64, tiles = (N + 127) / 128 * units;
     if (threadIdx.x == 0) {
         sg_init_ring(full, empty);
@@ -2018,44 +2041,52 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_fwd_gemm(const void*
         return;
     }
     if (t == 0) tma_acquire(gu_map), tma_acquire(m_map);
-    // This warpgroup's rows of the tile leave through shared memory: gate, up and m, a 64 x 64 box each,
-    // in the 128-byte swizzle that the TMA store reads (16-byte chunk c of row r at chunk c ^ (r % 8):
-    // the 8 rows that a warp's store covers fall in different banks).
-    const unsigned out = outs + wg * 3 * OUT;
-    int g = 0;  // k steps consumed, as the producer counts them
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int row0 = tile / units * 128 + wg * 64, unit0 = tile % units * 64;
-        float acc[16][4];
-        sg_products(acc, g, KT, stages, full, empty, wg, t, [] {});
-        if (t == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // the last tile's boxes are out
+    // This warpgroup's tile leaves through shared memory: per 64-row half, gate, up and m, a 64 x 64 box each,
+    // in the 128-byte swizzle that the TMA store reads (16-byte chunk c of row r at chunk c ^ (r % 8): the 8
+    // rows that a warp's store covers fall in different banks).
+    const unsigned out = outs + wg * 6 * OUT;
+    const int n = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // this block's tiles
+    for (int k = wg; k < n; k += 2) {
+        const int tile = blockIdx.x + k * gridDim.x, row0 = tile / units * 128, unit0 = tile % units * 64;
+        float acc[2][16][4];
+        sg_products(acc, k, n, KT, stages, full, empty, wg, t, [] {});
+        if (t == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // its last tile's boxes are out
         bar_sync(2 + wg, 128);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // this lane's rows rl and rl + 8, units unit0 + 16 q .. + 15 of each
-            const int rl = warp * 16 + (lane >> 2) + 8 * h;
-            unsigned og[8], ou[8], om[8];
+        for (int half = 0; half < 2; ++half)
 #pragma unroll
-            for (int nc = 0; nc < 8; ++nc) {  // units 16 q + 2 nc, + 1
-                og[nc] = pack2(acc[nc][2 * h], acc[nc][2 * h + 1]);
-                ou[nc] = pack2(acc[nc + 8][2 * h], acc[nc + 8][2 * h + 1]);
-                om[nc] = pack2(silu_f(lo_bf(og[nc])) * lo_bf(ou[nc]), silu_f(hi_bf(og[nc])) * hi_bf(ou[nc]));
-            }
+            for (int h = 0; h < 2; ++h) {  // this lane's rows rl and rl + 8 of the half, units unit0 + 16 q .. + 15
+                const int rl = warp * 16 + (lane >> 2) + 8 * h;
 #pragma unroll
-            for (int v = 0; v < 2; ++v) {
-                const unsigned a = out + rl * 128 + (((2 * q + v) ^ (rl & 7)) << 4);
-                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
-                             ::"r"(a), "r"(og[4 * v]), "r"(og[4 * v + 1]), "r"(og[4 * v + 2]), "r"(og[4 * v + 3]));
-                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
-                             ::"r"(a + OUT), "r"(ou[4 * v]), "r"(ou[4 * v + 1]), "r"(ou[4 * v + 2]), "r"(ou[4 * v + 3]));
-                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
-                             ::"r"(a + 2 * OUT), "r"(om[4 * v]), "r"(om[4 * v + 1]), "r"(om[4 * v + 2]), "r"(om[4 * v + 3]));
+                for (int v = 0; v < 2; ++v) {  // 8 units at a time: one 16-byte chunk of each output
+                    unsigned og[4], ou[4], om[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {  // units 16 q + 2 nc, + 1, nc = 4 v + i
+                        const int nc = 4 * v + i;
+                        og[i] = pack2(acc[half][nc][2 * h], acc[half][nc][2 * h + 1]);
+                        ou[i] = pack2(acc[half][nc + 8][2 * h], acc[half][nc + 8][2 * h + 1]);
+                        om[i] = pack2(silu_f(lo_bf(og[i])) * lo_bf(ou[i]), silu_f(hi_bf(og[i])) * hi_bf(ou[i]));
+                    }
+                    const unsigned a = out + half * 3 * OUT + rl * 128 + (((2 * q + v) ^ (rl & 7)) << 4);
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                                 ::"r"(a), "r"(og[0]), "r"(og[1]), "r"(og[2]), "r"(og[3]));
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                                 ::"r"(a + OUT), "r"(ou[0]), "r"(ou[1]), "r"(ou[2]), "r"(ou[3]));
+                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                                 ::"r"(a + 2 * OUT), "r"(om[0]), "r"(om[1]), "r"(om[2]), "r"(om[3]));
+                }
             }
-        }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, seen by the TMA store
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, seen by the TMA stores
         bar_sync(2 + wg, 128);
-        if (t == 0 && row0 < N) {
-            tma_store_2d(gu_map, unit0, row0, out);
-            tma_store_2d(gu_map, F + unit0, row0, out + OUT);
-            tma_store_2d(m_map, unit0, row0, out + 2 * OUT);
+        if (t == 0) {
+            for (int half = 0; half < 2; ++half) {
+                const int r = row0 + 64 * half;
+                if (r >= N) break;  // rows past N are left out
+                const unsigned o = out + half * 3 * OUT;
+                tma_store_2d(gu_map, unit0, r, o);
+                tma_store_2d(gu_map, F + unit0, r, o + OUT);
+                tma_store_2d(m_map, unit0, r, o + 2 * OUT);
+            }
             asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
         }
     }
@@ -2070,16 +2101,15 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_fwd_gemm(const void*
 // q rows, k rows, v rows), then q and k rotated by RoPE (half split: d and d + 32 of a head, by cos/sin
 // (T, 32) at position t) and every head written in the attention kernels' layouts, q (B, H, T, 64) and
 // k, v (B, Hkv, T, 64), in one kernel: qkv_rope_split_bf16 no longer reads the qkv product back. The
-// design is swiglu_fwd_gemm's (persistent, a producer warp feeding the ring by TMA, two warpgroups on
-// 128 x 128 tiles); a tile is 128 rows x two heads, the weight rows in their own order. In the wgmma C
+// design is swiglu_fwd_gemm's (persistent, a producer warp feeding the ring by TMA, two warpgroups in
+// ping-pong on 128 x 128 tiles); a tile is 128 rows x two heads, the weight rows in their own order. In the wgmma C
 // layout lane l holds the columns 8 nc + 2 (l % 4) + e, so head dimension d (chunk nc = d / 8 of the
 // head) and its partner d + 32 (chunk nc + 4) are in the same lane: the rotation needs no exchange.
 // As in the unfused path, each product is rounded to bf16 before it is rotated, so q/k/v are bit-identical
 // to qkv_rope_split_bf16 of the same bf16 product.
-// Each warpgroup writes its 64 rows of the two heads into two 64 x 64 boxes of shared memory (128-byte
-// swizzle), and TMA stores move each box to its head through 3-D maps (64, T, B heads) (tma.heads_map):
-// a box at (0, t0, b H + h) is positions t0 .. t0 + 63 of head h of sequence b. The cos/sin of the rows
-// are loaded while the tile's last k steps multiply.
+// A warpgroup writes its tile into four 64 x 64 boxes of shared memory (two heads of each 64-row half;
+// 128-byte swizzle), and TMA stores move each box to its head through 3-D maps (64, T, B heads)
+// (tma.heads_map): a box at (0, t0, b H + h) is positions t0 .. t0 + 63 of head h of sequence b.
 // Needs head size 64, C % 64 == 0 and T % 64 == 0 (a warpgroup's 64 rows then lie in one sequence); a
 // tile's second head past the last v head is not stored, nor rows past N.
 extern "C" __global__ void __launch_bounds__(288, 1) qkv_rope_gemm(const void* __restrict__ x_map,
@@ -2095,7 +2125,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) qkv_rope_gemm(const void* _
     extern __shared__ __align__(128) unsigned char sg_smem[];
     const int wg = threadIdx.x >> 7, t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
     const unsigned stages = (smem_u32(sg_smem) + 1023u) & ~1023u, outs = stages + SG_STAGES * SG_STAGE;
-    const unsigned full = outs + 4 * BOX, empty = full + 8 * SG_STAGES;
+    const unsigned full = outs + 8 * BOX, empty = full + 8 * SG_STAGES;
     const int heads = H + 2 * Hkv, ncols = (heads + 1) / 2, KT = C / SG_BK, tiles = (N + 127) / 128 * ncols;
     if (threadIdx.x == 0) {
         sg_init_ring(full, empty);
@@ -2114,57 +2144,57 @@ extern "C" __global__ void __launch_bounds__(288, 1) qkv_rope_gemm(const void* _
         return;
     }
     if (t == 0) tma_acquire(q_map), tma_acquire(k_map), tma_acquire(v_map);
-    const unsigned out = outs + wg * 2 * BOX;  // this warpgroup's two heads
-    int g = 0;  // k steps consumed, as the producer counts them
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int row0 = tile / ncols * 128 + wg * 64, head0 = tile % ncols * 2;
-        float acc[16][4];
-        float2 cs[2][4], sn[2][4];  // cos/sin of this lane's rows rl and rl + 8, head dimensions 8 j + 2 q + e
-        sg_products(acc, g, KT, stages, full, empty, wg, t, [&] {  // loaded while the last k steps multiply
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int pos = (row0 + warp * 16 + (lane >> 2) + 8 * h) % T;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    cs[h][j] = *reinterpret_cast<const float2*>(cos_t + pos * 32 + 8 * j + 2 * q);
-                    sn[h][j] = *reinterpret_cast<const float2*>(sin_t + pos * 32 + 8 * j + 2 * q);
-                }
-            }
-        });
-        if (t == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // the last tile's boxes are out
+    const unsigned out = outs + wg * 4 * BOX;  // this warpgroup's: per 64-row half, the two heads
+    const int n = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // this block's tiles
+    for (int k = wg; k < n; k += 2) {
+        const int tile = blockIdx.x + k * gridDim.x, row0 = tile / ncols * 128, head0 = tile % ncols * 2;
+        float acc[2][16][4];
+        sg_products(acc, k, n, KT, stages, full, empty, wg, t, [] {});
+        if (t == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // its last tile's boxes are out
         bar_sync(2 + wg, 128);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // this lane's rows rl and rl + 8; head dimensions 8 j + 2 q + e, + 32
-            const int rl = warp * 16 + (lane >> 2) + 8 * h;
+        for (int half = 0; half < 2; ++half)
 #pragma unroll
-            for (int hd = 0; hd < 2; ++hd) {
-                const bool rotate = head0 + hd < H + Hkv;  // q and k heads; v as it is
-                const unsigned row = out + hd * BOX + rl * 128 + 4 * q;
+            for (int h = 0; h < 2; ++h) {  // this lane's rows rl and rl + 8; head dimensions 8 j + 2 q + e, + 32
+                const int rl = warp * 16 + (lane >> 2) + 8 * h, pos = (row0 + 64 * half + rl) % T;
+                float2 cs[4], sn[4];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    const unsigned w1 = pack2(acc[8 * hd + j][2 * h], acc[8 * hd + j][2 * h + 1]);
-                    const unsigned w2 = pack2(acc[8 * hd + j + 4][2 * h], acc[8 * hd + j + 4][2 * h + 1]);
-                    unsigned y1 = w1, y2 = w2;
-                    if (rotate) {
-                        const float a0 = lo_bf(w1), a1 = hi_bf(w1), b0 = lo_bf(w2), b1 = hi_bf(w2);
-                        const float2 c = cs[h][j], sv = sn[h][j];
-                        y1 = pack2(a0 * c.x - b0 * sv.x, a1 * c.y - b1 * sv.y);
-                        y2 = pack2(b0 * c.x + a0 * sv.x, b1 * c.y + a1 * sv.y);
+                    cs[j] = *reinterpret_cast<const float2*>(cos_t + pos * 32 + 8 * j + 2 * q);
+                    sn[j] = *reinterpret_cast<const float2*>(sin_t + pos * 32 + 8 * j + 2 * q);
+                }
+#pragma unroll
+                for (int hd = 0; hd < 2; ++hd) {
+                    const bool rotate = head0 + hd < H + Hkv;  // q and k heads; v as it is
+                    const unsigned row = out + (2 * half + hd) * BOX + rl * 128 + 4 * q;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const unsigned w1 = pack2(acc[half][8 * hd + j][2 * h], acc[half][8 * hd + j][2 * h + 1]);
+                        const unsigned w2 = pack2(acc[half][8 * hd + j + 4][2 * h], acc[half][8 * hd + j + 4][2 * h + 1]);
+                        unsigned y1 = w1, y2 = w2;
+                        if (rotate) {
+                            const float a0 = lo_bf(w1), a1 = hi_bf(w1), b0 = lo_bf(w2), b1 = hi_bf(w2);
+                            y1 = pack2(a0 * cs[j].x - b0 * sn[j].x, a1 * cs[j].y - b1 * sn[j].y);
+                            y2 = pack2(b0 * cs[j].x + a0 * sn[j].x, b1 * cs[j].y + a1 * sn[j].y);
+                        }
+                        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row + ((j ^ (rl & 7)) << 4)), "r"(y1));
+                        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row + (((j + 4) ^ (rl & 7)) << 4)), "r"(y2));
                     }
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row + ((j ^ (rl & 7)) << 4)), "r"(y1));
-                    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row + (((j + 4) ^ (rl & 7)) << 4)), "r"(y2));
                 }
             }
-        }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, seen by the TMA stores
         bar_sync(2 + wg, 128);
-        if (t == 0 && row0 < N) {
-            for (int hd = 0; hd < 2; ++hd) {
-                const int hh = head0 + hd;
-                if (hh >= heads) break;
-                const void* map = hh < H ? q_map : hh < H + Hkv ? k_map : v_map;
-                const int nh = hh < H ? H : Hkv, hl = hh < H ? hh : hh < H + Hkv ? hh - H : hh - H - Hkv;
-                tma_store_3d(map, 0, row0 % T, row0 / T * nh + hl, out + hd * BOX);
+        if (t == 0) {
+            for (int half = 0; half < 2; ++half) {
+                const int r = row0 + 64 * half;
+                if (r >= N) break;  // rows past N are left out
+                for (int hd = 0; hd < 2; ++hd) {
+                    const int hh = head0 + hd;
+                    if (hh >= heads) break;
+                    const void* map = hh < H ? q_map : hh < H + Hkv ? k_map : v_map;
+                    const int nh = hh < H ? H : Hkv, hl = hh < H ? hh : hh < H + Hkv ? hh - H : hh - H - Hkv;
+                    tma_store_3d(map, 0, r % T, r / T * nh + hl, out + (2 * half + hd) * BOX);
+                }
             }
             asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
         }
@@ -2174,6 +2204,9 @@ extern "C" __global__ void __launch_bounds__(288, 1) qkv_rope_gemm(const void* _
     __trap();  // built for another target: the engine launches this kernel only on sm_90a builds
 #endif
 }
+
+
+
 
 // The fused kernel's image of the down projections: `count` matrices Wd (rows x cols, bf16; cols % 128
 // == 0) at base + offs[z] -> dst, each transposed (cols x rows) with its rows permuted within blocks of

@@ -97,16 +97,15 @@ _MMA_HEAD_DIMS = (32, 64)  # tensor-core FlashAttention of bf16.cu
 ATTENTION_VARIANTS = ("wg", "ldm", "mma", "fp32")
 
 _NULL = np.uint64(0)  # a null pointer argument (an optional input or output a kernel skips)
-# The fused SwiGLU kernels (bf16.cu): two warpgroups and a producer warp; shared memory = 1 KiB of alignment,
-# SG_STAGES stages of 32 KiB and their 2 SG_STAGES mbarriers, and the epilogue's 8 KiB boxes of 64 x 64:
-# in the forward gate, up and m of each warpgroup (6), in the backward gate and up (8, then d(gate) and
-# d(up) over them) and m (4), with an mbarrier per warpgroup.
+# The fused GEMM kernels (bf16.cu): two warpgroups in ping-pong and a producer warp; shared memory = 1 KiB of
+# alignment, SG_STAGES stages of 32 KiB and their 2 SG_STAGES mbarriers, and the epilogue's 8 KiB boxes of
+# 64 x 64, per warpgroup: in the SwiGLU forward gate, up and m of both 64-row halves of its tile (6), in the
+# backward gate and up (4, then d(gate) and d(up) over them) and m (2) of one half at a time, with an
+# mbarrier; in the qkv product with RoPE the two heads of both halves (4).
 SWIGLU_GEMM_THREADS = 288
-SWIGLU_FWD_GEMM_SMEM = 1024 + 4 * 32768 + 6 * 8192 + 8 * 8
+SWIGLU_FWD_GEMM_SMEM = 1024 + 4 * 32768 + 12 * 8192 + 8 * 8
 SWIGLU_BWD_GEMM_SMEM = 1024 + 4 * 32768 + 12 * 8192 + 10 * 8
-# The qkv projection with RoPE inside (qkv_rope_gemm): the same threads and ring, and each warpgroup's two
-# heads of 64 x 64 as the epilogue's boxes.
-QKV_ROPE_GEMM_SMEM = 1024 + 4 * 32768 + 4 * 8192 + 8 * 8
+QKV_ROPE_GEMM_SMEM = 1024 + 4 * 32768 + 8 * 8192 + 8 * 8
 _FOLD_SPLITS = 64  # row splits of gain_fold_grad at most (its column sums are reduced by column_sums)
 
 

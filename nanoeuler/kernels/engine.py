@@ -155,8 +155,8 @@ def prepare_fused_gemm(fn):
 def run_qkv_rope_gemm(fn, x_map, w_map, q_map, k_map, v_map, cos, sin, N: int, C: int, T: int, H: int, Hkv: int,
                       sms: int) -> None:
     """qkv = xhat Wqkv^T, q and k rotated by RoPE (cos/sin: (T, 32) float32), into q (B, H, T, 64) and k, v
-    (B, Hkv, T, 64), T % 64 == 0; xhat (N = B T rows) and Wqkv through `tile_map`s with boxes of 128 rows, q/k/v through
-    `heads_map`s (bf16.cu's qkv_rope_gemm)."""
+    (B, Hkv, T, 64), T % 64 == 0; xhat (N = B T rows) and Wqkv through `tile_map`s with boxes of 128 rows,
+    q/k/v through `heads_map`s (bf16.cu's qkv_rope_gemm)."""
     i32 = np.int32
     fn(qkv_rope_gemm_grid(N, H + 2 * Hkv, sms), (SWIGLU_GEMM_THREADS,),
        (x_map, w_map, q_map, k_map, v_map, cos, sin, i32(N), i32(C), i32(T), i32(H), i32(Hkv)),
@@ -487,7 +487,7 @@ class Engine:
             self.gu_maps = [tile_map(x, 64) for x in self.gu]  # the epilogues' boxes: 64 rows x 64 columns
             self.m_map = tile_map(self.m, 64)
             self.dgu_map = tile_map(self.dgu, 64)
-        if self.fuse_rope:  # qkv_rope_gemm's: xhat1 and Wqkv in boxes of 128 rows, q/k/v a box per head and 64 positions
+        if self.fuse_rope:  # qkv_rope_gemm's: xhat1 and Wqkv in boxes of 128 rows; q/k/v, a box per head, 64 positions
             self.xh1_maps = [tile_map(x, 128) for x in self.xh1]
             self.wqkv_maps = [tile_map(w["qkv"].arr, 128) for w in self.Lw]
             self.qkv_maps = [(heads_map(q), heads_map(k), heads_map(v)) for q, k, v in zip(self.q, self.k, self.v)]
@@ -790,8 +790,8 @@ class Engine:
             # m = silu(gate) * up, which the down projection's weight gradient then reads. Fused: dm = dy Wd
             # and the SwiGLU backward in one kernel, dm never stored.
             if self.fuse_swiglu:
-                run_swiglu_bwd_gemm(self._swiglu_bwd_gemm, self.dy_map, self.wdt_map, i * F, self.gu_maps[i], self.dgu_map,
-                                    self.m_map, N, C, F, self.sms)
+                run_swiglu_bwd_gemm(self._swiglu_bwd_gemm, self.dy_map, self.wdt_map, i * F, self.gu_maps[i],
+                                    self.dgu_map, self.m_map, N, C, F, self.sms)
             else:
                 gemm(self.mdm, self.mdxb, w["d"])
                 k["swiglu_bwd_bf16"](glu_grid, (256,), (self.dm, self.gu[i], self.dgu, self.m, i32(F), i32(N)))

@@ -4,8 +4,9 @@ A tensor map describes a bf16 matrix in global memory (its address, shape and ro
 box that one copy moves into shared memory or back, with the 128-byte swizzle that the warpgroup matrix
 instructions read. `tile_map` sees the matrix as it is; `gate_up_map` sees a gate/up weight as a 5-D
 tensor whose boxes arrive with their rows in the order the fused SwiGLU kernel's lanes want;
-`heads_map` sees attention operands (B, heads, T, 64) as one 64 x 64 box per head and 64 positions. The driver encodes it (`cuTensorMapEncodeTiled`, called here through ctypes: CuPy
-does not wrap it); the 128 bytes then live in device memory, and a kernel takes their address.
+`heads_map` sees attention operands (B, heads, T, 64) as one 64 x 64 box per head and 64 positions.
+The driver encodes a map (`cuTensorMapEncodeTiled`, called here through ctypes: CuPy does not wrap it);
+the 128 bytes then live in device memory, and a kernel takes their address.
 
     >>> m = tile_map(dy, box_rows=128)      # dy: (N, C) bf16 words on the device      # doctest: +SKIP
     >>> kernel(grid, block, (m, ...))      # the kernel's `const void*` argument      # doctest: +SKIP

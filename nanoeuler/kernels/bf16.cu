@@ -1808,6 +1808,17 @@ __device__ __forceinline__ void tma_store_3d(const void* map, int c0, int c1, in
     asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
                  ::"l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(src) : "memory");
 }
+// 16 or 4 bytes at a shared-memory address (the epilogues' boxes).
+__device__ __forceinline__ void lds128(unsigned (&v)[4], unsigned a) {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3]) : "r"(a));
+}
+__device__ __forceinline__ void sts128(unsigned a, const unsigned (&v)[4]) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3]));
+}
+__device__ __forceinline__ void sts32(unsigned a, unsigned v) {
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(v));
+}
 __device__ __forceinline__ void bar_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -1830,12 +1841,14 @@ __device__ __forceinline__ void bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// The producer lane: for each of this block's tiles (blockIdx.x, + gridDim.x, ...) and each of its KT k
-// steps, wait until the next stage is free, announce its bytes, and have `issue(tile, kt, stage address,
-// full mbarrier)` start the copies into it.
+// The producer lane: acquire the operands' tensor maps, then for each of this block's tiles (blockIdx.x,
+// + gridDim.x, ...) and each of its KT k steps, wait until the next stage is free, announce its bytes, and
+// have `issue(tile, kt, stage address, full mbarrier)` start the copies into it.
 template <typename Issue>
-__device__ __forceinline__ void sg_produce(int tiles, int KT, unsigned stages, unsigned full, unsigned empty,
-                                           Issue issue) {
+__device__ __forceinline__ void sg_produce(const void* a_map, const void* b_map, int tiles, int KT, unsigned stages,
+                                           unsigned full, unsigned empty, Issue issue) {
+    tma_acquire(a_map);
+    tma_acquire(b_map);
     int g = 0;  // k steps issued, over all tiles: stage g % SG_STAGES, its use number g / SG_STAGES
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x)
         for (int kt = 0; kt < KT; ++kt, ++g) {
@@ -1844,6 +1857,11 @@ __device__ __forceinline__ void sg_produce(int tiles, int KT, unsigned stages, u
             mbar_expect(full + 8 * s, SG_STAGE);
             issue(tile, kt, stages + s * SG_STAGE, full + 8 * s);
         }
+}
+
+// How many of the `tiles` this block takes (tiles blockIdx.x, + gridDim.x, ...).
+__device__ __forceinline__ int sg_block_tiles(int tiles) {
+    return (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
 }
 
 // Warpgroup wg (thread t of it), ping-pong: it multiplies whole tiles, the block's tiles k = wg, wg + 2, ...
@@ -1907,15 +1925,13 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    if (wg == 2) {
-        if (threadIdx.x == 256) {
-            tma_acquire(dy_map);
-            tma_acquire(wdt_map);
-            sg_produce(tiles, KT, stages, full, empty, [&](int tile, int kt, unsigned dst, unsigned bar) {
+    if (wg == 2) {  // the producer warp
+        if (threadIdx.x == 256)
+            sg_produce(dy_map, wdt_map, tiles, KT, stages, full, empty,
+                       [&](int tile, int kt, unsigned dst, unsigned bar) {
                 tma_2d(dst, dy_map, kt * SG_BK, tile / ncols * 128, bar);
                 tma_2d(dst + SG_TILE, wdt_map, kt * SG_BK, wdt_row0 + tile % ncols * 128, bar);
             });
-        }
         return;
     }
     if (t == 0) tma_acquire(gu_map), tma_acquire(dgu_map), tma_acquire(m_map);
@@ -1923,8 +1939,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
     // each), d(gate) and d(up) then written over them, and m, m. They are 128-byte swizzled (16-byte chunk c
     // of row r at chunk c ^ (r % 8)), so the 8 rows that a warp's access covers fall in different banks.
     const unsigned gb = gus + wg * 4 * BOX, mb = ms + wg * 2 * BOX;
-    const int n = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
-    int fetched = 0;  // gate/up fetches waited for: the parity of gubar's next phase
+    const int n = sg_block_tiles(tiles);
     for (int k = wg; k < n; k += 2) {
         const int tile = blockIdx.x + k * gridDim.x, row0 = tile / ncols * 128, col0 = tile % ncols * 128;
         auto fetch = [&](int r) {  // once the last stores have left the boxes: gate/up of rows r .. r + 63
@@ -1941,7 +1956,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
         sg_products(acc, k, n, KT, stages, full, empty, wg, t, [&] { fetch(row0); });
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            mbar_wait(gubar, fetched++ & 1);
+            mbar_wait(gubar, half);  // gubar completes two phases a tile: the first half's, then the second's
 #pragma unroll
             for (int h = 0; h < 2; ++h) {  // this lane's rows rl and rl + 8; per 32-column group gi, its 8 columns
                 const int rl = warp * 16 + (lane >> 2) + 8 * h;
@@ -1949,12 +1964,9 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
                 for (int gi = 0; gi < 4; ++gi) {  // hidden columns 32 gi + 8 q .. + 7: box gi / 2, chunk 4 (gi % 2) + q
                     const unsigned off = (gi >> 1) * BOX + rl * 128 + (((4 * (gi & 1) + q) ^ (rl & 7)) << 4);
                     const unsigned a = gb + off;
-                    uint4 g4, u4;
-                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                                 : "=r"(g4.x), "=r"(g4.y), "=r"(g4.z), "=r"(g4.w) : "r"(a));
-                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                                 : "=r"(u4.x), "=r"(u4.y), "=r"(u4.z), "=r"(u4.w) : "r"(a + 2 * BOX));
-                    const unsigned gw[4] = {g4.x, g4.y, g4.z, g4.w}, uw[4] = {u4.x, u4.y, u4.z, u4.w};
+                    unsigned gw[4], uw[4];
+                    lds128(gw, a);
+                    lds128(uw, a + 2 * BOX);
                     unsigned og[4], ou[4], om[4];
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {  // hidden columns + 2e, + 2e + 1: accumulator chunk 4 gi + e
@@ -1966,12 +1978,9 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
                         ou[e] = pack2(du0, du1);
                         om[e] = pack2(silu_f(g0) * u0, silu_f(g1) * u1);
                     }
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
-                                 ::"r"(a), "r"(og[0]), "r"(og[1]), "r"(og[2]), "r"(og[3]));
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
-                                 ::"r"(a + 2 * BOX), "r"(ou[0]), "r"(ou[1]), "r"(ou[2]), "r"(ou[3]));
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
-                                 ::"r"(mb + off), "r"(om[0]), "r"(om[1]), "r"(om[2]), "r"(om[3]));
+                    sts128(a, og);
+                    sts128(a + 2 * BOX, ou);
+                    sts128(mb + off, om);
                 }
             }
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, seen by the TMA stores
@@ -1995,8 +2004,8 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
 // gu = xhat2 Wgu^T (xhat2 (N, C): the second norm's output; Wgu (2F, C): gate rows, then up rows) and m =
 // silu(gate) * up, in one kernel: swiglu_fwd_bf16 no longer reads gu back. The design is swiglu_bwd_gemm's
 // (persistent, a producer warp feeding the ring by TMA, two warpgroups in ping-pong on 128 x 128 tiles),
-// without the gate/up prefetch. A tile is 128 rows x 64 hidden units: its 128 right-operand rows are the units' 64
-// gate rows, then their 64 up rows, so a lane holds the gate and up of the same units. The order of the
+// without the gate/up prefetch. A tile is 128 rows x 64 hidden units: its 128 right-operand rows are the
+// units' 64 gate rows, then their 64 up rows, so a lane holds the gate and up of the same units. The order of the
 // rows within each 64 is the lanes': accumulator column n = 8 nc + 2 (l % 4) + e of lane l
 // (nc < 8) is gate unit 16 (l % 4) + 2 nc + e, column 64 + n the same unit's up; each lane then holds 16
 // consecutive units of its two rows and stores gate, up and m 16 bytes at a time. That order is a view of
@@ -2028,16 +2037,14 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_fwd_gemm(const void*
     }
     __syncthreads();
     if (wg == 2) {  // the producer warp
-        if (threadIdx.x == 256) {
-            tma_acquire(x_map);
-            tma_acquire(w_map);
-            sg_produce(tiles, KT, stages, full, empty, [&](int tile, int kt, unsigned dst, unsigned bar) {
+        if (threadIdx.x == 256)
+            sg_produce(x_map, w_map, tiles, KT, stages, full, empty,
+                       [&](int tile, int kt, unsigned dst, unsigned bar) {
                 const int u = tile % units;
                 tma_2d(dst, x_map, kt * SG_BK, tile / units * 128, bar);
                 tma_5d(dst + SG_TILE, w_map, kt * SG_BK, u, bar);                       // gate rows
                 tma_5d(dst + SG_TILE + SG_TILE / 2, w_map, kt * SG_BK, units + u, bar);  // up rows
             });
-        }
         return;
     }
     if (t == 0) tma_acquire(gu_map), tma_acquire(m_map);
@@ -2045,7 +2052,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_fwd_gemm(const void*
     // in the 128-byte swizzle that the TMA store reads (16-byte chunk c of row r at chunk c ^ (r % 8): the 8
     // rows that a warp's store covers fall in different banks).
     const unsigned out = outs + wg * 6 * OUT;
-    const int n = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // this block's tiles
+    const int n = sg_block_tiles(tiles);
     for (int k = wg; k < n; k += 2) {
         const int tile = blockIdx.x + k * gridDim.x, row0 = tile / units * 128, unit0 = tile % units * 64;
         float acc[2][16][4];
@@ -2068,12 +2075,9 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_fwd_gemm(const void*
                         om[i] = pack2(silu_f(lo_bf(og[i])) * lo_bf(ou[i]), silu_f(hi_bf(og[i])) * hi_bf(ou[i]));
                     }
                     const unsigned a = out + half * 3 * OUT + rl * 128 + (((2 * q + v) ^ (rl & 7)) << 4);
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
-                                 ::"r"(a), "r"(og[0]), "r"(og[1]), "r"(og[2]), "r"(og[3]));
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
-                                 ::"r"(a + OUT), "r"(ou[0]), "r"(ou[1]), "r"(ou[2]), "r"(ou[3]));
-                    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
-                                 ::"r"(a + 2 * OUT), "r"(om[0]), "r"(om[1]), "r"(om[2]), "r"(om[3]));
+                    sts128(a, og);
+                    sts128(a + OUT, ou);
+                    sts128(a + 2 * OUT, om);
                 }
             }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, seen by the TMA stores
@@ -2102,9 +2106,9 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_fwd_gemm(const void*
 // (T, 32) at position t) and every head written in the attention kernels' layouts, q (B, H, T, 64) and
 // k, v (B, Hkv, T, 64), in one kernel: qkv_rope_split_bf16 no longer reads the qkv product back. The
 // design is swiglu_fwd_gemm's (persistent, a producer warp feeding the ring by TMA, two warpgroups in
-// ping-pong on 128 x 128 tiles); a tile is 128 rows x two heads, the weight rows in their own order. In the wgmma C
-// layout lane l holds the columns 8 nc + 2 (l % 4) + e, so head dimension d (chunk nc = d / 8 of the
-// head) and its partner d + 32 (chunk nc + 4) are in the same lane: the rotation needs no exchange.
+// ping-pong on 128 x 128 tiles); a tile is 128 rows x two heads, the weight rows in their own order. In
+// the wgmma C layout lane l holds the columns 8 nc + 2 (l % 4) + e, so head dimension d (chunk nc = d / 8
+// of the head) and its partner d + 32 (chunk nc + 4) are in the same lane: the rotation needs no exchange.
 // As in the unfused path, each product is rounded to bf16 before it is rotated, so q/k/v are bit-identical
 // to qkv_rope_split_bf16 of the same bf16 product.
 // A warpgroup writes its tile into four 64 x 64 boxes of shared memory (two heads of each 64-row half;
@@ -2133,19 +2137,17 @@ extern "C" __global__ void __launch_bounds__(288, 1) qkv_rope_gemm(const void* _
     }
     __syncthreads();
     if (wg == 2) {  // the producer warp
-        if (threadIdx.x == 256) {
-            tma_acquire(x_map);
-            tma_acquire(w_map);
-            sg_produce(tiles, KT, stages, full, empty, [&](int tile, int kt, unsigned dst, unsigned bar) {
+        if (threadIdx.x == 256)
+            sg_produce(x_map, w_map, tiles, KT, stages, full, empty,
+                       [&](int tile, int kt, unsigned dst, unsigned bar) {
                 tma_2d(dst, x_map, kt * SG_BK, tile / ncols * 128, bar);
                 tma_2d(dst + SG_TILE, w_map, kt * SG_BK, tile % ncols * 128, bar);
             });
-        }
         return;
     }
     if (t == 0) tma_acquire(q_map), tma_acquire(k_map), tma_acquire(v_map);
     const unsigned out = outs + wg * 4 * BOX;  // this warpgroup's: per 64-row half, the two heads
-    const int n = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // this block's tiles
+    const int n = sg_block_tiles(tiles);
     for (int k = wg; k < n; k += 2) {
         const int tile = blockIdx.x + k * gridDim.x, row0 = tile / ncols * 128, head0 = tile % ncols * 2;
         float acc[2][16][4];
@@ -2170,15 +2172,16 @@ extern "C" __global__ void __launch_bounds__(288, 1) qkv_rope_gemm(const void* _
 #pragma unroll
                     for (int j = 0; j < 4; ++j) {
                         const unsigned w1 = pack2(acc[half][8 * hd + j][2 * h], acc[half][8 * hd + j][2 * h + 1]);
-                        const unsigned w2 = pack2(acc[half][8 * hd + j + 4][2 * h], acc[half][8 * hd + j + 4][2 * h + 1]);
+                        const unsigned w2 = pack2(acc[half][8 * hd + j + 4][2 * h],
+                                                  acc[half][8 * hd + j + 4][2 * h + 1]);
                         unsigned y1 = w1, y2 = w2;
                         if (rotate) {
                             const float a0 = lo_bf(w1), a1 = hi_bf(w1), b0 = lo_bf(w2), b1 = hi_bf(w2);
                             y1 = pack2(a0 * cs[j].x - b0 * sn[j].x, a1 * cs[j].y - b1 * sn[j].y);
                             y2 = pack2(b0 * cs[j].x + a0 * sn[j].x, b1 * cs[j].y + a1 * sn[j].y);
                         }
-                        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row + ((j ^ (rl & 7)) << 4)), "r"(y1));
-                        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row + (((j + 4) ^ (rl & 7)) << 4)), "r"(y2));
+                        sts32(row + ((j ^ (rl & 7)) << 4), y1);
+                        sts32(row + (((j + 4) ^ (rl & 7)) << 4), y2);
                     }
                 }
             }

@@ -1724,10 +1724,10 @@ extern "C" __global__ void qkv_rope_split_bf16(const bf16* __restrict__ qkv, con
 // e = 0, 1), which sg_row maps to hidden columns 32 (nc / 4) + 8 (l % 4) + 2 (nc % 4) + e: each lane
 // holds 8 consecutive hidden columns of each 32-column group, so the epilogue reads gate/up and writes
 // dgate, dup and m with 16-byte accesses.
-// The epilogue's data moves by TMA too, per warpgroup and 64-row half of its tile: the half's gate and up
-// come into shared memory (the first half's while the tile is multiplied, the second's once the first's
-// results have left), the epilogue writes d(gate) and d(up) over them and m beside them, and TMA stores
-// take them to memory.
+// The epilogue's data moves by TMA too, per warpgroup and quarter of its tile (64 rows x 64 hidden columns),
+// through two buffers: a quarter's gate and up come into shared memory (the first half's two while the
+// tile is multiplied, each of the second half's once the first half's quarter in its buffer has left), the
+// epilogue writes d(gate) and d(up) over them and m beside them, and TMA stores take them to memory.
 // Needs C % 64 == 0 and F % 128 == 0 (the engine checks); rows past N are zeros (TMA fills them) in the
 // products, and TMA stores leave them out.
 #define SG_BK 64
@@ -1916,12 +1916,11 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
     const int wg = threadIdx.x >> 7, t = threadIdx.x & 127, warp = t >> 5, lane = t & 31, q = lane & 3;
     const unsigned stages = (smem_u32(sg_smem) + 1023u) & ~1023u, gus = stages + SG_STAGES * SG_STAGE;
     const unsigned ms = gus + 8 * BOX, full = ms + 4 * BOX, empty = full + 8 * SG_STAGES;
-    const unsigned gubar = empty + 8 * SG_STAGES + 8 * (threadIdx.x >> 7);
+    const unsigned gubar = empty + 8 * SG_STAGES + 16 * wg;  // this warpgroup's two: buffer 0's, buffer 1's
     const int KT = C / SG_BK, ncols = F / 128, tiles = (N + 127) / 128 * ncols;
     if (threadIdx.x == 0) {
         sg_init_ring(full, empty);
-        mbar_init(empty + 8 * SG_STAGES, 1);
-        mbar_init(empty + 8 * SG_STAGES + 8, 1);
+        for (int i = 0; i < 4; ++i) mbar_init(empty + 8 * SG_STAGES + 8 * i, 1);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -1935,64 +1934,81 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
         return;
     }
     if (t == 0) tma_acquire(gu_map), tma_acquire(dgu_map), tma_acquire(m_map);
-    // This warpgroup's boxes hold one 64-row half of its tile at a time: gate, gate, up, up (64 hidden columns
-    // each), d(gate) and d(up) then written over them, and m, m. They are 128-byte swizzled (16-byte chunk c
-    // of row r at chunk c ^ (r % 8)), so the 8 rows that a warp's access covers fall in different banks.
+    // This warpgroup's boxes hold two quarters of its tile (64 rows x 64 hidden columns) at a time, in two
+    // buffers: buffer j has the gate box gb + j BOX, the up box gb + (2 + j) BOX (d(gate) and d(up) then
+    // written over them) and the m box mb + j BOX. They are 128-byte swizzled (16-byte chunk c of row r at
+    // chunk c ^ (r % 8)), so the 8 rows that a warp's access covers fall in different banks.
     const unsigned gb = gus + wg * 4 * BOX, mb = ms + wg * 2 * BOX;
     const int n = sg_block_tiles(tiles);
     for (int k = wg; k < n; k += 2) {
         const int tile = blockIdx.x + k * gridDim.x, row0 = tile / ncols * 128, col0 = tile % ncols * 128;
-        auto fetch = [&](int r) {  // once the last stores have left the boxes: gate/up of rows r .. r + 63
-            if (t == 0) {
-                asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-                mbar_expect(gubar, 4 * BOX);
-                for (int b = 0; b < 4; ++b)
-                    tma_2d(gb + b * BOX, gu_map, (b >> 1) * F + col0 + (b & 1) * 64, r, gubar);
-            }
+        auto fetch = [&](int j, int r) {  // gate/up of rows r .. r + 63, hidden columns col0 + 64 j .., into buffer j
+            mbar_expect(gubar + 8 * j, 2 * BOX);
+            tma_2d(gb + j * BOX, gu_map, col0 + 64 * j, r, gubar + 8 * j);
+            tma_2d(gb + (2 + j) * BOX, gu_map, F + col0 + 64 * j, r, gubar + 8 * j);
         };
         float acc[2][16][4];
-        // three k steps before the end, the first half's gate/up come in (waiting for the last tile's stores
+        // three k steps before the end, the first half's quarters come in (waiting for the last tile's stores
         // at the first k step stalled the products: 0.35 against 0.30 ms at B64xT512, before the ping-pong)
-        sg_products(acc, k, n, KT, stages, full, empty, wg, t, [&] { fetch(row0); });
+        sg_products(acc, k, n, KT, stages, full, empty, wg, t, [&] {
+            if (t == 0) {
+                asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // the boxes are free
+                fetch(0, row0);
+                fetch(1, row0);
+            }
+        });
+        // quarter (half, j): rows row0 + 64 half .., hidden columns col0 + 64 j ..; the second half's quarter
+        // j comes into buffer j as soon as the first half's results have left it, while the warpgroup works
+        // on the other buffer (by halves, the second half's fetch waited for both boxes' stores and was not
+        // hidden at all: 0.267 against 0.253 ms at B64xT512)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            mbar_wait(gubar, half);  // gubar completes two phases a tile: the first half's, then the second's
+        for (int half = 0; half < 2; ++half)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {  // this lane's rows rl and rl + 8; per 32-column group gi, its 8 columns
-                const int rl = warp * 16 + (lane >> 2) + 8 * h;
+            for (int j = 0; j < 2; ++j) {
+                mbar_wait(gubar + 8 * j, half);  // each buffer's mbarrier completes two phases a tile
 #pragma unroll
-                for (int gi = 0; gi < 4; ++gi) {  // hidden columns 32 gi + 8 q .. + 7: box gi / 2, chunk 4 (gi % 2) + q
-                    const unsigned off = (gi >> 1) * BOX + rl * 128 + (((4 * (gi & 1) + q) ^ (rl & 7)) << 4);
-                    const unsigned a = gb + off;
-                    unsigned gw[4], uw[4];
-                    lds128(gw, a);
-                    lds128(uw, a + 2 * BOX);
-                    unsigned og[4], ou[4], om[4];
+                for (int h = 0; h < 2; ++h) {  // this lane's rows rl and rl + 8; per 32-column group gi, 8 columns
+                    const int rl = warp * 16 + (lane >> 2) + 8 * h;
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {  // hidden columns + 2e, + 2e + 1: accumulator chunk 4 gi + e
-                        float dg0, du0, dg1, du1;
-                        const float g0 = lo_bf(gw[e]), g1 = hi_bf(gw[e]), u0 = lo_bf(uw[e]), u1 = hi_bf(uw[e]);
-                        swiglu_grad(acc[half][4 * gi + e][2 * h], g0, u0, dg0, du0);
-                        swiglu_grad(acc[half][4 * gi + e][2 * h + 1], g1, u1, dg1, du1);
-                        og[e] = pack2(dg0, dg1);
-                        ou[e] = pack2(du0, du1);
-                        om[e] = pack2(silu_f(g0) * u0, silu_f(g1) * u1);
+                    for (int gj = 0; gj < 2; ++gj) {  // group gi = 2 j + gj: columns 32 gi + 8 q .. + 7, chunk 4 gj + q
+                        const int gi = 2 * j + gj;
+                        const unsigned off = j * BOX + rl * 128 + (((4 * gj + q) ^ (rl & 7)) << 4);
+                        const unsigned a = gb + off;
+                        unsigned gw[4], uw[4];
+                        lds128(gw, a);
+                        lds128(uw, a + 2 * BOX);
+                        unsigned og[4], ou[4], om[4];
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {  // hidden columns + 2e, + 2e + 1: accumulator chunk 4 gi + e
+                            float dg0, du0, dg1, du1;
+                            const float g0 = lo_bf(gw[e]), g1 = hi_bf(gw[e]), u0 = lo_bf(uw[e]), u1 = hi_bf(uw[e]);
+                            swiglu_grad(acc[half][4 * gi + e][2 * h], g0, u0, dg0, du0);
+                            swiglu_grad(acc[half][4 * gi + e][2 * h + 1], g1, u1, dg1, du1);
+                            og[e] = pack2(dg0, dg1);
+                            ou[e] = pack2(du0, du1);
+                            om[e] = pack2(silu_f(g0) * u0, silu_f(g1) * u1);
+                        }
+                        sts128(a, og);
+                        sts128(a + 2 * BOX, ou);
+                        sts128(mb + off, om);
                     }
-                    sts128(a, og);
-                    sts128(a + 2 * BOX, ou);
-                    sts128(mb + off, om);
+                }
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, seen by the TMA stores
+                bar_sync(2 + wg, 128);
+                if (t == 0) {
+                    const int r = row0 + 64 * half;
+                    if (r < N) {
+                        tma_store_2d(dgu_map, col0 + 64 * j, r, gb + j * BOX);
+                        tma_store_2d(dgu_map, F + col0 + 64 * j, r, gb + (2 + j) * BOX);
+                        tma_store_2d(m_map, col0 + 64 * j, r, mb + j * BOX);
+                    }
+                    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+                    if (half == 0) {
+                        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+                        fetch(j, row0 + 64);
+                    }
                 }
             }
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the writes, seen by the TMA stores
-            bar_sync(2 + wg, 128);
-            const int r = row0 + 64 * half;
-            if (t == 0 && r < N) {
-                for (int b = 0; b < 4; ++b) tma_store_2d(dgu_map, (b >> 1) * F + col0 + (b & 1) * 64, r, gb + b * BOX);
-                for (int b = 0; b < 2; ++b) tma_store_2d(m_map, col0 + b * 64, r, mb + b * BOX);
-                asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-            }
-            if (half == 0) fetch(row0 + 64);
-        }
     }
     if (t == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 #else

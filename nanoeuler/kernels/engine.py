@@ -100,11 +100,11 @@ _NULL = np.uint64(0)  # a null pointer argument (an optional input or output a k
 # The fused GEMM kernels (bf16.cu): two warpgroups in ping-pong and a producer warp; shared memory = 1 KiB of
 # alignment, SG_STAGES stages of 32 KiB and their 2 SG_STAGES mbarriers, and the epilogue's 8 KiB boxes of
 # 64 x 64, per warpgroup: in the SwiGLU forward gate, up and m of both 64-row halves of its tile (6), in the
-# backward gate and up (4, then d(gate) and d(up) over them) and m (2) of one half at a time, with an
-# mbarrier; in the qkv product with RoPE the two heads of both halves (4).
+# backward gate and up (4, then d(gate) and d(up) over them) and m (2) of two 64 x 64 quarters at a time,
+# with an mbarrier per quarter's buffer; in the qkv product with RoPE the two heads of both halves (4).
 SWIGLU_GEMM_THREADS = 288
 SWIGLU_FWD_GEMM_SMEM = 1024 + 4 * 32768 + 12 * 8192 + 8 * 8
-SWIGLU_BWD_GEMM_SMEM = 1024 + 4 * 32768 + 12 * 8192 + 10 * 8
+SWIGLU_BWD_GEMM_SMEM = 1024 + 4 * 32768 + 12 * 8192 + 12 * 8
 QKV_ROPE_GEMM_SMEM = 1024 + 4 * 32768 + 8 * 8192 + 8 * 8
 _FOLD_SPLITS = 64  # row splits of gain_fold_grad at most (its column sums are reduced by column_sums)
 

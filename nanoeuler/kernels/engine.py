@@ -691,7 +691,7 @@ class Engine:
         cp.cuda.runtime.memsetAsync(self.demb.data.ptr, 0, self.demb.nbytes, stream)
         cp.cuda.runtime.memsetAsync(self.sq.data.ptr, 0, 4, stream)
         k["ce_head_scale"]((1,), (1024,), (self.tg, self.head_scale, i64(N), i32(K)))
-        k["embed_fwd"](_grid(N * C), (256,), (self.ids, self.emb, self.xs[0], i32(C), i64(N * C)))
+        k["embed_fwd"]((-(-N // 8),), (256,), (self.ids, self.emb, self.xs[0], i32(C), i32(N)))
         G, rows = _FLASH[D]
         scale = f32(1.0 / math.sqrt(D))
         qs = (i64(H * T * D), i64(T * D), i64(D))
@@ -829,7 +829,7 @@ class Engine:
                                                      i32(C), i32(1)))
             gemm(w["dqkv"], self.mdqkv, self.mxh1[i], ta=True)
             fold(*w["fold_qkv"])
-        k["embed_bwd"](_grid(N * C), (256,), (self.dx, self.ids, self.demb, i32(C), i64(N * C)))
+        k["embed_bwd"]((-(-N // 8),), (256,), (self.dx, self.ids, self.demb, i32(C), i32(N)))
         # the gradient norm: the folded matrices added their squares already; the rest lie before them
         n = self.fold_start
         k["sumsq"]((min(4096, -(-n // 256)),), (256,), (self.G, i64(n), self.sq))

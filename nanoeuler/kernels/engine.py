@@ -681,6 +681,7 @@ class Engine:
                                     cfg.vocab_size, cfg.mtp_heads)
         B, T, N = self.B, self.T, self.N
         HD = H * D
+        warp_rows = (-(-N // 8),)  # grid of a warp per row, 8 rows a block: the embedding, the RMSNorm backward
         k = self._k
         gemm = self.gemm
         i32, i64, f32 = np.int32, np.int64, np.float32
@@ -691,7 +692,7 @@ class Engine:
         cp.cuda.runtime.memsetAsync(self.demb.data.ptr, 0, self.demb.nbytes, stream)
         cp.cuda.runtime.memsetAsync(self.sq.data.ptr, 0, 4, stream)
         k["ce_head_scale"]((1,), (1024,), (self.tg, self.head_scale, i64(N), i32(K)))
-        k["embed_fwd"]((-(-N // 8),), (256,), (self.ids, self.emb, self.xs[0], i32(C), i32(N)))
+        k["embed_fwd"](warp_rows, (256,), (self.ids, self.emb, self.xs[0], i32(C), i32(N)))
         G, rows = _FLASH[D]
         scale = f32(1.0 / math.sqrt(D))
         qs = (i64(H * T * D), i64(T * D), i64(D))
@@ -769,7 +770,6 @@ class Engine:
                 gemm(dwh, lg, xc, ta=True, beta=0.0 if r0 == 0 else 1.0)
         k["ce_loss_reduce"]((1,), (1024,), (self.loss_rows, self.head_scale, self.loss, i64(N), i32(K)))
 
-        nb_grid = (-(-N // 8),)  # the RMSNorm backward: a warp per row, 8 rows per block
         fold_cols = gain_fold_columns(C)
 
         def fold(wmat, dwmat, gain, dgain, rows):
@@ -782,8 +782,8 @@ class Engine:
 
         fold(*self.fold_heads)
         # dL/dxhat of the final norm (dxn, float32: summed over the heads) -> dx of the trunk's output
-        k["rmsnorm_bwd_bf16_f32dy"](nb_grid, (256,), (self.dxn, self.xn, self.rstdf, self.dx, self.dxb, i32(N),
-                                                      i32(C), i32(0)))
+        k["rmsnorm_bwd_bf16_f32dy"](warp_rows, (256,), (self.dxn, self.xn, self.rstdf, self.dx, self.dxb, i32(N),
+                                                         i32(C), i32(0)))
         for i in reversed(range(L)):
             w = self.Lw[i]
             # MLP half: x_out = x_mid + down(silu(gate(h2)) * up(h2)); the SwiGLU backward also recomputes
@@ -799,8 +799,8 @@ class Engine:
             # gate/up read xhat2 = norm2(x_mid) through weights with the norm's gain folded in: the GEMM
             # gives dL/dxhat2, the norm's backward needs only xhat2 and rstd2
             gemm(self.mdh, self.mdgu, w["gu"])
-            k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, self.xh2[i], self.rstd2[i], self.dx, self.dxb, i32(N),
-                                                     i32(C), i32(1)))
+            k["rmsnorm_bwd_bf16"](warp_rows, (256,), (self.dh, self.xh2[i], self.rstd2[i], self.dx, self.dxb,
+                                                      i32(N), i32(C), i32(1)))
             gemm(w["dgu"], self.mdgu, self.mxh2[i], ta=True)
             fold(*w["fold_gu"])
             # attention half: x_mid = x_in + o(attn(rope(q(h1)), rope(k(h1)), v(h1)))
@@ -825,11 +825,11 @@ class Engine:
                                                       i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
             # the same for qkv and xhat1 = norm1(x_in)
             gemm(self.mdh, self.mdqkv, w["qkv"])
-            k["rmsnorm_bwd_bf16"](nb_grid, (256,), (self.dh, self.xh1[i], self.rstd1[i], self.dx, self.dxb, i32(N),
-                                                     i32(C), i32(1)))
+            k["rmsnorm_bwd_bf16"](warp_rows, (256,), (self.dh, self.xh1[i], self.rstd1[i], self.dx, self.dxb,
+                                                      i32(N), i32(C), i32(1)))
             gemm(w["dqkv"], self.mdqkv, self.mxh1[i], ta=True)
             fold(*w["fold_qkv"])
-        k["embed_bwd"]((-(-N // 8),), (256,), (self.dx, self.ids, self.demb, i32(C), i32(N)))
+        k["embed_bwd"](warp_rows, (256,), (self.dx, self.ids, self.demb, i32(C), i32(N)))
         # the gradient norm: the folded matrices added their squares already; the rest lie before them
         n = self.fold_start
         k["sumsq"]((min(4096, -(-n // 256)),), (256,), (self.G, i64(n), self.sq))

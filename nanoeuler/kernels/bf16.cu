@@ -1856,12 +1856,15 @@ __device__ __forceinline__ void bar_sync(int id, int threads) {
 #define SG_STAGE (2 * SG_TILE)
 
 // Thread 0: the stages' "full" mbarriers (one arrival: the producer's, plus the bytes) and "empty" ones
-// (one arrival: the warpgroup that multiplied from the stage).
-__device__ __forceinline__ void sg_init_ring(unsigned full, unsigned empty) {
+// (one arrival: the warpgroup that multiplied from the stage), then `extra` more mbarriers of one arrival
+// right after the empty ones (a kernel's own), and the fence that shows them to the TMA unit.
+__device__ __forceinline__ void sg_init_ring(unsigned full, unsigned empty, int extra = 0) {
     for (int s = 0; s < SG_STAGES; ++s) {
         mbar_init(full + 8 * s, 1);
         mbar_init(empty + 8 * s, 1);
     }
+    for (int i = 0; i < extra; ++i) mbar_init(empty + 8 * (SG_STAGES + i), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 __device__ __forceinline__ void bar_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -1944,11 +1947,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
     const unsigned ms = gus + 8 * BOX, full = ms + 4 * BOX, empty = full + 8 * SG_STAGES;
     const unsigned gubar = empty + 8 * SG_STAGES + 16 * wg;  // this warpgroup's two: buffer 0's, buffer 1's
     const int KT = C / SG_BK, ncols = F / 128, tiles = (N + 127) / 128 * ncols;
-    if (threadIdx.x == 0) {
-        sg_init_ring(full, empty);
-        for (int i = 0; i < 4; ++i) mbar_init(empty + 8 * SG_STAGES + 8 * i, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
+    if (threadIdx.x == 0) sg_init_ring(full, empty, 4);  // and the 4 gate/up buffers' mbarriers
     __syncthreads();
     if (wg == 2) {  // the producer warp
         if (threadIdx.x == 256)
@@ -2073,10 +2072,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_fwd_gemm(const void*
     const unsigned stages = (smem_u32(sg_smem) + 1023u) & ~1023u, outs = stages + SG_STAGES * SG_STAGE;
     const unsigned full = outs + 12 * OUT, empty = full + 8 * SG_STAGES;
     const int KT = C / SG_BK, units = F / 64, tiles = (N + 127) / 128 * units;
-    if (threadIdx.x == 0) {
-        sg_init_ring(full, empty);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
+    if (threadIdx.x == 0) sg_init_ring(full, empty);
     __syncthreads();
     if (wg == 2) {  // the producer warp
         if (threadIdx.x == 256)
@@ -2173,10 +2169,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) qkv_rope_gemm(const void* _
     const unsigned stages = (smem_u32(sg_smem) + 1023u) & ~1023u, outs = stages + SG_STAGES * SG_STAGE;
     const unsigned full = outs + 8 * BOX, empty = full + 8 * SG_STAGES;
     const int heads = H + 2 * Hkv, ncols = (heads + 1) / 2, KT = C / SG_BK, tiles = (N + 127) / 128 * ncols;
-    if (threadIdx.x == 0) {
-        sg_init_ring(full, empty);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
+    if (threadIdx.x == 0) sg_init_ring(full, empty);
     __syncthreads();
     if (wg == 2) {  // the producer warp
         if (threadIdx.x == 256)

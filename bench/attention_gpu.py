@@ -66,10 +66,11 @@ def ours(B, T, H, Hkv, D, rng):
     """{kernel: ms} of our attention kernels on random inputs."""
     import cupy
 
-    from nanoeuler.kernels import has_sm90a, kernel
+    from nanoeuler.kernels import has_sm90a
+    from nanoeuler.kernels.engine import flash_kernels
     from nanoeuler.model import layers
 
-    fwd, dkdv, dq = (kernel("bf16", f"{k}_ldm_d{D}") for k in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"))
+    fwd, dkdv, dq = (flash_kernels("ldm", D)[k] for k in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"))
     N, W = B * T, (H + 2 * Hkv) * D
 
     def bf16(shape, scale=1.0):  # random bf16 words (the top half of float32 values)
@@ -91,7 +92,7 @@ def ours(B, T, H, Hkv, D, rng):
     times["dq"] = timed(lambda: dq((B * H, nb), (128,), (q, k, v, dout, o, lse, delta, *rope)))
     times["dkdv"] = timed(lambda: dkdv((B * Hkv, nb), (128,), (q, k, v, dout, lse, delta, *rope)))
     if D == 64 and has_sm90a():  # the wgmma kernels (sm_90a builds)
-        fwd, dkdv, dq = (kernel("bf16", f"{k}_wg_d64") for k in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"))
+        fwd, dkdv, dq = (flash_kernels("wg", D)[k] for k in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"))
         times["wg fwd"] = timed(lambda: fwd((B * H, nb), (128,), (q, k, v, o, lse, i32(H), i32(Hkv), i32(T), scale)))
         times["wg dq"] = timed(lambda: dq((B * H, nb), (128,), (q, k, v, dout, o, lse, delta, *rope)))
         times["wg dkdv"] = timed(lambda: dkdv((B * Hkv, nb), (128,), (q, k, v, dout, lse, delta, *rope)))

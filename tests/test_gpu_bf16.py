@@ -26,7 +26,7 @@ def test_engine_kernels_exist_in_bf16_cu():
     defined.discard("__launch_bounds__")  # the macro-made flash kernels, checked below
     defined.discard("NAME")  # the RMSNORM_BWD macro's body; its instances:
     defined |= set(re.findall(r"^RMSNORM_BWD\((\w+),", text, flags=re.M))  # one per storage type of dy
-    wg = {f"flash_{k}_wg_d64" for k in ("fwd", "bwd_dkdv", "bwd_dq")}  # launched as "..._%s_d%d" % ("wg", 64)
+    wg = {f"flash_{k}_wg_d64" for k in ("fwd", "bwd_dkdv", "bwd_dq")}  # launched through engine.flash_kernels
     defined -= wg
     for d in (32, 64):
         assert f"FLASH_MMA_KERNELS({d})" in text
@@ -41,9 +41,10 @@ def test_engine_kernels_exist_in_bf16_cu():
     for name in defined - via_engine:
         assert f'_k("{name}")' in tests, name
     assert "case_engine" in tests
-    for flash in ('"flash_fwd_%s_d%d" % (var, D)', '"flash_bwd_dkdv_%s_d%d" % (var, D)',
-                  '"flash_bwd_dq_%s_d%d" % (var, D)'):
-        assert flash in tests, flash
+    # the flash kernels, by variant and head size through engine.flash_kernels, each of its three names
+    assert "flash_kernels(var, D)" in tests and 'f"{name}_{variant}_d{D}"' in engine
+    for flash in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"):
+        assert f'flash["{flash}"]' in tests and f'"{flash}"' in engine, flash
     assert re.search(r'\(case_bf16_flash, \(.*64, "wg"\)', tests) and all(k in text for k in wg)
 
 

@@ -1286,18 +1286,15 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
     store_dqkv_rows<D>(dva, dqkv, W, b, T, kb * FA_BR + warp * 16, (H + Hkv + hk) * D, 1.f, false, cos_t, sin_t, g, c);
 }
 
-// A dq kernel's rows: the Q and dO A fragments of a warp's 16 rows r0.. of (b, h), their logsumexp in
-// base-2 units (lA: row r0 + g, lB: row r0 + g + 8), and delta = rowsum(dO * O) from dO's fragments and
-// O's (rows g | g + 8 in regs 0, 2 | 1, 3), summed over the quad's four threads and also stored for the
-// dk/dv kernel, which runs after the dq kernel.
+// A dq kernel's per-row statistics for a warp's 16 rows r0.. of (b, h), given their dO A fragments:
+// the logsumexp in base-2 units (lA: row r0 + g, lB: row r0 + g + 8), and delta = rowsum(dO * O) from
+// dO's fragments and O's (rows g | g + 8 in regs 0, 2 | 1, 3), summed over the quad's four threads and
+// also stored for the dk/dv kernel, which runs after the dq kernel.
 template <int D>
-__device__ __forceinline__ void dq_rows(unsigned (&qa)[D / 16][4], unsigned (&doa)[D / 16][4], float& lA, float& lB,
-                                        float& dA, float& dB, const bf16* __restrict__ q, const bf16* __restrict__ dO,
-                                        const bf16* __restrict__ o, const float* __restrict__ lse,
-                                        float* __restrict__ delta, int b, int h, int H, int T, int r0, int g, int c) {
+__device__ __forceinline__ void dq_stats(const unsigned (&doa)[D / 16][4], float& lA, float& lB, float& dA, float& dB,
+                                         const bf16* __restrict__ o, const float* __restrict__ lse,
+                                         float* __restrict__ delta, int b, int h, int H, int T, int r0, int g, int c) {
     const long long HD = (long long)H * D, bh = (long long)b * H + h;
-    load_a_frags<D>(qa, q + bh * T * D, D, r0, T, g, c);
-    load_a_frags<D>(doa, dO + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
     lA = r0 + g < T ? lse[bh * T + r0 + g] * LOG2E : 0.f;
     lB = r0 + g + 8 < T ? lse[bh * T + r0 + g + 8] * LOG2E : 0.f;
     unsigned oa[D / 16][4];
@@ -1316,6 +1313,18 @@ __device__ __forceinline__ void dq_rows(unsigned (&qa)[D / 16][4], unsigned (&do
     dB += __shfl_xor_sync(0xffffffffu, dB, 2);
     if (c == 0 && r0 + g < T) delta[bh * T + r0 + g] = dA;
     if (c == 0 && r0 + g + 8 < T) delta[bh * T + r0 + g + 8] = dB;
+}
+
+// A dq kernel's rows: the Q and dO A fragments of a warp's 16 rows r0.. of (b, h), and their statistics.
+template <int D>
+__device__ __forceinline__ void dq_rows(unsigned (&qa)[D / 16][4], unsigned (&doa)[D / 16][4], float& lA, float& lB,
+                                        float& dA, float& dB, const bf16* __restrict__ q, const bf16* __restrict__ dO,
+                                        const bf16* __restrict__ o, const float* __restrict__ lse,
+                                        float* __restrict__ delta, int b, int h, int H, int T, int r0, int g, int c) {
+    const long long HD = (long long)H * D, bh = (long long)b * H + h;
+    load_a_frags<D>(qa, q + bh * T * D, D, r0, T, g, c);
+    load_a_frags<D>(doa, dO + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
+    dq_stats<D>(doa, lA, lB, dA, dB, o, lse, delta, b, h, H, T, r0, g, c);
 }
 
 // dq for 64 queries of one (b, h): loops over the key tiles up to the diagonal.
@@ -1402,10 +1411,11 @@ FLASH_MMA_KERNELS(64)
 // flash_{fwd,bwd_dq,bwd_dkdv}_wg_d64 have a body only when built for sm_90a (the module is, on a
 // compute-capability-9.0 device: see kernels/__init__.py); elsewhere the engine uses the ldm kernels.
 // Same arithmetic, grids and outputs as those, with the block's 4 warps acting as one warpgroup: every
-// product is a whole 64 x 64 tile in 4 wgmma.m64n64k16. The operand held per row (Q, K, V, dO, or the
-// softmax weights, whose accumulator layout is the A-fragment layout) comes from registers; the
-// streamed tiles come from shared memory, which the tensor cores read themselves (no ldmatrix) in the
-// 128-byte-swizzled layout below, as [n][k] or, transposed, as [k][n]. The accumulators have the
+// product is a whole 64 x 64 tile in 4 wgmma.m64n64k16. The tiles come from shared memory, which the
+// tensor cores read themselves (no ldmatrix) in the 128-byte-swizzled layout below, as [n][k] or,
+// transposed, as [k][n]: the streamed ones (two stages) and the block's own rows (Q; in dq also dO, in
+// dk/dv K and V), copied once. The softmax weights and dS, whose accumulator layout is the A-fragment
+// layout, are the A operand from registers. The accumulators have the
 // mma.sync C layout per warp (warp w holds rows 16w .. 16w+15), so the softmax and weight steps are the
 // ldm kernels' own device functions.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1431,6 +1441,14 @@ __device__ __forceinline__ void cp_tile_sw(unsigned dst, const bf16* base, long 
         else
             asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sa + j * 2048), "r"(0u));
     }
+}
+
+// The warpgroup kernels' 64 x 64 tiles (8 KiB each) lie in dynamic shared memory, the first 1024-byte
+// aligned: the host gives each kernel 1 KiB more than its tiles (engine.FLASH_WG_SMEM). Static arrays
+// are limited to 48 KiB, which the dq and dk/dv kernels' six tiles exceed.
+__device__ __forceinline__ unsigned wg_tiles() {
+    extern __shared__ __align__(128) unsigned char fa_smem[];
+    return (smem_u32(fa_smem) + 1023u) & ~1023u;
 }
 
 // Shared-memory matrix descriptor (PTX "matrix descriptor"): start address, leading and stride byte
@@ -1469,6 +1487,29 @@ __device__ __forceinline__ void wgmma_64x64x64(float (&d)[8][4], const unsigned 
 #pragma unroll
     for (int kc = 1; kc < 4; ++kc) wgmma_64x64x16<TB, 1>(d, a[kc], wg_desc(tile + kc * (TB ? 2048 : 32), TB ? 64 : 1));
 }
+// d (+)= A * B with A, too, a 64 x 64 tile in shared memory (at `a_tile`, read as [m][k], K-major like
+// B with TB = 0): an operand that stays the same for a whole block (its Q, K, V or dO rows) then needs
+// no registers, which leaves room for more blocks per multiprocessor (engine.FLASH_WG_SMEM).
+template <int TB, int ACC>
+__device__ __forceinline__ void wgmma_64x64x64_ss(float (&d)[8][4], unsigned a_tile, unsigned b_tile) {
+#pragma unroll
+    for (int kc = 0; kc < 4; ++kc) {
+        const unsigned long long a = wg_desc(a_tile + kc * 32, 1);
+        const unsigned long long b = wg_desc(b_tile + kc * (TB ? 2048 : 32), TB ? 64 : 1);
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "%32, %33, p, 1, 1, 0, %35;\n}\n"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+              "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+              "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+              "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+            : "l"(a), "l"(b), "r"(kc > 0 || ACC ? 1 : 0), "n"(TB));
+    }
+}
 // 4 A-register k-steps (16 rows x 64 columns of a warp, bf16) from 64 float accumulator columns
 __device__ __forceinline__ void frags_of(unsigned (&a)[4][4], const float (&x)[8][4]) {
 #pragma unroll
@@ -1502,14 +1543,15 @@ __device__ __forceinline__ void wg_hold(unsigned (&r)[N][4]) {
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-extern "C" __global__ void __launch_bounds__(128) flash_fwd_wg_d64(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                                                 const bf16* __restrict__ v, bf16* __restrict__ o,
-                                                                 float* __restrict__ lse, int H, int Hkv, int T,
-                                                                 float scale) {
+// 5 blocks per multiprocessor (96 registers, a spill of a few bytes): 8% faster than 4 at B64xT512.
+extern "C" __global__ void __launch_bounds__(128, 5) flash_fwd_wg_d64(const bf16* __restrict__ q,
+                                                                    const bf16* __restrict__ k,
+                                                                    const bf16* __restrict__ v, bf16* __restrict__ o,
+                                                                    float* __restrict__ lse, int H, int Hkv, int T,
+                                                                    float scale) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int D = 64, KC = D / 16, NT = D / 8, ST = FA_BR / 8, TILE = FA_BR * D * 2;
-    __shared__ __align__(128) unsigned char smem_raw[4 * TILE + 1024];
-    const unsigned sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;  // K stage 0, 1, then V stage 0, 1
+    constexpr int D = 64, NT = D / 8, ST = FA_BR / 8, TILE = FA_BR * D * 2;
+    const unsigned sbase = wg_tiles();  // K stage 0, 1, V stage 0, 1, then Q
     const int nqb = (T + FA_BR - 1) / FA_BR;
     const int qb = nqb - 1 - blockIdx.y;  // longest rows first (see "Grids" above)
     const int bh = blockIdx.x, b = bh / H, h = bh % H, hk = h / (H / Hkv);
@@ -1521,10 +1563,10 @@ extern "C" __global__ void __launch_bounds__(128) flash_fwd_wg_d64(const bf16* _
         cp_tile_sw(sbase + st * TILE, kh, D, t * FA_BR, T);
         cp_tile_sw(sbase + (2 + st) * TILE, vh, D, t * FA_BR, T);
     };
+    const unsigned qs = sbase + 4 * TILE;  // this block's queries
+    cp_tile_sw(qs, q + (long long)bh * T * D, D, qb * FA_BR, T);
     load(0, 0);
     cp_commit();
-    unsigned qa[KC][4];
-    load_a_frags<D>(qa, q + (long long)bh * T * D, D, r0, T, g, c);
     float acc[NT][4];
     zero_frags(acc);
     const float NEG = __int_as_float(0xff800000);
@@ -1536,7 +1578,7 @@ extern "C" __global__ void __launch_bounds__(128) flash_fwd_wg_d64(const bf16* _
         tile_step<true, decltype(load)&, true>(kb, qb + 1, st, load);
         float s[ST][4];
         wg_fence();
-        wgmma_64x64x64<0, 0>(s, qa, sbase + st * TILE);  // S = Q K^T
+        wgmma_64x64x64_ss<0, 0>(s, qs, sbase + st * TILE);  // S = Q K^T
         wg_commit_wait();
         wg_hold(s);
         online_softmax_tile(s, acc, m0, m1, l0, l1, sl2, kb == qb, kb * FA_BR, rowA, rowB, T, c);
@@ -1556,17 +1598,17 @@ extern "C" __global__ void __launch_bounds__(128) flash_fwd_wg_d64(const bf16* _
 }
 
 // dk, dv for 64 keys of one (b, kv head), as flash_bwd_dkdv_mma_impl with whole 64-query passes: per
-// query tile S^T = K Q^T and dP^T = V dO^T (K, V from registers; Q, dO tiles read [n][k]), then
-// dV += P^T dO and dK += dS^T Q (P^T, dS^T from registers; the same tiles read [k][n]).
-extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_wg_d64(
+// query tile S^T = K Q^T and dP^T = V dO^T (the block's K, V tiles and the Q, dO tiles, read [n][k]),
+// then dV += P^T dO and dK += dS^T Q (P^T, dS^T from registers; the same tiles read [k][n]). 3 blocks
+// per multiprocessor (a 16-byte spill), where K and V in registers allowed 2.
+extern "C" __global__ void __launch_bounds__(128, 3) flash_bwd_dkdv_wg_d64(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
     const float* __restrict__ lse, const float* __restrict__ delta, bf16* __restrict__ dqkv,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t, int H, int Hkv, int T, float scale) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int D = 64, KC = D / 16, NT = D / 8, TILE = FA_BR * D * 2;
-    __shared__ __align__(128) unsigned char smem_raw[4 * TILE + 1024];  // Q stage 0, 1, then dO stage 0, 1
     __shared__ float lse_s[2][FA_BR], delta_s[2][FA_BR];
-    const unsigned sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const unsigned sbase = wg_tiles();  // Q stage 0, 1, dO stage 0, 1, then K, V
     const int nb = (T + FA_BR - 1) / FA_BR;
     const int kb = blockIdx.y;  // the first keys see the most queries: they start first
     const int bhk = blockIdx.x, b = bhk / Hkv, hk = bhk % Hkv, G = H / Hkv;
@@ -1581,11 +1623,14 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_wg_d64(
         cp_tile_sw(sbase + (2 + st) * TILE, dO + (long long)b * T * HD + (long long)h * D, HD, qb * FA_BR, T);
         stage_query_stats<true>(lse_s[st], delta_s[st], lse + bh * T, delta + bh * T, qb * FA_BR, T);
     };
+    const unsigned ks = sbase + 4 * TILE, vs = sbase + 5 * TILE;  // this block's keys and values
+    cp_tile_sw(ks, k + (long long)bhk * T * D, D, kb * FA_BR, T);
+    cp_tile_sw(vs, v + (long long)bhk * T * D, D, kb * FA_BR, T);
     load(0, 0);
     cp_commit();
-    unsigned ka[KC][4], va[KC][4];
     float dka[NT][4], dva[NT][4];
-    dkdv_rows<D>(ka, va, dka, dva, k, v, bhk, T, r0, g, c);
+    zero_frags(dka);
+    zero_frags(dva);
     const float sl2 = scale * LOG2E;
     const int keyA = r0 + g, keyB = r0 + g + 8;
     for (int it = 0; it < iters; ++it) {
@@ -1596,9 +1641,9 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_wg_d64(
         // dP^T is multiplied, dS^T while dV is
         float s[NT][4], dp[NT][4];
         wg_fence();
-        wgmma_64x64x64<0, 0>(s, ka, qs);  // S^T = K Q^T
+        wgmma_64x64x64_ss<0, 0>(s, ks, qs);  // S^T = K Q^T
         wg_commit();
-        wgmma_64x64x64<0, 0>(dp, va, ds);  // dP^T = V dO^T
+        wgmma_64x64x64_ss<0, 0>(dp, vs, ds);  // dP^T = V dO^T
         wg_commit();
         wg_wait<1>();
         wg_hold(s);
@@ -1630,16 +1675,15 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_wg_d64(
 }
 
 // dq for 64 queries of one (b, h), as flash_bwd_dq_mma_impl with whole 64-key passes: per key tile
-// S = Q K^T and dP = dO V^T (Q, dO from registers; K, V tiles read [n][k]), then dQ += dS K (the K
-// tile read [k][n]).
-extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_wg_d64(
+// S = Q K^T and dP = dO V^T (the block's Q, dO tiles and the K, V tiles, read [n][k]), then
+// dQ += dS K (the K tile read [k][n]). 4 blocks per multiprocessor, where Q and dO in registers allowed 3.
+extern "C" __global__ void __launch_bounds__(128, 4) flash_bwd_dq_wg_d64(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
     const bf16* __restrict__ o, const float* __restrict__ lse, float* __restrict__ delta, bf16* __restrict__ dqkv,
     const float* __restrict__ cos_t, const float* __restrict__ sin_t, int H, int Hkv, int T, float scale) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int D = 64, KC = D / 16, NT = D / 8, TILE = FA_BR * D * 2;
-    __shared__ __align__(128) unsigned char smem_raw[4 * TILE + 1024];  // K stage 0, 1, then V stage 0, 1
-    const unsigned sbase = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const unsigned sbase = wg_tiles();  // K stage 0, 1, V stage 0, 1, then Q, dO
     const int nb = (T + FA_BR - 1) / FA_BR;
     const int qb = nb - 1 - blockIdx.y;  // longest rows first
     const int bh = blockIdx.x, b = bh / H, h = bh % H, hk = h / (H / Hkv);
@@ -1652,11 +1696,17 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_wg_d64(
         cp_tile_sw(sbase + st * TILE, kh, D, t * FA_BR, T);
         cp_tile_sw(sbase + (2 + st) * TILE, vh, D, t * FA_BR, T);
     };
+    const unsigned qs = sbase + 4 * TILE, dos = sbase + 5 * TILE;  // this block's queries and their dO
+    cp_tile_sw(qs, q + (long long)bh * T * D, D, qb * FA_BR, T);
+    cp_tile_sw(dos, dO + (long long)b * T * H * D + (long long)h * D, (long long)H * D, qb * FA_BR, T);
     load(0, 0);
     cp_commit();
-    unsigned qa[KC][4], doa[KC][4];
     float lA, lB, dA, dB;
-    dq_rows<D>(qa, doa, lA, lB, dA, dB, q, dO, o, lse, delta, b, h, H, T, r0, g, c);
+    {
+        unsigned doa[KC][4];  // for delta only: the products read dO from its tile
+        load_a_frags<D>(doa, dO + (long long)b * T * H * D + (long long)h * D, (long long)H * D, r0, T, g, c);
+        dq_stats<D>(doa, lA, lB, dA, dB, o, lse, delta, b, h, H, T, r0, g, c);
+    }
     float acc[NT][4];
     zero_frags(acc);
     const float sl2 = scale * LOG2E;
@@ -1666,9 +1716,9 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_wg_d64(
         const unsigned ks = sbase + st * TILE, vs = sbase + (2 + st) * TILE;
         float s[NT][4], dp[NT][4];
         wg_fence();
-        wgmma_64x64x64<0, 0>(s, qa, ks);  // S = Q K^T
+        wgmma_64x64x64_ss<0, 0>(s, qs, ks);  // S = Q K^T
         wg_commit();
-        wgmma_64x64x64<0, 0>(dp, doa, vs);  // dP = dO V^T, multiplied while P is formed
+        wgmma_64x64x64_ss<0, 0>(dp, dos, vs);  // dP = dO V^T, multiplied while P is formed
         wg_commit();
         wg_wait<1>();
         wg_hold(s);

@@ -78,6 +78,7 @@ refuses cuBLAS calls during capture, so the GEMMs call cuBLAS through ctypes: se
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 
@@ -106,6 +107,12 @@ SWIGLU_GEMM_THREADS = 288
 SWIGLU_FWD_GEMM_SMEM = 1024 + 4 * 32768 + 12 * 8192 + 8 * 8
 SWIGLU_BWD_GEMM_SMEM = 1024 + 4 * 32768 + 12 * 8192 + 12 * 8
 QKV_ROPE_GEMM_SMEM = 1024 + 4 * 32768 + 8 * 8192 + 8 * 8
+# The warpgroup attention (bf16.cu's flash_*_wg_d64) keeps 64 x 64 bf16 tiles of 8 KiB in dynamic shared
+# memory, after 1 KiB of alignment: the forward K and V in two stages and the block's Q (5 tiles); dq K
+# and V in two stages, the block's Q and dO (6); dk/dv Q and dO in two stages, the block's K and V (6).
+# Operands that stay the same for a whole block are read by the tensor cores from there rather than
+# from registers, which leaves room for more blocks per multiprocessor (5, 4 and 3).
+FLASH_WG_SMEM = {"flash_fwd": 1024 + 5 * 8192, "flash_bwd_dq": 1024 + 6 * 8192, "flash_bwd_dkdv": 1024 + 6 * 8192}
 _FOLD_SPLITS = 64  # row splits of gain_fold_grad at most (its column sums are reduced by column_sums)
 
 
@@ -150,6 +157,20 @@ def prepare_fused_gemm(fn):
     allowed the shared memory they need (more than the default 48 KiB)."""
     fn.max_dynamic_shared_size_bytes = max(SWIGLU_FWD_GEMM_SMEM, SWIGLU_BWD_GEMM_SMEM, QKV_ROPE_GEMM_SMEM)
     return fn
+
+
+def flash_kernels(variant: str, D: int) -> dict:
+    """{"flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv": launch(grid, block, args)}: bf16.cu's tensor-core
+    attention of one variant ("wg", "ldm" or "mma") and head size D, each launch with the shared memory
+    its kernel needs (FLASH_WG_SMEM for "wg"; the others' is static)."""
+    out = {}
+    for name, smem in FLASH_WG_SMEM.items():
+        fn = kernel("bf16", f"{name}_{variant}_d{D}")
+        smem = smem if variant == "wg" else 0
+        if smem:
+            fn.max_dynamic_shared_size_bytes = smem
+        out[name] = functools.partial(fn, shared_mem=smem)
+    return out
 
 
 def run_qkv_rope_gemm(fn, x_map, w_map, q_map, k_map, v_map, cos, sin, N: int, C: int, T: int, H: int, Hkv: int,
@@ -388,8 +409,7 @@ class Engine:
         if self.fuse_rope:
             self._qkv_rope_gemm = prepare_fused_gemm(kernel("bf16", "qkv_rope_gemm"))
         if attention != "fp32":  # "mma": B fragments by 32-bit shared loads; "ldm": by ldmatrix; "wg": wgmma
-            self._mma = {name: kernel("bf16", f"{name}_{attention}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
-                                                                                      "flash_bwd_dq")}
+            self._mma = flash_kernels(attention, D)
         self._flash = {name: kernel("attention", f"{name}_d{D}") for name in ("flash_fwd", "flash_bwd_dkdv",
                                                                                 "flash_bwd_dq")}
         # The engine's work runs on a stream of its own (capturable into a CUDA graph; see `step`), ordered

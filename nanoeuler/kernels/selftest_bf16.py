@@ -365,7 +365,8 @@ def case_bf16_flash(rng, shape):
     Variants: "mma" / "ldm"; "wg" (wgmma; sm_90a builds only, else no rows)."""
     import cupy
 
-    from nanoeuler.kernels import has_sm90a, kernel
+    from nanoeuler.kernels import has_sm90a
+    from nanoeuler.kernels.engine import flash_kernels
     from nanoeuler.model import layers
 
     B, H, Hkv, T, D, var = shape
@@ -383,13 +384,14 @@ def case_bf16_flash(rng, shape):
     nb = -(-T // 64)
     o = cupy.empty((N, H * D), dtype=np.uint16)
     lse = cupy.empty((B, H, T), dtype=np.float32)
-    kernel("bf16", "flash_fwd_%s_d%d" % (var, D))((B * H, nb), (128,), (qb, kb, vb, o, lse, *dims))
+    flash = flash_kernels(var, D)
+    flash["flash_fwd"]((B * H, nb), (128,), (qb, kb, vb, o, lse, *dims))
     delta = cupy.empty((B, H, T), dtype=np.float32)
     dqkv = cupy.empty((N, W), dtype=np.uint16)
     rope = (dqkv, _g(cos), _g(sin), *dims)
     # the dq kernel runs first: it also writes delta = rowsum(dO * O), which the dk/dv kernel reads
-    kernel("bf16", "flash_bwd_dq_%s_d%d" % (var, D))((B * H, nb), (128,), (qb, kb, vb, db, o, lse, delta, *rope))
-    kernel("bf16", "flash_bwd_dkdv_%s_d%d" % (var, D))((B * Hkv, nb), (128,), (qb, kb, vb, db, lse, delta, *rope))
+    flash["flash_bwd_dq"]((B * H, nb), (128,), (qb, kb, vb, db, o, lse, delta, *rope))
+    flash["flash_bwd_dkdv"]((B * Hkv, nb), (128,), (qb, kb, vb, db, lse, delta, *rope))
     out_r, cache = layers.attention_forward(q, k, v)
     dq_r, dk_r, dv_r = layers.attention_backward(d64.reshape(B, T, H, D).transpose(0, 2, 1, 3), cache)
     c64, s64 = cos.astype(np.float64), sin.astype(np.float64)

@@ -25,12 +25,13 @@ for head sizes 32 and 64, in variants of the same arithmetic: `attention="ldm"` 
 from shared memory with ldmatrix and streams the next tile in with cp.async while one is in use;
 `"mma"` loads them with plain 32-bit loads and copies tiles synchronously (slower); `"wg"`, the default
 for head size 64 on a compute-capability-9.0 GPU (H100, H200), runs every product as a warpgroup matrix
-product (wgmma, sm_90a) on whole 64 x 64 tiles, the tensor cores reading the streamed tiles from shared
-memory themselves. The backward runs in two kernels (dq, which also computes delta = rowsum(dO * O),
-then dk/dv; each recomputes S and dP, and neither uses atomics, so attention's gradients are
-deterministic) that write dq, dk (with the RoPE rotation undone) and dv as bf16 straight into the
-gradient operand of the qkv GEMM. `attention="fp32"` selects the float32 FlashAttention of
-`attention.cu` on float32 q/k/v instead (the only choice for other head sizes).
+product (wgmma, sm_90a) on whole 64 x 64 tiles, the tensor cores reading the tiles from shared memory
+themselves: the streamed ones, and the block's own rows, copied once (`flash_kernels`). The backward
+runs in two kernels (dq, which also computes delta = rowsum(dO * O), then dk/dv; each recomputes S and
+dP, and neither uses atomics, so attention's gradients are deterministic) that write dq, dk (with the
+RoPE rotation undone) and dv as bf16 straight into the gradient operand of the qkv GEMM.
+`attention="fp32"` selects the float32 FlashAttention of `attention.cu` on float32 q/k/v instead (the
+only choice for other head sizes).
 
 Norm gains folded into the weights. Each RMSNorm feeds one stacked GEMM (the first norm qkv, the second
 gate/up, the final norm the output heads), and (xhat * gain) W^T = xhat (W * gain)^T, where W * gain

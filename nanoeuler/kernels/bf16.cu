@@ -14,6 +14,11 @@ __device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((unsigne
 // the low / high bf16 of a 32-bit word
 __device__ __forceinline__ float lo_bf(unsigned w) { return bf2f((bf16)(w & 0xffffu)); }
 __device__ __forceinline__ float hi_bf(unsigned w) { return bf2f((bf16)(w >> 16)); }
+// The dot product of two vectors of 8 bf16 (16 bytes each), in float32.
+__device__ __forceinline__ float dot_bf16x8(uint4 a, uint4 b) {
+    return lo_bf(a.x) * lo_bf(b.x) + hi_bf(a.x) * hi_bf(b.x) + lo_bf(a.y) * lo_bf(b.y) + hi_bf(a.y) * hi_bf(b.y) +
+           lo_bf(a.z) * lo_bf(b.z) + hi_bf(a.z) * hi_bf(b.z) + lo_bf(a.w) * lo_bf(b.w) + hi_bf(a.w) * hi_bf(b.w);
+}
 // Element g of a row read as 4-vectors, float32 or bf16 (kernels templated on an input's storage):
 // ld4 = floats 4g .. 4g+3 (a 16- or 8-byte load), ld1 = float j.
 __device__ __forceinline__ float4 ld4(const float* p, int g) { return reinterpret_cast<const float4*>(p)[g]; }
@@ -1286,15 +1291,18 @@ __device__ __forceinline__ void flash_bwd_dkdv_mma_impl(
     store_dqkv_rows<D>(dva, dqkv, W, b, T, kb * FA_BR + warp * 16, (H + Hkv + hk) * D, 1.f, false, cos_t, sin_t, g, c);
 }
 
-// A dq kernel's per-row statistics for a warp's 16 rows r0.. of (b, h), given their dO A fragments:
-// the logsumexp in base-2 units (lA: row r0 + g, lB: row r0 + g + 8), and delta = rowsum(dO * O) from
-// dO's fragments and O's (rows g | g + 8 in regs 0, 2 | 1, 3), summed over the quad's four threads and
-// also stored for the dk/dv kernel, which runs after the dq kernel.
+// A dq kernel's rows: the Q and dO A fragments of a warp's 16 rows r0.. of (b, h), their logsumexp in
+// base-2 units (lA: row r0 + g, lB: row r0 + g + 8), and delta = rowsum(dO * O) from dO's fragments and
+// O's (rows g | g + 8 in regs 0, 2 | 1, 3), summed over the quad's four threads and also stored for the
+// dk/dv kernel, which runs after the dq kernel.
 template <int D>
-__device__ __forceinline__ void dq_stats(const unsigned (&doa)[D / 16][4], float& lA, float& lB, float& dA, float& dB,
-                                         const bf16* __restrict__ o, const float* __restrict__ lse,
-                                         float* __restrict__ delta, int b, int h, int H, int T, int r0, int g, int c) {
+__device__ __forceinline__ void dq_rows(unsigned (&qa)[D / 16][4], unsigned (&doa)[D / 16][4], float& lA, float& lB,
+                                        float& dA, float& dB, const bf16* __restrict__ q, const bf16* __restrict__ dO,
+                                        const bf16* __restrict__ o, const float* __restrict__ lse,
+                                        float* __restrict__ delta, int b, int h, int H, int T, int r0, int g, int c) {
     const long long HD = (long long)H * D, bh = (long long)b * H + h;
+    load_a_frags<D>(qa, q + bh * T * D, D, r0, T, g, c);
+    load_a_frags<D>(doa, dO + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
     lA = r0 + g < T ? lse[bh * T + r0 + g] * LOG2E : 0.f;
     lB = r0 + g + 8 < T ? lse[bh * T + r0 + g + 8] * LOG2E : 0.f;
     unsigned oa[D / 16][4];
@@ -1313,18 +1321,6 @@ __device__ __forceinline__ void dq_stats(const unsigned (&doa)[D / 16][4], float
     dB += __shfl_xor_sync(0xffffffffu, dB, 2);
     if (c == 0 && r0 + g < T) delta[bh * T + r0 + g] = dA;
     if (c == 0 && r0 + g + 8 < T) delta[bh * T + r0 + g + 8] = dB;
-}
-
-// A dq kernel's rows: the Q and dO A fragments of a warp's 16 rows r0.. of (b, h), and their statistics.
-template <int D>
-__device__ __forceinline__ void dq_rows(unsigned (&qa)[D / 16][4], unsigned (&doa)[D / 16][4], float& lA, float& lB,
-                                        float& dA, float& dB, const bf16* __restrict__ q, const bf16* __restrict__ dO,
-                                        const bf16* __restrict__ o, const float* __restrict__ lse,
-                                        float* __restrict__ delta, int b, int h, int H, int T, int r0, int g, int c) {
-    const long long HD = (long long)H * D, bh = (long long)b * H + h;
-    load_a_frags<D>(qa, q + bh * T * D, D, r0, T, g, c);
-    load_a_frags<D>(doa, dO + (long long)b * T * HD + (long long)h * D, HD, r0, T, g, c);
-    dq_stats<D>(doa, lA, lB, dA, dB, o, lse, delta, b, h, H, T, r0, g, c);
 }
 
 // dq for 64 queries of one (b, h): loops over the key tiles up to the diagonal.
@@ -1700,12 +1696,29 @@ extern "C" __global__ void __launch_bounds__(128, 4) flash_bwd_dq_wg_d64(
     cp_tile_sw(dos, dO + (long long)b * T * H * D + (long long)h * D, (long long)H * D, qb * FA_BR, T);
     load(0, 0);
     cp_commit();
-    float lA, lB, dA, dB;
+    const float lA = rowA < T ? lse[(long long)bh * T + rowA] * LOG2E : 0.f;  // base-2 units
+    const float lB = rowB < T ? lse[(long long)bh * T + rowB] * LOG2E : 0.f;
+    // delta = rowsum(dO * O) of the block's rows, two threads a row, each 32 columns in 16-byte loads,
+    // into `delta` for the dk/dv kernel and into shared memory for the warps' own rows. (From 4-byte
+    // loads in the mma layout, as the ldm kernel's dq_rows does, it took a fifth of this kernel's time.)
+    __shared__ float delta_s[FA_BR];
     {
-        unsigned doa[KC][4];  // for delta only: the products read dO from its tile
-        load_a_frags<D>(doa, dO + (long long)b * T * H * D + (long long)h * D, (long long)H * D, r0, T, g, c);
-        dq_stats<D>(doa, lA, lB, dA, dB, o, lse, delta, b, h, H, T, r0, g, c);
+        const int row = threadIdx.x >> 1, t = qb * FA_BR + row;
+        float d = 0.f;
+        if (t < T) {
+            const long long off = ((long long)b * T + t) * H * D + (long long)h * D + (threadIdx.x & 1) * 32;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                d += dot_bf16x8(reinterpret_cast<const uint4*>(dO + off)[j], reinterpret_cast<const uint4*>(o + off)[j]);
+        }
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        if ((threadIdx.x & 1) == 0) {
+            delta_s[row] = d;
+            if (t < T) delta[(long long)bh * T + t] = d;
+        }
     }
+    __syncthreads();
+    const float dA = delta_s[warp * 16 + g], dB = delta_s[warp * 16 + g + 8];
     float acc[NT][4];
     zero_frags(acc);
     const float sl2 = scale * LOG2E;

@@ -48,6 +48,23 @@ def test_engine_kernels_exist_in_bf16_cu():
     assert re.search(r'\(case_bf16_flash, \(.*64, "wg"\)', tests) and all(k in text for k in wg)
 
 
+def test_flash_wg_shared_memory_covers_each_kernels_tiles():
+    """engine.FLASH_WG_SMEM gives each warpgroup attention kernel 1 KiB of alignment and every 8 KiB tile
+    its body addresses (`sbase + i * TILE`, `sbase + (i + st) * TILE` for a stage st of 0 or 1): a tile
+    beyond its dynamic shared memory would be an illegal address on the GPU only."""
+    text = (KERNEL_DIR / "bf16.cu").read_text()
+    engine = (KERNEL_DIR / "engine.py").read_text()
+    sizes = eval(re.search(r"^FLASH_WG_SMEM = (\{.*\})$", engine, flags=re.M).group(1), {"__builtins__": {}})
+    assert set(sizes) == {"flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"}
+    for name, smem in sizes.items():
+        body = text[text.index(f" {name}_wg_d64("):]
+        body = body[:body.index("#else")]
+        last = [int(i) for i in re.findall(r"sbase \+ (\d+) \* TILE", body)]
+        last += [int(i) + 1 for i in re.findall(r"sbase \+ \((\d+) \+ st\) \* TILE", body)]
+        assert "wg_tiles()" in body and last, name
+        assert smem == 1024 + (max(last) + 1) * 8192, (name, smem, max(last))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES_BF16, ids=lambda c: c[2])
 def test_bf16_selftest_case(case):

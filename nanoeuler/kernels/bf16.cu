@@ -1595,7 +1595,9 @@ extern "C" __global__ void __launch_bounds__(128, 5) flash_fwd_wg_d64(const bf16
 // dk, dv for 64 keys of one (b, kv head), as flash_bwd_dkdv_mma_impl with whole 64-query passes: per
 // query tile S^T = K Q^T and dP^T = V dO^T (the block's K, V tiles and the Q, dO tiles, read [n][k]),
 // then dV += P^T dO and dK += dS^T Q (P^T, dS^T from registers; the same tiles read [k][n]). 3 blocks
-// per multiprocessor (a 16-byte spill), where K and V in registers allowed 2.
+// per multiprocessor, where K and V in registers allowed 2. At 166 registers ptxas serializes the wgmma
+// (and spills 16 bytes); still faster than 2 blocks at 182 registers without either (0.188 against
+// 0.193 ms at B64xT512, level at B16xT1024).
 extern "C" __global__ void __launch_bounds__(128, 3) flash_bwd_dkdv_wg_d64(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
     const float* __restrict__ lse, const float* __restrict__ delta, bf16* __restrict__ dqkv,

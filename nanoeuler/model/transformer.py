@@ -189,13 +189,18 @@ def _batch_on_device(params, inputs, targets, cfg):
 # ---- public API --------------------------------------------------------------------------------
 
 
-def loss_and_grads(params, inputs, targets, cfg: ModelConfig):
-    """inputs (B,T) int, targets (B,T,K) int (-1 ignored) -> (loss: float, grads: dict like params)."""
-    xp, ops, ids, targets = _batch_on_device(params, inputs, targets, cfg)
-    B, T = ids.shape
+def mtp_cross_entropy(xn, params, targets, cfg: ModelConfig):
+    """The pretraining loss on the final normed state: mean over the heads with a valid target of each
+    head's mean cross-entropy. xn (B,T,C), targets (B,T,K) -> (loss, dxn (B,T,C), {head weight: grad}).
+
+    This is the default `head_loss` of `loss_and_grads`; a stage with another objective (DPO) passes its
+    own function of the same signature.
+    """
+    xp = array_module(xn)
+    ops = ops_for(xp)
+    B, T, C = xn.shape
     N = B * T
-    xn, trunk = _trunk_forward(params, ids, cfg, ops, xp)
-    xn2 = xn.reshape(N, cfg.dim)  # (N,C)
+    xn2 = xn.reshape(N, C)  # (N,C)
     counts = [int(c) for c in (targets >= 0).reshape(N, cfg.mtp_heads).sum(axis=0)]
     active = sum(1 for c in counts if c > 0)
     grads: dict = {}
@@ -211,7 +216,23 @@ def loss_and_grads(params, inputs, targets, cfg: ModelConfig):
         loss += float(loss_sum) * dloss_sum
         dxn2 += dx_k
         del dx_k
-    _trunk_backward(params, ids, dxn2.reshape(B, T, cfg.dim), trunk, cfg, ops, grads)
+    return loss, dxn2.reshape(B, T, C), grads
+
+
+def loss_and_grads(params, inputs, targets, cfg: ModelConfig, head_loss=mtp_cross_entropy):
+    """inputs (B,T) int, targets (B,T,K) int (-1 ignored) -> (loss: float, grads: dict like params).
+
+    `head_loss(xn, params, targets, cfg) -> (loss, dxn, head_grads)` turns the final normed state
+    (B,T,C) into the loss; heads it leaves out of `head_grads` get zero gradients.
+    """
+    xp, ops, ids, targets = _batch_on_device(params, inputs, targets, cfg)
+    xn, trunk = _trunk_forward(params, ids, cfg, ops, xp)
+    loss, dxn, grads = head_loss(xn, params, targets, cfg)
+    del xn
+    for name in head_weight_names(cfg):
+        if name not in grads:
+            grads[name] = xp.zeros_like(params[name])
+    _trunk_backward(params, ids, dxn, trunk, cfg, ops, grads)
     return loss, {name: grads[name] for name in params}
 
 

@@ -9,8 +9,14 @@ File layout (the `safetensors` library reads these files):
     data      raw little-endian tensor bytes, back to back in header order; offsets are relative to here
 
 `__metadata__` holds the caller's metadata with every value JSON-encoded (so `load` gives back ints, dicts,
-strings...), plus three reserved keys: `format` ("nanoeuler"), `format_version` ("1") and `checksum`
-(hex sha256 of the whole data section, i.e. every tensor's bytes in file order).
+strings...), plus three reserved keys: `format` ("nanoeuler"), `format_version` ("2") and `checksum`:
+the hex sha256 of the header in canonical form (the JSON object without the checksum itself, keys sorted,
+no spaces) followed by the whole data section. So every byte that changes what the file means is covered:
+a tensor's dtype, shape or offsets, its name, the metadata, and its data. Bytes that change nothing
+(header padding) are not.
+
+Version 1 files (the checksum covered the data section only) still load, with that weaker check, so
+runs and models from before keep working; a file of any other version is refused.
 
 Writes are atomic: a temporary file in the same directory, flushed and fsynced, then renamed over the
 target, so a crash never leaves a half-written checkpoint under the real name. Reading a truncated or
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -37,7 +44,8 @@ from nanoeuler.errors import UserError
 from nanoeuler.model.config import ModelConfig
 
 FORMAT = "nanoeuler"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+READABLE_VERSIONS = ("1", FORMAT_VERSION)  # "1": the checksum covers the data section only
 RESERVED = ("format", "format_version", "checksum")
 MAX_HEADER = 100 * 1024 * 1024
 
@@ -64,25 +72,29 @@ def _bytes_of(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1)).cast("B")
 
 
-def write_safetensors(path, tensors: dict, raw_metadata: dict[str, str], checksum_key: str | None = None) -> str:
+def write_safetensors(path, tensors: dict, raw_metadata: dict[str, str],
+                      checksum_key: str | None = None) -> str | None:
     """Write a safetensors file atomically: `tensors` in order, `raw_metadata` (str -> str) as
-    `__metadata__`, plus the data section's hex sha256 under `checksum_key` if given. Returns that digest."""
+    `__metadata__`, plus under `checksum_key` (if given) the hex sha256 of the canonical header and the
+    data section. Returns that digest (None without `checksum_key`)."""
     path = Path(path)
     arrays = {name: _as_le_numpy(name, a) for name, a in tensors.items()}
-    digest = hashlib.sha256()
     header: dict = {}
     offset = 0
     for name, a in arrays.items():
         if name == "__metadata__":
             raise ValueError("a tensor cannot be named __metadata__")
-        digest.update(_bytes_of(a))
         header[name] = {"dtype": _NAMES[a.dtype.newbyteorder("=")], "shape": list(a.shape),
                         "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
     meta = dict(raw_metadata)
-    if checksum_key:
-        meta[checksum_key] = digest.hexdigest()
     header = {"__metadata__": meta, **header}
+    checksum = None
+    if checksum_key:
+        digest = hashlib.sha256(canonical_header(header, checksum_key))
+        for a in arrays.values():
+            digest.update(_bytes_of(a))
+        meta[checksum_key] = checksum = digest.hexdigest()
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)
 
@@ -101,7 +113,17 @@ def write_safetensors(path, tensors: dict, raw_metadata: dict[str, str], checksu
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
-    return digest.hexdigest()
+    return checksum
+
+
+def canonical_header(header: dict, checksum_key: str = "checksum") -> bytes:
+    """The header as the checksum sees it: without the checksum, keys sorted, no spaces, ASCII.
+
+    >>> canonical_header({"__metadata__": {"checksum": "ab", "step": "1"}, "w": {"dtype": "F32"}})
+    b'{"__metadata__":{"step":"1"},"w":{"dtype":"F32"}}'
+    """
+    meta = {k: v for k, v in header.get("__metadata__", {}).items() if k != checksum_key}
+    return json.dumps({**header, "__metadata__": meta}, sort_keys=True, separators=(",", ":")).encode("ascii")
 
 
 def fsync_dir(directory) -> None:
@@ -128,7 +150,12 @@ def save(path, tensors: dict, metadata: dict) -> None:
 
 def read_header(path) -> tuple[dict, dict, int]:
     """(tensor entries, raw __metadata__, data start) after checking the header; UserError if it is bad."""
-    path = Path(path)
+    entries, meta, start, _ = _read_header(Path(path))
+    return entries, meta, start
+
+
+def _read_header(path: Path) -> tuple[dict, dict, int, bytes]:
+    """read_header's answer plus the canonical header bytes that the checksum covers."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -144,18 +171,21 @@ def read_header(path) -> tuple[dict, dict, int]:
         raise UserError(f"checkpoint {path} does not exist") from None
     except IsADirectoryError:
         raise UserError(f"checkpoint {path} is a directory, not a file") from None
+    except OSError as exc:
+        raise UserError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise UserError(f"checkpoint {path} is corrupt (its header is not valid JSON)") from None
     if not isinstance(header, dict):
         raise UserError(f"checkpoint {path} is corrupt (its header is not a JSON object)")
+    canonical = canonical_header(header) if isinstance(header.get("__metadata__"), dict) else b""
     meta = header.pop("__metadata__", None)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise UserError(f"{path} is not a nanoeuler checkpoint (no '__metadata__.format': '{FORMAT}')")
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_VERSIONS:
         raise UserError(f"checkpoint {path} has format version {meta.get('format_version')!r}; "
-                        f"this nanoeuler reads version {FORMAT_VERSION}")
+                        f"this nanoeuler reads versions {', '.join(READABLE_VERSIONS)}")
     data_size = size - 8 - n
     entries = []
     for name, e in header.items():
@@ -165,7 +195,7 @@ def read_header(path) -> tuple[dict, dict, int]:
             begin, end = (int(o) for o in e["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise UserError(f"checkpoint {path} is corrupt (bad header entry for tensor {name!r})") from None
-        if end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)) or begin < 0:
+        if end - begin != dtype.itemsize * math.prod(shape) or begin < 0 or min(shape, default=0) < 0:
             raise UserError(f"checkpoint {path} is corrupt (tensor {name!r}: size does not match its shape)")
         entries.append((begin, end, name, dtype, shape))
     entries.sort()
@@ -180,14 +210,15 @@ def read_header(path) -> tuple[dict, dict, int]:
         raise UserError(f"checkpoint {path} is corrupt ({data_size - expect} stray bytes after the tensors)")
     tensors = {name: (dtype, shape, begin, end) for begin, end, name, dtype, shape in entries}
     order = [name for name in header]  # keep the writer's order for the caller
-    return {name: tensors[name] for name in order}, meta, 8 + n
+    return {name: tensors[name] for name in order}, meta, 8 + n, canonical
 
 
 def load(path) -> tuple[dict, dict]:
     """Read a checkpoint -> (tensors: name -> NumPy array, metadata with JSON values decoded)."""
     path = Path(path)
-    entries, meta, start = read_header(path)
-    digest = hashlib.sha256()
+    entries, meta, start, canonical = _read_header(path)
+    # version 1 files: the checksum covers the data section only
+    digest = hashlib.sha256(canonical if meta["format_version"] != "1" else b"")
     arrays = {}
     with open(path, "rb") as f:
         f.seek(start)
@@ -199,7 +230,8 @@ def load(path) -> tuple[dict, dict]:
             digest.update(view)
             arrays[name] = a
     if digest.hexdigest() != meta.get("checksum"):
-        raise UserError(f"checkpoint {path} is corrupt (checksum mismatch: the tensor bytes were altered)")
+        raise UserError(f"checkpoint {path} is corrupt (checksum mismatch: its header or tensor bytes "
+                        "were altered)")
     metadata = {}
     for key, value in meta.items():
         if key in RESERVED:

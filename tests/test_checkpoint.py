@@ -54,7 +54,7 @@ def test_the_safetensors_library_reads_our_files(tmp_path):
         np.testing.assert_array_equal(theirs[name], t[name])
     with safe_open(tmp_path / "c.bin", framework="np") as f:
         meta = f.metadata()
-    assert meta["format"] == "nanoeuler" and meta["format_version"] == "1" and json.loads(meta["step"]) == 3
+    assert meta["format"] == "nanoeuler" and meta["format_version"] == "2" and json.loads(meta["step"]) == 3
     assert len(meta["checksum"]) == 64
 
 
@@ -105,8 +105,8 @@ def test_garbage_header_and_foreign_files(tmp_path):
 def test_other_format_version_is_refused(tmp_path):
     path = tmp_path / "c.bin"
     checkpoint.write_safetensors(path, {"x": np.ones(2, np.float32)},
-                                 {"format": "nanoeuler", "format_version": "2"}, checksum_key="checksum")
-    with pytest.raises(UserError, match="format version '2'"):
+                                 {"format": "nanoeuler", "format_version": "3"}, checksum_key="checksum")
+    with pytest.raises(UserError, match="format version '3'"):
         checkpoint.load(path)
 
 

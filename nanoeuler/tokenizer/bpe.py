@@ -354,6 +354,15 @@ class Tokenizer:
                 f"specials={list(self.special_tokens)})")
 
 
+def default_file_mode() -> int:
+    """The mode `open(path, "w")` gives a new file: 0o666 less the umask (0o644 under umask 022)."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     import os
     import tempfile
@@ -361,6 +370,7 @@ def write_text_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, default_file_mode())  # mkstemp makes 0600; outputs get what open() would give
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
             f.write(text)
             f.flush()

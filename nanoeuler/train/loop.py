@@ -4,9 +4,8 @@ A run lives in a directory (`results/pretrain/`, `results/sft/`) holding rotatin
 `ckpt_{step:08d}.bin` and `metrics.jsonl`. Starting a run first looks for the newest checkpoint
 that loads:
 
-- it must hold the same model config and tokenizer, else the run stops with an error (the run dir
-  belongs to another model; delete it to start over). SFT instead sets such checkpoints aside like
-  the next case, since a new base model starts a new fine-tuning run anyway;
+- it must hold the same model config and tokenizer, else the run dir belongs to another model: its
+  files move to `previous/` with a notice and training starts fresh (`foreign_model_is_error` stops instead);
 - it must come from the same run settings (`Run.identity`: the training section minus the keys
   that only affect logging, plus the data), else it belongs to an earlier run with other settings:
   its files move to `previous/` and training starts fresh;
@@ -71,9 +70,8 @@ class Run:
     identity: dict = field(default_factory=dict)  # data identity (manifest, base model ...)
     extra_out: dict = field(default_factory=dict)  # more metadata for the final model
     progress: bool = True
-    # Checkpoints of another model config or tokenizer: an error (pretraining: the run dir belongs to
-    # another model), or set aside like other settings (SFT: a new base model means a new run anyway).
-    foreign_model_is_error: bool = True
+    # Checkpoints of another model config or tokenizer: set aside like other settings, or an error.
+    foreign_model_is_error: bool = False
 
 
 def run_identity(run: Run) -> dict:
@@ -99,10 +97,10 @@ def _find_resume(run: Run) -> tuple[dict, dict] | None:
             _warn(run.stage, f"checkpoint {path} is unusable ({exc}); renamed it to {moved.name}, "
                              "falling back to the previous checkpoint")
             continue
-        if not run.foreign_model_is_error and (
-                meta.get("model_config") != want_cfg or meta.get("tokenizer_sha256") != run.tokenizer_sha256):
+        change = rundir.model_change(meta, want_cfg, run.tokenizer_sha256)
+        if change and not run.foreign_model_is_error:
             prev = rundir.set_aside_all(run.run_dir)
-            _warn(run.stage, f"checkpoints in {run.run_dir} belong to another model or tokenizer; "
+            _warn(run.stage, f"checkpoints in {run.run_dir} belong to another model or tokenizer ({change}); "
                              f"moved them to {prev} and starting a fresh run")
             return None
         if meta.get("model_config") != want_cfg:

@@ -3,7 +3,7 @@
 The checkpoint file format is `nanoeuler.checkpoint` (atomic writes, checksums); this module only
 names, finds, rotates and sets aside files. A checkpoint that fails to load is renamed to
 `*.bin.corrupt` so that it is never picked again; checkpoints of a finished or abandoned run with
-other settings move to `previous/`, replacing what was there.
+other settings, another model config or another tokenizer move to `previous/`, replacing what was there.
 """
 
 from __future__ import annotations
@@ -68,6 +68,23 @@ def set_aside_all(run_dir: Path) -> Path:
     if metrics.exists():
         os.replace(metrics, prev / metrics.name)
     return prev
+
+
+def model_change(meta: dict, model_config: dict, tokenizer_sha256: str) -> str:
+    """What makes a checkpoint's model differ from the configured one ('' when it is the same).
+
+    Such a checkpoint belongs to another run: its files are set aside (`set_aside_all`) rather than
+    resumed, so a changed model key simply starts a new run.
+
+    >>> model_change({"model_config": {"dim": 64}, "tokenizer_sha256": "ab"}, {"dim": 128}, "ab")
+    'model dim 64 -> 128'
+    """
+    old = meta.get("model_config") or {}
+    parts = [f"model {k} {old.get(k)!r} -> {model_config.get(k)!r}"
+             for k in sorted(set(old) | set(model_config)) if old.get(k) != model_config.get(k)]
+    if meta.get("tokenizer_sha256") != tokenizer_sha256:
+        parts.append(f"tokenizer sha256 {str(meta.get('tokenizer_sha256'))[:12]} -> {tokenizer_sha256[:12]}")
+    return ", ".join(parts)
 
 
 def warn(stage: str, message: str) -> None:

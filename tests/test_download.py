@@ -9,6 +9,7 @@ for its next requests ("cut" = send half the body and hang up, "500", "slow", "n
 from __future__ import annotations
 
 import hashlib
+import json
 import http.server
 import threading
 import time
@@ -108,7 +109,7 @@ def test_download_success_and_no_refetch(server, tmp_path):
     assert fetch(server.url + "/cache/epub/11/pg11.txt", dest, **FAST) is True
     assert dest.read_bytes() == BOOK
     assert not dest.with_name("11.txt.part").exists()
-    assert dest.with_name("11.txt.source").read_text().strip() == server.url + "/cache/epub/11/pg11.txt"
+    assert json.loads(dest.with_name("11.txt.source").read_text())["source"] == server.url + "/cache/epub/11/pg11.txt"
     assert fetch(server.url + "/cache/epub/11/pg11.txt", dest, **FAST) is False
     assert len(server.requests) == 1  # the second call asked nobody
 

@@ -101,11 +101,10 @@ def write_jsonl(rows: list[dict], out: Path) -> None:
 
 
 def build(section: dict, raw_dir: Path, out: Path, root: str = ".") -> dict[str, int]:
-    from nanoeuler.data.download import fetch
+    from nanoeuler.data.download import fetch, fetch_options
 
     raw = raw_dir / RAW_NAME
-    if fetch(section["url"], raw, root=root, sha256=section["sha256"], timeout_s=section["timeout_s"],
-             retries=section["retries"], delay_s=section["delay_s"]):
+    if fetch(section["url"], raw, root=root, sha256=section["sha256"], check=load_records, **fetch_options(section)):
         info(f"fetched {section['url']} -> {raw} ({raw.stat().st_size:,} bytes)")
     else:
         info(f"{raw} already there")

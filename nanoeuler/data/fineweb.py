@@ -128,7 +128,7 @@ def sample(paths: list[Path], section: dict, out: Path) -> tuple[int, int]:
 
 
 def build(section: dict, raw_dir: Path, out: Path, root: str = ".") -> tuple[int, int]:
-    from nanoeuler.data.download import fetch
+    from nanoeuler.data.download import fetch, fetch_options
 
     paths: list[Path] = []
     for source in sources(section):
@@ -136,8 +136,7 @@ def build(section: dict, raw_dir: Path, out: Path, root: str = ".") -> tuple[int
         if path in paths:
             raise UserError(f"config key 'fineweb.files' names two files called {path.name}; "
                             "they would share one cache file")
-        if fetch(source, path, root=root, timeout_s=section["timeout_s"], retries=section["retries"],
-                 delay_s=section["delay_s"]):
+        if fetch(source, path, root=root, check=lambda p: check_files([p], section), **fetch_options(section)):
             info(f"fetched {source} -> {path} ({path.stat().st_size:,} bytes)")
         else:
             info(f"{path} already there")

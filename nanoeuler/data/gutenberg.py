@@ -100,7 +100,7 @@ def build(section: dict, raw_dir: Path, out: Path, root: str = ".") -> int:
     import pyarrow.parquet as pq
     from tqdm import tqdm
 
-    from nanoeuler.data.download import fetch
+    from nanoeuler.data.download import NetworkError, fetch, fetch_options
 
     ids = list(dict.fromkeys(section["ids"]))  # keep the order, drop repeats
     if not ids:
@@ -111,15 +111,18 @@ def build(section: dict, raw_dir: Path, out: Path, root: str = ".") -> int:
     for book_id, source in tqdm(list(zip(ids, sources({**section, "ids": ids}))), desc="books",
                                 unit="book", disable=None):
         path = raw_dir / f"{book_id}.txt"
+
+        def check(p, book_id=book_id):
+            return strip_license(decode(p.read_bytes(), book_id), book_id)
+
         try:
-            if fetch(source, path, root=root, timeout_s=section["timeout_s"],
-                     retries=section["retries"], delay_s=section["delay_s"]):
+            if fetch(source, path, root=root, check=check, **fetch_options(section)):
                 fetched += 1
             else:
                 cached += 1
-            title, body = strip_license(decode(path.read_bytes(), book_id), book_id)
+            title, body = check(path)
         except UserError as exc:
-            if not section["skip_bad"]:
+            if not section["skip_bad"] or isinstance(exc, NetworkError):  # no network: no book will come
                 raise
             warn(f"skipping book {book_id}: {exc}")
             skipped.append(book_id)

@@ -9,13 +9,15 @@ Modules are imported only when their subcommand runs, so `nanoeuler --help` is
 instant and a CPU-only install never imports CuPy.
 
 Errors meant for the user are raised as `nanoeuler.errors.UserError`; `main`
-prints them as one line (`nanoeuler <stage>: error: ...`) and exits with 1.
+prints them as one line (`nanoeuler <stage>: error: ...`) and exits with 1. So does an
+OSError (a read-only folder, a full disk): it comes from the machine, not from a bug.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from nanoeuler.errors import UserError
@@ -73,6 +75,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"nanoeuler {name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of our output left (`nanoeuler sample ... | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit is quiet
+        return 141
+    except OSError as exc:  # the machine, not the code: a read-only folder, a full disk, a missing device
+        print(f"nanoeuler {name}: error: {os_error(exc)}", file=sys.stderr)
+        return 1
+
+
+def os_error(exc: OSError) -> str:
+    """One line for an OSError: what failed and on which file.
+
+    >>> os_error(PermissionError(13, "Permission denied", "results/tokenizer.json"))
+    'results/tokenizer.json: Permission denied'
+    """
+    what = exc.strerror or str(exc).strip() or type(exc).__name__
+    files = [f for f in (exc.filename, exc.filename2) if f is not None]
+    return ": ".join([" -> ".join(map(str, files)), what] if files else [what])
 
 
 if __name__ == "__main__":

@@ -91,3 +91,117 @@ def test_atomic_text_outputs_get_the_usual_mode(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "t.json").stat().st_mode) == 0o644
+
+
+# ---- one line instead of a traceback --------------------------------------------------------------
+
+
+def _nanoeuler(*args, stdin: bytes | None = None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "nanoeuler", *args], input=stdin, capture_output=True,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    from train_fixtures import make_tokenizer, save_random_model
+
+    path = tmp_path_factory.mktemp("model") / "chat.bin"
+    save_random_model(path, make_tokenizer())
+    return path
+
+
+def test_sample_refuses_a_prompt_that_is_not_utf8(model_file):
+    r = _nanoeuler("sample", "--ckpt", str(model_file), "--device", "cpu", "--prompt", b"caf\xe9 au lait")
+    err = r.stderr.decode()
+    assert r.returncode == 1 and r.stdout == b""
+    assert err.strip() == "nanoeuler sample: error: --prompt is not valid UTF-8 text (at character 3: the byte 0xe9)"
+
+
+def test_chat_survives_a_line_that_is_not_utf8(model_file):
+    r = _nanoeuler("chat", "--ckpt", str(model_file), "--device", "cpu", "--max-new-tokens", "4",
+                   stdin=b"\xff\xfe broken\nName a color.\n")
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "nanoeuler chat: error: that line is not valid UTF-8 text (at character 0: the byte 0xff); try again" in err
+    assert "Traceback" not in err
+    assert r.stdout.decode().count("> ") == 3  # the bad line, the good one, and the prompt Ctrl-D answered
+
+
+def test_os_errors_are_one_line_and_leave_no_output(tmp_path, capsys, monkeypatch):
+    from nanoeuler.cli import main
+
+    (tmp_path / "a_file").write_text("x")
+    sample = REPO / "data" / "sample" / "alpaca_data.json"
+    args = ["alpaca", "--params", json.dumps({"alpaca": {"url": str(sample)}}), "--raw-dir", str(tmp_path / "raw")]
+    assert main([*args, "--out", str(tmp_path / "a_file" / "alpaca.jsonl")]) == 1  # a file where a folder is
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"nanoeuler alpaca: error: {tmp_path / 'a_file'}: File exists"
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    corpus_file = tmp_path / "train.parquet"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["the sea was calm " * 20] * 10}), corpus_file)
+    out = tmp_path / "tok" / "tokenizer.json"
+    assert main(["tokenizer", "--params", json.dumps({"tokenizer": {"vocab_size": 300}}),
+                 "--corpus", str(corpus_file), "--out", str(out)]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "nanoeuler tokenizer: error: No space left on device"
+    assert list(out.parent.iterdir()) == []  # no partial or temporary file
+
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def _corpus_inputs(tmp_path, books: dict, web: dict):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(books), tmp_path / "books.parquet")
+    pq.write_table(pa.table(web), tmp_path / "web.parquet")
+    return tmp_path / "books.parquet", tmp_path / "web.parquet"
+
+
+CORPUS = {"weights": {"gutenberg": 1.0, "fineweb": 1.0}, "val_fraction": 0.1, "chunk_bytes": 1024, "seed": 0}
+
+
+def test_a_corpus_column_of_the_wrong_type_is_named(tmp_path):
+    from nanoeuler.data import corpus
+
+    books, web = _corpus_inputs(tmp_path, {"doc_id": ["1"], "text": [17]},
+                                {"doc_id": ["a"], "text": ["web text"]})
+    with pytest.raises(UserError, match=r"column 'text' of .*books\.parquet must hold string values, not int64"):
+        corpus.build(CORPUS, books, web, tmp_path / "t.parquet", tmp_path / "v.parquet")
+    assert not (tmp_path / "t.parquet").exists()
+
+
+def test_a_fineweb_column_of_the_wrong_type_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nanoeuler.data import fineweb
+
+    pq.write_table(pa.table({"text": ["a"], "int_score": ["high"], "language_score": [0.9]}), tmp_path / "f.parquet")
+    section = {"min_int_score": 3, "min_language_score": 0.5}
+    with pytest.raises(UserError, match=r"column 'int_score' of .*f\.parquet must hold number values, not string"):
+        fineweb.check_files([tmp_path / "f.parquet"], section)
+
+
+def test_an_empty_corpus_names_the_empty_inputs(tmp_path):
+    from nanoeuler.data import corpus
+
+    books, web = _corpus_inputs(tmp_path, {"doc_id": ["1"], "text": [""]}, {"doc_id": ["a"], "text": [""]})
+    with pytest.raises(UserError) as err:
+        corpus.build(CORPUS, books, web, tmp_path / "t.parquet", tmp_path / "v.parquet")
+    msg = str(err.value)
+    assert str(books) in msg and str(web) in msg and "no documents with text" in msg
+    assert "weights" not in msg
+    zero = {**CORPUS, "weights": {"gutenberg": 0.0, "fineweb": 0.0}}
+    with pytest.raises(UserError, match="every corpus.weights entry is 0"):
+        corpus.build(zero, books, web, tmp_path / "t.parquet", tmp_path / "v.parquet")

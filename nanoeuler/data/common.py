@@ -67,3 +67,33 @@ def add_source_root_argument(parser: argparse.ArgumentParser) -> None:
 def local_sources(sources: list[str], root: str | os.PathLike) -> list[str]:
     """The local files among `sources`, as absolute paths (Snakemake tracks them as rule inputs)."""
     return [str(local_path(s, root).resolve()) for s in sources if not is_remote(s)]
+
+
+# Arrow type families a data stage accepts for a column (pyarrow.types predicates by name).
+_KINDS = {
+    "string": ("is_string", "is_large_string"),
+    "string or integer": ("is_string", "is_large_string", "is_integer"),
+    "number": ("is_integer", "is_floating"),
+}
+
+
+def check_column_types(path: str | os.PathLike, schema, wanted: dict[str, str]) -> None:
+    """UserError naming the file and column when a present column is not of the wanted kind.
+
+    `wanted` maps column -> a key of _KINDS; absent columns are the caller's business.
+
+        >>> import pyarrow as pa
+        >>> check_column_types("x.parquet", pa.schema([("text", pa.int64())]), {"text": "string"})
+        Traceback (most recent call last):
+        nanoeuler.errors.UserError: column 'text' of x.parquet must hold string values, not int64
+    """
+    import pyarrow.types as pat
+
+    from nanoeuler.errors import UserError
+
+    for name, kind in wanted.items():
+        if name not in schema.names:
+            continue
+        arrow_type = schema.field(name).type
+        if not any(getattr(pat, test)(arrow_type) for test in _KINDS[kind]):
+            raise UserError(f"column '{name}' of {path} must hold {kind} values, not {arrow_type}")

@@ -21,7 +21,7 @@ import argparse
 from pathlib import Path
 
 from nanoeuler.config import add_config_arguments, sections
-from nanoeuler.data.common import atomic_path, info
+from nanoeuler.data.common import atomic_path, check_column_types, info
 from nanoeuler.errors import UserError
 
 SOURCES = ("gutenberg", "fineweb")
@@ -63,6 +63,7 @@ def _read_table(path: Path, what: str):
     missing = [c for c in ("doc_id", "text") if c not in table.column_names]
     if missing:
         raise UserError(f"{path} lacks column(s) {', '.join(missing)} (columns: {', '.join(table.column_names)})")
+    check_column_types(path, table.schema, {"text": "string", "doc_id": "string or integer"})
     return table
 
 
@@ -115,6 +116,20 @@ def mix_query(web: Path, section: dict) -> str:
 SELECT split, source, doc_id, text, order_key FROM repeated"""
 
 
+def _why_no_train(section: dict, inputs: dict[str, tuple[Path, int]]) -> str:
+    """Name the culprit of an empty train split: empty inputs, zero weights, or everything in val.
+
+    `inputs` maps each source to (its file, its documents with text)."""
+    weighted = [s for s in SOURCES if float(section["weights"][s]) > 0]
+    if not weighted:
+        return "the train split would be empty: every corpus.weights entry is 0"
+    empty = [f"{inputs[s][0]}" for s in weighted if inputs[s][1] == 0]
+    if len(empty) == len(weighted):
+        return f"no text to mix: {' and '.join(empty)} hold no documents with text (check the data stages)"
+    return (f"the train split would be empty: all {sum(inputs[s][1] for s in weighted):,} documents went to "
+            f"val; lower corpus.val_fraction ({section['val_fraction']}) or add data")
+
+
 def build(section: dict, books: Path, web: Path, train: Path, val: Path) -> dict:
     import duckdb
 
@@ -128,14 +143,20 @@ def build(section: dict, books: Path, web: Path, train: Path, val: Path) -> dict
     stats = con.execute(
         "SELECT split, source, count(*) AS docs, sum(strlen(text)) AS bytes FROM mixed "
         "GROUP BY ALL ORDER BY split, source").fetchall()
-    for split in ("train", "val"):
-        if not any(row[0] == split and row[2] > 0 for row in stats):
-            raise UserError(f"the {split} split would be empty: raise corpus.val_fraction or add data"
-                            if split == "val" else "the train split would be empty: check corpus.weights")
+    if not any(row[0] == "train" and row[2] > 0 for row in stats):
+        n_web = con.execute(f"SELECT count(*) FROM read_parquet({_sql_str(web)}) "
+                            "WHERE text IS NOT NULL AND strlen(text) > 0").fetchone()[0]
+        raise UserError(_why_no_train(section, {"gutenberg": (books, book_table.num_rows), "fineweb": (web, n_web)}))
+    if not any(row[0] == "val" and row[2] > 0 for row in stats):
+        raise UserError("the val split would be empty: raise corpus.val_fraction or add data")
     with atomic_path(train) as tmp_train, atomic_path(val) as tmp_val:
         for split, tmp in (("train", tmp_train), ("val", tmp_val)):
-            con.execute(f"COPY (SELECT source, doc_id, text FROM mixed WHERE split = '{split}' ORDER BY order_key) "
-                        f"TO {_sql_str(tmp)} (FORMAT parquet, COMPRESSION zstd)")
+            try:
+                con.execute(f"COPY (SELECT source, doc_id, text FROM mixed WHERE split = '{split}' "
+                            f"ORDER BY order_key) TO {_sql_str(tmp)} (FORMAT parquet, COMPRESSION zstd)")
+            except duckdb.Error as exc:  # a full disk or a read-only folder, in DuckDB's words
+                raise UserError(f"could not write the {split} split next to {train if split == 'train' else val}: "
+                                f"{str(exc).strip().splitlines()[0]}") from None
     con.close()
     summary = {}
     for split, source, docs, nbytes in stats:

@@ -20,7 +20,7 @@ import contextlib
 from pathlib import Path
 
 from nanoeuler.config import add_config_arguments, sections
-from nanoeuler.data.common import add_source_root_argument, atomic_path, info
+from nanoeuler.data.common import add_source_root_argument, atomic_path, check_column_types, info
 from nanoeuler.errors import UserError
 
 
@@ -51,6 +51,7 @@ def check_files(paths: list[Path], section: dict) -> set[str]:
         names = set(schema.names)
         if "text" not in names:
             raise UserError(f"{path} has no 'text' column (columns: {', '.join(schema.names)})")
+        check_column_types(path, schema, {"text": "string", "int_score": "number", "language_score": "number"})
         for key, column in (("min_int_score", "int_score"), ("min_language_score", "language_score")):
             if section[key] is not None and column not in names:
                 raise UserError(f"{path} has no '{column}' column, needed by config key 'fineweb.{key}' "

@@ -4,8 +4,8 @@
 
 Each line you type is one instruction: it is wrapped in the Alpaca template (single turn; earlier
 turns are not part of the context), the answer streams as it is generated and ends at `</s>`.
-Empty lines are ignored; Ctrl-D (end of input) or `/quit` leaves; Ctrl-C stops the answer being
-generated. A prompt longer than the context is left-truncated (its start is dropped) with a notice
+Empty lines are ignored, a line that is not valid UTF-8 is refused with one line on stderr (the
+session goes on); Ctrl-D (end of input) or `/quit` leaves; Ctrl-C stops the answer being generated. A prompt longer than the context is left-truncated (its start is dropped) with a notice
 on stderr; an answer that fills the context goes on in a sliding window (see `infer.generate`).
 Turn n samples with seed + n, so a session is reproducible.
 """
@@ -17,6 +17,7 @@ import sys
 
 from nanoeuler.backend import add_device_argument
 from nanoeuler.config import add_config_arguments, sections
+from nanoeuler.errors import UserError, check_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
+    if hasattr(sys.stdin, "reconfigure"):  # bad bytes become lone surrogates, refused per line below
+        sys.stdin.reconfigure(errors="surrogateescape")
     turn = 0
     while True:
         try:
@@ -85,6 +88,11 @@ def run(args: argparse.Namespace) -> int:
             continue
         if line.strip() in ("/quit", "/exit"):
             return 0
+        try:
+            check_text(line, "that line")
+        except UserError as exc:  # one bad line ends nothing: say so and read the next
+            print(f"nanoeuler chat: error: {exc}; try again", file=sys.stderr, flush=True)
+            continue
         answer(gen, tok, line, max_new, replace(sampling, seed=sampling.seed + turn), write)
         write("\n")
         turn += 1

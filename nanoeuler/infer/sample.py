@@ -13,6 +13,7 @@ import sys
 
 from nanoeuler.backend import add_device_argument
 from nanoeuler.config import add_config_arguments, sections
+from nanoeuler.errors import check_text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     from nanoeuler.infer.generate import decode_stream, fit_prompt, load, sampling_from
 
+    check_text(args.prompt, "--prompt")
     conf = sections(args, "device", "eval")
     sampling, max_new = sampling_from(args, conf["eval"])
     gen, tok, _ = load(args.ckpt, args.device or conf["device"])

@@ -205,3 +205,79 @@ def test_an_empty_corpus_names_the_empty_inputs(tmp_path):
     zero = {**CORPUS, "weights": {"gutenberg": 0.0, "fineweb": 0.0}}
     with pytest.raises(UserError, match="every corpus.weights entry is 0"):
         corpus.build(zero, books, web, tmp_path / "t.parquet", tmp_path / "v.parquet")
+
+
+# ---- the DAG --------------------------------------------------------------------------------------
+
+def _snakemake(cwd, *args, env_extra=None, timeout=300):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": os.pathsep.join([*(env_extra or []), str(REPO)])}
+    return subprocess.run([str(bin_dir / "snakemake"), *args, "--cores", "1"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_default_target_is_the_full_run(tmp_path):
+    from workflow_helpers import planned_jobs, snakemake
+
+    out = snakemake(tmp_path, REPO / "config" / "tiny.yaml", [], "-n")
+    jobs = planned_jobs(out)
+    assert jobs.get("all") == 1 and {"pretrain", "sft", "evaluate"} <= set(jobs), out[-2000:]
+
+
+def _copy_project(dest):
+    import shutil
+
+    dest.mkdir()
+    shutil.copy(REPO / "Snakefile", dest / "Snakefile")
+    for folder in ("workflow", "config", "data/sample"):
+        shutil.copytree(REPO / folder, dest / folder)
+
+
+@pytest.mark.slow
+def test_a_moved_project_re_runs_nothing(tmp_path):
+    _copy_project(tmp_path / "a")
+    target = ["data/alpaca/alpaca.jsonl", "--configfile", "config/tiny.yaml"]
+    r = _snakemake(tmp_path / "a", *target)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (tmp_path / "a").rename(tmp_path / "b")
+    r = _snakemake(tmp_path / "b", "-n", *target)
+    assert r.returncode == 0 and "Nothing to be done" in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
+
+
+SITE = '''
+import socket
+_real = socket.getaddrinfo
+def _getaddrinfo(host, *args, **kw):  # *.invalid: as without DNS, and without asking anyone
+    if str(host).endswith(".invalid"):
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+    return _real(host, *args, **kw)
+socket.getaddrinfo = _getaddrinfo
+'''
+
+
+@pytest.mark.slow
+def test_offline_fails_fast_with_the_cause_in_snakemakes_error(tmp_path):
+    import time
+
+    import yaml
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITE)
+    cfg = yaml.safe_load((REPO / "config" / "tiny.yaml").read_text())
+    cfg["alpaca"]["url"] = "http://offline.invalid/alpaca_data.json"
+    (tmp_path / "offline.yaml").write_text(yaml.safe_dump(cfg))
+    t0 = time.monotonic()
+    r = _snakemake(tmp_path, "data/alpaca/alpaca.jsonl", "-s", str(REPO / "Snakefile"),
+                   "--configfile", str(tmp_path / "offline.yaml"), env_extra=[str(site)])
+    assert r.returncode != 0
+    cause = ("nanoeuler alpaca: error: download of http://offline.invalid/alpaca_data.json: could not resolve "
+             "host offline.invalid (Temporary failure in name resolution)")
+    assert (tmp_path / "logs" / "alpaca.log").read_text().strip().splitlines()[-1].startswith(cause)
+    assert f"logs/alpaca.log: {cause}" in r.stderr, r.stderr[-3000:]
+    assert time.monotonic() - t0 < 60

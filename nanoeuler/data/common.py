@@ -65,8 +65,36 @@ def add_source_root_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def local_sources(sources: list[str], root: str | os.PathLike) -> list[str]:
-    """The local files among `sources`, as absolute paths (Snakemake tracks them as rule inputs)."""
-    return [str(local_path(s, root).resolve()) for s in sources if not is_remote(s)]
+    """The local files among `sources`, as Snakemake rule inputs (so editing one re-runs the stage).
+
+    A relative source is given relative to the working directory, an absolute one stays absolute:
+    Snakemake records inputs by name, so an absolute name would change, and re-run the stage, every
+    time the project moves.
+    """
+    return [str(local_path(s, root)) if _absolute(s) else os.path.relpath(local_path(s, root))
+            for s in sources if not is_remote(s)]
+
+
+def _absolute(source: str) -> bool:
+    return source.lower().startswith("file:") or Path(source).expanduser().is_absolute()
+
+
+def failure_causes(log_dir: str | os.PathLike, since: float) -> list[str]:
+    """'<log>: <last line>' of each log under `log_dir` written after `since` that ends in an error.
+
+    Snakemake's error names a failed rule and its log; this puts the cause next to it.
+    """
+    out = []
+    for log in sorted(Path(log_dir).glob("**/*.log")):
+        try:
+            if log.stat().st_mtime < since:
+                continue
+            lines = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()
+        except OSError:
+            continue
+        if lines and ("error" in lines[-1].lower() or lines[-1].startswith(("nanoeuler ", "Traceback"))):
+            out.append(f"{log}: {lines[-1]}")
+    return out
 
 
 # Arrow type families a data stage accepts for a column (pyarrow.types predicates by name).

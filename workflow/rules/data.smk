@@ -8,6 +8,12 @@ from nanoeuler.data import gutenberg as _gutenberg
 from nanoeuler.data.common import local_sources
 
 
+def source_root(wildcards):
+    """Where relative sample paths live: the repository root, relative to the working directory,
+    so that moving or copying the project changes no parameter (and re-runs nothing)."""
+    return os.path.relpath(workflow.basedir)
+
+
 rule gutenberg:
     input:
         local_sources(_gutenberg.sources(config["gutenberg"]), workflow.basedir),
@@ -16,7 +22,7 @@ rule gutenberg:
     params:
         cfg=stage_params("gutenberg"),
         raw="data/gutenberg/raw",
-        root=lambda wildcards: workflow.basedir,  # resolves relative sample paths; not a file prefix
+        root=source_root,
     log:
         "logs/gutenberg.log",
     shell:
@@ -32,7 +38,7 @@ rule fineweb:
     params:
         cfg=stage_params("fineweb"),
         raw="data/web/raw",
-        root=lambda wildcards: workflow.basedir,  # resolves relative sample paths; not a file prefix
+        root=source_root,
     log:
         "logs/fineweb.log",
     shell:
@@ -48,7 +54,7 @@ rule alpaca:
     params:
         cfg=stage_params("alpaca"),
         raw="data/alpaca/raw",
-        root=lambda wildcards: workflow.basedir,  # resolves relative sample paths; not a file prefix
+        root=source_root,
     log:
         "logs/alpaca.log",
     shell:

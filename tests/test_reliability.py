@@ -281,3 +281,22 @@ def test_offline_fails_fast_with_the_cause_in_snakemakes_error(tmp_path):
     assert (tmp_path / "logs" / "alpaca.log").read_text().strip().splitlines()[-1].startswith(cause)
     assert f"logs/alpaca.log: {cause}" in r.stderr, r.stderr[-3000:]
     assert time.monotonic() - t0 < 60
+
+
+def test_the_tiny_configs_chat_prompts_fit_its_context():
+    """With a 128-token context every demo chat prompt was left-truncated, with a notice each turn."""
+    import pyarrow.parquet as pq
+
+    from nanoeuler.config import load_config
+    from nanoeuler.tokenizer.bpe import train_bpe
+    from nanoeuler.train.template import render_prompt
+
+    cfg = load_config(REPO / "config" / "tiny.yaml")
+    sample = REPO / "data" / "sample"
+    text = "\n\n".join([p.read_text(encoding="utf-8") for p in sorted((sample / "gutenberg").glob("*.txt"))]
+                       + pq.read_table(sample / "fineweb" / "sample_000.parquet").column("text").to_pylist())
+    tok = train_bpe(text, cfg["tokenizer"]["vocab_size"])
+    ctx = cfg["model"]["ctx_len"]
+    room = min(cfg["eval"]["max_new_tokens"], ctx // 4)  # what chat and sample keep free for the answer
+    for prompt in cfg["eval"]["chat_prompts"]:
+        assert len(tok.encode(render_prompt(prompt))) <= ctx - room, prompt

@@ -94,7 +94,10 @@ def _check(value: Any, schema: dict, key: str) -> Any:
 
 
 def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else str(name)
+    name = str(name)
+    if not name.isprintable():  # a key with a newline or a control character still names itself on one line
+        name = name.encode("unicode_escape").decode("ascii")
+    return f"{prefix}.{name}" if prefix else name
 
 
 def validate(config: dict | None, schema: dict | None = None) -> dict:
@@ -114,6 +117,8 @@ def load_config(path: str | Path | None) -> dict:
         raise UserError(f"config file {path} does not exist") from None
     except yaml.YAMLError as exc:
         raise UserError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"config file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     if raw is not None and not isinstance(raw, dict):
         raise UserError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
     try:

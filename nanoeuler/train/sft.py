@@ -46,11 +46,15 @@ def read_records(path: str | Path) -> list[dict]:
     path = Path(path)
     records = []
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")  # decoded line by line, so a bad byte is reported with its line
     except FileNotFoundError:
         raise UserError(f"Alpaca data {path} does not exist (run `nanoeuler alpaca` first)") from None
     with f:
-        for n, line in enumerate(f, 1):
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{path}:{n}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
             if not line.strip():
                 continue
             try:

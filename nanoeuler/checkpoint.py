@@ -175,7 +175,7 @@ def _read_header(path: Path) -> tuple[dict, dict, int, bytes]:
         raise UserError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise UserError(f"checkpoint {path} is corrupt (its header is not valid JSON)") from None
     if not isinstance(header, dict):
         raise UserError(f"checkpoint {path} is corrupt (its header is not a JSON object)")

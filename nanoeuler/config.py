@@ -119,6 +119,8 @@ def load_config(path: str | Path | None) -> dict:
         raise UserError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     except UnicodeDecodeError as exc:
         raise UserError(f"config file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+    except RecursionError:
+        raise UserError(f"config file {path} is nested too deeply to read") from None
     if raw is not None and not isinstance(raw, dict):
         raise UserError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
     try:

@@ -64,7 +64,8 @@ def test_config_validation_accepts_or_names_the_key(schema, config):
 
 
 @SETTINGS
-@given(data=st.binary(max_size=300) | st.text(max_size=300).map(lambda t: t.encode("utf-8", "surrogatepass")))
+@given(data=st.binary(max_size=300) | st.text(max_size=300).map(lambda t: t.encode("utf-8", "surrogatepass"))
+       | st.sampled_from([b"[" * 100_000, b"a: &x [*x]", b"\xff\xfe"]))
 def test_config_files_of_any_bytes(tmp_path, data):
     from nanoeuler.config import load_config
 
@@ -86,7 +87,8 @@ records = st.fixed_dictionaries({}, optional={"instruction": json_values | st.te
 
 
 @SETTINGS
-@given(data=st.lists(records, max_size=8).map(json.dumps).map(str.encode) | st.binary(max_size=200))
+@given(data=st.lists(records, max_size=8).map(json.dumps).map(str.encode) | st.binary(max_size=200)
+       | st.sampled_from([b"[" * 100_000, b"[{" * 50_000, b"\xef\xbb\xbf[]", b"null"]))
 def test_alpaca_reader_and_cleaner(tmp_path, data):
     from nanoeuler.data import alpaca
 
@@ -102,7 +104,8 @@ def test_alpaca_reader_and_cleaner(tmp_path, data):
 
 
 @SETTINGS
-@given(lines=st.lists(records.map(json.dumps).map(str.encode) | st.binary(max_size=40), max_size=6))
+@given(lines=st.lists(records.map(json.dumps).map(str.encode) | st.binary(max_size=40)
+                     | st.just(b"[" * 100_000), max_size=6))
 def test_sft_jsonl_reader(tmp_path, lines):
     from nanoeuler.train.sft import read_records
 

@@ -39,6 +39,8 @@ def load_records(path: Path) -> list:
         raise UserError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise UserError(f"{path} is not Alpaca data: its JSON is nested too deeply to read") from None
     if not isinstance(data, list):
         raise UserError(f"{path} must hold a JSON list of records, got a JSON {type(data).__name__}")
     return data

@@ -61,6 +61,8 @@ def read_records(path: str | Path) -> list[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise UserError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+            except RecursionError:
+                raise UserError(f"{path}:{n}: JSON nested too deeply to read") from None
             if not isinstance(rec, dict):
                 raise UserError(f"{path}:{n}: expected a JSON object")
             for key in ("instruction", "output"):

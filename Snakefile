@@ -10,7 +10,7 @@ import time
 
 import yaml
 
-from nanoeuler.config import params_json, validate
+from nanoeuler.config import validate
 from nanoeuler.data.common import failure_causes
 
 _started = time.time()  # logs written since then belong to this run
@@ -19,16 +19,6 @@ if not config:  # no --configfile given: the full run
     with open(os.path.join(workflow.basedir, "config", "config.yaml")) as f:
         config.update(yaml.safe_load(f) or {})
 config.update(validate(config))
-
-
-def stage_params(*sections):
-    """The --params JSON for a stage that reads these config sections.
-
-    Returned as a function of the wildcards: Snakemake formats plain string params as patterns,
-    and the JSON's braces (or a value such as a URL template's {id}) would be read as wildcards.
-    """
-    text = params_json(config, *sections)
-    return lambda wildcards: text
 
 
 # The default target (`snakemake` with no target): the full run's final outputs.
@@ -47,6 +37,7 @@ onerror:
         print(line, file=sys.stderr)
 
 
+include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/tokenizer.smk"
 include: "workflow/rules/train.smk"

@@ -125,8 +125,8 @@ def fetch(
 
 def fetch_options(section: dict) -> dict:
     """fetch's network keyword arguments from a download stage's config section."""
-    return {"timeout_s": section["timeout_s"], "retries": section["retries"], "delay_s": section["delay_s"],
-            "max_time_s": section.get("max_time_s", 3600.0)}
+    keys = ("timeout_s", "retries", "delay_s", "max_time_s")
+    return {k: section[k] for k in keys if k in section}
 
 
 def _source_identity(source: str, root) -> dict:

@@ -7,11 +7,9 @@ from nanoeuler.data import fineweb as _fineweb
 from nanoeuler.data import gutenberg as _gutenberg
 from nanoeuler.data.common import local_sources
 
-
-def source_root(wildcards):
-    """Where relative sample paths live: the repository root, relative to the working directory,
-    so that moving or copying the project changes no parameter (and re-runs nothing)."""
-    return os.path.relpath(workflow.basedir)
+# Where relative sample paths live: the repository root, relative to the working directory, so that
+# moving or copying the project changes no parameter (and re-runs nothing).
+source_root = lambda wildcards: os.path.relpath(workflow.basedir)
 
 
 rule gutenberg:

@@ -1,0 +1,12 @@
+# helpers shared by the rule files (kept apart from the rules, as `snakemake --lint` asks).
+from nanoeuler.config import params_json
+
+
+def stage_params(*sections):
+    """The --params JSON for a stage that reads these config sections.
+
+    Returned as a function of the wildcards: Snakemake formats plain string params as patterns,
+    and the JSON's braces (or a value such as a URL template's {id}) would be read as wildcards.
+    """
+    text = params_json(config, *sections)
+    return lambda wildcards: text

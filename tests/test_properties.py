@@ -119,6 +119,23 @@ def test_sft_jsonl_reader(tmp_path, lines):
         assert got and all(isinstance(r["instruction"], str) and isinstance(r["output"], str) for r in got)
 
 
+@SETTINGS
+@given(data=st.binary(max_size=200) | st.dictionaries(st.text(max_size=6), json_values, max_size=4)
+       .map(json.dumps).map(str.encode))
+def test_shard_manifest_and_metrics_readers(tmp_path, data):
+    from nanoeuler.train.loader import read_manifest
+    from nanoeuler.train.rundir import read_jsonl
+
+    path = tmp_path / "manifest.json"
+    path.write_bytes(data)
+    try:
+        assert "splits" in read_manifest(path)
+    except UserError as exc:
+        one_line(exc)
+    (tmp_path / "metrics.jsonl").write_bytes(data + b"\n" + data)
+    assert all(isinstance(r, dict) for r in read_jsonl(tmp_path / "metrics.jsonl"))
+
+
 # ---- checkpoint reader: byte flips ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -31,10 +31,12 @@ def read_manifest(path: str | Path) -> dict:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UserError(f"shard manifest {path} does not exist (run `nanoeuler tokenize` first)") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"shard manifest {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
         manifest = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"shard manifest {path} is not valid JSON: {exc}") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise UserError(f"shard manifest {path} is not valid JSON: {str(exc).splitlines()[0]}") from None
     if not isinstance(manifest, dict) or "splits" not in manifest:
         raise UserError(f"shard manifest {path} has no 'splits' key")
     manifest["_sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -117,16 +117,16 @@ class MetricsLog:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Records of a JSONL file; a torn last line (killed writer) is skipped."""
+    """Records of a JSONL file; a torn or garbled line (a killed writer, a bad disk) is skipped."""
     path = Path(path)
     if not path.exists():
         return []
     out = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for line in f:
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
+                rec = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
                 continue
             if isinstance(rec, dict):
                 out.append(rec)

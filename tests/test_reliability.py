@@ -11,12 +11,17 @@ import json
 import os
 import stat
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from nanoeuler import checkpoint
 from nanoeuler.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 # ---- checkpoints: the checksum covers the header ------------------------------------------------
@@ -97,9 +102,6 @@ def test_atomic_text_outputs_get_the_usual_mode(tmp_path):
 
 
 def _nanoeuler(*args, stdin: bytes | None = None):
-    import subprocess
-    import sys
-
     return subprocess.run([sys.executable, "-m", "nanoeuler", *args], input=stdin, capture_output=True,
                           timeout=120)
 
@@ -156,9 +158,6 @@ def test_os_errors_are_one_line_and_leave_no_output(tmp_path, capsys, monkeypatc
     assert list(out.parent.iterdir()) == []  # no partial or temporary file
 
 
-REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
-
-
 def _corpus_inputs(tmp_path, books: dict, web: dict):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -210,10 +209,6 @@ def test_an_empty_corpus_names_the_empty_inputs(tmp_path):
 # ---- the DAG --------------------------------------------------------------------------------------
 
 def _snakemake(cwd, *args, env_extra=None, timeout=300):
-    import subprocess
-    import sys
-    from pathlib import Path
-
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": os.pathsep.join([*(env_extra or []), str(REPO)])}

@@ -572,6 +572,10 @@ class Engine:
         self.t = int(t)
         self._refresh_image()
 
+    def load_state_tensors(self, tensors: dict, t: int) -> None:
+        """Restore the AdamW moments ({"m.<name>", "v.<name>"}, as `state_tensors` gives) and the step count."""
+        self.load_state(self.params(), tensors, t)
+
     def _refresh_image(self) -> None:
         """The bf16 GEMM image of the master weights, the folded norm gains included."""
         for start, end, _, gain, cols in self.runs:
@@ -579,26 +583,6 @@ class Engine:
             self._k["f32_to_bf16"](_grid(n), (256,), (self.P[start:end], self.Pb[start:end], np.int64(n), gain,
                                                       np.int32(cols)))
         self._refresh_wdt()
-
-    @classmethod
-    def from_adamw(cls, cfg: ModelConfig, params: dict, opt, *, batch: int, seq: int, max_norm: float,
-                   **kwargs) -> "Engine":
-        """An engine with the hyper-parameters, decay exemptions, moments and step count of an
-        `optim.AdamW` (e.g. one just restored from a checkpoint)."""
-        eng = cls(cfg, params, batch=batch, seq=seq, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                  weight_decay=opt.weight_decay, max_norm=max_norm, no_decay=opt.no_decay, **kwargs)
-        eng.load_state(params, opt.state_tensors(), opt.t)
-        return eng
-
-    def share_state(self, opt) -> dict:
-        """Point `opt.m` / `opt.v` at the engine's moments and return the engine's master weights as a
-        dict of views, so code that checkpoints or evaluates `params` and `opt` sees the engine's state
-        without copies. Keep `opt.t` equal to `self.t` after each step."""
-        state = self.state_tensors()
-        opt.m = {n: state[f"m.{n}"] for n in self.shapes}
-        opt.v = {n: state[f"v.{n}"] for n in self.shapes}
-        opt.t = self.t
-        return self.params()
 
     def nbytes(self) -> int:
         """Device bytes of the engine's buffers (views into them, such as the arena's, not counted twice)."""
@@ -645,6 +629,13 @@ class Engine:
         self._load_batch(inputs, targets)
         with self._on_stream():
             self._forward_backward()
+
+    def recompute_grad_norm(self) -> None:
+        """The sum of squared gradients in `self.sq` again, from `self.G` as it is now (after a change of the
+        gradients between `forward_backward` and `optimizer_step`, such as an all-reduce)."""
+        with self._on_stream():
+            cp.cuda.runtime.memsetAsync(self.sq.data.ptr, 0, 4, self.stream.ptr)
+            self._k["sumsq"]((min(4096, -(-self.total // 256)),), (256,), (self.G, np.int64(self.total), self.sq))
 
     def optimizer_step(self, lr: float) -> None:
         """Clip (by the norm in `self.sq`) and apply AdamW to every parameter; refresh the bf16 image."""

@@ -148,9 +148,11 @@ def run(args: argparse.Namespace) -> int:
     from nanoeuler.eval.plots import plot_losses
     from nanoeuler.tokenizer.bpe import Tokenizer
     from nanoeuler.train import loop, rundir
+    from nanoeuler.train.config import SftConfig
 
     conf = sections(args, "device", "sft")
     sec = conf["sft"]
+    settings = SftConfig.from_section(sec)
     xp = get_xp(args.device or conf["device"])
 
     params, cfg, meta = checkpoint.load_model(args.base)
@@ -164,35 +166,35 @@ def run(args: argparse.Namespace) -> int:
 
     records = read_records(args.data)
     data_sha = hashlib.sha256(Path(args.data).read_bytes()).hexdigest()
-    if sec["max_examples"]:
-        records = records[: sec["max_examples"]]
-    n_val = min(int(sec["val_examples"]), len(records) // 10)
-    order = np.random.default_rng(int(sec["seed"])).permutation(len(records))
+    if settings.max_examples:
+        records = records[: settings.max_examples]
+    n_val = min(settings.val_examples, len(records) // 10)
+    order = np.random.default_rng(settings.seed).permutation(len(records))
     val_records = [records[i] for i in sorted(order[:n_val])]
     train_records = [records[i] for i in sorted(order[n_val:])]
 
-    examples, counts = prepare_examples(train_records, tok, cfg.ctx_len, sec["too_long"])
-    val_examples, _ = prepare_examples(val_records, tok, cfg.ctx_len, sec["too_long"])
+    examples, counts = prepare_examples(train_records, tok, cfg.ctx_len, settings.too_long)
+    val_examples, _ = prepare_examples(val_records, tok, cfg.ctx_len, settings.too_long)
     print(f"nanoeuler sft: {len(train_records)} training records: {len(examples)} used, "
           f"{counts['truncated']} truncated to the {cfg.ctx_len}-token context "
           f"({counts['prompt_cut']} of them lost the start of the prompt), "
-          f"{counts['dropped']} dropped as too long (sft.too_long = {sec['too_long']}); "
+          f"{counts['dropped']} dropped as too long (sft.too_long = {settings.too_long}); "
           f"{len(val_examples)} held out for validation", file=sys.stderr, flush=True)
     if not examples:
         raise UserError(f"no Alpaca record of {args.data} fits the {cfg.ctx_len}-token context "
                         "(try sft.too_long: truncate)")
 
     pad_id = tok.eot_id
-    batches = EpochBatches(examples, int(sec["batch_size"]), int(sec["grad_accum"]), int(sec["seed"]),
+    batches = EpochBatches(examples, settings.batch_size, settings.grad_accum, settings.seed,
                            cfg.mtp_heads, pad_id)
 
     def evaluate(p):
-        return response_loss(p, cfg, val_examples, int(sec["batch_size"]), pad_id, xp)
+        return response_loss(p, cfg, val_examples, settings.batch_size, pad_id, xp)
 
     out = Path(args.out)
     run_dir = Path(args.run_dir) if args.run_dir else out.parent / "sft"
     spec = loop.Run(
-        stage="sft", cfg=cfg, section=sec, total_steps=batches.steps(int(sec["epochs"])), batches=batches,
+        stage="sft", cfg=cfg, section=sec, total_steps=batches.steps(settings.epochs), batches=batches,
         init_params=lambda: params, tokenizer_json=meta["tokenizer"], tokenizer_sha256=tok.sha256,
         run_dir=run_dir, out=out, xp=xp, evaluate=evaluate if val_examples else None,
         identity={"data": {"alpaca_sha256": data_sha, "base_checksum": base_checksum}},

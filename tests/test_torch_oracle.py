@@ -9,7 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from nanoeuler.model import gradcheck, transformer  # noqa: E402
+from nanoeuler.checks import gradcheck
+from nanoeuler.model import transformer  # noqa: E402
 from nanoeuler.model.config import ModelConfig  # noqa: E402
 
 

@@ -18,6 +18,7 @@ architecture; CuPy also keeps compiled binaries in its on-disk kernel cache). On
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent
@@ -25,22 +26,46 @@ KERNEL_DIR = Path(__file__).resolve().parent
 COMPILE_OPTIONS = ("-std=c++17",)
 
 _MODULES: dict = {}
+_FUNCTIONS: dict = {}
+_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"\s*$')
 
 
 def sources() -> list[Path]:
-    """Every .cu file of the package (CI compiles each with nvcc)."""
-    return sorted(KERNEL_DIR.glob("*.cu"))
+    """Every .cu file of the package, the bf16 engine's in `bf16/` included (CI compiles each with nvcc)."""
+    return sorted(KERNEL_DIR.rglob("*.cu"))
+
+
+def source(name: str) -> str:
+    """The text of `<name>.cu` with every `#include "x.cuh"` of its folder inlined (once each), so that
+    the text CuPy compiles, and keys its cache by, holds the headers too; nvcc reads the same includes."""
+    path = KERNEL_DIR / f"{name}.cu"
+    seen: set = set()
+
+    def expand(p: Path) -> str:
+        out = []
+        for line in p.read_text(encoding="utf-8").splitlines():
+            m = _INCLUDE.match(line)
+            if line.strip() == "#pragma once":  # the inliner keeps headers single; NVRTC would warn
+                continue
+            if m is None:
+                out.append(line)
+            elif m.group(1) not in seen:
+                seen.add(m.group(1))
+                out.append(expand(p.parent / m.group(1)))
+        return "\n".join(out)
+
+    return expand(path) + "\n"
 
 
 def module(name: str):
-    """The compiled RawModule of `<name>.cu` for the current device."""
+    """The compiled RawModule of `<name>.cu` (headers inlined: `source`) for the current device."""
     import cupy
 
     dev = cupy.cuda.Device().id
     key = (name, dev)
     mod = _MODULES.get(key)
     if mod is None:
-        code = (KERNEL_DIR / f"{name}.cu").read_text(encoding="utf-8")
+        code = source(name)
         # CuPy appends its own -arch=sm_90; NVRTC then builds for the sm_90a named here
         extra = ("-arch=sm_90a",) if has_sm90a() else ()
         mod = cupy.RawModule(code=code, options=COMPILE_OPTIONS + extra)
@@ -56,8 +81,14 @@ def has_sm90a() -> bool:
 
 
 def kernel(file: str, name: str):
-    """The kernel `name` of `<file>.cu`."""
-    return module(file).get_function(name)
+    """The kernel `name` of `<file>.cu` (`file` relative to this folder, e.g. "bf16/norms")."""
+    import cupy
+
+    key = (file, name, cupy.cuda.Device().id)
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        fn = _FUNCTIONS[key] = module(file).get_function(name)
+    return fn
 
 
 def device_arch() -> str:

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or sections(args, "device")["device"]
     xp = get_xp(resolve_device(device))
     if xp is not np:  # the GPU engine's check: float32 kernels vs these float64 gradients
-        from nanoeuler.kernels import gradcheck_gpu
+        from nanoeuler.checks import gradcheck_gpu
         return gradcheck_gpu.run(args)
     start = time.perf_counter()
     errors = check(seed=args.seed, samples=args.samples, xp=xp)

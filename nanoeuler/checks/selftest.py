@@ -299,7 +299,7 @@ CASES = [
 
 def all_cases():
     """The float32 cases, then the bf16 engine's (tolerance per row: 1e-2 for bf16 results)."""
-    from nanoeuler.kernels.selftest_bf16 import CASES_BF16
+    from nanoeuler.checks.selftest_bf16 import CASES_BF16
 
     return CASES + CASES_BF16
 

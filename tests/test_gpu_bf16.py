@@ -332,8 +332,12 @@ def test_engine_stepper_grad_hook_path_matches_the_graph_step():
     calls = []
     plain = make_stepper(settings, cfg, params, cupy)
     hooked = make_stepper(settings, cfg, params, cupy, grad_hook=lambda g: calls.append(len(g)))
+    # Not bit-exact, as in the graph test above: the embedding gradient and the gradient norm add with
+    # atomics (and the hook path sums the squares in another order), and AdamW turns last-bit differences
+    # of near-zero gradients into steps of size lr; a norm not recomputed after the hook would be far off.
     for (x, y), lr in zip(batches, [1e-3, 1e-2, 1e-4, 3e-3]):
-        np.testing.assert_allclose(hooked.step([(x, y)], lr), plain.step([(x, y)], lr), rtol=5e-5)
+        (loss, norm), (ref_loss, ref_norm) = hooked.step([(x, y)], lr), plain.step([(x, y)], lr)
+        assert loss == pytest.approx(ref_loss, rel=5e-5) and norm == pytest.approx(ref_norm, rel=1e-3)
     assert calls == [len(params)] * 4 and hooked.t == plain.t == 4
 
     def double(grads):

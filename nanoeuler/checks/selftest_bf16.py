@@ -2,7 +2,7 @@
 
 Same rules as the float32 cases: fresh random inputs, outputs poisoned (NaN bytes), a float64 NumPy
 reference on exactly the values the GPU sees (inputs the kernel reads as bf16 are rounded to bf16 first),
-relative error ||out - ref|| / ||ref||. Tolerance 1e-2 (DESIGN.md: bf16 operands); float32 results
+relative error ||out - ref|| / ||ref||. Tolerance 1e-2 for bf16 operands (docs/ARCHITECTURE.md); float32 results
 of bf16 kernels that involve no bf16 rounding are held to float32's 1e-5.
 
 Cases: the engine's cuBLAS wrapper at the step's layouts; each bf16 kernel on its own; the whole model's

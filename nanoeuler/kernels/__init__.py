@@ -1,16 +1,13 @@
-"""Hand-written CUDA kernels for the GPU engine, loaded at run time with `cupy.RawModule`.
+"""Hand-written CUDA kernels, loaded at run time with `cupy.RawModule`.
 
-Each `*.cu` file in this folder is one module of `extern "C"` kernels; its header comment names the
-NumPy layer in `nanoeuler.model.layers` (or `nanoeuler.optim`) that is its reference. `nanoeuler.kernels.ops`
-wraps them behind the same function names and signatures as the layers, and `nanoeuler selftest` checks
-every kernel against its reference.
-
-CuPy is imported only when a kernel is first asked for, so importing this package on a CPU-only install
-costs nothing. Modules are compiled once per process and device (NVRTC, for the device's own
-architecture; CuPy also keeps compiled binaries in its on-disk kernel cache). On a Hopper GPU
-(compute capability 9.0) they are built for sm_90a, the target that has the warpgroup instructions
-(wgmma); code that needs them sits behind `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)`, and
-`has_sm90a()` tells the host whether it was built.
+`*.cu` here are the float32 kernels that `kernels.ops` wraps behind the layers' own names and
+signatures (`dispatch.ops_for(cupy)` hands it to the model); `bf16/` holds the bf16 engine's kernel
+families and their launchers. Each file's header names its NumPy reference; `nanoeuler selftest` checks
+every kernel against it. CuPy is imported only when a kernel is first asked for, so a CPU-only install
+never needs it. A module is compiled once per process and device (NVRTC; CuPy also caches binaries on
+disk) from its text with the headers it includes inlined (`source`). On a compute-capability-9.0 GPU
+(H100, H200) modules are built for sm_90a, whose warpgroup instructions sit behind
+`#if defined(__CUDA_ARCH_FEAT_SM90_ALL)`; `has_sm90a()` tells the host.
 
     >>> fn = kernel("elementwise", "swiglu_fwd")        # doctest: +SKIP
     >>> launch(fn, n, (g, u, h, np.int64(n)))           # doctest: +SKIP

@@ -1,28 +1,16 @@
-"""The one training loop, shared by pretraining and SFT: batches in, checkpoints and metrics out.
+"""The one training loop, shared by every training stage: batches in, checkpoints and metrics out.
 
-A run lives in a directory (`results/pretrain/`, `results/sft/`) holding rotating checkpoints
-`ckpt_{step:08d}.bin` and `metrics.jsonl`. Starting a run first looks for the newest checkpoint
-that loads:
+    >>> last = train(Run(stage="pretrain", cfg=cfg, section=sec, total_steps=1000, ...))   # doctest: +SKIP
 
-- it must hold the same model config and tokenizer, else the run stops with an error (the run dir
-  belongs to another model; delete it to start over). SFT instead sets such checkpoints aside like
-  the next case, since a new base model starts a new fine-tuning run anyway;
-- it must come from the same run settings (`Run.identity`: the training section minus the keys
-  that only affect logging, plus the data), else it belongs to an earlier run with other settings:
-  its files move to `previous/` and training starts fresh;
-- a checkpoint that does not load (truncated, bad checksum) is renamed `*.corrupt` with a warning
-  and the one before it is tried.
-
-The checkpoint stores parameters, AdamW moments and step count, and the batch source's state (the
-data generator's `bit_generator.state`), so a resumed CPU run computes the same losses, bit for bit,
-as one that was never interrupted. Metrics lines logged after the checkpoint's step are dropped on
-resume and logged again.
-
-Step `s` in metrics and checkpoint names counts finished optimizer updates (1-based); the learning
-rate of update s is `lr_at(s - 1, ...)`.
-
-A non-finite loss or gradient norm stops the run with an error naming the step; no checkpoint is
-written from that state, so the last good one stays the newest.
+Each update is one `Stepper.step` (`train.stepper`: the xp layers or the bf16 engine). A run lives in a
+directory of rotating checkpoints `ckpt_{step:08d}.bin` and `metrics.jsonl`; a new start resumes from
+the newest checkpoint that loads, if it holds the same model config and tokenizer (else an error, or
+for SFT a fresh run) and the same settings (`run_identity`: else its files move to `previous/`); one
+that does not load is renamed `*.corrupt` and the one before it is tried. A checkpoint holds the
+parameters, the optimizer state and the data source's state, so a resumed CPU run repeats the losses
+of an uninterrupted one bit for bit; metrics logged after its step are logged again. Step s counts
+finished updates (1-based) and trains at `lr_at(s - 1)`. A non-finite loss or gradient norm stops the
+run naming the step, before any checkpoint of that state is written.
 """
 
 from __future__ import annotations
@@ -192,30 +180,23 @@ def _start(run: Run):
 
 def train(run: Run) -> dict:
     """Train to `run.total_steps` (resuming when possible), then write `run.out`. Returns the last metrics."""
-    from nanoeuler import checkpoint
     from nanoeuler.backend import oom_guard
     from nanoeuler.optim import lr_at
 
-    s, cfg = run.settings, run.cfg
+    s = run.settings
     run.run_dir.mkdir(parents=True, exist_ok=True)
     rundir.remove_stale_temporaries(run.run_dir)
     log = rundir.MetricsLog(run.run_dir / "metrics.jsonl")
     stepper, start = _start(run)
     log.truncate_after(start)
-
     last: dict = {}
     last_ckpt = None
-    bar = None
-    if run.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=run.total_steps, initial=start, desc=run.stage, unit="step", file=sys.stderr,
-                   dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+    bar = _progress_bar(run, start)
     tokens_since, t_since = 0, time.perf_counter()
     try:
-        with oom_guard(s.batch_size, cfg.ctx_len):  # a GPU OOM becomes one clear line
+        with oom_guard(s.batch_size, run.cfg.ctx_len):  # a GPU OOM becomes one clear line
             for step0 in range(start, run.total_steps):
-                step = step0 + 1
+                step, final = step0 + 1, step0 + 1 == run.total_steps
                 lr = lr_at(step0, max_lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps,
                            total_steps=run.total_steps)
                 batch = [run.batches.batch(step0, micro) for micro in range(s.grad_accum)]
@@ -224,8 +205,6 @@ def train(run: Run) -> dict:
                 except NonFinite as exc:
                     _stop_nonfinite(run, exc.what, exc.value, step)
                 tokens_since += sum(x.size for x, _ in batch)
-
-                final = step == run.total_steps
                 if step % s.log_every == 0 or final:
                     now = time.perf_counter()
                     rate = tokens_since / max(now - t_since, 1e-9)
@@ -234,26 +213,38 @@ def train(run: Run) -> dict:
                     if bar is not None:
                         bar.set_postfix_str(f"loss {loss:.4f} lr {lr:.2e} {rate:,.0f} tok/s", refresh=False)
                     tokens_since, t_since = 0, now
+                t0 = time.perf_counter()
                 if run.evaluate is not None and (step % s.eval_every == 0 or final):
-                    t0 = time.perf_counter()
                     val = run.evaluate(stepper.params())
                     log.append({"step": step, **val})
                     last = {**last, **val}
-                    t_since += time.perf_counter() - t0  # keep evaluation out of tokens/s
                 if step % s.checkpoint_every == 0 or final:
-                    t0 = time.perf_counter()
                     last_ckpt = _save_checkpoint(run, stepper, step)
-                    t_since += time.perf_counter() - t0
+                t_since += time.perf_counter() - t0  # keep evaluation and checkpoints out of tokens/s
                 if bar is not None:
                     bar.update(1)
     finally:
         if bar is not None:
             bar.close()
+    return _finish(run, stepper, last or _last_record(log), last_ckpt)
 
-    if not last:  # nothing left to train: the run finished before, only the final file is missing
-        last = _last_record(log)
+
+def _progress_bar(run: Run, start: int):
+    if not run.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=run.total_steps, initial=start, desc=run.stage, unit="step", file=sys.stderr,
+                dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+
+
+def _finish(run: Run, stepper, last: dict, last_ckpt: Path | None) -> dict:
+    """The final model file (parameters, config, tokenizer, the last metrics), and a line saying so.
+    `last` is read back from the metrics log when the run had finished before and only the file is missing."""
+    from nanoeuler import checkpoint
+
     checkpoint.save_model(
-        run.out, {n: to_numpy(p) for n, p in stepper.params().items()}, cfg, step=run.total_steps,
+        run.out, {n: to_numpy(p) for n, p in stepper.params().items()}, run.cfg, step=run.total_steps,
         tokenizer_json=run.tokenizer_json,
         extra={"stage": run.stage, "final_metrics": last, **run.extra_out},
     )

@@ -204,11 +204,32 @@ def response_loss(params, cfg, examples, batch_size: int, pad_id: int, xp) -> di
     return {"val_loss": tot / weight, "val_ce": ce / weight, "val_tokens": int(weight)}
 
 
+def _base_tokenizer(base, meta: dict):
+    """The tokenizer stored in the base model's metadata; a missing or unreadable one is an error naming it."""
+    from nanoeuler.tokenizer.bpe import Tokenizer
+
+    if not meta.get("tokenizer"):
+        raise UserError(f"base model {base} carries no tokenizer (metadata 'tokenizer')")
+    try:
+        return Tokenizer.from_json(meta["tokenizer"])
+    except UserError as exc:
+        raise UserError(f"base model {base}: its tokenizer is unreadable: {exc}") from None
+
+
+def split_records(records: list, settings) -> tuple[list, list]:
+    """(training records, held-out records): the first `max_examples` (0: all), of which `val_examples`
+    (at most a tenth) drawn by a permutation seeded by `seed` are held out; both keep the file's order."""
+    if settings.max_examples:
+        records = records[: settings.max_examples]
+    n_val = min(settings.val_examples, len(records) // 10)
+    order = np.random.default_rng(settings.seed).permutation(len(records))
+    return [records[i] for i in sorted(order[n_val:])], [records[i] for i in sorted(order[:n_val])]
+
+
 def run(args: argparse.Namespace) -> int:
     from nanoeuler import checkpoint
     from nanoeuler.backend import get_xp
     from nanoeuler.eval.plots import plot_losses
-    from nanoeuler.tokenizer.bpe import Tokenizer
     from nanoeuler.train import loop, rundir
     from nanoeuler.train.config import SftConfig
 
@@ -218,22 +239,12 @@ def run(args: argparse.Namespace) -> int:
     xp = get_xp(args.device or conf["device"])
 
     params, cfg, meta = checkpoint.load_model(args.base)
-    if not meta.get("tokenizer"):
-        raise UserError(f"base model {args.base} carries no tokenizer (metadata 'tokenizer')")
-    try:
-        tok = Tokenizer.from_json(meta["tokenizer"])
-    except UserError as exc:
-        raise UserError(f"base model {args.base}: its tokenizer is unreadable: {exc}") from None
+    tok = _base_tokenizer(args.base, meta)
     base_checksum = checkpoint.read_header(args.base)[1].get("checksum")
 
     records = read_records(args.data)
     data_sha = hashlib.sha256(Path(args.data).read_bytes()).hexdigest()
-    if settings.max_examples:
-        records = records[: settings.max_examples]
-    n_val = min(settings.val_examples, len(records) // 10)
-    order = np.random.default_rng(settings.seed).permutation(len(records))
-    val_records = [records[i] for i in sorted(order[:n_val])]
-    train_records = [records[i] for i in sorted(order[n_val:])]
+    train_records, val_records = split_records(records, settings)
 
     examples, counts = prepare_examples(train_records, tok, cfg.ctx_len, settings.too_long)
     val_examples, _ = prepare_examples(val_records, tok, cfg.ctx_len, settings.too_long)

@@ -5,8 +5,8 @@
     >>> s.lr, s.batch_size, s.precision, s.steps
     (0.001, 32, 'fp32', 20000)
 
-`TrainConfig` holds what the shared loop and the stepper read (optimizer, schedule, logging);
-`PretrainConfig` and `SftConfig` add their stage's own keys. Defaults and descriptions live in the
+`TrainConfig` holds what the shared loop and the stepper read (optimizer, schedule, logging), so every
+training stage's schema section carries these keys; `PretrainConfig` and `SftConfig` add their own. Defaults and descriptions live in the
 schema (`workflow/schemas/config.schema.yaml`), which has already checked every value's type and range,
 so `from_section` only picks the fields and fixes their Python types.
 """
@@ -39,8 +39,8 @@ class TrainConfig:
     @classmethod
     def from_section(cls, section: dict):
         """The fields of `cls` from a validated section (keys of other stages' fields are left out)."""
-        kinds = {"int": int, "float": float, "str": str}
-        return cls(**{f.name: kinds[f.type](section[f.name]) for f in dataclasses.fields(cls)})
+        kinds = {"int": int, "float": float, "str": str, "bool": bool}
+        return cls(**{f.name: kinds.get(f.type, lambda v: v)(section[f.name]) for f in dataclasses.fields(cls)})
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,8 @@ class Engine:
         self.mybr, self.mob = Matrix(self.ybr), Matrix(self.ob)
         self.mqkv, self.mm, self.mdgu = Matrix(self.qkv), Matrix(self.m), Matrix(self.dgu)
         self.mdm = None if self.dm is None else Matrix(self.dm)
-        self.mdh, self.mda, self.mdqkv, self.mdxb = Matrix(self.dh), Matrix(self.da), Matrix(self.dqkv), Matrix(self.dxb)
+        self.mdh, self.mda = Matrix(self.dh), Matrix(self.da)
+        self.mdqkv, self.mdxb = Matrix(self.dqkv), Matrix(self.dxb)
 
     def _tensor_maps(self) -> None:
         """The TMA copies of the fused GEMMs: boxes of 64 columns, 128 rows for the products' operands."""

@@ -6,9 +6,9 @@
     (0.001, 32, 'fp32', 20000)
 
 `TrainConfig` holds what the shared loop and the stepper read (optimizer, schedule, logging), so every
-training stage's schema section carries these keys; `PretrainConfig` and `SftConfig` add their own. Defaults and descriptions live in the
-schema (`workflow/schemas/config.schema.yaml`), which has already checked every value's type and range,
-so `from_section` only picks the fields and fixes their Python types.
+training stage's schema section carries these keys; `PretrainConfig` and `SftConfig` add their own.
+Defaults and descriptions live in the schema (`workflow/schemas/config.schema.yaml`), which has already
+checked every value's type and range, so `from_section` only picks the fields and fixes their types.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ the engine's host-side arithmetic (variants, buffer layout, grids) and needs no 
 
 from __future__ import annotations
 
-_FLASH_MMA = tuple(f"flash_{k}_{v}_d{d}" for d in (32, 64) for v in ("mma", "ldm") for k in ("fwd", "bwd_dkdv", "bwd_dq"))
+_FLASH_MMA = tuple(f"flash_{k}_{v}_d{d}" for d in (32, 64) for v in ("mma", "ldm")
+                   for k in ("fwd", "bwd_dkdv", "bwd_dq"))
 
 FAMILIES = {
     "embed": ("embed_fwd", "embed_bwd"),

@@ -81,3 +81,18 @@ def test_tma_kernels_acquire_their_tensor_maps(tmp_path):
     assert {"swiglu_fwd_gemm", "swiglu_bwd_gemm"} <= set(tma)
     unfenced = [name for name, body in tma.items() if "fence.proxy.tensormap::generic.acquire" not in body]
     assert not unfenced, unfenced
+
+
+def test_loader_inlines_each_included_header_once():
+    """What NVRTC compiles (and CuPy's cache keys by) is a family's text with its headers inlined: no
+    #include left, each header's text once, even where two headers include a third."""
+    from nanoeuler.kernels import source
+
+    text = source("bf16/flash_wg")
+    assert "#include" not in text and "#pragma once" not in text
+    common = (KERNEL_DIR / "bf16" / "common.cuh").read_text()
+    assert text.count("typedef unsigned short bf16;") == 1 and "typedef unsigned short bf16;" in common
+    for header in ("mma.cuh", "wgmma.cuh"):
+        body = (KERNEL_DIR / "bf16" / header).read_text().split("#include \"common.cuh\"\n", 1)[1]
+        assert text.count(body.strip()[:200]) == 1, header
+    assert source("attention") == (KERNEL_DIR / "attention.cu").read_text().rstrip("\n") + "\n"

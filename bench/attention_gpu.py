@@ -1,4 +1,4 @@
-"""Causal GQA attention alone on one GPU: our tensor-core kernels (bf16.cu) against PyTorch's
+"""Causal GQA attention alone on one GPU: our tensor-core kernels (kernels/bf16/flash_*.cu) against PyTorch's
 scaled_dot_product_attention backends, same shapes, same process.
 
     python bench/attention_gpu.py                     # B16xT512 and B16xT1024, H12/4, D64
@@ -67,7 +67,7 @@ def ours(B, T, H, Hkv, D, rng):
     import cupy
 
     from nanoeuler.kernels import has_sm90a
-    from nanoeuler.kernels.engine import flash_kernels
+    from nanoeuler.kernels.bf16.flash import flash_kernels
     from nanoeuler.model import layers
 
     fwd, dkdv, dq = (flash_kernels("ldm", D)[k] for k in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"))

@@ -33,15 +33,16 @@ if str(ROOT) not in sys.path:
 def main(argv=None) -> int:
     import cupy as cp
 
-    from nanoeuler.kernels import has_sm90a, kernel
-    from nanoeuler.kernels.cublas import Gemm, Matrix
-    from nanoeuler.kernels.engine import (
+    from nanoeuler.kernels import has_sm90a
+    from nanoeuler.kernels.bf16 import bf16_kernel as kernel
+    from nanoeuler.kernels.bf16.gemm_tma import (
         prepare_fused_gemm,
         run_qkv_rope_gemm,
         run_swiglu_bwd_gemm,
         run_swiglu_fwd_gemm,
-        wdt_image_rows,
     )
+    from nanoeuler.kernels.bf16.plan import wdt_image_rows
+    from nanoeuler.kernels.cublas import Gemm, Matrix
     from nanoeuler.kernels.tma import gate_up_map, heads_map, tile_map
     from nanoeuler.model import layers
 
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     dm = cp.empty((N, F), cp.uint16)
     dgu, m = cp.empty((N, 2 * F), cp.uint16), cp.empty((N, F), cp.uint16)
     gemm = Gemm(cp.cuda.get_current_stream())
-    glu_fwd, glu_bwd = kernel("bf16", "swiglu_fwd_bf16"), kernel("bf16", "swiglu_bwd_bf16")
+    glu_fwd, glu_bwd = kernel("swiglu_fwd_bf16"), kernel("swiglu_bwd_bf16")
     vec = 8 if F % 8 == 0 else 2
     glu_grid = (-(-F // (256 * vec)), min(N, 4096))
 
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
     qkv = cp.empty((N, W), cp.uint16)
     q, k, v = (cp.empty((B, n, T, 64), cp.uint16) for n in (H, Hkv, Hkv))
     cos, sin = (cp.asarray(a) for a in layers.rope_tables(T, 64, 10000.0, np, np.float32))
-    split = kernel("bf16", "qkv_rope_split_bf16")
+    split = kernel("qkv_rope_split_bf16")
 
     def qkv_gemm():
         gemm(Matrix(qkv), Matrix(x), Matrix(wqkv), tb=True)
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
     compare = []
     if has_sm90a():
         sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        rope = prepare_fused_gemm(kernel("bf16", "qkv_rope_gemm"))
+        rope = prepare_fused_gemm(kernel("qkv_rope_gemm"))
         rope_maps = (tile_map(x, 128), tile_map(wqkv, 128), heads_map(q), heads_map(k), heads_map(v))
         for a in (q, k, v):
             a.fill(0xFFFF)
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
         errs = [float(cp.linalg.norm(f32(a) - f32(r)) / cp.linalg.norm(f32(r))) for a, r in zip((q, k, v), qkv_ref)]
         same = all(bool((a == r).all()) for a, r in zip((q, k, v), qkv_ref))
         compare.append(f"qkv fused vs unfused: q/k/v rel. diff {max(errs):.1e}, identical: {same}")
-        fwd = prepare_fused_gemm(kernel("bf16", "swiglu_fwd_gemm"))
+        fwd = prepare_fused_gemm(kernel("swiglu_fwd_gemm"))
         fwd_maps = (tile_map(x, 128), gate_up_map(wgu), tile_map(gu_f, 64), tile_map(m_f, 64))
         gu_f.fill(0)
         m_f.fill(0)
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
                        f"{bool((fwd_glu_of_fused == m_f).all())}")
         wdt = cp.empty((F, C), cp.uint16)
         wdt[cp.asarray(wdt_image_rows(F))] = wd.T  # as wdt_image lays Wd out
-        bwd = prepare_fused_gemm(kernel("bf16", "swiglu_bwd_gemm"))
+        bwd = prepare_fused_gemm(kernel("swiglu_bwd_gemm"))
         bwd_maps = (tile_map(dy, 128), tile_map(wdt, 128), 0, tile_map(gu, 64), tile_map(dgu, 64), tile_map(m, 64))
         dgu.fill(0)
         m.fill(0)

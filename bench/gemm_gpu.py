@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args(argv)
 
-    from nanoeuler.kernels.engine import carve, head_chunk_rows, mlp_scratch
+    from nanoeuler.kernels.bf16.plan import carve, head_chunk_rows, mlp_scratch
     from nanoeuler.model.config import ModelConfig
 
     cfg = ModelConfig.named(args.preset)

@@ -35,8 +35,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("nanoeuler.eval.report", "write samples.md, metrics.json and the loss plot"),
     "sample": ("nanoeuler.infer.sample", "continue a prompt with a checkpoint"),
     "chat": ("nanoeuler.infer.chat", "talk to a chat checkpoint in the terminal"),
-    "gradcheck": ("nanoeuler.model.gradcheck", "check every analytic gradient against finite differences"),
-    "selftest": ("nanoeuler.kernels.selftest", "check every GPU kernel against its NumPy reference"),
+    "gradcheck": ("nanoeuler.checks.gradcheck", "check every analytic gradient against finite differences"),
+    "selftest": ("nanoeuler.checks.selftest", "check every GPU kernel against its NumPy reference"),
     "export-hf": ("nanoeuler.export.hf", "export a checkpoint as a Hugging Face Llama model"),
 }
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 
 from nanoeuler.backend import array_module
+from nanoeuler.dispatch import fused_adamw
 
 
 def default_no_decay(name: str, shape) -> bool:
@@ -57,7 +57,7 @@ class AdamW:
         bc2 = 1.0 - b2 ** self.t
         step_size = lr / bc1
         inv_sqrt_bc2 = 1.0 / math.sqrt(bc2)
-        fused = _fused_update(params)
+        fused = fused_adamw(params)
         for n, p in params.items():
             g, m, v = grads[n], self.m[n], self.v[n]
             decay = 1.0 - lr * self.weight_decay if self.weight_decay and n not in self.no_decay else 1.0
@@ -101,18 +101,6 @@ class AdamW:
                 xp = array_module(store[n])
                 store[n] = xp.asarray(src, dtype=store[n].dtype).copy()
         self.t = int(t)
-
-
-def _fused_update(params: dict):
-    """The GPU's one-kernel update of (p, m, v) for float32 CuPy parameters, else None (the xp code above).
-
-    The arithmetic is the same, in the same order; the NumPy path is the kernel's self-test reference."""
-    first = next(iter(params.values()), None)
-    if first is None or isinstance(first, np.ndarray) or first.dtype != np.float32:
-        return None
-    from nanoeuler.kernels import adamw
-
-    return adamw.step_tensor
 
 
 def clip_grad_norm(grads: dict, max_norm: float) -> float:

@@ -45,7 +45,7 @@ step "selftest" selftest.log "grep -E 'of [0-9]+ passed' $LOG_DIR/selftest.log" 
 step "gradcheck --device gpu" gradcheck.log "grep -E '^max relative error' $LOG_DIR/gradcheck.log" -- \
     $PY -m nanoeuler gradcheck --device gpu
 step "116M train B16xT512" train.log "grep -E '^trainbench:' $LOG_DIR/train.log" -- \
-    $PY -m nanoeuler.kernels.trainbench --preset gpu --batch 16 --steps "$STEPS"
+    $PY -m nanoeuler.checks.trainbench --preset gpu --batch 16 --steps "$STEPS"
 
 echo
 echo "=== selftest table"

@@ -24,14 +24,14 @@ def _case_id(case):
 
 
 def _cases():
-    from nanoeuler.kernels.selftest import CASES
+    from nanoeuler.checks.selftest import CASES
 
     return CASES
 
 
 @pytest.mark.parametrize("case", _cases(), ids=_case_id)
 def test_kernel_matches_reference(case):
-    from nanoeuler.kernels.selftest import poisoned_allocations, rel_err
+    from nanoeuler.checks.selftest import poisoned_allocations, rel_err
 
     fn, shape, label, kwargs = case
     rng = np.random.default_rng()
@@ -47,7 +47,7 @@ def test_ops_for_cupy_is_the_kernel_namespace():
 
     from nanoeuler.kernels import ops
     from nanoeuler.model import layers
-    from nanoeuler.model.ops import ops_for
+    from nanoeuler.dispatch import ops_for
 
     assert ops_for(cupy) is ops
     public = {n for n in dir(layers) if n.endswith(("_forward", "_backward")) or n == "rope_tables"}
@@ -68,7 +68,7 @@ def test_other_dtypes_fall_back_to_the_layers():
 
 
 def test_gpu_gradients_match_cpu_float64():
-    from nanoeuler.kernels.gradcheck_gpu import compare, problems
+    from nanoeuler.checks.gradcheck_gpu import compare, problems
 
     for label, cfg, batch, T in problems():
         loss_err, rows = compare(cfg, batch, T, seed=1)
@@ -82,7 +82,7 @@ def test_selftest_and_gradcheck_commands(capsys):
 
     assert main(["selftest", "--seed", "7", "--only", "attention"]) == 0
     assert "attention fwd out" in capsys.readouterr().out
-    from nanoeuler.kernels import gradcheck_gpu
+    from nanoeuler.checks import gradcheck_gpu
 
     assert gradcheck_gpu.run(types.SimpleNamespace(seed=3, threshold=1e-6)) == 0
     assert "max relative error" in capsys.readouterr().out

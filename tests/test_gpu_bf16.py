@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from nanoeuler.kernels import KERNEL_DIR
-from nanoeuler.kernels.selftest_bf16 import CASES_BF16, bf16_round, from_bf16, to_bf16
+from nanoeuler.checks.selftest_bf16 import CASES_BF16, bf16_round, from_bf16, to_bf16
 
 
 def test_bf16_rounding_matches_torch():
@@ -20,41 +20,55 @@ def test_bf16_rounding_matches_torch():
     assert np.abs(bf16_round(x[:10000]) / x[:10000] - 1).max() <= 2.0**-8
 
 
-def test_engine_kernels_exist_in_bf16_cu():
-    text = (KERNEL_DIR / "bf16.cu").read_text()
+def _defined(text: str) -> set:
+    """The extern "C" kernels of a bf16 family's .cu text, the macro-made ones included."""
     defined = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', text))
-    defined.discard("__launch_bounds__")  # the macro-made flash kernels, checked below
+    defined.discard("__launch_bounds__")  # the macro-made flash kernels, named by FLASH_MMA_KERNELS
+    for d in re.findall(r"^FLASH_MMA_KERNELS\((\d+)\)", text, flags=re.M):
+        defined |= {f"flash_{k}_{v}_d{d}" for k in ("fwd", "bwd_dkdv", "bwd_dq") for v in ("mma", "ldm")}
     defined.discard("NAME")  # the RMSNORM_BWD macro's body; its instances:
     defined |= set(re.findall(r"^RMSNORM_BWD\((\w+),", text, flags=re.M))  # one per storage type of dy
-    wg = {f"flash_{k}_wg_d64" for k in ("fwd", "bwd_dkdv", "bwd_dq")}  # launched through engine.flash_kernels
-    defined -= wg
-    for d in (32, 64):
-        assert f"FLASH_MMA_KERNELS({d})" in text
-    engine = (KERNEL_DIR / "engine.py").read_text()
-    listed = re.search(r'for name in \(\n?(.*?)\)\}', engine, flags=re.S).group(1)
-    wanted = set(re.findall(r'"(\w+)"', listed))
+    return defined
+
+
+def test_engine_kernels_exist_in_their_family_files():
+    from nanoeuler.kernels.bf16 import FAMILIES
+
+    bf16 = KERNEL_DIR / "bf16"
+    defined = set()
+    for family, names in FAMILIES.items():  # the table of families is exactly what each file defines
+        assert _defined((bf16 / f"{family}.cu").read_text()) == set(names), family
+        defined |= set(names)
+    wg = {f"flash_{k}_wg_d64" for k in ("fwd", "bwd_dkdv", "bwd_dq")}  # launched through flash.flash_kernels
+    launchers = "".join(p.read_text() for p in bf16.glob("*.py"))
+    wanted = set(re.findall(r'kernel\("bf16/\w+", "(\w+)"\)', launchers))
+    wanted |= {"rmsnorm_bwd_bf16", "rmsnorm_bwd_bf16_f32dy"}  # norms.rmsnorm_bwd names one by g's dtype
+    wanted |= set(re.findall(r'fused_gemm\("(\w+)"\)', (KERNEL_DIR / "engine.py").read_text()))  # gemm_tma.py
     assert len(wanted) >= 15
     assert wanted <= defined, wanted - defined
-    tests = (KERNEL_DIR / "selftest_bf16.py").read_text()
+    flash_names = {n for n in defined if n.startswith("flash_")}
+    assert defined - flash_names <= wanted, (defined - flash_names) - wanted  # every other kernel has a launcher
+    tests = (KERNEL_DIR.parent / "checks" / "selftest_bf16.py").read_text()
     # every bf16 kernel has a self-test row that launches it, on its own or inside the whole engine
     via_engine = {"f32_to_bf16", "embed_fwd", "embed_bwd", "sumsq", "adamw_clip_bf16"}
-    for name in defined - via_engine:
+    for name in defined - flash_names - via_engine:
         assert f'_k("{name}")' in tests, name
     assert "case_engine" in tests
-    # the flash kernels, by variant and head size through engine.flash_kernels, each of its three names
-    assert "flash_kernels(var, D)" in tests and 'f"{name}_{variant}_d{D}"' in engine
-    for flash in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"):
-        assert f'flash["{flash}"]' in tests and f'"{flash}"' in engine, flash
-    assert re.search(r'\(case_bf16_flash, \(.*64, "wg"\)', tests) and all(k in text for k in wg)
+    # the flash kernels, by variant and head size through flash.flash_kernels, each of its three names
+    flash = (bf16 / "flash.py").read_text()
+    assert "flash_kernels(var, D)" in tests and 'f"{name}_{variant}_d{D}"' in flash
+    for name in ("flash_fwd", "flash_bwd_dkdv", "flash_bwd_dq"):
+        assert f'flash["{name}"]' in tests and f'"{name}"' in flash, name
+    assert re.search(r'\(case_bf16_flash, \(.*64, "wg"\)', tests) and wg <= defined
 
 
 def test_flash_wg_shared_memory_covers_each_kernels_tiles():
-    """engine.FLASH_WG_SMEM gives each warpgroup attention kernel 1 KiB of alignment and every 8 KiB tile
+    """flash.FLASH_WG_SMEM gives each warpgroup attention kernel 1 KiB of alignment and every 8 KiB tile
     its body addresses (`sbase + i * TILE`, `sbase + (i + st) * TILE` for a stage st of 0 or 1): a tile
     beyond its dynamic shared memory would be an illegal address on the GPU only."""
-    text = (KERNEL_DIR / "bf16.cu").read_text()
-    engine = (KERNEL_DIR / "engine.py").read_text()
-    sizes = eval(re.search(r"^FLASH_WG_SMEM = (\{.*\})$", engine, flags=re.M).group(1), {"__builtins__": {}})
+    text = (KERNEL_DIR / "bf16" / "flash_wg.cu").read_text()
+    flash = (KERNEL_DIR / "bf16" / "flash.py").read_text()
+    sizes = eval(re.search(r"^FLASH_WG_SMEM = (\{.*\})$", flash, flags=re.M).group(1), {"__builtins__": {}})
     assert set(sizes) == {"flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"}
     for name, smem in sizes.items():
         body = text[text.index(f" {name}_wg_d64("):]
@@ -68,7 +82,7 @@ def test_flash_wg_shared_memory_covers_each_kernels_tiles():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES_BF16, ids=lambda c: c[2])
 def test_bf16_selftest_case(case):
-    from nanoeuler.kernels.selftest import poisoned_allocations, rel_err
+    from nanoeuler.checks.selftest import poisoned_allocations, rel_err
 
     fn, shape, label, kwargs = case
     rng = np.random.default_rng()
@@ -295,3 +309,42 @@ def test_tensor_maps_encode_bf16_matrices_and_refuse_others():
         heads_map(cupy.zeros((2, 12, 200, 64), dtype=np.uint16))
     with pytest.raises(ValueError, match=r"\(B, heads, T, 64\)"):
         heads_map(cupy.zeros((2, 12, 512, 32), dtype=np.uint16))
+
+
+@pytest.mark.gpu
+def test_engine_stepper_grad_hook_path_matches_the_graph_step():
+    """The bf16 stepper with a grad_hook (forward/backward, the hook on the engine's gradient views, the
+    norm again, the update) computes what the captured step computes; a hook that doubles the gradients,
+    as a sum over two equal data-parallel ranks would, doubles the norm."""
+    import cupy
+
+    from nanoeuler.config import validate
+    from nanoeuler.model import transformer
+    from nanoeuler.model.config import ModelConfig
+    from nanoeuler.train.config import PretrainConfig
+    from nanoeuler.train.stepper import make_stepper
+
+    cfg = ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=64, mtp_heads=2)
+    settings = PretrainConfig.from_section(dict(validate({})["pretrain"], batch_size=4, precision="bf16"))
+    params = transformer.init_params(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 256, (4, 64)), rng.integers(-1, 256, (4, 64, 2))) for _ in range(4)]
+    calls = []
+    plain = make_stepper(settings, cfg, params, cupy)
+    hooked = make_stepper(settings, cfg, params, cupy, grad_hook=lambda g: calls.append(len(g)))
+    # Not bit-exact, as in the graph test above: the embedding gradient and the gradient norm add with
+    # atomics (and the hook path sums the squares in another order), and AdamW turns last-bit differences
+    # of near-zero gradients into steps of size lr; a norm not recomputed after the hook would be far off.
+    for (x, y), lr in zip(batches, [1e-3, 1e-2, 1e-4, 3e-3]):
+        (loss, norm), (ref_loss, ref_norm) = hooked.step([(x, y)], lr), plain.step([(x, y)], lr)
+        assert loss == pytest.approx(ref_loss, rel=5e-5) and norm == pytest.approx(ref_norm, rel=1e-3)
+    assert calls == [len(params)] * 4 and hooked.t == plain.t == 4
+
+    def double(grads):
+        for g in grads.values():
+            g *= 2
+
+    fresh = make_stepper(settings, cfg, params, cupy)
+    doubled = make_stepper(settings, cfg, params, cupy, grad_hook=double)
+    norm = fresh.step([batches[0]], 1e-3)[1]
+    assert doubled.step([batches[0]], 1e-3)[1] == pytest.approx(2 * norm, rel=1e-5)

@@ -40,27 +40,27 @@ def _extern_kernels(path: Path) -> set[str]:
     # macro-generated families: FLASH_KERNELS(D, ...) defines flash_{fwd,bwd_dkdv,bwd_dq}_d{D}
     for d in re.findall(r"^FLASH_KERNELS\((\d+),", text, flags=re.M):
         names |= {f"flash_fwd_d{d}", f"flash_bwd_dkdv_d{d}", f"flash_bwd_dq_d{d}"}
-    # FLASH_MMA_KERNELS(D) (bf16.cu): flash_{fwd,bwd_dkdv,bwd_dq}_{mma,ldm}_d{D}
+    # FLASH_MMA_KERNELS(D) (bf16/flash_mma.cu): flash_{fwd,bwd_dkdv,bwd_dq}_{mma,ldm}_d{D}
     for d in re.findall(r"^FLASH_MMA_KERNELS\((\d+)\)", text, flags=re.M):
         names |= {f"flash_{k}_{v}_d{d}" for k in ("fwd", "bwd_dkdv", "bwd_dq") for v in ("mma", "ldm")}
-    # RMSNORM_BWD(name, DY) (bf16.cu): one kernel per storage type of dy (NAME: the macro's own body)
+    # RMSNORM_BWD(name, DY) (bf16/norms.cu): one kernel per storage type of dy (NAME: the macro's own body)
     names.discard("NAME")
     names |= set(re.findall(r"^RMSNORM_BWD\((\w+),", text, flags=re.M))
     return names
 
 
 def test_every_launched_kernel_is_defined():
-    defined = {p.stem: _extern_kernels(p) for p in sources()}
+    defined = {str(p.relative_to(KERNEL_DIR).with_suffix("")): _extern_kernels(p) for p in sources()}
     wanted = []
-    for py in KERNEL_DIR.glob("*.py"):
-        wanted += re.findall(r'kernel\("(\w+)", "(\w+)"\)', py.read_text())
+    for py in KERNEL_DIR.rglob("*.py"):
+        wanted += re.findall(r'kernel\("([\w/]+)", "(\w+)"\)', py.read_text())
         for file, stem in re.findall(r'kernel\("(\w+)", f"(\w+)_d\{D\}"\)', py.read_text()):
             if file == "attention":  # the float32 kernels: every head size of ops.py's _FLASH
                 ops_text = (KERNEL_DIR / "ops.py").read_text()
                 sizes = re.findall(r"(\d+): \(", re.search(r"_FLASH = \{([^}]*)\}", ops_text).group(1))
-            else:  # the tensor-core kernels of bf16.cu: the engine's _MMA_HEAD_DIMS
-                engine_text = (KERNEL_DIR / "engine.py").read_text()
-                sizes = re.findall(r"\d+", re.search(r"_MMA_HEAD_DIMS = \(([^)]*)\)", engine_text).group(1))
+            else:  # the tensor-core kernels of bf16/flash_*.cu: the engine's MMA_HEAD_DIMS
+                plan_text = (KERNEL_DIR / "bf16" / "plan.py").read_text()
+                sizes = re.findall(r"\d+", re.search(r"MMA_HEAD_DIMS = \(([^)]*)\)", plan_text).group(1))
             wanted += [(file, f"{stem}_d{d}") for d in sizes]
     assert len(wanted) > 10
     missing = [f"{f}.cu:{n}" for f, n in wanted if n not in defined.get(f, set())]
@@ -71,8 +71,8 @@ def test_every_launched_kernel_is_defined():
 def test_tma_kernels_acquire_their_tensor_maps(tmp_path):
     """Each sm_90a kernel that copies through a tensor map (cp.async.bulk.tensor) first fences its view of
     the map (fence.proxy.tensormap acquire): the maps are bytes the host wrote into global memory."""
-    path = KERNEL_DIR / "bf16.cu"
-    ptx = tmp_path / "bf16.ptx"
+    path = KERNEL_DIR / "bf16" / "gemm_tma.cu"
+    ptx = tmp_path / "gemm_tma.ptx"
     out = subprocess.run([NVCC, "-gencode=arch=compute_90a,code=sm_90a", *COMPILE_OPTIONS, "-ptx", "-o", str(ptx),
                           str(path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -81,3 +81,18 @@ def test_tma_kernels_acquire_their_tensor_maps(tmp_path):
     assert {"swiglu_fwd_gemm", "swiglu_bwd_gemm"} <= set(tma)
     unfenced = [name for name, body in tma.items() if "fence.proxy.tensormap::generic.acquire" not in body]
     assert not unfenced, unfenced
+
+
+def test_loader_inlines_each_included_header_once():
+    """What NVRTC compiles (and CuPy's cache keys by) is a family's text with its headers inlined: no
+    #include left, each header's text once, even where two headers include a third."""
+    from nanoeuler.kernels import source
+
+    text = source("bf16/flash_wg")
+    assert "#include" not in text and "#pragma once" not in text
+    common = (KERNEL_DIR / "bf16" / "common.cuh").read_text()
+    assert text.count("typedef unsigned short bf16;") == 1 and "typedef unsigned short bf16;" in common
+    for header in ("mma.cuh", "wgmma.cuh"):
+        body = (KERNEL_DIR / "bf16" / header).read_text().split("#include \"common.cuh\"\n", 1)[1]
+        assert text.count(body.strip()[:200]) == 1, header
+    assert source("attention") == (KERNEL_DIR / "attention.cu").read_text().rstrip("\n") + "\n"

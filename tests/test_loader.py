@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from nanoeuler.errors import UserError
-from nanoeuler.train.loader import (RandomWindows, ShardSplit, bits_per_byte, fixed_windows, read_manifest,
-                                    split_window)
+from nanoeuler.eval.metrics import bits_per_byte
+from nanoeuler.train.loader import RandomWindows, ShardSplit, fixed_windows, read_manifest, split_window
 
 
 def write_counting_shards(d, sizes, val_sizes=(500,)):

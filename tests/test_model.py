@@ -10,7 +10,8 @@ import pytest
 
 from nanoeuler.config import validate
 from nanoeuler.errors import UserError
-from nanoeuler.model import gradcheck, transformer
+from nanoeuler.checks import gradcheck
+from nanoeuler.model import transformer
 from nanoeuler.model.config import ModelConfig
 
 TINY = ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=16, mtp_heads=3)

@@ -10,7 +10,8 @@ import pytest
 from nanoeuler import checkpoint
 from nanoeuler.errors import UserError
 from nanoeuler.train.sft import EpochBatches, read_records
-from nanoeuler.train.template import encode_example, fit_example, render_prompt, sft_batch
+from nanoeuler.train.sft import encode_example, fit_example, sft_batch
+from nanoeuler.train.template import render_prompt
 from train_fixtures import make_tokenizer, save_random_model, write_alpaca, write_config
 
 

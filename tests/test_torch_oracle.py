@@ -1,5 +1,6 @@
-"""PyTorch autograd as an oracle: the same weights and batch through a PyTorch model written here from
-DESIGN.md §3; the loss and every gradient must match ours in float64 to 1e-10 relative."""
+"""PyTorch autograd as an oracle: the same weights and batch through a PyTorch model written here from the
+architecture of `nanoeuler.model.transformer`; the loss and every gradient must match ours in float64 to
+1e-10 relative."""
 
 import math
 
@@ -9,7 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from nanoeuler.model import gradcheck, transformer  # noqa: E402
+from nanoeuler.checks import gradcheck
+from nanoeuler.model import transformer  # noqa: E402
 from nanoeuler.model.config import ModelConfig  # noqa: E402
 
 

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from nanoeuler.train.loader import bits_per_byte
+import math
 
 
 def evaluate_windows(params: dict, cfg, inputs, targets, batch_size: int, xp) -> tuple[float, float]:
@@ -39,3 +39,14 @@ def val_metrics(params: dict, cfg, val: tuple, split_tokens: int, split_bytes: i
         "val_bpb": bits_per_byte(ce, split_tokens, split_bytes),
         "val_tokens": int(inputs.size),
     }
+
+
+def bits_per_byte(ce_nats: float, tokens: int, n_bytes: int) -> float:
+    """Bits per UTF-8 byte of text from a mean per-token cross-entropy in nats.
+
+    bpb = ce_nats / ln 2 * tokens / bytes, where tokens/bytes is the split's token count over its
+    UTF-8 byte count (from the manifest). NaN when the byte count is unknown.
+    """
+    if n_bytes <= 0:
+        return float("nan")
+    return ce_nats / math.log(2) * tokens / n_bytes

@@ -1,16 +1,13 @@
-"""Hand-written CUDA kernels for the GPU engine, loaded at run time with `cupy.RawModule`.
+"""Hand-written CUDA kernels, loaded at run time with `cupy.RawModule`.
 
-Each `*.cu` file in this folder is one module of `extern "C"` kernels; its header comment names the
-NumPy layer in `nanoeuler.model.layers` (or `nanoeuler.optim`) that is its reference. `nanoeuler.kernels.ops`
-wraps them behind the same function names and signatures as the layers, and `nanoeuler selftest` checks
-every kernel against its reference.
-
-CuPy is imported only when a kernel is first asked for, so importing this package on a CPU-only install
-costs nothing. Modules are compiled once per process and device (NVRTC, for the device's own
-architecture; CuPy also keeps compiled binaries in its on-disk kernel cache). On a Hopper GPU
-(compute capability 9.0) they are built for sm_90a, the target that has the warpgroup instructions
-(wgmma); code that needs them sits behind `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)`, and
-`has_sm90a()` tells the host whether it was built.
+`*.cu` here are the float32 kernels that `kernels.ops` wraps behind the layers' own names and
+signatures (`dispatch.ops_for(cupy)` hands it to the model); `bf16/` holds the bf16 engine's kernel
+families and their launchers. Each file's header names its NumPy reference; `nanoeuler selftest` checks
+every kernel against it. CuPy is imported only when a kernel is first asked for, so a CPU-only install
+never needs it. A module is compiled once per process and device (NVRTC; CuPy also caches binaries on
+disk) from its text with the headers it includes inlined (`source`). On a compute-capability-9.0 GPU
+(H100, H200) modules are built for sm_90a, whose warpgroup instructions sit behind
+`#if defined(__CUDA_ARCH_FEAT_SM90_ALL)`; `has_sm90a()` tells the host.
 
     >>> fn = kernel("elementwise", "swiglu_fwd")        # doctest: +SKIP
     >>> launch(fn, n, (g, u, h, np.int64(n)))           # doctest: +SKIP
@@ -18,6 +15,7 @@ architecture; CuPy also keeps compiled binaries in its on-disk kernel cache). On
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent
@@ -25,22 +23,46 @@ KERNEL_DIR = Path(__file__).resolve().parent
 COMPILE_OPTIONS = ("-std=c++17",)
 
 _MODULES: dict = {}
+_FUNCTIONS: dict = {}
+_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"\s*$')
 
 
 def sources() -> list[Path]:
-    """Every .cu file of the package (CI compiles each with nvcc)."""
-    return sorted(KERNEL_DIR.glob("*.cu"))
+    """Every .cu file of the package, the bf16 engine's in `bf16/` included (CI compiles each with nvcc)."""
+    return sorted(KERNEL_DIR.rglob("*.cu"))
+
+
+def source(name: str) -> str:
+    """The text of `<name>.cu` with every `#include "x.cuh"` of its folder inlined (once each), so that
+    the text CuPy compiles, and keys its cache by, holds the headers too; nvcc reads the same includes."""
+    path = KERNEL_DIR / f"{name}.cu"
+    seen: set = set()
+
+    def expand(p: Path) -> str:
+        out = []
+        for line in p.read_text(encoding="utf-8").splitlines():
+            m = _INCLUDE.match(line)
+            if line.strip() == "#pragma once":  # the inliner keeps headers single; NVRTC would warn
+                continue
+            if m is None:
+                out.append(line)
+            elif m.group(1) not in seen:
+                seen.add(m.group(1))
+                out.append(expand(p.parent / m.group(1)))
+        return "\n".join(out)
+
+    return expand(path) + "\n"
 
 
 def module(name: str):
-    """The compiled RawModule of `<name>.cu` for the current device."""
+    """The compiled RawModule of `<name>.cu` (headers inlined: `source`) for the current device."""
     import cupy
 
     dev = cupy.cuda.Device().id
     key = (name, dev)
     mod = _MODULES.get(key)
     if mod is None:
-        code = (KERNEL_DIR / f"{name}.cu").read_text(encoding="utf-8")
+        code = source(name)
         # CuPy appends its own -arch=sm_90; NVRTC then builds for the sm_90a named here
         extra = ("-arch=sm_90a",) if has_sm90a() else ()
         mod = cupy.RawModule(code=code, options=COMPILE_OPTIONS + extra)
@@ -56,8 +78,14 @@ def has_sm90a() -> bool:
 
 
 def kernel(file: str, name: str):
-    """The kernel `name` of `<file>.cu`."""
-    return module(file).get_function(name)
+    """The kernel `name` of `<file>.cu` (`file` relative to this folder, e.g. "bf16/norms")."""
+    import cupy
+
+    key = (file, name, cupy.cuda.Device().id)
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        fn = _FUNCTIONS[key] = module(file).get_function(name)
+    return fn
 
 
 def device_arch() -> str:

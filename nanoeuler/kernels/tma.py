@@ -77,7 +77,7 @@ def tile_map(matrix, box_rows: int, box_cols: int = 64):
 
 
 def gate_up_map(w):
-    """The tensor map through which `swiglu_fwd_gemm` (bf16.cu) reads a gate/up weight `w` (2F x C bf16
+    """The tensor map through which `swiglu_fwd_gemm` (kernels/bf16/gemm_tma.cu) reads a gate/up weight `w` (2F x C bf16
     words, F % 64 == 0, C % 64 == 0): the rows of each block of 64 (block b = rows 64 b .. 64 b + 63) in the
     order of the kernel's lanes. Row 16 q + 2 nc + e of a block is box row 8 nc + 2 q + e, i.e. the map is
     5-D, (k, e, q, nc, b) with row strides 1, 16, 2 and 64, and a box (64, 2, 4, 8, 1) is one block's 64
@@ -96,7 +96,7 @@ def gate_up_map(w):
 
 
 def heads_map(x):
-    """The tensor map through which `qkv_rope_gemm` (bf16.cu) stores into an attention operand `x` (B, heads,
+    """The tensor map through which `qkv_rope_gemm` (kernels/bf16/gemm_tma.cu) stores into an attention operand `x` (B, heads,
     T, 64) of bf16 words: 3-D, (64, T, B heads), a box (64, 64, 1) being 64 positions of one head of one
     sequence (T % 64 == 0)."""
     if x.ndim != 4 or x.shape[3] != 64 or x.dtype.itemsize != 2 or not x.flags.c_contiguous:

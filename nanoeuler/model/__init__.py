@@ -1,1 +1,1 @@
-"""The transformer: config, layer forward/backward pairs, the model, and the gradient check."""
+"""The reference transformer: config, layer forward/backward pairs, and the model."""

@@ -1,26 +1,16 @@
 """The NanoEuler transformer: forward, hand-written backward, multi-token loss, KV-cache decoding.
 
-Architecture (DESIGN.md §3): token embedding; `n_layers` pre-norm blocks
+An embedding, `n_layers` pre-norm blocks, a final RMSNorm and K untied heads (head k predicts t+1+k):
 
     x = x + o_proj(attention(rope(q_proj(h)), rope(k_proj(h)), v_proj(h))),  h = rmsnorm(x)
     x = x + down_proj(silu(gate_proj(h)) * up_proj(h)),                       h = rmsnorm(x)
 
-then a final RMSNorm and K untied linear heads on the normed state: head 0 (`lm_head`) predicts token t+1,
-head k (`mtp_heads.k`) predicts token t+1+k. No biases anywhere.
-
-Loss: each head's mean cross-entropy over its valid targets (target -1 is ignored), averaged over the heads
-that have at least one valid target. A head with no valid target in the batch is left out of the mean and
-gets a zero gradient (its entry in `head_losses` is 0.0); if no head has one, the loss is 0.0.
-
-Parameters are a dict of arrays named as in HF Llama (`ModelConfig.param_shapes` gives the order); the
-array module (NumPy or CuPy) and the dtype are taken from the parameters. Every layer is called through
-`ops_for(xp)` so the GPU engine can substitute fused kernels.
-
-Initialisation (`init_params`, deterministic in `seed`): every matrix ~ normal(0, 0.02), except the
-residual output projections `o_proj` and `down_proj` ~ normal(0, 0.02 / sqrt(2 * n_layers)) so the
-residual stream's variance does not grow with depth; RMSNorm gains are ones. Values are drawn in float64
-from `numpy.random.default_rng(seed)` in canonical order and rounded to `dtype`, so a float64 and a float32
-init from the same seed agree to float32 rounding.
+The loss averages, over the heads with a valid target (-1 is ignored), each head's mean cross-entropy; a
+head without one is left out and gets a zero gradient. Parameters are a dict named as in HF Llama; the
+array module and dtype come from them, and every layer is reached through `dispatch.ops_for(xp)`, so
+the GPU runs its kernels without a change here. `init_params(cfg, seed)`: matrices ~ normal(0, 0.02),
+`o_proj`/`down_proj` ~ normal(0, 0.02 / sqrt(2 n_layers)) so the stream's variance does not grow with
+depth, gains ones; drawn in float64 in canonical order and rounded, so float64 and float32 inits agree.
 """
 
 from __future__ import annotations
@@ -31,7 +21,7 @@ import numpy as np
 
 from nanoeuler.backend import array_module
 from nanoeuler.model.config import ModelConfig
-from nanoeuler.model.ops import ops_for
+from nanoeuler.dispatch import ops_for
 
 INIT_STD = 0.02
 

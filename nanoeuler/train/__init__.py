@@ -1,1 +1,2 @@
-"""Training: the shard loader, the one training loop, pretraining and Alpaca fine-tuning."""
+"""Training: the shard loader, typed stage settings, the Stepper seam, the one training loop, pretraining and
+Alpaca fine-tuning."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -142,14 +141,3 @@ def fixed_windows(split: ShardSplit, T: int, K: int, max_tokens: int) -> tuple[n
     n = min(n, split.tokens // window)
     tokens = split.head(n * window)
     return split_window(tokens.reshape(n, window), T)
-
-
-def bits_per_byte(ce_nats: float, tokens: int, n_bytes: int) -> float:
-    """Bits per UTF-8 byte of text from a mean per-token cross-entropy in nats.
-
-    bpb = ce_nats / ln 2 * tokens / bytes, where tokens/bytes is the split's token count over its
-    UTF-8 byte count (from the manifest). NaN when the byte count is unknown.
-    """
-    if n_bytes <= 0:
-        return float("nan")
-    return ce_nats / math.log(2) * tokens / n_bytes

@@ -1,32 +1,20 @@
-"""The one training loop, shared by pretraining and SFT: batches in, checkpoints and metrics out.
+"""The one training loop, shared by every training stage: batches in, checkpoints and metrics out.
 
-A run lives in a directory (`results/pretrain/`, `results/sft/`) holding rotating checkpoints
-`ckpt_{step:08d}.bin` and `metrics.jsonl`. Starting a run first looks for the newest checkpoint
-that loads:
+    >>> last = train(Run(stage="pretrain", cfg=cfg, section=sec, total_steps=1000, ...))   # doctest: +SKIP
 
-- it must hold the same model config and tokenizer, else the run dir belongs to another model: its
-  files move to `previous/` with a notice and training starts fresh (`foreign_model_is_error` stops instead);
-- it must come from the same run settings (`Run.identity`: the training section minus the keys
-  that only affect logging, plus the data), else it belongs to an earlier run with other settings:
-  its files move to `previous/` and training starts fresh;
-- a checkpoint that does not load (truncated, bad checksum) is renamed `*.corrupt` with a warning
-  and the one before it is tried.
-
-The checkpoint stores parameters, AdamW moments and step count, and the batch source's state (the
-data generator's `bit_generator.state`), so a resumed CPU run computes the same losses, bit for bit,
-as one that was never interrupted. Metrics lines logged after the checkpoint's step are dropped on
-resume and logged again.
-
-Step `s` in metrics and checkpoint names counts finished optimizer updates (1-based); the learning
-rate of update s is `lr_at(s - 1, ...)`.
-
-A non-finite loss or gradient norm stops the run with an error naming the step; no checkpoint is
-written from that state, so the last good one stays the newest.
+Each update is one `Stepper.step` (`train.stepper`: the xp layers or the bf16 engine). A run lives in a
+directory of rotating checkpoints `ckpt_{step:08d}.bin` and `metrics.jsonl`; a new start resumes from
+the newest checkpoint that loads, if it holds the same model config and tokenizer and the same
+settings (`run_identity`); else the run dir belongs to another model or run, and its files move to
+`previous/` with a notice. One that does not load is renamed `*.corrupt` and the one before it is tried. A checkpoint holds the
+parameters, the optimizer state and the data source's state, so a resumed CPU run repeats the losses
+of an uninterrupted one bit for bit; metrics logged after its step are logged again. Step s counts
+finished updates (1-based) and trains at `lr_at(s - 1)`. A non-finite loss or gradient norm stops the
+run naming the step, before any checkpoint of that state is written.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,6 +26,8 @@ import numpy as np
 from nanoeuler.backend import to_numpy
 from nanoeuler.errors import UserError
 from nanoeuler.train import rundir
+from nanoeuler.train.config import TrainConfig
+from nanoeuler.train.stepper import NonFinite, make_stepper
 
 # Training-section keys that change what is logged or kept, not the trajectory. (sft.val_examples is
 # not one of them: the held-out records are not trained on.)
@@ -57,7 +47,7 @@ class Batches(Protocol):
 class Run:
     stage: str  # "pretrain" | "sft": names the run in messages and checkpoints
     cfg: object  # ModelConfig
-    section: dict  # the training section: optimizer and schedule keys, see the schema
+    section: dict  # the validated training section (typed: `settings`); minus COSMETIC_KEYS, the run's identity
     total_steps: int
     batches: Batches
     init_params: Callable[[], dict]  # NumPy params when no checkpoint resumes
@@ -72,6 +62,11 @@ class Run:
     progress: bool = True
     # Checkpoints of another model config or tokenizer: set aside like other settings, or an error.
     foreign_model_is_error: bool = False
+    head_loss: Callable | None = None  # the loss on the final normed state (None: transformer.mtp_cross_entropy)
+    grad_hook: Callable[[dict], None] | None = None  # on the gradients between backward and clipping
+
+    def __post_init__(self):
+        self.settings = TrainConfig.from_section(self.section)
 
 
 def run_identity(run: Run) -> dict:
@@ -141,17 +136,17 @@ def _dict_diff(old: dict, new: dict) -> str:
     return ", ".join(parts[:4]) + (", …" if len(parts) > 4 else "") or "no visible difference"
 
 
-def _save_checkpoint(run: Run, params: dict, opt, step: int) -> Path:
+def _save_checkpoint(run: Run, stepper, step: int) -> Path:
     from nanoeuler import checkpoint
 
-    tensors = {name: to_numpy(p) for name, p in params.items()}
-    for name, t in opt.state_tensors().items():
+    tensors = {name: to_numpy(p) for name, p in stepper.params().items()}
+    for name, t in stepper.state_tensors().items():
         tensors[f"optim.{name}"] = to_numpy(t)
     meta = {
         "stage": run.stage,
         "model_config": run.cfg.to_dict(),
         "step": step,
-        "optim_t": opt.t,
+        "optim_t": stepper.t,
         "loader": run.batches.state(),
         "identity": run_identity(run),
         "tokenizer": run.tokenizer_json,
@@ -159,69 +154,57 @@ def _save_checkpoint(run: Run, params: dict, opt, step: int) -> Path:
     }
     path = rundir.checkpoint_path(run.run_dir, step)
     checkpoint.save(path, tensors, meta)
-    rundir.rotate(run.run_dir, int(run.section["keep_checkpoints"]))
+    rundir.rotate(run.run_dir, run.settings.keep_checkpoints)
     return path
+
+
+def _start(run: Run):
+    """(stepper, first 0-based step): from the newest usable checkpoint, else from `run.init_params`."""
+    resumed = _find_resume(run)
+    if resumed is None:
+        return make_stepper(run.settings, run.cfg, run.init_params(), run.xp, stage=run.stage,
+                            head_loss=run.head_loss, grad_hook=run.grad_hook), 0
+    tensors, meta = resumed
+    params = {name: tensors[name] for name in run.cfg.param_shapes()}
+    stepper = make_stepper(run.settings, run.cfg, params, run.xp, stage=run.stage, head_loss=run.head_loss,
+                           grad_hook=run.grad_hook)
+    stepper.load_state_tensors({k[len("optim."):]: v for k, v in tensors.items() if k.startswith("optim.")},
+                               int(meta["optim_t"]))
+    run.batches.load_state(meta["loader"])
+    start = int(meta["step"])
+    print(f"nanoeuler {run.stage}: resuming from step {start} ({rundir.checkpoint_path(run.run_dir, start)})",
+          file=sys.stderr, flush=True)
+    return stepper, start
 
 
 def train(run: Run) -> dict:
     """Train to `run.total_steps` (resuming when possible), then write `run.out`. Returns the last metrics."""
-    from nanoeuler import checkpoint
-    from nanoeuler.model import transformer
     from nanoeuler.backend import oom_guard
-    from nanoeuler.optim import AdamW, clip_grad_norm, lr_at
+    from nanoeuler.optim import lr_at
 
-    xp, sec, cfg = run.xp, run.section, run.cfg
+    s = run.settings
     run.run_dir.mkdir(parents=True, exist_ok=True)
     rundir.remove_stale_temporaries(run.run_dir)
     log = rundir.MetricsLog(run.run_dir / "metrics.jsonl")
-
-    resumed = _find_resume(run)
-    if resumed is None:
-        host_params = run.init_params()
-        start = 0
-    else:
-        tensors, meta = resumed
-        host_params = {name: tensors[name] for name in cfg.param_shapes()}
-        start = int(meta["step"])
-    params = {name: xp.asarray(p) for name, p in host_params.items()}
-    del host_params
-    opt = AdamW(params, betas=(sec["beta1"], sec["beta2"]), eps=sec["eps"], weight_decay=sec["weight_decay"])
-    if resumed is not None:
-        opt.load_state_tensors({k[len("optim."):]: v for k, v in tensors.items() if k.startswith("optim.")},
-                               int(meta["optim_t"]))
-        run.batches.load_state(meta["loader"])
-        del tensors
-        print(f"nanoeuler {run.stage}: resuming from step {start} ({rundir.checkpoint_path(run.run_dir, start)})",
-              file=sys.stderr, flush=True)
+    stepper, start = _start(run)
     log.truncate_after(start)
-    engine = _bf16_engine(run, params, opt)
-    if engine is not None:
-        params = engine.share_state(opt)  # the loop's params and AdamW moments become views of the engine's
-
-    def schedule(step0: int) -> float:
-        return lr_at(step0, max_lr=sec["lr"], min_lr=sec["min_lr"], warmup_steps=sec["warmup_steps"],
-                     total_steps=run.total_steps)
-
     last: dict = {}
     last_ckpt = None
-    bar = None
-    if run.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=run.total_steps, initial=start, desc=run.stage, unit="step", file=sys.stderr,
-                   dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+    bar = _progress_bar(run, start)
     tokens_since, t_since = 0, time.perf_counter()
     try:
-        with oom_guard(int(sec["batch_size"]), cfg.ctx_len):  # a GPU OOM becomes one clear line
+        with oom_guard(s.batch_size, run.cfg.ctx_len):  # a GPU OOM becomes one clear line
             for step0 in range(start, run.total_steps):
-                step = step0 + 1
-                lr = schedule(step0)
-                loss, norm, n_tokens = _update(run, params, opt, step0, lr, transformer.loss_and_grads, clip_grad_norm,
-                                                  engine)
-                tokens_since += n_tokens
-
-                final = step == run.total_steps
-                if step % int(sec["log_every"]) == 0 or final:
+                step, final = step0 + 1, step0 + 1 == run.total_steps
+                lr = lr_at(step0, max_lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps,
+                           total_steps=run.total_steps)
+                batch = [run.batches.batch(step0, micro) for micro in range(s.grad_accum)]
+                try:
+                    loss, norm = stepper.step(batch, lr)
+                except NonFinite as exc:
+                    _stop_nonfinite(run, exc.what, exc.value, step)
+                tokens_since += sum(x.size for x, _ in batch)
+                if step % s.log_every == 0 or final:
                     now = time.perf_counter()
                     rate = tokens_since / max(now - t_since, 1e-9)
                     last = {"step": step, "loss": float(loss), "lr": lr, "grad_norm": norm, "tokens_per_s": rate}
@@ -229,26 +212,38 @@ def train(run: Run) -> dict:
                     if bar is not None:
                         bar.set_postfix_str(f"loss {loss:.4f} lr {lr:.2e} {rate:,.0f} tok/s", refresh=False)
                     tokens_since, t_since = 0, now
-                if run.evaluate is not None and (step % int(sec["eval_every"]) == 0 or final):
-                    t0 = time.perf_counter()
-                    val = run.evaluate(params)
+                t0 = time.perf_counter()
+                if run.evaluate is not None and (step % s.eval_every == 0 or final):
+                    val = run.evaluate(stepper.params())
                     log.append({"step": step, **val})
                     last = {**last, **val}
-                    t_since += time.perf_counter() - t0  # keep evaluation out of tokens/s
-                if step % int(sec["checkpoint_every"]) == 0 or final:
-                    t0 = time.perf_counter()
-                    last_ckpt = _save_checkpoint(run, params, opt, step)
-                    t_since += time.perf_counter() - t0
+                if step % s.checkpoint_every == 0 or final:
+                    last_ckpt = _save_checkpoint(run, stepper, step)
+                t_since += time.perf_counter() - t0  # keep evaluation and checkpoints out of tokens/s
                 if bar is not None:
                     bar.update(1)
     finally:
         if bar is not None:
             bar.close()
+    return _finish(run, stepper, last or _last_record(log), last_ckpt)
 
-    if not last:  # nothing left to train: the run finished before, only the final file is missing
-        last = _last_record(log)
+
+def _progress_bar(run: Run, start: int):
+    if not run.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=run.total_steps, initial=start, desc=run.stage, unit="step", file=sys.stderr,
+                dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+
+
+def _finish(run: Run, stepper, last: dict, last_ckpt: Path | None) -> dict:
+    """The final model file (parameters, config, tokenizer, the last metrics), and a line saying so.
+    `last` is read back from the metrics log when the run had finished before and only the file is missing."""
+    from nanoeuler import checkpoint
+
     checkpoint.save_model(
-        run.out, {n: to_numpy(p) for n, p in params.items()}, cfg, step=run.total_steps,
+        run.out, {n: to_numpy(p) for n, p in stepper.params().items()}, run.cfg, step=run.total_steps,
         tokenizer_json=run.tokenizer_json,
         extra={"stage": run.stage, "final_metrics": last, **run.extra_out},
     )
@@ -257,80 +252,6 @@ def train(run: Run) -> dict:
     print(f"nanoeuler {run.stage}: wrote {run.out} after {run.total_steps} steps "
           f"(last checkpoint {last_ckpt})", file=sys.stderr, flush=True)
     return last
-
-
-def _bf16_engine(run: Run, params: dict, opt):
-    """The GPU's bf16 training-step engine for `precision: bf16`, else None (the fp32 xp path).
-
-    The engine keeps fp32 master weights and AdamW moments in its own flat buffers, seeded from `params`
-    and `opt` (fresh or restored from a checkpoint); the caller then shares them with the loop."""
-    sec = run.section
-    if sec.get("precision", "fp32") != "bf16":
-        return None
-    if run.xp is np:
-        raise UserError(f"{run.stage}.precision bf16 runs on the GPU engine; use --device gpu, "
-                        "or precision fp32 on the CPU")
-    if int(sec["grad_accum"]) != 1:
-        raise UserError(f"{run.stage}.precision bf16 takes grad_accum 1 (got {sec['grad_accum']}); "
-                        "raise batch_size instead")
-    from nanoeuler.kernels.engine import Engine
-
-    return Engine.from_adamw(run.cfg, params, opt, batch=int(sec["batch_size"]), seq=run.cfg.ctx_len,
-                             max_norm=float(sec["grad_clip"]))
-
-
-def _engine_update(run: Run, engine, opt, step0: int, lr: float):
-    """One bf16 engine step. The engine is built for a fixed (batch_size, ctx_len), so smaller batches (SFT:
-    shorter sequences, an epoch's last batch) are padded at the end with ignored targets; causal attention keeps
-    padding from touching the real tokens, and rows without targets do not change the mean loss.
-    The update is applied before the loss is read (no host sync inside the step); a non-finite loss still
-    stops the run before any checkpoint of the bad state is written."""
-    x, y = run.batches.batch(step0, 0)
-    n_tokens = x.size
-    rows, cols = int(run.section["batch_size"]) - x.shape[0], run.cfg.ctx_len - x.shape[1]
-    if rows or cols:
-        x = np.pad(x, ((0, rows), (0, cols)))
-        y = np.pad(y, ((0, rows), (0, cols), (0, 0)), constant_values=-1)
-    xp = run.xp
-    engine.step(xp.asarray(x, dtype=np.int32), xp.asarray(y, dtype=np.int32), lr)
-    opt.t = engine.t
-    loss, norm = engine.last_loss(), engine.grad_norm()
-    for what, value in (("loss", loss), ("gradient norm", norm)):
-        if not math.isfinite(value):
-            _stop_nonfinite(run, what, value, step0 + 1)
-    return loss, norm, n_tokens
-
-
-def _update(run: Run, params: dict, opt, step0: int, lr: float, loss_and_grads, clip_grad_norm, engine=None):
-    """One optimizer update (gradients summed over grad_accum micro-batches) -> (loss, grad norm, tokens).
-
-    Everything stays on the params' device; the loss and the norm come back as Python floats, checked
-    before the update so a non-finite value never reaches the parameters.
-    """
-    if engine is not None:
-        return _engine_update(run, engine, opt, step0, lr)
-    xp, accum, step = run.xp, int(run.section["grad_accum"]), step0 + 1
-    loss, grads, n_tokens = 0.0, None, 0
-    for micro in range(accum):
-        x, y = run.batches.batch(step0, micro)
-        n_tokens += x.size
-        micro_loss, g = loss_and_grads(params, xp.asarray(x), xp.asarray(y), run.cfg)
-        loss += micro_loss / accum
-        if grads is None:
-            grads = g
-        else:
-            for name in grads:
-                grads[name] += g[name]
-    if accum > 1:
-        for name in grads:
-            grads[name] *= 1.0 / accum
-    if not math.isfinite(loss):
-        _stop_nonfinite(run, "loss", loss, step)
-    norm = clip_grad_norm(grads, float(run.section["grad_clip"]))
-    if not math.isfinite(norm):
-        _stop_nonfinite(run, "gradient norm", norm, step)
-    opt.step(params, grads, lr)
-    return loss, norm, n_tokens
 
 
 def _last_record(log: rundir.MetricsLog) -> dict:

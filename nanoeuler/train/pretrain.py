@@ -36,10 +36,12 @@ def run(args: argparse.Namespace) -> int:
     from nanoeuler.model.transformer import init_params
     from nanoeuler.tokenizer.bpe import Tokenizer
     from nanoeuler.train import loop, rundir
+    from nanoeuler.train.config import PretrainConfig
     from nanoeuler.train.loader import RandomWindows, ShardSplit, fixed_windows, read_manifest
 
     conf = sections(args, "device", "model", "pretrain")
     sec = conf["pretrain"]
+    settings = PretrainConfig.from_section(sec)
     device = args.device or conf["device"]
     xp = get_xp(device)
 
@@ -56,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     T, K = cfg.ctx_len, cfg.mtp_heads
     train_split = ShardSplit(args.shards, "train", manifest)
     val_split = ShardSplit(args.shards, "val", manifest)
-    windows = RandomWindows(train_split, T, K, int(sec["batch_size"]), int(sec["seed"]))
-    val = fixed_windows(val_split, T, K, int(sec["val_tokens"]))
+    windows = RandomWindows(train_split, T, K, settings.batch_size, settings.seed)
+    val = fixed_windows(val_split, T, K, settings.val_tokens)
 
     class _Batches:
         def batch(self, step, micro):
@@ -67,13 +69,13 @@ def run(args: argparse.Namespace) -> int:
         load_state = staticmethod(windows.load_state)
 
     def evaluate(params):
-        return val_metrics(params, cfg, val, val_split.tokens, val_split.bytes, int(sec["batch_size"]), xp)
+        return val_metrics(params, cfg, val, val_split.tokens, val_split.bytes, settings.batch_size, xp)
 
     out = Path(args.out)
     run_dir = Path(args.run_dir) if args.run_dir else out.parent / "pretrain"
     spec = loop.Run(
-        stage="pretrain", cfg=cfg, section=sec, total_steps=int(sec["steps"]), batches=_Batches(),
-        init_params=lambda: init_params(cfg, int(sec["seed"])),
+        stage="pretrain", cfg=cfg, section=sec, total_steps=settings.steps, batches=_Batches(),
+        init_params=lambda: init_params(cfg, settings.seed),
         tokenizer_json=tok.to_json(), tokenizer_sha256=tok.sha256, run_dir=run_dir, out=out, xp=xp,
         evaluate=evaluate,
         identity={"data": {"manifest_sha256": manifest["_sha256"]}},

@@ -5,7 +5,7 @@
 
 Each record is rendered with the Alpaca template (`nanoeuler.train.template`), the response and
 `</s>` appended; prompt and padding targets are -1. Records longer than the context are truncated
-(`template.fit_example`: the response's tail goes first, then the prompt's start) or dropped
+(`fit_example`: the response's tail goes first, then the prompt's start) or dropped
 (`sft.too_long`); both are counted in the log. A few records (`sft.val_examples`, at most a
 tenth) are held out to measure the response loss.
 
@@ -29,6 +29,7 @@ import numpy as np
 from nanoeuler.backend import add_device_argument
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.errors import UserError
+from nanoeuler.train.template import render_prompt
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,14 +77,79 @@ def read_records(path: str | Path) -> list[dict]:
     return records
 
 
+# ---- examples: the rendered prompt, the response, `</s>`; only the response and `</s>` are trained ----
+# With K multi-token-prediction heads, head k's target at position t is token t+1+k when that position
+# holds a response token, else -1:
+#     tokens  = [p0 p1 p2 r0 r1 </s>]        prompt p*, response r*
+#     inputs  = [p0 p1 p2 r0 r1]
+#     head 0  = [-1 -1 r0 r1 </s>]
+#     head 1  = [-1 r0 r1 </s> -1]
+
+
+def encode_example(tokenizer, record: dict) -> tuple[list[int], int]:
+    """(token ids of prompt + response + `</s>`, number of prompt tokens).
+
+    User text is encoded with no special tokens allowed, so a literal "</s>" in the data is text;
+    the end marker is appended by id.
+    """
+    prompt = tokenizer.encode(render_prompt(record["instruction"], record.get("input", "")))
+    response = tokenizer.encode(record["output"]) + [tokenizer.end_id]
+    return prompt + response, len(prompt)
+
+
+def fit_example(ids: list[int], n_prompt: int, ctx_len: int, too_long: str) -> tuple[list[int], int] | None:
+    """Make an example fit `ctx_len` inputs (ctx_len + 1 tokens): (ids, n_prompt), or None to drop it.
+
+    `too_long`: "drop" discards an example that does not fit. "truncate" keeps the response's head:
+    all of it that fits after the whole prompt, but at least ctx_len // 4 tokens; a prompt too long for
+    that loses its start (left-truncation, as `nanoeuler chat` does with long prompts), so it still
+    ends with "### Response:" followed by the response.
+
+        >>> fit_example(list(range(12)), 4, ctx_len=8, too_long="truncate")   # prompt 0-3, response 4-11
+        ([0, 1, 2, 3, 4, 5, 6, 7, 8], 4)
+        >>> fit_example(list(range(12)), 10, ctx_len=8, too_long="truncate")  # prompt 0-9, response 10-11
+        ([3, 4, 5, 6, 7, 8, 9, 10, 11], 7)
+    """
+    budget = ctx_len + 1
+    if len(ids) <= budget:
+        return ids, n_prompt
+    if too_long == "drop":
+        return None
+    n_resp = len(ids) - n_prompt
+    keep_resp = min(n_resp, max(budget - n_prompt, ctx_len // 4, 1))
+    keep_prompt = budget - keep_resp
+    return ids[n_prompt - keep_prompt : n_prompt + keep_resp], keep_prompt
+
+
+def sft_batch(examples: list[tuple[list[int], int]], K: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pad a batch of (ids, n_prompt) into inputs (B, T) and masked targets (B, T, K).
+
+    T is the longest example's length minus one; padding positions hold `pad_id` as input and -1
+    as target.
+    """
+    T = max(len(ids) for ids, _ in examples) - 1
+    B = len(examples)
+    inputs = np.full((B, T), pad_id, dtype=np.int64)
+    targets = np.full((B, T, K), -1, dtype=np.int64)
+    for b, (ids, n_prompt) in enumerate(examples):
+        seq = np.asarray(ids, dtype=np.int64)
+        L = seq.shape[0]
+        inputs[b, : L - 1] = seq[: L - 1]
+        for k in range(K):
+            # position t's head-k target is seq[t+1+k]; trained only when that is a response token
+            lo = max(n_prompt - 1 - k, 0)
+            hi = L - 1 - k
+            if hi > lo:
+                targets[b, lo:hi, k] = seq[lo + 1 + k : hi + 1 + k]
+    return inputs, targets
+
+
 def prepare_examples(records, tok, ctx_len: int, too_long: str) -> tuple[list[tuple[list[int], int]], dict]:
     """Encode and fit records -> (examples (ids, n_prompt), counts).
 
     counts: truncated (cut to fit the context; prompt_cut of them lost the prompt's start) and dropped
     (too long with sft.too_long = drop).
     """
-    from nanoeuler.train.template import encode_example, fit_example
-
     out = []
     counts = {"truncated": 0, "prompt_cut": 0, "dropped": 0}
     for rec in records:
@@ -111,8 +177,6 @@ class EpochBatches:
         return math.ceil(epochs * self.per_epoch / self.accum)
 
     def batch(self, step: int, micro: int = 0):
-        from nanoeuler.train.template import sft_batch
-
         m = step * self.accum + micro
         epoch, i = divmod(m, self.per_epoch)
         if self._perm is None or self._perm[0] != epoch:
@@ -131,8 +195,6 @@ class EpochBatches:
 def response_loss(params, cfg, examples, batch_size: int, pad_id: int, xp) -> dict:
     """Loss over held-out examples' response tokens, weighted by each batch's head-0 targets."""
     from nanoeuler.model import transformer
-    from nanoeuler.train.template import sft_batch
-
     tot = ce = weight = 0.0
     for lo in range(0, len(examples), batch_size):
         x, y = sft_batch(examples[lo : lo + batch_size], cfg.mtp_heads, pad_id)
@@ -148,57 +210,70 @@ def response_loss(params, cfg, examples, batch_size: int, pad_id: int, xp) -> di
     return {"val_loss": tot / weight, "val_ce": ce / weight, "val_tokens": int(weight)}
 
 
+def _base_tokenizer(base, meta: dict):
+    """The tokenizer stored in the base model's metadata; a missing or unreadable one is an error naming it."""
+    from nanoeuler.tokenizer.bpe import Tokenizer
+
+    if not meta.get("tokenizer"):
+        raise UserError(f"base model {base} carries no tokenizer (metadata 'tokenizer')")
+    try:
+        return Tokenizer.from_json(meta["tokenizer"])
+    except UserError as exc:
+        raise UserError(f"base model {base}: its tokenizer is unreadable: {exc}") from None
+
+
+def split_records(records: list, settings) -> tuple[list, list]:
+    """(training records, held-out records): the first `max_examples` (0: all), of which `val_examples`
+    (at most a tenth) drawn by a permutation seeded by `seed` are held out; both keep the file's order."""
+    if settings.max_examples:
+        records = records[: settings.max_examples]
+    n_val = min(settings.val_examples, len(records) // 10)
+    order = np.random.default_rng(settings.seed).permutation(len(records))
+    return [records[i] for i in sorted(order[n_val:])], [records[i] for i in sorted(order[:n_val])]
+
+
 def run(args: argparse.Namespace) -> int:
     from nanoeuler import checkpoint
     from nanoeuler.backend import get_xp
     from nanoeuler.eval.plots import plot_losses
-    from nanoeuler.tokenizer.bpe import Tokenizer
     from nanoeuler.train import loop, rundir
+    from nanoeuler.train.config import SftConfig
 
     conf = sections(args, "device", "sft")
     sec = conf["sft"]
+    settings = SftConfig.from_section(sec)
     xp = get_xp(args.device or conf["device"])
 
     params, cfg, meta = checkpoint.load_model(args.base)
-    if not meta.get("tokenizer"):
-        raise UserError(f"base model {args.base} carries no tokenizer (metadata 'tokenizer')")
-    try:
-        tok = Tokenizer.from_json(meta["tokenizer"])
-    except UserError as exc:
-        raise UserError(f"base model {args.base}: its tokenizer is unreadable: {exc}") from None
+    tok = _base_tokenizer(args.base, meta)
     base_checksum = checkpoint.read_header(args.base)[1].get("checksum")
 
     records = read_records(args.data)
     data_sha = hashlib.sha256(Path(args.data).read_bytes()).hexdigest()
-    if sec["max_examples"]:
-        records = records[: sec["max_examples"]]
-    n_val = min(int(sec["val_examples"]), len(records) // 10)
-    order = np.random.default_rng(int(sec["seed"])).permutation(len(records))
-    val_records = [records[i] for i in sorted(order[:n_val])]
-    train_records = [records[i] for i in sorted(order[n_val:])]
+    train_records, val_records = split_records(records, settings)
 
-    examples, counts = prepare_examples(train_records, tok, cfg.ctx_len, sec["too_long"])
-    val_examples, _ = prepare_examples(val_records, tok, cfg.ctx_len, sec["too_long"])
+    examples, counts = prepare_examples(train_records, tok, cfg.ctx_len, settings.too_long)
+    val_examples, _ = prepare_examples(val_records, tok, cfg.ctx_len, settings.too_long)
     print(f"nanoeuler sft: {len(train_records)} training records: {len(examples)} used, "
           f"{counts['truncated']} truncated to the {cfg.ctx_len}-token context "
           f"({counts['prompt_cut']} of them lost the start of the prompt), "
-          f"{counts['dropped']} dropped as too long (sft.too_long = {sec['too_long']}); "
+          f"{counts['dropped']} dropped as too long (sft.too_long = {settings.too_long}); "
           f"{len(val_examples)} held out for validation", file=sys.stderr, flush=True)
     if not examples:
         raise UserError(f"no Alpaca record of {args.data} fits the {cfg.ctx_len}-token context "
                         "(try sft.too_long: truncate)")
 
     pad_id = tok.eot_id
-    batches = EpochBatches(examples, int(sec["batch_size"]), int(sec["grad_accum"]), int(sec["seed"]),
+    batches = EpochBatches(examples, settings.batch_size, settings.grad_accum, settings.seed,
                            cfg.mtp_heads, pad_id)
 
     def evaluate(p):
-        return response_loss(p, cfg, val_examples, int(sec["batch_size"]), pad_id, xp)
+        return response_loss(p, cfg, val_examples, settings.batch_size, pad_id, xp)
 
     out = Path(args.out)
     run_dir = Path(args.run_dir) if args.run_dir else out.parent / "sft"
     spec = loop.Run(
-        stage="sft", cfg=cfg, section=sec, total_steps=batches.steps(int(sec["epochs"])), batches=batches,
+        stage="sft", cfg=cfg, section=sec, total_steps=batches.steps(settings.epochs), batches=batches,
         init_params=lambda: params, tokenizer_json=meta["tokenizer"], tokenizer_sha256=tok.sha256,
         run_dir=run_dir, out=out, xp=xp, evaluate=evaluate if val_examples else None,
         identity={"data": {"alpaca_sha256": data_sha, "base_checksum": base_checksum}},

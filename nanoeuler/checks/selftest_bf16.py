@@ -1,8 +1,8 @@
-"""Self-test cases of the bf16 engine (`bf16.cu`, `engine.py`), run by `nanoeuler selftest`.
+"""Self-test cases of the bf16 engine (`kernels/bf16/*.cu`, `engine.py`), run by `nanoeuler selftest`.
 
 Same rules as the float32 cases: fresh random inputs, outputs poisoned (NaN bytes), a float64 NumPy
 reference on exactly the values the GPU sees (inputs the kernel reads as bf16 are rounded to bf16 first),
-relative error ||out - ref|| / ||ref||. Tolerance 1e-2 (DESIGN.md: bf16 operands); float32 results
+relative error ||out - ref|| / ||ref||. Tolerance 1e-2 for bf16 operands (docs/ARCHITECTURE.md); float32 results
 of bf16 kernels that involve no bf16 rounding are held to float32's 1e-5.
 
 Cases: the engine's cuBLAS wrapper at the step's layouts; each bf16 kernel on its own; the whole model's
@@ -46,9 +46,9 @@ def _g(a, dtype=np.float32):
 
 
 def _k(name):
-    from nanoeuler.kernels import kernel
+    from nanoeuler.kernels.bf16 import bf16_kernel
 
-    return kernel("bf16", name)
+    return bf16_kernel(name)
 
 
 def _dev_bf16(x):
@@ -116,7 +116,7 @@ def case_bf16_gain_fold(rng, shape):
     """shape (R, C): the gradient of a weight matrix read with a norm gain folded in (dW' in place ->
     dW = dW' * gain), the gain's gradient (per-split column sums of W * dW', then column_sums) and the
     squares added to the gradient norm's accumulator."""
-    from nanoeuler.kernels.engine import gain_fold_columns, gain_fold_splits
+    from nanoeuler.kernels.bf16.plan import gain_fold_columns, gain_fold_splits
     from nanoeuler.model import layers
 
     R, C = shape
@@ -228,7 +228,8 @@ def case_bf16_swiglu_gemm(rng, shape):
     import cupy
 
     from nanoeuler.kernels import has_sm90a
-    from nanoeuler.kernels.engine import prepare_fused_gemm, run_swiglu_bwd_gemm, wdt_image_rows
+    from nanoeuler.kernels.bf16.gemm_tma import prepare_fused_gemm, run_swiglu_bwd_gemm
+    from nanoeuler.kernels.bf16.plan import wdt_image_rows
     from nanoeuler.kernels.tma import tile_map
     from nanoeuler.model import layers
 
@@ -263,7 +264,7 @@ def case_bf16_swiglu_fwd_gemm(rng, shape):
     import cupy
 
     from nanoeuler.kernels import has_sm90a
-    from nanoeuler.kernels.engine import prepare_fused_gemm, run_swiglu_fwd_gemm
+    from nanoeuler.kernels.bf16.gemm_tma import prepare_fused_gemm, run_swiglu_fwd_gemm
     from nanoeuler.kernels.tma import gate_up_map, tile_map
     from nanoeuler.model import layers
 
@@ -295,7 +296,7 @@ def case_bf16_qkv_rope_gemm(rng, shape):
     import cupy
 
     from nanoeuler.kernels import has_sm90a
-    from nanoeuler.kernels.engine import prepare_fused_gemm, run_qkv_rope_gemm
+    from nanoeuler.kernels.bf16.gemm_tma import prepare_fused_gemm, run_qkv_rope_gemm
     from nanoeuler.kernels.tma import heads_map, tile_map
     from nanoeuler.model import layers
 
@@ -366,7 +367,7 @@ def case_bf16_flash(rng, shape):
     import cupy
 
     from nanoeuler.kernels import has_sm90a
-    from nanoeuler.kernels.engine import flash_kernels
+    from nanoeuler.kernels.bf16.flash import flash_kernels
     from nanoeuler.model import layers
 
     B, H, Hkv, T, D, var = shape
@@ -437,7 +438,7 @@ def case_bf16_gemm(rng, shape):
 
 
 def _engine_problem(rng, cfg, B, T):
-    from nanoeuler.model.gradcheck import random_problem
+    from nanoeuler.checks.gradcheck import random_problem
 
     params, inputs, targets = random_problem(cfg, int(rng.integers(2**31)), batch=B, T=T)
     # gradcheck's weights are of order one; scale the matrices like a trained model's so that bf16

@@ -1,6 +1,6 @@
 """A short timed training run on the GPU: the `gpu` preset (116M) on random tokens, float32.
 
-    python -m nanoeuler.kernels.trainbench --preset gpu --batch 16 --steps 12
+    python -m nanoeuler.checks.trainbench --preset gpu --batch 16 --steps 12
 
 Each step is what the training loop does: `transformer.loss_and_grads`, global-norm clipping, then the
 fused AdamW kernel. Steps are timed with CUDA events; the first `--warmup` steps (kernel compilation,
@@ -18,7 +18,7 @@ import numpy as np
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanoeuler.kernels.trainbench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m nanoeuler.checks.trainbench", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="gpu", help="model preset (default gpu, 116M)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
     parser.add_argument("--seq", type=int, default=0, help="sequence length (default: the preset's ctx_len)")

@@ -1,21 +1,17 @@
 """`nanoeuler gradcheck`: every analytic gradient against finite differences, in float64.
 
-A small random model (K = 3 output heads, GQA with 2 query heads per key/value head, T = 6 positions so
-RoPE and the causal mask matter, some targets -1) with weights of order one, so gradients are mostly
-1e-3..1e-1 and a wrong term in any backward shows up. For each parameter tensor, `--samples` entries (all of
-them for small tensors, always including the entry with the largest analytic gradient) are perturbed and
-the loss differentiated numerically with the fourth-order central difference
+A small random model (K = 3 heads, 2 query heads per key/value head, T = 6 so RoPE and the causal mask
+matter, some targets -1) with weights of order one, so a wrong term in any backward shows up. For each
+tensor, `--samples` entries (always the one with the largest analytic gradient) are perturbed and the
+loss differentiated by the fourth-order central difference
 
-    g ~ (8 (L(w + h) - L(w - h)) - (L(w + 2h) - L(w - 2h))) / (12 h),   h = 3e-3.
+    g ~ (8 (L(w + h) - L(w - h)) - (L(w + 2h) - L(w - 2h))) / (12 h),   h = 3e-3,
 
-Its truncation error (~h^4) and its rounding error (~1e-16 |L| / h) are both near 1e-13 absolute, so even
-entries around 1e-6 are checked to better than 1e-6 relative; a plain central difference with a tiny h
-would drown such entries in rounding noise. Structural zeros (embedding rows of absent tokens) come out
-exactly 0 on both sides. Per entry the relative error is |a - n| / max(|a| + |n|, 1e-12); one line per
-tensor gives its largest, the last line the overall largest, and the exit status is 1 when that exceeds
-`--threshold`.
-
-The analytic side (`analytic_grads`) runs on any backend (`--device`); the numerical side is NumPy.
+whose truncation (~h^4) and rounding (~1e-16 |L| / h) errors are both near 1e-13, so entries around
+1e-6 are checked to better than 1e-6 relative. Per entry the relative error is |a - n| / max(|a| + |n|,
+1e-12); a line per tensor gives its largest, the last the overall largest, and the exit status is 1
+above `--threshold`. The analytic side runs on any backend (`--device gpu`: `gradcheck_gpu`, float32
+kernels against float64 CPU gradients); the numerical side is NumPy.
 """
 
 from __future__ import annotations
@@ -135,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or sections(args, "device")["device"]
     xp = get_xp(resolve_device(device))
     if xp is not np:  # the GPU engine's check: float32 kernels vs these float64 gradients
-        from nanoeuler.kernels import gradcheck_gpu
+        from nanoeuler.checks import gradcheck_gpu
         return gradcheck_gpu.run(args)
     start = time.perf_counter()
     errors = check(seed=args.seed, samples=args.samples, xp=xp)

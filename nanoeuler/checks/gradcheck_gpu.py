@@ -1,6 +1,6 @@
 """`nanoeuler gradcheck --device gpu`: the whole model's float32 GPU gradients against float64 CPU ones.
 
-The finite-difference check (`nanoeuler.model.gradcheck`) proves the CPU backward right in float64;
+The finite-difference check (`nanoeuler.checks.gradcheck`) proves the CPU backward right in float64;
 this check carries that proof to the GPU engine. On the same weights and batch, the loss and every
 parameter's gradient are computed twice: by `transformer.loss_and_grads` on NumPy in float64 (the
 reference) and on CuPy in float32, where `ops_for(cupy)` swaps in the fused kernels. Per tensor:
@@ -40,7 +40,7 @@ def compare(cfg: ModelConfig, batch: int, T: int, seed: int):
     import cupy
 
     from nanoeuler.model import transformer
-    from nanoeuler.model.gradcheck import random_problem
+    from nanoeuler.checks.gradcheck import random_problem
 
     params, inputs, targets = random_problem(cfg, seed, batch=batch, T=T)
     ref_params = {n: np.asarray(p, dtype=np.float32).astype(np.float64) for n, p in params.items()}

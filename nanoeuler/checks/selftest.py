@@ -1,19 +1,16 @@
 """`nanoeuler selftest`: every GPU kernel against its NumPy reference, in a table.
 
-Each case draws fresh random inputs (the seed is printed; `--seed` repeats a run), runs the kernel in
-float32 on the GPU and the reference layer (`nanoeuler.model.layers`, `nanoeuler.optim`) in float64 on
-the CPU on the same float32-rounded inputs, and compares every output by
-
-    relative error = ||out - ref|| / ||ref||      (float64 norms; tolerance 1e-5 for float32)
-
-While a case runs, every new GPU allocation is filled with NaN bytes, so an output element that a
-kernel forgets to write stays NaN, and NaN never passes. Shapes include sequence lengths that are not
-a multiple of the kernels' tile sizes, strided (transposed) inputs, and KV-cache decoding (S > T).
+Each case draws fresh random inputs (the seed is printed; `--seed` repeats a run), runs the kernel on the
+GPU and the reference layer (`nanoeuler.model.layers`, `nanoeuler.optim`) in float64 on the CPU on the
+same rounded inputs, and compares every output by ||out - ref|| / ||ref|| (float64 norms; tolerance 1e-5
+for float32, the bf16 cases' own in `selftest_bf16`). While a case runs, every new GPU allocation is
+filled with NaN bytes, so an output element that a kernel forgets to write stays NaN, and NaN never
+passes. Shapes include lengths that are not a multiple of the tiles, strided inputs, and KV-cache
+decoding (S > T).
 
     $ nanoeuler selftest
     kernel                  shape                      rel err   tol      pass
     attention fwd out       B2 H12/4 T100 S100 D64 *   3.1e-07   1.0e-05  ok
-    ...
 """
 
 from __future__ import annotations
@@ -299,7 +296,7 @@ CASES = [
 
 def all_cases():
     """The float32 cases, then the bf16 engine's (tolerance per row: 1e-2 for bf16 results)."""
-    from nanoeuler.kernels.selftest_bf16 import CASES_BF16
+    from nanoeuler.checks.selftest_bf16 import CASES_BF16
 
     return CASES + CASES_BF16
 

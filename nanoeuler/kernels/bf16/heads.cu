@@ -1,0 +1,120 @@
+// Cross-entropy over the K output heads: the loss and the logits' gradient in one pass per row.
+// Reference: nanoeuler.model.layers.cross_entropy_*, transformer.mtp_cross_entropy.
+
+#include "common.cuh"
+
+// Per head k: scale[k] = 1 / (n_valid_k * active) where active = heads with any valid target (0 if none).
+// targets (N, K) int32, -1 ignored. One block of 1024 threads.
+extern "C" __global__ void __launch_bounds__(1024) ce_head_scale(const int* __restrict__ targets, float* __restrict__ scale,
+                                                                 long long N, int K) {
+    __shared__ float red[32];
+    __shared__ float cnt[16];
+    for (int k = 0; k < K; ++k) {
+        float c = 0.f;
+        for (long long r = threadIdx.x; r < N; r += blockDim.x) c += targets[r * K + k] >= 0 ? 1.f : 0.f;
+        c = block_sum(c, red);
+        if (threadIdx.x == 0) cnt[k] = c;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int active = 0;
+        for (int k = 0; k < K; ++k) active += cnt[k] > 0.f;
+        for (int k = 0; k < K; ++k) scale[k] = cnt[k] > 0.f ? 1.f / (cnt[k] * (float)active) : 0.f;
+    }
+}
+
+// Head k's logits (R, V) bf16 for rows r0 .. r0+R-1 (targets and loss start at row r0), overwritten in
+// place by their gradient; grid (R,), blockDim 256.
+//   loss[r, k] = lse - z[t]            (0 for ignored rows)
+//   z[r, j] <- scale[k] * (softmax_j - [j == t])   bf16 (0 for ignored rows)
+// The logits are bf16 as autocast's linear layers give them; max, sum and lse are float32. When V is a
+// multiple of 4 and at most 4 * 256 * CE_V4 (4096 values: 16 a thread), the row is read once into
+// registers (8-byte loads), its exponentials kept there for the gradient, and written once. Otherwise
+// three passes over the row (max, sum, gradient; the later two mostly hit L1), 4 values at a time when
+// V % 4 == 0, with scalar tail loops. In place is safe: each value is read and then written by the same
+// thread, and z[t] is read before any write (barriers in between).
+#define CE_V4 4
+extern "C" __global__ void __launch_bounds__(256) ce_heads_fwd_bwd(
+    bf16* __restrict__ z, const int* __restrict__ targets, const float* __restrict__ scale,
+    float* __restrict__ loss, int V, int K, int k) {
+    __shared__ float red[32];
+    const long long r = blockIdx.x;
+    bf16* zr = z + r * V;
+    uint2* z4 = reinterpret_cast<uint2*>(zr);  // the gradient's 4-value stores
+    const int V4 = (V & 3) == 0 ? V / 4 : 0, tail = 4 * V4;
+    const int t = targets[r * K + k];
+    if (t < 0) {
+        for (int j = threadIdx.x; j < V4; j += blockDim.x) z4[j] = make_uint2(0u, 0u);
+        for (int j = tail + threadIdx.x; j < V; j += blockDim.x) zr[j] = 0;
+        if (threadIdx.x == 0) loss[r * K + k] = 0.f;
+        return;
+    }
+    const float zt = ld1(zr, t);
+    const float sc = scale[k];
+    if (V4 && V4 <= 256 * CE_V4) {
+        const float NEG = __int_as_float(0xff800000);
+        float4 e[CE_V4];
+        float mx = NEG;
+#pragma unroll
+        for (int i = 0; i < CE_V4; ++i) {
+            const int j = threadIdx.x + 256 * i;
+            e[i] = j < V4 ? ld4(zr, j) : make_float4(NEG, NEG, NEG, NEG);
+            mx = fmaxf(mx, fmaxf(fmaxf(e[i].x, e[i].y), fmaxf(e[i].z, e[i].w)));
+        }
+        mx = block_max(mx, red);
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < CE_V4; ++i) {  // exp(-inf - mx) = 0 for the padding
+            e[i] = make_float4(expf(e[i].x - mx), expf(e[i].y - mx), expf(e[i].z - mx), expf(e[i].w - mx));
+            s += (e[i].x + e[i].y) + (e[i].z + e[i].w);
+        }
+        s = block_sum(s, red);
+        const float inv = sc / s;
+#pragma unroll
+        for (int i = 0; i < CE_V4; ++i) {
+            const int j = threadIdx.x + 256 * i;
+            if (j < V4) {
+                const int j0 = 4 * j;
+                z4[j] = make_uint2(pack2(e[i].x * inv - (j0 == t ? sc : 0.f), e[i].y * inv - (j0 + 1 == t ? sc : 0.f)),
+                                   pack2(e[i].z * inv - (j0 + 2 == t ? sc : 0.f), e[i].w * inv - (j0 + 3 == t ? sc : 0.f)));
+            }
+        }
+        if (threadIdx.x == 0) loss[r * K + k] = mx + logf(s) - zt;
+        return;
+    }
+    float mx = __int_as_float(0xff800000);
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        const float4 a = ld4(zr, j);
+        mx = fmaxf(mx, fmaxf(fmaxf(a.x, a.y), fmaxf(a.z, a.w)));
+    }
+    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, ld1(zr, j));
+    mx = block_max(mx, red);
+    float s = 0.f;
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        const float4 a = ld4(zr, j);
+        s += (expf(a.x - mx) + expf(a.y - mx)) + (expf(a.z - mx) + expf(a.w - mx));
+    }
+    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) s += expf(ld1(zr, j) - mx);
+    s = block_sum(s, red);
+    const float lse = mx + logf(s);
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        const float4 a = ld4(zr, j);
+        const int j0 = 4 * j;
+        z4[j] = make_uint2(
+            pack2(sc * (expf(a.x - lse) - (j0 == t ? 1.f : 0.f)), sc * (expf(a.y - lse) - (j0 + 1 == t ? 1.f : 0.f))),
+            pack2(sc * (expf(a.z - lse) - (j0 + 2 == t ? 1.f : 0.f)), sc * (expf(a.w - lse) - (j0 + 3 == t ? 1.f : 0.f))));
+    }
+    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) zr[j] = f2bf(sc * (expf(ld1(zr, j) - lse) - (j == t ? 1.f : 0.f)));
+    if (threadIdx.x == 0) loss[r * K + k] = lse - zt;
+}
+
+// out[0] = sum_k scale[k] * sum_r loss[r, k]. One block of 1024 threads.
+extern "C" __global__ void __launch_bounds__(1024) ce_loss_reduce(const float* __restrict__ loss,
+                                                                  const float* __restrict__ scale,
+                                                                  float* __restrict__ out, long long N, int K) {
+    __shared__ float red[32];
+    float acc = 0.f;
+    for (long long i = threadIdx.x; i < N * K; i += blockDim.x) acc += loss[i] * scale[i % K];
+    acc = block_sum(acc, red);
+    if (threadIdx.x == 0) out[0] = acc;
+}

@@ -1,0 +1,82 @@
+// The optimizer: the gradient norm, AdamW with clipping, and the bf16 GEMM image of the weights (with
+// the norm gains folded in). Reference: nanoeuler.optim.AdamW.step, clip_grad_norm.
+
+#include "common.cuh"
+
+// Element e's factor of a gain-folded matrix of C columns (1 where gain is null): gain[e % C]. The
+// engine keeps every folded matrix under 2^31 elements.
+__device__ __forceinline__ float gain_at(const float* gain, int C, long long e) {
+    return gain ? gain[(unsigned)e % (unsigned)C] : 1.f;
+}
+// The factors of elements e .. e+3 (e a multiple of 4).
+__device__ __forceinline__ float4 gain_at4(const float* gain, int C, long long e) {
+    if (!gain) return make_float4(1.f, 1.f, 1.f, 1.f);
+    if ((C & 3) == 0) return reinterpret_cast<const float4*>(gain)[((unsigned)e % (unsigned)C) >> 2];
+    return make_float4(gain_at(gain, C, e), gain_at(gain, C, e + 1), gain_at(gain, C, e + 2), gain_at(gain, C, e + 3));
+}
+
+// y = bf16(x * gain[i % C]): the GEMM image of a weight matrix with a norm gain folded in; gain null: y = bf16(x).
+extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __restrict__ y, long long n,
+                                       const float* __restrict__ gain, int C) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = f2bf(x[i] * gain_at(gain, C, i));
+}
+
+// acc[0] += sum g^2 (acc zeroed by the caller). blockDim 256.
+extern "C" __global__ void __launch_bounds__(256) sumsq(const float* __restrict__ g, long long n, float* __restrict__ acc) {
+    __shared__ float red[32];
+    float s = 0.f;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        s = fmaf(g[i], g[i], s);
+    s = block_sum(s, red);
+    if (threadIdx.x == 0) atomicAdd(acc, s);
+}
+
+// AdamW over a flat range, with global-norm clipping read from the device (no host round trip):
+//   norm = sqrt(sumsq[0]); c = (max_norm > 0 && norm > max_norm) ? max_norm / (norm + 1e-6) : 1; g *= c
+//   m = b1 m + (1-b1) g ; v = b2 v + (1-b2) g^2 ; p = p * decay - step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps)
+//   The values that change from step to step are read from the device, hyper = (step_size, inv_sqrt_bc2,
+//   the decay factor of decayed ranges), so that a captured CUDA graph of the step stays valid; decay is
+//   that factor where `decayed`, else 1.
+//   pb = bf16(p * gain[i % C])  (the GEMM image of the weights; gain null: bf16(p)). A range with a gain
+//        is one matrix of C columns that a GEMM reads with that norm gain folded in; the engine updates
+//        the gains first, so the image holds the new weights times the new gain.
+// Four elements per thread with 16-byte accesses (8-byte for pb): the engine's ranges start 64-element
+// aligned; a range whose length is not a multiple of 4 ends in a scalar tail.
+struct AdamWArgs {
+    float c, b1, b2, decay, step_size, inv_sqrt_bc2, eps;
+};
+
+__device__ __forceinline__ float adamw_one(float& p, float g, float& m, float& v, const AdamWArgs& a) {
+    g *= a.c;
+    m = a.b1 * m + (1.f - a.b1) * g;
+    v = a.b2 * v + (1.f - a.b2) * (g * g);
+    p = p * a.decay - a.step_size * (m / (sqrtf(v) * a.inv_sqrt_bc2 + a.eps));
+    return p;
+}
+
+extern "C" __global__ void __launch_bounds__(256) adamw_clip_bf16(
+    float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
+    bf16* __restrict__ pb, long long n, const float* __restrict__ sumsq_acc, const float* __restrict__ hyper,
+    int decayed, float max_norm, float b1, float b2, float eps, const float* __restrict__ gain, int C) {
+    const float norm = sqrtf(sumsq_acc[0]);
+    const float c = (max_norm > 0.f && norm > max_norm && norm <= 3.0e38f) ? max_norm / (norm + 1e-6f) : 1.f;
+    const AdamWArgs a = {c, b1, b2, decayed ? hyper[2] : 1.f, hyper[0], hyper[1], eps};
+    const long long n4 = n >> 2, stride = (long long)gridDim.x * blockDim.x;
+    float4* p4 = reinterpret_cast<float4*>(p);
+    float4* m4 = reinterpret_cast<float4*>(m);
+    float4* v4 = reinterpret_cast<float4*>(v);
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride) {
+        float4 pv = p4[i], mv = m4[i], vv = v4[i];
+        const float4 gv = reinterpret_cast<const float4*>(g)[i];
+        const float4 s = gain_at4(gain, C, 4 * i);
+        const float x = adamw_one(pv.x, gv.x, mv.x, vv.x, a), y = adamw_one(pv.y, gv.y, mv.y, vv.y, a);
+        const float z = adamw_one(pv.z, gv.z, mv.z, vv.z, a), w = adamw_one(pv.w, gv.w, mv.w, vv.w, a);
+        p4[i] = pv;
+        m4[i] = mv;
+        v4[i] = vv;
+        reinterpret_cast<uint2*>(pb)[i] = make_uint2(pack2(x * s.x, y * s.y), pack2(z * s.z, w * s.w));
+    }
+    for (long long i = 4 * n4 + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        pb[i] = f2bf(adamw_one(p[i], g[i], m[i], v[i], a) * gain_at(gain, C, i));
+}

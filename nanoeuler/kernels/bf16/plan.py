@@ -1,0 +1,251 @@
+"""The bf16 engine's host-side arithmetic, without a GPU: which kernel variants run, where every tensor
+lies in the flat buffers, and the grids and chunk sizes that depend only on shapes.
+
+    >>> from nanoeuler.model.config import ModelConfig
+    >>> cfg = ModelConfig.named("gpu")
+    >>> choose_variants(cfg, seq=512, sm90a=True)
+    Variants(attention='wg', fuse_swiglu=True, fuse_rope=True)
+    >>> choose_variants(cfg, seq=512, sm90a=False)
+    Variants(attention='ldm', fuse_swiglu=False, fuse_rope=False)
+    >>> layout = plan_layout(cfg)
+    >>> layout.total >= cfg.n_params(), layout.runs[-1].gain
+    (True, 'norm.weight')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nanoeuler.optim import default_no_decay
+
+BF16_STORAGE = np.uint16  # bf16 values travel as raw 16-bit words; the kernels convert them
+ALIGN = 64  # elements: every tensor of the flat buffers starts 256-byte aligned (float32)
+FLASH = {16: (1, 128), 32: (1, 128), 64: (2, 64), 128: (4, 32)}  # float32 attention.cu: (lanes a row, rows a block)
+MMA_HEAD_DIMS = (32, 64)  # the tensor-core attention of flash_mma.cu / flash_wg.cu
+ATTENTION_VARIANTS = ("wg", "ldm", "mma", "fp32")
+FOLD_SPLITS = 64  # row splits of gain_fold_grad at most (its column sums are reduced by column_sums)
+
+
+# ---- variants ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variants:
+    attention: str  # "wg" (wgmma, sm_90a), "ldm" (ldmatrix), "mma" (32-bit loads) or "fp32" (attention.cu)
+    fuse_swiglu: bool  # the SwiGLU inside the gate/up and down GEMMs (gemm_tma.cu)
+    fuse_rope: bool  # RoPE and the attention layouts inside the qkv GEMM (gemm_tma.cu)
+
+
+def choose_variants(cfg, seq: int, attention: str = "auto", fuse_swiglu: bool | None = None,
+                    fuse_rope: bool | None = None, *, sm90a: bool) -> Variants:
+    """The engine's kernel variants for a model, sequence length and GPU (`sm90a`: compute capability 9.0).
+    "auto" / None pick the fastest that applies; an explicit choice that does not apply is a ValueError."""
+    D = cfg.head_dim
+    if D not in FLASH:
+        raise ValueError(f"head_dim {D} not supported by the attention kernels ({sorted(FLASH)})")
+    if attention == "auto":
+        attention = "wg" if D == 64 and sm90a else "ldm" if D in MMA_HEAD_DIMS else "fp32"
+    if (attention not in ATTENTION_VARIANTS or (attention != "fp32" and D not in MMA_HEAD_DIMS)
+            or (attention == "wg" and (D != 64 or not sm90a))):
+        raise ValueError(f"attention {attention!r} for head_dim {D}"
+                         + (" (needs head_dim 64 on a compute-capability-9.0 GPU)" if attention == "wg" else ""))
+    swiglu_ok = cfg.dim % 64 == 0 and cfg.hidden % 128 == 0 and sm90a
+    if fuse_swiglu and not swiglu_ok:
+        raise ValueError(f"fuse_swiglu needs dim % 64 == 0 and hidden % 128 == 0 on a compute-capability-9.0 "
+                         f"GPU (dim {cfg.dim}, hidden {cfg.hidden})")
+    rope_ok = D == 64 and cfg.dim % 64 == 0 and seq % 64 == 0 and attention != "fp32" and sm90a
+    if fuse_rope and not rope_ok:
+        raise ValueError(f"fuse_rope needs head_dim 64, dim % 64 == 0, seq % 64 == 0 and bf16 attention on a "
+                         f"compute-capability-9.0 GPU (head_dim {D}, dim {cfg.dim}, seq {seq}, "
+                         f"attention {attention!r})")
+    return Variants(attention, swiglu_ok if fuse_swiglu is None else bool(fuse_swiglu),
+                    rope_ok if fuse_rope is None else bool(fuse_rope))
+
+
+# ---- the flat parameter layout ------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """A range of the flat buffers that one AdamW launch updates: equally decayed, and (gain set) one
+    matrix of `cols` columns whose GEMM image carries that norm gain."""
+    start: int
+    end: int
+    decayed: bool
+    gain: str | None
+    cols: int
+
+
+@dataclass
+class Layout:
+    shapes: dict  # name -> shape, ModelConfig.param_shapes()
+    offsets: dict = field(default_factory=dict)  # name -> first element in the flat buffers
+    group_of: dict = field(default_factory=dict)  # name -> (start, end) of the stacked matrix it belongs to
+    gain_of: dict = field(default_factory=dict)  # matrix name -> the norm gain folded into its GEMM image
+    runs: list = field(default_factory=list)
+    total: int = 0  # elements, padding included
+    fold_start: int = 0  # the gain-folded matrices lie from here to the end
+
+    def cols(self, name: str) -> int:
+        s = self.shapes[name]
+        return s[-1] if len(s) > 1 else 1
+
+
+def gemm_groups(cfg) -> list:
+    """[(tensor names read by one GEMM as one stacked matrix, the norm gain folded into it or None)]."""
+    groups = [(["embed_tokens.weight"], None)]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        groups += [([p + "input_layernorm.weight"], None), ([p + "post_attention_layernorm.weight"], None)]
+    groups.append((["norm.weight"], None))
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        groups += [([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
+                    p + "input_layernorm.weight"), ([p + "self_attn.o_proj.weight"], None),
+                   ([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "post_attention_layernorm.weight"),
+                   ([p + "mlp.down_proj.weight"], None)]
+    groups.append((["lm_head.weight"] + [f"mtp_heads.{k}.weight" for k in range(1, cfg.mtp_heads)], "norm.weight"))
+    return groups
+
+
+def plan_layout(cfg, no_decay=None) -> Layout:
+    """Every parameter's place in the engine's flat buffers (parameters, gradients, moments, bf16 image).
+
+    The gain-folded matrices come last, so that AdamW updates every gain before the images that fold it
+    in and the gradient norm's plain sum covers a prefix; undecayed before decayed (a stable sort).
+    Tensors of one group are adjacent (one stacked GEMM operand); each group starts ALIGN-aligned."""
+    shapes = cfg.param_shapes()
+    no_decay = {n for n, s in shapes.items() if default_no_decay(n, s)} if no_decay is None else set(no_decay)
+    groups = sorted(gemm_groups(cfg), key=lambda g: (g[1] is not None, g[0][0] not in no_decay))
+    lay = Layout(shapes)
+    off = 0
+    for names, gain in groups:
+        decayed = {n not in no_decay for n in names}
+        if len(decayed) != 1:
+            raise ValueError(f"tensors {names} are read by one GEMM but differ in weight decay")
+        d = decayed.pop()
+        start = off
+        for n in names:
+            lay.offsets[n] = off
+            off += int(np.prod(shapes[n]))
+            if gain is not None:
+                lay.gain_of[n] = gain
+        for n in names:
+            lay.group_of[n] = (start, off)
+        if gain is not None and off - start >= 2**31:
+            raise ValueError(f"tensors {names} exceed the 32-bit indexing of the gain-folding kernels")
+        end = -(-off // ALIGN) * ALIGN
+        last = lay.runs[-1] if lay.runs else None
+        if gain is None and last is not None and last.decayed == d and last.gain is None and last.end == start:
+            last.end = end
+        else:
+            lay.runs.append(Run(start, end, d, gain, shapes[names[0]][-1]))
+        off = end
+    if set(lay.offsets) != set(shapes):
+        raise ValueError("flat layout does not cover the parameters")
+    lay.total = off
+    lay.fold_start = min((r.start for r in lay.runs if r.gain is not None), default=off)
+    return lay
+
+
+# ---- scratch and chunks -------------------------------------------------------------------------------
+
+
+def carve(tensors) -> tuple[list, int]:
+    """[(shape, dtype)] -> ([(byte offset, bytes, shape, dtype)], total bytes): tensors laid out one
+    after another in one byte buffer, each 256-byte aligned."""
+    out, off = [], 0
+    for shape, dt in tensors:
+        n = int(np.prod(shape)) * np.dtype(dt).itemsize
+        out.append((off, n, shape, dt))
+        off += -(-n // 256) * 256
+    return out, off
+
+
+def mlp_scratch(N: int, F: int, fused: bool = False) -> list:
+    """(shape, dtype) of the MLP's scratch: m = silu(gate) * up, d(gate|up), and (unless the SwiGLU
+    backward runs inside its GEMM, `swiglu_bwd_gemm`) dm, the gradient of m."""
+    return [((N, F), BF16_STORAGE), ((N, 2 * F), BF16_STORAGE)] + ([] if fused else [((N, F), BF16_STORAGE)])
+
+
+def head_chunk_rows(N: int, V: int, arena_bytes: int, chunk_bytes: int | None = None) -> int:
+    """Rows of one output-head chunk (bf16 logits, overwritten by their gradient: 2V bytes a row).
+
+    By default as many rows as the MLP's scratch holds (the heads run while it is dead), and at least
+    64 MiB of logits; `chunk_bytes` caps the logits at that many bytes instead. The rows are then spread
+    evenly over the chunks: larger chunks make larger, more efficient GEMMs.
+
+        >>> head_chunk_rows(N=32768, V=4096, arena_bytes=8 * 32768 * 2048)     # B64xT512: one chunk
+        32768
+        >>> head_chunk_rows(N=40000, V=4096, arena_bytes=2**28)   # 32768 rows fit: 2 chunks of 20000
+        20000
+        >>> head_chunk_rows(N=1000, V=4096, arena_bytes=0, chunk_bytes=2 * 4096 * 48)   # 21 chunks
+        48
+    """
+    if chunk_bytes is None:
+        rows = max(2**26, arena_bytes) // (2 * V)
+    else:
+        rows = chunk_bytes // (2 * V)
+    rows = max(1, min(N, rows))
+    return -(-N // -(-N // rows))
+
+
+def gain_fold_splits(rows: int) -> tuple[int, int]:
+    """(row splits, rows per split) of `gain_fold_grad` over a matrix of `rows` rows: splits of at least
+    32 rows, at most FOLD_SPLITS of them (their column sums are then added by `column_sums`).
+
+        >>> gain_fold_splits(1280), gain_fold_splits(16384), gain_fold_splits(37)
+        ((40, 32), (64, 256), (2, 19))
+    """
+    splits = min(FOLD_SPLITS, -(-rows // 32))
+    return splits, -(-rows // splits)
+
+
+def gain_fold_columns(C: int) -> int:
+    """Columns per block of `gain_fold_grad`: 4 per lane (16-byte accesses) when C is a multiple of 4."""
+    return 128 if C % 4 == 0 else 32
+
+
+# ---- the fused GEMMs' tiling --------------------------------------------------------------------------
+
+
+def sg_row(j: int) -> int:
+    """Row of a 128-row block of `wdt_image` that holds column j (0..127) of the block (gemm_tma.cu's sg_row):
+    the order that gives each lane of `swiglu_bwd_gemm` 8 consecutive hidden columns.
+
+        >>> [sg_row(j) for j in (0, 1, 2, 8, 32)]
+        [0, 1, 8, 2, 32]
+    """
+    return ((((j >> 5) << 2) + ((j >> 1) & 3)) << 3) + (((j >> 3) & 3) << 1) + (j & 1)
+
+
+def wdt_image_rows(F: int) -> np.ndarray:
+    """The row of `wdt_image`'s output that holds each of the F columns of Wd (F % 128 == 0).
+
+        >>> wdt_image_rows(256)[[0, 2, 130]]
+        array([  0,   8, 136])
+    """
+    return np.array([c // 128 * 128 + sg_row(c % 128) for c in range(F)])
+
+
+def qkv_rope_gemm_grid(N: int, heads: int, sms: int) -> tuple:
+    """Grid of `qkv_rope_gemm`: a block per multiprocessor, at most one per tile of 128 rows x 2 heads.
+
+        >>> qkv_rope_gemm_grid(32768, 20, sms=132), qkv_rope_gemm_grid(192, 7, sms=132)
+        ((132,), (8,))
+    """
+    return (min(sms, -(-N // 128) * -(-heads // 2)),)
+
+
+def swiglu_gemm_grid(N: int, F: int, sms: int, tile_units: int = 128) -> tuple:
+    """Grid of a persistent fused SwiGLU kernel: a block per multiprocessor, at most one per tile of 128 rows
+    x `tile_units` hidden units (128 in the backward, 64 in the forward).
+
+        >>> swiglu_gemm_grid(32768, 2048, sms=132), swiglu_gemm_grid(300, 1024, sms=132)
+        ((132,), (24,))
+        >>> swiglu_gemm_grid(300, 1024, sms=132, tile_units=64)
+        (48,)
+    """
+    return (min(sms, -(-N // 128) * (F // tile_units)),)

@@ -1,0 +1,57 @@
+"""A training stage's settings as typed data, built from its validated config section.
+
+    >>> from nanoeuler.config import validate
+    >>> s = PretrainConfig.from_section(validate({"pretrain": {"lr": 1e-3}})["pretrain"])
+    >>> s.lr, s.batch_size, s.precision, s.steps
+    (0.001, 32, 'fp32', 20000)
+
+`TrainConfig` holds what the shared loop and the stepper read (optimizer, schedule, logging), so every
+training stage's schema section carries these keys; `PretrainConfig` and `SftConfig` add their own.
+Defaults and descriptions live in the schema (`workflow/schemas/config.schema.yaml`), which has already
+checked every value's type and range, so `from_section` only picks the fields and fixes their types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    precision: str  # "fp32": the xp layers; "bf16": the GPU engine
+    grad_clip: float  # <= 0: no clipping
+    batch_size: int
+    grad_accum: int
+    seed: int
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+    keep_checkpoints: int
+
+    @classmethod
+    def from_section(cls, section: dict):
+        """The fields of `cls` from a validated section (keys of other stages' fields are left out)."""
+        kinds = {"int": int, "float": float, "str": str, "bool": bool}
+        return cls(**{f.name: kinds.get(f.type, lambda v: v)(section[f.name]) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class PretrainConfig(TrainConfig):
+    steps: int
+    val_tokens: int
+
+
+@dataclass(frozen=True)
+class SftConfig(TrainConfig):
+    epochs: int
+    too_long: str  # "truncate" | "drop"
+    max_examples: int  # 0: all
+    val_examples: int

@@ -52,7 +52,8 @@ def live_server(model_path, **config):
     from nanoeuler.serve.backend import Backend
     from nanoeuler.serve.server import listen
 
-    app = create_app(Backend.load(model_path, "cpu"), ServeConfig(**config))
+    backend = Backend.load(model_path, "cpu", slots=config.get("max_batch", ServeConfig.max_batch))
+    app = create_app(backend, ServeConfig(**config))
     sock = listen("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

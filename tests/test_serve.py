@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -130,7 +131,7 @@ class ScriptedBackend:
     def open(self, prompt_ids, max_new_tokens, sampling, stop_at_end=True):
         from nanoeuler.serve.backend import TokenStream
 
-        return TokenStream((t for t in itertools.count(1)), max_new_tokens, frozenset())
+        return TokenStream(max_new_tokens, frozenset(), (t for t in itertools.count(1)))
 
     def step(self, streams):
         if self.gate is not None:
@@ -167,6 +168,43 @@ def test_scheduler_batches_limits_the_queue_cancels_and_survives_a_failure():
     stats = asyncio.run(scenario())
     scheduler.stop()
     assert stats["finished"] == 3 and stats["failed"] == 1 and stats["cancelled"] == 1 and stats["rejected"] == 1
+
+
+def test_streams_joining_and_leaving_the_batch_equal_one_at_a_time(tok, tmp_path):
+    """The backend against the reference Generator, one prompt at a time: ragged prompts, greedy and two
+    seeded samplers, streams joining mid-way, a slot reused, an answer sliding past the context. Float64
+    weights with sharp heads, so no engine's rounding meets a near-tie."""
+    from nanoeuler import checkpoint
+    from nanoeuler.infer.generate import Generator
+    from nanoeuler.model.config import ModelConfig
+    from nanoeuler.model.transformer import head_weight_names, init_params
+    from nanoeuler.serve.backend import Backend
+    from train_fixtures import TINY_MODEL
+
+    cfg = ModelConfig.from_section(TINY_MODEL, tok.vocab_size)
+    params = init_params(cfg, 3, dtype=np.float64)
+    for name in head_weight_names(cfg):
+        params[name] = params[name] * 20.0
+    checkpoint.save_model(tmp_path / "m.bin", params, cfg, step=0, tokenizer_json=tok.to_json())
+    ref = Generator(*checkpoint.load_model(tmp_path / "m.bin")[:2])
+    hot = [Sampling(temperature=0.9, top_k=0, top_p=0.95, seed=s) for s in (4, 5)]
+    jobs = [([1, 2, 3], 2 * cfg.ctx_len + 5, Sampling(temperature=0)), (list(range(5, 45)), 20, hot[0]),
+            ([7], 30, hot[1]), ([9, 9], 12, Sampling(temperature=0))]
+    backend = Backend.load(tmp_path / "m.bin", "cpu", slots=3)
+    got, active, waiting, step = {}, [], list(enumerate(jobs)), 0
+    while waiting or active:
+        while waiting and len(active) < 3 and (step >= 3 or len(active) < 2):  # the third joins at step 3
+            i, (prompt, n, sampling) = waiting.pop(0)
+            active.append((i, backend.open(prompt, n, sampling, stop_at_end=False)))
+            got[i] = []
+        for (i, stream), t in zip(active, backend.step([s for _, s in active])):
+            got[i].append(t)
+        for i, stream in [a for a in active if a[1].done]:
+            stream.close()
+        active = [a for a in active if not a[1].done]
+        step += 1
+    for i, (prompt, n, sampling) in enumerate(jobs):
+        assert got[i] == ref.generate(prompt, n, sampling), i
 
 
 def test_any_address_but_loopback_gets_a_warning():

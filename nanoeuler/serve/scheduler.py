@@ -67,6 +67,8 @@ class Scheduler:
     def __init__(self, backend: Backend, max_batch: int = 8, max_queue: int = 64):
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        if getattr(backend, "capacity", None) is not None and max_batch > backend.capacity:
+            raise ValueError(f"max_batch {max_batch} is more than the backend's {backend.capacity} slots")
         self.backend, self.max_batch, self.max_queue = backend, max_batch, max_queue
         self._waiting: deque[Job] = deque()
         self._cond = threading.Condition()

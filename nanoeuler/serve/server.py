@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         raise UserError("--max-queue must be >= 0")
     conf = sections(args, "device")
-    backend = Backend.load(args.ckpt, args.device or conf["device"], args.model_name)
+    backend = Backend.load(args.ckpt, args.device or conf["device"], args.model_name, slots=args.max_batch)
     config = ServeConfig(max_tokens=args.max_tokens, max_batch=args.max_batch, max_queue=args.max_queue,
                          api_key=args.api_key or None)
     warning = exposure_warning(args.host, config.api_key)
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"nanoeuler serve: warning: {warning}", file=sys.stderr, flush=True)
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    print(f"nanoeuler serve: {args.ckpt} as model {backend.name!r} ({backend.generator.cfg.n_params():,} "
+    print(f"nanoeuler serve: {args.ckpt} as model {backend.name!r} ({backend.cfg.n_params():,} "
           f"parameters, {backend.ctx_len}-token context) at http://{host}:{port}/ (API: http://{host}:{port}/v1)",
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(create_app(backend, config), log_level=args.log_level))

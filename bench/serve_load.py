@@ -5,8 +5,8 @@
 
 Starts `nanoeuler serve` as a subprocess (a random-weight `small` model with a BPE tokenizer learned
 on data/sample/ unless --ckpt is given), then:
-1. the peer: the same model in this process, `Generator` greedy on one prompt at a time, the tokens/s
-   a single user gets without any server;
+1. the peer: the same model in this process, the engine that `infer.generate.load` gives, greedy on one
+   prompt at a time: the tokens/s a single user gets without any server;
 2. references: each client's prompt answered once by the server, one request at a time;
 3. the load: `--clients` concurrent clients, each sending `--requests` streamed chat requests back to
    back (greedy, `ignore_eos`, `--max-tokens` tokens each). Every request must end in a complete stream
@@ -74,11 +74,11 @@ def peer_tokens_per_s(ckpt: Path, questions: list[str], max_tokens: int) -> floa
     gen, tok, _ = load(ckpt, "cpu")
     room = min(max_tokens, gen.cfg.ctx_len // 4)
     ids = [chat_prompt(tok, [("user", q)], gen.cfg.ctx_len, room)[0] for q in questions]
-    gen.generate(ids[0], max_tokens, Sampling(temperature=0))  # warm-up
+    list(gen.stream(ids[0], max_tokens, Sampling(temperature=0)))  # warm-up
     rates = []
     for p in ids:
         t0 = time.perf_counter()
-        n = len(gen.generate(p, max_tokens, Sampling(temperature=0)))
+        n = len(list(gen.stream(p, max_tokens, Sampling(temperature=0))))
         rates.append(n / (time.perf_counter() - t0))
     return statistics.median(rates)
 
@@ -182,7 +182,7 @@ def report(results: list[dict], wall: float, peer: float, args) -> bool:
          f"{min(per_client, default=0):.1f} / {statistics.median(per_client) if per_client else 0:.1f} / "
          f"{max(per_client, default=0):.1f}"),
         ("server tokens/s (all clients)", f"{tokens / wall:.1f}  ({tokens} tokens in {wall:.1f} s)"),
-        ("peer: Generator in-process, one prompt", f"{peer:.1f} tokens/s"),
+        ("peer: in-process, one prompt at a time", f"{peer:.1f} tokens/s"),
         ("server / peer", f"{tokens / wall / peer:.2f}x"),
     ]
     width = max(len(k) for k, _ in rows)

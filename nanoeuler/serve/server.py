@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"nanoeuler serve: warning: {warning}", file=sys.stderr, flush=True)
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
     print(f"nanoeuler serve: {args.ckpt} as model {backend.name!r} ({backend.cfg.n_params():,} "
           f"parameters, {backend.ctx_len}-token context) at http://{host}:{port}/ (API: http://{host}:{port}/v1)",
           file=sys.stderr, flush=True)

@@ -85,8 +85,7 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI
         try:
             ids, _ = await asyncio.to_thread(chat_prompt, backend.tok, list(req.messages), backend.ctx_len, room)
         except PromptError as exc:
-            raise ApiError(str(exc), "messages", code="context_length_exceeded"
-                           if "context" in str(exc) else None) from None
+            raise ApiError(str(exc), "messages", code=exc.code) from None
         return await _answer(request, "chat", ids, max_new, req.options, backend, scheduler)
 
     @app.post("/v1/completions")

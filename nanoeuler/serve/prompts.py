@@ -20,7 +20,12 @@ ROLES = ("system", "developer", "user", "assistant")
 
 
 class PromptError(ValueError):
-    """A conversation that cannot become a prompt; the message names the offending message."""
+    """A conversation that cannot become a prompt; the message names the offending message.
+    `code` is "context_length_exceeded" when the conversation is well formed but too long."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 def chat_turns(messages: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], str, str]:
@@ -57,7 +62,7 @@ def chat_prompt(tok, messages: list[tuple[str, str]], ctx_len: int, room: int) -
     ids = tok.encode(render_prompt(last, system))
     if len(ids) >= ctx_len:
         raise PromptError(f"messages: the last turn is {len(ids)} tokens with the chat template; the model's "
-                          f"context holds {ctx_len}, the answer included")
+                          f"context holds {ctx_len}, the answer included", code="context_length_exceeded")
     kept: list[list[int]] = []
     used = len(ids)
     for user, answer in reversed(exchanges):

@@ -14,6 +14,14 @@ from train_fixtures import TINY_MODEL, make_tokenizer
 LEARNED = {"What is the capital of France?": "Paris.", "Name a color.": "Blue."}
 
 
+def sft_examples():
+    """(encode_example, sft_batch): from train.sft, where they live on main, else from train.template."""
+    from nanoeuler.train import sft, template
+
+    module = sft if hasattr(sft, "encode_example") else template
+    return module.encode_example, module.sft_batch
+
+
 def chat_model(tmp_path_factory) -> str:
     """The trained model file, made once per test session (a few seconds)."""
     path = tmp_path_factory.getbasetemp() / "serve_chat.bin"
@@ -28,8 +36,8 @@ def train_chat_model(path, steps: int = 100):
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.model.transformer import init_params, loss_and_grads
     from nanoeuler.optim import AdamW
-    from nanoeuler.train.template import encode_example, sft_batch
 
+    encode_example, sft_batch = sft_examples()
     tok = make_tokenizer()
     cfg = ModelConfig.from_section(TINY_MODEL, tok.vocab_size)
     params = init_params(cfg, 0)

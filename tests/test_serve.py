@@ -25,8 +25,8 @@ from nanoeuler.serve.prompts import PromptError, StopText, chat_prompt, chat_tur
 from nanoeuler.serve.protocol import ApiError, parse_chat, parse_completion, parse_json  # noqa: E402
 from nanoeuler.serve.scheduler import QueueFull, Scheduler  # noqa: E402
 from nanoeuler.serve.server import exposure_warning  # noqa: E402
-from nanoeuler.train.template import encode_example, render_prompt  # noqa: E402
-from serve_fixtures import LEARNED, chat_model, live_server  # noqa: E402
+from nanoeuler.train.template import render_prompt  # noqa: E402
+from serve_fixtures import LEARNED, chat_model, live_server, sft_examples  # noqa: E402
 from train_fixtures import make_tokenizer  # noqa: E402
 
 FRANCE, COLOR = list(LEARNED)
@@ -45,6 +45,7 @@ def test_conversation_is_laid_out_as_fine_tuning_examples(tok):
                 ("user", COLOR)]
     assert chat_turns(messages) == ([("Hi\n\nthere", "Hello.")], COLOR, "Be brief.")
     ids, dropped = chat_prompt(tok, messages, ctx_len=1000, room=10)
+    encode_example, _ = sft_examples()
     first, _ = encode_example(tok, {"instruction": "Hi\n\nthere", "input": "", "output": "Hello."})
     assert dropped == 0 and ids == first + tok.encode(render_prompt(COLOR, "Be brief."))
 

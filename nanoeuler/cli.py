@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("nanoeuler.eval.report", "write samples.md, metrics.json and the loss plot"),
     "sample": ("nanoeuler.infer.sample", "continue a prompt with a checkpoint"),
     "chat": ("nanoeuler.infer.chat", "talk to a chat checkpoint in the terminal"),
+    "serve": ("nanoeuler.serve.server", "serve a chat model over an OpenAI-compatible HTTP API and a web page"),
     "gradcheck": ("nanoeuler.checks.gradcheck", "check every analytic gradient against finite differences"),
     "selftest": ("nanoeuler.checks.selftest", "check every GPU kernel against its NumPy reference"),
     "export-hf": ("nanoeuler.export.hf", "export a checkpoint as a Hugging Face Llama model"),

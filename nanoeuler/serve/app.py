@@ -1,0 +1,282 @@
+"""The HTTP API: OpenAI-compatible routes, the chat page, and errors as OpenAI error bodies.
+
+    GET  /                      the chat page (one HTML file, no external resources)
+    GET  /health                {"status": "ok", "model", "active", "waiting", ...}; no key needed
+    GET  /v1/models             the one model served, named after its file (chat.bin -> "chat")
+    POST /v1/chat/completions   messages -> an answer (`stream`: server-sent events ending `data: [DONE]`)
+    POST /v1/completions        prompt -> its continuation (the same options)
+
+A request is checked (`protocol`), made into prompt ids on a worker thread (tokenizing a long prompt
+takes a while), queued (`scheduler`; 429 when full) and answered as its tokens arrive. Its text is
+decoded incrementally, so a character split over tokens is sent whole, and cut at the first stop
+string; `</s>` and `<|endoftext|>` end an answer and are not sent. `usage.completion_tokens` counts
+every token generated, the end marker included. A client that goes away cancels its generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import hmac
+import json
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanoeuler.serve.backend import Backend, Sampling
+from nanoeuler.serve.prompts import PromptError, StopText, chat_prompt
+from nanoeuler.serve.protocol import ApiError, Options, parse_chat, parse_completion, parse_json
+from nanoeuler.serve.scheduler import Job, QueueFull, Scheduler
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Limits and access. `max_tokens` is both the per-request limit and the default of `max_tokens`."""
+
+    max_tokens: int = 256
+    max_batch: int = 8
+    max_queue: int = 64
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+
+
+def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI:
+    scheduler = Scheduler(backend, config.max_batch, config.max_queue)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        yield
+        await asyncio.to_thread(scheduler.stop)
+
+    app = FastAPI(title="nanoeuler", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler = scheduler
+    page = resources.files("nanoeuler.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
+    _add_error_handlers(app)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def chat_page():
+        return HTMLResponse(page)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": backend.name, "context": backend.ctx_len, "max_tokens": config.max_tokens,
+                "auth": config.api_key is not None, **scheduler.stats()}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _authorize(request, config)
+        return {"object": "list", "data": [{"id": backend.name, "object": "model", "created": 0,
+                                            "owned_by": "nanoeuler"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        _authorize(request, config)
+        req = parse_chat(await _read_json(request, config))
+        max_new = _max_new_tokens(req.options, backend, config)
+        room = min(max_new, backend.ctx_len // 4)
+        try:
+            ids, _ = await asyncio.to_thread(chat_prompt, backend.tok, list(req.messages), backend.ctx_len, room)
+        except PromptError as exc:
+            raise ApiError(str(exc), "messages", code=exc.code) from None
+        return await _answer(request, "chat", ids, max_new, req.options, backend, scheduler)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        _authorize(request, config)
+        req = parse_completion(await _read_json(request, config))
+        max_new = _max_new_tokens(req.options, backend, config)
+        ids = await asyncio.to_thread(_completion_ids, req.prompt, backend)
+        return await _answer(request, "text", ids, max_new, req.options, backend, scheduler)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request, exc: ApiError):
+        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        if exc.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        what = "not found" if exc.status_code == 404 else exc.detail
+        body = ApiError(f"{request.method} {request.url.path}: {what}", status=exc.status_code).body()
+        return JSONResponse(body, status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, exc: Exception):
+        body = ApiError(f"internal error: {type(exc).__name__}: {exc}", type="server_error", status=500).body()
+        return JSONResponse(body, status_code=500)
+
+
+def _authorize(request: Request, config: ServeConfig) -> None:
+    if config.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, key = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), config.api_key.encode()):
+        raise ApiError("missing or incorrect API key (send 'Authorization: Bearer <key>')", status=401,
+                       code="invalid_api_key")
+
+
+async def _read_json(request: Request, config: ServeConfig) -> dict:
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > config.max_body_bytes:
+        raise ApiError(f"the request body is {length} bytes; the limit is {config.max_body_bytes}", status=413)
+    raw = await request.body()
+    if len(raw) > config.max_body_bytes:
+        raise ApiError(f"the request body is {len(raw)} bytes; the limit is {config.max_body_bytes}", status=413)
+    return parse_json(raw)
+
+
+def _max_new_tokens(options: Options, backend: Backend, config: ServeConfig) -> int:
+    if options.model is not None and options.model != backend.name:
+        raise ApiError(f"model: {options.model!r} is not served here (this server serves {backend.name!r})",
+                       "model", code="model_not_found")
+    if options.max_tokens is None:
+        return config.max_tokens
+    if options.max_tokens > config.max_tokens:
+        raise ApiError(f"max_tokens: {options.max_tokens} is above this server's limit of {config.max_tokens}",
+                       "max_tokens")
+    return options.max_tokens
+
+
+def _completion_ids(prompt, backend: Backend) -> list[int]:
+    tok = backend.tok
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt) if prompt else [tok.eot_id]  # an empty prompt starts a new document
+    else:
+        for i, t in enumerate(prompt):
+            if not 0 <= t < tok.vocab_size:
+                raise ApiError(f"prompt[{i}]: token id {t} is outside [0, {tok.vocab_size})", "prompt")
+        ids = list(prompt) or [tok.eot_id]
+    if len(ids) >= backend.ctx_len:
+        raise ApiError(f"prompt: {len(ids)} tokens; the model's context holds {backend.ctx_len}, the answer "
+                       "included", "prompt", code="context_length_exceeded")
+    return ids
+
+
+class _Text:
+    """A job's answer as text pieces: decoded incrementally, cut at stop strings, then `finish_reason`."""
+
+    def __init__(self, job: Job, backend: Backend, stops):
+        self.job, self.backend, self.stops = job, backend, stops
+        self.finish_reason = "length"
+
+    async def pieces(self):
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        cut = StopText(self.stops)
+        async for token in self.job.tokens():
+            if token in self.backend.stop_ids:
+                if self.job.stop_at_end:
+                    self.finish_reason = "stop"
+                    break
+                continue  # ignore_eos: the marker is generated, not sent
+            piece = cut.feed(decoder.decode(self.backend.tok.decode_bytes([token])))
+            if piece:
+                yield piece
+            if cut.stopped:
+                self.finish_reason = "stop"
+                self.job.cancel()
+                return
+        tail = cut.feed(decoder.decode(b"", final=True))
+        tail += "" if cut.stopped else cut.flush()
+        if cut.stopped:
+            self.finish_reason = "stop"
+        if tail:
+            yield tail
+
+
+async def _answer(request, kind, ids, max_new, options: Options, backend, scheduler: Scheduler):
+    """Queue the job and answer it: a JSON body, or server-sent events when `stream` is set."""
+    seed = options.seed if options.seed is not None else secrets.randbits(63)
+    sampling = Sampling(temperature=options.temperature, top_k=0, top_p=options.top_p, seed=seed)
+    try:
+        job = scheduler.submit(ids, max_new, sampling, stop_at_end=not options.ignore_eos)
+    except QueueFull as exc:
+        raise ApiError(f"the server is busy ({exc}); retry later", status=429, type="rate_limit_error",
+                       code="rate_limit_exceeded") from None
+    text = _Text(job, backend, options.stop)
+    shape = _Shape(kind, backend.name, len(ids))
+    if options.stream:
+        return StreamingResponse(_events(job, text, shape, options.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+    try:
+        content = "".join([piece async for piece in text.pieces()])
+    except Exception as exc:
+        raise ApiError(f"generation failed: {type(exc).__name__}: {exc}", type="server_error", status=500) from None
+    finally:
+        watcher.cancel()
+        job.cancel()
+    return shape.whole(content, text.finish_reason, job.generated)
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    """Cancel `job` when its client goes away (the body is read, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()
+
+
+async def _events(job: Job, text: _Text, shape: "_Shape", include_usage: bool):
+    """Server-sent events; leaving early (the client went away: Starlette cancels us) cancels the job."""
+    try:
+        if shape.kind == "chat":  # the role comes first, as OpenAI sends it
+            yield _event(shape.chunk("", None, first=True))
+        async for piece in text.pieces():
+            yield _event(shape.chunk(piece, None))
+        yield _event(shape.chunk("", text.finish_reason))
+        if include_usage:
+            yield _event({**shape.chunk("", None), "choices": [], "usage": shape.usage(job.generated)})
+    except Exception as exc:
+        yield _event(ApiError(f"generation failed: {type(exc).__name__}: {exc}", type="server_error",
+                              status=500).body())
+    finally:
+        job.cancel()
+    yield "data: [DONE]\n\n"
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Shape:
+    """The OpenAI response objects of one request: chat (`chat.completion`) or text (`text_completion`)."""
+
+    def __init__(self, kind: str, model: str, prompt_tokens: int):
+        self.kind, self.model, self.prompt_tokens = kind, model, prompt_tokens
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def usage(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def _wrap(self, obj_suffix: str, choice: dict) -> dict:
+        obj = ("chat.completion" if self.kind == "chat" else "text_completion") + obj_suffix
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def whole(self, content: str, finish_reason: str, completion_tokens: int) -> dict:
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._wrap("", choice), "usage": self.usage(completion_tokens)}
+
+    def chunk(self, piece: str, finish_reason: str | None, first: bool = False) -> dict:
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
+            return self._wrap(".chunk", {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason})
+        return self._wrap("", {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason})

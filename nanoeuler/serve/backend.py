@@ -1,0 +1,180 @@
+"""The model behind the server: the one adapter between the HTTP layer and the generation engine.
+
+The server asks three things of an engine: the tokenizer, a token stream per request (`open`), and a
+batch step that advances many streams by one token each (`step`). Only this module knows which engine
+answers; `infer.generate.load` decides, and two kinds are handled:
+
+- a generator with a `stream(prompt, n, sampling, stop_ids)` iterator and nothing shared between
+  streams (the reference `Generator`, one sequence per forward pass): a step advances the streams one
+  after another;
+- a decode engine whose `backend` holds cache slots (`start(batch, seeds)`, `prefill(slot, ids)`,
+  `decode(tokens, pos, sampling, step, rngs, mask)`): each stream owns a slot from open to close, its
+  prompt is prefilled into it, and a step feeds every stream's last token in one `decode` per distinct
+  sampling setting (continuous batching: requests join and leave between steps).
+
+    >>> backend = Backend.load("results/chat.bin", device="cpu")
+    >>> a = backend.open(backend.tok.encode("Once"), max_new_tokens=2, sampling=Sampling(temperature=0))
+    >>> b = backend.open(backend.tok.encode("It was"), max_new_tokens=1, sampling=Sampling(temperature=0))
+    >>> ids = backend.step([a, b])   # one token id for each stream
+    >>> a.done, b.done               # b has reached its one token
+    (False, True)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from nanoeuler.infer.generate import Sampling, load, sample_token
+
+__all__ = ["Backend", "Sampling", "TokenStream"]
+
+
+class TokenStream:
+    """One request's generation: `done` after a stop id or its last token; `close` lets go of its state."""
+
+    def __init__(self, max_new_tokens: int, stop_ids: frozenset[int], tokens: Iterator[int] | None = None):
+        self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
+        self.generated = 0
+        self.done = max_new_tokens <= 0
+        self._tokens = tokens  # the iterator of a stream-per-request engine
+        self.slot: int | None = None  # the cache slot on a slot engine, and its state:
+        self.history: list[int] = []  # the tokens in the slot (prompt, then answer)
+        self.pending: int | None = None  # the next token, chosen and not yet handed out
+        self.pos = 0  # where `pending` will be fed
+        self.sampling: Sampling | None = None
+        self.release = None
+
+    def record(self, token: int) -> int:
+        self.generated += 1
+        self.done = token in self.stop_ids or self.generated >= self.max_new_tokens
+        return token
+
+    def advance(self) -> int:
+        return self.record(next(self._tokens))
+
+    def close(self) -> None:
+        if self._tokens is not None:
+            self._tokens.close()
+        if self.release is not None:
+            self.release(self)
+            self.release = None
+        self.done = True
+
+
+class Backend:
+    """A chat model file, loaded once: its tokenizer, context length and token streams.
+    `slots`: most streams open at once on a slot engine (the scheduler's `max_batch`)."""
+
+    def __init__(self, engine, tok, name: str, slots: int = 8):
+        self.engine, self.tok, self.name = engine, tok, name
+        self.stop_ids = frozenset({tok.end_id, tok.eot_id})
+        be = getattr(engine, "backend", None)
+        self._slots = _Slots(be, engine.cfg, slots) if all(
+            hasattr(be, m) for m in ("start", "prefill", "decode")) else None
+        self.capacity = slots if self._slots else None
+
+    @classmethod
+    def load(cls, path, device: str = "auto", name: str | None = None, slots: int = 8) -> "Backend":
+        engine, tok, _ = load(path, device)
+        return cls(engine, tok, name or Path(path).stem, slots)
+
+    @property
+    def cfg(self):
+        return self.engine.cfg
+
+    @property
+    def ctx_len(self) -> int:
+        return self.engine.cfg.ctx_len
+
+    def open(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
+             stop_at_end: bool = True) -> TokenStream:
+        """A stream for one prompt; nothing is computed until its first `step` (the prefill).
+        `stop_at_end=False` goes on past `</s>` and `<|endoftext|>` (fixed-length answers for load tests)."""
+        stop_ids = self.stop_ids if stop_at_end else frozenset()
+        if self._slots is None:
+            tokens = self.engine.stream(prompt_ids, max_new_tokens, sampling, stop_ids)
+            return TokenStream(max_new_tokens, stop_ids, tokens)
+        stream = TokenStream(max_new_tokens, stop_ids)
+        self._slots.take(stream, prompt_ids, sampling)
+        return stream
+
+    def step(self, streams: list[TokenStream]) -> list[int]:
+        """The batch entry: the next token of every stream (none of them may be `done`)."""
+        if self._slots is None:
+            return [s.advance() for s in streams]
+        return self._slots.step(streams)
+
+
+class _Slots:
+    """Continuous batching on a slot engine: a stream holds one of `n` cache slots while it is open."""
+
+    def __init__(self, be, cfg, n: int):
+        self.be, self.cfg, self.n = be, cfg, n
+        self.free = list(range(n - 1, -1, -1))
+        self.seeds = [0] * n
+        self.rngs = [np.random.default_rng(0) for _ in range(n)]
+        self.tokens = np.zeros(n, dtype=np.int64)
+        self.pos = np.zeros(n, dtype=np.int64)
+        self.decodes = 0
+        be.start(n, self.seeds)
+
+    def take(self, stream: TokenStream, prompt_ids: list[int], sampling: Sampling) -> None:
+        if not self.free:
+            raise RuntimeError(f"all {self.n} generation slots are taken")
+        stream.slot = self.free.pop()
+        stream.history = list(prompt_ids[-self.cfg.ctx_len:])
+        stream.sampling = sampling
+        stream.release = self._give_back
+        self.seeds[stream.slot] = sampling.seed
+        self.rngs[stream.slot] = np.random.default_rng(sampling.seed)
+        self.be.start(self.n, self.seeds)  # same shape: the caches stay, the slot's sampler is reseeded
+
+    def _give_back(self, stream: TokenStream) -> None:
+        self.free.append(stream.slot)
+
+    def _prefill(self, s: TokenStream) -> None:
+        """Fill the slot with the stream's history; its next token comes from the last position's logits."""
+        logits = self.be.prefill(s.slot, s.history)[0]
+        t = s.sampling
+        s.pending = sample_token(logits, self.rngs[s.slot], t.temperature, t.top_k, t.top_p)
+        s.pos = len(s.history)
+
+    def step(self, streams: list[TokenStream]) -> list[int]:
+        for s in streams:
+            if s.pending is None:
+                self._prefill(s)
+        out = [s.record(s.pending) for s in streams]
+        feed = []
+        for s, t in zip(streams, out):
+            s.history.append(t)
+            if s.done:
+                continue
+            if s.pos >= self.cfg.ctx_len:  # the slot is full: refill it from the newest tokens
+                s.history = s.history[-max(1, self.cfg.ctx_len // 2):]
+                self._prefill(s)
+            else:
+                feed.append(s)
+        groups: dict[tuple, list[TokenStream]] = {}
+        for s in feed:
+            groups.setdefault((s.sampling.temperature, s.sampling.top_k, s.sampling.top_p), []).append(s)
+        for group in groups.values():
+            self._decode(feed, group)
+        return out
+
+    def _decode(self, feed: list[TokenStream], group: list[TokenStream]) -> None:
+        """One decode call for `group`. An engine may compute the rows outside the mask too, writing their
+        keys/values: so every fed slot carries its true (token, position), where it writes what it will
+        write when fed, and every other row the last position, which a slot writes before it reads."""
+        self.tokens[:], self.pos[:] = 0, self.cfg.ctx_len - 1  # rows not fed: a position no slot has read yet
+        for s in feed:
+            self.tokens[s.slot], self.pos[s.slot] = s.pending, s.pos
+        mask = np.zeros(self.n, dtype=bool)
+        mask[[s.slot for s in group]] = True
+        nxt = self.be.decode(self.tokens.copy(), np.minimum(self.pos, self.cfg.ctx_len - 1), group[0].sampling,
+                             self.decodes, self.rngs, mask)
+        self.decodes += 1
+        for s in group:
+            s.pending, s.pos = int(nxt[s.slot]), s.pos + 1

@@ -1,0 +1,191 @@
+"""The OpenAI request and response shapes: request bodies checked into typed requests, errors as bodies.
+
+Every check names the field it rejects, as the OpenAI API does:
+
+    >>> parse_chat(parse_json(b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": "hot"}'))
+    Traceback (most recent call last):
+    ...
+    nanoeuler.serve.protocol.ApiError: temperature: expected a number, got a string
+
+Fields of the OpenAI API that change nothing here (`user`, `logit_bias`, penalties, ...) are accepted
+and ignored; `n` must be 1. One extension: `ignore_eos` (as in vLLM) generates past the end marker. Sampling defaults are OpenAI's: temperature 1, top_p 1, a fresh seed per request.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from nanoeuler.serve.prompts import ROLES
+
+MAX_STOPS = 4
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Options:
+    """What both endpoints share: the model, sampling, limits and streaming."""
+
+    model: str | None
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool  # an extension (vLLM's name): go on past the end marker, for fixed-length load tests
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: tuple[tuple[str, str], ...]  # (role, text)
+    options: Options
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str | tuple[int, ...]  # text, or token ids
+    options: Options
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body -> its JSON object; invalid UTF-8 and malformed JSON are errors."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ApiError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    return body
+
+
+def _text(value, name: str) -> str:
+    if not isinstance(value, str):
+        raise ApiError(f"{name}: expected a string, got {_kind(value)}", name)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(f"{name}: not valid UTF-8 (it holds a lone surrogate)", name) from None
+    return value
+
+
+def _kind(value) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+             dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _number(body, name, default, lo, hi, integer=False, lo_open=False):
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok):
+        raise ApiError(f"{name}: expected {'an integer' if integer else 'a number'}, got {_kind(value)}", name)
+    if value < lo or (lo_open and value == lo) or (hi is not None and value > hi):
+        low = f"> {lo}" if lo_open else f">= {lo}"
+        raise ApiError(f"{name}: {value} is out of range (must be {low}" + (f" and <= {hi})" if hi is not None
+                                                                           else ")"), name)
+    return value
+
+
+def _flag(body, name) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise ApiError(f"{name}: expected a boolean, got {_kind(value)}", name)
+    return value
+
+
+def _stops(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (_text(value, "stop"),) if value else ()
+    if not isinstance(value, list) or len(value) > MAX_STOPS:
+        raise ApiError(f"stop: expected a string or an array of at most {MAX_STOPS} strings", "stop")
+    return tuple(_text(s, f"stop[{i}]") for i, s in enumerate(value) if s != "")
+
+
+def parse_options(body: dict, max_tokens_key: str = "max_tokens") -> Options:
+    model = body.get("model")
+    if model is not None:
+        _text(model, "model")
+    if _number(body, "n", 1, 1, None, integer=True) != 1:
+        raise ApiError("n: only n = 1 is supported", "n")
+    stream, ignore_eos = _flag(body, "stream"), _flag(body, "ignore_eos")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict) or not isinstance(stream_options.get("include_usage", False), bool):
+        raise ApiError("stream_options: expected an object like {\"include_usage\": true}", "stream_options")
+    return Options(
+        model=model,
+        max_tokens=_number(body, max_tokens_key, None, 1, None, integer=True),
+        temperature=float(_number(body, "temperature", 1.0, 0, 2)),
+        top_p=float(_number(body, "top_p", 1.0, 0, 1, lo_open=True)),
+        seed=_number(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
+        stop=_stops(body.get("stop")),
+        stream=stream,
+        include_usage=bool(stream_options.get("include_usage", False)),
+        ignore_eos=ignore_eos,
+    )
+
+
+def _content(value, name: str) -> str:
+    """A message's content: a string, or an array of {"type": "text", "text": ...} parts (joined)."""
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        parts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ApiError(f"{name}[{i}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported",
+                               f"{name}[{i}]")
+            parts.append(_text(part.get("text"), f"{name}[{i}].text"))
+        return "".join(parts)
+    return _text(value, name)
+
+
+def parse_chat(body: dict) -> ChatRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages: expected a non-empty array of messages", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(f"messages[{i}]: expected an object, got {_kind(m)}", f"messages[{i}]")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(f"messages[{i}].role: expected one of {', '.join(ROLES)}, got {role!r}",
+                           f"messages[{i}].role")
+        out.append((role, _content(m.get("content"), f"messages[{i}].content")))
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return ChatRequest(tuple(out), parse_options(body, key))
+
+
+def parse_completion(body: dict) -> CompletionRequest:
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, list):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ApiError("prompt: expected a string, an array of token ids, or an array of one of those",
+                           "prompt")
+        prompt = tuple(prompt)
+    else:
+        prompt = _text(prompt, "prompt")
+    return CompletionRequest(prompt, parse_options(body))

@@ -1,0 +1,180 @@
+"""Requests queued and decoded together by one worker thread, off the event loop.
+
+The HTTP handlers run on an asyncio event loop; generation runs on one worker thread that owns the
+model (one thread, because the model and its device are not shared between threads). A request
+becomes a `Job` in a bounded waiting queue (full: `QueueFull`, answered 429); the worker takes up to
+`max_batch` jobs at a time and advances all of them by one token per `Backend.step`, so a long answer
+does not hold up a short one. Tokens go back to the handler's event loop through
+`call_soon_threadsafe`, so the loop never waits on the model. A job whose client has gone (or whose
+stop string has appeared) is cancelled: the worker drops it before its next token.
+
+    >>> scheduler = Scheduler(backend, max_batch=8, max_queue=64).start()
+    >>> job = scheduler.submit(prompt_ids, max_new_tokens=16, sampling=Sampling(temperature=0))
+    >>> async for token in job.tokens(): ...     # inside the event loop
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+
+from nanoeuler.serve.backend import Backend, Sampling, TokenStream
+
+_END = object()  # the last item of a job's queue
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its limit."""
+
+
+class Job:
+    """One request as the worker sees it; `tokens()` is read on the event loop that submitted it."""
+
+    def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_at_end: bool = True):
+        self.prompt_ids, self.max_new_tokens, self.sampling = prompt_ids, max_new_tokens, sampling
+        self.stop_at_end = stop_at_end
+        self.generated = 0
+        self.outcome: str | None = None  # finished, cancelled or failed, once the worker is done with it
+        self.cancelled = threading.Event()
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def put(self, item) -> None:
+        """From the worker thread: a token id, an exception, or the end."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancel()
+
+    async def tokens(self):
+        """The job's token ids as they are generated; raises what generation raised."""
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class Scheduler:
+    """The bounded queue and the worker thread that decodes up to `max_batch` jobs together."""
+
+    def __init__(self, backend: Backend, max_batch: int = 8, max_queue: int = 64):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        if getattr(backend, "capacity", None) is not None and max_batch > backend.capacity:
+            raise ValueError(f"max_batch {max_batch} is more than the backend's {backend.capacity} slots")
+        self.backend, self.max_batch, self.max_queue = backend, max_batch, max_queue
+        self._waiting: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._in_flight = 0  # waiting + being decoded
+        self.counts = {"finished": 0, "cancelled": 0, "failed": 0, "rejected": 0, "tokens": 0}
+
+    def start(self) -> "Scheduler":
+        self._thread = threading.Thread(target=self._run, name="nanoeuler-generate", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_at_end: bool = True) -> Job:
+        """Queue a job (called on the event loop; takes a lock for microseconds, never waits on the model)."""
+        job = Job(prompt_ids, max_new_tokens, sampling, stop_at_end)
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the server is shutting down")
+            if self._in_flight >= self.max_batch + self.max_queue:
+                self.counts["rejected"] += 1
+                raise QueueFull(f"{self._in_flight} requests are being answered or waiting (the limit is "
+                                f"{self.max_batch} at once + {self.max_queue} waiting)")
+            self._waiting.append(job)
+            self._in_flight += 1
+            self._cond.notify()
+        return job
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {"active": self._in_flight - len(self._waiting), "waiting": len(self._waiting), **self.counts,
+                    "max_batch": self.max_batch, "max_queue": self.max_queue}
+
+    def _admit(self, active: list[tuple[Job, TokenStream]]) -> bool:
+        """Move waiting jobs into the batch; wait while there is nothing to do. False once stopping."""
+        with self._cond:
+            while not self._stopping and not self._waiting and not active:
+                self._cond.wait()
+            if self._stopping:
+                for job in self._waiting:
+                    job.put(RuntimeError("the server is shutting down"))
+                self._in_flight -= len(self._waiting)
+                self._waiting.clear()
+                return False
+            while self._waiting and len(active) < self.max_batch:
+                active.append((self._waiting.popleft(), None))  # streams are opened by the next step
+        return True
+
+    def _finish(self, job: Job, stream: TokenStream | None, outcome: str, item=_END) -> None:
+        job.outcome = outcome
+        try:
+            if stream is not None:
+                stream.close()
+        finally:
+            with self._cond:  # counted before the handler hears of it, so /health agrees with the answer
+                self.counts[outcome] += 1
+                self._in_flight -= 1
+            job.put(item)
+
+    def _run(self) -> None:
+        active: list[tuple[Job, TokenStream | None]] = []
+        while self._admit(active):
+            try:
+                active = self._step(active)
+            except Exception as exc:  # a failed step ends its jobs, never the server
+                for job, stream in active:
+                    if job.outcome is None:
+                        self._finish(job, stream, "failed", exc)
+                active = []
+        for job, stream in active:
+            self._finish(job, stream, "cancelled", RuntimeError("the server is shutting down"))
+
+    def _step(self, active: list[tuple[Job, TokenStream]]) -> list[tuple[Job, TokenStream]]:
+        """Drop cancelled jobs, advance the others by one token each; returns the jobs still running."""
+        live = []
+        for job, stream in active:
+            if stream is None and not job.cancelled.is_set():
+                try:
+                    stream = self.backend.open(job.prompt_ids, job.max_new_tokens, job.sampling, job.stop_at_end)
+                except Exception as exc:
+                    self._finish(job, None, "failed", exc)
+                    continue
+            if job.cancelled.is_set():
+                self._finish(job, stream, "cancelled")
+            elif stream.done:  # asked for 0 tokens
+                self._finish(job, stream, "finished")
+            else:
+                live.append((job, stream))
+        if not live:
+            return live
+        tokens = self.backend.step([stream for _, stream in live])
+        running = []
+        for (job, stream), token in zip(live, tokens):
+            job.generated += 1
+            job.put(token)
+            if stream.done:
+                self._finish(job, stream, "finished")
+            else:
+                running.append((job, stream))
+        with self._cond:
+            self.counts["tokens"] += len(tokens)
+        return running

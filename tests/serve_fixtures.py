@@ -1,0 +1,72 @@
+"""A chat model that has learned two answers, and a live `nanoeuler serve` app on a loopback port.
+
+The model is the tiny test configuration fine-tuned for a few seconds on two Alpaca examples until
+it answers them word for word, so a test can tell that the server applied the chat template."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+from train_fixtures import TINY_MODEL, make_tokenizer
+
+from nanoeuler.train.sft import encode_example, sft_batch
+
+LEARNED = {"What is the capital of France?": "Paris.", "Name a color.": "Blue."}
+
+
+def chat_model(tmp_path_factory) -> str:
+    """The trained model file, made once per test session (a few seconds)."""
+    path = tmp_path_factory.getbasetemp() / "serve_chat.bin"
+    if not path.exists():
+        train_chat_model(path)
+    return str(path)
+
+
+def train_chat_model(path, steps: int = 100):
+    """Fine-tune the tiny model on LEARNED (full batch, AdamW) and save it with its tokenizer."""
+    from nanoeuler import checkpoint
+    from nanoeuler.model.config import ModelConfig
+    from nanoeuler.model.transformer import init_params, loss_and_grads
+    from nanoeuler.optim import AdamW
+
+    tok = make_tokenizer()
+    cfg = ModelConfig.from_section(TINY_MODEL, tok.vocab_size)
+    params = init_params(cfg, 0)
+    examples = [encode_example(tok, {"instruction": q, "input": "", "output": a}) for q, a in LEARNED.items()]
+    inputs, targets = sft_batch(examples, cfg.mtp_heads, tok.eot_id)
+    opt = AdamW(params, weight_decay=0.0)
+    for _ in range(steps):
+        _, grads = loss_and_grads(params, inputs, targets, cfg)
+        opt.step(params, grads, 3e-3)
+    checkpoint.save_model(path, params, cfg, step=steps, tokenizer_json=tok.to_json())
+    return tok
+
+
+@contextlib.contextmanager
+def live_server(model_path, **config):
+    """Serve `model_path` on 127.0.0.1 (a free port) in a thread; yields (base URL, app)."""
+    import uvicorn
+
+    from nanoeuler.serve.app import ServeConfig, create_app
+    from nanoeuler.serve.backend import Backend
+    from nanoeuler.serve.server import listen
+
+    backend = Backend.load(model_path, "cpu", slots=config.get("max_batch", ServeConfig.max_batch))
+    app = create_app(backend, ServeConfig(**config))
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

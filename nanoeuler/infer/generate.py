@@ -31,11 +31,13 @@ class Sampling:
     seed: int = 0
 
 
-def sample_token(logits, rng: np.random.Generator, temperature: float, top_k: int = 0, top_p: float = 1.0) -> int:
-    """One token id from a (V,) row of logits (NumPy or CuPy)."""
+def sampling_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """The distribution that sampling draws from: (V,) float64 probabilities for a row of logits (temperature > 0).
+
+        >>> sampling_probs(np.log([0.5, 0.3, 0.2]), 1.0, top_k=2).round(3).tolist()
+        [0.625, 0.375, 0.0]
+    """
     z = np.asarray(to_numpy(logits), dtype=np.float64).reshape(-1)
-    if temperature <= 0:
-        return int(np.argmax(z))
     z = z / temperature
     if 0 < top_k < z.shape[0]:
         kth = np.partition(z, -top_k)[-top_k]
@@ -51,6 +53,14 @@ def sample_token(logits, rng: np.random.Generator, temperature: float, top_k: in
         keep[order[:n_keep]] = True
         p = np.where(keep, p, 0.0)
         p /= p.sum()
+    return p
+
+
+def sample_token(logits, rng: np.random.Generator, temperature: float, top_k: int = 0, top_p: float = 1.0) -> int:
+    """One token id from a (V,) row of logits (NumPy or CuPy)."""
+    if temperature <= 0:
+        return int(np.argmax(to_numpy(logits).reshape(-1)))
+    p = sampling_probs(logits, temperature, top_k, top_p)
     return int(rng.choice(p.shape[0], p=p))
 
 

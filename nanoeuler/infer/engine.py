@@ -118,7 +118,9 @@ class Engine:
                 out.append(row)
             return out
         out: list[list[int]] = [[] for _ in prompts]
-        for b, t in self._batch(prompts, max_new_tokens, sampling, stop_ids):
+        events = (((0, t) for t in self._single(prompts[0], max_new_tokens, sampling, stop_ids))
+                  if len(prompts) == 1 else self._batch(prompts, max_new_tokens, sampling, stop_ids))
+        for b, t in events:
             out[b].append(t)
             if on_token:
                 on_token(b, t)
@@ -168,10 +170,36 @@ class Engine:
         if max_new_tokens <= 0:
             return
         if not speculative:
-            for _, t in self._batch([prompt], max_new_tokens, sampling, stop_ids):
-                yield t
+            yield from self._single(prompt, max_new_tokens, sampling, stop_ids)
             return
         yield from self._speculative(prompt, max_new_tokens, sampling, stop_ids)
+
+    def _single(self, prompt, max_new, sampling, stop_ids) -> Iterator[int]:
+        """Plain decoding of one prompt: `_batch` with one row, in plain ints (the host's share of a step
+        is a few microseconds of Python, not NumPy calls)."""
+        be, ctx = self.backend, self.cfg.ctx_len
+        if max_new <= 0:
+            return
+        hist = self._check_prompt(prompt)
+        rngs = [np.random.default_rng(sampling.seed)]
+        be.start(1, [sampling.seed])
+        tok = self._first(be.prefill(0, hist)[0], rngs[0], sampling)
+        feed, pos, n = [0], [len(hist)], 0
+        mask = np.ones(1, dtype=bool)
+        while True:
+            yield tok
+            n += 1
+            hist.append(tok)
+            if tok in stop_ids or n == max_new:
+                return
+            if pos[0] >= ctx:  # the cache is full: refill it from the recent tokens
+                hist = hist[-max(1, ctx // 2):]
+                tok = self._first(be.prefill(0, hist)[0], rngs[0], sampling)
+                pos[0] = len(hist)
+                continue
+            feed[0] = tok
+            tok = int(be.decode(feed, pos, sampling, n - 1, rngs, mask)[0])
+            pos[0] += 1
 
     def _speculative(self, prompt, max_new, sampling, stop_ids):
         be, cfg = self.backend, self.cfg

@@ -126,3 +126,18 @@ def test_speculative_sampling_has_the_plain_output_distribution(top_k):
     # the 0.999 quantile of chi-square is below dof + 4.5 sqrt(2 dof) + 10 for these sizes
     assert chi2 < dof + 4.5 * np.sqrt(2 * dof) + 10, (chi2, dof)
     assert min(eng.stats.acceptance()) < 1.0  # drafts were rejected too: the resample path ran
+
+
+def test_sample_command_speculative_prints_the_same_greedy_text(tmp_path):
+    import subprocess
+    import sys
+
+    from train_fixtures import make_tokenizer, save_random_model
+
+    save_random_model(tmp_path / "m.bin", make_tokenizer())
+    cmd = [sys.executable, "-m", "nanoeuler", "sample", "--ckpt", str(tmp_path / "m.bin"), "--prompt", "It was",
+           "--max-new-tokens", "20", "--temperature", "0", "--device", "cpu"]
+    plain = subprocess.run(cmd + ["--no-speculative"], capture_output=True, text=True, timeout=60)
+    spec = subprocess.run(cmd + ["--speculative"], capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    assert spec.stdout == plain.stdout and plain.stdout.startswith("It was")

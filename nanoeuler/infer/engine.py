@@ -36,6 +36,7 @@ token's distribution exactly plain sampling's (`accept_or_resample`).
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -81,32 +82,41 @@ def accept_or_resample(p: np.ndarray, q: np.ndarray, draft: int, u: float, rng) 
 class Engine:
     """Generation on one backend for one model (see the module docstring)."""
 
-    def __init__(self, backend, cfg):
+    def __init__(self, backend, cfg, params: dict | None = None, xp=np, speculative: bool = False):
         self.backend = backend
         self.cfg = cfg
+        self.params = params  # the float32 weights it was made from (on `xp`), for evaluation code
+        self.xp = xp
+        self.speculative = speculative  # the default of `stream` and `generate`
         self.stats = SpecStats()
 
     @classmethod
-    def from_params(cls, params: dict, cfg, device: str = "cpu", dtype: str = "bf16") -> "Engine":
+    def from_params(cls, params: dict, cfg, device: str = "cpu", dtype: str = "bf16",
+                    speculative: bool = False) -> "Engine":
         """An engine for NumPy/CuPy `params`: NumPy on 'cpu' (the params' own float dtype), CUDA kernels on
         'gpu' (`dtype` 'bf16' or 'fp32' weights)."""
         if device == "gpu":
+            import cupy
+
             from nanoeuler.infer.gpu import GpuBackend
 
-            return cls(GpuBackend(params, cfg, dtype=dtype), cfg)
+            return cls(GpuBackend(params, cfg, dtype=dtype), cfg, {k: cupy.asarray(v) for k, v in params.items()}, cupy,
+                       speculative)
+        from nanoeuler.backend import to_numpy
         from nanoeuler.infer.cpu import CpuBackend
 
-        return cls(CpuBackend(params, cfg), cfg)
+        params = {k: to_numpy(v) for k, v in params.items()}
+        return cls(CpuBackend(params, cfg), cfg, params, np, speculative)
 
     # ---- batch: many prompts at once, plain decoding -----------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling,
-                 stop_ids=frozenset(), speculative: bool = False,
+                 stop_ids=frozenset(), speculative: bool | None = None,
                  on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
         """New ids for each prompt (a stop id ends a row and is included). Prompt i samples with seed
         sampling.seed + i. `on_token(row, id)` is called as each id is chosen. With `speculative`, the
-        prompts run one after the other through `stream(..., speculative=True)`."""
-        if speculative:
+        prompts run one after the other through `stream(..., speculative=True)` (default: `self.speculative`)."""
+        if self.speculative if speculative is None else speculative:
             out = []
             for i, p in enumerate(prompts):
                 s = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + i)
@@ -165,11 +175,12 @@ class Engine:
     # ---- one prompt, streamed ---------------------------------------------------------------------
 
     def stream(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling, stop_ids=frozenset(),
-               speculative: bool = False) -> Iterator[int]:
-        """Yield new ids one at a time; a stop id is yielded and ends the stream."""
+               speculative: bool | None = None) -> Iterator[int]:
+        """Yield new ids one at a time; a stop id is yielded and ends the stream. `speculative`: draft with
+        the MTP heads (default: `self.speculative`)."""
         if max_new_tokens <= 0:
             return
-        if not speculative:
+        if not (self.speculative if speculative is None else speculative):
             yield from self._single(prompt, max_new_tokens, sampling, stop_ids)
             return
         yield from self._speculative(prompt, max_new_tokens, sampling, stop_ids)
@@ -287,3 +298,9 @@ class Engine:
             raise ValueError(f"prompt holds ids outside [0, {V})")
         return ids
 
+
+
+def add_speculative_argument(parser) -> None:
+    parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=False,
+                        help="self-speculative decoding: the MTP heads draft, one pass verifies (same greedy "
+                             "output; same sampling distribution). Default off: see BENCHMARKS.md")

@@ -139,11 +139,13 @@ class Generator:
         return list(self.stream(prompt_ids, max_new_tokens, sampling, stop_ids))
 
 
-def load(path, device: str = "auto"):
-    """(Generator on `device`, Tokenizer, metadata) from a model file that carries its tokenizer."""
+def load(path, device: str = "auto", speculative: bool = False):
+    """(decode `Engine` on `device`, Tokenizer, metadata) from a model file that carries its tokenizer.
+    On the GPU the engine runs bf16 weights (the float32 ones stay in `engine.params`)."""
     from nanoeuler import checkpoint
-    from nanoeuler.backend import get_xp
+    from nanoeuler.backend import resolve_device
     from nanoeuler.errors import UserError
+    from nanoeuler.infer.engine import Engine
     from nanoeuler.tokenizer.bpe import Tokenizer
 
     params, cfg, meta = checkpoint.load_model(path)
@@ -154,7 +156,7 @@ def load(path, device: str = "auto"):
         tok = Tokenizer.from_json(meta["tokenizer"])
     except UserError as exc:
         raise UserError(f"{path}: its tokenizer is unreadable: {exc}") from None
-    return Generator(params, cfg, get_xp(device)), tok, meta
+    return Engine.from_params(params, cfg, resolve_device(device), speculative=speculative), tok, meta
 
 
 def add_sampling_arguments(parser) -> None:

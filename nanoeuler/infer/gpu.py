@@ -142,7 +142,8 @@ class GpuBackend:
     # ---- the forward over rows ------------------------------------------------------------------------
 
     def _gemv(self, fn, w, x, gain, y, M, N, K):
-        grid = ((N + GEMV_WARPS - 1) // GEMV_WARPS, (M + GEMV_ROWS - 1) // GEMV_ROWS)
+        warps = N if fn is self.k["gemv_swiglu"] else (N + 1) // 2  # a warp makes two outputs (decode.cu)
+        grid = ((warps + GEMV_WARPS - 1) // GEMV_WARPS, (M + GEMV_ROWS - 1) // GEMV_ROWS)
         g = gain if gain is not None else np.uint64(0)
         fn(grid, (32 * GEMV_WARPS,), (w, x, g, y, np.int32(M), np.int32(N), np.int32(K),
                                      np.float32(self.cfg.norm_eps)), shared_mem=4 * min(M, GEMV_ROWS) * K)

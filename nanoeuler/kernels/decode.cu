@@ -100,7 +100,7 @@ __device__ void embed(const int* meta, const W* emb, float* x, int M, int C) {
 }
 
 // ---- GEMV: y[m, n] = sum_k W[n, k] * a[m, k] for a few rows m ---------------------------------------
-// One warp per output row n (per pair of rows n, n + N for the SwiGLU form), streaming the weight row in
+// One warp per two output rows (rows n and n + N for the SwiGLU form), streaming the weight rows in
 // 16-byte loads; the block first stages up to GEMV_ROWS input rows in shared memory (grid.y covers the
 // rest), applying the RMSNorm (x / rms(x) * gain) there when `gain` is given. Epilogues:
 //   EPI_STORE  y[m, n] = acc
@@ -132,24 +132,29 @@ __device__ void gemv(const W* __restrict__ w, const float* __restrict__ x, const
     }
     __syncthreads();
     const int lane = threadIdx.x & 31;
-    const int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (n >= N) return;
+    const int wid = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    // a warp computes two output rows, so each x value read from shared memory feeds two weights:
+    // rows 2 wid and 2 wid + 1, or for the SwiGLU gate row wid and up row wid + N
+    int wrow[2];
+    wrow[0] = EPI == EPI_SWIGLU ? wid : 2 * wid;
+    wrow[1] = EPI == EPI_SWIGLU ? wid + N : 2 * wid + 1;
+    if (wrow[0] >= N) return;
+    const int parts = (EPI != EPI_SWIGLU && wrow[1] >= N) ? 1 : 2;
     constexpr int V = Vec<W>::N;
-    const int parts = EPI == EPI_SWIGLU ? 2 : 1;
     float acc[2][GEMV_ROWS];
 #pragma unroll
     for (int p = 0; p < 2; p++)
 #pragma unroll
         for (int r = 0; r < GEMV_ROWS; r++) acc[p][r] = 0.f;
     if (K % V == 0) {
-        // GEMV_UNROLL 16-byte loads per lane (per part) are issued before any is used: a warp keeps
+        // GEMV_UNROLL 16-byte loads per lane and row are issued before any is used: a warp keeps
         // several loads in flight instead of waiting out the memory latency once per load
         for (int k0 = lane * V; k0 < K; k0 += 32 * V * GEMV_UNROLL) {
             float wv[2][GEMV_UNROLL][V];
 #pragma unroll
             for (int p = 0; p < 2; p++) {
                 if (p >= parts) break;
-                const W* wr = w + (long long)(n + p * N) * K;
+                const W* wr = w + (long long)wrow[p] * K;
 #pragma unroll
                 for (int u = 0; u < GEMV_UNROLL; u++) {
                     const int k = k0 + u * 32 * V;
@@ -157,26 +162,30 @@ __device__ void gemv(const W* __restrict__ w, const float* __restrict__ x, const
                 }
             }
 #pragma unroll
-            for (int p = 0; p < 2; p++) {
-                if (p >= parts) break;
+            for (int u = 0; u < GEMV_UNROLL; u++) {
+                const int k = k0 + u * 32 * V;
+                if (k >= K) break;
 #pragma unroll
-                for (int u = 0; u < GEMV_UNROLL; u++) {
-                    const int k = k0 + u * 32 * V;
-                    if (k >= K) break;
+                for (int r = 0; r < GEMV_ROWS; r++) {
+                    if (r >= rows) break;
+                    float xv[V];  // 16-byte shared-memory loads
 #pragma unroll
-                    for (int r = 0; r < GEMV_ROWS; r++) {
-                        if (r < rows) {
-                            const float* xr = xs + r * K + k;
+                    for (int i = 0; i < V; i += 4) {
+                        const float4 t = *reinterpret_cast<const float4*>(xs + r * K + k + i);
+                        xv[i] = t.x; xv[i + 1] = t.y; xv[i + 2] = t.z; xv[i + 3] = t.w;
+                    }
 #pragma unroll
-                            for (int i = 0; i < V; i++) acc[p][r] += wv[p][u][i] * xr[i];
-                        }
+                    for (int p = 0; p < 2; p++) {
+                        if (p >= parts) break;
+#pragma unroll
+                        for (int i = 0; i < V; i++) acc[p][r] += wv[p][u][i] * xv[i];
                     }
                 }
             }
         }
     } else {  // rows not 16-byte aligned: one element per lane
         for (int p = 0; p < parts; p++) {
-            const W* wr = w + (long long)(n + p * N) * K;
+            const W* wr = w + (long long)wrow[p] * K;
             for (int k = lane; k < K; k += 32) {
                 const float wk = tof(wr[k]);
 #pragma unroll
@@ -188,13 +197,18 @@ __device__ void gemv(const W* __restrict__ w, const float* __restrict__ x, const
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; r++) {
         if (r >= rows) break;
-        const float a = warp_sum(acc[0][r]);
-        const float b = EPI == EPI_SWIGLU ? warp_sum(acc[1][r]) : 0.f;
+        const float a0 = warp_sum(acc[0][r]);
+        const float a1 = warp_sum(acc[1][r]);
         if (lane == 0) {
-            float* out = y + (long long)(m0 + r) * N + n;
-            if (EPI == EPI_STORE) *out = a;
-            if (EPI == EPI_ADD) *out += a;
-            if (EPI == EPI_SWIGLU) *out = a / (1.f + __expf(-a)) * b;
+            float* out = y + (long long)(m0 + r) * N;
+            if (EPI == EPI_SWIGLU) {
+                out[wid] = a0 / (1.f + __expf(-a0)) * a1;
+            } else {
+                if (EPI == EPI_STORE) out[wrow[0]] = a0;
+                if (EPI == EPI_ADD) out[wrow[0]] += a0;
+                if (parts == 2 && EPI == EPI_STORE) out[wrow[1]] = a1;
+                if (parts == 2 && EPI == EPI_ADD) out[wrow[1]] += a1;
+            }
         }
     }
 }

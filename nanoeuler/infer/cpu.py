@@ -21,6 +21,18 @@ from nanoeuler.model import layers
 from nanoeuler.model.transformer import head_weight_names
 
 
+FEW_ROWS = 32
+
+
+def _mm(x, w):
+    """x (N, in) @ w (in, out). A few rows go one at a time: OpenBLAS runs a one-row product on one thread,
+    but hands a product of 2..32 rows to its thread pool, which costs far more than the arithmetic on a small
+    model (BENCHMARKS.md, CPU decode)."""
+    if 1 < x.shape[0] <= FEW_ROWS:
+        return np.stack([row @ w for row in x])
+    return x @ w
+
+
 class CpuBackend:
     def __init__(self, params: dict, cfg):
         p = {k: np.asarray(v) for k, v in params.items()}
@@ -67,14 +79,15 @@ class CpuBackend:
         k = self.k[li][slots, :, :S]  # (N,Hkv,S,D)
         v = self.v[li][slots, :, :S]
         qg = (q * (1.0 / np.sqrt(D))).reshape(N, Hkv, G, D)
-        s = qg @ k.transpose(0, 1, 3, 2)  # (N,Hkv,G,S)
+        # einsum's own loops, not BLAS: a stack of (G, D) @ (D, S) products is too small for a thread pool
+        s = np.einsum("nhgd,nhsd->nhgs", qg, k)  # (N,Hkv,G,S)
         if S > 1:
             hidden = np.arange(S)[None, :] > pos[:, None]  # (N,S)
             s[np.broadcast_to(hidden[:, None, None, :], s.shape)] = -np.inf
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)
-        return (s @ v).reshape(N, H * D)
+        return np.einsum("nhgs,nhsd->nhgd", s, v).reshape(N, H * D)
 
     def _rows(self, ids, slots, pos):
         """Feed rows: ids, slots, pos (N,) -> final normed states (N, C). Writes each row's k/v at (slot, pos)."""
@@ -86,22 +99,22 @@ class CpuBackend:
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (N,1,D/2)
         for li, w in enumerate(self.layers):
             h, _ = layers.rmsnorm_forward(x, w["n1"], cfg.norm_eps)
-            qkv = h @ w["qkv_t"]  # (N, HD+2KD)
+            qkv = _mm(h, w["qkv_t"])  # (N, HD+2KD)
             q = self._rope(qkv[:, :HD].reshape(N, H, D), cos, sin)
             self.k[li][slots, :, pos] = self._rope(qkv[:, HD:HD + KD].reshape(N, Hkv, D), cos, sin)
             self.v[li][slots, :, pos] = qkv[:, HD + KD:].reshape(N, Hkv, D)
-            x = x + self._attend(q, li, slots, pos) @ w["o_t"]
+            x = x + _mm(self._attend(q, li, slots, pos), w["o_t"])
             h2, _ = layers.rmsnorm_forward(x, w["n2"], cfg.norm_eps)
-            gu = h2 @ w["gu_t"]
+            gu = _mm(h2, w["gu_t"])
             m, _ = layers.swiglu_forward(gu[:, :F], gu[:, F:])
-            x = x + m @ w["down_t"]
+            x = x + _mm(m, w["down_t"])
         xn, _ = layers.rmsnorm_forward(x, self.norm, cfg.norm_eps)
         return xn
 
     def _heads(self, xn, n_heads):
         """(N, C) -> (n_heads, N, V) logits of the first n_heads heads."""
         V = self.cfg.vocab_size
-        return (xn @ self.heads_t[:, :n_heads * V]).reshape(-1, n_heads, V).transpose(1, 0, 2)
+        return _mm(xn, self.heads_t[:, :n_heads * V]).reshape(-1, n_heads, V).transpose(1, 0, 2)
 
     # ---- the backend interface ---------------------------------------------------------------------
 

@@ -84,6 +84,49 @@ def ours(params, cfg, prompt, args, rows):
     return eng
 
 
+def kernel_profile(be, cfg, prompt, M, n_heads, reps=20):
+    """GPU time of each kernel of one forward step over M rows, run kernel by kernel with CUDA events around
+    every launch: {label: (launches per step, microseconds per step)}."""
+    import cupy as cp
+
+    events = []
+
+    class Timed:
+        def __init__(self, fn, name):
+            self.fn, self.name = fn, name
+
+        def __call__(self, grid, block, args, **kw):
+            label = f"{self.name} N={int(args[5])}" if self.name.startswith("gemv") else self.name
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(be.stream)
+            self.fn(grid, block, args, **kw)
+            end.record(be.stream)
+            events.append((label, start, end))
+
+    saved = dict(be.k), be.k_argmax
+    be.k = {n: Timed(f, n) for n, f in saved[0].items()}
+    be.k_argmax = Timed(saved[1], "argmax_rows")
+    try:
+        be.start(1, [0])
+        be.prefill(0, prompt)
+        r = be._buffers(M)
+        r.ctl_host[:3 * M] = np.concatenate([np.full(M, prompt[-1]), np.zeros(M), len(prompt) + np.arange(M)])
+        with be.stream:
+            r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, be.stream)
+        events.clear()
+        with be.stream:
+            for _ in range(reps):
+                be._step(r, M, n_heads, "argmax")
+        be.stream.synchronize()
+    finally:
+        be.k, be.k_argmax = saved
+    total: dict = {}
+    for label, s, e in events:
+        n, us = total.get(label, (0, 0.0))
+        total[label] = (n + 1, us + 1e3 * cp.cuda.get_elapsed_time(s, e))
+    return {k: (n // reps, us / reps) for k, (n, us) in total.items()}
+
+
 def hf_rows(ckpt, cfg, prompt, args, rows):
     try:
         import torch
@@ -162,6 +205,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--agree-steps", type=int, default=64)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    ap.add_argument("--profile", action="store_true", help="also time each kernel of a decode step and a verify pass")
     args = ap.parse_args(argv)
 
     from nanoeuler import checkpoint
@@ -185,6 +229,10 @@ def main(argv=None) -> int:
     rows: list = []
     eng = ours(params, cfg, prompt, args, rows)
     one, many = batched(eng, cfg, prompts, args)
+    profiles = {}
+    if args.profile:
+        for label, M, nh in (("decode step", 1, 1), ("verify pass", cfg.mtp_heads, cfg.mtp_heads)):
+            profiles[label] = kernel_profile(eng.backend, cfg, prompt, M, nh)
     agree = agreement(params, cfg, prompt, args.agree_steps)
     if not args.no_hf:
         hf_rows(ckpt, cfg, prompt, args, rows)
@@ -205,6 +253,14 @@ def main(argv=None) -> int:
         print(f"{label} graph replayed alone (GPU time, no host work): {us:.1f} us")
     print(f"\nbatched greedy, ours bf16: batch 1 {one:,.0f} tokens/s, batch {args.batch} {many:,.0f} tokens/s "
           f"= {many / one:.1f}x")
+    for label, prof in profiles.items():
+        print(f"\n{label}, kernel by kernel (CUDA events around each launch, mean of 20 steps):")
+        print("| kernel | launches | us per step | share |")
+        print("|---|---:|---:|---:|")
+        whole = sum(us for _, us in prof.values())
+        for k, (n, us) in sorted(prof.items(), key=lambda kv: -kv[1][1]):
+            print(f"| {k} | {n} | {us:.1f} | {us / whole:.0%} |")
+        print(f"| all | {sum(n for n, _ in prof.values())} | {whole:.1f} | |")
     for dtype, i in agree.items():
         where = f"identical for all {args.agree_steps} tokens" if i is None else f"first differs at token {i}"
         print(f"greedy vs reference Generator (float32 layers), ours {dtype}: {where}")

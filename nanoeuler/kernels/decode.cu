@@ -111,12 +111,42 @@ __device__ void embed(const int* meta, const W* emb, float* x, int M, int C) {
 #define GEMV_UNROLL 4
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_SWIGLU = 2 };
 
+// GEMV_UNROLL 16-byte loads per lane and weight row, all issued before any is used: a warp keeps several
+// loads in flight instead of waiting out the memory latency once per load.
+template <typename W>
+__device__ __forceinline__ void load_chunk(const W* __restrict__ w, const int* wrow, int parts, int K, int k0,
+                                           float (&wv)[2][GEMV_UNROLL][Vec<W>::N]) {
+#pragma unroll
+    for (int p = 0; p < 2; p++) {
+        if (p >= parts) break;
+        const W* wr = w + (long long)wrow[p] * K;
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; u++) {
+            const int k = k0 + u * 32 * Vec<W>::N;
+            if (k < K) Vec<W>::load(wr + k, wv[p][u]);
+        }
+    }
+}
+
 template <typename W, int EPI>
 __device__ void gemv(const W* __restrict__ w, const float* __restrict__ x, const float* __restrict__ gain,
                      float* __restrict__ y, int M, int N, int K, float eps) {
     extern __shared__ float xs[];  // (rows, K)
     const int m0 = blockIdx.y * GEMV_ROWS;
     const int rows = min(GEMV_ROWS, M - m0);
+    const int lane = threadIdx.x & 31;
+    const int wid = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    // a warp computes two output rows, so each x value read from shared memory feeds two weights:
+    // rows 2 wid and 2 wid + 1, or for the SwiGLU gate row wid and up row wid + N
+    int wrow[2];
+    wrow[0] = EPI == EPI_SWIGLU ? wid : 2 * wid;
+    wrow[1] = EPI == EPI_SWIGLU ? wid + N : 2 * wid + 1;
+    const bool active = wrow[0] < N;
+    const int parts = (EPI != EPI_SWIGLU && wrow[1] >= N) ? 1 : 2;
+    constexpr int V = Vec<W>::N;
+    float wv[2][GEMV_UNROLL][V];
+    // the first weights are requested before x is staged, so the two memory latencies overlap
+    if (active && K % V == 0) load_chunk<W>(w, wrow, parts, K, lane * V, wv);
     for (int r = 0; r < rows; r++) {
         const float* xr = x + (long long)(m0 + r) * K;
         float ss = 0.f;
@@ -131,36 +161,15 @@ __device__ void gemv(const W* __restrict__ w, const float* __restrict__ x, const
         }
     }
     __syncthreads();
-    const int lane = threadIdx.x & 31;
-    const int wid = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    // a warp computes two output rows, so each x value read from shared memory feeds two weights:
-    // rows 2 wid and 2 wid + 1, or for the SwiGLU gate row wid and up row wid + N
-    int wrow[2];
-    wrow[0] = EPI == EPI_SWIGLU ? wid : 2 * wid;
-    wrow[1] = EPI == EPI_SWIGLU ? wid + N : 2 * wid + 1;
-    if (wrow[0] >= N) return;
-    const int parts = (EPI != EPI_SWIGLU && wrow[1] >= N) ? 1 : 2;
-    constexpr int V = Vec<W>::N;
+    if (!active) return;
     float acc[2][GEMV_ROWS];
 #pragma unroll
     for (int p = 0; p < 2; p++)
 #pragma unroll
         for (int r = 0; r < GEMV_ROWS; r++) acc[p][r] = 0.f;
     if (K % V == 0) {
-        // GEMV_UNROLL 16-byte loads per lane and row are issued before any is used: a warp keeps
-        // several loads in flight instead of waiting out the memory latency once per load
         for (int k0 = lane * V; k0 < K; k0 += 32 * V * GEMV_UNROLL) {
-            float wv[2][GEMV_UNROLL][V];
-#pragma unroll
-            for (int p = 0; p < 2; p++) {
-                if (p >= parts) break;
-                const W* wr = w + (long long)wrow[p] * K;
-#pragma unroll
-                for (int u = 0; u < GEMV_UNROLL; u++) {
-                    const int k = k0 + u * 32 * V;
-                    if (k < K) Vec<W>::load(wr + k, wv[p][u]);
-                }
-            }
+            if (k0 != lane * V) load_chunk<W>(w, wrow, parts, K, k0, wv);
 #pragma unroll
             for (int u = 0; u < GEMV_UNROLL; u++) {
                 const int k = k0 + u * 32 * V;

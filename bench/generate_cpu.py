@@ -136,11 +136,11 @@ def main(argv=None) -> int:
 
     eng = Engine.from_params(params, cfg, "cpu")
     greedy_t = torch_decoder(params, cfg)
-    ours = list(eng.stream(prompt, n, GREEDY))
+    ours = list(eng.stream(prompt, n, GREEDY, speculative=False))
     theirs = greedy_t(prompt, n)
     rows = []
     load0 = os.getloadavg()[0]
-    t = median_time(lambda: list(eng.stream(prompt, n, GREEDY)), args.repeats)
+    t = median_time(lambda: list(eng.stream(prompt, n, GREEDY, speculative=False)), args.repeats)
     rows.append(("ours plain (NumPy float32)", n / t, ""))
     eng.stats = type(eng.stats)()
     t = median_time(lambda: list(eng.stream(prompt, n, GREEDY, speculative=True)), args.repeats)

@@ -178,7 +178,7 @@ def hf_rows(ckpt, cfg, prompt, args, rows):
 
 def batched(eng, cfg, prompts, args):
     n = args.new_tokens
-    one = timed(lambda: eng.generate(prompts[:1], n, GREEDY), args.repeats)
+    one = timed(lambda: eng.generate(prompts[:1], n, GREEDY, speculative=False), args.repeats)
     many = timed(lambda: eng.generate(prompts, n, GREEDY), args.repeats)
     return n / one, len(prompts) * n / many
 
@@ -191,7 +191,8 @@ def agreement(params, cfg, prompt, steps):
     want = ref.generate(prompt, steps, GREEDY)
     out = {}
     for dtype in ("fp32", "bf16"):
-        got = Engine.from_params(params, cfg, "gpu", dtype=dtype).generate([prompt], steps, GREEDY)[0]
+        got = Engine.from_params(params, cfg, "gpu", dtype=dtype).generate([prompt], steps, GREEDY,
+                                                                      speculative=False)[0]
         out[dtype] = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     return out
 

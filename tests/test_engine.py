@@ -31,7 +31,7 @@ def test_greedy_equals_the_reference_generator_across_a_context_slide(model):
     params, cfg = model
     ref, eng = Generator(params, cfg), Engine.from_params(params, cfg, "cpu")
     for prompt, n in (([5, 17, 42, 8], 3 * cfg.ctx_len), (list(range(1, cfg.ctx_len + 5)), 40)):
-        assert eng.generate([prompt], n, GREEDY)[0] == ref.generate(prompt, n, GREEDY)
+        assert eng.generate([prompt], n, GREEDY, speculative=False)[0] == ref.generate(prompt, n, GREEDY)
 
 
 def test_sampling_draws_the_reference_generators_tokens(model):
@@ -141,3 +141,17 @@ def test_sample_command_speculative_prints_the_same_greedy_text(tmp_path):
     spec = subprocess.run(cmd + ["--speculative"], capture_output=True, text=True, timeout=60)
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
     assert spec.stdout == plain.stdout and plain.stdout.startswith("It was")
+
+
+def test_every_decode_kernel_the_gpu_backend_launches_is_defined():
+    import re
+
+    from nanoeuler.infer import gpu
+    from nanoeuler.kernels import KERNEL_DIR
+
+    text = (KERNEL_DIR / "decode.cu").read_text()
+    stems = set(re.findall(r'extern "C" __global__ void (\w+)_##NAME\(', text))
+    suffixes = set(re.findall(r"^DECODE_KERNELS\(\w+, (\w+)\)", text, flags=re.M))
+    plain = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', text))
+    assert set(gpu.KERNELS) <= stems and suffixes == {"bf16", "f32"}
+    assert {"argmax_rows", "sample_rows"} <= plain

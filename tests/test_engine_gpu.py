@@ -62,7 +62,7 @@ def test_greedy_plain_speculative_and_batched(model, dtype):
     prompts = [[5, 17, 42, 8], [1], list(range(30, 60))]
     n = cfg.ctx_len + 20  # across a context slide
     want = [ref.generate(p, n, GREEDY) for p in prompts]
-    plain = [list(eng.stream(p, n, GREEDY)) for p in prompts]
+    plain = [list(eng.stream(p, n, GREEDY, speculative=False)) for p in prompts]
     spec = [list(eng.stream(p, n, GREEDY, speculative=True)) for p in prompts]
     assert spec == plain  # the engine's own greedy, token for token
     if dtype == "fp32":

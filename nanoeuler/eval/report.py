@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     conf = sections(args, "device", "eval")
     ev = conf["eval"]
     device = args.device or conf["device"]
-    spec = getattr(args, "speculative", False)
+    spec = getattr(args, "speculative", None)
     base, base_tok, base_meta = load(args.base, device, spec)
     chat, chat_tok, chat_meta = load(args.chat, device, spec)
     if base_tok.sha256 != chat_tok.sha256:

@@ -82,17 +82,17 @@ def accept_or_resample(p: np.ndarray, q: np.ndarray, draft: int, u: float, rng) 
 class Engine:
     """Generation on one backend for one model (see the module docstring)."""
 
-    def __init__(self, backend, cfg, params: dict | None = None, xp=np, speculative: bool = False):
+    def __init__(self, backend, cfg, params: dict | None = None, xp=np, speculative: bool | None = None):
         self.backend = backend
         self.cfg = cfg
         self.params = params  # the float32 weights it was made from (on `xp`), for evaluation code
         self.xp = xp
-        self.speculative = speculative  # the default of `stream` and `generate`
+        self.speculative = speculative  # the default of `stream` and `generate`; None: `_use_speculation`
         self.stats = SpecStats()
 
     @classmethod
     def from_params(cls, params: dict, cfg, device: str = "cpu", dtype: str = "bf16",
-                    speculative: bool = False) -> "Engine":
+                    speculative: bool | None = None) -> "Engine":
         """An engine for NumPy/CuPy `params`: NumPy on 'cpu' (the params' own float dtype), CUDA kernels on
         'gpu' (`dtype` 'bf16' or 'fp32' weights)."""
         if device == "gpu":
@@ -116,7 +116,7 @@ class Engine:
         """New ids for each prompt (a stop id ends a row and is included). Prompt i samples with seed
         sampling.seed + i. `on_token(row, id)` is called as each id is chosen. With `speculative`, the
         prompts run one after the other through `stream(..., speculative=True)` (default: `self.speculative`)."""
-        if self.speculative if speculative is None else speculative:
+        if self._use_speculation(speculative, sampling, len(prompts)):
             out = []
             for i, p in enumerate(prompts):
                 s = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + i)
@@ -135,6 +135,15 @@ class Engine:
             if on_token:
                 on_token(b, t)
         return out
+
+    def _use_speculation(self, asked: bool | None, sampling: Sampling, rows: int) -> bool:
+        """The call's choice, else the engine's; where neither chose: on for greedy decoding of one prompt,
+        where it was measured faster on both backends, off for sampling (slower: fewer drafts are kept)
+        and for batches (one batched pass beats prompts one after the other). BENCHMARKS.md has the figures."""
+        choice = self.speculative if asked is None else asked
+        if choice is None:
+            return sampling.temperature <= 0 and rows == 1
+        return choice
 
     def _batch(self, prompts, max_new, sampling, stop_ids) -> Iterator[tuple[int, int]]:
         """(row, id) events of plain decoding of all prompts at once, one decode step per round."""
@@ -180,7 +189,7 @@ class Engine:
         the MTP heads (default: `self.speculative`)."""
         if max_new_tokens <= 0:
             return
-        if not (self.speculative if speculative is None else speculative):
+        if not self._use_speculation(speculative, sampling, 1):
             yield from self._single(prompt, max_new_tokens, sampling, stop_ids)
             return
         yield from self._speculative(prompt, max_new_tokens, sampling, stop_ids)
@@ -301,6 +310,7 @@ class Engine:
 
 
 def add_speculative_argument(parser) -> None:
-    parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None,
                         help="self-speculative decoding: the MTP heads draft, one pass verifies (same greedy "
-                             "output; same sampling distribution). Default off: see BENCHMARKS.md")
+                             "output; same sampling distribution). Default: on for greedy decoding "
+                             "(--temperature 0) of one prompt, where it is faster; off for sampling")

@@ -10,6 +10,9 @@ left-truncated by the caller (`fit_prompt`). When generation fills the context, 
 rebuilt from the most recent `ctx_len // 2` tokens (one prefill) and generation goes on, so
 `max_new_tokens` is always honoured; positions are relative (RoPE), so the model sees an
 ordinary, shorter context.
+
+`Generator` is the reference: the model's `xp` layers one token at a time. The commands generate
+through the decode engine (`infer.engine`, returned by `load`), which is tested against it.
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ def fit_prompt(ids: list[int], ctx_len: int, room: int) -> tuple[list[int], int]
 
 
 class Generator:
-    """Holds a model on its device and generates from token prompts with a KV cache."""
+    """Holds a model on its device and generates from token prompts with a KV cache (the reference for
+    `infer.engine`)."""
 
     def __init__(self, params: dict, cfg, xp=None):
         from nanoeuler.backend import array_module
@@ -139,7 +143,7 @@ class Generator:
         return list(self.stream(prompt_ids, max_new_tokens, sampling, stop_ids))
 
 
-def load(path, device: str = "auto", speculative: bool = False):
+def load(path, device: str = "auto", speculative: bool | None = None):
     """(decode `Engine` on `device`, Tokenizer, metadata) from a model file that carries its tokenizer.
     On the GPU the engine runs bf16 weights (the float32 ones stay in `engine.params`)."""
     from nanoeuler import checkpoint

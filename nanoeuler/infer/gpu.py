@@ -27,6 +27,9 @@ import numpy as np
 from nanoeuler.model.layers import rope_tables
 from nanoeuler.model.transformer import head_weight_names
 
+# decode.cu's kernels per weight storage (`<stem>_bf16`, `<stem>_f32`), and its two others
+KERNELS = ("embed", "gemv_store", "gemv_add", "gemv_swiglu", "rope_cache", "attend", "attend_act", "rmsnorm_act",
+           "swiglu_act")
 GEMV_MAX_ROWS = 16  # decode batches above this many rows take the cuBLAS path
 GEMV_ROWS, GEMV_WARPS = 4, 8  # as decode.cu
 
@@ -79,9 +82,7 @@ class GpuBackend:
         self.cp, self.cfg, self.dtype = cp, cfg, dtype
         self.wt = cp.uint16 if dtype == "bf16" else cp.float32
         suffix = "bf16" if dtype == "bf16" else "f32"
-        self.k = {n: kernel("decode", f"{n}_{suffix}") for n in (
-            "embed", "gemv_store", "gemv_add", "gemv_swiglu", "rope_cache", "attend", "attend_act",
-            "rmsnorm_act", "swiglu_act")}
+        self.k = {n: kernel("decode", f"{n}_{suffix}") for n in KERNELS}
         self.k_argmax = kernel("decode", "argmax_rows")
         self.k_sample = kernel("decode", "sample_rows")
         W = (lambda a: to_bf16(cp.asarray(a, dtype=cp.float32))) if dtype == "bf16" else \

@@ -79,6 +79,8 @@ class GpuBackend:
 
         if dtype not in ("bf16", "fp32"):
             raise ValueError(f"dtype must be bf16 or fp32, got {dtype!r}")
+        if cfg.vocab_size > 1024 * 64:  # sample_rows keeps SAMPLE_PER_THREAD = 64 logits per thread
+            raise ValueError(f"the GPU sampler handles vocabularies of up to 65536 tokens, not {cfg.vocab_size}")
         self.cp, self.cfg, self.dtype = cp, cfg, dtype
         self.wt = cp.uint16 if dtype == "bf16" else cp.float32
         suffix = "bf16" if dtype == "bf16" else "f32"

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", required=True, metavar="PNG", help="output, e.g. results/loss.png")
     parser.add_argument("--pretrain-dir", metavar="DIR", help="pretraining run dir (default: 'pretrain' next to --base)")
     parser.add_argument("--sft-dir", metavar="DIR", help="SFT run dir (default: 'sft' next to --chat)")
+    from nanoeuler.infer.engine import add_speculative_argument
+
+    add_speculative_argument(parser)
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -71,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
     conf = sections(args, "device", "eval")
     ev = conf["eval"]
     device = args.device or conf["device"]
-    base, base_tok, base_meta = load(args.base, device)
-    chat, chat_tok, chat_meta = load(args.chat, device)
+    spec = getattr(args, "speculative", None)
+    base, base_tok, base_meta = load(args.base, device, spec)
+    chat, chat_tok, chat_meta = load(args.chat, device, spec)
     if base_tok.sha256 != chat_tok.sha256:
         raise UserError(f"{args.chat} and {args.base} carry different tokenizers; the chat model must be "
                         "fine-tuned from this base model")
@@ -111,13 +115,12 @@ def run(args: argparse.Namespace) -> int:
     sampling = Sampling(temperature=float(ev["temperature"]), top_k=int(ev["top_k"]), top_p=float(ev["top_p"]),
                         seed=int(ev["seed"]))
     n_new = int(ev["max_new_tokens"])
-    base_samples = []
     stop = {base_tok.eot_id, base_tok.end_id}
-    for i, prompt in enumerate(ev["base_prompts"]):
-        ids = base_tok.encode(prompt) if prompt else [base_tok.eot_id]
-        ids, _ = fit_prompt(ids, base.cfg.ctx_len, min(n_new, base.cfg.ctx_len // 4))
-        out = [t for t in base.generate(ids, n_new, replace(sampling, seed=sampling.seed + i), stop) if t not in stop]
-        base_samples.append((prompt, base_tok.decode(out)))
+    prompts = [fit_prompt(base_tok.encode(p) if p else [base_tok.eot_id], base.cfg.ctx_len,
+                          min(n_new, base.cfg.ctx_len // 4))[0] for p in ev["base_prompts"]]
+    # all prompts in one batch; prompt i samples with seed + i
+    outs = base.generate(prompts, n_new, sampling, stop)
+    base_samples = [(p, base_tok.decode([t for t in out if t not in stop])) for p, out in zip(ev["base_prompts"], outs)]
     chat_samples = []
     for i, prompt in enumerate(ev["chat_prompts"]):
         pieces: list[str] = []

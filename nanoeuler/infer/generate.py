@@ -10,6 +10,9 @@ left-truncated by the caller (`fit_prompt`). When generation fills the context, 
 rebuilt from the most recent `ctx_len // 2` tokens (one prefill) and generation goes on, so
 `max_new_tokens` is always honoured; positions are relative (RoPE), so the model sees an
 ordinary, shorter context.
+
+`Generator` is the reference: the model's `xp` layers one token at a time. The commands generate
+through the decode engine (`infer.engine`, returned by `load`), which is tested against it.
 """
 
 from __future__ import annotations
@@ -31,11 +34,13 @@ class Sampling:
     seed: int = 0
 
 
-def sample_token(logits, rng: np.random.Generator, temperature: float, top_k: int = 0, top_p: float = 1.0) -> int:
-    """One token id from a (V,) row of logits (NumPy or CuPy)."""
+def sampling_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """The distribution that sampling draws from: (V,) float64 probabilities for a row of logits (temperature > 0).
+
+        >>> sampling_probs(np.log([0.5, 0.3, 0.2]), 1.0, top_k=2).round(3).tolist()
+        [0.625, 0.375, 0.0]
+    """
     z = np.asarray(to_numpy(logits), dtype=np.float64).reshape(-1)
-    if temperature <= 0:
-        return int(np.argmax(z))
     z = z / temperature
     if 0 < top_k < z.shape[0]:
         kth = np.partition(z, -top_k)[-top_k]
@@ -51,6 +56,14 @@ def sample_token(logits, rng: np.random.Generator, temperature: float, top_k: in
         keep[order[:n_keep]] = True
         p = np.where(keep, p, 0.0)
         p /= p.sum()
+    return p
+
+
+def sample_token(logits, rng: np.random.Generator, temperature: float, top_k: int = 0, top_p: float = 1.0) -> int:
+    """One token id from a (V,) row of logits (NumPy or CuPy)."""
+    if temperature <= 0:
+        return int(np.argmax(to_numpy(logits).reshape(-1)))
+    p = sampling_probs(logits, temperature, top_k, top_p)
     return int(rng.choice(p.shape[0], p=p))
 
 
@@ -76,7 +89,8 @@ def fit_prompt(ids: list[int], ctx_len: int, room: int) -> tuple[list[int], int]
 
 
 class Generator:
-    """Holds a model on its device and generates from token prompts with a KV cache."""
+    """Holds a model on its device and generates from token prompts with a KV cache (the reference for
+    `infer.engine`)."""
 
     def __init__(self, params: dict, cfg, xp=None):
         from nanoeuler.backend import array_module
@@ -129,11 +143,13 @@ class Generator:
         return list(self.stream(prompt_ids, max_new_tokens, sampling, stop_ids))
 
 
-def load(path, device: str = "auto"):
-    """(Generator on `device`, Tokenizer, metadata) from a model file that carries its tokenizer."""
+def load(path, device: str = "auto", speculative: bool | None = None):
+    """(decode `Engine` on `device`, Tokenizer, metadata) from a model file that carries its tokenizer.
+    On the GPU the engine runs bf16 weights (the float32 ones stay in `engine.params`)."""
     from nanoeuler import checkpoint
-    from nanoeuler.backend import get_xp
+    from nanoeuler.backend import resolve_device
     from nanoeuler.errors import UserError
+    from nanoeuler.infer.engine import Engine
     from nanoeuler.tokenizer.bpe import Tokenizer
 
     params, cfg, meta = checkpoint.load_model(path)
@@ -144,7 +160,7 @@ def load(path, device: str = "auto"):
         tok = Tokenizer.from_json(meta["tokenizer"])
     except UserError as exc:
         raise UserError(f"{path}: its tokenizer is unreadable: {exc}") from None
-    return Generator(params, cfg, get_xp(device)), tok, meta
+    return Engine.from_params(params, cfg, resolve_device(device), speculative=speculative), tok, meta
 
 
 def add_sampling_arguments(parser) -> None:

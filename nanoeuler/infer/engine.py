@@ -1,0 +1,316 @@
+"""The decode engine: batched, cached, optionally self-speculative generation behind one interface.
+
+    >>> eng = Engine.from_params(params, cfg, device="cpu")                      # doctest: +SKIP
+    >>> eng.generate([[5, 17, 42], [8]], 32, Sampling(temperature=0))          # doctest: +SKIP
+    [[...32 ids...], [...32 ids...]]
+    >>> for t in eng.stream([5, 17, 42], 32, Sampling(), speculative=True):    # doctest: +SKIP
+    ...     print(t)
+
+This module holds the host-side logic, written once: the context policy, stop ids, the batched loop over
+ragged prompts, and self-speculative decoding. The arithmetic lives in a backend with four calls
+(`cpu.CpuBackend` on NumPy, `gpu.GpuBackend` with bf16 weights and CUDA graphs):
+
+    start(batch, seeds)                 make `batch` empty cache slots; seeds of their samplers
+    prefill(slot, ids) -> (K, V)        fill slot's cache with ids; every head's logits at the last one
+    decode(tokens, pos, sampling, step) feed one token per slot at its position; the next token per slot
+    verify(tokens, pos) -> (K, t, V)    feed t tokens of slot 0 at pos..pos+t-1; every head's logits
+    verify_argmax(tokens, pos) -> (K,t) the same, reduced to argmax ids (the greedy fast path)
+
+Positions are the host's: a slot's cache holds whatever was fed at positions < pos, so rewinding after
+rejected drafts costs nothing (the next feed overwrites them; attention never looks past the row's own
+position).
+
+Context policy: the same as `generate.Generator` (the reference): when a slot's cache is full, it is
+refilled from the most recent `ctx_len // 2` tokens and generation goes on.
+
+Self-speculative decoding. Head 0 predicts token t+1 and head k predicts t+1+k from the same hidden
+state, so one forward gives a sure next token and K-1 drafts after it. A verify pass feeds
+[sure, draft_1, ..., draft_{K-1}] at once; head 0 at row j is the model's own prediction after row j.
+Greedy: draft j is kept while it equals the argmax at row j-1; the argmax after the last kept row is
+the next sure token, so the output is token for token the plain greedy one. Sampling: draft x drawn
+from the draft head's distribution q is kept with probability min(1, p(x)/q(x)), p being head 0's
+distribution at the row before it; at the first rejection the next token is drawn from
+max(0, p - q) renormalised (and after K-1 acceptances from head 0's last row), which makes each
+token's distribution exactly plain sampling's (`accept_or_resample`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from nanoeuler.infer.generate import Sampling, sample_token, sampling_probs
+
+
+@dataclass
+class SpecStats:
+    """Counters of self-speculative decoding: passes, tokens, and per-draft-head acceptances."""
+
+    passes: int = 0
+    tokens: int = 0
+    offered: list[int] = field(default_factory=list)  # drafts of head k+1 that were checked
+    accepted: list[int] = field(default_factory=list)
+
+    def tokens_per_pass(self) -> float:
+        return self.tokens / self.passes if self.passes else 0.0
+
+    def acceptance(self) -> list[float]:
+        return [a / o if o else 0.0 for a, o in zip(self.accepted, self.offered)]
+
+
+def accept_or_resample(p: np.ndarray, q: np.ndarray, draft: int, u: float, rng) -> tuple[bool, int]:
+    """One speculative-sampling decision: (accepted?, token). p, q: target and draft distributions.
+
+    Accept the draft with probability min(1, p/q); else draw from max(0, p - q) renormalised.
+        >>> accept_or_resample(np.array([.5, .5]), np.array([1., 0.]), 0, 0.7, None)
+        (False, 1)
+    """
+    if u * q[draft] < p[draft]:
+        return True, draft
+    r = np.maximum(p - q, 0.0)
+    total = r.sum()
+    if total <= 0:  # p == q up to rounding: nothing to correct, the target itself is the residual
+        r, total = p, p.sum()
+    if rng is None:
+        return False, int(np.argmax(r))
+    return False, int(rng.choice(r.shape[0], p=r / total))
+
+
+class Engine:
+    """Generation on one backend for one model (see the module docstring)."""
+
+    def __init__(self, backend, cfg, params: dict | None = None, xp=np, speculative: bool | None = None):
+        self.backend = backend
+        self.cfg = cfg
+        self.params = params  # the float32 weights it was made from (on `xp`), for evaluation code
+        self.xp = xp
+        self.speculative = speculative  # the default of `stream` and `generate`; None: `_use_speculation`
+        self.stats = SpecStats()
+
+    @classmethod
+    def from_params(cls, params: dict, cfg, device: str = "cpu", dtype: str = "bf16",
+                    speculative: bool | None = None) -> "Engine":
+        """An engine for NumPy/CuPy `params`: NumPy on 'cpu' (the params' own float dtype), CUDA kernels on
+        'gpu' (`dtype` 'bf16' or 'fp32' weights)."""
+        if device == "gpu":
+            import cupy
+
+            from nanoeuler.infer.gpu import GpuBackend
+
+            return cls(GpuBackend(params, cfg, dtype=dtype), cfg, {k: cupy.asarray(v) for k, v in params.items()}, cupy,
+                       speculative)
+        from nanoeuler.backend import to_numpy
+        from nanoeuler.infer.cpu import CpuBackend
+
+        params = {k: to_numpy(v) for k, v in params.items()}
+        return cls(CpuBackend(params, cfg), cfg, params, np, speculative)
+
+    # ---- batch: many prompts at once, plain decoding -----------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling,
+                 stop_ids=frozenset(), speculative: bool | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+        """New ids for each prompt (a stop id ends a row and is included). Prompt i samples with seed
+        sampling.seed + i. `on_token(row, id)` is called as each id is chosen. With `speculative`, the
+        prompts run one after the other through `stream(..., speculative=True)` (default: `self.speculative`)."""
+        if self._use_speculation(speculative, sampling, len(prompts)):
+            out = []
+            for i, p in enumerate(prompts):
+                s = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + i)
+                row = []
+                for t in self.stream(p, max_new_tokens, s, stop_ids, speculative=True):
+                    row.append(t)
+                    if on_token:
+                        on_token(i, t)
+                out.append(row)
+            return out
+        out: list[list[int]] = [[] for _ in prompts]
+        events = (((0, t) for t in self._single(prompts[0], max_new_tokens, sampling, stop_ids))
+                  if len(prompts) == 1 else self._batch(prompts, max_new_tokens, sampling, stop_ids))
+        for b, t in events:
+            out[b].append(t)
+            if on_token:
+                on_token(b, t)
+        return out
+
+    def _use_speculation(self, asked: bool | None, sampling: Sampling, rows: int) -> bool:
+        """The call's choice, else the engine's; where neither chose: on for greedy decoding of one prompt,
+        where it was measured faster on both backends, off for sampling (slower: fewer drafts are kept)
+        and for batches (one batched pass beats prompts one after the other). BENCHMARKS.md has the figures."""
+        choice = self.speculative if asked is None else asked
+        if choice is None:
+            return sampling.temperature <= 0 and rows == 1
+        return choice
+
+    def _batch(self, prompts, max_new, sampling, stop_ids) -> Iterator[tuple[int, int]]:
+        """(row, id) events of plain decoding of all prompts at once, one decode step per round."""
+        B, ctx, be = len(prompts), self.cfg.ctx_len, self.backend
+        if max_new <= 0 or B == 0:
+            return
+        hist = [self._check_prompt(p) for p in prompts]
+        rngs = [np.random.default_rng(sampling.seed + i) for i in range(B)]
+        be.start(B, [sampling.seed + i for i in range(B)])
+        pending = np.array([self._first(be.prefill(b, hist[b])[0], rngs[b], sampling) for b in range(B)])
+        pos = np.array([len(h) for h in hist])  # where each slot's pending token will be fed
+        count = np.zeros(B, dtype=np.int64)
+        live = np.ones(B, dtype=bool)
+        step = 0
+        while True:
+            feed = np.zeros(B, dtype=bool)
+            for b in np.flatnonzero(live):
+                t = int(pending[b])
+                count[b] += 1
+                hist[b].append(t)
+                yield int(b), t
+                if t in stop_ids or count[b] == max_new:
+                    live[b] = False
+                elif pos[b] >= ctx:  # this slot's cache is full: refill it from its recent tokens
+                    hist[b] = hist[b][-max(1, ctx // 2):]
+                    pending[b] = self._first(be.prefill(int(b), hist[b])[0], rngs[b], sampling)
+                    pos[b] = len(hist[b])
+                else:
+                    feed[b] = True
+            if not live.any():
+                return
+            if feed.any():
+                nxt = be.decode(pending, np.minimum(pos, ctx - 1), sampling, step, rngs, feed)
+                pending = np.where(feed, nxt, pending)
+                pos = np.where(feed, pos + 1, pos)
+                step += 1
+
+    # ---- one prompt, streamed ---------------------------------------------------------------------
+
+    def stream(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling, stop_ids=frozenset(),
+               speculative: bool | None = None) -> Iterator[int]:
+        """Yield new ids one at a time; a stop id is yielded and ends the stream. `speculative`: draft with
+        the MTP heads (default: `self.speculative`)."""
+        if max_new_tokens <= 0:
+            return
+        if not self._use_speculation(speculative, sampling, 1):
+            yield from self._single(prompt, max_new_tokens, sampling, stop_ids)
+            return
+        yield from self._speculative(prompt, max_new_tokens, sampling, stop_ids)
+
+    def _single(self, prompt, max_new, sampling, stop_ids) -> Iterator[int]:
+        """Plain decoding of one prompt: `_batch` with one row, in plain ints (the host's share of a step
+        is a few microseconds of Python, not NumPy calls)."""
+        be, ctx = self.backend, self.cfg.ctx_len
+        if max_new <= 0:
+            return
+        hist = self._check_prompt(prompt)
+        rngs = [np.random.default_rng(sampling.seed)]
+        be.start(1, [sampling.seed])
+        tok = self._first(be.prefill(0, hist)[0], rngs[0], sampling)
+        feed, pos, n = [0], [len(hist)], 0
+        mask = np.ones(1, dtype=bool)
+        while True:
+            yield tok
+            n += 1
+            hist.append(tok)
+            if tok in stop_ids or n == max_new:
+                return
+            if pos[0] >= ctx:  # the cache is full: refill it from the recent tokens
+                hist = hist[-max(1, ctx // 2):]
+                tok = self._first(be.prefill(0, hist)[0], rngs[0], sampling)
+                pos[0] = len(hist)
+                continue
+            feed[0] = tok
+            tok = int(be.decode(feed, pos, sampling, n - 1, rngs, mask)[0])
+            pos[0] += 1
+
+    def _speculative(self, prompt, max_new, sampling, stop_ids):
+        be, cfg = self.backend, self.cfg
+        K, ctx = cfg.mtp_heads, cfg.ctx_len
+        hist = self._check_prompt(prompt)
+        rng = np.random.default_rng(sampling.seed)
+        greedy = sampling.temperature <= 0
+        be.start(1, [sampling.seed])
+        st = self.stats
+        if len(st.offered) != K - 1:
+            st.offered, st.accepted = [0] * (K - 1), [0] * (K - 1)
+        sure, drafts, qs = self._after_prefill(be.prefill(0, hist), rng, sampling)
+        n = 0
+        while True:
+            # emit the sure token; then either slide, step plainly near the end of the context, or verify
+            yield sure
+            n += 1
+            hist.append(sure)
+            if sure in stop_ids or n == max_new:
+                return
+            pos = len(hist) - 1  # where `sure` will be fed
+            if pos >= ctx:
+                hist = hist[-max(1, ctx // 2):]
+                sure, drafts, qs = self._after_prefill(be.prefill(0, hist), rng, sampling)
+                continue
+            if pos + K > ctx or K == 1:
+                logits = be.verify(np.array([sure]), pos)  # (K, 1, V)
+                sure, drafts, qs = self._after_prefill(logits[:, 0], rng, sampling)
+                continue
+            block = np.array([sure] + drafts)
+            if greedy:
+                ids = be.verify_argmax(block, pos)  # (K, K): head, row
+                a = 0
+                while a < K - 1 and ids[0, a] == block[a + 1]:
+                    a += 1
+                nxt, new_drafts, new_qs = int(ids[0, a]), [int(i) for i in ids[1:, a]], None
+            else:
+                logits = be.verify(block, pos)  # (K, K, V)
+                a, nxt = K - 1, None
+                for j in range(K - 1):
+                    p = sampling_probs(logits[0, j], sampling.temperature, sampling.top_k, sampling.top_p)
+                    ok, tok = accept_or_resample(p, qs[j], int(block[j + 1]), rng.random(), rng)
+                    if not ok:
+                        a, nxt = j, tok
+                        break
+                if nxt is None:
+                    nxt = sample_token(logits[0, K - 1], rng, sampling.temperature, sampling.top_k, sampling.top_p)
+                _, new_drafts, new_qs = self._drafts(logits[1:, a], rng, sampling)
+            st.passes += 1
+            st.tokens += a + 1
+            for j in range(K - 1):  # draft j is checked when all before it were kept
+                st.offered[j] += j <= a
+                st.accepted[j] += j < a
+            for d in block[1:a + 1]:
+                yield int(d)
+                n += 1
+                hist.append(int(d))
+                if int(d) in stop_ids or n == max_new:
+                    return
+            sure, drafts, qs = nxt, new_drafts, new_qs
+
+    def _after_prefill(self, heads_logits, rng, sampling):
+        """(sure token from head 0, drafts from heads 1.., their distributions) from (K, V) logits."""
+        sure = self._first(heads_logits[0], rng, sampling)
+        _, drafts, qs = self._drafts(heads_logits[1:], rng, sampling)
+        return sure, drafts, qs
+
+    @staticmethod
+    def _drafts(logits, rng, sampling):
+        if sampling.temperature <= 0:
+            return None, [int(np.argmax(z)) for z in logits], None
+        qs = [sampling_probs(z, sampling.temperature, sampling.top_k, sampling.top_p) for z in logits]
+        return None, [int(rng.choice(q.shape[0], p=q)) for q in qs], qs
+
+    @staticmethod
+    def _first(logits, rng, sampling) -> int:
+        return sample_token(logits, rng, sampling.temperature, sampling.top_k, sampling.top_p)
+
+    def _check_prompt(self, prompt) -> list[int]:
+        if len(prompt) == 0:
+            raise ValueError("generation needs at least one prompt token")
+        V = self.cfg.vocab_size
+        ids = [int(t) for t in prompt][-self.cfg.ctx_len:]
+        if min(ids) < 0 or max(ids) >= V:
+            raise ValueError(f"prompt holds ids outside [0, {V})")
+        return ids
+
+
+
+def add_speculative_argument(parser) -> None:
+    parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None,
+                        help="self-speculative decoding: the MTP heads draft, one pass verifies (same greedy "
+                             "output; same sampling distribution). Default: on for greedy decoding "
+                             "(--temperature 0) of one prompt, where it is faster; off for sampling")

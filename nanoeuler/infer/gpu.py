@@ -1,0 +1,284 @@
+"""The decode engine's GPU backend: bf16 (or float32) weights, a preallocated cache, CUDA-graph decode steps.
+
+    >>> be = GpuBackend(params, cfg, dtype="bf16")     # params: NumPy or CuPy float32        # doctest: +SKIP
+    >>> be.start(1, seeds=[0]); be.prefill(0, ids)       # (K, V) logits of the prompt's last row   # doctest: +SKIP
+
+The model runs over rows (token, cache slot, position) with the kernels of `kernels/decode.cu`; see
+`engine.py` for the interface. Two ways through a layer, the same arithmetic:
+
+  * few rows (decode steps of up to GEMV_MAX_ROWS slots, speculative verify passes): GEMV kernels that stream
+    each weight row once in 16-byte loads for all rows, with the RMSNorm in their prologue and the residual
+    add or the SwiGLU in their epilogue: qkv, RoPE + cache write, attention over the cache, o (+= x), gate/up
+    (-> silu(g) * u), down (+= x). Batch-1 products are bound by the weight bandwidth, where a GEMM's tiles
+    only waste work.
+  * many rows (prefill, wide batches): cuBLAS GEMMs (bf16 operands, float32 accumulation, through ctypes so
+    that they can be captured) between the same elementwise kernels.
+
+A decode step (embedding, every layer, the final norm and head, the choice of the next token) is recorded
+once per (rows, heads, rule) as a CUDA graph and replayed; per step the host copies in one small array
+(ids, slots, positions, sampling values) and reads back the chosen ids: nothing else crosses, nothing is
+allocated. Sampling (temperature, top-k, top-p) draws from a counter-based generator seeded per slot.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from nanoeuler.model.layers import rope_tables
+from nanoeuler.model.transformer import head_weight_names
+
+# decode.cu's kernels per weight storage (`<stem>_bf16`, `<stem>_f32`), and its two others
+KERNELS = ("embed", "gemv_store", "gemv_add", "gemv_swiglu", "rope_cache", "attend", "attend_act", "rmsnorm_act",
+           "swiglu_act")
+GEMV_MAX_ROWS = 16  # decode batches above this many rows take the cuBLAS path
+GEMV_ROWS, GEMV_WARPS = 4, 8  # as decode.cu
+
+
+def to_bf16(a):
+    """float32 CuPy array -> bf16 words (uint16), round to nearest even."""
+    import cupy as cp
+
+    u = cp.ascontiguousarray(a, dtype=cp.float32).view(cp.uint32)
+    return ((u + cp.uint32(0x7FFF) + ((u >> cp.uint32(16)) & cp.uint32(1))) >> cp.uint32(16)).astype(cp.uint16)
+
+
+class _Rows:
+    """Activation buffers for up to M rows, allocated once per M. The meta of m <= M rows is the first
+    3m entries of `ctl` (ids, slots, positions); the sampling values sit after all 3M."""
+
+    def __init__(self, cp, cfg, M, n_out, wt):
+        C, H, Hkv, D, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
+        f32 = cp.float32
+        self.M = M
+        self.host = cp.cuda.alloc_pinned_memory(4 * (3 * M + 4))
+        self.ctl_host = np.frombuffer(self.host, dtype=np.int32, count=3 * M + 4)
+        self.ctl = cp.zeros(3 * M + 4, dtype=cp.int32)  # ids, slots, positions, sampling values
+        self.meta, self.samp = self.ctl[:3 * M], self.ctl[3 * M:]
+        self.slots = np.arange(M, dtype=np.int32)
+        self.x = cp.zeros((M, C), f32)
+        self.qkv = cp.zeros((M, (H + 2 * Hkv) * D), f32)
+        self.q = cp.zeros((M, H * D), f32)
+        self.att = cp.zeros((M, H * D), f32)
+        self.gu = cp.zeros((M, 2 * F), f32)
+        self.m = cp.zeros((M, F), f32)
+        self.act = cp.zeros(M * max(C, F, H * D), wt)  # GEMM operands (the cuBLAS path)
+        self.logits = cp.zeros((M, n_out), f32)  # (M, heads, V) packed, for as many heads as asked
+        self.out = cp.zeros(M * cfg.mtp_heads, cp.int32)
+        self.out_host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * M * cfg.mtp_heads), dtype=np.int32)
+
+    def act2(self, m: int, width: int):
+        """The GEMM-operand buffer as a contiguous (m, width) matrix."""
+        return self.act[:m * width].reshape(m, width)
+
+
+class GpuBackend:
+    def __init__(self, params: dict, cfg, dtype: str = "bf16"):
+        import cupy as cp
+
+        from nanoeuler.kernels import kernel
+
+        if dtype not in ("bf16", "fp32"):
+            raise ValueError(f"dtype must be bf16 or fp32, got {dtype!r}")
+        if cfg.vocab_size > 1024 * 64:  # sample_rows keeps SAMPLE_PER_THREAD = 64 logits per thread
+            raise ValueError(f"the GPU sampler handles vocabularies of up to 65536 tokens, not {cfg.vocab_size}")
+        self.cp, self.cfg, self.dtype = cp, cfg, dtype
+        self.wt = cp.uint16 if dtype == "bf16" else cp.float32
+        suffix = "bf16" if dtype == "bf16" else "f32"
+        self.k = {n: kernel("decode", f"{n}_{suffix}") for n in KERNELS}
+        self.k_argmax = kernel("decode", "argmax_rows")
+        self.k_sample = kernel("decode", "sample_rows")
+        W = (lambda a: to_bf16(cp.asarray(a, dtype=cp.float32))) if dtype == "bf16" else \
+            (lambda a: cp.ascontiguousarray(cp.asarray(a, dtype=cp.float32)))
+        g32 = lambda a: cp.ascontiguousarray(cp.asarray(a, dtype=cp.float32))  # noqa: E731
+        p = params
+        self.emb = W(p["embed_tokens.weight"])
+        self.layers = []
+        for i in range(cfg.n_layers):
+            n = f"layers.{i}."
+            self.layers.append(dict(
+                n1=g32(p[n + "input_layernorm.weight"]), n2=g32(p[n + "post_attention_layernorm.weight"]),
+                qkv=W(cp.concatenate([cp.asarray(p[n + f"self_attn.{w}_proj.weight"], dtype=cp.float32)
+                                      for w in "qkv"])),
+                o=W(p[n + "self_attn.o_proj.weight"]),
+                gu=W(cp.concatenate([cp.asarray(p[n + f"mlp.{w}_proj.weight"], dtype=cp.float32)
+                                     for w in ("gate", "up")])),
+                down=W(p[n + "mlp.down_proj.weight"])))
+        self.norm = g32(p["norm.weight"])
+        cos, sin = rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, np, np.float32)  # as the reference
+        self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
+        self.heads = W(cp.concatenate([cp.asarray(p[h], dtype=cp.float32) for h in head_weight_names(cfg)]))
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self._gemm = None
+        self._rows: dict[int, _Rows] = {}
+        self._graphs: dict = {}
+        self.kc = self.vc = None
+        self.seeds = None
+        self.use_graphs = True
+
+    # ---- buffers ------------------------------------------------------------------------------------
+
+    def start(self, batch: int, seeds=None) -> None:
+        cp, cfg = self.cp, self.cfg
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, cfg.ctx_len, cfg.head_dim)
+        if self.kc is None or self.kc.shape != shape:
+            self.kc = cp.zeros(shape, self.wt)
+            self.vc = cp.zeros(shape, self.wt)
+            self._graphs.clear()  # graphs hold the old cache's pointers
+        seeds = list(seeds) if seeds is not None else list(range(batch))
+        mixed = [(int(s) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019 * (b + 1)) % 2**64 for b, s in enumerate(seeds)]
+        if self.seeds is None or self.seeds.shape[0] != batch:
+            self.seeds = cp.zeros(batch, cp.uint64)
+        self.seeds.set(np.array(mixed, dtype=np.uint64))
+
+    def _buffers(self, M: int) -> _Rows:
+        if M not in self._rows:
+            self._rows[M] = _Rows(self.cp, self.cfg, M, self.cfg.mtp_heads * self.cfg.vocab_size, self.wt)
+        return self._rows[M]
+
+    def gemm(self):
+        if self._gemm is None:
+            from nanoeuler.kernels.cublas import Gemm
+
+            self._gemm = Gemm(self.stream)
+        return self._gemm
+
+    # ---- the forward over rows ------------------------------------------------------------------------
+
+    def _gemv(self, fn, w, x, gain, y, M, N, K):
+        warps = N if fn is self.k["gemv_swiglu"] else (N + 1) // 2  # a warp makes two outputs (decode.cu)
+        grid = ((warps + GEMV_WARPS - 1) // GEMV_WARPS, (M + GEMV_ROWS - 1) // GEMV_ROWS)
+        g = gain if gain is not None else np.uint64(0)
+        fn(grid, (32 * GEMV_WARPS,), (w, x, g, y, np.int32(M), np.int32(N), np.int32(K),
+                                     np.float32(self.cfg.norm_eps)), shared_mem=4 * min(M, GEMV_ROWS) * K)
+
+    def _attention(self, fn, r: _Rows, li, out, M):
+        cfg = self.cfg
+        D, L = cfg.head_dim, cfg.ctx_len
+        threads = max(D, (512 // D) * D)
+        fn((M, cfg.n_heads), (threads,), (r.q, self.kc[li], self.vc[li], r.meta, out, np.int32(M),
+                                          np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads), np.int32(D),
+                                          np.int32(L)), shared_mem=4 * (D + L + threads))
+
+    def _layers(self, r: _Rows, M: int, batched: bool):
+        """Every layer over M rows: r.x holds the embeddings in, the residual stream out."""
+        from nanoeuler.kernels.cublas import Matrix
+
+        cfg, k = self.cfg, self.k
+        C, H, Hkv, D, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
+        HD, NQ = H * D, (H + 2 * Hkv) * D
+        i32, f32 = np.int32, np.float32
+        x = r.x[:M]
+        for li, w in enumerate(self.layers):
+            if batched:
+                gemm = self.gemm()
+                k["rmsnorm_act"]((M,), (256,), (x, w["n1"], r.act, i32(C), f32(cfg.norm_eps)))
+                gemm(Matrix(r.qkv[:M]), Matrix(r.act2(M, C)), Matrix(w["qkv"]), tb=True)
+            else:
+                self._gemv(k["gemv_store"], w["qkv"], x, w["n1"], r.qkv, M, NQ, C)
+            k["rope_cache"]((M,), (256,), (r.qkv, r.meta, r.q, self.kc[li], self.vc[li], self.cos, self.sin,
+                                           i32(M), i32(H), i32(Hkv), i32(D), i32(cfg.ctx_len)))
+            if batched:
+                self._attention(k["attend_act"], r, li, r.act, M)
+                gemm(Matrix(x), Matrix(r.act2(M, HD)), Matrix(w["o"]), tb=True, beta=1.0)
+                k["rmsnorm_act"]((M,), (256,), (x, w["n2"], r.act, i32(C), f32(cfg.norm_eps)))
+                gemm(Matrix(r.gu[:M]), Matrix(r.act2(M, C)), Matrix(w["gu"]), tb=True)
+                k["swiglu_act"]((M,), (256,), (r.gu, r.act, i32(F)))
+                gemm(Matrix(x), Matrix(r.act2(M, F)), Matrix(w["down"]), tb=True, beta=1.0)
+            else:
+                self._attention(k["attend"], r, li, r.att, M)
+                self._gemv(k["gemv_add"], w["o"], r.att, None, x, M, C, HD)
+                self._gemv(k["gemv_swiglu"], w["gu"], x, w["n2"], r.m, M, F, C)
+                self._gemv(k["gemv_add"], w["down"], r.m, None, x, M, C, F)
+
+    def _step(self, r: _Rows, M: int, n_heads: int, rule: str):
+        """Queue one forward of M rows (ids/slots/positions in r.meta) and the choice of the next ids."""
+        cfg, V = self.cfg, self.cfg.vocab_size
+        self.k["embed"]((M,), (256,), (r.meta, self.emb, r.x, np.int32(M), np.int32(cfg.dim)))
+        self._layers(r, M, batched=M > GEMV_MAX_ROWS)
+        self._gemv(self.k["gemv_store"], self.heads, r.x, self.norm, r.logits, M, n_heads * V, cfg.dim)
+        # the GEMV wrote the logits packed: (M, n_heads, V)
+        if rule == "argmax":
+            self.k_argmax((M * n_heads,), (1024,), (r.logits, np.int32(V), np.int64(V), r.out))
+        elif rule == "sample":
+            self.k_sample((M,), (1024,), (r.logits, np.int32(V), np.int64(n_heads * V), r.samp, self.seeds, r.out))
+
+    def _run(self, M: int, n_heads: int, rule: str, meta: np.ndarray | None = None) -> _Rows:
+        """Copy in the rows' meta (`meta`, or what is already in the host buffer) and run the step on the backend's stream: kernel by kernel the first time
+        (compiling kernels, letting cuBLAS pick its algorithms), recorded as a CUDA graph the second, and
+        replayed from then on."""
+        r = self._buffers(M)
+        if meta is not None:
+            r.ctl_host[:3 * M] = meta
+        key = (M, n_heads, rule)
+        state = self._graphs.get(key)
+        with self.stream:
+            r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
+            if state is None or not self.use_graphs:
+                self._step(r, M, n_heads, rule)
+                self._graphs[key] = "seen"
+            else:
+                if state == "seen":
+                    self.stream.synchronize()
+                    self.stream.begin_capture()
+                    try:
+                        self._step(r, M, n_heads, rule)
+                    finally:
+                        state = self._graphs[key] = self.stream.end_capture()
+                state.launch(self.stream)
+        return r
+
+    def _fetch(self, r: _Rows, n: int) -> np.ndarray:
+        with self.stream:
+            r.out[:n].data.copy_to_host_async(r.out_host.ctypes.data, 4 * n, self.stream)
+        self.stream.synchronize()
+        return r.out_host[:n].copy()
+
+    # ---- the backend interface --------------------------------------------------------------------------
+
+    def prefill(self, slot: int, ids) -> np.ndarray:
+        cfg, cp = self.cfg, self.cp
+        T = len(ids)
+        r = self._buffers(max(32, 1 << (T - 1).bit_length()))  # sizes by powers of two: few buffers
+        meta = np.concatenate([np.asarray(ids, np.int32), np.full(T, slot, np.int32), np.arange(T, dtype=np.int32)])
+        r.ctl_host[:3 * T] = meta
+        with self.stream:
+            r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, 4 * 3 * T, self.stream)
+            self.k["embed"]((T,), (256,), (r.meta, self.emb, r.x, np.int32(T), np.int32(cfg.dim)))
+            self._layers(r, T, batched=T > GEMV_MAX_ROWS)
+            self._gemv(self.k["gemv_store"], self.heads, r.x[T - 1:], self.norm, r.logits, 1,
+                       cfg.mtp_heads * cfg.vocab_size, cfg.dim)
+            logits = r.logits[0].get(stream=self.stream)
+        return logits.reshape(cfg.mtp_heads, cfg.vocab_size)
+
+    def decode(self, tokens, pos, sampling, step, rngs, mask) -> np.ndarray:
+        B = len(tokens)
+        greedy = sampling.temperature <= 0
+        r = self._buffers(B)
+        h = r.ctl_host
+        h[:B] = tokens
+        h[B:2 * B] = r.slots
+        h[2 * B:3 * B] = pos
+        if not greedy:
+            h[3 * B:3 * B + 2] = (sampling.top_k, step & 0x7FFFFFFF)
+            h[3 * B + 2:] = np.array([sampling.temperature, sampling.top_p], dtype=np.float32).view(np.int32)
+        self._run(B, 1, "argmax" if greedy else "sample")
+        return self._fetch(r, B)
+
+    def verify_argmax(self, tokens, pos: int) -> np.ndarray:
+        t = len(tokens)
+        K = self.cfg.mtp_heads
+        meta = np.concatenate([np.asarray(tokens, np.int32), np.zeros(t, np.int32),
+                               pos + np.arange(t, dtype=np.int32)])
+        r = self._run(t, K, "argmax", meta)
+        return self._fetch(r, t * K).reshape(t, K).T  # (K, t)
+
+    def verify(self, tokens, pos: int) -> np.ndarray:
+        t = len(tokens)
+        cfg = self.cfg
+        meta = np.concatenate([np.asarray(tokens, np.int32), np.zeros(t, np.int32),
+                               pos + np.arange(t, dtype=np.int32)])
+        r = self._run(t, cfg.mtp_heads, "none", meta)
+        with self.stream:
+            logits = r.logits[:t].get(stream=self.stream)
+        return logits.reshape(t, cfg.mtp_heads, cfg.vocab_size).transpose(1, 0, 2)  # (K, t, V)
+

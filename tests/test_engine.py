@@ -1,0 +1,157 @@
+"""The decode engine (NumPy backend): equal to the reference `Generator`, batched ragged prompts, and
+self-speculative decoding (greedy token-identical; sampling with the exact output distribution)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from nanoeuler.infer.engine import Engine, accept_or_resample
+from nanoeuler.infer.generate import Generator, Sampling, sampling_probs
+from nanoeuler.model import transformer
+from nanoeuler.model.config import ModelConfig
+
+GREEDY = Sampling(temperature=0.0)
+
+
+def _model(dtype=np.float64, ctx=24, K=3, V=97, scale=20.0, seed=3):
+    cfg = ModelConfig(vocab_size=V, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=ctx, mtp_heads=K)
+    params = transformer.init_params(cfg, seed=seed, dtype=dtype)
+    for name in transformer.head_weight_names(cfg):  # far-from-uniform logits: no near-ties in greedy
+        params[name] = params[name] * scale
+    return params, cfg
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+def test_greedy_equals_the_reference_generator_across_a_context_slide(model):
+    params, cfg = model
+    ref, eng = Generator(params, cfg), Engine.from_params(params, cfg, "cpu")
+    for prompt, n in (([5, 17, 42, 8], 3 * cfg.ctx_len), (list(range(1, cfg.ctx_len + 5)), 40)):
+        assert eng.generate([prompt], n, GREEDY, speculative=False)[0] == ref.generate(prompt, n, GREEDY)
+
+
+def test_sampling_draws_the_reference_generators_tokens(model):
+    params, cfg = model
+    s = Sampling(temperature=1.0, top_k=20, top_p=0.9, seed=7)
+    ref, eng = Generator(params, cfg), Engine.from_params(params, cfg, "cpu")
+    assert list(eng.stream([3, 4], 50, s)) == ref.generate([3, 4], 50, s)
+
+
+def test_batched_ragged_prompts_equal_one_at_a_time(model):
+    params, cfg = model
+    eng, ref = Engine.from_params(params, cfg, "cpu"), Generator(params, cfg)
+    prompts = [[1, 2, 3], [9], list(range(10, 30)), [4, 4, 4, 4, 4]]
+    s = Sampling(temperature=0.9, top_k=0, top_p=1.0, seed=2)
+    got = eng.generate(prompts, 30, s, stop_ids={7})
+    for i, p in enumerate(prompts):
+        assert got[i] == ref.generate(p, 30, Sampling(0.9, 0, 1.0, 2 + i), stop_ids={7})
+
+
+def test_speculative_greedy_is_token_identical_and_drafts_get_accepted(model):
+    params, cfg = model
+    # a model whose draft heads are its head 0 shifted: half the drafts are right
+    eng = Engine.from_params(params, cfg, "cpu")
+    ref = Generator(params, cfg)
+    for prompt in ([5, 17, 42, 8], [1], list(range(30, 50))):
+        n = 2 * cfg.ctx_len + 3
+        assert list(eng.stream(prompt, n, GREEDY, speculative=True)) == ref.generate(prompt, n, GREEDY)
+    assert eng.stats.passes > 0 and eng.stats.tokens >= eng.stats.passes
+    stop = ref.generate([5, 17], 6, GREEDY)[3]
+    assert list(eng.stream([5, 17], 20, GREEDY, {stop}, speculative=True)) == ref.generate([5, 17], 20, GREEDY, {stop})
+
+
+def test_speculative_greedy_accepts_every_draft_when_the_heads_agree():
+    """A model trained to repeat itself: drafts from heads 1.. that predict the same token as head 0."""
+    params, cfg = _model(K=4)
+    # every head reads the same weights and the model's next token is (mostly) a fixed point
+    for k in range(1, 4):
+        params[f"mtp_heads.{k}.weight"] = params["lm_head.weight"]
+    params["embed_tokens.weight"] = params["embed_tokens.weight"] * 0  # no input dependence: constant logits
+    eng = Engine.from_params(params, cfg, "cpu")
+    out = list(eng.stream([1, 2], 13, GREEDY, speculative=True))
+    assert out == [out[0]] * 13
+    assert eng.stats.acceptance() == [1.0, 1.0, 1.0] and eng.stats.tokens_per_pass() == 4.0
+
+
+def test_accept_or_resample_gives_the_target_distribution():
+    rng = np.random.default_rng(0)
+    p, q = np.array([0.1, 0.6, 0.3]), np.array([0.5, 0.2, 0.3])
+    n = 40000
+    counts = np.zeros(3)
+    for _ in range(n):
+        d = rng.choice(3, p=q)
+        counts[accept_or_resample(p, q, d, rng.random(), rng)[1]] += 1
+    np.testing.assert_allclose(counts / n, p, atol=0.01)
+
+
+def _sequence_probs(params, cfg, prompt, n, s):
+    """Exact probability of every n-token continuation under plain sampling with `s` (float64)."""
+    V = cfg.vocab_size
+    probs = {}
+    for seq in itertools.product(range(V), repeat=n):
+        pr, hist = 1.0, list(prompt)
+        for t in seq:
+            lg = transformer.logits(params, np.array([hist]), cfg)[0, -1]
+            pr *= sampling_probs(lg, s.temperature, s.top_k, s.top_p)[t]
+            hist.append(t)
+        probs[seq] = pr
+    return probs
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_speculative_sampling_has_the_plain_output_distribution(top_k):
+    """A 4-token vocabulary, 3 draft heads: the frequencies of all 64 three-token continuations over many seeds
+    against their exact probabilities (chi-square, 63 degrees of freedom, p > 0.001)."""
+    params, cfg = _model(V=4, K=4, scale=60.0, seed=5, ctx=16)
+    s = Sampling(temperature=1.0, top_k=top_k, top_p=1.0)
+    prompt, n = [1, 2, 3], 3
+    exact = _sequence_probs(params, cfg, prompt, n, s)
+    eng = Engine.from_params(params, cfg, "cpu")
+    runs = 3000
+    counts = dict.fromkeys(exact, 0)
+    for seed in range(runs):
+        out = tuple(eng.stream(prompt, n, Sampling(1.0, top_k, 1.0, seed), speculative=True))
+        counts[out] += 1
+    assert eng.stats.passes > runs / 2  # the drafts were really verified
+    seqs = [k for k in exact if exact[k] * runs >= 5]  # cells with enough expected counts; the rest pooled
+    obs = np.array([counts[k] for k in seqs] + [runs - sum(counts[k] for k in seqs)], dtype=float)
+    exp = np.array([exact[k] * runs for k in seqs] + [runs * (1 - sum(exact[k] for k in seqs))])
+    keep = exp > 0
+    chi2 = float((((obs - exp) ** 2)[keep] / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    # the 0.999 quantile of chi-square is below dof + 4.5 sqrt(2 dof) + 10 for these sizes
+    assert chi2 < dof + 4.5 * np.sqrt(2 * dof) + 10, (chi2, dof)
+    assert min(eng.stats.acceptance()) < 1.0  # drafts were rejected too: the resample path ran
+
+
+def test_sample_command_speculative_prints_the_same_greedy_text(tmp_path):
+    import subprocess
+    import sys
+
+    from train_fixtures import make_tokenizer, save_random_model
+
+    save_random_model(tmp_path / "m.bin", make_tokenizer())
+    cmd = [sys.executable, "-m", "nanoeuler", "sample", "--ckpt", str(tmp_path / "m.bin"), "--prompt", "It was",
+           "--max-new-tokens", "20", "--temperature", "0", "--device", "cpu"]
+    plain = subprocess.run(cmd + ["--no-speculative"], capture_output=True, text=True, timeout=60)
+    spec = subprocess.run(cmd + ["--speculative"], capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    assert spec.stdout == plain.stdout and plain.stdout.startswith("It was")
+
+
+def test_every_decode_kernel_the_gpu_backend_launches_is_defined():
+    import re
+
+    from nanoeuler.infer import gpu
+    from nanoeuler.kernels import KERNEL_DIR
+
+    text = (KERNEL_DIR / "decode.cu").read_text()
+    stems = set(re.findall(r'extern "C" __global__ void (\w+)_##NAME\(', text))
+    suffixes = set(re.findall(r"^DECODE_KERNELS\(\w+, (\w+)\)", text, flags=re.M))
+    plain = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', text))
+    assert set(gpu.KERNELS) <= stems and suffixes == {"bf16", "f32"}
+    assert {"argmax_rows", "sample_rows"} <= plain

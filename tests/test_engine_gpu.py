@@ -1,0 +1,96 @@
+"""The decode engine's GPU backend (needs CuPy and a CUDA device; skipped otherwise): logits against the
+NumPy backend, greedy tokens against the reference `Generator`, speculative greedy equal to plain greedy,
+the cuBLAS (wide batch) path equal to the GEMV path, and the sampling kernel's distribution."""
+
+import numpy as np
+import pytest
+
+from nanoeuler.infer.engine import Engine
+from nanoeuler.infer.generate import Generator, Sampling, sampling_probs
+from nanoeuler.model import transformer
+from nanoeuler.model.config import ModelConfig
+
+pytestmark = pytest.mark.gpu
+GREEDY = Sampling(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    pytest.importorskip("cupy")
+    from nanoeuler.backend import gpu_unavailable_reason
+
+    if gpu_unavailable_reason():
+        pytest.skip(gpu_unavailable_reason())
+    cfg = ModelConfig(vocab_size=300, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=48, mtp_heads=4)
+    params = transformer.init_params(cfg, seed=3, dtype=np.float64)
+    for name in transformer.head_weight_names(cfg):
+        params[name] = params[name] * 30  # far-from-uniform logits: no near-ties
+    return params, cfg
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("dtype,tol", [("fp32", 2e-5), ("bf16", 3e-2)])
+def test_prefill_and_verify_logits_match_numpy(model, dtype, tol):
+    params, cfg = model
+    cpu = Engine.from_params(params, cfg, "cpu").backend
+    gpu = Engine.from_params(params, cfg, "gpu", dtype=dtype).backend
+    rng = np.random.default_rng(0)
+    for T in (5, 40):  # the GEMV path and the cuBLAS path
+        ids = rng.integers(0, cfg.vocab_size, T)
+        cpu.start(1), gpu.start(1)
+        assert _rel(gpu.prefill(0, ids), cpu.prefill(0, ids)) < tol
+        block = rng.integers(0, cfg.vocab_size, 4)
+        assert _rel(gpu.verify(block, T), cpu.verify(block, T)) < tol
+        got, want = gpu.verify_argmax(block, T), cpu.verify_argmax(block, T)
+        if dtype == "fp32":
+            np.testing.assert_array_equal(got, want)
+        else:  # bf16 may flip a near-tie: the id it picks must be within rounding of the best logit
+            logits = cpu.verify(block, T)
+            best = np.take_along_axis(logits, want[..., None], -1)[..., 0]
+            picked = np.take_along_axis(logits, got[..., None], -1)[..., 0]
+            assert np.all(best - picked <= 0.05 * np.abs(best).max())
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_greedy_plain_speculative_and_batched(model, dtype):
+    params, cfg = model
+    ref = Generator(params, cfg)
+    eng = Engine.from_params(params, cfg, "gpu", dtype=dtype)
+    prompts = [[5, 17, 42, 8], [1], list(range(30, 60))]
+    n = cfg.ctx_len + 20  # across a context slide
+    want = [ref.generate(p, n, GREEDY) for p in prompts]
+    plain = [list(eng.stream(p, n, GREEDY, speculative=False)) for p in prompts]
+    spec = [list(eng.stream(p, n, GREEDY, speculative=True)) for p in prompts]
+    assert spec == plain  # the engine's own greedy, token for token
+    if dtype == "fp32":
+        assert plain == want
+    else:  # bf16: the same until a near-tie; these logits have none in the first steps
+        assert all(a[:8] == b[:8] for a, b in zip(plain, want))
+    wide = [prompts[i % 3] for i in range(20)]  # 20 rows: the cuBLAS path inside the decode graph
+    got = eng.generate(wide, 12, GREEDY)
+    assert got == [[t for t in plain[i % 3][:12]] for i in range(20)] or dtype == "bf16"
+    assert got[:3] == eng.generate(prompts, 12, GREEDY) or dtype == "bf16"
+
+
+def test_sampling_kernel_draws_from_sampling_probs(model):
+    import cupy as cp
+
+    from nanoeuler.kernels import kernel
+
+    V, R = 50, 20000
+    z = np.random.default_rng(1).normal(size=V).astype(np.float32) * 2
+    logits = cp.asarray(np.tile(z, (R, 1)))
+    fn = kernel("decode", "sample_rows")
+    for T, k, p in ((1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8), (1.0, 20, 0.9)):
+        ctl = np.array([k, 7, 0, 0], np.int32)
+        ctl[2:] = np.array([T, p], np.float32).view(np.int32)
+        out = cp.zeros(R, cp.int32)
+        seeds = cp.arange(R, dtype=cp.uint64) * 0x9E3779B97F4A7C15
+        fn((R,), (1024,), (logits, np.int32(V), np.int64(V), cp.asarray(ctl), seeds, out))
+        freq = np.bincount(out.get(), minlength=V) / R
+        want = sampling_probs(z, T, k, p)
+        assert np.all(freq[want == 0] == 0)
+        np.testing.assert_allclose(freq, want, atol=0.012)

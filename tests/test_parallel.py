@@ -72,10 +72,12 @@ def test_rank_0_passes_the_nccl_id_to_the_others_through_the_file(tmp_path):
     for t in threads:
         t.start()
     time.sleep(0.2)  # the others wait for the file
-    uid = exchange_id(World(0, 3, 0), path, make_id=lambda: tuple(range(-5, 123)), timeout=10)
+    uid = exchange_id(World(0, 3, 0), path, make_id=lambda: bytes(range(128)), timeout=10)
     for t in threads:
         t.join()
-    assert got == {1: uid, 2: uid} and uid == tuple(range(-5, 123))
+    assert got == {1: uid, 2: uid} and uid == bytes(range(128))
+    exchange_id(World(0, 2, 0), path, make_id=lambda: tuple(range(-5, 123)), timeout=10)  # an older CuPy's id
+    assert exchange_id(World(1, 2, 1), path, make_id=None, timeout=10) == tuple(range(-5, 123))
     with pytest.raises(UserError, match=r"rank 1: rank 0's NCCL id did not appear .* all 2 ranks running"):
         exchange_id(World(1, 2, 1), tmp_path / "never.id", make_id=None, timeout=0.2)
 

@@ -107,19 +107,21 @@ def rendezvous_path(env=None) -> Path:
                     "or start the run with --gpus N")
 
 
-def exchange_id(world: World, path: Path, make_id: Callable[[], tuple], timeout: float) -> tuple:
-    """Rank 0 writes `make_id()` to `path` (atomically); the others wait up to `timeout` s to read it."""
+def exchange_id(world: World, path: Path, make_id: Callable[[], bytes | tuple], timeout: float) -> bytes | tuple:
+    """Rank 0 writes `make_id()` to `path` (atomically); the others wait up to `timeout` s to read it.
+    The id is bytes (CuPy >= 13) or a tuple of ints (older CuPy); every rank gets the same type back."""
     path = Path(path)
     if world.is_root:
-        uid = tuple(make_id())
+        uid = make_id()
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(list(uid)))
+        tmp.write_text(json.dumps({"hex": uid.hex()} if isinstance(uid, bytes) else {"ints": list(uid)}))
         os.replace(tmp, path)
         return uid
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return tuple(json.loads(path.read_text()))
+            record = json.loads(path.read_text())
+            return bytes.fromhex(record["hex"]) if "hex" in record else tuple(record["ints"])
         except (FileNotFoundError, json.JSONDecodeError):
             if time.monotonic() > deadline:
                 raise UserError(f"rank {world.rank}: rank 0's NCCL id did not appear in {path} within {timeout:.0f} s "
@@ -182,7 +184,10 @@ def _check_device(ranks: int, device: str) -> None:
         raise UserError(f"data-parallel training ({ranks} ranks) runs on GPUs; use --device gpu")
 
 
-def supervise(stage: str, procs: list, poll: float = 0.2, grace: float = 10.0) -> int:
+RESUME_HINT = "Running the same command again resumes from the last checkpoint"
+
+
+def supervise(stage: str, procs: list, poll: float = 0.2, grace: float = 10.0, hint: str = RESUME_HINT) -> int:
     """Wait for every rank; when one exits with an error, stop the others and say which one it was."""
     try:
         while True:
@@ -192,9 +197,9 @@ def supervise(stage: str, procs: list, poll: float = 0.2, grace: float = 10.0) -
                 rank, code = failed[0]
                 others = [p for p in procs if p.poll() is None]
                 _stop(others, grace)
-                print(f"nanoeuler {stage}: error: rank {rank} (pid {procs[rank].pid}) {_describe_exit(code)}; "
-                      f"stopped the other {len(others)} rank(s). Running the same command again resumes from "
-                      "the last checkpoint", file=sys.stderr, flush=True)
+                stopped = f"; stopped the other {len(others)} rank(s)" if others else ""
+                print(f"nanoeuler {stage}: error: rank {rank} (pid {procs[rank].pid}) {_describe_exit(code)}"
+                      f"{stopped}. {hint}", file=sys.stderr, flush=True)
                 return 1
             if all(c == 0 for c in codes):
                 return 0
@@ -381,10 +386,10 @@ class DataParallel:
     def die(self, why: str) -> None:
         print(f"nanoeuler {self.stage}: error: rank {self.rank}: {why}; aborting the communicator",
               file=sys.stderr, flush=True)
-        try:
-            self.comm.abort()
-        finally:
-            os._exit(1)
+        aborting = threading.Thread(target=self.comm.abort, daemon=True)  # an abort that hangs must not keep
+        aborting.start()                                                   # the process alive
+        aborting.join(10.0)
+        os._exit(1)
 
     def close(self) -> None:
         self._stopped.set()

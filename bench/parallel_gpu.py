@@ -66,7 +66,7 @@ def compare(a, b, data, lr=3e-4) -> dict:
     for batch in data:
         la, na = a.step(batch, lr)
         lb, nb = b.step(batch, lr)
-        d_loss, d_norm = max(d_loss, abs(la - lb)), max(d_norm, abs(na - nb))
+        d_loss, d_norm = max(d_loss, abs(la - lb) / abs(la)), max(d_norm, abs(na - nb) / abs(na))
     ta = {**a.params(), **a.state_tensors()}
     tb = {**b.params(), **b.state_tensors()}
     equal = all(bool(cp.array_equal(ta[n], tb[n])) for n in ta)
@@ -74,14 +74,29 @@ def compare(a, b, data, lr=3e-4) -> dict:
     return {"steps": len(data), "loss_diff": d_loss, "norm_diff": d_norm, "bitwise": equal, "state_diff": d_state}
 
 
+def hook_is_identity(dp, grads: dict) -> bool:
+    """At world size 1 the all-reduce must leave the gradients exactly as they were."""
+    import cupy as cp
+
+    before = {n: g.copy() for n, g in grads.items()}
+    dp.grad_hook()(grads)
+    return all(bool(cp.array_equal(grads[n], before[n])) for n in grads)
+
+
 def identity(dp, cfg) -> int:
+    """The data-parallel path at world 1 against the plain one. GPU training is not bit-reproducible here
+    (the embedding backward and the gradient norm add with atomics), so two plain runs are the baseline,
+    and the all-reduce itself is checked alone on one backward's gradients: it must change no bit."""
     import cupy as cp
 
     assert dp.size == 1, "identity runs at world size 1"
     params = transformer.init_params(cfg, seed=0)
-    rows = []
+    rows, exact = [], {}
     s32 = settings(precision="fp32", grad_clip=1.0, batch_size=4)
     data = batches(cfg, 4, 256, 4, seed=1)
+    dev = {n: cp.asarray(p) for n, p in params.items()}
+    exact["fp32 gradients"] = hook_is_identity(dp, transformer.loss_and_grads(dev, *map(cp.asarray, data[0][0]), cfg)[1])
+    del dev
     plain, other = make_stepper(s32, cfg, params, cp), make_stepper(s32, cfg, params, cp)
     rows.append(("fp32 stepper, clip 1.0", "plain vs plain", compare(plain, other, data)))
     plain = make_stepper(s32, cfg, params, cp)
@@ -91,29 +106,34 @@ def identity(dp, cfg) -> int:
     data = batches(cfg, 8, cfg.ctx_len, 8, seed=2)
     for clip in (0.0, 1.0):
         s16 = settings(precision="bf16", grad_clip=clip, batch_size=8)
-        plain = make_stepper(s16, cfg, params, cp)
-        other = make_stepper(s16, cfg, params, cp)
+        plain, other = make_stepper(s16, cfg, params, cp), make_stepper(s16, cfg, params, cp)
         rows.append((f"bf16 engine, clip {clip}", "plain vs plain", compare(plain, other, data)))
         del other
         plain = make_stepper(s16, cfg, params, cp)
         nccl = dp.wrap(make_stepper(s16, cfg, params, cp, grad_hook=dp.grad_hook()))
-        bufs = parallel.gradient_buffers(nccl.inner.engine.grads())
-        print(f"the engine's gradients: {len(bufs)} NCCL buffer(s), {sum(b.size for b in bufs):,} float32", flush=True)
+        if clip == 0.0:
+            eng = nccl.inner.engine
+            bufs = parallel.gradient_buffers(eng.grads())
+            print(f"the engine's gradients: {len(bufs)} NCCL buffer(s), {sum(b.size for b in bufs):,} float32")
+            eng.forward_backward(*(np.asarray(v, dtype=np.int32) for v in data[0][0]))
+            exact["bf16 engine's flat gradients"] = hook_is_identity(dp, eng.grads())
         rows.append((f"bf16 engine, clip {clip}", "plain vs NCCL world 1", compare(plain, nccl, data)))
         del plain, nccl
         cp.get_default_memory_pool().free_all_blocks()
-    print(f"\n{'what':<24} {'pair':<22} {'steps':>5} {'max dloss':>10} {'max dnorm':>10} {'max dstate':>10} bitwise")
+    print(f"\n{'what':<24} {'pair':<22} {'steps':>5} {'rel dloss':>10} {'rel dnorm':>10} {'max dstate':>10} bitwise")
     for what, pair, r in rows:
         print(f"{what:<24} {pair:<22} {r['steps']:>5} {r['loss_diff']:>10.3g} {r['norm_diff']:>10.3g} "
               f"{r['state_diff']:>10.3g} {'yes' if r['bitwise'] else 'NO'}")
-    ok = True
+    ok = all(exact.values())
+    for what, same in exact.items():
+        print(f"all-reduce at world 1 on the {what}: {'bit for bit unchanged' if same else 'CHANGED (FAIL)'}")
     for what in dict.fromkeys(w for w, _, _ in rows):
         base, got = (r for w, _, r in rows if w == what)
-        # the NCCL path must agree bit for bit, or, where two plain runs do not (atomics), as closely as they do
+        # end to end: bit for bit, or within the loss agreement of two plain runs (1e-4 relative at most)
         if got["bitwise"]:
             verdict = "bit for bit"
-        elif not base["bitwise"] and got["state_diff"] <= 4 * base["state_diff"]:
-            verdict = "as close as two plain runs (which differ: atomics)"
+        elif got["loss_diff"] <= max(10 * base["loss_diff"], 1e-6) and got["loss_diff"] <= 1e-4:
+            verdict = "losses as close as two plain runs' (the plain path is not bit-reproducible)"
         else:
             verdict, ok = "FAIL", False
         print(f"{what}: NCCL world 1 vs plain: {verdict}")

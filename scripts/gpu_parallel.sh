@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Data-parallel checks and timings on the GPUs of this host, in one go (N = every visible GPU, or $GPUS):
-#   1. identity: world size 1 through the NCCL path equals the plain path bit for bit (fp32 stepper, bf16
-#      engine; bench/parallel_gpu.py identity),
+#   1. identity: at world size 1 the NCCL all-reduce leaves the gradients bit for bit unchanged (fp32 and
+#      the bf16 engine's flat buffer), and training through the NCCL path agrees with the plain path as
+#      closely as two plain runs do (bench/parallel_gpu.py identity),
 #   2. the NCCL all-reduce of the 116M gradient buffer at world 1 and N,
 #   3. `nanoeuler pretrain` N ranks x B against 1 GPU x N*B for $STEPS steps (default 100), fp32 and bf16,
-#      on random-token shards: the largest relative loss difference (fp32 must be <= 1e-5). With one GPU the
-#      "N ranks" run is one rank launched as RANK=0 WORLD_SIZE=1, which must give the same losses exactly,
+#      on random-token shards: the largest relative loss difference (fp32 <= 1e-5, bf16 <= 2e-2). With one
+#      GPU the "N ranks" run is one rank launched as RANK=0 WORLD_SIZE=1 (the NCCL path),
 #   4. kill one rank (N >= 2): `kill -9` of rank N-1 after the second checkpoint; the launcher must stop the
 #      run with a message naming it, and the same command must resume from the last checkpoint and finish,
 #   5. scaling: tokens/s of 1, 2, 4, 8 ranks (up to N) at B16xT512 and B32xT512 per GPU, and the efficiency
@@ -31,8 +32,8 @@ record() { names+=("$1"); if [ "$2" -eq 0 ]; then results+=("ok${3:+: $3}"); els
 
 # ---- 1, 2: the world-1 identity and the all-reduce ----
 $PY bench/parallel_gpu.py --ranks 1 identity 2>&1 | tee "$LOG_DIR/identity.log"
-record "world 1: NCCL path == plain path" "${PIPESTATUS[0]}" \
-    "$(grep -c 'NCCL world 1 vs plain: bit for bit' "$LOG_DIR/identity.log") of 3 bit for bit"
+record "world 1: NCCL path vs plain path" "${PIPESTATUS[0]}" \
+    "all-reduce unchanged on $(grep -c 'bit for bit unchanged' "$LOG_DIR/identity.log") of 2 gradient sets"
 for n in $(printf '%s\n' 1 "$N" | sort -un); do
     $PY bench/parallel_gpu.py --ranks "$n" allreduce 2>&1 | tee "$LOG_DIR/allreduce$n.log"
     record "all-reduce 116M, world $n" "${PIPESTATUS[0]}" "$(grep -o 'median.*' "$LOG_DIR/allreduce$n.log")"
@@ -77,7 +78,7 @@ one, dp = ([json.loads(l) for l in open(p) if '"loss"' in l] for p in sys.argv[1
 prec, n = sys.argv[3], int(sys.argv[4])
 assert len(one) == len(dp) > 0, (len(one), len(dp))
 rel = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(one, dp))
-limit = 0.0 if n == 1 and prec == "fp32" else 1e-5 if prec == "fp32" else 2e-2
+limit = 1e-5 if prec == "fp32" else 2e-2  # GPU runs are not bit-reproducible (atomics): not 0 at N = 1 either
 print(f"max rel loss diff {rel:.3g} over {len(one)} steps (limit {limit:g})")
 sys.exit(0 if rel <= limit else 1)
 EOF

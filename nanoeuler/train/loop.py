@@ -256,7 +256,7 @@ def train(run: Run) -> dict:
                     loss, norm = stepper.step(batch, lr)
                 except NonFinite as exc:
                     _stop_nonfinite(run, exc.what, exc.value, step)
-                tokens_since += world * sum(x.size for x, _ in batch)  # every rank trains as many
+                tokens_since += world * sum(x.size for x, _ in batch)  # each rank as many (SFT: about)
 
                 final = step == run.total_steps
                 if root and (step % s.log_every == 0 or final):

@@ -95,7 +95,9 @@ def identity(dp, cfg) -> int:
     s32 = settings(precision="fp32", grad_clip=1.0, batch_size=4)
     data = batches(cfg, 4, 256, 4, seed=1)
     dev = {n: cp.asarray(p) for n, p in params.items()}
-    exact["fp32 gradients"] = hook_is_identity(dp, transformer.loss_and_grads(dev, *map(cp.asarray, data[0][0]), cfg)[1])
+    grads = transformer.loss_and_grads(dev, *map(cp.asarray, data[0][0]), cfg)[1]
+    exact["fp32 gradients"] = hook_is_identity(dp, grads)
+    del grads
     del dev
     plain, other = make_stepper(s32, cfg, params, cp), make_stepper(s32, cfg, params, cp)
     rows.append(("fp32 stepper, clip 1.0", "plain vs plain", compare(plain, other, data)))

@@ -244,7 +244,8 @@ def _train_ranks(shards, run_dirs, world, batch, steps=4):
 def _metrics(run_dir):
     from nanoeuler.train.rundir import read_jsonl
 
-    return [(r["step"], r["loss"], r["grad_norm"], r["tokens_per_s"] > 0) for r in read_jsonl(run_dir / "metrics.jsonl")]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    return [(r["step"], r["loss"], r["grad_norm"], r["tokens_per_s"] > 0) for r in records]
 
 
 def test_two_ranks_of_b_train_like_one_process_of_2b_and_rank_0_alone_writes(shards, tmp_path):

@@ -317,6 +317,23 @@ def test_the_loss_is_the_mean_over_ranks_and_a_non_finite_one_stops_every_rank()
     assert comm.calls == ["loss"]
 
 
+def test_a_rank_with_a_nan_loss_still_joins_the_gradient_all_reduce():
+    from nanoeuler.train.config import TrainConfig
+    from nanoeuler.train.stepper import make_stepper
+
+    calls = []
+    sec = validate({"pretrain": {"batch_size": 2}})["pretrain"]
+    params = {n: p.astype(np.float64) for n, p in transformer.init_params(CFG, seed=0).items()}
+    params["norm.weight"][0] = np.nan
+    stepper = make_stepper(TrainConfig.from_section(sec), CFG, params, np, grad_hook=calls.append)
+    rng = np.random.default_rng(0)
+    w = rng.integers(0, CFG.vocab_size, size=(2, CFG.ctx_len + CFG.mtp_heads))
+    y = np.stack([w[:, 1 + k:CFG.ctx_len + 1 + k] for k in range(CFG.mtp_heads)], axis=-1)
+    with pytest.raises(NonFinite, match="loss"):
+        stepper.step([(w[:, :CFG.ctx_len], y)], 1e-3)
+    assert len(calls) == 1 and stepper.t == 0  # the collective ran; the update did not
+
+
 def test_the_watchdog_names_a_stuck_step_a_gone_launcher_and_an_nccl_error():
     class Broken(OtherRanks):
         def check(self):

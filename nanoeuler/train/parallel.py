@@ -162,6 +162,11 @@ def launch(stage: str, argv: list[str], gpus: int, device: str, poll: float = 0.
 
     Ranks above 0 keep their standard output to themselves (rank 0 prints the run's progress and summary)."""
     _check_device(gpus, device)
+    import cupy as cp
+
+    have = cp.cuda.runtime.getDeviceCount()
+    if gpus > have:
+        raise UserError(f"--gpus {gpus}: this host has {have} GPU(s)")
     with tempfile.TemporaryDirectory(prefix="nanoeuler-ranks-") as tmp:
         procs = [subprocess.Popen([sys.executable, "-m", "nanoeuler", stage, *argv],
                                   env=rank_env(r, gpus, str(Path(tmp) / "nccl.id")),

@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
+    args.argv = argv[1:]  # the stage's own arguments, for `--gpus N` to start N processes with them
     try:
         return int(module.run(args) or 0)
     except UserError as exc:

@@ -95,10 +95,13 @@ class RandomWindows:
     """Batches of random windows of `T + K` tokens, drawn from a seeded Generator.
 
     A window never crosses a shard boundary; each start position of each shard is equally likely.
+    Rank `rank` of `world` data-parallel ranks draws the `world * batch_size` windows of the whole step
+    (the same draws on every rank) and keeps windows rank, rank + world, ...
     """
 
-    def __init__(self, split: ShardSplit, T: int, K: int, batch_size: int, seed: int):
+    def __init__(self, split: ShardSplit, T: int, K: int, batch_size: int, seed: int, rank: int = 0, world: int = 1):
         self.split, self.T, self.K, self.batch_size = split, T, K, batch_size
+        self.rank, self.world = rank, world
         self.window = T + K
         self.starts = np.array([max(0, a.shape[0] - self.window + 1) for a in split.arrays], dtype=np.int64)
         self.cum = np.cumsum(self.starts)
@@ -112,7 +115,7 @@ class RandomWindows:
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """inputs (B, T) int64 and targets (B, T, K) int64."""
-        g = self.rng.integers(0, int(self.cum[-1]), size=self.batch_size)
+        g = self.rng.integers(0, int(self.cum[-1]), size=self.batch_size * self.world)[self.rank::self.world]
         shard = np.searchsorted(self.cum, g, side="right")
         offset = g - (self.cum[shard] - self.starts[shard])
         windows = np.stack([self.split.arrays[s][o : o + self.window] for s, o in zip(shard, offset)])

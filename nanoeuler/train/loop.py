@@ -32,6 +32,8 @@ from nanoeuler.train.stepper import NonFinite, make_stepper
 # Training-section keys that change what is logged or kept, not the trajectory. (sft.val_examples is
 # not one of them: the held-out records are not trained on.)
 COSMETIC_KEYS = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "val_tokens")
+# How many processes train: not a setting of the trajectory itself; the world size enters the identity.
+LAUNCH_KEYS = ("gpus",)
 
 
 class Batches(Protocol):
@@ -64,14 +66,20 @@ class Run:
     foreign_model_is_error: bool = False
     head_loss: Callable | None = None  # the loss on the final normed state (None: transformer.mtp_cross_entropy)
     grad_hook: Callable[[dict], None] | None = None  # on the gradients between backward and clipping
+    # One rank of a data-parallel run (`train.parallel.DataParallel`): the gradients and the loss are averaged
+    # over the ranks, and rank 0 alone reads and writes the run directory. None: a single process.
+    parallel: object | None = None
 
     def __post_init__(self):
         self.settings = TrainConfig.from_section(self.section)
 
 
 def run_identity(run: Run) -> dict:
-    settings = {k: v for k, v in sorted(run.section.items()) if k not in COSMETIC_KEYS}
-    return {"stage": run.stage, "settings": settings, "total_steps": run.total_steps, **run.identity}
+    settings = {k: v for k, v in sorted(run.section.items()) if k not in COSMETIC_KEYS + LAUNCH_KEYS}
+    ident = {"stage": run.stage, "settings": settings, "total_steps": run.total_steps, **run.identity}
+    if run.parallel is not None and run.parallel.size > 1:  # N ranks of batch B: a global batch of N*B
+        ident["world_size"] = run.parallel.size
+    return ident
 
 
 def _warn(stage: str, msg: str) -> None:
@@ -158,22 +166,43 @@ def _save_checkpoint(run: Run, stepper, step: int) -> Path:
     return path
 
 
+def _find_resume_on_every_rank(run: Run) -> tuple[dict, dict] | None:
+    """`_find_resume` on rank 0 (it may move files); the other ranks load the checkpoint it chose."""
+    dp = run.parallel
+    if dp is None:
+        return _find_resume(run)
+    from nanoeuler import checkpoint
+
+    resumed = _find_resume(run) if dp.is_root else None
+    step = dp.broadcast_int(int(resumed[1]["step"]) if resumed else -1)
+    if dp.is_root or step < 0:
+        return resumed
+    return checkpoint.load(rundir.checkpoint_path(run.run_dir, step))
+
+
+def _make_stepper(run: Run, params: dict):
+    dp = run.parallel
+    hook = run.grad_hook if dp is None else dp.grad_hook(then=run.grad_hook)
+    stepper = make_stepper(run.settings, run.cfg, params, run.xp, stage=run.stage, head_loss=run.head_loss,
+                           grad_hook=hook)
+    return stepper if dp is None else dp.wrap(stepper)
+
+
 def _start(run: Run):
     """(stepper, first 0-based step): from the newest usable checkpoint, else from `run.init_params`."""
-    resumed = _find_resume(run)
+    resumed = _find_resume_on_every_rank(run)
     if resumed is None:
-        return make_stepper(run.settings, run.cfg, run.init_params(), run.xp, stage=run.stage,
-                            head_loss=run.head_loss, grad_hook=run.grad_hook), 0
+        return _make_stepper(run, run.init_params()), 0
     tensors, meta = resumed
     params = {name: tensors[name] for name in run.cfg.param_shapes()}
-    stepper = make_stepper(run.settings, run.cfg, params, run.xp, stage=run.stage, head_loss=run.head_loss,
-                           grad_hook=run.grad_hook)
+    stepper = _make_stepper(run, params)
     stepper.load_state_tensors({k[len("optim."):]: v for k, v in tensors.items() if k.startswith("optim.")},
                                int(meta["optim_t"]))
     run.batches.load_state(meta["loader"])
     start = int(meta["step"])
-    print(f"nanoeuler {run.stage}: resuming from step {start} ({rundir.checkpoint_path(run.run_dir, start)})",
-          file=sys.stderr, flush=True)
+    if run.parallel is None or run.parallel.is_root:
+        print(f"nanoeuler {run.stage}: resuming from step {start} ({rundir.checkpoint_path(run.run_dir, start)})",
+              file=sys.stderr, flush=True)
     return stepper, start
 
 
@@ -183,14 +212,18 @@ def train(run: Run) -> dict:
     from nanoeuler.optim import lr_at
 
     s = run.settings
-    run.run_dir.mkdir(parents=True, exist_ok=True)
-    rundir.remove_stale_temporaries(run.run_dir)
+    root = run.parallel is None or run.parallel.is_root  # the one process that writes the run directory
+    world = 1 if run.parallel is None else run.parallel.size
+    if root:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        rundir.remove_stale_temporaries(run.run_dir)
     log = rundir.MetricsLog(run.run_dir / "metrics.jsonl")
     stepper, start = _start(run)
-    log.truncate_after(start)
+    if root:
+        log.truncate_after(start)
     last: dict = {}
     last_ckpt = None
-    bar = _progress_bar(run, start)
+    bar = _progress_bar(run, start) if root else None
     tokens_since, t_since = 0, time.perf_counter()
     try:
         with oom_guard(s.batch_size, run.cfg.ctx_len):  # a GPU OOM becomes one clear line
@@ -203,8 +236,8 @@ def train(run: Run) -> dict:
                     loss, norm = stepper.step(batch, lr)
                 except NonFinite as exc:
                     _stop_nonfinite(run, exc.what, exc.value, step)
-                tokens_since += sum(x.size for x, _ in batch)
-                if step % s.log_every == 0 or final:
+                tokens_since += world * sum(x.size for x, _ in batch)  # each rank as many (SFT: about)
+                if root and (step % s.log_every == 0 or final):
                     now = time.perf_counter()
                     rate = tokens_since / max(now - t_since, 1e-9)
                     last = {"step": step, "loss": float(loss), "lr": lr, "grad_norm": norm, "tokens_per_s": rate}
@@ -213,11 +246,11 @@ def train(run: Run) -> dict:
                         bar.set_postfix_str(f"loss {loss:.4f} lr {lr:.2e} {rate:,.0f} tok/s", refresh=False)
                     tokens_since, t_since = 0, now
                 t0 = time.perf_counter()
-                if run.evaluate is not None and (step % s.eval_every == 0 or final):
+                if root and run.evaluate is not None and (step % s.eval_every == 0 or final):
                     val = run.evaluate(stepper.params())
                     log.append({"step": step, **val})
                     last = {**last, **val}
-                if step % s.checkpoint_every == 0 or final:
+                if root and (step % s.checkpoint_every == 0 or final):
                     last_ckpt = _save_checkpoint(run, stepper, step)
                 t_since += time.perf_counter() - t0  # keep evaluation and checkpoints out of tokens/s
                 if bar is not None:
@@ -225,6 +258,8 @@ def train(run: Run) -> dict:
     finally:
         if bar is not None:
             bar.close()
+    if run.parallel is not None and not run.parallel.is_root:
+        return last  # rank 0 writes the final model
     return _finish(run, stepper, last or _last_record(log), last_ckpt)
 
 

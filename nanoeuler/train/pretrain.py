@@ -15,6 +15,7 @@ from pathlib import Path
 from nanoeuler.backend import add_device_argument
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.errors import UserError
+from nanoeuler.train import parallel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", metavar="DIR",
                         help="checkpoints, metrics.jsonl, loss.png (default: 'pretrain' next to --out)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parallel.add_gpus_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
     sec = conf["pretrain"]
     settings = PretrainConfig.from_section(sec)
     device = args.device or conf["device"]
+    gpus = parallel.gpus_wanted(args, sec)
+    if gpus > 1 and parallel.world_from_env() is None:
+        return parallel.launch("pretrain", args.argv, gpus, device)
+    dp = parallel.setup("pretrain", gpus, device)  # before the first CuPy array: it picks the rank's GPU
+    root = dp is None or dp.is_root
     xp = get_xp(device)
 
     tok = Tokenizer.load(args.tokenizer)
@@ -58,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     T, K = cfg.ctx_len, cfg.mtp_heads
     train_split = ShardSplit(args.shards, "train", manifest)
     val_split = ShardSplit(args.shards, "val", manifest)
-    windows = RandomWindows(train_split, T, K, settings.batch_size, settings.seed)
+    windows = RandomWindows(train_split, T, K, settings.batch_size, settings.seed,
+                            rank=0 if dp is None else dp.rank, world=1 if dp is None else dp.size)
     val = fixed_windows(val_split, T, K, settings.val_tokens)
 
     class _Batches:
@@ -80,9 +88,13 @@ def run(args: argparse.Namespace) -> int:
         evaluate=evaluate,
         identity={"data": {"manifest_sha256": manifest["_sha256"]}},
         extra_out={"val_split": {"tokens": val_split.tokens, "bytes": val_split.bytes}},
-        progress=not args.no_progress,
+        progress=not args.no_progress, parallel=dp,
     )
     last = loop.train(spec)
+    if dp is not None:
+        dp.close()
+    if not root:
+        return 0
     plot_losses([("pretraining", rundir.read_jsonl(run_dir / "metrics.jsonl"))], run_dir / "loss.png")
     print(f"nanoeuler pretrain: train loss {last.get('loss', float('nan')):.4f}, "
           f"val loss {last.get('val_loss', float('nan')):.4f}, val bits/byte {last.get('val_bpb', float('nan')):.4f}")

@@ -31,6 +31,8 @@ from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.errors import UserError
 from nanoeuler.train.template import render_prompt
 
+from nanoeuler.train import parallel
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
@@ -40,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="BIN", help="the chat model, e.g. results/chat.bin")
     parser.add_argument("--run-dir", metavar="DIR", help="checkpoints and metrics (default: 'sft' next to --out)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parallel.add_gpus_argument(parser)
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -165,11 +168,20 @@ def prepare_examples(records, tok, ctx_len: int, too_long: str) -> tuple[list[tu
 
 
 class EpochBatches:
-    """Micro-batch m of the run: epoch m // per_epoch, in the order of that epoch's seeded permutation."""
+    """Micro-batch m of the run: epoch m // per_epoch, in the order of that epoch's seeded permutation.
 
-    def __init__(self, examples, batch_size: int, grad_accum: int, seed: int, K: int, pad_id: int):
+    Rank `rank` of `world` data-parallel ranks takes examples rank, rank + world, ... of each batch of
+    `world * batch_size`. Every rank needs an example a step, so an epoch's tail of fewer than `world`
+    examples is left out (the next epoch's permutation puts other examples last)."""
+
+    def __init__(self, examples, batch_size: int, grad_accum: int, seed: int, K: int, pad_id: int,
+                 rank: int = 0, world: int = 1):
         self.examples, self.B, self.accum, self.seed, self.K, self.pad_id = examples, batch_size, grad_accum, seed, K, pad_id
-        self.per_epoch = math.ceil(len(examples) / batch_size)
+        self.rank, self.world = rank, world
+        if len(examples) < world:
+            raise UserError(f"{len(examples)} training examples cannot feed {world} ranks")
+        full, tail = divmod(len(examples), batch_size * world)
+        self.per_epoch = full + (tail >= world)
         self._perm: tuple[int, np.ndarray] | None = None
         self._last = (0, 0)
 
@@ -181,7 +193,8 @@ class EpochBatches:
         epoch, i = divmod(m, self.per_epoch)
         if self._perm is None or self._perm[0] != epoch:
             self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.examples)))
-        idx = self._perm[1][i * self.B : (i + 1) * self.B]
+        wide = self.B * self.world
+        idx = self._perm[1][i * wide : (i + 1) * wide][self.rank :: self.world]
         self._last = (epoch, i + 1)
         return sft_batch([self.examples[j] for j in idx], self.K, self.pad_id)
 
@@ -242,7 +255,13 @@ def run(args: argparse.Namespace) -> int:
     conf = sections(args, "device", "sft")
     sec = conf["sft"]
     settings = SftConfig.from_section(sec)
-    xp = get_xp(args.device or conf["device"])
+    device = args.device or conf["device"]
+    gpus = parallel.gpus_wanted(args, sec)
+    if gpus > 1 and parallel.world_from_env() is None:
+        return parallel.launch("sft", args.argv, gpus, device)
+    dp = parallel.setup("sft", gpus, device)  # before the first CuPy array: it picks the rank's GPU
+    root = dp is None or dp.is_root
+    xp = get_xp(device)
 
     params, cfg, meta = checkpoint.load_model(args.base)
     tok = _base_tokenizer(args.base, meta)
@@ -254,18 +273,19 @@ def run(args: argparse.Namespace) -> int:
 
     examples, counts = prepare_examples(train_records, tok, cfg.ctx_len, settings.too_long)
     val_examples, _ = prepare_examples(val_records, tok, cfg.ctx_len, settings.too_long)
-    print(f"nanoeuler sft: {len(train_records)} training records: {len(examples)} used, "
-          f"{counts['truncated']} truncated to the {cfg.ctx_len}-token context "
-          f"({counts['prompt_cut']} of them lost the start of the prompt), "
-          f"{counts['dropped']} dropped as too long (sft.too_long = {settings.too_long}); "
-          f"{len(val_examples)} held out for validation", file=sys.stderr, flush=True)
+    if root:
+        print(f"nanoeuler sft: {len(train_records)} training records: {len(examples)} used, "
+              f"{counts['truncated']} truncated to the {cfg.ctx_len}-token context "
+              f"({counts['prompt_cut']} of them lost the start of the prompt), "
+              f"{counts['dropped']} dropped as too long (sft.too_long = {settings.too_long}); "
+              f"{len(val_examples)} held out for validation", file=sys.stderr, flush=True)
     if not examples:
         raise UserError(f"no Alpaca record of {args.data} fits the {cfg.ctx_len}-token context "
                         "(try sft.too_long: truncate)")
 
     pad_id = tok.eot_id
     batches = EpochBatches(examples, settings.batch_size, settings.grad_accum, settings.seed,
-                           cfg.mtp_heads, pad_id)
+                           cfg.mtp_heads, pad_id, rank=0 if dp is None else dp.rank, world=1 if dp is None else dp.size)
 
     def evaluate(p):
         return response_loss(p, cfg, val_examples, settings.batch_size, pad_id, xp)
@@ -278,9 +298,13 @@ def run(args: argparse.Namespace) -> int:
         run_dir=run_dir, out=out, xp=xp, evaluate=evaluate if val_examples else None,
         identity={"data": {"alpaca_sha256": data_sha, "base_checksum": base_checksum}},
         extra_out={"sft_data": {"train_examples": len(examples), "val_examples": len(val_examples), **counts}},
-        progress=not args.no_progress, foreign_model_is_error=False,
+        progress=not args.no_progress, foreign_model_is_error=False, parallel=dp,
     )
     last = loop.train(spec)
+    if dp is not None:
+        dp.close()
+    if not root:
+        return 0
     plot_losses([("SFT", rundir.read_jsonl(run_dir / "metrics.jsonl"))], run_dir / "loss.png")
     print(f"nanoeuler sft: train loss {last.get('loss', float('nan')):.4f}, "
           f"held-out response loss {last.get('val_loss', float('nan')):.4f}")

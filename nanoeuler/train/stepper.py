@@ -82,10 +82,10 @@ class XpStepper:
         if accum > 1:
             for name in grads:
                 grads[name] *= 1.0 / accum
+        if self.grad_hook is not None:  # first: a data-parallel hook is a collective every rank must join
+            self.grad_hook(grads)
         if not math.isfinite(loss):
             raise NonFinite("loss", loss)
-        if self.grad_hook is not None:
-            self.grad_hook(grads)
         norm = clip_grad_norm(grads, self.max_norm)
         if not math.isfinite(norm):
             raise NonFinite("gradient norm", norm)

@@ -14,7 +14,7 @@ rule pretrain:
         cfg=stage_params("device", "model", "pretrain"),
     threads: 64  # BLAS threads on the CPU; capped at --cores by Snakemake
     resources:
-        gpu=0 if config["device"] == "cpu" else 1,
+        gpu=0 if config["device"] == "cpu" else config["pretrain"]["gpus"],
     log:
         "logs/pretrain.log",
     shell:
@@ -33,7 +33,7 @@ rule sft:
         cfg=stage_params("device", "sft"),
     threads: 64
     resources:
-        gpu=0 if config["device"] == "cpu" else 1,
+        gpu=0 if config["device"] == "cpu" else config["sft"]["gpus"],
     log:
         "logs/sft.log",
     shell:

@@ -40,9 +40,10 @@ from nanoeuler.backend import to_numpy
 from nanoeuler.errors import UserError
 from nanoeuler.train import rundir
 
-# Training-section keys that change what is logged or kept, not the trajectory. (sft.val_examples is
-# not one of them: the held-out records are not trained on.)
-COSMETIC_KEYS = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "val_tokens")
+# Training-section keys that change what is logged or kept, not the trajectory (`kernels` computes the
+# same step with other kernels, so a run can resume on another GPU). (sft.val_examples is not one of
+# them: the held-out records are not trained on.)
+COSMETIC_KEYS = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "val_tokens", "kernels")
 
 
 class Batches(Protocol):
@@ -275,10 +276,11 @@ def _bf16_engine(run: Run, params: dict, opt):
     if int(sec["grad_accum"]) != 1:
         raise UserError(f"{run.stage}.precision bf16 takes grad_accum 1 (got {sec['grad_accum']}); "
                         "raise batch_size instead")
+    from nanoeuler.kernels import kernel_path_options
     from nanoeuler.kernels.engine import Engine
 
     return Engine.from_adamw(run.cfg, params, opt, batch=int(sec["batch_size"]), seq=run.cfg.ctx_len,
-                             max_norm=float(sec["grad_clip"]))
+                             max_norm=float(sec["grad_clip"]), **kernel_path_options(sec.get("kernels", "auto")))
 
 
 def _engine_update(run: Run, engine, opt, step0: int, lr: float):

@@ -19,6 +19,8 @@ rule gutenberg:
         root=lambda wildcards: workflow.basedir,  # resolves relative sample paths; not a file prefix
     log:
         "logs/gutenberg.log",
+    benchmark:
+        "benchmarks/gutenberg.tsv"
     shell:
         "nanoeuler gutenberg --params {params.cfg:q} --raw-dir {params.raw:q} "
         "--source-root {params.root:q} --out {output:q} > {log:q} 2>&1"
@@ -35,6 +37,8 @@ rule fineweb:
         root=lambda wildcards: workflow.basedir,  # resolves relative sample paths; not a file prefix
     log:
         "logs/fineweb.log",
+    benchmark:
+        "benchmarks/fineweb.tsv"
     shell:
         "nanoeuler fineweb --params {params.cfg:q} --raw-dir {params.raw:q} "
         "--source-root {params.root:q} --out {output:q} > {log:q} 2>&1"
@@ -51,6 +55,8 @@ rule alpaca:
         root=lambda wildcards: workflow.basedir,  # resolves relative sample paths; not a file prefix
     log:
         "logs/alpaca.log",
+    benchmark:
+        "benchmarks/alpaca.tsv"
     shell:
         "nanoeuler alpaca --params {params.cfg:q} --raw-dir {params.raw:q} "
         "--source-root {params.root:q} --out {output:q} > {log:q} 2>&1"
@@ -67,6 +73,8 @@ rule corpus:
         cfg=stage_params("corpus"),
     log:
         "logs/corpus.log",
+    benchmark:
+        "benchmarks/corpus.tsv"
     shell:
         "nanoeuler corpus --params {params.cfg:q} --books {input.books:q} --web {input.web:q} "
         "--train {output.train:q} --val {output.val:q} > {log:q} 2>&1"

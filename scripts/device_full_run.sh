@@ -11,7 +11,9 @@
 #   bash scripts/device_full_run.sh time20k SECONDS   # the full 20,000-step schedule on the run's shards
 #                                                      # for SECONDS: steps/s and the extrapolated wall time
 #   bash scripts/device_full_run.sh portable STEPS    # pretraining on the portable kernels, memory pool capped
-#                                                      # at 12 GB, plus bench/train_gpu.py at B32xT512
+#                                                      # at 12 GB; the process's peak GPU memory
+#   bash scripts/device_full_run.sh compare        # bench/train_gpu.py at B32xT512: Hopper path, portable
+#                                                  # path and torch.compile in one run
 #
 # The pipeline is config/config.yaml with the overlay config/mirror.yaml (sources and step count only).
 # Snakemake's `benchmark:` files give each rule's wall time and peak RSS; nvidia-smi is polled every
@@ -51,8 +53,13 @@ install() {
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$REPO"/.carry/whl/*.whl
     shim
     env_setup
-    $PY -c "import snakemake, duckdb, pyarrow, matplotlib, yaml, regex, tqdm, requests, cupy; \
-print('snakemake', snakemake.__version__, 'duckdb', duckdb.__version__, 'pyarrow', pyarrow.__version__, 'cupy', cupy.__version__)"
+    $PY -c "
+import importlib
+for name in ('snakemake', 'duckdb', 'pyarrow', 'matplotlib', 'yaml', 'regex', 'tqdm', 'requests', 'cupy', 'ml_dtypes'):
+    try:
+        print(name, getattr(importlib.import_module(name), '__version__', '?'))
+    except Exception as exc:
+        print(name, 'MISSING:', exc)"
 }
 
 shim() {
@@ -153,8 +160,13 @@ YAML
     echo "portable pretrain, $steps steps, pool capped at $GB12 bytes: peak process GPU memory" \
         "$(awk -F', ' '{if ($2 > m) m = $2} END {print m}' "$dir/apps.csv") MiB" | tee "$OUT/portable.txt"
     grep -E '"val_loss"' "$dir/run/metrics.jsonl" | tail -1 | tee -a "$OUT/portable.txt"
+    grep -E '"tokens_per_s"' "$dir/run/metrics.jsonl" | tail -1 | tee -a "$OUT/portable.txt"
+}
+
+compare() {  # one bench run at the full config's B32xT512: the Hopper path, the portable one, torch.compile
+    mkdir -p "$OUT"
     $PY "$REPO/bench/train_gpu.py" --rows 32x512 --steps 50 --warmup 5 \
-        --modes torch-compile,ours-bf16,ours-bf16-ldm-nofuse,ours-bf16-mma-nofuse 2>&1 | tail -12 | tee -a "$OUT/portable.txt"
+        --modes torch-compile,ours-bf16,ours-bf16-ldm-nofuse,ours-bf16-mma-nofuse 2>&1 | tee "$OUT/compare.txt"
 }
 
 case "${1:-}" in
@@ -166,5 +178,6 @@ case "${1:-}" in
     collect) collect ;;
     time20k) time20k "${2:-240}" ;;
     portable) portable "${2:-300}" ;;
+    compare) compare ;;
     *) sed -n 2,22p "$0"; exit 2 ;;
 esac

@@ -10,8 +10,9 @@
 #   bash scripts/device_full_run.sh wait SECONDS   # follow it; when done: the stage table, results to $OUT
 #   bash scripts/device_full_run.sh time20k SECONDS   # the full 20,000-step schedule on the run's shards
 #                                                      # for SECONDS: steps/s and the extrapolated wall time
-#   bash scripts/device_full_run.sh portable STEPS    # pretraining on the portable kernels, memory pool capped
-#                                                      # at 12 GB; the process's peak GPU memory
+#   bash scripts/device_full_run.sh portable STEPS [auto]  # pretraining on the portable (or auto) kernels,
+#                                                      # memory pool capped at 12 GB; the process's peak GPU memory
+#   bash scripts/device_full_run.sh shards         # on a fresh machine: the shards from .carry/corpus + tokenizer
 #   bash scripts/device_full_run.sh compare        # bench/train_gpu.py at B32xT512: Hopper path, portable
 #                                                  # path and torch.compile in one run
 #
@@ -138,15 +139,24 @@ YAML
     $PY "$REPO/scripts/device_stage_table.py" --extrapolate "$dir/progress" 20000 | tee "$OUT/t20k.txt"
 }
 
-portable() {  # the 4070's path: portable kernels, CuPy's pool capped at 12 GB, the process's peak from nvidia-smi
+shards() {  # the run's shards again, from a corpus and tokenizer carried in .carry/ (a fresh machine)
     env_setup
-    local steps=$1 dir=$WORK/portable
+    mkdir -p "$WORK/results"
+    cp "$REPO/.carry/tokenizer.json" "$WORK/results/tokenizer.json"
+    $PY -m nanoeuler tokenize --config "$REPO/config/config.yaml" --tokenizer "$WORK/results/tokenizer.json" \
+        --train "$REPO/.carry/corpus/train.parquet" --val "$REPO/.carry/corpus/val.parquet" \
+        --out "$WORK/results/shards/manifest.json" --workers 16 2>&1 | tail -3
+}
+
+portable() {  # the 4070's path: CuPy's pool capped at 12 GB, the process's peak from nvidia-smi
+    env_setup
+    local steps=$1 kernels=${2:-portable} dir=$WORK/memcap-${2:-portable}
     mkdir -p "$dir" "$OUT"
     cat > "$dir/cfg.yaml" <<YAML
 device: gpu
 tokenizer: {vocab_size: 4096}
 model: {preset: gpu}
-pretrain: {precision: bf16, kernels: portable, steps: $steps, eval_every: $((steps / 2)), log_every: 10,
+pretrain: {precision: bf16, kernels: $kernels, steps: $steps, eval_every: $((steps / 2)), log_every: 10,
            checkpoint_every: $steps}
 YAML
     setsid nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 200 \
@@ -156,11 +166,11 @@ YAML
         --shards "$WORK/results/shards/manifest.json" --tokenizer "$WORK/results/tokenizer.json" \
         --out "$dir/base.bin" --run-dir "$dir/run" --no-progress > "$dir/log" 2>&1 || tail -5 "$dir/log"
     kill $smi || true
-    cp "$dir/run/metrics.jsonl" "$OUT/portable_metrics.jsonl" 2>/dev/null || true
-    echo "portable pretrain, $steps steps, pool capped at $GB12 bytes: peak process GPU memory" \
-        "$(awk -F', ' '{if ($2 > m) m = $2} END {print m}' "$dir/apps.csv") MiB" | tee "$OUT/portable.txt"
-    grep -E '"val_loss"' "$dir/run/metrics.jsonl" | tail -1 | tee -a "$OUT/portable.txt"
-    grep -E '"tokens_per_s"' "$dir/run/metrics.jsonl" | tail -1 | tee -a "$OUT/portable.txt"
+    cp "$dir/run/metrics.jsonl" "$OUT/memcap_${kernels}_metrics.jsonl" 2>/dev/null || true
+    echo "$kernels kernels: pretrain, $steps steps, pool capped at $GB12 bytes: peak process GPU memory" \
+        "$(awk -F', ' '{if ($2 > m) m = $2} END {print m}' "$dir/apps.csv") MiB" | tee -a "$OUT/memcap.txt"
+    grep -E '"val_loss"' "$dir/run/metrics.jsonl" | tail -1 | tee -a "$OUT/memcap.txt"
+    grep -E '"tokens_per_s"' "$dir/run/metrics.jsonl" | tail -1 | tee -a "$OUT/memcap.txt"
 }
 
 compare() {  # one bench run at the full config's B32xT512: the Hopper path, the portable one, torch.compile
@@ -177,7 +187,8 @@ case "${1:-}" in
     wait) wait_run "${2:-540}" ;;
     collect) collect ;;
     time20k) time20k "${2:-240}" ;;
-    portable) portable "${2:-300}" ;;
+    portable) portable "${2:-300}" "${3:-portable}" ;;
+    shards) shards ;;
     compare) compare ;;
     *) sed -n 2,22p "$0"; exit 2 ;;
 esac

@@ -28,7 +28,7 @@ MIRROR=${MIRROR:-/tmp/nanoeuler-mirror}
 PORT=8765
 PY=${PYTHON:-python3}
 OUT=${OUT:-$WORK/out}
-GB12=12000000000  # the seeds' 12 GB card
+GB12=${MEMCAP:-12000000000}  # the seeds' 12 GB card (MEMCAP: another cap, to find what is needed)
 CONFIGS=${CONFIGS:-config/config.yaml config/mirror.yaml}  # relative to the tree; a test may add an overlay
 
 env_setup() {
@@ -151,6 +151,7 @@ shards() {  # the run's shards again, from a corpus and tokenizer carried in .ca
 portable() {  # the 4070's path: CuPy's pool capped at 12 GB, the process's peak from nvidia-smi
     env_setup
     local steps=$1 kernels=${2:-portable} dir=$WORK/memcap-${2:-portable}
+    rm -rf "$dir"  # a fresh run, not a resumed one
     mkdir -p "$dir" "$OUT"
     cat > "$dir/cfg.yaml" <<YAML
 device: gpu

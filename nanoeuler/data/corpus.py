@@ -21,11 +21,12 @@ import argparse
 from pathlib import Path
 
 from nanoeuler.config import add_config_arguments, sections
-from nanoeuler.data.common import atomic_path, info
+from nanoeuler.data.common import atomic_path, duckdb_connection, info
 from nanoeuler.errors import UserError
 
 SOURCES = ("gutenberg", "fineweb")
 _HASH_DIV = 1_000_000_007  # md5 as a number -> a fraction in [0, 1)
+_ROW_GROUP = 16384  # rows per parquet row group written: DuckDB buffers a whole group per thread
 
 
 def chunk_text(text: str, chunk_bytes: int) -> list[str]:
@@ -116,27 +117,25 @@ SELECT split, source, doc_id, text, order_key FROM repeated"""
 
 
 def build(section: dict, books: Path, web: Path, train: Path, val: Path) -> dict:
-    import duckdb
-
     book_table = book_pieces(books, section["chunk_bytes"])
     _read_table(web, "fineweb").schema  # checks the file before the query does
-    con = duckdb.connect()
-    con.register("book_pieces", book_table)
-    sql = mix_query(web, section)
-    con.execute(f"CREATE TEMP VIEW mixed AS {sql}")
-    info("DuckDB query:\n" + sql)
-    stats = con.execute(
-        "SELECT split, source, count(*) AS docs, sum(strlen(text)) AS bytes FROM mixed "
-        "GROUP BY ALL ORDER BY split, source").fetchall()
-    for split in ("train", "val"):
-        if not any(row[0] == split and row[2] > 0 for row in stats):
-            raise UserError(f"the {split} split would be empty: raise corpus.val_fraction or add data"
-                            if split == "val" else "the train split would be empty: check corpus.weights")
-    with atomic_path(train) as tmp_train, atomic_path(val) as tmp_val:
-        for split, tmp in (("train", tmp_train), ("val", tmp_val)):
-            con.execute(f"COPY (SELECT source, doc_id, text FROM mixed WHERE split = '{split}' ORDER BY order_key) "
-                        f"TO {_sql_str(tmp)} (FORMAT parquet, COMPRESSION zstd)")
-    con.close()
+    with duckdb_connection(train.parent / ".duckdb_tmp") as con:
+        con.register("book_pieces", book_table)
+        sql = mix_query(web, section)
+        con.execute(f"CREATE TEMP VIEW mixed AS {sql}")
+        info("DuckDB query:\n" + sql)
+        stats = con.execute(
+            "SELECT split, source, count(*) AS docs, sum(strlen(text)) AS bytes FROM mixed "
+            "GROUP BY ALL ORDER BY split, source").fetchall()
+        for split in ("train", "val"):
+            if not any(row[0] == split and row[2] > 0 for row in stats):
+                raise UserError(f"the {split} split would be empty: raise corpus.val_fraction or add data"
+                                if split == "val" else "the train split would be empty: check corpus.weights")
+        with atomic_path(train) as tmp_train, atomic_path(val) as tmp_val:
+            for split, tmp in (("train", tmp_train), ("val", tmp_val)):
+                con.execute(f"COPY (SELECT source, doc_id, text FROM mixed WHERE split = '{split}' "
+                            f"ORDER BY order_key) TO {_sql_str(tmp)} "
+                            f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {_ROW_GROUP})")
     summary = {}
     for split, source, docs, nbytes in stats:
         summary.setdefault(split, {})[source] = {"documents": docs, "bytes": int(nbytes)}

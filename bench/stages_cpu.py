@@ -136,7 +136,13 @@ def timed(name: str, argv: list[str], log: Path) -> dict:
     if rc != 0:
         raise SystemExit(f"{name} failed (exit {rc}); see {log}")
     return {"stage": name, "wall_s": wall, "peak_rss_gb": rss_kb * 1024 / 1e9, "load_before": load0,
-            "load_after": os.getloadavg()[0]}
+            "load_after": os.getloadavg()[0], "cpu_s": cpu_seconds(text)}
+
+
+def cpu_seconds(time_v: str) -> float:
+    """User + system CPU seconds of a process and its children, from /usr/bin/time -v's report. On a
+    shared machine this, not the wall time, says how fast the work runs per core."""
+    return sum(float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", time_v).group(1)) for kind in ("User", "System"))
 
 
 def run(data: Path, work: Path, mirror: Path, stages: list[str]) -> list[dict]:
@@ -185,16 +191,20 @@ def run(data: Path, work: Path, mirror: Path, stages: list[str]) -> list[dict]:
     return results
 
 
-def table(results: list[dict]) -> str:
-    lines = ["| stage | wall s | peak RSS GB | load avg (before/after) | notes |", "|---|---:|---:|---|---|"]
+def table(results: list[dict], work: Path) -> str:
+    lines = ["| stage | wall s | CPU s | peak RSS GB | load avg (before/after) | notes |",
+             "|---|---:|---:|---:|---|---|"]
     for r in results:
+        if "cpu_s" not in r:  # a result of an earlier version of this script: read its log
+            r["cpu_s"] = cpu_seconds((work / f"{r['stage']}.log").read_text())
         notes = []
         if "mb_per_s" in r:
-            notes.append(f"{r['bytes'] / 1e9:.2f} GB, {r['mb_per_s']:.2f} MB/s, "
-                         f"{r['mb_per_s_per_worker']:.2f} MB/s per worker")
+            notes.append(f"{r['bytes'] / 1e9:.2f} GB, {r['mb_per_s']:.2f} MB/s wall, "
+                         f"{r['mb_per_s_per_worker']:.2f} MB/s per worker, "
+                         f"{r['bytes'] / 1e6 / r['cpu_s']:.2f} MB per CPU second")
         if r.get("unique_chunks"):
             notes.append(f"{r['unique_chunks']:,} distinct chunks; merges {r['merges_s']:.0f} s")
-        lines.append(f"| {r['stage']} | {r['wall_s']:.0f} | {r['peak_rss_gb']:.2f} | "
+        lines.append(f"| {r['stage']} | {r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['peak_rss_gb']:.2f} | "
                      f"{r['load_before']:.1f} / {r['load_after']:.1f} | {'; '.join(notes)} |")
     return "\n".join(lines)
 
@@ -214,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         make_data(args.mirror.resolve(), args.data, args.gb, args.files, args.seed)
     elif args.what == "run":
         results = run(args.data.resolve(), args.work.resolve(), args.mirror.resolve(), args.stages.split(","))
-        print(table(results))
+        print(table(results, args.work.resolve()))
     else:
         lines = (args.work / "results.jsonl").read_text().splitlines()
-        print(table([json.loads(x) for x in lines]))
+        print(table([json.loads(x) for x in lines], args.work))
     return 0
 
 

@@ -2,7 +2,8 @@
 
     python scripts/mirror/build.py                       # the mirror: real text to grow the scale data from
     python bench/stages_cpu.py make-data --gb 2.2        # FineWeb-Edu-schema parquet files, never a repeated document
-    python bench/stages_cpu.py run                       # gutenberg, fineweb, corpus, tokenizer, tokenize x {1, 2} workers
+    python bench/stages_cpu.py run                       # gutenberg, fineweb, corpus, tokenizer, tokenize
+                                                         # with 2 and 1 workers
 
 Scale data. The mirror holds ~105 MB of web text; 1 GB of distinct documents is grown from it: each
 new document takes a mirror document's sentences (or lines, for code and dictionary entries) in a

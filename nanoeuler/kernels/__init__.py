@@ -79,7 +79,7 @@ def kernel_path_options(path: str = "auto") -> dict:
     on has (mma.sync, ldmatrix, cp.async; SwiGLU and RoPE as kernels of their own), which is what an
     RTX 4070 (sm_89) runs; on a Hopper GPU it measures that path.
 
-        >>> kernel_path_options("portable")   # doctest: +SKIP (NANOEULER_KERNELS may be set)
+        >>> kernel_path_options("portable")   # with NANOEULER_KERNELS unset   # doctest: +SKIP
         {'attention': 'ldm', 'fuse_swiglu': False, 'fuse_rope': False}
     """
     import os

@@ -280,7 +280,8 @@ def _bf16_engine(run: Run, params: dict, opt):
     from nanoeuler.kernels.engine import Engine
 
     return Engine.from_adamw(run.cfg, params, opt, batch=int(sec["batch_size"]), seq=run.cfg.ctx_len,
-                             max_norm=float(sec["grad_clip"]), **kernel_path_options(sec.get("kernels", "auto")))
+                             max_norm=float(sec["grad_clip"]),
+                             **kernel_path_options(sec.get("kernels", "auto")))
 
 
 def _engine_update(run: Run, engine, opt, step0: int, lr: float):

@@ -254,7 +254,8 @@ def web_documents(root: Path, work: Path):
         yield "dict-gcide", f"usr/share/dictd/gcide.dict.dz#{i}", doc
     for i, doc in enumerate(cut_paragraphs(wordnet_glosses(root))):
         yield "wordnet-base", f"usr/share/wordnet#{i}", doc
-    files = [("linux-doc-6.1", "doc/linux-doc-6.1/**/*.rst.gz"), ("python3.11-doc", "doc/python3.11/**/_sources/**/*.txt*"),
+    files = [("linux-doc-6.1", "doc/linux-doc-6.1/**/*.rst.gz"),
+             ("python3.11-doc", "doc/python3.11/**/_sources/**/*.txt*"),
              ("perl-doc", "perl/**/*.pod"), ("postgresql-doc-15", "doc/postgresql-doc-15/html/*.html"),
              ("debian-handbook", "doc/debian-handbook/html/en-US/*.html")]
     for package, pattern in files:

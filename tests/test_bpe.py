@@ -393,6 +393,24 @@ def test_stage_sample_depends_on_seed_and_size():
     assert cut == ["é" * 2]
 
 
+def test_stage_sample_streams_the_corpus_file(tmp_path):
+    """The stage reads the sample from the parquet file in two passes (sizes, then the picked texts), with
+    the same documents, order and cut as sampling the whole column in memory; a null text is named."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nanoeuler.tokenizer.train import read_texts, sample_corpus, sample_texts
+
+    texts = [f"doc {i} é " * (1 + i % 7) for i in range(20000)]  # several parquet batches
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=3000)
+    for budget in (100, 77_777, 10**9):
+        assert sample_corpus(path, budget, seed=3) == sample_texts(read_texts(path), budget, seed=3)
+    pq.write_table(pa.table({"text": ["a", None]}), tmp_path / "bad.parquet")
+    with pytest.raises(UserError, match="row 1 has no text"):
+        sample_corpus(tmp_path / "bad.parquet", 10, seed=0)
+
+
 def test_stage_errors(tmp_path, capsys):
     out = tmp_path / "tokenizer.json"
     assert cli.main(["tokenizer", "--corpus", str(tmp_path / "none.parquet"), "--out", str(out)]) == 1

@@ -136,3 +136,17 @@ def test_byte_counts_are_logged(tmp_path, capsys):
     for split in ("train", "val"):
         for source in ("gutenberg", "fineweb"):
             assert any(line.startswith(split) and source in line and "bytes" in line for line in err.splitlines())
+
+
+def test_duckdb_runs_with_a_memory_budget_and_spills(tmp_path):
+    """The data stages' DuckDB connection: a buffer budget, one thread, spill files in the given folder,
+    which is removed again when empty."""
+    from nanoeuler.data.common import duckdb_connection
+
+    spill = tmp_path / ".duckdb_tmp"
+    with duckdb_connection(spill) as con:
+        limit, threads, tmp = con.execute("SELECT current_setting('memory_limit'), current_setting('threads'), "
+                                          "current_setting('temp_directory')").fetchone()
+        assert threads == 1 and tmp == str(spill)
+        assert limit.endswith(("GiB", "GB")) and float(limit.split()[0]) <= 2.0
+    assert not spill.exists()

@@ -99,3 +99,22 @@ def test_plot_losses_panels_and_atomic_output(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["p.png"]
     plot_losses([], tmp_path / "none.png")  # nothing to plot still gives an image
     assert (tmp_path / "none.png").exists()
+
+
+def test_evaluation_forwards_are_capped_in_positions(setup, monkeypatch):
+    """A training batch of windows is evaluated in chunks of at most chunk_tokens positions (GPU memory at
+    the full config), with the same result as one forward over everything."""
+    d, tok, manifest, _ = setup
+    from nanoeuler import checkpoint
+    from nanoeuler.train.loader import ShardSplit, fixed_windows
+
+    params, cfg, _ = checkpoint.load_model(d / "base.bin")
+    x, y = fixed_windows(ShardSplit(manifest, "val"), cfg.ctx_len, cfg.mtp_heads, 10 * cfg.ctx_len)
+    assert x.shape[0] >= 3
+    seen = []
+    real = transformer.forward_loss
+    monkeypatch.setattr(transformer, "forward_loss", lambda p, a, b, c: seen.append(a.size) or real(p, a, b, c))
+    loss, ce = evaluate_windows(params, cfg, x, y, batch_size=32, xp=np, chunk_tokens=2 * x.shape[1])
+    assert max(seen) <= 2 * x.shape[1] and sum(seen) == x.size
+    whole, _ = real(params, x, y, cfg)
+    assert loss == pytest.approx(whole, rel=1e-5)

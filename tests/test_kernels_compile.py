@@ -18,9 +18,10 @@ def test_there_are_kernel_files():
     assert {"attention", "rmsnorm", "elementwise", "cross_entropy", "adamw"} <= names
 
 
-def _targets():  # sm_90 for every file; also sm_90a (wgmma) for files with code behind its feature macro
-    for path in sources():
+def _targets():  # sm_90 and sm_89 (the portable kernel path's RTX 4070) for every file; also sm_90a
+    for path in sources():  # (wgmma) for files with code behind its feature macro
         yield pytest.param(path, "sm_90", id=f"{path.name}-sm_90")
+        yield pytest.param(path, "sm_89", id=f"{path.name}-sm_89")
         if "__CUDA_ARCH_FEAT_SM90_ALL" in path.read_text():
             yield pytest.param(path, "sm_90a", id=f"{path.name}-sm_90a")
 

@@ -21,11 +21,12 @@ import argparse
 from pathlib import Path
 
 from nanoeuler.config import add_config_arguments, sections
-from nanoeuler.data.common import atomic_path, check_column_types, info
+from nanoeuler.data.common import atomic_path, check_column_types, duckdb_connection, info
 from nanoeuler.errors import UserError
 
 SOURCES = ("gutenberg", "fineweb")
 _HASH_DIV = 1_000_000_007  # md5 as a number -> a fraction in [0, 1)
+_ROW_GROUP = 16384  # rows per parquet row group written: DuckDB buffers a whole group per thread
 
 
 def chunk_text(text: str, chunk_bytes: int) -> list[str]:
@@ -135,29 +136,31 @@ def build(section: dict, books: Path, web: Path, train: Path, val: Path) -> dict
 
     book_table = book_pieces(books, section["chunk_bytes"])
     _read_table(web, "fineweb").schema  # checks the file before the query does
-    con = duckdb.connect()
-    con.register("book_pieces", book_table)
-    sql = mix_query(web, section)
-    con.execute(f"CREATE TEMP VIEW mixed AS {sql}")
-    info("DuckDB query:\n" + sql)
-    stats = con.execute(
-        "SELECT split, source, count(*) AS docs, sum(strlen(text)) AS bytes FROM mixed "
-        "GROUP BY ALL ORDER BY split, source").fetchall()
-    if not any(row[0] == "train" and row[2] > 0 for row in stats):
-        n_web = con.execute(f"SELECT count(*) FROM read_parquet({_sql_str(web)}) "
-                            "WHERE text IS NOT NULL AND strlen(text) > 0").fetchone()[0]
-        raise UserError(_why_no_train(section, {"gutenberg": (books, book_table.num_rows), "fineweb": (web, n_web)}))
-    if not any(row[0] == "val" and row[2] > 0 for row in stats):
-        raise UserError("the val split would be empty: raise corpus.val_fraction or add data")
-    with atomic_path(train) as tmp_train, atomic_path(val) as tmp_val:
-        for split, tmp in (("train", tmp_train), ("val", tmp_val)):
-            try:
-                con.execute(f"COPY (SELECT source, doc_id, text FROM mixed WHERE split = '{split}' "
-                            f"ORDER BY order_key) TO {_sql_str(tmp)} (FORMAT parquet, COMPRESSION zstd)")
-            except duckdb.Error as exc:  # a full disk or a read-only folder, in DuckDB's words
-                raise UserError(f"could not write the {split} split next to {train if split == 'train' else val}: "
-                                f"{str(exc).strip().splitlines()[0]}") from None
-    con.close()
+    with duckdb_connection(train.parent / ".duckdb_tmp") as con:
+        con.register("book_pieces", book_table)
+        sql = mix_query(web, section)
+        con.execute(f"CREATE TEMP VIEW mixed AS {sql}")
+        info("DuckDB query:\n" + sql)
+        stats = con.execute(
+            "SELECT split, source, count(*) AS docs, sum(strlen(text)) AS bytes FROM mixed "
+            "GROUP BY ALL ORDER BY split, source").fetchall()
+        if not any(row[0] == "train" and row[2] > 0 for row in stats):
+            n_web = con.execute(f"SELECT count(*) FROM read_parquet({_sql_str(web)}) "
+                                "WHERE text IS NOT NULL AND strlen(text) > 0").fetchone()[0]
+            raise UserError(_why_no_train(section, {"gutenberg": (books, book_table.num_rows),
+                                                    "fineweb": (web, n_web)}))
+        if not any(row[0] == "val" and row[2] > 0 for row in stats):
+            raise UserError("the val split would be empty: raise corpus.val_fraction or add data")
+        with atomic_path(train) as tmp_train, atomic_path(val) as tmp_val:
+            for split, tmp in (("train", tmp_train), ("val", tmp_val)):
+                try:
+                    con.execute(f"COPY (SELECT source, doc_id, text FROM mixed WHERE split = '{split}' "
+                                f"ORDER BY order_key) TO {_sql_str(tmp)} "
+                                f"(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {_ROW_GROUP})")
+                except duckdb.Error as exc:  # a full disk or a read-only folder, in DuckDB's words
+                    raise UserError(f"could not write the {split} split next to "
+                                    f"{train if split == 'train' else val}: "
+                                    f"{str(exc).strip().splitlines()[0]}") from None
     summary = {}
     for split, source, docs, nbytes in stats:
         summary.setdefault(split, {})[source] = {"documents": docs, "bytes": int(nbytes)}

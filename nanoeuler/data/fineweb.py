@@ -16,11 +16,10 @@ Output: a parquet file with columns source ("fineweb"), doc_id, text, in sample 
 from __future__ import annotations
 
 import argparse
-import contextlib
 from pathlib import Path
 
 from nanoeuler.config import add_config_arguments, sections
-from nanoeuler.data.common import add_source_root_argument, atomic_path, check_column_types, info
+from nanoeuler.data.common import add_source_root_argument, atomic_path, check_column_types, duckdb_connection, info
 from nanoeuler.errors import UserError
 
 
@@ -104,9 +103,7 @@ def sample(paths: list[Path], section: dict, out: Path) -> tuple[int, int]:
     with atomic_path(out) as tmp:
         sql = sample_query(paths, section, tmp, has_id="id" in columns)
         info("DuckDB query:\n" + sql)
-        con = duckdb.connect()
-        try:
-            con.execute(f"SET temp_directory = {_sql_str(out.parent / '.duckdb_tmp')}")
+        with duckdb_connection(out.parent / ".duckdb_tmp") as con:
             try:
                 con.execute(sql)
             except duckdb.Error as exc:
@@ -116,10 +113,6 @@ def sample(paths: list[Path], section: dict, out: Path) -> tuple[int, int]:
                 f"SELECT (SELECT count(*) FROM read_parquet([{', '.join(_sql_str(p) for p in paths)}], "
                 f"union_by_name = true)), count(*), coalesce(sum(strlen(text)), 0) "
                 f"FROM read_parquet({_sql_str(tmp)})").fetchone()
-        finally:
-            con.close()
-            with contextlib.suppress(OSError):
-                (out.parent / ".duckdb_tmp").rmdir()
         if docs == 0:
             raise UserError(f"no FineWeb document passed the filters and fits the byte budget of "
                             f"{section['byte_budget']:,} (from {total_docs:,} documents in {len(paths)} files)")

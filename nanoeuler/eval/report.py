@@ -62,8 +62,6 @@ def _fmt(x, nd=4) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import codecs
-
     from nanoeuler.eval.metrics import val_metrics
     from nanoeuler.eval.plots import plot_losses
     from nanoeuler.infer.chat import answer

@@ -236,7 +236,7 @@ class GpuBackend:
     # ---- the backend interface --------------------------------------------------------------------------
 
     def prefill(self, slot: int, ids) -> np.ndarray:
-        cfg, cp = self.cfg, self.cp
+        cfg = self.cfg
         T = len(ids)
         r = self._buffers(max(32, 1 << (T - 1).bit_length()))  # sizes by powers of two: few buffers
         meta = np.concatenate([np.asarray(ids, np.int32), np.full(T, slot, np.int32), np.arange(T, dtype=np.int32)])

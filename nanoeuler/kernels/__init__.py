@@ -95,6 +95,32 @@ def device_arch() -> str:
     return "sm_" + cupy.cuda.Device().compute_capability
 
 
+KERNEL_PATHS = ("auto", "portable")
+
+
+def kernel_path_options(path: str = "auto") -> dict:
+    """The bf16 `Engine`'s keyword arguments for a kernel path (config key `<stage>.kernels`; the
+    environment variable NANOEULER_KERNELS, when set, wins).
+
+    "auto" takes the fastest kernels the GPU runs: on Hopper (sm_90a) the warpgroup (wgmma) attention
+    and the TMA-fed GEMMs with SwiGLU and RoPE inside. "portable" uses only what every GPU from sm_80
+    on has (mma.sync, ldmatrix, cp.async; SwiGLU and RoPE as kernels of their own), which is what an
+    RTX 4070 (sm_89) runs; on a Hopper GPU it measures that path.
+
+        >>> kernel_path_options("portable")   # with NANOEULER_KERNELS unset   # doctest: +SKIP
+        {'attention': 'ldm', 'fuse_swiglu': False, 'fuse_rope': False}
+    """
+    import os
+
+    from nanoeuler.errors import UserError
+
+    choice = os.environ.get("NANOEULER_KERNELS") or path
+    if choice not in KERNEL_PATHS:
+        raise UserError(f"kernel path {choice!r} is not one of {', '.join(KERNEL_PATHS)}"
+                         + (" (from NANOEULER_KERNELS)" if os.environ.get("NANOEULER_KERNELS") else ""))
+    return {} if choice == "auto" else {"attention": "ldm", "fuse_swiglu": False, "fuse_rope": False}
+
+
 def launch(fn, n: int, args: tuple, threads: int = 256) -> None:
     """Run `fn` with one thread per item of `n` (a 1-D grid of `threads`-wide blocks)."""
     if n <= 0:

@@ -5,7 +5,8 @@
 
 The sample is a seeded random choice of whole documents (the last one cut to fit) adding up to
 `tokenizer.sample_bytes` bytes of UTF-8, so a corpus sorted by source still gives a mixed sample, and
-the same corpus and config give a byte-identical tokenizer.json.
+the same corpus and config give a byte-identical tokenizer.json. The corpus file is read in two
+streaming passes (document sizes, then the picked texts), so a corpus of gigabytes never sits in memory.
 """
 
 from __future__ import annotations
@@ -39,31 +40,71 @@ def read_texts(path: str | Path) -> list[str]:
     return column.to_pylist()
 
 
-def sample_texts(texts: list[str], sample_bytes: int, seed: int) -> list[str]:
-    """Whole documents in a seeded random order until `sample_bytes` UTF-8 bytes (the last one cut)."""
-    sizes = [len(t.encode("utf-8")) for t in texts]
-    if sum(sizes) <= sample_bytes:
-        return list(texts)
-    order = np.random.default_rng(seed).permutation(len(texts))
+def pick(sizes: np.ndarray, sample_bytes: int, seed: int) -> list[tuple[int, int]]:
+    """Which documents make the sample, in sample order: (index, bytes kept), the last one cut.
+
+    Documents are taken in a seeded random order until `sample_bytes` UTF-8 bytes; all of them, in
+    corpus order, when the corpus is no larger.
+
+        >>> pick(np.array([4, 4, 4]), 6, seed=0)
+        [(2, 4), (0, 2)]
+    """
+    if int(sizes.sum()) <= sample_bytes:
+        return [(i, int(n)) for i, n in enumerate(sizes)]
     out, left = [], sample_bytes
-    for i in order.tolist():
+    for i in np.random.default_rng(seed).permutation(len(sizes)).tolist():
         if left <= 0:
             break
-        if sizes[i] <= left:
-            out.append(texts[i])
-        else:  # cut at a character boundary
-            out.append(texts[i].encode("utf-8")[:left].decode("utf-8", errors="ignore"))
-        left -= sizes[i]
+        out.append((i, int(min(sizes[i], left))))
+        left -= int(sizes[i])
     return out
+
+
+def _cut(text: str, n_bytes: int) -> str:
+    """The first `n_bytes` UTF-8 bytes of `text`, without a character cut in half."""
+    data = text.encode("utf-8")
+    return text if n_bytes >= len(data) else data[:n_bytes].decode("utf-8", errors="ignore")
+
+
+def sample_texts(texts: list[str], sample_bytes: int, seed: int) -> list[str]:
+    """Whole documents in a seeded random order until `sample_bytes` UTF-8 bytes (the last one cut)."""
+    sizes = np.array([len(t.encode("utf-8")) for t in texts], dtype=np.int64)
+    return [_cut(texts[i], n) for i, n in pick(sizes, sample_bytes, seed)]
+
+
+def sample_corpus(path: str | Path, sample_bytes: int, seed: int) -> list[str]:
+    """`sample_texts` of a corpus parquet file, read in two streaming passes so that a corpus of many
+    gigabytes never sits in memory: the documents' byte sizes first, then only the picked texts."""
+    import pyarrow.compute as pc
+
+    pf = open_corpus(Path(path))
+    sizes, row = [], 0
+    for batch in pf.iter_batches(columns=["text"], batch_size=8192):
+        column = batch.column(0)
+        if column.null_count:
+            raise UserError(f"corpus file {path}: row {row + column.is_null().to_pylist().index(True)} "
+                            "has no text (null)")
+        sizes.append(pc.binary_length(column).to_numpy(zero_copy_only=False))
+        row += len(column)
+    chosen = pick(np.concatenate(sizes) if sizes else np.zeros(0, np.int64), sample_bytes, seed)
+    keep = dict(chosen)
+    texts: dict[int, str] = {}
+    row = 0
+    for batch in pf.iter_batches(columns=["text"], batch_size=8192):
+        wanted = [i for i in range(row, row + batch.num_rows) if i in keep]
+        if wanted:
+            column = batch.column(0)
+            for i in wanted:
+                texts[i] = _cut(column[i - row].as_py(), keep[i])
+        row += batch.num_rows
+    return [texts[i] for i, _ in chosen]
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = sections(args, "tokenizer")["tokenizer"]
     check_vocab_size(cfg["vocab_size"])
     t0 = time.perf_counter()
-    texts = read_texts(args.corpus)
-    sample = sample_texts(texts, cfg["sample_bytes"], cfg["seed"])
-    del texts
+    sample = sample_corpus(args.corpus, cfg["sample_bytes"], cfg["seed"])
     n_bytes = sum(len(t.encode("utf-8")) for t in sample)
     counts = count_chunks(sample)
     if not counts:

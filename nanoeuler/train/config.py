@@ -35,21 +35,23 @@ class TrainConfig:
     eval_every: int
     checkpoint_every: int
     keep_checkpoints: int
+    kernels: str = "auto"  # the bf16 engine's kernel path: "auto" or "portable" (kernels.kernel_path_options)
 
     @classmethod
     def from_section(cls, section: dict):
         """The fields of `cls` from a validated section (keys of other stages' fields are left out)."""
         kinds = {"int": int, "float": float, "str": str, "bool": bool}
-        return cls(**{f.name: kinds.get(f.type, lambda v: v)(section[f.name]) for f in dataclasses.fields(cls)})
+        fields = [f for f in dataclasses.fields(cls) if f.name in section or f.default is dataclasses.MISSING]
+        return cls(**{f.name: kinds.get(f.type, lambda v: v)(section[f.name]) for f in fields})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PretrainConfig(TrainConfig):
     steps: int
     val_tokens: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SftConfig(TrainConfig):
     epochs: int
     too_long: str  # "truncate" | "drop"

@@ -29,9 +29,10 @@ from nanoeuler.train import rundir
 from nanoeuler.train.config import TrainConfig
 from nanoeuler.train.stepper import NonFinite, make_stepper
 
-# Training-section keys that change what is logged or kept, not the trajectory. (sft.val_examples is
-# not one of them: the held-out records are not trained on.)
-COSMETIC_KEYS = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "val_tokens")
+# Training-section keys that change what is logged or kept, not the trajectory (`kernels` computes the
+# same step with other kernels, so a run can resume on another GPU). (sft.val_examples is not one of
+# them: the held-out records are not trained on.)
+COSMETIC_KEYS = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "val_tokens", "kernels")
 # How many processes train: not a setting of the trajectory itself; the world size enters the identity.
 LAUNCH_KEYS = ("gpus",)
 

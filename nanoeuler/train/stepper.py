@@ -170,8 +170,10 @@ def make_stepper(settings, cfg, params: dict, xp, *, stage: str = "train", head_
     if head_loss is not None and head_loss is not transformer.mtp_cross_entropy:
         raise UserError(f"{stage}.precision bf16 trains the multi-token cross-entropy only; "
                         "use precision fp32 for this stage's loss")
+    from nanoeuler.kernels import kernel_path_options
     from nanoeuler.kernels.engine import Engine
 
     engine = Engine(cfg, params, batch=settings.batch_size, seq=cfg.ctx_len, betas=(settings.beta1, settings.beta2),
-                    eps=settings.eps, weight_decay=settings.weight_decay, max_norm=settings.grad_clip)
+                    eps=settings.eps, weight_decay=settings.weight_decay, max_norm=settings.grad_clip,
+                    **kernel_path_options(settings.kernels))
     return EngineStepper(engine, grad_hook=grad_hook)

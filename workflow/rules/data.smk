@@ -23,6 +23,8 @@ rule gutenberg:
         root=source_root,
     log:
         "logs/gutenberg.log",
+    benchmark:
+        "benchmarks/gutenberg.tsv"
     shell:
         "nanoeuler gutenberg --params {params.cfg:q} --raw-dir {params.raw:q} "
         "--source-root {params.root:q} --out {output:q} > {log:q} 2>&1"
@@ -39,6 +41,8 @@ rule fineweb:
         root=source_root,
     log:
         "logs/fineweb.log",
+    benchmark:
+        "benchmarks/fineweb.tsv"
     shell:
         "nanoeuler fineweb --params {params.cfg:q} --raw-dir {params.raw:q} "
         "--source-root {params.root:q} --out {output:q} > {log:q} 2>&1"
@@ -55,6 +59,8 @@ rule alpaca:
         root=source_root,
     log:
         "logs/alpaca.log",
+    benchmark:
+        "benchmarks/alpaca.tsv"
     shell:
         "nanoeuler alpaca --params {params.cfg:q} --raw-dir {params.raw:q} "
         "--source-root {params.root:q} --out {output:q} > {log:q} 2>&1"
@@ -71,6 +77,8 @@ rule corpus:
         cfg=stage_params("corpus"),
     log:
         "logs/corpus.log",
+    benchmark:
+        "benchmarks/corpus.tsv"
     shell:
         "nanoeuler corpus --params {params.cfg:q} --books {input.books:q} --web {input.web:q} "
         "--train {output.train:q} --val {output.val:q} > {log:q} 2>&1"

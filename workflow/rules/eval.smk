@@ -17,6 +17,8 @@ rule evaluate:
         gpu=0 if config["device"] == "cpu" else 1,
     log:
         "logs/evaluate.log",
+    benchmark:
+        "benchmarks/evaluate.tsv"
     shell:
         "OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} "
         "nanoeuler evaluate --params {params.cfg:q} --base {input.base:q} --chat {input.chat:q} "

@@ -11,6 +11,8 @@ rule tokenizer:
         cfg=stage_params("tokenizer"),
     log:
         "logs/tokenizer.log",
+    benchmark:
+        "benchmarks/tokenizer.tsv"
     shell:
         "nanoeuler tokenizer --params {params.cfg:q} --corpus {input:q} "
         "--out {output.tok:q} --hf-out {output.hf:q} > {log:q} 2>&1"
@@ -28,6 +30,8 @@ rule shards:
     threads: 64  # capped at --cores by Snakemake
     log:
         "logs/shards.log",
+    benchmark:
+        "benchmarks/shards.tsv"
     shell:
         "nanoeuler tokenize --params {params.cfg:q} --tokenizer {input.tok:q} "
         "--train {input.train:q} --val {input.val:q} --out {output:q} --workers {threads} > {log:q} 2>&1"

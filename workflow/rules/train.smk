@@ -17,6 +17,8 @@ rule pretrain:
         gpu=0 if config["device"] == "cpu" else config["pretrain"]["gpus"],
     log:
         "logs/pretrain.log",
+    benchmark:
+        "benchmarks/pretrain.tsv"
     shell:
         "OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} "
         "nanoeuler pretrain --params {params.cfg:q} --shards {input.shards:q} --tokenizer {input.tok:q} "
@@ -36,6 +38,8 @@ rule sft:
         gpu=0 if config["device"] == "cpu" else config["sft"]["gpus"],
     log:
         "logs/sft.log",
+    benchmark:
+        "benchmarks/sft.tsv"
     shell:
         "OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} "
         "nanoeuler sft --params {params.cfg:q} --base {input.base:q} --data {input.data:q} "

@@ -1,0 +1,195 @@
+#!/usr/bin/env bash
+# The full-size run on a GPU machine that has Python 3.12, CuPy and PyTorch but no snakemake/duckdb and
+# no network. Steps (each a subcommand; a machine stays warm between calls, so they may be spread over
+# several calls of at most a few minutes):
+#
+#   bash scripts/device_full_run.sh prepare        # with pip + network: .carry/whl/ and .carry/mirror.tar.xz
+#   bash scripts/device_full_run.sh install        # GPU machine: wheels -> $SITE, a `nanoeuler` command in $SITE/bin
+#   bash scripts/device_full_run.sh start          # unpack the mirror, serve it on 127.0.0.1:8765, start
+#                                                  # `snakemake results/samples.md` in $WORK in the background
+#   bash scripts/device_full_run.sh wait SECONDS   # follow it; when done: the stage table, results to $OUT
+#   bash scripts/device_full_run.sh time20k SECONDS   # the full 20,000-step schedule on the run's shards
+#                                                      # for SECONDS: steps/s and the extrapolated wall time
+#   bash scripts/device_full_run.sh portable STEPS [auto]  # pretraining on the portable (or auto) kernels,
+#                                                      # memory pool capped at 12 GB; the process's peak GPU memory
+#   bash scripts/device_full_run.sh shards         # on a fresh machine: the shards from .carry/corpus + tokenizer
+#   bash scripts/device_full_run.sh compare        # bench/train_gpu.py at B32xT512: Hopper path, portable
+#                                                  # path and torch.compile in one run
+#
+# The pipeline is config/config.yaml with the overlay config/mirror.yaml (sources and step count only).
+# Snakemake's `benchmark:` files give each rule's wall time and peak RSS; nvidia-smi is polled every
+# 0.5 s for the GPU memory in use, and the `nanoeuler` wrapper logs when each stage starts and ends, so
+# scripts/device_stage_table.py can take the peak GPU memory per stage.
+set -eu -o pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+SITE=${SITE:-/tmp/nanoeuler-site}
+WORK=${WORK:-/tmp/nanoeuler-full}
+MIRROR=${MIRROR:-/tmp/nanoeuler-mirror}
+PORT=8765
+PY=${PYTHON:-python3}
+OUT=${OUT:-$WORK/out}
+GB12=${MEMCAP:-12000000000}  # the seeds' 12 GB card (MEMCAP: another cap, to find what is needed)
+CONFIGS=${CONFIGS:-config/config.yaml config/mirror.yaml}  # relative to the tree; a test may add an overlay
+
+env_setup() {
+    export PYTHONPATH="$REPO:$SITE" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
+}
+
+prepare() {  # on a machine with network: Python 3.12 manylinux wheels and the packed mirror, in .carry/
+    local dest=$REPO/.carry
+    mkdir -p "$dest/whl"
+    # connection_pool (a snakemake dependency) is published as an sdist only: build its wheel here
+    $PY -m pip wheel -q --no-deps "connection_pool>=0.0.3" -w "$dest/whl"
+    $PY -m pip download -q --python-version 3.12 --implementation cp --only-binary=:all: \
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_28_x86_64 --find-links "$dest/whl" -d "$dest/whl" \
+        "snakemake==$($PY -c 'import snakemake; print(snakemake.__version__)')" \
+        "duckdb==$($PY -c 'import duckdb; print(duckdb.__version__)')"
+    rm -f "$dest"/whl/pulp-*.whl  # 16 MB, only for the ILP scheduler: we run --scheduler greedy
+    tar -C "$REPO/data" -cf - mirror | xz -T2 -3 > "$dest/mirror.tar.xz"
+    du -sh "$dest/whl" "$dest/mirror.tar.xz"
+}
+
+install() {
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$REPO"/.carry/whl/*.whl
+    shim
+    env_setup
+    $PY -c "
+import importlib
+for name in ('snakemake', 'duckdb', 'pyarrow', 'matplotlib', 'yaml', 'regex', 'tqdm', 'requests', 'cupy', 'ml_dtypes'):
+    try:
+        print(name, getattr(importlib.import_module(name), '__version__', '?'))
+    except Exception as exc:
+        print(name, 'MISSING:', exc)"
+}
+
+shim() {
+    mkdir -p "$SITE/bin"
+    # the rules call `nanoeuler`: run this tree's package, and note when each stage starts and ends
+    cat > "$SITE/bin/nanoeuler" <<EOF
+#!/usr/bin/env bash
+echo "\$1 start \$(date +%s.%N)" >> "$WORK/stage_times.txt"
+$PY -m nanoeuler "\$@"
+rc=\$?
+echo "\$1 end \$(date +%s.%N) \$rc" >> "$WORK/stage_times.txt"
+exit \$rc
+EOF
+    chmod +x "$SITE/bin/nanoeuler"
+}
+
+start() {
+    env_setup
+    rm -rf "$MIRROR" "$WORK" && mkdir -p "$MIRROR" "$WORK"
+    xz -dc "$REPO/.carry/mirror.tar.xz" | tar -C "$MIRROR" -xf -
+    setsid $PY "$REPO/scripts/mirror/serve.py" --root "$MIRROR/mirror" --port $PORT > "$WORK/serve.log" 2>&1 < /dev/null &
+    setsid nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 500 \
+        > "$WORK/gpu_mem.csv" 2>/dev/null < /dev/null &
+    sleep 1
+    cd "$WORK"
+    date +%s.%N > "$WORK/started"
+    setsid bash -c "snakemake -s '$REPO/Snakefile' -d '$WORK' --cores 16 --scheduler greedy \
+        results/chat.bin results/samples.md --configfile $(for c in $CONFIGS; do case $c in /*) printf "'%s' " "$c" ;; *) printf "'%s/%s' " "$REPO" "$c" ;; esac; done) \
+        > '$WORK/snakemake.log' 2>&1; echo \$? > '$WORK/done'; date +%s.%N >> '$WORK/done'" < /dev/null &
+    echo "started in $WORK"
+}
+
+wait_run() {
+    local limit=$1 t0=$SECONDS
+    while [ ! -f "$WORK/done" ] && [ $((SECONDS - t0)) -lt "$limit" ]; do
+        sleep 10
+        echo "[$(date +%T)] $(grep -E '^(rule|localrule) ' "$WORK/snakemake.log" | tail -1) | $(ls -t "$WORK"/logs/*.log 2>/dev/null | head -1 | xargs -r tail -c 300 | tr '\r' '\n' | tail -1)"
+    done
+    if [ ! -f "$WORK/done" ]; then echo "still running"; return 0; fi
+    tail -5 "$WORK/snakemake.log"
+    collect
+}
+
+collect() {
+    mkdir -p "$OUT"
+    cd "$WORK"
+    tar czf "$OUT/logs.tar.gz" logs benchmarks snakemake.log stage_times.txt gpu_mem.csv done started \
+        results/pretrain/metrics.jsonl results/sft/metrics.jsonl results/shards/manifest.json 2>/dev/null || true
+    cp results/samples.md results/metrics.json results/loss.png "$OUT"/ 2>/dev/null || true
+    $PY "$REPO/scripts/device_stage_table.py" "$WORK" | tee "$OUT/stage_table.md"
+}
+
+time20k() {  # the full schedule's pretraining on the run's shards, stopped after $1 seconds
+    env_setup
+    local secs=$1 dir=$WORK/t20k
+    mkdir -p "$dir"
+    cat > "$dir/cfg.yaml" <<YAML
+device: gpu
+tokenizer: {vocab_size: 4096}
+model: {preset: gpu}
+pretrain: {precision: bf16, steps: 20000}
+YAML
+    local t0
+    t0=$(date +%s.%N)
+    (while sleep 2; do  # "seconds since launch, newest logged step"
+        s=$(tail -1 "$dir/run/metrics.jsonl" 2>/dev/null | grep -o '"step": [0-9]*' | grep -o '[0-9]*$' || true)
+        [ -n "$s" ] && awk "BEGIN {print $(date +%s.%N) - $t0, $s}"
+    done) > "$dir/progress" &
+    local watcher=$!
+    timeout "$secs" $PY -m nanoeuler pretrain --config "$dir/cfg.yaml" --shards "$WORK/results/shards/manifest.json" \
+        --tokenizer "$WORK/results/tokenizer.json" --out "$dir/base.bin" --run-dir "$dir/run" --no-progress \
+        > "$dir/log" 2>&1 || true
+    kill $watcher || true
+    mkdir -p "$OUT"
+    cp "$dir/run/metrics.jsonl" "$OUT/t20k_metrics.jsonl" 2>/dev/null || true
+    $PY "$REPO/scripts/device_stage_table.py" --extrapolate "$dir/progress" 20000 | tee "$OUT/t20k.txt"
+}
+
+shards() {  # the run's shards again, from a corpus and tokenizer carried in .carry/ (a fresh machine)
+    env_setup
+    mkdir -p "$WORK/results"
+    cp "$REPO/.carry/tokenizer.json" "$WORK/results/tokenizer.json"
+    $PY -m nanoeuler tokenize --config "$REPO/config/config.yaml" --tokenizer "$WORK/results/tokenizer.json" \
+        --train "$REPO/.carry/corpus/train.parquet" --val "$REPO/.carry/corpus/val.parquet" \
+        --out "$WORK/results/shards/manifest.json" --workers 16 2>&1 | tail -3
+}
+
+portable() {  # the 4070's path: CuPy's pool capped at 12 GB, the process's peak from nvidia-smi
+    env_setup
+    local steps=$1 kernels=${2:-portable} dir=$WORK/memcap-${2:-portable}
+    rm -rf "$dir"  # a fresh run, not a resumed one
+    mkdir -p "$dir" "$OUT"
+    cat > "$dir/cfg.yaml" <<YAML
+device: gpu
+tokenizer: {vocab_size: 4096}
+model: {preset: gpu}
+pretrain: {precision: bf16, kernels: $kernels, steps: $steps, eval_every: $((steps / 2)), log_every: 10,
+           checkpoint_every: $steps}
+YAML
+    setsid nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 200 \
+        > "$dir/apps.csv" 2>/dev/null < /dev/null &
+    local smi=$!
+    CUPY_GPU_MEMORY_LIMIT=$GB12 $PY -m nanoeuler pretrain --config "$dir/cfg.yaml" \
+        --shards "$WORK/results/shards/manifest.json" --tokenizer "$WORK/results/tokenizer.json" \
+        --out "$dir/base.bin" --run-dir "$dir/run" --no-progress > "$dir/log" 2>&1 || tail -5 "$dir/log"
+    kill $smi || true
+    cp "$dir/run/metrics.jsonl" "$OUT/memcap_${kernels}_metrics.jsonl" 2>/dev/null || true
+    echo "$kernels kernels: pretrain, $steps steps, pool capped at $GB12 bytes: peak process GPU memory" \
+        "$(awk -F', ' '{if ($2 > m) m = $2} END {print m}' "$dir/apps.csv") MiB" | tee -a "$OUT/memcap.txt"
+    grep -E '"val_loss"' "$dir/run/metrics.jsonl" | tail -1 | tee -a "$OUT/memcap.txt"
+    grep -E '"tokens_per_s"' "$dir/run/metrics.jsonl" | tail -1 | tee -a "$OUT/memcap.txt"
+}
+
+compare() {  # one bench run at the full config's B32xT512: the Hopper path, the portable one, torch.compile
+    mkdir -p "$OUT"
+    $PY "$REPO/bench/train_gpu.py" --rows 32x512 --steps 50 --warmup 5 \
+        --modes torch-compile,ours-bf16,ours-bf16-ldm-nofuse,ours-bf16-mma-nofuse 2>&1 | tee "$OUT/compare.txt"
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    install) install ;;
+    shim) shim ;;
+    start) start ;;
+    wait) wait_run "${2:-540}" ;;
+    collect) collect ;;
+    time20k) time20k "${2:-240}" ;;
+    portable) portable "${2:-300}" "${3:-portable}" ;;
+    shards) shards ;;
+    compare) compare ;;
+    *) sed -n 2,22p "$0"; exit 2 ;;
+esac

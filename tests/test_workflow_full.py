@@ -1,5 +1,6 @@
 """The whole tiny DAG through Snakemake, offline: raw sample data to chat.bin and the evaluation outputs;
-then nothing is left to do; then changing only an SFT key re-runs exactly SFT and evaluation.
+then the Snakemake report of the run holds its parts; then nothing is left to do; then changing only an
+SFT key re-runs exactly SFT and evaluation.
 
 Snakemake runs in a temporary working directory (-d), with the repository's Snakefile.
 """
@@ -15,7 +16,10 @@ from nanoeuler import checkpoint
 from nanoeuler.config import REPO_ROOT
 from workflow_helpers import planned_jobs, snakemake
 
-TARGETS = ["results/chat.bin", "results/samples.md", "results/metrics.json", "results/loss.png"]
+TARGETS = ["results/chat.bin", "results/samples.md", "results/metrics.json", "results/loss.png",
+           "results/report/metrics.html"]
+REPORT_PARTS = ["Loss curves", "loss.png", "Metrics", "metrics.html", "HellaSwag", "hellaswag.html", "Samples",
+                "samples.html", "Config", "config.html", "scored completion-style as llm.c does"]
 
 @pytest.mark.slow
 def test_tiny_dag_end_to_end(tmp_path):
@@ -31,6 +35,15 @@ def test_tiny_dag_end_to_end(tmp_path):
     train = [r["loss"] for r in pre if "loss" in r]
     assert train[-1] < train[0] - 1.0, "pretraining did not learn"
     assert "loss.png" in (tmp_path / "results/samples.md").read_text()
+    hellaswag = metrics["hellaswag"]
+    assert set(hellaswag) == {"base", "chat"} and hellaswag["chat"]["items"] == 8
+    assert all(0 <= s["acc"] <= 1 and 0 <= s["acc_norm"] <= 1 for s in hellaswag.values())
+    assert "## HellaSwag" in (tmp_path / "results/samples.md").read_text()
+
+    snakemake(tmp_path, tiny, TARGETS, "--report", str(tmp_path / "report.html"))
+    report = (tmp_path / "report.html").read_text()
+    missing = [part for part in REPORT_PARTS if part not in report]
+    assert not missing, missing
     _, _, meta = checkpoint.load_model(tmp_path / "results/chat.bin")
     assert meta["tokenizer"] and meta["stage"] == "sft"
 
@@ -40,7 +53,8 @@ def test_tiny_dag_end_to_end(tmp_path):
     cfg["sft"]["lr"] = cfg["sft"]["lr"] / 2
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(cfg))
-    assert planned_jobs(snakemake(tmp_path, changed, TARGETS, "-n")) == {"sft": 1, "evaluate": 1}
+    assert planned_jobs(snakemake(tmp_path, changed, TARGETS, "-n")) == {"sft": 1, "hellaswag_eval": 1, "evaluate": 1,
+                                                                         "report_pages": 1}
     before = (tmp_path / "results/base.bin").stat().st_mtime_ns
     snakemake(tmp_path, changed, TARGETS)
     assert (tmp_path / "results/base.bin").stat().st_mtime_ns == before

@@ -5,6 +5,7 @@
 from nanoeuler.data import alpaca as _alpaca
 from nanoeuler.data import fineweb as _fineweb
 from nanoeuler.data import gutenberg as _gutenberg
+from nanoeuler.data import hellaswag as _hellaswag
 from nanoeuler.data.common import local_sources
 
 
@@ -70,3 +71,19 @@ rule corpus:
     shell:
         "nanoeuler corpus --params {params.cfg:q} --books {input.books:q} --web {input.web:q} "
         "--train {output.train:q} --val {output.val:q} > {log:q} 2>&1"
+
+
+rule hellaswag:
+    input:
+        local_sources(_hellaswag.sources(config["hellaswag"]), workflow.basedir),
+    output:
+        "data/hellaswag/hellaswag.jsonl",
+    params:
+        cfg=stage_params("hellaswag"),
+        raw="data/hellaswag/raw",
+        root=lambda wildcards: workflow.basedir,  # resolves relative sample paths; not a file prefix
+    log:
+        "logs/hellaswag.log",
+    shell:
+        "nanoeuler hellaswag --params {params.cfg:q} --raw-dir {params.raw:q} "
+        "--source-root {params.root:q} --out {output:q} > {log:q} 2>&1"

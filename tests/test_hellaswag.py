@@ -180,3 +180,23 @@ def test_scoring_command_writes_the_result(tmp_path, capsys):
     assert result["model"] == "base" and result["items"] == 5 and len(result["picks"]) == 5
     assert result["acc"] == result["correct"] / 5 and result["steps"] == 5
     assert "acc_norm 0." in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_scores_equal_cpu_scores():
+    import cupy
+
+    rng = np.random.default_rng(5)
+    cfg = ModelConfig(vocab_size=5, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=12, mtp_heads=2)
+    params = {name: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+              for name, shape in cfg.param_shapes().items()}
+    items = [{"ctx": "".join(rng.choice(list("abcd"), int(rng.integers(1, 9)))), "label": int(rng.integers(4)),
+              "endings": ["".join(rng.choice(list("abcd "), int(rng.integers(1, 6)))) for _ in range(4)]}
+             for _ in range(9)]
+    rows = [row for item in items for row in item_rows(_encode, item, cfg.ctx_len)]
+    on_gpu = {k: cupy.asarray(v) for k, v in params.items()}
+    for ours, ref in zip(score_rows(on_gpu, cfg, rows, cupy), score_rows(params, cfg, rows, np)):
+        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
+    gpu = score_items(on_gpu, cfg, _encode, items, batch_size=4, xp=cupy)
+    cpu = score_items(params, cfg, _encode, items, batch_size=4, xp=np)
+    assert gpu["acc"] == cpu["acc"] and gpu["acc_norm"] == cpu["acc_norm"]

@@ -66,6 +66,8 @@ rule corpus:
         val="data/corpus/val.parquet",
     params:
         cfg=stage_params("corpus"),
+    resources:
+        **job_resources(),
     log:
         "logs/corpus.log",
     shell:

@@ -8,6 +8,8 @@ Snakemake runs in a temporary working directory (-d), with the repository's Snak
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 
 import pytest
 import yaml
@@ -20,6 +22,20 @@ TARGETS = ["results/chat.bin", "results/samples.md", "results/metrics.json", "re
            "results/report/metrics.html"]
 REPORT_PARTS = ["Loss curves", "loss.png", "Metrics", "metrics.html", "HellaSwag", "hellaswag.html", "Samples",
                 "samples.html", "Config", "config.html", "scored completion-style as llm.c does"]
+
+def _check_rendering(html, png):
+    """Headless Chromium (where installed) draws the report: a page with the menu, not a blank one."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        return
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,800",
+                    "--virtual-time-budget=5000", f"--screenshot={png}", html.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(png)[..., :3]
+    assert (pixels.reshape(-1, 3) < 0.9).any(axis=1).mean() > 0.05, "the report renders blank"
+
 
 @pytest.mark.slow
 def test_tiny_dag_end_to_end(tmp_path):
@@ -44,6 +60,7 @@ def test_tiny_dag_end_to_end(tmp_path):
     report = (tmp_path / "report.html").read_text()
     missing = [part for part in REPORT_PARTS if part not in report]
     assert not missing, missing
+    _check_rendering(tmp_path / "report.html", tmp_path / "report.png")
     _, _, meta = checkpoint.load_model(tmp_path / "results/chat.bin")
     assert meta["tokenizer"] and meta["stage"] == "sft"
 

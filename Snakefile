@@ -1,5 +1,6 @@
 # nanoeuler: raw downloads -> tokenizer -> shards -> base model -> chat model -> evaluation.
-#   snakemake --cores 12 results/chat.bin                               full run (GPU, network)
+#   snakemake --cores 12                                                full run (GPU, network): rule all
+#   snakemake --report report.html                                      its report (the same --configfile)
 #   snakemake results/chat.bin --cores 2 --configfile config/tiny.yaml  offline smoke run (CPU);
 #   name targets before --configfile, which takes several files
 # Rules are thin: each calls the `nanoeuler` CLI, passing only the config sections its stage
@@ -31,7 +32,6 @@ def job_resources(gpu=False):
     """The resources of a compute rule: memory and run time from the config, and one GPU for GPU jobs."""
     kind = "gpu" if gpu else "cpu"
     return {"gpu": 1 if gpu else 0, "mem_mb": RES[f"{kind}_mem_mb"], "runtime": RES[f"{kind}_runtime_min"]}
-
 
 
 def stage_params(*sections):

@@ -54,10 +54,3 @@ localrules: gutenberg, fineweb, alpaca, hellaswag, report_pages, compare
 
 report: "workflow/report/workflow.rst"
 
-
-rule all:
-    """The run's evaluation and the pages of its report (snakemake --report report.html)."""
-    default_target: True
-    input:
-        rules.report_pages.output,
-        rules.compare.output if config["compare"]["experiments"] else [],

@@ -54,3 +54,11 @@ localrules: gutenberg, fineweb, alpaca, hellaswag, report_pages, compare
 
 report: "workflow/report/workflow.rst"
 
+
+# The default target (it must be a rule of this file, not of an included one): the run's evaluation and
+# the pages of its report (snakemake --report report.html).
+rule all:
+    default_target: True
+    input:
+        rules.report_pages.output,
+        rules.compare.output if config["compare"]["experiments"] else [],

@@ -82,10 +82,3 @@ rule compare:
     shell:
         "nanoeuler compare {params.names:q} --table {output.table:q} --plot {output.plot:q} > {log:q} 2>&1"
 
-
-# The default target: the run's evaluation and the pages of its report (snakemake --report report.html).
-rule all:
-    default_target: True
-    input:
-        rules.report_pages.output,
-        rules.compare.output if config["compare"]["experiments"] else [],

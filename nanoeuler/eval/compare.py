@@ -7,8 +7,8 @@ downloads in `data/` are shared. After each experiment's run:
     nanoeuler compare small-lr large-lr --table compare.html --plot compare.png
 
 reads `metrics.json` (evaluation) and `pretrain/metrics.jsonl`, `sft/metrics.jsonl` (training) of
-each, and writes the table (HTML, or Markdown when the name ends in `.md`) and the plot: validation
-loss of pretraining and SFT against the step, one line per experiment.
+each, and writes the table (HTML, or Markdown when the name ends in `.md`) and the plot: the loss of
+pretraining and SFT against the step, one colour per experiment.
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ def page(title: str, body: str) -> str:
 
 
 def plot_experiments(experiments: list[dict], out: Path) -> None:
-    """Validation loss (train loss where a run logged none) of pretraining and SFT, one line per experiment."""
+    """Loss of pretraining and SFT against the step: per experiment one colour, validation loss as dots on a
+    line, training loss as a faint line behind it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,15 +119,16 @@ def plot_experiments(experiments: list[dict], out: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4), squeeze=False)
     for ax, (i, title) in zip(axes[0], enumerate(("pretraining", "SFT"))):
-        for exp in experiments:
+        for colour, exp in enumerate(experiments):
             recs = exp["runs"][i][1]
-            key = "val_loss" if any("val_loss" in r for r in recs) else "loss"
-            pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
-            if pts:
-                ax.plot(*zip(*pts), "o-" if key == "val_loss" else "-", label=exp["name"], markersize=3)
-        ax.set_title(title)
+            for key, style, alpha, label in (("loss", "-", 0.3, None), ("val_loss", "o-", 1.0, exp["name"])):
+                pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
+                if pts:
+                    ax.plot(*zip(*pts), style, color=f"C{colour}", alpha=alpha, label=label, markersize=3,
+                            linewidth=1)
+        ax.set_title(f"{title} (dots: validation, faint: training)")
         ax.set_xlabel("step")
-        ax.set_ylabel("val loss, nats (train loss if none logged)")
+        ax.set_ylabel("loss (nats, mean over MTP heads)")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()

@@ -200,3 +200,17 @@ def test_gpu_scores_equal_cpu_scores():
     gpu = score_items(on_gpu, cfg, _encode, items, batch_size=4, xp=cupy)
     cpu = score_items(params, cfg, _encode, items, batch_size=4, xp=np)
     assert gpu["acc"] == cpu["acc"] and gpu["acc_norm"] == cpu["acc_norm"]
+
+
+def test_evaluate_reads_the_scores_and_names_a_bad_file(tmp_path):
+    from nanoeuler.eval.report import read_hellaswag
+
+    good = tmp_path / "base.json"
+    good.write_text(json.dumps({"model": "base", "items": 4, "acc": 0.5, "acc_norm": 0.25, "correct": 2,
+                                "correct_norm": 1, "steps": 9, "file": "results/base.bin", "picks": [0, 1, 2, 3]}))
+    assert read_hellaswag([str(good)]) == {"base": {"items": 4, "acc": 0.5, "acc_norm": 0.25, "correct": 2,
+                                                    "correct_norm": 1, "steps": 9, "file": "results/base.bin"}}
+    bad = tmp_path / "chat.json"
+    bad.write_text('{"model": "chat"}')
+    with pytest.raises(UserError, match=r"chat.json is not a HellaSwag result of `nanoeuler hellaswag-eval`"):
+        read_hellaswag([str(good), str(bad)])

@@ -5,7 +5,8 @@
         --metrics results/metrics.json --plot results/loss.png
 
 - `metrics.json`: val loss, head-0 cross-entropy and bits per byte (see `nanoeuler.eval.metrics`) of
-  the base and the chat model on the same fixed val windows, plus what training recorded.
+  the base and the chat model on the same fixed val windows, plus what training recorded, and the
+  HellaSwag scores of `--hellaswag` (files of `nanoeuler hellaswag-eval`).
 - `samples.md`: base-model continuations of `eval.base_prompts` and chat answers to
   `eval.chat_prompts` (prompt i sampled with `eval.seed + i`), the metrics, and the loss plot.
 - `loss.png`: train/val loss of pretraining and SFT, from the run directories' `metrics.jsonl`.
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     conf = sections(args, "device", "eval")
     ev = conf["eval"]
+    hellaswag = read_hellaswag(args.hellaswag)  # before the long work: a bad file stops the stage at once
     device = args.device or conf["device"]
     base, base_tok, base_meta = load(args.base, device)
     chat, chat_tok, chat_meta = load(args.chat, device)
@@ -134,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
         if not recs:
             print(f"nanoeuler evaluate: warning: no {title} metrics found in "
                   f"{pre_dir if title == 'pretraining' else sft_dir}; the plot leaves them out", file=sys.stderr)
-    if args.hellaswag:
-        metrics["hellaswag"] = read_hellaswag(args.hellaswag)
+    if hellaswag:
+        metrics["hellaswag"] = hellaswag
     metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                            "seed": sampling.seed, "max_new_tokens": n_new}
 

@@ -68,6 +68,7 @@ start_cluster() {
     if ! pgrep -x munged >/dev/null; then
         mkdir -p /run/munge && chown munge:munge /run/munge
         runuser -u munge -- /usr/sbin/munged
+        PIDS+=("$(cat /run/munge/munged.pid)")  # it forks into the background; stopped at exit like the rest
     fi
     munge -n | unmunge >/dev/null || { log "munge does not work"; exit 1; }
     slurmctld -D -f "$SLURM_CONF" > "$CONF_DIR/log/slurmctld.out" 2>&1 & PIDS+=($!)

@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,cluster]'
 	touch $(VENV)/.installed $@
 
 # Targets go before --configfile (it takes every word after it); the rules call the venv's `nanoeuler`.

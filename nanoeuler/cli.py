@@ -27,12 +27,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gutenberg": ("nanoeuler.data.gutenberg", "download Project Gutenberg books and strip the license text"),
     "fineweb": ("nanoeuler.data.fineweb", "download FineWeb-Edu parquet files and sample them with DuckDB"),
     "alpaca": ("nanoeuler.data.alpaca", "download, validate and clean the Alpaca instruction data"),
+    "hellaswag": ("nanoeuler.data.hellaswag", "download and check the HellaSwag validation set"),
     "corpus": ("nanoeuler.data.corpus", "mix books and web text into train/val splits"),
     "tokenizer": ("nanoeuler.tokenizer.train", "learn byte-level BPE merges and write tokenizer.json"),
     "tokenize": ("nanoeuler.tokenizer.shards", "encode the corpus in parallel into uint16 token shards"),
     "pretrain": ("nanoeuler.train.pretrain", "pretrain the model on token shards (checkpoints, resume)"),
     "sft": ("nanoeuler.train.sft", "fine-tune the base model on Alpaca (loss on responses only)"),
+    "hellaswag-eval": ("nanoeuler.eval.hellaswag", "score a model on HellaSwag (acc, acc_norm) as llm.c does"),
     "evaluate": ("nanoeuler.eval.report", "write samples.md, metrics.json and the loss plot"),
+    "report-pages": ("nanoeuler.eval.pages", "HTML pages of a run's metrics, HellaSwag, samples, config for the report"),
+    "compare": ("nanoeuler.eval.compare", "one metrics table and one loss plot across experiments"),
     "sample": ("nanoeuler.infer.sample", "continue a prompt with a checkpoint"),
     "chat": ("nanoeuler.infer.chat", "talk to a chat checkpoint in the terminal"),
     "serve": ("nanoeuler.serve.server", "serve a chat model over an OpenAI-compatible HTTP API and a web page"),
@@ -47,7 +51,7 @@ def _top_parser() -> argparse.ArgumentParser:
         prog="nanoeuler",
         description="A GPT-2-class language model trained from scratch on NumPy/CuPy.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="stages:\n" + "\n".join(f"  {name:<11} {text}" for name, (_, text) in COMMANDS.items())
+        epilog="stages:\n" + "\n".join(f"  {name:<14} {text}" for name, (_, text) in COMMANDS.items())
         + "\n\nRun `nanoeuler <stage> --help` for the options of a stage.",
     )
     parser.add_argument("stage", choices=list(COMMANDS), metavar="stage", help="one of the stages below")

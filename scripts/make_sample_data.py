@@ -11,6 +11,9 @@
   few rows have low int_score or language_score so the filters have something to remove.
 - alpaca_data.json  instruction records in Stanford Alpaca's format, including two exact
   duplicates and one empty output for the cleaner to drop.
+- hellaswag_val.jsonl  sentence-completion items with the fields of HellaSwag's validation file
+  (ind, activity_label, ctx_a, ctx_b, ctx, split, split_type, label, endings, source_id): one
+  sensible ending and three odd ones, in a seeded order.
 
 Every sentence here was written for this project (some are assembled from small templates with a
 seeded random generator); nothing is copied from the real data sets. The ebook numbers 90001-90004
@@ -574,6 +577,76 @@ def alpaca_records(rng: random.Random) -> list[dict]:
     return recs
 
 
+# --------------------------------------------------------------------------------------------
+# HellaSwag-format items
+# --------------------------------------------------------------------------------------------
+
+# (activity, ctx_a, ctx_b, right ending, three wrong endings)
+HELLASWAG = [
+    ("Making tea", "A woman fills a kettle at the sink and sets it on the stove.", "she",
+     "waits for the water to boil, then pours it over the tea leaves in a pot.",
+     ["throws the kettle out of the window and starts to sing.", "paints the stove a bright shade of green.",
+      "climbs onto the roof with a ladder made of spoons."]),
+    ("Washing a dog", "A man lifts a small dog into a tub of warm water.", "he",
+     "rubs shampoo into its fur and rinses it with a cup of water.",
+     ["reads the dog a letter about the price of bread.", "fills the tub with sand and walks away.",
+      "puts the dog on a shelf next to the books."]),
+    ("Rowing", "Two people push a wooden boat from the beach into the lake.", "they",
+     "climb in, take the oars and row away from the shore.",
+     ["bury the boat in the sand and leave it there.", "start to eat the oars slowly.",
+      "lift the lake and fold it into a box."]),
+    ("Baking bread", "A baker mixes flour, water and yeast in a large bowl.", "the baker",
+     "kneads the dough on the table and leaves it to rise under a cloth.",
+     ["pours the dough into a shoe and ties the laces.", "sends the bowl to the post office.",
+      "plants the flour in the garden and waters it."]),
+    ("Fixing a bicycle", "A boy turns his bicycle upside down on the grass.", "he",
+     "takes off the flat tyre and patches the hole in the tube.",
+     ["rides it upside down to school.", "asks the bicycle to fix itself.",
+      "paints a face on the saddle and goes to sleep."]),
+    ("Playing chess", "Two old friends sit at a table in the park with a chess board between them.", "one of them",
+     "moves a pawn forward two squares and waits for the other to reply.",
+     ["eats the king and leaves the park.", "throws the board into the fountain and swims after it.",
+      "draws a map of the moon on the table."]),
+    ("Gardening", "A girl kneels beside a row of small holes in the soil.", "she",
+     "drops a seed into each hole and covers it gently with earth.",
+     ["fills the holes with soup.", "shouts into each hole until it answers.",
+      "carries the holes into the house one by one."]),
+    ("Ironing clothes", "A man lays a creased shirt flat on an ironing board.", "he",
+     "presses the hot iron along the sleeves until the creases are gone.",
+     ["folds the ironing board into a paper hat.", "puts the shirt in the oven for an hour.",
+      "teaches the iron to read."]),
+    ("Painting a fence", "A woman opens a tin of white paint next to a wooden fence.", "she",
+     "dips a brush in the paint and covers the boards with long even strokes.",
+     ["drinks the paint and falls asleep.", "paints the grass instead and leaves.",
+      "hides the fence under her bed."]),
+    ("Ice skating", "A child steps carefully onto the frozen pond in new skates.", "the child",
+     "wobbles at first, then glides slowly across the ice with arms held out.",
+     ["starts to dig a tunnel through the ice with a fork.", "sells the pond to a passing duck.",
+      "sets the ice on fire to keep warm."]),
+    ("Cooking pasta", "A cook drops a handful of pasta into a pot of boiling water.", "",
+     "After ten minutes the cook drains the pasta and stirs in the sauce.",
+     ["After ten minutes the pasta climbs out of the pot and runs away.",
+      "After ten minutes the cook freezes the water and skates on it.",
+      "After ten minutes the cook mails the pot to a friend."]),
+    ("Building a snowman", "Three children roll a big ball of snow across the garden.", "they",
+     "lift a smaller ball on top of it and give it a carrot for a nose.",
+     ["pour hot tea over the snow to make it grow.", "put the snow in the cupboard for the summer.",
+      "teach the snowball to bark."]),
+]
+
+
+def hellaswag_items(rng: random.Random) -> list[dict]:
+    items = []
+    for i, (activity, ctx_a, ctx_b, right, wrong) in enumerate(HELLASWAG):
+        endings = [right] + list(wrong)
+        rng.shuffle(endings)
+        items.append({"ind": 100 + 7 * i, "activity_label": activity, "ctx_a": ctx_a, "ctx_b": ctx_b,
+                      "ctx": f"{ctx_a} {ctx_b}" if ctx_b else ctx_a, "split": "val",
+                      "split_type": "indomain" if i % 3 else "zeroshot", "label": endings.index(right),
+                      "endings": endings, "source_id": f"example~v_{i:04d}"})
+    return items
+
+
 def main() -> None:
     rng = random.Random(20240101)
     for book in BOOKS:
@@ -584,6 +657,9 @@ def main() -> None:
     with open(OUT / "alpaca_data.json", "w", encoding="utf-8") as f:
         json.dump(alpaca_records(rng), f, indent=4, ensure_ascii=False)
         f.write("\n")
+    with open(OUT / "hellaswag_val.jsonl", "w", encoding="utf-8") as f:  # its own seed: the files above stay as they were
+        for item in hellaswag_items(random.Random(29)):
+            f.write(json.dumps(item) + "\n")
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {OUT} ({total:,} bytes)")
 

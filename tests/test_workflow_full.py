@@ -1,5 +1,6 @@
 """The whole tiny DAG through Snakemake, offline: raw sample data to chat.bin and the evaluation outputs;
-then nothing is left to do; then changing only an SFT key re-runs exactly SFT and evaluation.
+then the Snakemake report of the run holds its parts; then nothing is left to do; then changing only an
+SFT key re-runs exactly SFT and evaluation.
 
 Snakemake runs in a temporary working directory (-d), with the repository's Snakefile.
 """
@@ -7,6 +8,8 @@ Snakemake runs in a temporary working directory (-d), with the repository's Snak
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 
 import pytest
 import yaml
@@ -15,7 +18,24 @@ from nanoeuler import checkpoint
 from nanoeuler.config import REPO_ROOT
 from workflow_helpers import planned_jobs, snakemake
 
-TARGETS = ["results/chat.bin", "results/samples.md", "results/metrics.json", "results/loss.png"]
+TARGETS = ["results/chat.bin", "results/samples.md", "results/metrics.json", "results/loss.png",
+           "results/report/metrics.html"]
+REPORT_PARTS = ["Loss curves", "loss.png", "Metrics", "metrics.html", "HellaSwag", "hellaswag.html", "Samples",
+                "samples.html", "Config", "config.html", "scored completion-style as llm.c does"]
+
+def _check_rendering(html, png):
+    """Headless Chromium (where installed) draws the report: a page with the menu, not a blank one."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        return
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,800",
+                    "--virtual-time-budget=5000", f"--screenshot={png}", html.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(png)[..., :3]
+    assert (pixels.reshape(-1, 3) < 0.9).any(axis=1).mean() > 0.05, "the report renders blank"
+
 
 @pytest.mark.slow
 def test_tiny_dag_end_to_end(tmp_path):
@@ -31,6 +51,16 @@ def test_tiny_dag_end_to_end(tmp_path):
     train = [r["loss"] for r in pre if "loss" in r]
     assert train[-1] < train[0] - 1.0, "pretraining did not learn"
     assert "loss.png" in (tmp_path / "results/samples.md").read_text()
+    hellaswag = metrics["hellaswag"]
+    assert set(hellaswag) == {"base", "chat"} and hellaswag["chat"]["items"] == 8
+    assert all(0 <= s["acc"] <= 1 and 0 <= s["acc_norm"] <= 1 for s in hellaswag.values())
+    assert "## HellaSwag" in (tmp_path / "results/samples.md").read_text()
+
+    snakemake(tmp_path, tiny, TARGETS, "--report", str(tmp_path / "report.html"))
+    report = (tmp_path / "report.html").read_text()
+    missing = [part for part in REPORT_PARTS if part not in report]
+    assert not missing, missing
+    _check_rendering(tmp_path / "report.html", tmp_path / "report.png")
     _, _, meta = checkpoint.load_model(tmp_path / "results/chat.bin")
     assert meta["tokenizer"] and meta["stage"] == "sft"
 
@@ -40,7 +70,8 @@ def test_tiny_dag_end_to_end(tmp_path):
     cfg["sft"]["lr"] = cfg["sft"]["lr"] / 2
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(cfg))
-    assert planned_jobs(snakemake(tmp_path, changed, TARGETS, "-n")) == {"sft": 1, "evaluate": 1}
+    assert planned_jobs(snakemake(tmp_path, changed, TARGETS, "-n")) == {"sft": 1, "hellaswag_eval": 1, "evaluate": 1,
+                                                                         "report_pages": 1}
     before = (tmp_path / "results/base.bin").stat().st_mtime_ns
     snakemake(tmp_path, changed, TARGETS)
     assert (tmp_path / "results/base.bin").stat().st_mtime_ns == before

@@ -5,7 +5,8 @@
         --metrics results/metrics.json --plot results/loss.png
 
 - `metrics.json`: val loss, head-0 cross-entropy and bits per byte (see `nanoeuler.eval.metrics`) of
-  the base and the chat model on the same fixed val windows, plus what training recorded.
+  the base and the chat model on the same fixed val windows, plus what training recorded, and the
+  HellaSwag scores of `--hellaswag` (files of `nanoeuler hellaswag-eval`).
 - `samples.md`: base-model continuations of `eval.base_prompts` and chat answers to
   `eval.chat_prompts` (prompt i sampled with `eval.seed + i`), the metrics, and the loss plot.
 - `loss.png`: train/val loss of pretraining and SFT, from the run directories' `metrics.jsonl`.
@@ -37,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", required=True, metavar="MD", help="output, e.g. results/samples.md")
     parser.add_argument("--metrics", required=True, metavar="JSON", help="output, e.g. results/metrics.json")
     parser.add_argument("--plot", required=True, metavar="PNG", help="output, e.g. results/loss.png")
+    parser.add_argument("--hellaswag", nargs="*", default=[], metavar="JSON",
+                        help="HellaSwag results of `nanoeuler hellaswag-eval`, one file per model")
     parser.add_argument("--pretrain-dir", metavar="DIR", help="pretraining run dir (default: 'pretrain' next to --base)")
     parser.add_argument("--sft-dir", metavar="DIR", help="SFT run dir (default: 'sft' next to --chat)")
     from nanoeuler.infer.engine import add_speculative_argument
@@ -71,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
     conf = sections(args, "device", "eval")
     ev = conf["eval"]
+    hellaswag = read_hellaswag(args.hellaswag)  # before the long work: a bad file stops the stage at once
     device = args.device or conf["device"]
     spec = getattr(args, "speculative", None)
     base, base_tok, base_meta = load(args.base, device, spec)
@@ -133,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
         if not recs:
             print(f"nanoeuler evaluate: warning: no {title} metrics found in "
                   f"{pre_dir if title == 'pretraining' else sft_dir}; the plot leaves them out", file=sys.stderr)
+    if hellaswag:
+        metrics["hellaswag"] = hellaswag
     metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                            "seed": sampling.seed, "max_new_tokens": n_new}
 
@@ -145,6 +151,29 @@ def run(args: argparse.Namespace) -> int:
     print(f"nanoeuler evaluate: base val bpb {_fmt(metrics['base']['val_bpb'])}, chat val bpb "
           f"{_fmt(metrics['chat']['val_bpb'])}; wrote {samples}, {args.metrics}, {plot}", file=sys.stderr)
     return 0
+
+
+def read_hellaswag(paths: list[str]) -> dict:
+    """{model: its HellaSwag scores} from `hellaswag-eval` outputs, without the per-item picks."""
+    out = {}
+    for path in paths:
+        try:
+            result = json.loads(Path(path).read_text(encoding="utf-8"))
+            out[result["model"]] = {k: result[k] for k in ("items", "acc", "acc_norm", "correct", "correct_norm",
+                                                            "steps", "file")}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"{path} is not a HellaSwag result of `nanoeuler hellaswag-eval`: {exc!r}") from None
+    return out
+
+
+def _hellaswag_markdown(scores: dict) -> list[str]:
+    lines = ["## HellaSwag", "",
+             "| model | items | acc | acc_norm |", "|---|---:|---:|---:|"]
+    for name, s in scores.items():
+        lines.append(f"| {name} | {s['items']:,} | {s['acc']:.4f} ({s['correct']}) | "
+                     f"{s['acc_norm']:.4f} ({s['correct_norm']}) |")
+    return lines + ["", "Completion-style, as llm.c: `acc` picks the ending with the largest summed log-probability "
+                    "of its tokens, `acc_norm` the largest mean per token. Chance is 0.25.", ""]
 
 
 def _markdown(metrics: dict, base_samples, chat_samples, plot_rel: str) -> str:
@@ -162,6 +191,8 @@ def _markdown(metrics: dict, base_samples, chat_samples, plot_rel: str) -> str:
               f"![loss curves]({plot_rel})", "",
               f"Sampling: temperature {s['temperature']}, top-k {s['top_k']}, top-p {s['top_p']}, "
               f"at most {s['max_new_tokens']} new tokens, seed {s['seed']} + prompt index.", ""]
+    if "hellaswag" in metrics:
+        lines += _hellaswag_markdown(metrics["hellaswag"])
     lines += ["## Base model continuations", ""]
     for prompt, text in base_samples:
         lines += [f"**Prompt:** `{prompt}`", "", _fence(prompt + text), ""]

@@ -10,3 +10,10 @@ def stage_params(*sections):
     """
     text = params_json(config, *sections)
     return lambda wildcards: text
+
+
+def job_resources(gpu=False, count=1):
+    """The resources of a compute rule: memory and run time from the config, and `count` GPUs for GPU
+    jobs (a training stage's `gpus`: its data-parallel processes)."""
+    kind = "gpu" if gpu else "cpu"
+    return {"gpu": count if gpu else 0, "mem_mb": RES[f"{kind}_mem_mb"], "runtime": RES[f"{kind}_runtime_min"]}

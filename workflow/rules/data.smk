@@ -5,6 +5,7 @@
 from nanoeuler.data import alpaca as _alpaca
 from nanoeuler.data import fineweb as _fineweb
 from nanoeuler.data import gutenberg as _gutenberg
+from nanoeuler.data import hellaswag as _hellaswag
 from nanoeuler.data.common import local_sources
 
 # Where relative sample paths live: the repository root, relative to the working directory, so that
@@ -75,6 +76,8 @@ rule corpus:
         val="data/corpus/val.parquet",
     params:
         cfg=stage_params("corpus"),
+    resources:
+        **job_resources(),
     log:
         "logs/corpus.log",
     benchmark:
@@ -82,3 +85,21 @@ rule corpus:
     shell:
         "nanoeuler corpus --params {params.cfg:q} --books {input.books:q} --web {input.web:q} "
         "--train {output.train:q} --val {output.val:q} > {log:q} 2>&1"
+
+
+rule hellaswag:
+    input:
+        local_sources(_hellaswag.sources(config["hellaswag"]), workflow.basedir),
+    output:
+        "data/hellaswag/hellaswag.jsonl",
+    params:
+        cfg=stage_params("hellaswag"),
+        raw="data/hellaswag/raw",
+        root=source_root,
+    log:
+        "logs/hellaswag.log",
+    benchmark:
+        "benchmarks/hellaswag.tsv"
+    shell:
+        "nanoeuler hellaswag --params {params.cfg:q} --raw-dir {params.raw:q} "
+        "--source-root {params.root:q} --out {output:q} > {log:q} 2>&1"

@@ -5,14 +5,16 @@ rule tokenizer:
     input:
         "data/corpus/train.parquet",
     output:
-        tok="results/tokenizer.json",
-        hf="results/tokenizer.hf.json",
+        tok=f"{RESULTS}/tokenizer.json",
+        hf=f"{RESULTS}/tokenizer.hf.json",
     params:
         cfg=stage_params("tokenizer"),
+    resources:
+        **job_resources(),
     log:
-        "logs/tokenizer.log",
+        f"{LOGS}/tokenizer.log",
     benchmark:
-        "benchmarks/tokenizer.tsv"
+        f"{BENCH}/tokenizer.tsv"
     shell:
         "nanoeuler tokenizer --params {params.cfg:q} --corpus {input:q} "
         "--out {output.tok:q} --hf-out {output.hf:q} > {log:q} 2>&1"
@@ -20,18 +22,20 @@ rule tokenizer:
 
 rule shards:
     input:
-        tok="results/tokenizer.json",
+        tok=f"{RESULTS}/tokenizer.json",
         train="data/corpus/train.parquet",
         val="data/corpus/val.parquet",
     output:
-        "results/shards/manifest.json",
+        f"{RESULTS}/shards/manifest.json",
     params:
         cfg=stage_params("shards"),
-    threads: 64  # capped at --cores by Snakemake
+    threads: RES["cpu_threads"]  # capped at --cores by Snakemake
+    resources:
+        **job_resources(),
     log:
-        "logs/shards.log",
+        f"{LOGS}/shards.log",
     benchmark:
-        "benchmarks/shards.tsv"
+        f"{BENCH}/shards.tsv"
     shell:
         "nanoeuler tokenize --params {params.cfg:q} --tokenizer {input.tok:q} "
         "--train {input.train:q} --val {input.val:q} --out {output:q} --workers {threads} > {log:q} 2>&1"

@@ -1,46 +1,48 @@
 # rules for the train stages: pretraining on the token shards, then Alpaca fine-tuning.
-# Each stage keeps a run directory (results/pretrain/, results/sft/) with rotating checkpoints and
+# Each stage keeps a run directory ({RESULTS}/pretrain/, {RESULTS}/sft/) with rotating checkpoints and
 # metrics.jsonl; it is not a declared output, so Snakemake leaves it alone and a re-run after a crash
 # or kill resumes from the newest checkpoint there.
 
 
 rule pretrain:
     input:
-        shards="results/shards/manifest.json",
-        tok="results/tokenizer.json",
+        shards=f"{RESULTS}/shards/manifest.json",
+        tok=f"{RESULTS}/tokenizer.json",
     output:
-        "results/base.bin",
+        f"{RESULTS}/base.bin",
     params:
         cfg=stage_params("device", "model", "pretrain"),
-    threads: 64  # BLAS threads on the CPU; capped at --cores by Snakemake
+        run_dir=f"{RESULTS}/pretrain",
+    threads: RES["cpu_threads"]  # BLAS threads on the CPU; capped at --cores by Snakemake
     resources:
-        gpu=0 if config["device"] == "cpu" else config["pretrain"]["gpus"],
+        **job_resources(gpu=config["device"] != "cpu", count=config["pretrain"]["gpus"]),
     log:
-        "logs/pretrain.log",
+        f"{LOGS}/pretrain.log",
     benchmark:
-        "benchmarks/pretrain.tsv"
+        f"{BENCH}/pretrain.tsv"
     shell:
         "OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} "
         "nanoeuler pretrain --params {params.cfg:q} --shards {input.shards:q} --tokenizer {input.tok:q} "
-        "--out {output:q} --run-dir results/pretrain > {log:q} 2>&1"
+        "--out {output:q} --run-dir {params.run_dir:q} > {log:q} 2>&1"
 
 
 rule sft:
     input:
-        base="results/base.bin",
+        base=f"{RESULTS}/base.bin",
         data="data/alpaca/alpaca.jsonl",
     output:
-        "results/chat.bin",
+        f"{RESULTS}/chat.bin",
     params:
         cfg=stage_params("device", "sft"),
-    threads: 64
+        run_dir=f"{RESULTS}/sft",
+    threads: RES["cpu_threads"]
     resources:
-        gpu=0 if config["device"] == "cpu" else config["sft"]["gpus"],
+        **job_resources(gpu=config["device"] != "cpu", count=config["sft"]["gpus"]),
     log:
-        "logs/sft.log",
+        f"{LOGS}/sft.log",
     benchmark:
-        "benchmarks/sft.tsv"
+        f"{BENCH}/sft.tsv"
     shell:
         "OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} "
         "nanoeuler sft --params {params.cfg:q} --base {input.base:q} --data {input.data:q} "
-        "--out {output:q} --run-dir results/sft > {log:q} 2>&1"
+        "--out {output:q} --run-dir {params.run_dir:q} > {log:q} 2>&1"

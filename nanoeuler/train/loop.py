@@ -74,6 +74,7 @@ class Run:
     # Checkpoints of another model config or tokenizer: an error (pretraining: the run dir belongs to
     # another model), or set aside like other settings (SFT: a new base model means a new run anyway).
     foreign_model_is_error: bool = True
+    head_loss: Callable | None = None  # the loss on the final normed state (None: transformer.mtp_cross_entropy)
 
 
 def run_identity(run: Run) -> dict:
@@ -316,7 +317,8 @@ def _update(run: Run, params: dict, opt, step0: int, lr: float, loss_and_grads, 
     for micro in range(accum):
         x, y = run.batches.batch(step0, micro)
         n_tokens += x.size
-        micro_loss, g = loss_and_grads(params, xp.asarray(x), xp.asarray(y), run.cfg)
+        micro_loss, g = loss_and_grads(params, xp.asarray(x), xp.asarray(y), run.cfg,
+                                       **({"head_loss": run.head_loss} if run.head_loss else {}))
         loss += micro_loss / accum
         if grads is None:
             grads = g

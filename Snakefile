@@ -29,4 +29,5 @@ def stage_params(*sections):
 include: "workflow/rules/data.smk"
 include: "workflow/rules/tokenizer.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/dpo.smk"
 include: "workflow/rules/eval.smk"

@@ -10,7 +10,7 @@ import pytest
 from nanoeuler import checkpoint
 from nanoeuler.errors import UserError
 from nanoeuler.train import pairs as P
-from train_fixtures import make_tokenizer, save_random_model, write_config
+from train_fixtures import make_tokenizer, save_random_model, write_config, write_shards
 
 PAIRS = [
     {"prompt": "Name a color.\n", "chosen": "Blue.", "rejected": "I will not."},
@@ -114,3 +114,40 @@ def test_read_pairs_names_a_bad_line(tmp_path):
     path.write_text(json.dumps(PAIRS[0]) + "\n" + json.dumps({"prompt": "x", "chosen": 1}) + "\n")
     with pytest.raises(UserError, match=r"p.jsonl:2: expected an object"):
         P.read_pairs(path)
+
+
+def test_evaluate_shows_the_dpo_answers_beside_the_chat_answers(tmp_path):
+    tok = make_tokenizer()
+    manifest = write_shards(tmp_path / "shards", tok, n_train=1000, n_val=600)
+    for seed, name in enumerate(("base", "chat", "dpo")):
+        save_random_model(tmp_path / f"{name}.bin", tok, seed=seed)
+    conf = write_config(tmp_path / "c.yaml", eval={"base_prompts": ["It was"], "chat_prompts": ["Name a color.", "Hi"],
+                                                   "max_new_tokens": 4, "val_tokens": 200, "batch_size": 2})
+    out = tmp_path / "out"
+    nanoeuler("evaluate", "--config", conf, "--base", tmp_path / "base.bin", "--chat", tmp_path / "chat.bin",
+              "--dpo", tmp_path / "dpo.bin", "--shards", manifest, "--samples", out / "samples.md",
+              "--metrics", out / "metrics.json", "--plot", out / "loss.png")
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["dpo"]["file"].endswith("dpo.bin") and m["dpo"]["val_loss"] != m["chat"]["val_loss"]
+    md = (out / "samples.md").read_text()
+    assert md.count("*DPO model:*") == 2 and "| dpo |" in md
+    assert md.index("**Instruction:** Hi") < md.rindex("*DPO model:*")
+
+
+@pytest.mark.gpu
+def test_stages_on_the_gpu_track_the_cpu(setup):
+    tmp, conf, prefs, tok = setup
+    runs = {}
+    for dev in ("cpu", "gpu"):
+        ref = tmp / f"ref_{dev}.npz"
+        nanoeuler("ref-logps", "--config", conf, "--device", dev, "--ckpt", tmp / "chat.bin", "--prefs", prefs,
+                  "--out", ref, "--no-progress")
+        nanoeuler("dpo", "--config", conf, "--device", dev, "--ckpt", tmp / "chat.bin", "--prefs", prefs, "--ref", ref,
+                  "--out", tmp / f"dpo_{dev}.bin", "--run-dir", tmp / f"run_{dev}", "--no-progress")
+        with np.load(ref) as z:
+            runs[dev] = (z["logps"], [json.loads(s) for s in (tmp / f"run_{dev}" / "metrics.jsonl").read_text().splitlines()])
+    assert np.allclose(runs["gpu"][0], runs["cpu"][0], rtol=1e-5)
+    for a, b in zip(runs["cpu"][1], runs["gpu"][1]):
+        for key in ("loss", "val_loss", "margin", "chosen_logp"):
+            if key in a:
+                assert abs(a[key] - b[key]) <= 1e-3 * max(1.0, abs(a[key])), (key, a, b)

@@ -9,7 +9,7 @@
 - `samples.md`: base-model continuations of `eval.base_prompts` and chat answers to
   `eval.chat_prompts` (prompt i sampled with `eval.seed + i`), the metrics, and the loss plot.
 - `loss.png`: train/val loss of pretraining and SFT, from the run directories' `metrics.jsonl`.
-- With `--dpo results/dpo.bin` (config `dpo.evaluate`), the DPO model's val metrics and held-out DPO
+- With `--dpo results/dpo.bin` (config `eval.dpo`), the DPO model's val metrics and held-out DPO
   scores join metrics.json, and samples.md shows its answer to each chat prompt under the chat model's
   (same prompt, same seed).
 

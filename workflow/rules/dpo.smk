@@ -1,7 +1,7 @@
 # rules for preference tuning: clean preference pairs, score them once with the frozen chat model, then DPO.
 # The DPO run directory (results/dpo/) is not a declared output, like pretraining's and SFT's, so a re-run
 # after a crash resumes from its newest checkpoint. `snakemake results/dpo.bin` runs these; with
-# dpo.evaluate: true, `evaluate` also reports the DPO model and so pulls them into a plain run.
+# eval.dpo: true, `evaluate` also reports the DPO model and so pulls them into a plain run.
 from nanoeuler.data import prefs as _prefs
 
 

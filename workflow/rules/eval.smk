@@ -6,14 +6,14 @@ rule evaluate:
         base="results/base.bin",
         chat="results/chat.bin",
         shards="results/shards/manifest.json",
-        dpo=["results/dpo.bin"] if config["dpo"]["evaluate"] else [],
+        dpo=["results/dpo.bin"] if config["eval"]["dpo"] else [],
     output:
         samples="results/samples.md",
         metrics="results/metrics.json",
         plot="results/loss.png",
     params:
         cfg=stage_params("device", "eval"),
-        dpo="--dpo results/dpo.bin" if config["dpo"]["evaluate"] else "",
+        dpo="--dpo results/dpo.bin" if config["eval"]["dpo"] else "",
     threads: 64
     resources:
         gpu=0 if config["device"] == "cpu" else 1,

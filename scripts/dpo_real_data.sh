@@ -42,13 +42,13 @@ alpaca: {url: dl/llamafactory-0.9.5/data/alpaca_en_demo.json, delay_s: 0}
 corpus: {val_fraction: 0.02, chunk_bytes: 8192, weights: {gutenberg: 1.0, fineweb: 0.0}}
 tokenizer: {vocab_size: 1024}
 shards: {shard_tokens: 1000000}
-model: {preset: small, ctx_len: 192}
-pretrain: {steps: ${PRETRAIN_STEPS:-300}, batch_size: 16, lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 30,
+model: {preset: small, ctx_len: 128, mtp_heads: 1}
+pretrain: {steps: ${PRETRAIN_STEPS:-150}, batch_size: 8, lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 15,
            log_every: 10, eval_every: 100, checkpoint_every: 50, val_tokens: 16384}
-sft: {epochs: 1, batch_size: 16, lr: 1.0e-3, min_lr: 1.0e-4, warmup_steps: 10, log_every: 5,
-      eval_every: 25, checkpoint_every: 50, val_examples: 50}
+sft: {epochs: 1, batch_size: 8, max_examples: 450, lr: 1.0e-3, min_lr: 1.0e-4, warmup_steps: 10, log_every: 5,
+      eval_every: 25, checkpoint_every: 25, val_examples: 40}
 prefs: {format: sharegpt, url: dl/llamafactory-0.9.5/data/dpo_en_demo.json, delay_s: 0}
-dpo: {epochs: ${DPO_EPOCHS:-4}, batch_size: 8, lr: 3.0e-4, min_lr: 3.0e-5, warmup_steps: 5, beta: 0.1,
+dpo: {epochs: ${DPO_EPOCHS:-2}, batch_size: 8, lr: 3.0e-4, min_lr: 3.0e-5, warmup_steps: 5, beta: 0.1,
       val_pairs: 60, log_every: 5, eval_every: 20, checkpoint_every: 40}
 YAML
 

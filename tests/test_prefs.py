@@ -26,6 +26,12 @@ def test_hh_multi_turn_becomes_instruction_and_history():
     assert (pair["chosen"], pair["rejected"]) == ("Blue.", "No.")
 
 
+def test_a_system_message_is_named_in_the_history():
+    sg = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Name a colour."}],
+          "chosen": {"from": "gpt", "value": "Blue."}, "rejected": {"from": "gpt", "value": "No."}}
+    assert "### Input:\nSystem: Be brief.\n\n" in prefs.to_pair(*prefs.parse_sharegpt(sg))["prompt"]
+
+
 def test_hh_answers_sharing_their_first_words_keep_them():
     rec = {"chosen": hh("Name a colour.", "Blue is one."), "rejected": hh("Name a colour.", "Blue? No.")}
     assert prefs.to_pair(*prefs.parse_hh(rec))["rejected"] == "Blue? No."

@@ -12,7 +12,7 @@ Three real layouts are read (`prefs.format`):
   value}], chosen: {from, value}, rejected: {from, value}}.
 
 Multi-turn dialogues: the last user turn becomes the template's instruction and the turns before it
-(as "Human: ..." / "Assistant: ..." lines) its `### Input:` block, so the model sees the whole
+(as "Human: ..." / "Assistant: ..." lines, a system message as "System: ...") its `### Input:` block, so the model sees the whole
 conversation and answers its last question, e.g.
 
     [user "Hi", assistant "Hello!", user "Name a colour."] -> instruction "Name a colour.",
@@ -169,6 +169,7 @@ def parse_sharegpt(record) -> tuple[list, str, str]:
     return turns, answers[0][1], answers[1][1]
 
 
+SPEAKERS = {"user": "Human", "assistant": "Assistant", "system": "System"}  # names in the history block
 PARSERS = {"hh": parse_hh, "ultrafeedback": parse_ultrafeedback, "sharegpt": parse_sharegpt}
 
 
@@ -184,7 +185,7 @@ def to_pair(turns: list, chosen: str, rejected: str) -> dict:
         raise Bad("empty")
     if chosen == rejected:
         raise Bad("same")
-    history = "\n".join(f"{'Human' if role == 'user' else 'Assistant'}: {text}" for role, text in turns[:-1])
+    history = "\n".join(f"{SPEAKERS.get(role, role.capitalize())}: {text}" for role, text in turns[:-1])
     return {"prompt": render_prompt(turns[-1][1], history), "chosen": chosen, "rejected": rejected}
 
 

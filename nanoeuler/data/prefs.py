@@ -12,8 +12,8 @@ Three real layouts are read (`prefs.format`):
   value}], chosen: {from, value}, rejected: {from, value}}.
 
 Multi-turn dialogues: the last user turn becomes the template's instruction and the turns before it
-(as "Human: ..." / "Assistant: ..." lines, a system message as "System: ...") its `### Input:` block, so the model sees the whole
-conversation and answers its last question, e.g.
+(as "Human: ..." / "Assistant: ..." lines, a system message as "System: ...") its `### Input:` block,
+so the model sees the whole conversation and answers its last question, e.g.
 
     [user "Hi", assistant "Hello!", user "Name a colour."] -> instruction "Name a colour.",
                                                                input "Human: Hi\\nAssistant: Hello!"

@@ -26,7 +26,6 @@ import numpy as np
 
 from nanoeuler.backend import add_device_argument
 from nanoeuler.config import add_config_arguments, sections
-from nanoeuler.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +66,8 @@ class PairBatches:
     def head_loss(self, xn, params, targets, cfg):
         from nanoeuler.model.dpo import dpo_head_loss
 
-        return dpo_head_loss(self._pending.popleft(), beta=self.beta, label_smoothing=self.eps)(xn, params, targets, cfg)
+        loss = dpo_head_loss(self._pending.popleft(), beta=self.beta, label_smoothing=self.eps)
+        return loss(xn, params, targets, cfg)
 
     def state(self) -> dict:
         return {}
@@ -87,22 +87,17 @@ def pair_metrics(logps: np.ndarray, ref: np.ndarray, beta: float, eps: float) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from nanoeuler import checkpoint
     from nanoeuler.backend import get_xp
     from nanoeuler.eval.plots import plot_losses
-    from nanoeuler.tokenizer.bpe import Tokenizer
     from nanoeuler.train import loop, rundir
-    from nanoeuler.train.pairs import encode_pairs, file_sha256, read_pairs, sequence_logps, split_pairs
+    from nanoeuler.train.pairs import (encode_pairs, file_sha256, load_chat_model, read_pairs, sequence_logps,
+                                       split_pairs)
     from nanoeuler.train.reflogps import load_reference, reference_meta
 
     conf = sections(args, "device", "dpo")
     sec = conf["dpo"]
     xp = get_xp(args.device or conf["device"])
-    params, cfg, meta = checkpoint.load_model(args.ckpt)
-    if not meta.get("tokenizer"):
-        raise UserError(f"chat model {args.ckpt} carries no tokenizer (metadata 'tokenizer')")
-    tok = Tokenizer.from_json(meta["tokenizer"])
-    checksum = checkpoint.read_header(args.ckpt)[1].get("checksum")
+    params, cfg, meta, tok, checksum = load_chat_model(args.ckpt)
     pairs = read_pairs(args.prefs)
     ref = load_reference(args.ref, reference_meta(args.prefs, checksum, cfg, len(pairs)))
     examples, _ = encode_pairs(pairs, tok, cfg.ctx_len)

@@ -21,6 +21,9 @@ import numpy as np
 from nanoeuler.errors import UserError
 
 
+FIELDS = ("prompt", "chosen", "rejected")
+
+
 def read_pairs(path: str | Path) -> list[dict]:
     """The {prompt, chosen, rejected} lines of a prefs JSONL; a malformed line is an error naming it."""
     path = Path(path)
@@ -35,12 +38,23 @@ def read_pairs(path: str | Path) -> list[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise UserError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in ("prompt", "chosen", "rejected")):
+            if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in FIELDS):
                 raise UserError(f"{path}:{n}: expected an object with string 'prompt', 'chosen' and 'rejected'")
             pairs.append(rec)
     if not pairs:
         raise UserError(f"preference pairs {path} hold no pair")
     return pairs
+
+
+def load_chat_model(path) -> tuple[dict, object, dict, object, str]:
+    """(params, model config, metadata, tokenizer, checksum) of the chat model a DPO stage starts from."""
+    from nanoeuler import checkpoint
+    from nanoeuler.tokenizer.bpe import Tokenizer
+
+    params, cfg, meta = checkpoint.load_model(path)
+    if not meta.get("tokenizer"):
+        raise UserError(f"chat model {path} carries no tokenizer (metadata 'tokenizer')")
+    return params, cfg, meta, Tokenizer.from_json(meta["tokenizer"]), checkpoint.read_header(path)[1].get("checksum")
 
 
 def file_sha256(path: str | Path) -> str:

@@ -65,17 +65,12 @@ def load_reference(path, want: dict) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from nanoeuler import checkpoint
     from nanoeuler.backend import get_xp
     from nanoeuler.data.common import atomic_path
-    from nanoeuler.tokenizer.bpe import Tokenizer
-    from nanoeuler.train.pairs import encode_pairs, read_pairs, sequence_logps
+    from nanoeuler.train.pairs import encode_pairs, load_chat_model, read_pairs, sequence_logps
 
     xp = get_xp(args.device or sections(args, "device")["device"])
-    params, cfg, meta = checkpoint.load_model(args.ckpt)
-    if not meta.get("tokenizer"):
-        raise UserError(f"chat model {args.ckpt} carries no tokenizer (metadata 'tokenizer')")
-    tok = Tokenizer.from_json(meta["tokenizer"])
+    params, cfg, _, tok, checksum = load_chat_model(args.ckpt)
     pairs = read_pairs(args.prefs)
     examples, counts = encode_pairs(pairs, tok, cfg.ctx_len)
     print(f"nanoeuler ref-logps: {len(examples)} pairs, {counts['truncated']} cut to the {cfg.ctx_len}-token "
@@ -86,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
                    disable=args.no_progress, mininterval=0.5 if sys.stderr.isatty() else 10.0):
         logps[lo:lo + BATCH_PAIRS] = sequence_logps(dev, cfg, examples[lo:lo + BATCH_PAIRS], BATCH_PAIRS,
                                                     tok.eot_id, xp)
-    info = reference_meta(args.prefs, checkpoint.read_header(args.ckpt)[1].get("checksum"), cfg, len(examples))
+    info = reference_meta(args.prefs, checksum, cfg, len(examples))
     out = Path(args.out)
     with atomic_path(out) as tmp:
         with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to the temporary's name

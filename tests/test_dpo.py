@@ -151,3 +151,19 @@ def test_stages_on_the_gpu_track_the_cpu(setup):
         for key in ("loss", "val_loss", "margin", "chosen_logp"):
             if key in a:
                 assert abs(a[key] - b[key]) <= 1e-3 * max(1.0, abs(a[key])), (key, a, b)
+
+
+def test_the_dag_plans_the_dpo_stages_and_evaluate_pulls_them_in_with_eval_dpo(tmp_path):
+    import yaml
+
+    from nanoeuler.config import REPO_ROOT
+    from workflow_helpers import planned_jobs, snakemake
+
+    tiny = REPO_ROOT / "config" / "tiny.yaml"
+    jobs = planned_jobs(snakemake(tmp_path, tiny, ["results/dpo.bin"], "-n"))
+    assert jobs["prefs"] == jobs["ref_logps"] == jobs["dpo"] == 1 and "evaluate" not in jobs
+    conf = yaml.safe_load(tiny.read_text())
+    conf["eval"]["dpo"] = True
+    (tmp_path / "with_dpo.yaml").write_text(yaml.safe_dump(conf))
+    jobs = planned_jobs(snakemake(tmp_path, tmp_path / "with_dpo.yaml", ["results/samples.md"], "-n"))
+    assert jobs["dpo"] == 1 and jobs["evaluate"] == 1

@@ -48,8 +48,8 @@ pretrain: {steps: ${PRETRAIN_STEPS:-150}, batch_size: 8, lr: 3.0e-3, min_lr: 3.0
 sft: {epochs: 1, batch_size: 8, max_examples: 450, lr: 1.0e-3, min_lr: 1.0e-4, warmup_steps: 10, log_every: 5,
       eval_every: 25, checkpoint_every: 25, val_examples: 40}
 prefs: {format: sharegpt, url: dl/llamafactory-0.9.5/data/dpo_en_demo.json, delay_s: 0}
-dpo: {epochs: ${DPO_EPOCHS:-2}, batch_size: 8, lr: 3.0e-5, min_lr: 3.0e-6, warmup_steps: 2, beta: 0.1,
-      val_pairs: 60, log_every: 5, eval_every: 10, checkpoint_every: 40}
+dpo: {epochs: ${DPO_EPOCHS:-4}, batch_size: 8, lr: 3.0e-5, min_lr: 3.0e-6, warmup_steps: 2, beta: 0.1,
+      val_pairs: 60, log_every: 5, eval_every: 30, checkpoint_every: 40}
 YAML
 
 NE="nice -n 10 nanoeuler"

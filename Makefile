@@ -21,9 +21,11 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	touch $(VENV)/.installed $@
 
 # Targets go before --configfile (it takes every word after it); the rules call the venv's `nanoeuler`.
+# `make demo DPO=1` adds the DPO stages (config/tiny-dpo.yaml: evaluate reports the DPO model too).
 DEMO_TARGETS := results/chat.bin results/samples.md results/metrics.json results/loss.png
+DEMO_CONFIG  := config/tiny.yaml $(if $(filter 1,$(DPO)),config/tiny-dpo.yaml)
 demo: $(VENV)/.installed
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake $(DEMO_TARGETS) --cores $(CORES) --configfile config/tiny.yaml
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake $(DEMO_TARGETS) --cores $(CORES) --configfile $(DEMO_CONFIG)
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q

@@ -45,6 +45,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/tokenizer.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/dpo.smk"
 include: "workflow/rules/eval.smk"
 
 # Downloads need the network, which cluster compute nodes often lack; the report rules are quick.

@@ -14,6 +14,10 @@
 - hellaswag_val.jsonl  sentence-completion items with the fields of HellaSwag's validation file
   (ind, activity_label, ctx_a, ctx_b, ctx, split, split_type, label, endings, source_id): one
   sensible ending and three odd ones, in a seeded order.
+- prefs/hh_train.jsonl.gz, prefs/ultrafeedback_train_prefs.parquet  the same preference pairs (a right
+  answer chosen, a wrong or unhelpful one rejected; some two-turn dialogues) in Anthropic HH-RLHF's and
+  UltraFeedback binarized's layouts, with pairs for the cleaner to drop (chosen == rejected, an empty
+  response, transcripts that part before the last answer, a repeat).
 
 Every sentence here was written for this project (some are assembled from small templates with a
 seeded random generator); nothing is copied from the real data sets. The ebook numbers 90001-90004
@@ -647,6 +651,79 @@ def hellaswag_items(rng: random.Random) -> list[dict]:
     return items
 
 
+# preference pairs
+# --------------------------------------------------------------------------------------------
+
+_SHRUGS = ["I am not sure.", "Why do you want to know?", "Look it up yourself.", "That is a hard one, sorry."]
+
+
+def preference_pairs(rng: random.Random) -> list[tuple[list[str], str, str]]:
+    """(user/assistant turns ending with a user turn, chosen answer, rejected answer): the chosen answer
+    is right and polite, the rejected one wrong or unhelpful."""
+    pairs = []
+    for word, plural in PLURALS:
+        wrong = rng.choice([word + "s", word + "es", word])
+        pairs.append(([f"What is the plural of '{word}'?"], f"The plural of '{word}' is '{plural}'.",
+                      rng.choice([f"The plural of '{word}' is '{wrong}'.", rng.choice(_SHRUGS)])))
+    for a, b in ANTONYMS:
+        pairs.append(([f"What is the opposite of '{a}'?"], f"The opposite of '{a}' is '{b}'.",
+                      rng.choice([f"The opposite of '{a}' is '{a}'.", rng.choice(_SHRUGS)])))
+    for sentence in SENTENCES:
+        n = len(sentence.split())
+        pairs.append(([f"How many words are in this sentence? {sentence}"], f"The sentence has {n} words.",
+                       f"The sentence has {n + rng.choice([-2, -1, 1, 3])} words."))
+    for (word, plural), (a, b) in zip(PLURALS[:6], ANTONYMS):  # two-turn dialogues
+        pairs.append(([f"Can you help me with some words?", "Of course. Which words?",
+                       f"What is the opposite of '{a}'?"], f"The opposite of '{a}' is '{b}'.", rng.choice(_SHRUGS)))
+    rng.shuffle(pairs)
+    return pairs
+
+
+def hh_lines(pairs, rng: random.Random) -> list[dict]:
+    """HH-RLHF's layout: each side a whole transcript; plus one pair per thing the cleaner drops."""
+    def transcript(turns, answer):
+        roles = ["Human", "Assistant"] * len(turns)
+        return "".join(f"\n\n{r}: {t}" for r, t in zip(roles, turns + [answer]))
+
+    lines = [{"chosen": transcript(t, c), "rejected": transcript(t, r)} for t, c, r in pairs]
+    t, c, _ = pairs[0]
+    lines.insert(7, {"chosen": transcript(t, c), "rejected": transcript(t, c)})  # chosen == rejected
+    lines.insert(19, {"chosen": transcript(t, c), "rejected": transcript(t, " ")})  # empty response
+    lines.insert(23, {"chosen": transcript(["Hello."], "Hi!") + transcript(t, c),  # parted early
+                      "rejected": transcript(["Good day."], "Hi!") + transcript(t, c)})
+    lines.insert(31, dict(lines[4]))  # an exact repeat
+    return lines
+
+
+def ultrafeedback_rows(pairs) -> list[dict]:
+    """UltraFeedback binarized's layout: chosen / rejected as message lists, the prompt repeated."""
+    def messages(turns, answer):
+        roles = ["user", "assistant"] * len(turns)
+        return [{"content": t, "role": r} for r, t in zip(roles, turns + [answer])]
+
+    rows = []
+    for i, (t, c, r) in enumerate(pairs):
+        rows.append({"prompt": t[-1], "prompt_id": f"{i:064x}", "chosen": messages(t, c),
+                     "rejected": messages(t, r), "score_chosen": 8.0, "score_rejected": 3.0})
+    t, c, _ = pairs[1]
+    rows.insert(5, {"prompt": t[-1], "prompt_id": "f" * 64, "chosen": messages(t, c), "rejected": messages(t, c),
+                    "score_chosen": 5.0, "score_rejected": 5.0})  # chosen == rejected
+    return rows
+
+
+def write_prefs(out_dir: Path, rng: random.Random) -> None:
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pairs = preference_pairs(rng)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in hh_lines(pairs, rng))
+    (out_dir / "hh_train.jsonl.gz").write_bytes(gzip.compress(text.encode(), mtime=0))
+    pq.write_table(pa.Table.from_pylist(ultrafeedback_rows(pairs)), out_dir / "ultrafeedback_train_prefs.parquet")
+
+
 def main() -> None:
     rng = random.Random(20240101)
     for book in BOOKS:
@@ -660,6 +737,7 @@ def main() -> None:
     with open(OUT / "hellaswag_val.jsonl", "w", encoding="utf-8") as f:  # its own seed: the files above stay as they were
         for item in hellaswag_items(random.Random(29)):
             f.write(json.dumps(item) + "\n")
+    write_prefs(OUT / "prefs", random.Random(20261125))
     total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
     print(f"wrote {OUT} ({total:,} bytes)")
 

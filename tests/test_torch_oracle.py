@@ -28,6 +28,19 @@ def torch_loss(P, ids, targets, cfg):
     """The reference: an independent PyTorch rendering of the architecture (repeat_interleave for GQA,
     rotate_half RoPE, F.scaled_dot_product-free explicit softmax, F.cross_entropy with ignore_index)."""
     B, T = ids.shape
+    xn = torch_final_state(P, ids, cfg)
+    heads = ["lm_head.weight"] + [f"mtp_heads.{k}.weight" for k in range(1, cfg.mtp_heads)]
+    losses = []
+    for k, name in enumerate(heads):
+        tk = targets[:, :, k].reshape(-1)
+        if (tk >= 0).any():
+            losses.append(F.cross_entropy((xn @ P[name].T).reshape(B * T, -1), tk, ignore_index=-1))
+    return torch.stack(losses).mean()
+
+
+def torch_final_state(P, ids, cfg):
+    """The final normed state (B,T,C) of the PyTorch rendering."""
+    B, T = ids.shape
     H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     dtype = P["embed_tokens.weight"].dtype
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
@@ -52,14 +65,7 @@ def torch_loss(P, ids, targets, cfg):
         x = x + a @ L("self_attn.o_proj").T
         h = _rms(x, L("post_attention_layernorm"), cfg.norm_eps)
         x = x + (F.silu(h @ L("mlp.gate_proj").T) * (h @ L("mlp.up_proj").T)) @ L("mlp.down_proj").T
-    xn = _rms(x, P["norm.weight"], cfg.norm_eps)
-    heads = ["lm_head.weight"] + [f"mtp_heads.{k}.weight" for k in range(1, cfg.mtp_heads)]
-    losses = []
-    for k, name in enumerate(heads):
-        tk = targets[:, :, k].reshape(-1)
-        if (tk >= 0).any():
-            losses.append(F.cross_entropy((xn @ P[name].T).reshape(B * T, -1), tk, ignore_index=-1))
-    return torch.stack(losses).mean()
+    return _rms(x, P["norm.weight"], cfg.norm_eps)
 
 
 def _compare(cfg, params, inputs, targets):

@@ -10,6 +10,9 @@
 - `samples.md`: base-model continuations of `eval.base_prompts` and chat answers to
   `eval.chat_prompts` (prompt i sampled with `eval.seed + i`), the metrics, and the loss plot.
 - `loss.png`: train/val loss of pretraining and SFT, from the run directories' `metrics.jsonl`.
+- With `--dpo results/dpo.bin` (config `eval.dpo`), the DPO model's val metrics and held-out DPO
+  scores join metrics.json, and samples.md shows its answer to each chat prompt under the chat model's
+  (same prompt, same seed).
 
 All three files are written only after everything is computed, each atomically.
 """
@@ -40,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", required=True, metavar="PNG", help="output, e.g. results/loss.png")
     parser.add_argument("--hellaswag", nargs="*", default=[], metavar="JSON",
                         help="HellaSwag results of `nanoeuler hellaswag-eval`, one file per model")
+    parser.add_argument("--dpo", metavar="BIN", help="results/dpo.bin: report the DPO model beside the chat model")
     parser.add_argument("--pretrain-dir", metavar="DIR", help="pretraining run dir (default: 'pretrain' next to --base)")
     parser.add_argument("--sft-dir", metavar="DIR", help="SFT run dir (default: 'sft' next to --chat)")
     from nanoeuler.infer.engine import add_speculative_argument
@@ -82,6 +86,13 @@ def run(args: argparse.Namespace) -> int:
     if base_tok.sha256 != chat_tok.sha256:
         raise UserError(f"{args.chat} and {args.base} carry different tokenizers; the chat model must be "
                         "fine-tuned from this base model")
+    models = [("base", base, base_meta, args.base), ("chat", chat, chat_meta, args.chat)]
+    if args.dpo:
+        dpo, dpo_tok, dpo_meta = load(args.dpo, device)
+        if dpo_tok.sha256 != chat_tok.sha256:
+            raise UserError(f"{args.dpo} and {args.chat} carry different tokenizers; the DPO model must be "
+                            "tuned from this chat model")
+        models.append(("dpo", dpo, dpo_meta, args.dpo))
     manifest = read_manifest(args.shards)
     if manifest.get("tokenizer_sha256") not in (None, base_tok.sha256):
         raise UserError(f"shards {args.shards} were made with another tokenizer than the one in {args.base}")
@@ -98,21 +109,22 @@ def run(args: argparse.Namespace) -> int:
         },
         "val_split": {"tokens": val_split.tokens, "bytes": val_split.bytes},
     }
-    for name, gen, meta in (("base", base, base_meta), ("chat", chat, chat_meta)):
+    for name, gen, meta, path in models:
         cfg = gen.cfg
         val = fixed_windows(val_split, cfg.ctx_len, cfg.mtp_heads, int(ev["val_tokens"]))
         print(f"nanoeuler evaluate: val loss of {name} ({val[0].size} tokens)", file=sys.stderr, flush=True)
         m = val_metrics(gen.params, cfg, val, val_split.tokens, val_split.bytes, int(ev["batch_size"]), gen.xp)
         metrics[name] = {
             **m,
-            "file": str(args.base if name == "base" else args.chat),
+            "file": str(path),
             "params": cfg.n_params(),
             "model_config": cfg.to_dict(),
             "steps": meta.get("step"),
             "training": meta.get("final_metrics", {}),
         }
-        if "sft_data" in meta:
-            metrics[name]["sft_data"] = meta["sft_data"]
+        for key in ("sft_data", "dpo_data"):
+            if key in meta:
+                metrics[name][key] = meta[key]
 
     sampling = Sampling(temperature=float(ev["temperature"]), top_k=int(ev["top_k"]), top_p=float(ev["top_p"]),
                         seed=int(ev["seed"]))
@@ -125,9 +137,12 @@ def run(args: argparse.Namespace) -> int:
     base_samples = [(p, base_tok.decode([t for t in out if t not in stop])) for p, out in zip(ev["base_prompts"], outs)]
     chat_samples = []
     for i, prompt in enumerate(ev["chat_prompts"]):
-        pieces: list[str] = []
-        answer(chat, chat_tok, prompt, n_new, replace(sampling, seed=sampling.seed + i), pieces.append)
-        chat_samples.append((prompt, "".join(pieces)))
+        texts = []
+        for gen in [chat] + [m[1] for m in models if m[0] == "dpo"]:
+            pieces: list[str] = []
+            answer(gen, chat_tok, prompt, n_new, replace(sampling, seed=sampling.seed + i), pieces.append)
+            texts.append("".join(pieces))
+        chat_samples.append((prompt, *texts))
 
     base_path, chat_path = Path(args.base), Path(args.chat)
     pre_dir = Path(args.pretrain_dir) if args.pretrain_dir else base_path.parent / "pretrain"
@@ -182,7 +197,7 @@ def _markdown(metrics: dict, base_samples, chat_samples, plot_rel: str) -> str:
     lines += ["## Metrics", "",
               "| model | params | steps | val loss | val CE (head 0) | val bits/byte |",
               "|---|---:|---:|---:|---:|---:|"]
-    for name in ("base", "chat"):
+    for name in [n for n in ("base", "chat", "dpo") if n in metrics]:
         m = metrics[name]
         lines.append(f"| {name} | {m['params']:,} | {m['steps']} | {_fmt(m['val_loss'])} | {_fmt(m['val_ce'])} | "
                      f"{_fmt(m['val_bpb'])} |")
@@ -196,7 +211,14 @@ def _markdown(metrics: dict, base_samples, chat_samples, plot_rel: str) -> str:
     lines += ["## Base model continuations", ""]
     for prompt, text in base_samples:
         lines += [f"**Prompt:** `{prompt}`", "", _fence(prompt + text), ""]
+    if "dpo" in metrics:
+        t = metrics["dpo"]["training"]
+        lines += ["DPO on held-out preference pairs: reward accuracy "
+                  f"{_fmt(t.get('reward_accuracy'), 3)}, mean margin {_fmt(t.get('margin'))}, chosen / rejected "
+                  f"log-prob {_fmt(t.get('chosen_logp'), 2)} / {_fmt(t.get('rejected_logp'), 2)} nats.", ""]
     lines += ["## Chat answers", ""]
-    for prompt, text in chat_samples:
+    for prompt, text, *dpo_text in chat_samples:
         lines += [f"**Instruction:** {prompt}", "", _fence(text), ""]
+        if dpo_text:  # the DPO model's answer to the same prompt, same seed
+            lines += ["*DPO model:*", "", _fence(dpo_text[0]), ""]
     return "\n".join(lines)

@@ -30,6 +30,7 @@ rule evaluate:
         chat=f"{RESULTS}/chat.bin",
         shards=f"{RESULTS}/shards/manifest.json",
         hellaswag=lambda wildcards: [f"{RESULTS}/hellaswag/{m}.json" for m in EVAL_MODELS],
+        dpo=[f"{RESULTS}/dpo.bin"] if config["eval"]["dpo"] else [],
     output:
         samples=f"{RESULTS}/samples.md",
         metrics=f"{RESULTS}/metrics.json",
@@ -38,6 +39,7 @@ rule evaluate:
         cfg=stage_params("device", "eval"),
         pretrain_dir=f"{RESULTS}/pretrain",
         sft_dir=f"{RESULTS}/sft",
+        dpo=f"--dpo {RESULTS}/dpo.bin" if config["eval"]["dpo"] else "",
     threads: RES["cpu_threads"]
     resources:
         **job_resources(gpu=config["device"] != "cpu"),
@@ -49,7 +51,7 @@ rule evaluate:
         "OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} "
         "nanoeuler evaluate --params {params.cfg:q} --base {input.base:q} --chat {input.chat:q} "
         "--shards {input.shards:q} --samples {output.samples:q} --metrics {output.metrics:q} "
-        "--plot {output.plot:q} --hellaswag {input.hellaswag:q} --pretrain-dir {params.pretrain_dir:q} "
+        "--plot {output.plot:q} {params.dpo} --hellaswag {input.hellaswag:q} --pretrain-dir {params.pretrain_dir:q} "
         "--sft-dir {params.sft_dir:q} > {log:q} 2>&1"
 
 

@@ -46,6 +46,40 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
 DUCKDB_MEMORY_LIMIT = "2GB"
 
 
+def jsonl_objects(path: str | os.PathLike, what: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line of a JSONL file. A missing file, or a line that is
+    not UTF-8, not JSON or not an object, is a one-line error naming the file and the line.
+
+        >>> list(jsonl_objects("pairs.jsonl", "preference pairs"))   # doctest: +SKIP
+        [(1, {'prompt': ..., 'chosen': ..., 'rejected': ...}), ...]
+    """
+    import json
+
+    from nanoeuler.errors import UserError
+
+    try:
+        f = open(path, "rb")  # decoded line by line, so a bad byte is reported with its line
+    except FileNotFoundError:
+        raise UserError(f"{what} {path} does not exist") from None
+    with f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{path}:{n}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+            except RecursionError:
+                raise UserError(f"{path}:{n}: JSON nested too deeply to read") from None
+            if not isinstance(rec, dict):
+                raise UserError(f"{path}:{n}: expected a JSON object")
+            yield n, rec
+
+
 @contextlib.contextmanager
 def duckdb_connection(spill_dir: str | os.PathLike) -> Iterator:
     """A DuckDB connection on one thread that keeps at most DUCKDB_MEMORY_LIMIT of buffers and spills

@@ -91,19 +91,32 @@ class StopText:
     def feed(self, piece: str) -> str:
         """The text that is safe to send now."""
         text = self.held + piece
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        hit, pending = self._first_hit(text), self._pending_start(text)
+        if hit is not None and (pending is None or hit <= pending):
             self.stopped, self.held = True, ""
-            return text[: min(hits)]
-        keep = 0
-        for k in range(min(len(text), max((len(s) for s in self.stops), default=1) - 1), 0, -1):
-            if any(s.startswith(text[-k:]) for s in self.stops):
-                keep = k
-                break
-        self.held = text[len(text) - keep :]
-        return text[: len(text) - keep]
+            return text[:hit]
+        # a stop string that starts before the hit may still complete there: wait for more text
+        cut = len(text) if pending is None else pending
+        self.held = text[cut:]
+        return text[:cut]
 
     def flush(self) -> str:
-        """What was held back, once generation has ended without reaching a stop string."""
-        out, self.held = self.held, ""
-        return out
+        """What was held back, once generation has ended (cut at a stop string it holds)."""
+        text, self.held = self.held, ""
+        hit = self._first_hit(text)
+        if hit is not None:
+            self.stopped = True
+            return text[:hit]
+        return text
+
+    def _first_hit(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _pending_start(self, text: str) -> int | None:
+        """The first position whose tail of `text` is a proper prefix of a stop string."""
+        longest = max((len(s) for s in self.stops), default=1)
+        for q in range(max(0, len(text) - longest + 1), len(text)):
+            if any(len(s) > len(text) - q and s.startswith(text[q:]) for s in self.stops):
+                return q
+        return None

@@ -13,11 +13,11 @@ targets mark the response tokens and every other head's targets are -1.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 
+from nanoeuler.data.common import jsonl_objects
 from nanoeuler.errors import UserError
 
 
@@ -30,17 +30,10 @@ def read_pairs(path: str | Path) -> list[dict]:
     if not path.exists():
         raise UserError(f"preference pairs {path} do not exist (run `nanoeuler prefs` first)")
     pairs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in FIELDS):
-                raise UserError(f"{path}:{n}: expected an object with string 'prompt', 'chosen' and 'rejected'")
-            pairs.append(rec)
+    for n, rec in jsonl_objects(path, "preference pairs"):
+        if not all(isinstance(rec.get(k), str) for k in FIELDS):
+            raise UserError(f"{path}:{n}: expected an object with string 'prompt', 'chosen' and 'rejected'")
+        pairs.append(rec)
     if not pairs:
         raise UserError(f"preference pairs {path} hold no pair")
     return pairs

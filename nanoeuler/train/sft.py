@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 import sys
 from pathlib import Path
@@ -47,34 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def read_records(path: str | Path) -> list[dict]:
     """Alpaca records from JSONL; a malformed line is an error naming the line."""
+    from nanoeuler.data.common import jsonl_objects
+
     path = Path(path)
+    if not path.exists():
+        raise UserError(f"Alpaca data {path} does not exist (run `nanoeuler alpaca` first)")
     records = []
-    try:
-        f = open(path, "rb")  # decoded line by line, so a bad byte is reported with its line
-    except FileNotFoundError:
-        raise UserError(f"Alpaca data {path} does not exist (run `nanoeuler alpaca` first)") from None
-    with f:
-        for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise UserError(f"{path}:{n}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-            except RecursionError:
-                raise UserError(f"{path}:{n}: JSON nested too deeply to read") from None
-            if not isinstance(rec, dict):
-                raise UserError(f"{path}:{n}: expected a JSON object")
-            for key in ("instruction", "output"):
-                if not isinstance(rec.get(key), str):
-                    raise UserError(f"{path}:{n}: key '{key}' must be a string")
-            if not isinstance(rec.get("input", ""), str):
-                raise UserError(f"{path}:{n}: key 'input' must be a string")
-            records.append(rec)
+    for n, rec in jsonl_objects(path, "Alpaca data"):
+        for key in ("instruction", "output"):
+            if not isinstance(rec.get(key), str):
+                raise UserError(f"{path}:{n}: key '{key}' must be a string")
+        if not isinstance(rec.get("input", ""), str):
+            raise UserError(f"{path}:{n}: key 'input' must be a string")
+        records.append(rec)
     if not records:
         raise UserError(f"Alpaca data {path} holds no records")
     return records

@@ -30,16 +30,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parallel.add_gpus_argument(parser)
 
 
+def _inputs(args: argparse.Namespace, model_section: dict):
+    """(tokenizer, shard manifest, ModelConfig), checked to belong together."""
+    from nanoeuler.model.config import ModelConfig
+    from nanoeuler.tokenizer.bpe import Tokenizer
+    from nanoeuler.train.loader import read_manifest
+
+    tok = Tokenizer.load(args.tokenizer)
+    manifest = read_manifest(args.shards)
+    if manifest.get("tokenizer_sha256") not in (None, tok.sha256):
+        raise UserError(f"shards {args.shards} were made with another tokenizer than {args.tokenizer} "
+                        "(tokenizer_sha256 differs); re-run `nanoeuler tokenize`")
+    cfg = ModelConfig.from_section(model_section, tok.vocab_size)
+    if int(manifest.get("vocab_size", cfg.vocab_size)) > cfg.vocab_size:
+        raise UserError(f"shards {args.shards} use vocab_size {manifest['vocab_size']}, "
+                        f"more than the tokenizer's {cfg.vocab_size}")
+    return tok, manifest, cfg
+
+
 def run(args: argparse.Namespace) -> int:
     from nanoeuler.backend import get_xp
     from nanoeuler.eval.metrics import val_metrics
     from nanoeuler.eval.plots import plot_losses
-    from nanoeuler.model.config import ModelConfig
     from nanoeuler.model.transformer import init_params
-    from nanoeuler.tokenizer.bpe import Tokenizer
     from nanoeuler.train import loop, rundir
     from nanoeuler.train.config import PretrainConfig
-    from nanoeuler.train.loader import RandomWindows, ShardSplit, fixed_windows, read_manifest
+    from nanoeuler.train.loader import RandomWindows, ShardSplit, fixed_windows
 
     conf = sections(args, "device", "model", "pretrain")
     sec = conf["pretrain"]
@@ -52,16 +68,7 @@ def run(args: argparse.Namespace) -> int:
     root = dp is None or dp.is_root
     xp = get_xp(device)
 
-    tok = Tokenizer.load(args.tokenizer)
-    manifest = read_manifest(args.shards)
-    if manifest.get("tokenizer_sha256") not in (None, tok.sha256):
-        raise UserError(f"shards {args.shards} were made with another tokenizer than {args.tokenizer} "
-                        "(tokenizer_sha256 differs); re-run `nanoeuler tokenize`")
-    cfg = ModelConfig.from_section(conf["model"], tok.vocab_size)
-    if int(manifest.get("vocab_size", cfg.vocab_size)) > cfg.vocab_size:
-        raise UserError(f"shards {args.shards} use vocab_size {manifest['vocab_size']}, "
-                        f"more than the tokenizer's {cfg.vocab_size}")
-
+    tok, manifest, cfg = _inputs(args, conf["model"])
     T, K = cfg.ctx_len, cfg.mtp_heads
     train_split = ShardSplit(args.shards, "train", manifest)
     val_split = ShardSplit(args.shards, "val", manifest)

@@ -229,6 +229,23 @@ def split_records(records: list, settings) -> tuple[list, list]:
     return [records[i] for i in sorted(order[n_val:])], [records[i] for i in sorted(order[:n_val])]
 
 
+def _examples(data: str, tok, ctx_len: int, settings, verbose: bool):
+    """(training examples, held-out examples, counts of truncated/dropped records) from the Alpaca JSONL."""
+    train_records, val_records = split_records(read_records(data), settings)
+    examples, counts = prepare_examples(train_records, tok, ctx_len, settings.too_long)
+    val_examples, _ = prepare_examples(val_records, tok, ctx_len, settings.too_long)
+    if verbose:
+        print(f"nanoeuler sft: {len(train_records)} training records: {len(examples)} used, "
+              f"{counts['truncated']} truncated to the {ctx_len}-token context "
+              f"({counts['prompt_cut']} of them lost the start of the prompt), "
+              f"{counts['dropped']} dropped as too long (sft.too_long = {settings.too_long}); "
+              f"{len(val_examples)} held out for validation", file=sys.stderr, flush=True)
+    if not examples:
+        raise UserError(f"no Alpaca record of {data} fits the {ctx_len}-token context "
+                        "(try sft.too_long: truncate)")
+    return examples, val_examples, counts
+
+
 def run(args: argparse.Namespace) -> int:
     from nanoeuler import checkpoint
     from nanoeuler.backend import get_xp
@@ -251,21 +268,8 @@ def run(args: argparse.Namespace) -> int:
     tok = _base_tokenizer(args.base, meta)
     base_checksum = checkpoint.read_header(args.base)[1].get("checksum")
 
-    records = read_records(args.data)
     data_sha = hashlib.sha256(Path(args.data).read_bytes()).hexdigest()
-    train_records, val_records = split_records(records, settings)
-
-    examples, counts = prepare_examples(train_records, tok, cfg.ctx_len, settings.too_long)
-    val_examples, _ = prepare_examples(val_records, tok, cfg.ctx_len, settings.too_long)
-    if root:
-        print(f"nanoeuler sft: {len(train_records)} training records: {len(examples)} used, "
-              f"{counts['truncated']} truncated to the {cfg.ctx_len}-token context "
-              f"({counts['prompt_cut']} of them lost the start of the prompt), "
-              f"{counts['dropped']} dropped as too long (sft.too_long = {settings.too_long}); "
-              f"{len(val_examples)} held out for validation", file=sys.stderr, flush=True)
-    if not examples:
-        raise UserError(f"no Alpaca record of {args.data} fits the {cfg.ctx_len}-token context "
-                        "(try sft.too_long: truncate)")
+    examples, val_examples, counts = _examples(args.data, tok, cfg.ctx_len, settings, verbose=root)
 
     pad_id = tok.eot_id
     batches = EpochBatches(examples, settings.batch_size, settings.grad_accum, settings.seed,

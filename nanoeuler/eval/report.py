@@ -68,18 +68,21 @@ def _fmt(x, nd=4) -> str:
     return f"{x:.{nd}f}" if isinstance(x, (int, float)) else "–"
 
 
-def run(args: argparse.Namespace) -> int:
-    from nanoeuler.eval.metrics import val_metrics
-    from nanoeuler.eval.plots import plot_losses
-    from nanoeuler.infer.chat import answer
-    from nanoeuler.infer.generate import Sampling, fit_prompt, load
-    from nanoeuler.train.loader import ShardSplit, fixed_windows, read_manifest
-    from nanoeuler.train.rundir import read_jsonl
+DEFINITIONS = {
+    "val_loss": "training objective on the fixed val windows: mean over MTP heads of each head's mean "
+                "cross-entropy, nats",
+    "val_ce": "head-0 (next-token) mean cross-entropy per token on the fixed val windows, nats",
+    "val_bpb": "bits per UTF-8 byte = val_ce / ln 2 * val_split_tokens / val_split_bytes",
+    "val_set": "consecutive non-overlapping windows of ctx_len + mtp_heads tokens from the start of "
+               "the val split, eval.val_tokens input tokens at most",
+}
 
-    conf = sections(args, "device", "eval")
-    ev = conf["eval"]
-    hellaswag = read_hellaswag(args.hellaswag)  # before the long work: a bad file stops the stage at once
-    device = args.device or conf["device"]
+
+def _load_models(args: argparse.Namespace, device: str) -> tuple[list[tuple], object]:
+    """[(name, generation engine, metadata, path)] of base, chat and (with --dpo) the DPO model, each
+    checked to carry the tokenizer of the model it was tuned from; the base tokenizer last."""
+    from nanoeuler.infer.generate import load
+
     spec = getattr(args, "speculative", None)
     base, base_tok, base_meta = load(args.base, device, spec)
     chat, chat_tok, chat_meta = load(args.chat, device, spec)
@@ -93,76 +96,96 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{args.dpo} and {args.chat} carry different tokenizers; the DPO model must be "
                             "tuned from this chat model")
         models.append(("dpo", dpo, dpo_meta, args.dpo))
-    manifest = read_manifest(args.shards)
-    if manifest.get("tokenizer_sha256") not in (None, base_tok.sha256):
-        raise UserError(f"shards {args.shards} were made with another tokenizer than the one in {args.base}")
-    val_split = ShardSplit(args.shards, "val", manifest)
+    return models, base_tok
 
-    metrics: dict = {
-        "definitions": {
-            "val_loss": "training objective on the fixed val windows: mean over MTP heads of each head's mean "
-                        "cross-entropy, nats",
-            "val_ce": "head-0 (next-token) mean cross-entropy per token on the fixed val windows, nats",
-            "val_bpb": "bits per UTF-8 byte = val_ce / ln 2 * val_split_tokens / val_split_bytes",
-            "val_set": "consecutive non-overlapping windows of ctx_len + mtp_heads tokens from the start of "
-                       "the val split, eval.val_tokens input tokens at most",
-        },
-        "val_split": {"tokens": val_split.tokens, "bytes": val_split.bytes},
-    }
+
+def _model_metrics(models, val_split, ev: dict) -> dict:
+    """{model name: its validation metrics and what it was trained on}."""
+    from nanoeuler.eval.metrics import val_metrics
+    from nanoeuler.train.loader import fixed_windows
+
+    out = {}
     for name, gen, meta, path in models:
         cfg = gen.cfg
         val = fixed_windows(val_split, cfg.ctx_len, cfg.mtp_heads, int(ev["val_tokens"]))
         print(f"nanoeuler evaluate: val loss of {name} ({val[0].size} tokens)", file=sys.stderr, flush=True)
         m = val_metrics(gen.params, cfg, val, val_split.tokens, val_split.bytes, int(ev["batch_size"]), gen.xp)
-        metrics[name] = {
-            **m,
-            "file": str(path),
-            "params": cfg.n_params(),
-            "model_config": cfg.to_dict(),
-            "steps": meta.get("step"),
-            "training": meta.get("final_metrics", {}),
-        }
-        for key in ("sft_data", "dpo_data"):
-            if key in meta:
-                metrics[name][key] = meta[key]
+        out[name] = {**m, "file": str(path), "params": cfg.n_params(), "model_config": cfg.to_dict(),
+                     "steps": meta.get("step"), "training": meta.get("final_metrics", {})}
+        out[name].update({key: meta[key] for key in ("sft_data", "dpo_data") if key in meta})
+    return out
 
-    sampling = Sampling(temperature=float(ev["temperature"]), top_k=int(ev["top_k"]), top_p=float(ev["top_p"]),
-                        seed=int(ev["seed"]))
+
+def _samples(models, tok, ev: dict, sampling) -> tuple[list, list]:
+    """The base model's continuations of eval.base_prompts (one batch; prompt i samples with seed + i)
+    and the chat (and DPO) answers to eval.chat_prompts."""
+    from nanoeuler.infer.chat import answer
+    from nanoeuler.infer.generate import fit_prompt
+
+    base, tuned = models[0][1], [m[1] for m in models[1:]]
     n_new = int(ev["max_new_tokens"])
-    stop = {base_tok.eot_id, base_tok.end_id}
-    prompts = [fit_prompt(base_tok.encode(p) if p else [base_tok.eot_id], base.cfg.ctx_len,
+    stop = {tok.eot_id, tok.end_id}
+    prompts = [fit_prompt(tok.encode(p) if p else [tok.eot_id], base.cfg.ctx_len,
                           min(n_new, base.cfg.ctx_len // 4))[0] for p in ev["base_prompts"]]
-    # all prompts in one batch; prompt i samples with seed + i
     outs = base.generate(prompts, n_new, sampling, stop)
-    base_samples = [(p, base_tok.decode([t for t in out if t not in stop])) for p, out in zip(ev["base_prompts"], outs)]
+    base_samples = [(p, tok.decode([t for t in out if t not in stop])) for p, out in zip(ev["base_prompts"], outs)]
     chat_samples = []
     for i, prompt in enumerate(ev["chat_prompts"]):
         texts = []
-        for gen in [chat] + [m[1] for m in models if m[0] == "dpo"]:
+        for gen in tuned:
             pieces: list[str] = []
-            answer(gen, chat_tok, prompt, n_new, replace(sampling, seed=sampling.seed + i), pieces.append)
+            answer(gen, tok, prompt, n_new, replace(sampling, seed=sampling.seed + i), pieces.append)
             texts.append("".join(pieces))
         chat_samples.append((prompt, *texts))
+    return base_samples, chat_samples
 
-    base_path, chat_path = Path(args.base), Path(args.chat)
-    pre_dir = Path(args.pretrain_dir) if args.pretrain_dir else base_path.parent / "pretrain"
-    sft_dir = Path(args.sft_dir) if args.sft_dir else chat_path.parent / "sft"
-    runs = [("pretraining", read_jsonl(pre_dir / "metrics.jsonl")), ("SFT", read_jsonl(sft_dir / "metrics.jsonl"))]
-    for title, recs in runs:
+
+def _training_runs(args: argparse.Namespace) -> list[tuple[str, list]]:
+    """[(title, metrics records)] of pretraining and SFT, for the loss plot (a missing log is a warning)."""
+    from nanoeuler.train.rundir import read_jsonl
+
+    pre_dir = Path(args.pretrain_dir) if args.pretrain_dir else Path(args.base).parent / "pretrain"
+    sft_dir = Path(args.sft_dir) if args.sft_dir else Path(args.chat).parent / "sft"
+    runs = []
+    for title, run_dir in (("pretraining", pre_dir), ("SFT", sft_dir)):
+        recs = read_jsonl(run_dir / "metrics.jsonl")
         if not recs:
-            print(f"nanoeuler evaluate: warning: no {title} metrics found in "
-                  f"{pre_dir if title == 'pretraining' else sft_dir}; the plot leaves them out", file=sys.stderr)
+            print(f"nanoeuler evaluate: warning: no {title} metrics found in {run_dir}; the plot leaves them out",
+                  file=sys.stderr)
+        runs.append((title, recs))
+    return runs
+
+
+def run(args: argparse.Namespace) -> int:
+    from nanoeuler.eval.plots import plot_losses
+    from nanoeuler.infer.generate import Sampling
+    from nanoeuler.train.loader import ShardSplit, read_manifest
+
+    conf = sections(args, "device", "eval")
+    ev = conf["eval"]
+    hellaswag = read_hellaswag(args.hellaswag)  # before the long work: a bad file stops the stage at once
+    models, tok = _load_models(args, args.device or conf["device"])
+    manifest = read_manifest(args.shards)
+    if manifest.get("tokenizer_sha256") not in (None, tok.sha256):
+        raise UserError(f"shards {args.shards} were made with another tokenizer than the one in {args.base}")
+    val_split = ShardSplit(args.shards, "val", manifest)
+
+    metrics: dict = {"definitions": DEFINITIONS, "val_split": {"tokens": val_split.tokens, "bytes": val_split.bytes},
+                     **_model_metrics(models, val_split, ev)}
+    sampling = Sampling(temperature=float(ev["temperature"]), top_k=int(ev["top_k"]), top_p=float(ev["top_p"]),
+                        seed=int(ev["seed"]))
+    base_samples, chat_samples = _samples(models, tok, ev, sampling)
+    runs = _training_runs(args)
     if hellaswag:
         metrics["hellaswag"] = hellaswag
     metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
-                           "seed": sampling.seed, "max_new_tokens": n_new}
+                           "seed": sampling.seed, "max_new_tokens": int(ev["max_new_tokens"])}
 
     plot = Path(args.plot)
     plot_losses(runs, plot)
     _write_text(Path(args.metrics), json.dumps(metrics, indent=2) + "\n")
     samples = Path(args.samples)
-    rel_plot = os.path.relpath(plot, samples.parent)
-    _write_text(samples, _markdown(metrics, base_samples, chat_samples, rel_plot))
+    _write_text(samples, _markdown(metrics, base_samples, chat_samples, os.path.relpath(plot, samples.parent)))
     print(f"nanoeuler evaluate: base val bpb {_fmt(metrics['base']['val_bpb'])}, chat val bpb "
           f"{_fmt(metrics['chat']['val_bpb'])}; wrote {samples}, {args.metrics}, {plot}", file=sys.stderr)
     return 0

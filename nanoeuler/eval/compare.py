@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import html
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -117,6 +116,8 @@ def plot_experiments(experiments: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from nanoeuler.eval.plots import save_figure, style_loss_axes
+
     fig, axes = plt.subplots(1, 2, figsize=(12, 4), squeeze=False)
     for ax, (i, title) in zip(axes[0], enumerate(("pretraining", "SFT"))):
         for colour, exp in enumerate(experiments):
@@ -126,18 +127,8 @@ def plot_experiments(experiments: list[dict], out: Path) -> None:
                 if pts:
                     ax.plot(*zip(*pts), style, color=f"C{colour}", alpha=alpha, label=label, markersize=3,
                             linewidth=1)
-        ax.set_title(f"{title} (dots: validation, faint: training)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats, mean over MTP heads)")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, out)
+        style_loss_axes(ax, f"{title} (dots: validation, faint: training)")
+    save_figure(fig, Path(out))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

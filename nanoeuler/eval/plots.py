@@ -29,16 +29,28 @@ def plot_losses(runs: list[tuple[str, list[dict]]], out: str | Path) -> Path:
             xs, ys = _series(recs, key)
             if xs:
                 ax.plot(xs, ys, style, label=label, markersize=3, linewidth=1)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats, mean over MTP heads)")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
+        style_loss_axes(ax, title)
+    save_figure(fig, out)
+    return out
+
+
+def style_loss_axes(ax, title: str) -> None:
+    """Title, step and loss labels, a light grid and the legend of one loss panel."""
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats, mean over MTP heads)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+
+
+def save_figure(fig, out: Path) -> None:
+    """Lay out, write atomically (a temporary file renamed: the PNG is complete or absent) and close `fig`."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.stem}.tmp.png")
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, out)
-    return out

@@ -157,6 +157,16 @@ def gpus_wanted(args, section: dict) -> int:
     return gpus
 
 
+def launch_or_setup(stage: str, args, section: dict, device: str):
+    """(exit status of the N rank processes this one started, None) when the stage asks for several GPUs and no
+    launcher set a world; else (None, this rank's `DataParallel`, or None for a single process). Call it
+    before the first CuPy array: it picks the rank's GPU."""
+    gpus = gpus_wanted(args, section)
+    if gpus > 1 and world_from_env() is None:
+        return launch(stage, args.argv, gpus, device), None
+    return None, setup(stage, gpus, device)
+
+
 def launch(stage: str, argv: list[str], gpus: int, device: str, poll: float = 0.2) -> int:
     """Run `nanoeuler <stage> <argv>` as `gpus` processes, one a GPU; the exit status of the run.
 

@@ -257,10 +257,9 @@ def run(args: argparse.Namespace) -> int:
     sec = conf["sft"]
     settings = SftConfig.from_section(sec)
     device = args.device or conf["device"]
-    gpus = parallel.gpus_wanted(args, sec)
-    if gpus > 1 and parallel.world_from_env() is None:
-        return parallel.launch("sft", args.argv, gpus, device)
-    dp = parallel.setup("sft", gpus, device)  # before the first CuPy array: it picks the rank's GPU
+    launched, dp = parallel.launch_or_setup("sft", args, sec, device)
+    if launched is not None:
+        return launched
     root = dp is None or dp.is_root
     xp = get_xp(device)
 

@@ -10,6 +10,13 @@
 #   bash scripts/device_full_run.sh wait SECONDS   # follow it; when done: the stage table, results to $OUT
 #   bash scripts/device_full_run.sh time20k SECONDS   # the full 20,000-step schedule on the run's shards
 #                                                      # for SECONDS: steps/s and the extrapolated wall time
+#   bash scripts/device_full_run.sh full20k start   # the same schedule to the end, in the background
+#   bash scripts/device_full_run.sh full20k wait SECONDS  # follow it; when done, its wall time and losses
+#   bash scripts/device_full_run.sh memneed CAP...  # short pretraining runs (validation included) with the
+#                                                   # pool capped at each CAP bytes: which caps are enough
+#   bash scripts/device_full_run.sh dposweep        # DPO again from the run's chat model with other settings
+#                                                   # (DPO_SWEEP; by default other seeds, so other held-out
+#                                                   # splits), the held-out reward accuracy of each
 #   bash scripts/device_full_run.sh portable STEPS [auto]  # pretraining on the portable (or auto) kernels,
 #                                                      # memory pool capped at 12 GB; the process's peak GPU memory
 #   bash scripts/device_full_run.sh shards         # on a fresh machine: the shards from .carry/corpus + tokenizer
@@ -30,6 +37,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-$WORK/out}
 GB12=${MEMCAP:-12000000000}  # the seeds' 12 GB card (MEMCAP: another cap, to find what is needed)
 CONFIGS=${CONFIGS:-config/config.yaml config/mirror.yaml}  # relative to the tree; a test may add an overlay
+TARGETS=${TARGETS:-results/chat.bin results/samples.md}     # add results/dpo.bin with config/mirror-dpo.yaml
 
 env_setup() {
     export PYTHONPATH="$REPO:$SITE" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
@@ -88,7 +96,7 @@ start() {
     cd "$WORK"
     date +%s.%N > "$WORK/started"
     setsid bash -c "snakemake -s '$REPO/Snakefile' -d '$WORK' --cores 16 --scheduler greedy \
-        results/chat.bin results/samples.md --configfile $(for c in $CONFIGS; do case $c in /*) printf "'%s' " "$c" ;; *) printf "'%s/%s' " "$REPO" "$c" ;; esac; done) \
+        $TARGETS --configfile $(for c in $CONFIGS; do case $c in /*) printf "'%s' " "$c" ;; *) printf "'%s/%s' " "$REPO" "$c" ;; esac; done) \
         > '$WORK/snakemake.log' 2>&1; echo \$? > '$WORK/done'; date +%s.%N >> '$WORK/done'" < /dev/null &
     echo "started in $WORK"
 }
@@ -108,7 +116,8 @@ collect() {
     mkdir -p "$OUT"
     cd "$WORK"
     tar czf "$OUT/logs.tar.gz" logs benchmarks snakemake.log stage_times.txt gpu_mem.csv done started \
-        results/pretrain/metrics.jsonl results/sft/metrics.jsonl results/shards/manifest.json 2>/dev/null || true
+        results/pretrain/metrics.jsonl results/sft/metrics.jsonl results/dpo/metrics.jsonl \
+        results/shards/manifest.json 2>/dev/null || true
     cp results/samples.md results/metrics.json results/loss.png "$OUT"/ 2>/dev/null || true
     $PY "$REPO/scripts/device_stage_table.py" "$WORK" | tee "$OUT/stage_table.md"
 }
@@ -137,6 +146,58 @@ YAML
     mkdir -p "$OUT"
     cp "$dir/run/metrics.jsonl" "$OUT/t20k_metrics.jsonl" 2>/dev/null || true
     $PY "$REPO/scripts/device_stage_table.py" --extrapolate "$dir/progress" 20000 | tee "$OUT/t20k.txt"
+}
+
+full20k() {  # the full schedule to the end: `start` in the background, `wait SECONDS` to follow it
+    env_setup
+    local dir=$WORK/full20k
+    if [ "$1" = start ]; then
+        rm -rf "$dir" && mkdir -p "$dir"
+        printf 'device: gpu\ntokenizer: {vocab_size: 4096}\nmodel: {preset: gpu}\npretrain: {precision: bf16, steps: 20000}\n' \
+            > "$dir/cfg.yaml"
+        date +%s.%N > "$dir/started"
+        setsid bash -c "$PY -m nanoeuler pretrain --config '$dir/cfg.yaml' --shards '$WORK/results/shards/manifest.json' \
+            --tokenizer '$WORK/results/tokenizer.json' --out '$dir/base.bin' --run-dir '$dir/run' --no-progress \
+            > '$dir/log' 2>&1; echo \$? > '$dir/done'; date +%s.%N >> '$dir/done'" < /dev/null > /dev/null 2>&1 &
+        echo "started 20,000 steps in $dir"
+        return 0
+    fi
+    local limit=$2 t0=$SECONDS
+    while [ ! -f "$dir/done" ] && [ $((SECONDS - t0)) -lt "$limit" ]; do
+        sleep 15
+        echo "[$(date +%T)] $(tail -1 "$dir/run/metrics.jsonl" 2>/dev/null | cut -c1-120)"
+    done
+    [ -f "$dir/done" ] || { echo "still running"; return 0; }
+    mkdir -p "$OUT"
+    cp "$dir/run/metrics.jsonl" "$OUT/full20k_metrics.jsonl"
+    tail -3 "$dir/log"
+    awk -v s="$(cat "$dir/started")" 'NR == 1 {rc = $1} NR == 2 {printf "20,000 steps: exit %s, wall %.1f s\n", rc, $1 - s}' \
+        "$dir/done" | tee "$OUT/full20k.txt"
+    grep '"val_loss"' "$dir/run/metrics.jsonl" | tail -2 | tee -a "$OUT/full20k.txt"
+}
+
+memneed() {  # which pool caps are enough for pretraining with its validation: one short run per cap
+    for cap in "$@"; do
+        MEMCAP=$cap GB12=$cap portable 100 auto || true
+    done
+}
+
+dposweep() {  # DPO from the run's chat model with other settings; the held-out metrics of each
+    env_setup
+    cd "$WORK"
+    local spec
+    for spec in ${DPO_SWEEP:-"lr=2.0e-5,epochs=1,seed=1" "lr=2.0e-5,epochs=1,seed=2" "lr=2.0e-5,epochs=1,seed=3" "lr=2.0e-5,epochs=1,seed=4"}; do
+        local dir=$WORK/dposweep/${spec//[=,]/_}
+        mkdir -p "$dir"
+        printf 'device: gpu\ndpo: {%s, val_pairs: 60, eval_every: 15, log_every: 5}\n' "$(echo "$spec" | sed 's/=/: /g; s/,/, /g')" \
+            > "$dir/cfg.yaml"
+        $PY -m nanoeuler dpo --config "$dir/cfg.yaml" --ckpt results/chat.bin --prefs data/prefs/prefs.jsonl \
+            --ref results/ref_logps.npz --out "$dir/dpo.bin" --run-dir "$dir/run" --no-progress > "$dir/log" 2>&1 \
+            || tail -3 "$dir/log"
+        mkdir -p "$OUT" && cp "$dir/run/metrics.jsonl" "$OUT/dpo_${spec//[=,]/_}.jsonl" 2>/dev/null || true
+        echo "$spec: $(grep -c . "$dir/run/metrics.jsonl" 2>/dev/null) metric lines; last held-out:"
+        grep -E 'accuracy' "$dir/run/metrics.jsonl" | tail -1 | cut -c1-300
+    done 2>&1 | tee -a "$OUT/dposweep.txt"
 }
 
 shards() {  # the run's shards again, from a corpus and tokenizer carried in .carry/ (a fresh machine)
@@ -189,7 +250,10 @@ case "${1:-}" in
     collect) collect ;;
     time20k) time20k "${2:-240}" ;;
     portable) portable "${2:-300}" "${3:-portable}" ;;
+    full20k) full20k "${2:-start}" "${3:-540}" ;;
+    memneed) shift; memneed "$@" ;;
+    dposweep) dposweep ;;
     shards) shards ;;
     compare) compare ;;
-    *) sed -n 2,22p "$0"; exit 2 ;;
+    *) sed -n 2,28p "$0"; exit 2 ;;
 esac

@@ -28,6 +28,10 @@ RULES = {
     "shards": ("tokenize", ["results/shards"]),
     "pretrain": ("pretrain", ["results/base.bin"]),
     "sft": ("sft", ["results/chat.bin"]),
+    "hellaswag": ("hellaswag", ["data/hellaswag/hellaswag.jsonl"]),
+    "prefs": ("prefs", ["data/prefs/prefs.jsonl"]),
+    "ref_logps": ("ref-logps", ["results/ref_logps.npz"]),
+    "dpo": ("dpo", ["results/dpo.bin"]),
     "evaluate": ("evaluate", ["results/samples.md", "results/metrics.json", "results/loss.png"]),
 }
 
@@ -84,9 +88,9 @@ def table(work: Path) -> str:
         total += wall
         a, b = windows.get(cmd, (0.0, 0.0))
         peak = max((m for t, m in samples if a <= t <= b), default=base) - base
-        out = sum(size_of(work / o) for o in outputs)
+        out = human(sum(size_of(work / o) for o in outputs)) if all((work / o).exists() for o in outputs) else "n/a"
         lines.append(f"| {rule} | {wall:.1f} | {rss / 1000:.2f} GB | {cpu / max(wall, 1e-9):.1f} | "
-                     f"{peak / 1024:.1f} GiB | {human(out)} |")
+                     f"{peak / 1024:.1f} GiB | {out} |")
     done = work / "done"
     if done.exists() and (work / "started").exists():
         end = float(done.read_text().split()[1])

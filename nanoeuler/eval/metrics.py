@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 
 # Input positions per evaluation forward. The float32 forward keeps every layer's activations until it
-# returns (~0.35 MB a position for the 116M model), so a training batch of B32 x T512 would take ~6 GB
-# beside the training engine's 6.3 GB and overflow a 12 GB GPU; 4096 positions take ~1.4 GB.
-EVAL_CHUNK_TOKENS = 4096
+# returns (~0.35 MB a position for the 116M model, plus each head's logits), beside the training engine's
+# 6.3 GB: 4096 positions made pretraining need a pool of more than 10 GB, 2048 keep it under 12 GB with room.
+EVAL_CHUNK_TOKENS = 2048
 
 
 def evaluate_windows(params: dict, cfg, inputs, targets, batch_size: int, xp,

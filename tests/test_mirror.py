@@ -85,3 +85,42 @@ def test_a_cut_download_resumes_from_the_mirror(server, tmp_path):
     Path(str(dest) + ".part").write_bytes(data[:12345])  # what a cut transfer left
     assert fetch(f"{url}/f.bin", dest, retries=0)
     assert dest.read_bytes() == data and ranges == ["bytes=12345-"]
+
+
+def test_demo_sets_are_copied_as_they_are(tmp_path):
+    build = _load("build")
+    data = tmp_path / "root" / "sdists" / "llamafactory-0.9.5" / "data"
+    data.mkdir(parents=True)
+    (data / "dpo_en_demo.json").write_text('[{"conversations": [], "chosen": {}, "rejected": {}}]')
+    entry = build.copy_demo_set(tmp_path / "root", tmp_path / "out", "dpo_en_demo.json", "prefs/dpo_en_demo.json")
+    assert entry["records"] == 1 and entry["file"] == "prefs/dpo_en_demo.json"
+    assert (tmp_path / "out/prefs/dpo_en_demo.json").read_bytes() == (data / "dpo_en_demo.json").read_bytes()
+
+
+def test_overlays_validate_against_the_schema(tmp_path):
+    """The full run's overlays, merged the way `--configfile a b c` merges them, pass the config schema."""
+    import yaml
+    from snakemake.utils import update_config, validate
+
+    config = {}
+    for name in ("config.yaml", "mirror.yaml", "mirror-dpo.yaml"):
+        update_config(config, yaml.safe_load((ROOT / "config" / name).read_text()))
+    validate(config, str(ROOT / "workflow" / "schemas" / "config.schema.yaml"))
+    assert config["prefs"]["format"] == "sharegpt" and config["dpo"]["epochs"] == 1
+    assert config["hellaswag"]["url"].startswith("data/sample/")
+
+
+def test_stage_table_names_missing_outputs(tmp_path):
+    """The device run's stage table: a row per rule with a benchmark file, n/a where outputs did not come back."""
+    spec = importlib.util.spec_from_file_location("table", ROOT / "scripts" / "device_stage_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    (tmp_path / "benchmarks").mkdir()
+    header = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"
+    for rule, wall in (("prefs", 0.6), ("dpo", 16.3)):
+        (tmp_path / "benchmarks" / f"{rule}.tsv").write_text(header + f"{wall}\t0:00:01\t100\t0\t0\t0\t0\t0\t0\t{wall}\n")
+    (tmp_path / "data/prefs").mkdir(parents=True)
+    (tmp_path / "data/prefs/prefs.jsonl").write_text("x" * 1500)
+    text = table.table(tmp_path)
+    assert "| prefs | 0.6 | 0.10 GB | 1.0 | 0.0 GiB | 1.5 KB |" in text
+    assert "| dpo | 16.3 |" in text and text.rstrip().endswith("| n/a |")

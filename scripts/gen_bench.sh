@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The decode engine on a GPU machine, in one go: its tests, the benchmark on random weights (with the
+# engine of another checkout beside it, when BASELINE names one), Nsight Compute's time of every kernel of
+# a decode step, then a model trained for the benchmark and the full benchmark on it.
+#   DATA=<dir with gpu.yaml, tok4096.json, shards4096/> scripts/gen_bench.sh [tests] [random] [ncu] [trained]
+# Logs go to $LOG_DIR (default $TMPDIR/nanoeuler-gen-bench); a summary is printed last.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+LOG_DIR=${LOG_DIR:-${TMPDIR:-/tmp}/nanoeuler-gen-bench}
+mkdir -p "$LOG_DIR"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+summary=()
+run() {  # run NAME CMD...
+    local name=$1; shift
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    "$@" 2>&1 | tee "$LOG_DIR/$name.log"
+    summary+=("$(printf '%-10s rc=%-3s %5ss' "$name" "${PIPESTATUS[0]}" $((SECONDS - t0)))")
+}
+ncu_table() {  # the median time of each kernel over the profiled launches, from ncu's CSV
+    $PY - "$1" <<'PY'
+import csv, statistics, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head = rows[0]
+k, u, v = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
+times = {}
+for r in rows[1:]:
+    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(r[u], 1.0)
+    times.setdefault(r[k].split("(")[0], []).append(float(r[v].replace(",", "")) * scale)
+total = 0.0
+print("| kernel | launches | median us | sum of medians us |")
+print("|---|---:|---:|---:|")
+for name, ts in sorted(times.items(), key=lambda kv: -statistics.median(kv[1]) * len(kv[1])):
+    print(f"| {name} | {len(ts)} | {statistics.median(ts):.2f} | {statistics.median(ts) * len(ts):.1f} |")
+    total += statistics.median(ts) * len(ts)
+print(f"| all | {sum(map(len, times.values()))} | | {total:.1f} |")
+PY
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+modes=("$@")
+[ ${#modes[@]} -eq 0 ] && modes=(tests random ncu trained)
+for mode in "${modes[@]}"; do
+    case $mode in
+        tests)
+            run tests $PY -m pytest -q -x -p no:cacheprovider tests/test_engine_gpu.py tests/test_engine.py ;;
+        random)
+            run random $PY bench/generate_gpu.py --no-hf --repeats 3
+            if [ -n "${BASELINE:-}" ]; then
+                (cd "$BASELINE" && export PYTHONPATH=$PWD && run baseline $PY bench/generate_gpu.py --no-hf --repeats 3)
+            fi ;;
+        ncu)  # the decode kernels of three greedy steps, after the first ones (eager, then recorded as a graph)
+            ncu --graph-profiling node --cache-control none --clock-control none --metrics gpu__time_duration.sum \
+                --kernel-name regex:"gemv|attend|embed|argmax" --launch-skip 100 --launch-count 249 --csv --log-file "$LOG_DIR/ncu.csv" $PY bench/generate_gpu.py --steps-only 12 > "$LOG_DIR/ncu_run.log" 2>&1
+            summary+=("ncu        rc=$?")
+            ncu_table "$LOG_DIR/ncu.csv" | tee "$LOG_DIR/ncu_table.md" ;;
+        trained)
+            DATA=${DATA:?DATA must name the folder with gpu.yaml, tok4096.json and shards4096/}
+            run pretrain $PY -m nanoeuler pretrain --config "$DATA/gpu.yaml" --shards "$DATA/shards4096/manifest.json" \
+                --tokenizer "$DATA/tok4096.json" --out "$LOG_DIR/base.bin" --no-progress
+            run trained $PY bench/generate_gpu.py --ckpt "$LOG_DIR/base.bin" --repeats 5 ;;
+        *) echo "unknown mode $mode"; exit 2 ;;
+    esac
+done
+echo
+for f in random baseline trained; do
+    [ -f "$LOG_DIR/$f.log" ] && { echo "=== $f"; sed -n '/^NVIDIA\|^| run/,$p' "$LOG_DIR/$f.log" | grep -v "^$"; }
+done
+[ -f "$LOG_DIR/ncu_table.md" ] && { echo "=== ncu"; cat "$LOG_DIR/ncu_table.md"; }
+grep -E "passed|failed" "$LOG_DIR/tests.log" 2>/dev/null | tail -3
+printf '%s\n' "${summary[@]}"

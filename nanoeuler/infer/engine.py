@@ -196,7 +196,8 @@ class Engine:
 
     def _single(self, prompt, max_new, sampling, stop_ids) -> Iterator[int]:
         """Plain decoding of one prompt: `_batch` with one row, in plain ints (the host's share of a step
-        is a few microseconds of Python, not NumPy calls)."""
+        is a few microseconds of Python, not NumPy calls). Greedy decoding on a backend with
+        `greedy_steps` (the GPU's: steps that feed themselves, queued ahead) takes its ids from there."""
         be, ctx = self.backend, self.cfg.ctx_len
         if max_new <= 0:
             return
@@ -206,6 +207,8 @@ class Engine:
         tok = self._first(be.prefill(0, hist)[0], rngs[0], sampling)
         feed, pos, n = [0], [len(hist)], 0
         mask = np.ones(1, dtype=bool)
+        chain = getattr(be, "greedy_steps", None) if sampling.temperature <= 0 else None
+        ahead = None  # greedy_steps' ids, up to the end of the context or of max_new
         while True:
             yield tok
             n += 1
@@ -216,9 +219,15 @@ class Engine:
                 hist = hist[-max(1, ctx // 2):]
                 tok = self._first(be.prefill(0, hist)[0], rngs[0], sampling)
                 pos[0] = len(hist)
+                ahead = None
                 continue
-            feed[0] = tok
-            tok = int(be.decode(feed, pos, sampling, n - 1, rngs, mask)[0])
+            if chain is not None:
+                if ahead is None:
+                    ahead = chain(tok, pos[0], min(max_new - n, ctx - pos[0]))
+                tok = next(ahead)
+            else:
+                feed[0] = tok
+                tok = int(be.decode(feed, pos, sampling, n - 1, rngs, mask)[0])
             pos[0] += 1
 
     def _speculative(self, prompt, max_new, sampling, stop_ids):

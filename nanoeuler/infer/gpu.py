@@ -40,6 +40,7 @@ KERNELS = ("embed", "rope_cache", "attend", "attend_act", "rmsnorm_act", "swiglu
 GEMV_MAX_ROWS = 16  # decode batches above this many rows take the cuBLAS path
 GEMV_ROWS, GEMV_WARPS = 4, 8  # as decode.cu
 ATTEND_THREADS = 512
+CHAIN_AHEAD, CHAIN_CAP = 3, 8  # greedy steps queued ahead of the host; the ring of their ids on the GPU
 
 
 def to_bf16(a):
@@ -109,6 +110,7 @@ class GpuBackend:
         self.k = {n: kernel("decode", f"{n}_{suffix}") for n in KERNELS}
         self.k["argmax_rows"] = kernel("decode", "argmax_rows")
         self.k["sample_rows"] = kernel("decode", "sample_rows")
+        self.k["argmax_chain"] = kernel("decode", "argmax_chain")
         if pdl is None:
             pdl = os.environ.get("NANOEULER_PDL", "1") != "0"
         self.pdl = pdl_launcher() if pdl else None
@@ -144,6 +146,9 @@ class GpuBackend:
         self.kc = self.vc = None
         self.seeds = None
         self.use_graphs = True
+        self._chain = (cp.zeros(CHAIN_CAP, cp.int32),  # greedy_steps: the ids on the GPU, their host copy, events
+                       np.frombuffer(cp.cuda.alloc_pinned_memory(4 * CHAIN_CAP), dtype=np.int32),
+                       [cp.cuda.Event(block=False, disable_timing=True) for _ in range(CHAIN_CAP)])
 
     # ---- buffers ------------------------------------------------------------------------------------
 
@@ -263,6 +268,9 @@ class GpuBackend:
         # the GEMV wrote the logits packed: (M, n_heads, V)
         if rule == "argmax":
             self._launch("argmax_rows", (M * n_heads,), (1024,), (r.logits, np.int32(V), np.int64(V), r.out))
+        elif rule == "chain":  # M = 1: the argmax feeds the next step (greedy_steps)
+            self._launch("argmax_chain", (1,), (1024,), (r.logits, np.int32(V), r.ctl, self._chain[0],
+                                                         np.int32(CHAIN_CAP)))
         elif rule == "sample":
             self._launch("sample_rows", (M,), (1024,), (r.logits, np.int32(V), np.int64(n_heads * V), r.samp,
                                                        self.seeds, r.out))
@@ -272,28 +280,34 @@ class GpuBackend:
         return self._replay((M, n_heads, rule), M, lambda r: self._step(r, M, n_heads, rule), meta)
 
     def _replay(self, key, M: int, queue, meta: np.ndarray | None = None) -> _Rows:
-        """Copy in the rows' meta (`meta`, or what is already in the host buffer) and run `queue(rows)` on
-        the backend's stream: kernel by kernel the first time (compiling kernels, letting cuBLAS pick its
-        algorithms), recorded as a CUDA graph the second, and replayed from then on."""
+        """Copy in the rows' meta (`meta`, or what is already in the host buffer), then `_execute`
+        queue(rows)."""
         r = self._buffers(M)
         if meta is not None:
             r.ctl_host[:3 * M] = meta
-        state = self._graphs.get(key)
         with self.stream:
             r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
-            if state is None or not self.use_graphs:
-                queue(r)
-                self._graphs[key] = "seen"
-            else:
-                if state == "seen":
-                    self.stream.synchronize()
-                    self.stream.begin_capture()
-                    try:
-                        queue(r)
-                    finally:
-                        state = self._graphs[key] = self.stream.end_capture()
-                state.launch(self.stream)
+        self._execute(key, lambda: queue(r))
         return r
+
+    def _execute(self, key, queue) -> None:
+        """Run queue() on the backend's stream: kernel by kernel the first time for `key` (compiling
+        kernels, letting cuBLAS pick its algorithms), recorded as a CUDA graph the second, and replayed
+        from then on."""
+        state = self._graphs.get(key)
+        with self.stream:
+            if state is None or not self.use_graphs:
+                queue()
+                self._graphs[key] = "seen"
+                return
+            if state == "seen":
+                self.stream.synchronize()
+                self.stream.begin_capture()
+                try:
+                    queue()
+                finally:
+                    state = self._graphs[key] = self.stream.end_capture()
+            state.launch(self.stream)
 
     def _fetch(self, r: _Rows, n: int) -> np.ndarray:
         with self.stream:
@@ -334,6 +348,30 @@ class GpuBackend:
             h[3 * B + 2:] = np.array([sampling.temperature, sampling.top_p], dtype=np.float32).view(np.int32)
         self._run(B, 1, "argmax" if greedy else "sample")
         return self._fetch(r, B)
+
+    def greedy_steps(self, token: int, pos: int, n: int):
+        """Greedy decoding of slot 0 of a batch of one, from `token` fed at `pos`: yields the next n ids.
+        The step's graph feeds itself (argmax_chain), so the host queues up to CHAIN_AHEAD steps ahead and
+        reads each id as it lands; steps queued past a stop id only write cache rows that later steps
+        overwrite. Feeds positions pos .. pos + n - 1 (the caller keeps them inside the context)."""
+        r = self._buffers(1)
+        ids, host, done = self._chain
+        r.ctl_host[:3] = (token, 0, pos)
+        r.ctl_host[4] = 0  # the step counter
+        key = (1, 1, "chain")
+        with self.stream:
+            r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
+        queued = 0
+        for i in range(n):
+            while queued < n and queued - i < CHAIN_AHEAD:
+                self._execute(key, lambda: self._step(r, 1, 1, "chain"))
+                with self.stream:
+                    j = queued % CHAIN_CAP
+                    ids[j:j + 1].data.copy_to_host_async(host[j:].ctypes.data, 4, self.stream)
+                    done[j].record(self.stream)
+                queued += 1
+            done[i % CHAIN_CAP].synchronize()
+            yield int(host[i % CHAIN_CAP])
 
     def verify_argmax(self, tokens, pos: int) -> np.ndarray:
         t = len(tokens)

@@ -444,14 +444,10 @@ DECODE_KERNELS(float, f32)
 
 // ---- the next token ---------------------------------------------------------------------------------
 
-// out[r] = argmax of logits row r (V wide, rows `stride` apart); the lowest index wins a tie (as np.argmax).
-extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int V, long long stride,
-                                       int* __restrict__ out) {
+// The argmax of z[0..V) over the block, in thread 0; the lowest index wins a tie (as np.argmax).
+__device__ int block_argmax(const float* __restrict__ z, int V) {
     __shared__ float bv[32];
     __shared__ int bi[32];
-    pdl_wait();
-    pdl_launch();
-    const float* z = logits + blockIdx.x * stride;
     float best = NEG_INF;
     int idx = 0x7fffffff;
     for (int i = threadIdx.x; i < V; i += blockDim.x) {
@@ -466,10 +462,36 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int V, 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0)
         for (int w = 1; w < (int)(blockDim.x >> 5); w++)
             if (bv[w] > best || (bv[w] == best && bi[w] < idx)) { best = bv[w]; idx = bi[w]; }
-        out[blockIdx.x] = idx < V ? idx : 0;  // an all-NaN row: token 0
+    return idx < V ? idx : 0;  // an all-NaN row: token 0
+}
+
+// out[r] = argmax of logits row r (V wide, rows `stride` apart).
+extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int V, long long stride,
+                                       int* __restrict__ out) {
+    pdl_wait();
+    pdl_launch();
+    const int idx = block_argmax(logits + blockIdx.x * stride, V);
+    if (threadIdx.x == 0) out[blockIdx.x] = idx;
+}
+
+// Greedy decoding that feeds itself (one row): the argmax becomes the next step's input token at the next
+// position, and is kept at hist[step % cap], step counting in ctl[4]. ctl = the row's [id, slot, pos] and
+// the sampling values [top_k, step, temperature, top_p]. Steps replayed back to back then need nothing
+// from the host, which reads hist while the GPU runs ahead.
+extern "C" __global__ void argmax_chain(const float* __restrict__ logits, int V, int* __restrict__ ctl,
+                                        int* __restrict__ hist, int cap) {
+    pdl_wait();
+    pdl_launch();
+    const int idx = block_argmax(logits, V);
+    if (threadIdx.x == 0) {
+        const int step = ctl[4];
+        hist[step % cap] = idx;
+        ctl[4] = step + 1;
+        ctl[0] = idx;
+        ctl[2] += 1;
     }
 }
 

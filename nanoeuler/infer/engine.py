@@ -242,6 +242,8 @@ class Engine:
             st.offered, st.accepted = [0] * (K - 1), [0] * (K - 1)
         sure, drafts, qs = self._after_prefill(be.prefill(0, hist), rng, sampling)
         n = 0
+        chain = getattr(be, "greedy_passes", None) if greedy else None
+        passes = None  # its generator, while it runs
         while True:
             # emit the sure token; then either slide, step plainly near the end of the context, or verify
             yield sure
@@ -253,13 +255,23 @@ class Engine:
             if pos >= ctx:
                 hist = hist[-max(1, ctx // 2):]
                 sure, drafts, qs = self._after_prefill(be.prefill(0, hist), rng, sampling)
+                passes = None
                 continue
             if pos + K > ctx or K == 1:
+                passes = None
                 logits = be.verify(np.array([sure]), pos)  # (K, 1, V)
                 sure, drafts, qs = self._after_prefill(logits[:, 0], rng, sampling)
                 continue
             block = np.array([sure] + drafts)
-            if greedy:
+            got = None
+            if chain is not None:  # the backend's passes that feed themselves (the same rule, on the GPU)
+                passes = passes or chain(sure, drafts, pos)
+                got = next(passes, None)
+                passes = passes if got is not None else None
+            if got is not None:
+                a, block, ids = got
+                nxt, new_drafts, new_qs = int(ids[0]), [int(i) for i in ids[1:]], None
+            elif greedy:
                 ids = be.verify_argmax(block, pos)  # (K, K): head, row
                 a = 0
                 while a < K - 1 and ids[0, a] == block[a + 1]:

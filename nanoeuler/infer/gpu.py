@@ -111,6 +111,7 @@ class GpuBackend:
         self.k["argmax_rows"] = kernel("decode", "argmax_rows")
         self.k["sample_rows"] = kernel("decode", "sample_rows")
         self.k["argmax_chain"] = kernel("decode", "argmax_chain")
+        self.k["accept_chain"] = kernel("decode", "accept_chain")
         if pdl is None:
             pdl = os.environ.get("NANOEULER_PDL", "1") != "0"
         self.pdl = pdl_launcher() if pdl else None
@@ -146,8 +147,9 @@ class GpuBackend:
         self.kc = self.vc = None
         self.seeds = None
         self.use_graphs = True
-        self._chain = (cp.zeros(CHAIN_CAP, cp.int32),  # greedy_steps: the ids on the GPU, their host copy, events
-                       np.frombuffer(cp.cuda.alloc_pinned_memory(4 * CHAIN_CAP), dtype=np.int32),
+        # greedy_steps / greedy_passes: their records on the GPU (a ring), the host's copy, an event per record
+        rec = CHAIN_CAP * (2 * cfg.mtp_heads + 1)
+        self._chain = (cp.zeros(rec, cp.int32), np.frombuffer(cp.cuda.alloc_pinned_memory(4 * rec), dtype=np.int32),
                        [cp.cuda.Event(block=False, disable_timing=True) for _ in range(CHAIN_CAP)])
 
     # ---- buffers ------------------------------------------------------------------------------------
@@ -271,6 +273,10 @@ class GpuBackend:
         elif rule == "chain":  # M = 1: the argmax feeds the next step (greedy_steps)
             self._launch("argmax_chain", (1,), (1024,), (r.logits, np.int32(V), r.ctl, self._chain[0],
                                                          np.int32(CHAIN_CAP)))
+        elif rule == "accept":  # M = K rows of one slot: the next verify pass's block (greedy_passes)
+            self._launch("argmax_rows", (M * n_heads,), (1024,), (r.logits, np.int32(V), np.int64(V), r.out))
+            self._launch("accept_chain", (1,), (32,), (r.out, r.ctl, self._chain[0], np.int32(CHAIN_CAP),
+                                                       np.int32(M)))
         elif rule == "sample":
             self._launch("sample_rows", (M,), (1024,), (r.logits, np.int32(V), np.int64(n_heads * V), r.samp,
                                                        self.seeds, r.out))
@@ -372,6 +378,41 @@ class GpuBackend:
                 queued += 1
             done[i % CHAIN_CAP].synchronize()
             yield int(host[i % CHAIN_CAP])
+
+    def greedy_passes(self, sure: int, drafts, pos: int):
+        """Greedy self-speculative verify passes of slot 0 that feed themselves (accept_chain), from the
+        block [sure] + drafts fed at pos: yields (a, block, ids) per pass, a the drafts kept, ids the K heads'
+        argmax after the last kept row (the next sure token and drafts). The host queues up to CHAIN_AHEAD
+        passes ahead, only those sure to end inside the context (a pass moves on by 1 to K positions);
+        it stops when no more are."""
+        K, ctx = self.cfg.mtp_heads, self.cfg.ctx_len
+        r = self._buffers(K)
+        rec, host, done = self._chain
+        R = 2 * K + 1
+        r.ctl_host[:K] = [sure] + list(drafts)
+        r.ctl_host[K:2 * K] = 0
+        r.ctl_host[2 * K:3 * K] = pos + np.arange(K)
+        r.ctl_host[3 * K + 1] = 0  # the pass counter
+        with self.stream:
+            r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
+        queued = read = 0
+        while True:
+            while queued - read < CHAIN_AHEAD and pos + K * (queued - read + 1) <= ctx:
+                self._execute((K, K, "accept"), lambda: self._step(r, K, K, "accept"))
+                with self.stream:
+                    j = queued % CHAIN_CAP
+                    rec[j * R:(j + 1) * R].data.copy_to_host_async(host[j * R:].ctypes.data, 4 * R, self.stream)
+                    done[j].record(self.stream)
+                queued += 1
+            if queued == read:
+                return
+            j = read % CHAIN_CAP
+            done[j].synchronize()
+            got = host[j * R:(j + 1) * R].copy()
+            read += 1
+            a = int(got[0])
+            pos += a + 1
+            yield a, got[1:K + 1], got[K + 1:]
 
     def verify_argmax(self, tokens, pos: int) -> np.ndarray:
         t = len(tokens)

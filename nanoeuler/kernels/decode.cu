@@ -495,6 +495,34 @@ extern "C" __global__ void argmax_chain(const float* __restrict__ logits, int V,
     }
 }
 
+// Greedy self-speculative decoding that feeds itself: after a verify pass of one slot's K rows
+// [sure, draft 1, ..., draft K-1] at positions p0 .. p0+K-1 with every head's argmax in out (row-major
+// (K rows, K heads)), keep drafts while each equals head 0's argmax at the row before it (a of them),
+// and write the next pass's block (the K heads' ids at row a: next sure token, then drafts) at positions
+// p0+a+1 ... into ctl = [ids (K), slots (K), positions (K), top_k, pass, temperature, top_p]. The pass
+// is recorded at hist[(pass % cap) * (2K+1)]: a, the block verified, the K heads' ids at row a.
+extern "C" __global__ void accept_chain(const int* __restrict__ out, int* __restrict__ ctl,
+                                        int* __restrict__ hist, int cap, int K) {
+    pdl_wait();
+    pdl_launch();
+    if (threadIdx.x != 0) return;
+    const int pass = ctl[3 * K + 1];
+    int* rec = hist + (long long)(pass % cap) * (2 * K + 1);
+    int a = 0;
+    while (a < K - 1 && out[a * K] == ctl[a + 1]) a++;
+    rec[0] = a;
+    const int p0 = ctl[2 * K];
+    for (int j = 0; j < K; j++) {
+        rec[1 + j] = ctl[j];
+        rec[1 + K + j] = out[a * K + j];
+    }
+    for (int j = 0; j < K; j++) {
+        ctl[j] = out[a * K + j];
+        ctl[2 * K + j] = p0 + a + 1 + j;
+    }
+    ctl[3 * K + 1] = pass + 1;
+}
+
 // A float's bits mapped to an unsigned key with the same order (for threshold searches).
 __device__ __forceinline__ unsigned okey(float f) {
     const unsigned u = __float_as_uint(f);

@@ -146,7 +146,8 @@ class Engine:
         return choice
 
     def _batch(self, prompts, max_new, sampling, stop_ids) -> Iterator[tuple[int, int]]:
-        """(row, id) events of plain decoding of all prompts at once, one decode step per round."""
+        """(row, id) events of plain decoding of all prompts at once, one decode step per round. Greedy
+        decoding on a backend with `greedy_steps` takes the ids from there while no slot is refilled."""
         B, ctx, be = len(prompts), self.cfg.ctx_len, self.backend
         if max_new <= 0 or B == 0:
             return
@@ -158,6 +159,8 @@ class Engine:
         count = np.zeros(B, dtype=np.int64)
         live = np.ones(B, dtype=bool)
         step = 0
+        chain = getattr(be, "greedy_steps", None) if sampling.temperature <= 0 else None
+        ahead = None  # greedy_steps' ids, while every live row is fed each round
         while True:
             feed = np.zeros(B, dtype=bool)
             for b in np.flatnonzero(live):
@@ -175,11 +178,20 @@ class Engine:
                     feed[b] = True
             if not live.any():
                 return
-            if feed.any():
+            if not feed.any():
+                continue
+            nxt = None
+            if chain is not None and (feed == live).all():  # no slot was refilled: steps that feed themselves
+                if ahead is None:  # up to the first live row's end of context, or the last one's last token
+                    ahead = chain(pending, np.minimum(pos, ctx - 1),
+                                  int(min((ctx - pos[live]).min(), (max_new - count[live]).max())))
+                nxt = next(ahead, None)
+            if nxt is None:
+                ahead = None
                 nxt = be.decode(pending, np.minimum(pos, ctx - 1), sampling, step, rngs, feed)
-                pending = np.where(feed, nxt, pending)
-                pos = np.where(feed, pos + 1, pos)
-                step += 1
+            pending = np.where(feed, nxt, pending)
+            pos = np.where(feed, pos + 1, pos)
+            step += 1
 
     # ---- one prompt, streamed ---------------------------------------------------------------------
 
@@ -223,8 +235,8 @@ class Engine:
                 continue
             if chain is not None:
                 if ahead is None:
-                    ahead = chain(tok, pos[0], min(max_new - n, ctx - pos[0]))
-                tok = next(ahead)
+                    ahead = chain([tok], pos, min(max_new - n, ctx - pos[0]))
+                tok = int(next(ahead)[0])
             else:
                 feed[0] = tok
                 tok = int(be.decode(feed, pos, sampling, n - 1, rngs, mask)[0])

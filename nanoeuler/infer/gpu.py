@@ -75,6 +75,11 @@ class _Rows:
         self.out = cp.zeros(M * cfg.mtp_heads, cp.int32)
         self.out_host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * M * cfg.mtp_heads), dtype=np.int32)
         self.qh = self.kh = self.vh = self.lse = None  # a prefill's attention operands (`flash_operands`)
+        # steps that feed themselves (greedy_steps, greedy_passes): their records (a ring) and the host's copy
+        self.rec = max(M, 2 * cfg.mtp_heads + 1)
+        self.hist = cp.zeros(CHAIN_CAP * self.rec, cp.int32)
+        self.hist_host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * CHAIN_CAP * self.rec), dtype=np.int32)
+        self.arrive = cp.zeros(1, cp.int32)
 
     def flash_operands(self, cp, cfg, wt):
         """q (1, H, M, D), k and v (1, Hkv, M, D) of W and the logsumexp (1, H, M): the FlashAttention's."""
@@ -147,10 +152,7 @@ class GpuBackend:
         self.kc = self.vc = None
         self.seeds = None
         self.use_graphs = True
-        # greedy_steps / greedy_passes: their records on the GPU (a ring), the host's copy, an event per record
-        rec = CHAIN_CAP * (2 * cfg.mtp_heads + 1)
-        self._chain = (cp.zeros(rec, cp.int32), np.frombuffer(cp.cuda.alloc_pinned_memory(4 * rec), dtype=np.int32),
-                       [cp.cuda.Event(block=False, disable_timing=True) for _ in range(CHAIN_CAP)])
+        self._landed = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(CHAIN_CAP)]  # per record
 
     # ---- buffers ------------------------------------------------------------------------------------
 
@@ -270,13 +272,12 @@ class GpuBackend:
         # the GEMV wrote the logits packed: (M, n_heads, V)
         if rule == "argmax":
             self._launch("argmax_rows", (M * n_heads,), (1024,), (r.logits, np.int32(V), np.int64(V), r.out))
-        elif rule == "chain":  # M = 1: the argmax feeds the next step (greedy_steps)
-            self._launch("argmax_chain", (1,), (1024,), (r.logits, np.int32(V), r.ctl, self._chain[0],
-                                                         np.int32(CHAIN_CAP)))
+        elif rule == "chain":  # the argmax feeds the next step (greedy_steps)
+            self._launch("argmax_chain", (M,), (1024,), (r.logits, np.int32(V), r.out, r.ctl, r.hist,
+                                                         np.int32(CHAIN_CAP), np.int32(cfg.ctx_len), r.arrive))
         elif rule == "accept":  # M = K rows of one slot: the next verify pass's block (greedy_passes)
             self._launch("argmax_rows", (M * n_heads,), (1024,), (r.logits, np.int32(V), np.int64(V), r.out))
-            self._launch("accept_chain", (1,), (32,), (r.out, r.ctl, self._chain[0], np.int32(CHAIN_CAP),
-                                                       np.int32(M)))
+            self._launch("accept_chain", (1,), (32,), (r.out, r.ctl, r.hist, np.int32(CHAIN_CAP), np.int32(M)))
         elif rule == "sample":
             self._launch("sample_rows", (M,), (1024,), (r.logits, np.int32(V), np.int64(n_heads * V), r.samp,
                                                        self.seeds, r.out))
@@ -355,29 +356,42 @@ class GpuBackend:
         self._run(B, 1, "argmax" if greedy else "sample")
         return self._fetch(r, B)
 
-    def greedy_steps(self, token: int, pos: int, n: int):
-        """Greedy decoding of slot 0 of a batch of one, from `token` fed at `pos`: yields the next n ids.
-        The step's graph feeds itself (argmax_chain), so the host queues up to CHAIN_AHEAD steps ahead and
-        reads each id as it lands; steps queued past a stop id only write cache rows that later steps
-        overwrite. Feeds positions pos .. pos + n - 1 (the caller keeps them inside the context)."""
-        r = self._buffers(1)
-        ids, host, done = self._chain
-        r.ctl_host[:3] = (token, 0, pos)
-        r.ctl_host[4] = 0  # the step counter
-        key = (1, 1, "chain")
+    def greedy_steps(self, tokens, pos, n: int):
+        """Greedy decoding of every slot of the batch, from tokens fed at positions pos (one each): yields
+        the next ids (one per slot) n times. The step's graph feeds itself (argmax_chain), so the host
+        queues up to CHAIN_AHEAD steps ahead and reads each step's ids as they land; steps queued past a
+        row's end only write cache rows that later steps overwrite (positions stay below the context
+        length). The caller keeps the rows it needs inside the context."""
+        M = len(tokens)
+        r = self._buffers(M)
+        r.ctl_host[:M] = tokens
+        r.ctl_host[M:2 * M] = r.slots
+        r.ctl_host[2 * M:3 * M] = pos
+        r.ctl_host[3 * M + 1] = 0  # the step counter
         with self.stream:
             r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
-        queued = 0
-        for i in range(n):
-            while queued < n and queued - i < CHAIN_AHEAD:
-                self._execute(key, lambda: self._step(r, 1, 1, "chain"))
+        yield from self._chained(r, (M, 1, "chain"), lambda: self._step(r, M, 1, "chain"), M,
+                                 lambda queued, read: queued < n)
+
+    def _chained(self, r: _Rows, key, queue, size: int, more):
+        """Queue steps that feed themselves while more(queued, read) and fewer than CHAIN_AHEAD are unread;
+        yield each step's record (`size` ids of r.hist's ring) as it lands."""
+        queued = read = 0
+        while True:
+            while queued - read < CHAIN_AHEAD and more(queued, read):
+                self._execute(key, queue)
+                j = queued % CHAIN_CAP
                 with self.stream:
-                    j = queued % CHAIN_CAP
-                    ids[j:j + 1].data.copy_to_host_async(host[j:].ctypes.data, 4, self.stream)
-                    done[j].record(self.stream)
+                    r.hist[j * size:(j + 1) * size].data.copy_to_host_async(r.hist_host[j * size:].ctypes.data,
+                                                                             4 * size, self.stream)
+                    self._landed[j].record(self.stream)
                 queued += 1
-            done[i % CHAIN_CAP].synchronize()
-            yield int(host[i % CHAIN_CAP])
+            if queued == read:
+                return
+            j = read % CHAIN_CAP
+            self._landed[j].synchronize()
+            read += 1
+            yield r.hist_host[j * size:(j + 1) * size].copy()
 
     def greedy_passes(self, sure: int, drafts, pos: int):
         """Greedy self-speculative verify passes of slot 0 that feed themselves (accept_chain), from the
@@ -387,31 +401,17 @@ class GpuBackend:
         it stops when no more are."""
         K, ctx = self.cfg.mtp_heads, self.cfg.ctx_len
         r = self._buffers(K)
-        rec, host, done = self._chain
-        R = 2 * K + 1
         r.ctl_host[:K] = [sure] + list(drafts)
         r.ctl_host[K:2 * K] = 0
         r.ctl_host[2 * K:3 * K] = pos + np.arange(K)
         r.ctl_host[3 * K + 1] = 0  # the pass counter
         with self.stream:
             r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
-        queued = read = 0
-        while True:
-            while queued - read < CHAIN_AHEAD and pos + K * (queued - read + 1) <= ctx:
-                self._execute((K, K, "accept"), lambda: self._step(r, K, K, "accept"))
-                with self.stream:
-                    j = queued % CHAIN_CAP
-                    rec[j * R:(j + 1) * R].data.copy_to_host_async(host[j * R:].ctypes.data, 4 * R, self.stream)
-                    done[j].record(self.stream)
-                queued += 1
-            if queued == read:
-                return
-            j = read % CHAIN_CAP
-            done[j].synchronize()
-            got = host[j * R:(j + 1) * R].copy()
-            read += 1
+        start = [pos]  # the first unread pass's position
+        for got in self._chained(r, (K, K, "accept"), lambda: self._step(r, K, K, "accept"), 2 * K + 1,
+                                 lambda queued, read: start[0] + K * (queued - read + 1) <= ctx):
             a = int(got[0])
-            pos += a + 1
+            start[0] += a + 1
             yield a, got[1:K + 1], got[K + 1:]
 
     def verify_argmax(self, tokens, pos: int) -> np.ndarray:

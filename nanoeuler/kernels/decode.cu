@@ -477,21 +477,38 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int V, 
     if (threadIdx.x == 0) out[blockIdx.x] = idx;
 }
 
-// Greedy decoding that feeds itself (one row): the argmax becomes the next step's input token at the next
-// position, and is kept at hist[step % cap], step counting in ctl[4]. ctl = the row's [id, slot, pos] and
-// the sampling values [top_k, step, temperature, top_p]. Steps replayed back to back then need nothing
-// from the host, which reads hist while the GPU runs ahead.
-extern "C" __global__ void argmax_chain(const float* __restrict__ logits, int V, int* __restrict__ ctl,
-                                        int* __restrict__ hist, int cap) {
+// Greedy decoding that feeds itself, one block per row of M: out[m] = the argmax of row m, which becomes
+// the row's next input token at the next position (kept below L: a row that has finished may run on);
+// the step's ids are kept at hist[(step % cap) M ...], step counting in ctl[3M + 1]. ctl = [ids, slots,
+// positions (M each), top_k, step, temperature, top_p]. The last block to finish (counted in *arrive)
+// does the update. Steps replayed back to back then need nothing from the host, which reads hist while
+// the GPU runs ahead.
+extern "C" __global__ void argmax_chain(const float* __restrict__ logits, int V, int* out, int* __restrict__ ctl,
+                                        int* __restrict__ hist, int cap, int L, int* arrive) {
+    __shared__ bool last;
     pdl_wait();
     pdl_launch();
-    const int idx = block_argmax(logits, V);
+    const int M = gridDim.x;
+    const int idx = block_argmax(logits + (long long)blockIdx.x * V, V);
     if (threadIdx.x == 0) {
-        const int step = ctl[4];
-        hist[step % cap] = idx;
-        ctl[4] = step + 1;
-        ctl[0] = idx;
-        ctl[2] += 1;
+        out[blockIdx.x] = idx;
+        __threadfence();
+        last = atomicAdd(arrive, 1) == M - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int step = ctl[3 * M + 1];
+    for (int m = threadIdx.x; m < M; m += blockDim.x) {
+        const int id = ((volatile int*)out)[m];
+        hist[(long long)(step % cap) * M + m] = id;
+        ctl[m] = id;
+        ctl[2 * M + m] = min(ctl[2 * M + m] + 1, L - 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ctl[3 * M + 1] = step + 1;
+        *arrive = 0;
     }
 }
 

@@ -28,6 +28,7 @@ per slot.
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 
@@ -120,6 +121,14 @@ class GpuBackend:
         if pdl is None:
             pdl = os.environ.get("NANOEULER_PDL", "1") != "0"
         self.pdl = pdl_launcher() if pdl else None
+        if self.pdl is not None:  # one launch to see that the driver takes it
+            try:
+                probe = cp.zeros(2, cp.int32)
+                self.pdl(self.k["argmax_rows"], (1,), (32,), (probe.view(cp.float32), np.int32(1), np.int64(1), probe))
+                cp.cuda.Device().synchronize()
+            except Exception as exc:  # noqa: BLE001
+                warnings.warn(f"programmatic dependent launch failed ({exc}); launching the ordinary way")
+                self.pdl = None
         self._flash = None  # the prefill's attention: bf16 operands and a head size the tensor-core kernels have
         if dtype == "bf16" and cfg.head_dim in MMA_HEAD_DIMS:
             from nanoeuler.kernels.bf16 import flash

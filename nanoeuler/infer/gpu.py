@@ -197,7 +197,7 @@ class GpuBackend:
         if self.pdl is not None and pdl:
             self.pdl(self.k[name], grid, block, args, shared_mem=shared_mem, stream=self.stream)
         else:
-            self.k[name](grid, block, args, shared_mem=shared_mem)
+            self.k[name](grid, block, args, shared_mem=shared_mem, stream=self.stream)
 
     def _gemv(self, epi: str, w, x, gain, y, M: int, N: int, K: int, pdl: bool = True) -> None:
         """y = W (norm(x)) over M rows, `epi` as decode.cu: store, add, swiglu (N = outputs, pairs of rows)."""

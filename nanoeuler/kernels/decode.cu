@@ -310,13 +310,21 @@ __device__ void attend(const float* __restrict__ q, const W* __restrict__ kc, co
     float* qs = sm;           // D
     float* sc = sm + D;       // L
     float* part = sc + L;     // blockDim.x * V
-    pdl_wait();
-    pdl_launch();
+    // meta is the host's (or the previous step's): readable before the wait. So are the cache rows at
+    // positions before pos - m (earlier steps wrote them; this step writes a row's own position, and in a
+    // verify pass rows 0..m-1 of the same slot the m positions before it): ask L2 for them meanwhile.
     const int m = blockIdx.x, h = blockIdx.y;
     const int slot = meta[M + m], S = meta[2 * M + m] + 1;
     const int kvh = h / (H / Hkv);
     const W* kb = kc + ((long long)slot * Hkv + kvh) * L * D;
     const W* vb = vc + ((long long)slot * Hkv + kvh) * L * D;
+    for (int j = threadIdx.x; j < S - 1 - m; j += blockDim.x)
+        for (int b = 0; b < D * (int)sizeof(W); b += 128) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)(kb + (long long)j * D) + b));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)(vb + (long long)j * D) + b));
+        }
+    pdl_wait();
+    pdl_launch();
     const float scale = rsqrtf((float)D);
     for (int d = threadIdx.x; d < D; d += blockDim.x) qs[d] = q[((long long)m * H + h) * D + d] * scale;
     __syncthreads();

@@ -193,6 +193,9 @@ def hf_rows(ckpt, cfg, prompt, args, rows):
         pre = cuda_timed(lambda: model(long_ids))
     sec = cuda_timed(lambda: gen(model))
     rows.append(("HF generate eager (bf16)", n / sec, 1e3 * sec / n, 1e3 * pre, ""))
+    if args.no_hf_compile:
+        rows.append(("HF static cache + torch.compile", None, None, None, "not run (--no-hf-compile)"))
+        return
     try:
         model.generation_config.cache_implementation = "static"
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
@@ -237,6 +240,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--agree-steps", type=int, default=64)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    ap.add_argument("--no-hf-compile", action="store_true", help="skip the torch.compile row (it takes minutes)")
     ap.add_argument("--profile", action="store_true", help="also time each kernel of a decode step and a verify pass")
     ap.add_argument("--steps-only", type=int, default=0, metavar="N",
                     help="only prefill the prompt and run N greedy decode steps (a target for a profiler), then exit")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The decode engine on a GPU machine, in one go: its tests, the benchmark on random weights (with the
-# engine of another checkout beside it, when BASELINE names one), Nsight Compute's time of every kernel of
-# a decode step, then a model trained for the benchmark and the full benchmark on it.
-#   DATA=<dir with gpu.yaml, tok4096.json, shards4096/> scripts/gen_bench.sh [tests] [random] [ncu] [trained]
+# The decode engine on a GPU machine, in one go: its tests, the benchmark on random weights, a model
+# trained for the benchmark and the benchmark on it (the engine of another checkout beside it, when
+# BASELINE names one; HF_COMPILE=1 adds the torch.compile row), and Nsight Compute's time of every kernel
+# of a decode step.
+#   DATA=<dir with gpu.yaml, tok4096.json, shards4096/> scripts/gen_bench.sh [tests] [random] [trained] [ncu]
 # Logs go to $LOG_DIR (default $TMPDIR/nanoeuler-gen-bench); a summary is printed last.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -39,16 +40,13 @@ PY
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 modes=("$@")
-[ ${#modes[@]} -eq 0 ] && modes=(tests random ncu trained)
+[ ${#modes[@]} -eq 0 ] && modes=(tests trained ncu)
 for mode in "${modes[@]}"; do
     case $mode in
         tests)
             run tests $PY -m pytest -q -x -p no:cacheprovider tests/test_engine_gpu.py tests/test_engine.py ;;
         random)
-            run random $PY bench/generate_gpu.py --no-hf --repeats 3
-            if [ -n "${BASELINE:-}" ]; then
-                (cd "$BASELINE" && export PYTHONPATH=$PWD && run baseline $PY bench/generate_gpu.py --no-hf --repeats 3)
-            fi ;;
+            run random $PY bench/generate_gpu.py --no-hf --repeats 3 ;;
         ncu)  # the decode kernels of three greedy steps, after the first ones (eager, then recorded as a graph)
             timeout "${NCU_TIMEOUT:-180}" ncu --graph-profiling node --cache-control none --clock-control none --metrics gpu__time_duration.sum \
                 --kernel-name regex:"gemv|attend|embed|argmax" --launch-skip 100 --launch-count 249 --csv --log-file "$LOG_DIR/ncu.csv" $PY bench/generate_gpu.py --steps-only 12 > "$LOG_DIR/ncu_run.log" 2>&1
@@ -58,7 +56,12 @@ for mode in "${modes[@]}"; do
             DATA=${DATA:?DATA must name the folder with gpu.yaml, tok4096.json and shards4096/}
             run pretrain $PY -m nanoeuler pretrain --config "$DATA/gpu.yaml" --shards "$DATA/shards4096/manifest.json" \
                 --tokenizer "$DATA/tok4096.json" --out "$LOG_DIR/base.bin" --no-progress
-            run trained $PY bench/generate_gpu.py --ckpt "$LOG_DIR/base.bin" --repeats 5 ;;
+            run trained $PY bench/generate_gpu.py --ckpt "$LOG_DIR/base.bin" --repeats 5 \
+                $([ -n "${HF_COMPILE:-}" ] || echo --no-hf-compile)
+            if [ -n "${BASELINE:-}" ]; then
+                (cd "$BASELINE" && export PYTHONPATH=$PWD && $PY bench/generate_gpu.py --ckpt "$LOG_DIR/base.bin" \
+                    --no-hf --repeats 3 2>&1 | tee "$LOG_DIR/baseline.log")
+            fi ;;
         *) echo "unknown mode $mode"; exit 2 ;;
     esac
 done

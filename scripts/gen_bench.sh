@@ -12,11 +12,11 @@ LOG_DIR=${LOG_DIR:-${TMPDIR:-/tmp}/nanoeuler-gen-bench}
 mkdir -p "$LOG_DIR"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 summary=()
-run() {  # run NAME CMD...
+run() {  # run NAME CMD... (each stage within STAGE_TIMEOUT seconds)
     local name=$1; shift
     echo "=== $name: $*"
     local t0=$SECONDS
-    "$@" 2>&1 | tee "$LOG_DIR/$name.log"
+    timeout "${STAGE_TIMEOUT:-300}" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
     summary+=("$(printf '%-10s rc=%-3s %5ss' "$name" "${PIPESTATUS[0]}" $((SECONDS - t0)))")
 }
 ncu_table() {  # the median time of each kernel over the profiled launches, from ncu's CSV
@@ -59,7 +59,7 @@ for mode in "${modes[@]}"; do
             run trained $PY bench/generate_gpu.py --ckpt "$LOG_DIR/base.bin" --repeats 5 \
                 $([ -n "${HF_COMPILE:-}" ] || echo --no-hf-compile)
             if [ -n "${BASELINE:-}" ]; then
-                (cd "$BASELINE" && export PYTHONPATH=$PWD && $PY bench/generate_gpu.py --ckpt "$LOG_DIR/base.bin" \
+                (cd "$BASELINE" && export PYTHONPATH=$PWD && timeout "${STAGE_TIMEOUT:-300}" $PY bench/generate_gpu.py --ckpt "$LOG_DIR/base.bin" \
                     --no-hf --repeats 3 2>&1 | tee "$LOG_DIR/baseline.log")
             fi ;;
         *) echo "unknown mode $mode"; exit 2 ;;

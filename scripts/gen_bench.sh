@@ -27,7 +27,7 @@ head = rows[0]
 k, u, v = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
 times = {}
 for r in rows[1:]:
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(r[u], 1.0)
+    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}[r[u]]
     times.setdefault(r[k].split("(")[0], []).append(float(r[v].replace(",", "")) * scale)
 total = 0.0
 print("| kernel | launches | median us | sum of medians us |")

@@ -21,7 +21,7 @@ once per (rows, heads, rule) as a CUDA graph and replayed; per step the host cop
 (ids, slots, positions, sampling values) and reads back the chosen ids: nothing else crosses, nothing is
 allocated. A prefill is recorded once per row count, prompts padded to a power of two (the padding rows
 come after the prompt, so causal attention keeps them out of its rows, and the next steps overwrite what
-they leave in the cache). Sampling (temperature, top-k, top-p) draws from a counter-based generator seeded
+they leave in the cache); prompts of up to GEMV_MAX_ROWS tokens take the GEMV path, unpadded. Sampling (temperature, top-k, top-p) draws from a counter-based generator seeded
 per slot.
 """
 
@@ -240,7 +240,7 @@ class GpuBackend:
         HD = H * D
         i32, f32 = np.int32, np.float32
         x = r.x[:M]
-        flash_ops = r.flash_operands(self.cp, cfg, self.wt) if prefill and self._flash is not None else None
+        flash_ops = r.flash_operands(self.cp, cfg, self.wt) if prefill and batched and self._flash else None
         null = np.uint64(0)
         for li, w in enumerate(self.layers):
             if not batched:
@@ -336,13 +336,14 @@ class GpuBackend:
     def prefill(self, slot: int, ids) -> np.ndarray:
         cfg = self.cfg
         T = len(ids)
-        P = min(cfg.ctx_len, max(32, 1 << (T - 1).bit_length()))  # rows by powers of two: few graphs
+        short = T <= GEMV_MAX_ROWS  # the GEMV path, float activations; else cuBLAS and the FlashAttention
+        P = T if short else min(cfg.ctx_len, 1 << (T - 1).bit_length())  # longer: rows by powers of two
         ids = np.concatenate([np.asarray(ids, np.int32), np.zeros(P - T, np.int32)])
         meta = np.concatenate([ids, np.full(P, slot, np.int32), np.arange(P, dtype=np.int32)])
 
         def queue(r):
             self._embed(r, P)
-            self._layers(r, P, batched=True, prefill=True)
+            self._layers(r, P, batched=not short, prefill=True)
 
         r = self._replay(("prefill", P), P, queue, meta)
         with self.stream:  # every head at the prompt's last row; launched plainly after the graph

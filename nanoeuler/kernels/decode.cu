@@ -77,8 +77,8 @@ __device__ void embed(const int* meta, const W* emb, float* x, int M, int C) {
 // Each lane streams 16-byte pieces of its rows, U of them per row in flight at once, the first U requested
 // before the kernel waits for the one before it: with U * 32 pieces covering a row (K <= 2048 bf16 at
 // U = 8) the whole weight matrix is on its way while the previous kernel still runs. The block stages its
-// GEMV_ROWS input rows in shared memory (grid.y covers the rest), applying the RMSNorm
-// (x / rms(x) * gain) there when `gain` is given.
+// GEMV_ROWS input rows in shared memory (grid.y covers the rest); with `gain` given, the product is with
+// the RMSNorm of x (x / rms(x) * gain).
 #define GEMV_ROWS 4
 #define GEMV_WARPS 8
 enum { EPI_STORE = 0, EPI_ADD = 1, EPI_SWIGLU = 2, EPI_ROPE = 3 };
@@ -107,17 +107,19 @@ __device__ __forceinline__ void gemv_load(const W* const (&wr)[2], int K, int k0
 
 // The dot products of this warp's P weight rows with the block's rows of x: acc[p][r] (summed over the
 // warp, valid in every lane). Returns false for a warp past the last output (it must not store).
+// The norm's 1/rms(x) multiplies the sums rather than x: the block stages x * gain, reading all its rows
+// at once, and adds up the squares in the same pass, so one barrier ends the prologue.
 template <typename W, int EPI, int U>
 __device__ __forceinline__ bool gemv_dots(const W* __restrict__ w, const float* __restrict__ x,
                                           const float* __restrict__ gain, int M, int N, int K, float eps,
                                           int half, float (&acc)[2][GEMV_ROWS], int& o, int& m0, int& rows) {
     extern __shared__ float xs[];  // (rows, K)
-    __shared__ float red[32];
+    __shared__ float sq[GEMV_ROWS][GEMV_WARPS];
     constexpr int P = Gemv<EPI>::P, V = Vec<W>::N;
     m0 = blockIdx.y * GEMV_ROWS;
     rows = min(GEMV_ROWS, M - m0);
-    const int lane = threadIdx.x & 31;
-    o = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    o = blockIdx.x * GEMV_WARPS + warp;
     const bool active = o < N;
     int r[2];
     Gemv<EPI>::rows(active ? o : 0, N, half, r);
@@ -127,17 +129,24 @@ __device__ __forceinline__ bool gemv_dots(const W* __restrict__ w, const float* 
     if (active && vec) gemv_load<W, P, U>(wr, K, lane * V, raw);  // independent of earlier kernels
     pdl_wait();
     pdl_launch();
-    for (int rr = 0; rr < rows; rr++) {
+    float ss[GEMV_ROWS];
+#pragma unroll
+    for (int rr = 0; rr < GEMV_ROWS; rr++) {
+        ss[rr] = 0.f;
+        if (rr >= rows) continue;
         const float* xr = x + (long long)(m0 + rr) * K;
-        float ss = 0.f;
+#pragma unroll 4
         for (int k = threadIdx.x; k < K; k += blockDim.x) {
             const float v = xr[k];
-            xs[rr * K + k] = v;
-            ss += v * v;
+            xs[rr * K + k] = gain != nullptr ? v * gain[k] : v;
+            ss[rr] += v * v;
         }
-        if (gain != nullptr) {  // uniform branch: block_sum's barriers are reached by every thread
-            const float rstd = rsqrtf(block_sum(ss, red) / K + eps);
-            for (int k = threadIdx.x; k < K; k += blockDim.x) xs[rr * K + k] = xs[rr * K + k] * rstd * gain[k];
+    }
+    if (gain != nullptr) {
+#pragma unroll
+        for (int rr = 0; rr < GEMV_ROWS; rr++) {
+            ss[rr] = warp_sum(ss[rr]);
+            if (lane == 0) sq[rr][warp] = ss[rr];
         }
     }
     __syncthreads();
@@ -184,8 +193,15 @@ __device__ __forceinline__ bool gemv_dots(const W* __restrict__ w, const float* 
     }
 #pragma unroll
     for (int rr = 0; rr < GEMV_ROWS; rr++) {
-        acc[0][rr] = warp_sum(acc[0][rr]);
-        if (P == 2) acc[1][rr] = warp_sum(acc[1][rr]);
+        float scale = 1.f;
+        if (gain != nullptr) {
+            float t = 0.f;
+#pragma unroll
+            for (int i = 0; i < GEMV_WARPS; i++) t += sq[rr][i];
+            scale = rsqrtf(t / K + eps);
+        }
+        acc[0][rr] = warp_sum(acc[0][rr]) * scale;
+        if (P == 2) acc[1][rr] = warp_sum(acc[1][rr]) * scale;
     }
     return true;
 }

@@ -37,7 +37,7 @@ from nanoeuler.model.transformer import head_weight_names
 
 # decode.cu's kernels per weight storage (`<stem>_bf16`, `<stem>_f32`; the GEMVs also per U), and its two others
 KERNELS = ("embed", "rope_cache", "attend", "attend_act", "rmsnorm_act", "swiglu_act") + tuple(
-    f"gemv_{e}_u{u}" for e in ("store", "add", "swiglu", "rope") for u in (4, 8))
+    f"gemv_{e}_u{u}" for e in ("store", "store2", "add", "swiglu", "rope") for u in (4, 8))
 GEMV_MAX_ROWS = 16  # decode batches above this many rows take the cuBLAS path
 GEMV_ROWS, GEMV_WARPS = 4, 8  # as decode.cu
 ATTEND_THREADS = 512
@@ -200,7 +200,8 @@ class GpuBackend:
             self.k[name](grid, block, args, shared_mem=shared_mem, stream=self.stream)
 
     def _gemv(self, epi: str, w, x, gain, y, M: int, N: int, K: int, pdl: bool = True) -> None:
-        """y = W (norm(x)) over M rows, `epi` as decode.cu: store, add, swiglu (N = outputs, pairs of rows)."""
+        """y = W (norm(x)) over M rows, `epi` as decode.cu: store, add, swiglu, store2 (N = outputs, or pairs
+        of outputs for store2)."""
         vec = 8 if self.dtype == "bf16" else 4
         u = 4 if -(-K // (32 * vec)) <= 4 else 8  # 16-byte pieces per lane and row in flight
         grid = (-(-N // GEMV_WARPS), -(-M // GEMV_ROWS))
@@ -228,7 +229,7 @@ class GpuBackend:
         self._launch(name, (M, cfg.n_heads), (ATTEND_THREADS,),
                      (r.q, self.kc[li], self.vc[li], r.meta, out, np.int32(M), np.int32(cfg.n_heads),
                       np.int32(cfg.n_kv_heads), np.int32(D), np.int32(L)),
-                     shared_mem=4 * (D + L + ATTEND_THREADS * vec))
+                     shared_mem=4 * (L + ATTEND_THREADS * vec))
 
     def _layers(self, r: _Rows, M: int, batched: bool, prefill: bool = False):
         """Every layer over M rows: r.x holds the embeddings in, the residual stream out. `prefill`: the rows
@@ -269,6 +270,14 @@ class GpuBackend:
             self._launch("swiglu_act", (M,), (256,), (r.gu, r.act, i32(F)))
             gemm(Matrix(x), Matrix(r.act2(M, F)), Matrix(w["down"]), tb=True, beta=1.0)
 
+    def _head_logits(self, x, logits, M: int, n: int, pdl: bool = True) -> None:
+        """The first n rows of the stacked heads (n / V heads) on the final norm of M rows, packed (M, n);
+        two rows a warp (each x value read feeds two weights) where n is even."""
+        if n % 2 == 0:
+            self._gemv("store2", self.heads, x, self.norm, logits, M, n // 2, self.cfg.dim, pdl=pdl)
+        else:
+            self._gemv("store", self.heads, x, self.norm, logits, M, n, self.cfg.dim, pdl=pdl)
+
     def _embed(self, r: _Rows, M: int) -> None:
         self._launch("embed", (M,), (256,), (r.meta, self.emb, r.x, np.int32(M), np.int32(self.cfg.dim)))
 
@@ -277,7 +286,7 @@ class GpuBackend:
         cfg, V = self.cfg, self.cfg.vocab_size
         self._embed(r, M)
         self._layers(r, M, batched=M > GEMV_MAX_ROWS)
-        self._gemv("store", self.heads, r.x, self.norm, r.logits, M, n_heads * V, cfg.dim)
+        self._head_logits(r.x, r.logits, M, n_heads * V)
         # the GEMV wrote the logits packed: (M, n_heads, V)
         if rule == "argmax":
             self._launch("argmax_rows", (M * n_heads,), (1024,), (r.logits, np.int32(V), np.int64(V), r.out))
@@ -347,8 +356,7 @@ class GpuBackend:
 
         r = self._replay(("prefill", P), P, queue, meta)
         with self.stream:  # every head at the prompt's last row; launched plainly after the graph
-            self._gemv("store", self.heads, r.x[T - 1:T], self.norm, r.logits, 1, cfg.mtp_heads * cfg.vocab_size,
-                       cfg.dim, pdl=False)
+            self._head_logits(r.x[T - 1:T], r.logits, 1, cfg.mtp_heads * cfg.vocab_size, pdl=False)
             logits = r.logits[0].get(stream=self.stream)
         return logits.reshape(cfg.mtp_heads, cfg.vocab_size)
 

@@ -71,6 +71,7 @@ __device__ void embed(const int* meta, const W* emb, float* x, int M, int C) {
 // ---- GEMV: y[m, n] = sum_k W[n, k] * a[m, k] for a few rows m ---------------------------------------
 // A warp computes one output (one weight row) or a pair (two weight rows sharing each x value read):
 //   EPI_STORE  y[m, n] = acc                           one row n = warp
+//   EPI_STORE2 y[m, n] = acc                           two rows 2 warp, 2 warp + 1 (N: pairs; the heads)
 //   EPI_ADD    y[m, n] += acc                          one row (a branch joining the residual stream)
 //   EPI_SWIGLU y[m, n] = silu(acc_n) * acc_{n + N}     gate row n, up row n + N (W: gate rows, then up rows)
 //   EPI_ROPE   q/k rotated, k and v into the cache     rows h D + j and h D + j + D/2 of the qkv matrix
@@ -81,14 +82,15 @@ __device__ void embed(const int* meta, const W* emb, float* x, int M, int C) {
 // the RMSNorm of x (x / rms(x) * gain).
 #define GEMV_ROWS 4
 #define GEMV_WARPS 8
-enum { EPI_STORE = 0, EPI_ADD = 1, EPI_SWIGLU = 2, EPI_ROPE = 3 };
+enum { EPI_STORE = 0, EPI_ADD = 1, EPI_SWIGLU = 2, EPI_ROPE = 3, EPI_STORE2 = 4 };
 
 template <int EPI> struct Gemv {
-    static constexpr int P = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1;  // weight rows per warp
+    static constexpr int P = (EPI == EPI_STORE || EPI == EPI_ADD) ? 1 : 2;  // weight rows per warp
     // the weight rows of output `o` (N outputs; `half` = D/2 for EPI_ROPE)
     __device__ static void rows(int o, int N, int half, int (&r)[2]) {
         if (EPI == EPI_SWIGLU) { r[0] = o; r[1] = o + N; }
         else if (EPI == EPI_ROPE) { r[0] = (o / half) * 2 * half + o % half; r[1] = r[0] + half; }
+        else if (EPI == EPI_STORE2) { r[0] = 2 * o; r[1] = 2 * o + 1; }
         else { r[0] = o; r[1] = o; }
     }
 };
@@ -129,17 +131,40 @@ __device__ __forceinline__ bool gemv_dots(const W* __restrict__ w, const float* 
     if (active && vec) gemv_load<W, P, U>(wr, K, lane * V, raw);  // independent of earlier kernels
     pdl_wait();
     pdl_launch();
+    // x staged in 16-byte pieces. With bf16 weights a lane reads the 8 x values of its 16 weight bytes as
+    // two float4: the first halves of all pieces lie in xs[0, K/2), the second halves in xs[K/2, K), so
+    // the warp's 16-byte reads are consecutive (no bank conflicts).
+    constexpr int NH = V / 4;
     float ss[GEMV_ROWS];
 #pragma unroll
-    for (int rr = 0; rr < GEMV_ROWS; rr++) {
-        ss[rr] = 0.f;
-        if (rr >= rows) continue;
-        const float* xr = x + (long long)(m0 + rr) * K;
+    for (int rr = 0; rr < GEMV_ROWS; rr++) ss[rr] = 0.f;
+    if (vec) {
+        const int K4 = K / 4;
+#pragma unroll
+        for (int rr = 0; rr < GEMV_ROWS; rr++) {
+            if (rr >= rows) break;
+            const float4* xr = reinterpret_cast<const float4*>(x + (long long)(m0 + rr) * K);
 #pragma unroll 4
-        for (int k = threadIdx.x; k < K; k += blockDim.x) {
-            const float v = xr[k];
-            xs[rr * K + k] = gain != nullptr ? v * gain[k] : v;
-            ss[rr] += v * v;
+            for (int k4 = threadIdx.x; k4 < K4; k4 += blockDim.x) {
+                float4 v = xr[k4];
+                ss[rr] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+                if (gain != nullptr) {
+                    const float4 g = reinterpret_cast<const float4*>(gain)[k4];
+                    v.x *= g.x; v.y *= g.y; v.z *= g.z; v.w *= g.w;
+                }
+                *reinterpret_cast<float4*>(xs + rr * K + (k4 % NH) * (K / NH) + (k4 / NH) * 4) = v;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int rr = 0; rr < GEMV_ROWS; rr++) {
+            if (rr >= rows) break;
+            const float* xr = x + (long long)(m0 + rr) * K;
+            for (int k = threadIdx.x; k < K; k += blockDim.x) {
+                const float v = xr[k];
+                xs[rr * K + k] = gain != nullptr ? v * gain[k] : v;
+                ss[rr] += v * v;
+            }
         }
     }
     if (gain != nullptr) {
@@ -170,9 +195,9 @@ __device__ __forceinline__ bool gemv_dots(const W* __restrict__ w, const float* 
                     if (rr >= rows) break;
                     float xv[V];  // 16-byte shared-memory loads
 #pragma unroll
-                    for (int i = 0; i < V; i += 4) {
-                        const float4 t = *reinterpret_cast<const float4*>(xs + rr * K + k + i);
-                        xv[i] = t.x; xv[i + 1] = t.y; xv[i + 2] = t.z; xv[i + 3] = t.w;
+                    for (int i = 0; i < NH; i++) {
+                        const float4 t = *reinterpret_cast<const float4*>(xs + rr * K + i * (K / NH) + (k / V) * 4);
+                        xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
                     }
 #pragma unroll
                     for (int p = 0; p < P; p++)
@@ -215,10 +240,11 @@ __device__ void gemv(const W* __restrict__ w, const float* __restrict__ x, const
 #pragma unroll
     for (int rr = 0; rr < GEMV_ROWS; rr++) {
         if (rr >= rows) break;
-        float* out = y + (long long)(m0 + rr) * N + o;
-        if (EPI == EPI_STORE) *out = acc[0][rr];
-        if (EPI == EPI_ADD) *out += acc[0][rr];
-        if (EPI == EPI_SWIGLU) *out = acc[0][rr] / (1.f + __expf(-acc[0][rr])) * acc[1][rr];
+        float* row = y + (long long)(m0 + rr) * (EPI == EPI_STORE2 ? 2 * N : N);
+        if (EPI == EPI_STORE) row[o] = acc[0][rr];
+        if (EPI == EPI_STORE2) { row[2 * o] = acc[0][rr]; row[2 * o + 1] = acc[1][rr]; }
+        if (EPI == EPI_ADD) row[o] += acc[0][rr];
+        if (EPI == EPI_SWIGLU) row[o] = acc[0][rr] / (1.f + __expf(-acc[0][rr])) * acc[1][rr];
     }
 }
 
@@ -314,17 +340,16 @@ __device__ void rope_cache(const float* __restrict__ qkv, const int* __restrict_
 // ---- attention of one row and query head over its slot's cache, keys 0..pos ---------------------------
 // grid (M, H). Scores: one thread per key (a whole D-dot each, in 16-byte loads). p @ V: thread t takes
 // the 16-byte piece t % (D / Vec) of every (blockDim / (D / Vec))-th key, so all of a thread's loads are
-// independent; the partial outputs are added up in shared memory.
-// Shared: q (D) + scores (L) + partial outputs (blockDim.x * Vec).
+// independent (the first AV of them issued with the key loads); the partial outputs are added up in
+// shared memory. Shared: scores (L) + partial outputs (blockDim.x * Vec).
 
-template <typename W, typename O>
+template <typename W, typename O, bool PRE>
 __device__ void attend(const float* __restrict__ q, const W* __restrict__ kc, const W* __restrict__ vc,
                        const int* __restrict__ meta, O* __restrict__ out, int M, int H, int Hkv, int D, int L) {
     extern __shared__ float sm[];
     __shared__ float red[32];
     constexpr int V = Vec<W>::N;
-    float* qs = sm;           // D
-    float* sc = sm + D;       // L
+    float* sc = sm;           // L
     float* part = sc + L;     // blockDim.x * V
     // meta is the host's (or the previous step's): readable before the wait. So are the cache rows at
     // positions before pos - m (earlier steps wrote them; this step writes a row's own position, and in a
@@ -341,19 +366,47 @@ __device__ void attend(const float* __restrict__ q, const W* __restrict__ kc, co
         }
     pdl_wait();
     pdl_launch();
+    // after the wait every load at once: this thread's key row and first V pieces into registers, its
+    // element of q into shared memory (the barrier waits for that one only)
+    const int pieces = D / V, groups = blockDim.x / pieces, g = threadIdx.x / pieces, c = threadIdx.x % pieces;
+    // V pieces and key pieces held (a key row of up to 8 pieces: D <= 8 Vec); PRE = false (the batched
+    // path, many blocks: fewer registers, more blocks resident) holds none
+    constexpr int AV = PRE ? 2 : 0, KP = PRE ? 8 : 1;
+    const int j0 = threadIdx.x;
+    uint4 kpre[KP], vpre[AV > 0 ? AV : 1];
+#pragma unroll
+    for (int p = 0; p < KP; p++)
+        if (PRE && p < pieces && j0 < S) kpre[p] = ld16(kb + (long long)j0 * D + p * V);
+#pragma unroll
+    for (int i = 0; i < AV; i++) {
+        const int j = g + i * groups;
+        if (g < groups && j < S) vpre[i] = ld16(vb + (long long)j * D + c * V);
+    }
+    float* qs = part;  // D floats, free until p @ V
     const float scale = rsqrtf((float)D);
     for (int d = threadIdx.x; d < D; d += blockDim.x) qs[d] = q[((long long)m * H + h) * D + d] * scale;
     __syncthreads();
     float mx = NEG_INF;
-    for (int j = threadIdx.x; j < S; j += blockDim.x) {
-        const W* kr = kb + (long long)j * D;
+    for (int j = j0; j < S; j += blockDim.x) {
         float s = 0.f;
-#pragma unroll 8
-        for (int d = 0; d < D; d += V) {
-            float kv[V];
-            Vec<W>::unpack(ld16(kr + d), kv);
+        if (PRE && j == j0 && pieces <= KP) {
 #pragma unroll
-            for (int i = 0; i < V; i++) s += qs[d + i] * kv[i];
+            for (int p = 0; p < KP; p++) {
+                if (p >= pieces) break;
+                float kv[V];
+                Vec<W>::unpack(kpre[p], kv);
+#pragma unroll
+                for (int i = 0; i < V; i++) s += qs[p * V + i] * kv[i];
+            }
+        } else {
+            const W* kr = kb + (long long)j * D;
+#pragma unroll 8
+            for (int p = 0; p < pieces; p++) {
+                float kv[V];
+                Vec<W>::unpack(ld16(kr + p * V), kv);
+#pragma unroll
+                for (int i = 0; i < V; i++) s += qs[p * V + i] * kv[i];
+            }
         }
         sc[j] = s;
         mx = fmaxf(mx, s);
@@ -366,18 +419,27 @@ __device__ void attend(const float* __restrict__ q, const W* __restrict__ kc, co
         sum += e;
     }
     sum = block_sum(sum, red);  // its barriers also publish sc
-    const int pieces = D / V, groups = blockDim.x / pieces, g = threadIdx.x / pieces, c = threadIdx.x % pieces;
     float acc[V];
 #pragma unroll
     for (int i = 0; i < V; i++) acc[i] = 0.f;
     if (g < groups) {
+#pragma unroll
+        for (int i = 0; i < AV; i++) {
+            const int j = g + i * groups;
+            if (j >= S) break;
+            float vv[V];
+            Vec<W>::unpack(vpre[i], vv);
+            const float p = sc[j];
+#pragma unroll
+            for (int t = 0; t < V; t++) acc[t] += p * vv[t];
+        }
 #pragma unroll 4
-        for (int j = g; j < S; j += groups) {
+        for (int j = g + AV * groups; j < S; j += groups) {
             float vv[V];
             Vec<W>::unpack(ld16(vb + (long long)j * D + c * V), vv);
             const float p = sc[j];
 #pragma unroll
-            for (int i = 0; i < V; i++) acc[i] += p * vv[i];
+            for (int t = 0; t < V; t++) acc[t] += p * vv[t];
         }
     }
     __syncthreads();
@@ -424,6 +486,10 @@ __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, in
                                                         float* y, int M, int N, int K, float eps) {           \
         gemv<W, EPI_STORE, U>(w, x, gain, y, M, N, K, eps);                                                   \
     }                                                                                                         \
+    extern "C" __global__ void gemv_store2_u##U##_##NAME(const W* w, const float* x, const float* gain,       \
+                                                         float* y, int M, int N, int K, float eps) {          \
+        gemv<W, EPI_STORE2, U>(w, x, gain, y, M, N, K, eps);                                                  \
+    }                                                                                                         \
     extern "C" __global__ void gemv_add_u##U##_##NAME(const W* w, const float* x, const float* gain, float* y,\
                                                       int M, int N, int K, float eps) {                       \
         gemv<W, EPI_ADD, U>(w, x, gain, y, M, N, K, eps);                                                     \
@@ -450,13 +516,13 @@ __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, in
                                                  int H, int Hkv, int D, int L) {                               \
         rope_cache<W>(qkv, meta, q, kc, vc, c, s, qh, kh, vh, M, H, Hkv, D, L);                               \
     }                                                                                                         \
-    extern "C" __global__ void attend_##NAME(const float* q, const W* kc, const W* vc, const int* meta,       \
+    extern "C" __global__ void __launch_bounds__(512) attend_##NAME(const float* q, const W* kc, const W* vc, const int* meta,       \
                                              float* out, int M, int H, int Hkv, int D, int L) {               \
-        attend<W, float>(q, kc, vc, meta, out, M, H, Hkv, D, L);                                              \
+        attend<W, float, true>(q, kc, vc, meta, out, M, H, Hkv, D, L);                                              \
     }                                                                                                         \
-    extern "C" __global__ void attend_act_##NAME(const float* q, const W* kc, const W* vc, const int* meta,   \
+    extern "C" __global__ void __launch_bounds__(512, 2) attend_act_##NAME(const float* q, const W* kc, const W* vc, const int* meta,   \
                                                  W* out, int M, int H, int Hkv, int D, int L) {               \
-        attend<W, W>(q, kc, vc, meta, out, M, H, Hkv, D, L);                                                  \
+        attend<W, W, false>(q, kc, vc, meta, out, M, H, Hkv, D, L);                                                  \
     }                                                                                                         \
     extern "C" __global__ void rmsnorm_act_##NAME(const float* x, const float* gain, W* a, int C, float eps) {\
         rmsnorm_act<W>(x, gain, a, C, eps);                                                                   \

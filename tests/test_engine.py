@@ -150,7 +150,7 @@ def test_every_decode_kernel_the_gpu_backend_launches_is_defined():
     from nanoeuler.kernels import KERNEL_DIR
 
     text = (KERNEL_DIR / "decode.cu").read_text()
-    stems = set(re.findall(r'extern "C" __global__ void (\w+)_##NAME\(', text))
+    stems = set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)_##NAME\(', text))
     # the GEMV family: GEMV_KERNELS(W, NAME, U) defines <stem>_u<U>_<NAME>
     units = re.findall(r"^\s*GEMV_KERNELS\(W, NAME, (\d+)\)", text, flags=re.M)
     stems |= {f"{s}_u{u}" for s in re.findall(r'extern "C" __global__ void (\w+)_u##U##_##NAME\(', text) for u in units}

@@ -257,30 +257,43 @@ __device__ void gemv_rope(const W* __restrict__ w, const float* __restrict__ x, 
                           const float* __restrict__ cos_t, const float* __restrict__ sin_t, int M, int H, int Hkv,
                           int D, int L, int K, float eps) {
     const int half = D / 2, N = (H + 2 * Hkv) * half;
+    // the rows' slots, positions and rotations: the host's (or the previous step's) meta and constant
+    // tables, requested before the GEMV waits for the kernel before it
+    const int out = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), head = out / half, j = out % half;
+    const int first = blockIdx.y * GEMV_ROWS;
+    int slot[GEMV_ROWS], pos[GEMV_ROWS];
+    float cr[GEMV_ROWS], sr[GEMV_ROWS];
+#pragma unroll
+    for (int rr = 0; rr < GEMV_ROWS; rr++) {
+        if (first + rr >= M || out >= N) break;
+        slot[rr] = meta[M + first + rr];
+        pos[rr] = meta[2 * M + first + rr];
+        cr[rr] = cos_t[pos[rr] * half + j];
+        sr[rr] = sin_t[pos[rr] * half + j];
+    }
     float acc[2][GEMV_ROWS];
     int o, m0, rows;
     if (!gemv_dots<W, EPI_ROPE, U>(w, x, gain, M, N, K, eps, half, acc, o, m0, rows) || (threadIdx.x & 31) != 0)
         return;
-    const int head = o / half, j = o % half;
 #pragma unroll
     for (int rr = 0; rr < GEMV_ROWS; rr++) {
         if (rr >= rows) break;
-        const int m = m0 + rr, slot = meta[M + m], pos = meta[2 * M + m];
+        const int m = m0 + rr;
         const float x1 = acc[0][rr], x2 = acc[1][rr];
         if (head < H + Hkv) {
-            const float c = cos_t[pos * half + j], s = sin_t[pos * half + j];
+            const float c = cr[rr], s = sr[rr];
             const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
             if (head < H) {
                 float* dst = q + ((long long)m * H + head) * D;
                 dst[j] = y1;
                 dst[j + half] = y2;
             } else {
-                W* dst = kc + (((long long)slot * Hkv + (head - H)) * L + pos) * D;
+                W* dst = kc + (((long long)slot[rr] * Hkv + (head - H)) * L + pos[rr]) * D;
                 dst[j] = fromf<W>(y1);
                 dst[j + half] = fromf<W>(y2);
             }
         } else {
-            W* dst = vc + (((long long)slot * Hkv + (head - H - Hkv)) * L + pos) * D;
+            W* dst = vc + (((long long)slot[rr] * Hkv + (head - H - Hkv)) * L + pos[rr]) * D;
             dst[j] = fromf<W>(x1);
             dst[j + half] = fromf<W>(x2);
         }
@@ -481,24 +494,28 @@ __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, in
     }
 }
 
+// 3 blocks a multiprocessor (at most 85 registers): room for the next kernel's blocks beside the widest
+// GEMV's (gate/up: 256 blocks), so that they start early and request their weights (the qkv GEMV, with
+// fewer blocks, keeps more registers for its epilogue's values)
+#define GEMV_BOUNDS __launch_bounds__(256, 3)
 #define GEMV_KERNELS(W, NAME, U)                                                                              \
-    extern "C" __global__ void gemv_store_u##U##_##NAME(const W* w, const float* x, const float* gain,        \
+    extern "C" __global__ void GEMV_BOUNDS gemv_store_u##U##_##NAME(const W* w, const float* x, const float* gain,        \
                                                         float* y, int M, int N, int K, float eps) {           \
         gemv<W, EPI_STORE, U>(w, x, gain, y, M, N, K, eps);                                                   \
     }                                                                                                         \
-    extern "C" __global__ void gemv_store2_u##U##_##NAME(const W* w, const float* x, const float* gain,       \
+    extern "C" __global__ void GEMV_BOUNDS gemv_store2_u##U##_##NAME(const W* w, const float* x, const float* gain,       \
                                                          float* y, int M, int N, int K, float eps) {          \
         gemv<W, EPI_STORE2, U>(w, x, gain, y, M, N, K, eps);                                                  \
     }                                                                                                         \
-    extern "C" __global__ void gemv_add_u##U##_##NAME(const W* w, const float* x, const float* gain, float* y,\
+    extern "C" __global__ void GEMV_BOUNDS gemv_add_u##U##_##NAME(const W* w, const float* x, const float* gain, float* y,\
                                                       int M, int N, int K, float eps) {                       \
         gemv<W, EPI_ADD, U>(w, x, gain, y, M, N, K, eps);                                                     \
     }                                                                                                         \
-    extern "C" __global__ void gemv_swiglu_u##U##_##NAME(const W* w, const float* x, const float* gain,       \
+    extern "C" __global__ void GEMV_BOUNDS gemv_swiglu_u##U##_##NAME(const W* w, const float* x, const float* gain,       \
                                                          float* y, int M, int N, int K, float eps) {          \
         gemv<W, EPI_SWIGLU, U>(w, x, gain, y, M, N, K, eps);                                                  \
     }                                                                                                         \
-    extern "C" __global__ void gemv_rope_u##U##_##NAME(const W* w, const float* x, const float* gain,         \
+    extern "C" __global__ void __launch_bounds__(256, 2) gemv_rope_u##U##_##NAME(const W* w, const float* x, const float* gain,         \
                                                        float* q, W* kc, W* vc, const int* meta,               \
                                                        const float* c, const float* s, int M, int H, int Hkv, \
                                                        int D, int L, int K, float eps) {                      \

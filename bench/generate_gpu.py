@@ -70,7 +70,8 @@ def ours(params, cfg, prompt, args, rows):
                    " ".join(f"{a:.2f}" for a in st.acceptance()))
         rows.append((name, n / sec, 1e3 * sec / n, None, acc))
     be = eng.backend
-    args.graph_us = {f"{k} (PDL {'on' if be.pdl else 'off'})": v for k, v in graph_times(be, cfg, prompt, args.repeats).items()}
+    mode = "on" if be.pdl else "off"
+    args.graph_us = {f"{k} (PDL {mode})": v for k, v in graph_times(be, cfg, prompt, args.repeats).items()}
     if be.pdl is not None:  # the same steps launched the ordinary way, on a second copy of the weights
         from nanoeuler.infer.gpu import GpuBackend
 

@@ -48,8 +48,10 @@ for mode in "${modes[@]}"; do
         random)
             run random $PY bench/generate_gpu.py --no-hf --repeats 3 ;;
         ncu)  # the decode kernels of three greedy steps, after the first ones (eager, then recorded as a graph)
-            timeout "${NCU_TIMEOUT:-180}" ncu --graph-profiling node --cache-control none --clock-control none --metrics gpu__time_duration.sum \
-                --kernel-name regex:"gemv|attend|embed|argmax" --launch-skip 100 --launch-count 249 --csv --log-file "$LOG_DIR/ncu.csv" $PY bench/generate_gpu.py --steps-only 12 > "$LOG_DIR/ncu_run.log" 2>&1
+            timeout "${NCU_TIMEOUT:-180}" ncu --graph-profiling node --cache-control none --clock-control none \
+                --metrics gpu__time_duration.sum --kernel-name regex:"gemv|attend|embed|argmax" \
+                --launch-skip 100 --launch-count 249 --csv --log-file "$LOG_DIR/ncu.csv" \
+                $PY bench/generate_gpu.py --steps-only 12 > "$LOG_DIR/ncu_run.log" 2>&1
             summary+=("ncu        rc=$?")
             ncu_table "$LOG_DIR/ncu.csv" | tee "$LOG_DIR/ncu_table.md" ;;
         trained)

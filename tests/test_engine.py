@@ -153,7 +153,9 @@ def test_every_decode_kernel_the_gpu_backend_launches_is_defined():
     stems = set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)_##NAME\(', text))
     # the GEMV family: GEMV_KERNELS(W, NAME, U) defines <stem>_u<U>_<NAME>
     units = re.findall(r"^\s*GEMV_KERNELS\(W, NAME, (\d+)\)", text, flags=re.M)
-    stems |= {f"{s}_u{u}" for s in re.findall(r'extern "C" __global__ void (?:GEMV_BOUNDS |__launch_bounds__\([^)]*\) )?(\w+)_u##U##_##NAME\(', text) for u in units}
+    gemv = re.findall(r'extern "C" __global__ void (?:GEMV_BOUNDS |__launch_bounds__\([^)]*\) )?(\w+)_u##U##_##NAME\(',
+                      text)
+    stems |= {f"{s}_u{u}" for s in gemv for u in units}
     suffixes = set(re.findall(r"^DECODE_KERNELS\(\w+, (\w+)\)", text, flags=re.M))
     plain = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', text))
     assert set(gpu.KERNELS) <= stems and suffixes == {"bf16", "f32"}

@@ -16,6 +16,9 @@ ragged prompts, and self-speculative decoding. The arithmetic lives in a backend
     verify(tokens, pos) -> (K, t, V)    feed t tokens of slot 0 at pos..pos+t-1; every head's logits
     verify_argmax(tokens, pos) -> (K,t) the same, reduced to argmax ids (the greedy fast path)
 
+and optionally (the GPU's) greedy steps and speculative passes that feed themselves on the device,
+queued ahead of the host: `greedy_steps(tokens, pos, n)` and `greedy_passes(sure, drafts, pos)`.
+
 Positions are the host's: a slot's cache holds whatever was fed at positions < pos, so rewinding after
 rejected drafts costs nothing (the next feed overwrites them; attention never looks past the row's own
 position).

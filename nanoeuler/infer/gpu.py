@@ -19,10 +19,12 @@ The model runs over rows (token, cache slot, position) with the kernels of `kern
 A decode step (embedding, every layer, the final norm and head, the choice of the next token) is recorded
 once per (rows, heads, rule) as a CUDA graph and replayed; per step the host copies in one small array
 (ids, slots, positions, sampling values) and reads back the chosen ids: nothing else crosses, nothing is
-allocated. A prefill is recorded once per row count, prompts padded to a power of two (the padding rows
-come after the prompt, so causal attention keeps them out of its rows, and the next steps overwrite what
-they leave in the cache); prompts of up to GEMV_MAX_ROWS tokens take the GEMV path, unpadded. Sampling (temperature, top-k, top-p) draws from a counter-based generator seeded
-per slot.
+allocated. Greedy steps feed themselves (`greedy_steps`, `greedy_passes`): the chosen ids become the
+next step's inputs on the GPU, so the host queues steps ahead and only reads ids. A prefill is recorded
+once per row count, prompts padded to a power of two (the padding rows come after the prompt, so causal
+attention keeps them out of its rows, and the next steps overwrite what they leave in the cache);
+prompts of up to GEMV_MAX_ROWS tokens take the GEMV path, unpadded. Sampling (temperature, top-k, top-p)
+draws from a counter-based generator seeded per slot.
 """
 
 from __future__ import annotations

@@ -70,15 +70,18 @@ def ours(params, cfg, prompt, args, rows):
                    " ".join(f"{a:.2f}" for a in st.acceptance()))
         rows.append((name, n / sec, 1e3 * sec / n, None, acc))
     be = eng.backend
-    graph_us = {}
-    for key, label in (((1, 1, "argmax"), "decode step"), ((cfg.mtp_heads, cfg.mtp_heads, "argmax"), "verify pass")):
-        g = be._graphs.get(key)
-        if g is None or isinstance(g, str):
-            continue
-        graph_us[label] = 1e6 * timed(lambda: [g.launch(be.stream) for _ in range(100)], args.repeats) / 100
-    args.graph_us = graph_us
+    mode = "on" if be.pdl else "off"
+    args.graph_us = {f"{k} (PDL {mode})": v for k, v in graph_times(be, cfg, prompt, args.repeats).items()}
+    if be.pdl is not None:  # the same steps launched the ordinary way, on a second copy of the weights
+        from nanoeuler.infer.gpu import GpuBackend
+
+        plain = GpuBackend(params, cfg, dtype="bf16", pdl=False)
+        args.graph_us.update({f"{k} (PDL off)": v for k, v in graph_times(plain, cfg, prompt, args.repeats).items()})
+        del plain
+    args.floor_us = launch_floor(100, args.repeats)
     long_prompt = [int(t) for t in np.random.default_rng(1).integers(0, cfg.vocab_size, 512)]
     be.start(1, [0])
+    be.prefill(0, long_prompt)  # kernel by kernel; `timed`'s warm-up then records the graph
     pre = timed(lambda: be.prefill(0, long_prompt), args.repeats)
     rows[-2] = rows[-2][:3] + (1e3 * pre,) + rows[-2][4:]
     return eng
@@ -86,26 +89,22 @@ def ours(params, cfg, prompt, args, rows):
 
 def kernel_profile(be, cfg, prompt, M, n_heads, reps=20):
     """GPU time of each kernel of one forward step over M rows, run kernel by kernel with CUDA events around
-    every launch: {label: (launches per step, microseconds per step)}."""
+    every launch: {label: (launches per step, microseconds per step)}. Upper bounds: each includes the
+    host's launch gap (the GPU waits for Python here)."""
     import cupy as cp
 
     events = []
+    launch = be._launch
 
-    class Timed:
-        def __init__(self, fn, name):
-            self.fn, self.name = fn, name
+    def timed_launch(name, grid, block, args, **kw):
+        label = f"{name} N={int(args[5])}" if name.startswith("gemv") and "rope" not in name else name
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(be.stream)
+        launch(name, grid, block, args, **kw)
+        end.record(be.stream)
+        events.append((label, start, end))
 
-        def __call__(self, grid, block, args, **kw):
-            label = f"{self.name} N={int(args[5])}" if self.name.startswith("gemv") else self.name
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record(be.stream)
-            self.fn(grid, block, args, **kw)
-            end.record(be.stream)
-            events.append((label, start, end))
-
-    saved = dict(be.k), be.k_argmax
-    be.k = {n: Timed(f, n) for n, f in saved[0].items()}
-    be.k_argmax = Timed(saved[1], "argmax_rows")
+    be._launch = timed_launch
     try:
         be.start(1, [0])
         be.prefill(0, prompt)
@@ -119,12 +118,45 @@ def kernel_profile(be, cfg, prompt, M, n_heads, reps=20):
                 be._step(r, M, n_heads, "argmax")
         be.stream.synchronize()
     finally:
-        be.k, be.k_argmax = saved
+        be._launch = launch
     total: dict = {}
     for label, s, e in events:
         n, us = total.get(label, (0, 0.0))
         total[label] = (n + 1, us + 1e3 * cp.cuda.get_elapsed_time(s, e))
     return {k: (n // reps, us / reps) for k, (n, us) in total.items()}
+
+
+def graph_times(be, cfg, prompt, repeats):
+    """Microseconds of the decode step's graph (batch 1) and of a verify pass's (K rows, all heads),
+    replayed 100 times back to back with no host work, at the prompt's end of the cache."""
+    out = {}
+    be.start(1, [0])
+    be.prefill(0, prompt)
+    for label, M, nh in (("decode step", 1, 1), ("verify pass", cfg.mtp_heads, cfg.mtp_heads)):
+        meta = np.concatenate([np.full(M, prompt[-1]), np.zeros(M), len(prompt) + np.arange(M)]).astype(np.int32)
+        for _ in range(3):  # eager, capture, replay
+            be._run(M, nh, "argmax", meta)
+        be.stream.synchronize()
+        g = be._graphs[(M, nh, "argmax")]
+        out[label] = 1e6 * timed(lambda: [g.launch(be.stream) for _ in range(100)], repeats) / 100
+    return out
+
+
+def launch_floor(n_kernels, repeats):
+    """Microseconds per kernel of a graph of `n_kernels` empty one-block kernels: the cost of a kernel
+    boundary in a replayed graph, whatever the kernel does."""
+    import cupy as cp
+
+    nop = cp.RawKernel(r'extern "C" __global__ void nop() {}', "nop")
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        nop((1,), (32,), ())
+        s.synchronize()
+        s.begin_capture()
+        for _ in range(n_kernels):
+            nop((1,), (32,), ())
+        g = s.end_capture()
+    return 1e6 * timed(lambda: [g.launch(s) for _ in range(20)], repeats) / 20 / n_kernels
 
 
 def hf_rows(ckpt, cfg, prompt, args, rows):
@@ -162,6 +194,9 @@ def hf_rows(ckpt, cfg, prompt, args, rows):
         pre = cuda_timed(lambda: model(long_ids))
     sec = cuda_timed(lambda: gen(model))
     rows.append(("HF generate eager (bf16)", n / sec, 1e3 * sec / n, 1e3 * pre, ""))
+    if args.no_hf_compile:
+        rows.append(("HF static cache + torch.compile", None, None, None, "not run (--no-hf-compile)"))
+        return
     try:
         model.generation_config.cache_implementation = "static"
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
@@ -206,7 +241,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--agree-steps", type=int, default=64)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    ap.add_argument("--no-hf-compile", action="store_true", help="skip the torch.compile row (it takes minutes)")
     ap.add_argument("--profile", action="store_true", help="also time each kernel of a decode step and a verify pass")
+    ap.add_argument("--steps-only", type=int, default=0, metavar="N",
+                    help="only prefill the prompt and run N greedy decode steps (a target for a profiler), then exit")
     args = ap.parse_args(argv)
 
     from nanoeuler import checkpoint
@@ -227,6 +265,10 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     prompts = prompts_from(tok, cfg, args.batch, args.prompt_len, rng)
     prompt = prompts[0]
+    if args.steps_only:
+        eng = Engine.from_params(params, cfg, "gpu", dtype="bf16")
+        eng.generate([prompt], args.steps_only, GREEDY, speculative=False)
+        return 0
     rows: list = []
     eng = ours(params, cfg, prompt, args, rows)
     one, many = batched(eng, cfg, prompts, args)
@@ -252,6 +294,7 @@ def main(argv=None) -> int:
         print(f"| {name:34s} | {f(tps, ',.0f')} | {f(ms, '.3f')} | {ratio} | {f(pre, '.2f')} | {note} |")
     for label, us in args.graph_us.items():
         print(f"{label} graph replayed alone (GPU time, no host work): {us:.1f} us")
+    print(f"a graph of 100 empty kernels: {args.floor_us:.2f} us per kernel")
     print(f"\nbatched greedy, ours bf16: batch 1 {one:,.0f} tokens/s, batch {args.batch} {many:,.0f} tokens/s "
           f"= {many / one:.1f}x")
     for label, prof in profiles.items():

@@ -150,8 +150,56 @@ def test_every_decode_kernel_the_gpu_backend_launches_is_defined():
     from nanoeuler.kernels import KERNEL_DIR
 
     text = (KERNEL_DIR / "decode.cu").read_text()
-    stems = set(re.findall(r'extern "C" __global__ void (\w+)_##NAME\(', text))
+    stems = set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\) )?(\w+)_##NAME\(', text))
+    # the GEMV family: GEMV_KERNELS(W, NAME, U) defines <stem>_u<U>_<NAME>
+    units = re.findall(r"^\s*GEMV_KERNELS\(W, NAME, (\d+)\)", text, flags=re.M)
+    gemv = re.findall(r'extern "C" __global__ void (?:GEMV_BOUNDS |__launch_bounds__\([^)]*\) )?(\w+)_u##U##_##NAME\(',
+                      text)
+    stems |= {f"{s}_u{u}" for s in gemv for u in units}
     suffixes = set(re.findall(r"^DECODE_KERNELS\(\w+, (\w+)\)", text, flags=re.M))
     plain = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', text))
     assert set(gpu.KERNELS) <= stems and suffixes == {"bf16", "f32"}
     assert {"argmax_rows", "sample_rows"} <= plain
+
+
+class _FeedsItself:
+    """The NumPy backend with the GPU backend's self-feeding calls (`greedy_steps`, `greedy_passes`), done
+    one step at a time: the engine's bookkeeping around them (context ends, refills, stop ids) is the same."""
+
+    def __init__(self, be, cfg):
+        self.be, self.cfg = be, cfg
+
+    def __getattr__(self, name):
+        return getattr(self.be, name)
+
+    def greedy_steps(self, tokens, pos, n):
+        tokens, pos, ctx = np.array(tokens), np.array(pos), self.cfg.ctx_len
+        for _ in range(n):
+            tokens = self.be.decode(tokens, pos, GREEDY, 0, [None] * len(tokens), np.ones(len(tokens), bool))
+            pos = np.minimum(pos + 1, ctx - 1)  # finished rows may run on, below the context length
+            yield tokens.copy()
+
+    def greedy_passes(self, sure, drafts, pos):
+        K, block = self.cfg.mtp_heads, np.array([sure] + list(drafts))
+        while pos + K <= self.cfg.ctx_len:
+            ids = self.be.verify_argmax(block, pos)
+            a = 0
+            while a < K - 1 and ids[0, a] == block[a + 1]:
+                a += 1
+            yield a, block, ids[:, a]
+            block, pos = ids[:, a].copy(), pos + a + 1
+
+
+def test_steps_that_feed_themselves_give_the_same_tokens(model):
+    params, cfg = model
+    eng = Engine.from_params(params, cfg, "cpu")
+    fed = Engine(_FeedsItself(eng.backend, cfg), cfg)
+    prompts = [[5, 17, 42, 8], [1], list(range(30, 50))]
+    for p in prompts:
+        for spec in (False, True):
+            n = 2 * cfg.ctx_len + 3  # across context refills
+            assert list(fed.stream(p, n, GREEDY, speculative=spec)) == list(eng.stream(p, n, GREEDY, speculative=spec))
+        assert list(fed.stream(p, 40, GREEDY, {7, 11})) == list(eng.stream(p, 40, GREEDY, {7, 11}))
+    for stop in (frozenset(), {7}):
+        want = eng.generate(prompts, 2 * cfg.ctx_len, GREEDY, stop_ids=stop, speculative=False)
+        assert fed.generate(prompts, 2 * cfg.ctx_len, GREEDY, stop_ids=stop, speculative=False) == want

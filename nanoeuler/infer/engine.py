@@ -16,6 +16,9 @@ ragged prompts, and self-speculative decoding. The arithmetic lives in a backend
     verify(tokens, pos) -> (K, t, V)    feed t tokens of slot 0 at pos..pos+t-1; every head's logits
     verify_argmax(tokens, pos) -> (K,t) the same, reduced to argmax ids (the greedy fast path)
 
+and optionally (the GPU's) greedy steps and speculative passes that feed themselves on the device,
+queued ahead of the host: `greedy_steps(tokens, pos, n)` and `greedy_passes(sure, drafts, pos)`.
+
 Positions are the host's: a slot's cache holds whatever was fed at positions < pos, so rewinding after
 rejected drafts costs nothing (the next feed overwrites them; attention never looks past the row's own
 position).
@@ -146,7 +149,8 @@ class Engine:
         return choice
 
     def _batch(self, prompts, max_new, sampling, stop_ids) -> Iterator[tuple[int, int]]:
-        """(row, id) events of plain decoding of all prompts at once, one decode step per round."""
+        """(row, id) events of plain decoding of all prompts at once, one decode step per round. Greedy
+        decoding on a backend with `greedy_steps` takes the ids from there while no slot is refilled."""
         B, ctx, be = len(prompts), self.cfg.ctx_len, self.backend
         if max_new <= 0 or B == 0:
             return
@@ -158,6 +162,8 @@ class Engine:
         count = np.zeros(B, dtype=np.int64)
         live = np.ones(B, dtype=bool)
         step = 0
+        chain = getattr(be, "greedy_steps", None) if sampling.temperature <= 0 else None
+        ahead = None  # greedy_steps' ids, while every live row is fed each round
         while True:
             feed = np.zeros(B, dtype=bool)
             for b in np.flatnonzero(live):
@@ -175,11 +181,20 @@ class Engine:
                     feed[b] = True
             if not live.any():
                 return
-            if feed.any():
+            if not feed.any():
+                continue
+            nxt = None
+            if chain is not None and (feed == live).all():  # no slot was refilled: steps that feed themselves
+                if ahead is None:  # up to the first live row's end of context, or the last one's last token
+                    ahead = chain(pending, np.minimum(pos, ctx - 1),
+                                  int(min((ctx - pos[live]).min(), (max_new - count[live]).max())))
+                nxt = next(ahead, None)
+            if nxt is None:
+                ahead = None
                 nxt = be.decode(pending, np.minimum(pos, ctx - 1), sampling, step, rngs, feed)
-                pending = np.where(feed, nxt, pending)
-                pos = np.where(feed, pos + 1, pos)
-                step += 1
+            pending = np.where(feed, nxt, pending)
+            pos = np.where(feed, pos + 1, pos)
+            step += 1
 
     # ---- one prompt, streamed ---------------------------------------------------------------------
 
@@ -196,7 +211,8 @@ class Engine:
 
     def _single(self, prompt, max_new, sampling, stop_ids) -> Iterator[int]:
         """Plain decoding of one prompt: `_batch` with one row, in plain ints (the host's share of a step
-        is a few microseconds of Python, not NumPy calls)."""
+        is a few microseconds of Python, not NumPy calls). Greedy decoding on a backend with
+        `greedy_steps` (the GPU's: steps that feed themselves, queued ahead) takes its ids from there."""
         be, ctx = self.backend, self.cfg.ctx_len
         if max_new <= 0:
             return
@@ -206,6 +222,8 @@ class Engine:
         tok = self._first(be.prefill(0, hist)[0], rngs[0], sampling)
         feed, pos, n = [0], [len(hist)], 0
         mask = np.ones(1, dtype=bool)
+        chain = getattr(be, "greedy_steps", None) if sampling.temperature <= 0 else None
+        ahead = None  # greedy_steps' ids, up to the end of the context or of max_new
         while True:
             yield tok
             n += 1
@@ -216,9 +234,15 @@ class Engine:
                 hist = hist[-max(1, ctx // 2):]
                 tok = self._first(be.prefill(0, hist)[0], rngs[0], sampling)
                 pos[0] = len(hist)
+                ahead = None
                 continue
-            feed[0] = tok
-            tok = int(be.decode(feed, pos, sampling, n - 1, rngs, mask)[0])
+            if chain is not None:
+                if ahead is None:
+                    ahead = chain([tok], pos, min(max_new - n, ctx - pos[0]))
+                tok = int(next(ahead)[0])
+            else:
+                feed[0] = tok
+                tok = int(be.decode(feed, pos, sampling, n - 1, rngs, mask)[0])
             pos[0] += 1
 
     def _speculative(self, prompt, max_new, sampling, stop_ids):
@@ -233,6 +257,8 @@ class Engine:
             st.offered, st.accepted = [0] * (K - 1), [0] * (K - 1)
         sure, drafts, qs = self._after_prefill(be.prefill(0, hist), rng, sampling)
         n = 0
+        chain = getattr(be, "greedy_passes", None) if greedy else None
+        passes = None  # its generator, while it runs
         while True:
             # emit the sure token; then either slide, step plainly near the end of the context, or verify
             yield sure
@@ -244,13 +270,23 @@ class Engine:
             if pos >= ctx:
                 hist = hist[-max(1, ctx // 2):]
                 sure, drafts, qs = self._after_prefill(be.prefill(0, hist), rng, sampling)
+                passes = None
                 continue
             if pos + K > ctx or K == 1:
+                passes = None
                 logits = be.verify(np.array([sure]), pos)  # (K, 1, V)
                 sure, drafts, qs = self._after_prefill(logits[:, 0], rng, sampling)
                 continue
             block = np.array([sure] + drafts)
-            if greedy:
+            got = None
+            if chain is not None:  # the backend's passes that feed themselves (the same rule, on the GPU)
+                passes = passes or chain(sure, drafts, pos)
+                got = next(passes, None)
+                passes = passes if got is not None else None
+            if got is not None:
+                a, block, ids = got
+                nxt, new_drafts, new_qs = int(ids[0]), [int(i) for i in ids[1:]], None
+            elif greedy:
                 ids = be.verify_argmax(block, pos)  # (K, K): head, row
                 a = 0
                 while a < K - 1 and ids[0, a] == block[a + 1]:

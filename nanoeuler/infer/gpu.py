@@ -6,32 +6,44 @@
 The model runs over rows (token, cache slot, position) with the kernels of `kernels/decode.cu`; see
 `engine.py` for the interface. Two ways through a layer, the same arithmetic:
 
-  * few rows (decode steps of up to GEMV_MAX_ROWS slots, speculative verify passes): GEMV kernels that stream
-    each weight row once in 16-byte loads for all rows, with the RMSNorm in their prologue and the residual
-    add or the SwiGLU in their epilogue: qkv, RoPE + cache write, attention over the cache, o (+= x), gate/up
+  * few rows (decode steps of up to GEMV_MAX_ROWS slots, speculative verify passes): five kernels a layer,
+    GEMVs that stream each weight row once in 16-byte loads for all rows, with the RMSNorm in their
+    prologue: qkv (RoPE and the cache write in its epilogue), attention over the cache, o (+= x), gate/up
     (-> silu(g) * u), down (+= x). Batch-1 products are bound by the weight bandwidth, where a GEMM's tiles
-    only waste work.
+    only waste work. On compute capability 9.0 each is launched with programmatic dependent launch
+    (`launch.py`): it requests its weights while the kernel before it still runs.
   * many rows (prefill, wide batches): cuBLAS GEMMs (bf16 operands, float32 accumulation, through ctypes so
-    that they can be captured) between the same elementwise kernels.
+    that they can be captured) between elementwise kernels; a prefill's attention is the training engine's
+    tensor-core FlashAttention (bf16, head size 32 or 64) over the prompt.
 
 A decode step (embedding, every layer, the final norm and head, the choice of the next token) is recorded
 once per (rows, heads, rule) as a CUDA graph and replayed; per step the host copies in one small array
 (ids, slots, positions, sampling values) and reads back the chosen ids: nothing else crosses, nothing is
-allocated. Sampling (temperature, top-k, top-p) draws from a counter-based generator seeded per slot.
+allocated. Greedy steps feed themselves (`greedy_steps`, `greedy_passes`): the chosen ids become the
+next step's inputs on the GPU, so the host queues steps ahead and only reads ids. A prefill is recorded
+once per row count, prompts padded to a power of two (the padding rows come after the prompt, so causal
+attention keeps them out of its rows, and the next steps overwrite what they leave in the cache);
+prompts of up to GEMV_MAX_ROWS tokens take the GEMV path, unpadded. Sampling (temperature, top-k, top-p)
+draws from a counter-based generator seeded per slot.
 """
 
 from __future__ import annotations
+
+import os
+import warnings
 
 import numpy as np
 
 from nanoeuler.model.layers import rope_tables
 from nanoeuler.model.transformer import head_weight_names
 
-# decode.cu's kernels per weight storage (`<stem>_bf16`, `<stem>_f32`), and its two others
-KERNELS = ("embed", "gemv_store", "gemv_add", "gemv_swiglu", "rope_cache", "attend", "attend_act", "rmsnorm_act",
-           "swiglu_act")
+# decode.cu's kernels per weight storage (`<stem>_bf16`, `<stem>_f32`; the GEMVs also per U), and its two others
+KERNELS = ("embed", "rope_cache", "attend", "attend_act", "rmsnorm_act", "swiglu_act") + tuple(
+    f"gemv_{e}_u{u}" for e in ("store", "store2", "add", "swiglu", "rope") for u in (4, 8))
 GEMV_MAX_ROWS = 16  # decode batches above this many rows take the cuBLAS path
 GEMV_ROWS, GEMV_WARPS = 4, 8  # as decode.cu
+ATTEND_THREADS = 512
+CHAIN_AHEAD, CHAIN_CAP = 3, 8  # greedy steps queued ahead of the host; the ring of their ids on the GPU
 
 
 def to_bf16(a):
@@ -65,6 +77,21 @@ class _Rows:
         self.logits = cp.zeros((M, n_out), f32)  # (M, heads, V) packed, for as many heads as asked
         self.out = cp.zeros(M * cfg.mtp_heads, cp.int32)
         self.out_host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * M * cfg.mtp_heads), dtype=np.int32)
+        self.qh = self.kh = self.vh = self.lse = None  # a prefill's attention operands (`flash_operands`)
+        # steps that feed themselves (greedy_steps, greedy_passes): their records (a ring) and the host's copy
+        self.rec = max(M, 2 * cfg.mtp_heads + 1)
+        self.hist = cp.zeros(CHAIN_CAP * self.rec, cp.int32)
+        self.hist_host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * CHAIN_CAP * self.rec), dtype=np.int32)
+        self.arrive = cp.zeros(1, cp.int32)
+
+    def flash_operands(self, cp, cfg, wt):
+        """q (1, H, M, D), k and v (1, Hkv, M, D) of W and the logsumexp (1, H, M): the FlashAttention's."""
+        M, H, Hkv, D = self.M, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        if self.qh is None:
+            self.qh = cp.zeros((1, H, M, D), wt)
+            self.kh, self.vh = cp.zeros((1, Hkv, M, D), wt), cp.zeros((1, Hkv, M, D), wt)
+            self.lse = cp.zeros((1, H, M), cp.float32)
+        return self.qh, self.kh, self.vh, self.lse
 
     def act2(self, m: int, width: int):
         """The GEMM-operand buffer as a contiguous (m, width) matrix."""
@@ -72,10 +99,14 @@ class _Rows:
 
 
 class GpuBackend:
-    def __init__(self, params: dict, cfg, dtype: str = "bf16"):
+    def __init__(self, params: dict, cfg, dtype: str = "bf16", pdl: bool | None = None):
+        """`pdl`: launch with programmatic dependent launch where the GPU has it (default: on, unless the
+        environment sets NANOEULER_PDL=0)."""
         import cupy as cp
 
-        from nanoeuler.kernels import kernel
+        from nanoeuler.infer.launch import pdl_launcher
+        from nanoeuler.kernels import has_sm90a, kernel
+        from nanoeuler.kernels.bf16.plan import MMA_HEAD_DIMS
 
         if dtype not in ("bf16", "fp32"):
             raise ValueError(f"dtype must be bf16 or fp32, got {dtype!r}")
@@ -85,8 +116,26 @@ class GpuBackend:
         self.wt = cp.uint16 if dtype == "bf16" else cp.float32
         suffix = "bf16" if dtype == "bf16" else "f32"
         self.k = {n: kernel("decode", f"{n}_{suffix}") for n in KERNELS}
-        self.k_argmax = kernel("decode", "argmax_rows")
-        self.k_sample = kernel("decode", "sample_rows")
+        self.k["argmax_rows"] = kernel("decode", "argmax_rows")
+        self.k["sample_rows"] = kernel("decode", "sample_rows")
+        self.k["argmax_chain"] = kernel("decode", "argmax_chain")
+        self.k["accept_chain"] = kernel("decode", "accept_chain")
+        if pdl is None:
+            pdl = os.environ.get("NANOEULER_PDL", "1") != "0"
+        self.pdl = pdl_launcher() if pdl else None
+        if self.pdl is not None:  # one launch to see that the driver takes it
+            try:
+                probe = cp.zeros(2, cp.int32)
+                self.pdl(self.k["argmax_rows"], (1,), (32,), (probe.view(cp.float32), np.int32(1), np.int64(1), probe))
+                cp.cuda.Device().synchronize()
+            except Exception as exc:  # noqa: BLE001
+                warnings.warn(f"programmatic dependent launch failed ({exc}); launching the ordinary way")
+                self.pdl = None
+        self._flash = None  # the prefill's attention: bf16 operands and a head size the tensor-core kernels have
+        if dtype == "bf16" and cfg.head_dim in MMA_HEAD_DIMS:
+            from nanoeuler.kernels.bf16 import flash
+
+            self._flash = flash.flash_kernels("wg" if cfg.head_dim == 64 and has_sm90a() else "ldm", cfg.head_dim)
         W = (lambda a: to_bf16(cp.asarray(a, dtype=cp.float32))) if dtype == "bf16" else \
             (lambda a: cp.ascontiguousarray(cp.asarray(a, dtype=cp.float32)))
         g32 = lambda a: cp.ascontiguousarray(cp.asarray(a, dtype=cp.float32))  # noqa: E731
@@ -114,6 +163,7 @@ class GpuBackend:
         self.kc = self.vc = None
         self.seeds = None
         self.use_graphs = True
+        self._landed = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(CHAIN_CAP)]  # per record
 
     # ---- buffers ------------------------------------------------------------------------------------
 
@@ -144,88 +194,147 @@ class GpuBackend:
 
     # ---- the forward over rows ------------------------------------------------------------------------
 
-    def _gemv(self, fn, w, x, gain, y, M, N, K):
-        warps = N if fn is self.k["gemv_swiglu"] else (N + 1) // 2  # a warp makes two outputs (decode.cu)
-        grid = ((warps + GEMV_WARPS - 1) // GEMV_WARPS, (M + GEMV_ROWS - 1) // GEMV_ROWS)
-        g = gain if gain is not None else np.uint64(0)
-        fn(grid, (32 * GEMV_WARPS,), (w, x, g, y, np.int32(M), np.int32(N), np.int32(K),
-                                     np.float32(self.cfg.norm_eps)), shared_mem=4 * min(M, GEMV_ROWS) * K)
+    def _launch(self, name: str, grid, block, args, shared_mem: int = 0, pdl: bool = True) -> None:
+        """Launch decode.cu's kernel `name` on the backend's stream (with PDL where the backend has it)."""
+        if self.pdl is not None and pdl:
+            self.pdl(self.k[name], grid, block, args, shared_mem=shared_mem, stream=self.stream)
+        else:
+            self.k[name](grid, block, args, shared_mem=shared_mem, stream=self.stream)
 
-    def _attention(self, fn, r: _Rows, li, out, M):
+    def _gemv(self, epi: str, w, x, gain, y, M: int, N: int, K: int, pdl: bool = True) -> None:
+        """y = W (norm(x)) over M rows, `epi` as decode.cu: store, add, swiglu, store2 (N = outputs, or pairs
+        of outputs for store2)."""
+        vec = 8 if self.dtype == "bf16" else 4
+        u = 4 if -(-K // (32 * vec)) <= 4 else 8  # 16-byte pieces per lane and row in flight
+        grid = (-(-N // GEMV_WARPS), -(-M // GEMV_ROWS))
+        g = gain if gain is not None else np.uint64(0)
+        self._launch(f"gemv_{epi}_u{u}", grid, (32 * GEMV_WARPS,),
+                     (w, x, g, y, np.int32(M), np.int32(N), np.int32(K), np.float32(self.cfg.norm_eps)),
+                     shared_mem=4 * min(M, GEMV_ROWS) * K, pdl=pdl)
+
+    def _qkv_rope(self, r: _Rows, w, x, li: int, M: int) -> None:
+        """q, k, v of M rows with RoPE, k and v into the cache (the qkv GEMV's RoPE epilogue)."""
+        cfg, i32 = self.cfg, np.int32
+        H, Hkv, D, C = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
+        vec = 8 if self.dtype == "bf16" else 4
+        u = 4 if -(-C // (32 * vec)) <= 4 else 8
+        pairs = (H + 2 * Hkv) * (D // 2)
+        self._launch(f"gemv_rope_u{u}", (-(-pairs // GEMV_WARPS), -(-M // GEMV_ROWS)), (32 * GEMV_WARPS,),
+                     (w["qkv"], x, w["n1"], r.q, self.kc[li], self.vc[li], r.meta, self.cos, self.sin, i32(M),
+                      i32(H), i32(Hkv), i32(D), i32(cfg.ctx_len), i32(C), np.float32(cfg.norm_eps)),
+                     shared_mem=4 * min(M, GEMV_ROWS) * C)
+
+    def _attention(self, name: str, r: _Rows, li, out, M):
         cfg = self.cfg
         D, L = cfg.head_dim, cfg.ctx_len
-        threads = max(D, (512 // D) * D)
-        fn((M, cfg.n_heads), (threads,), (r.q, self.kc[li], self.vc[li], r.meta, out, np.int32(M),
-                                          np.int32(cfg.n_heads), np.int32(cfg.n_kv_heads), np.int32(D),
-                                          np.int32(L)), shared_mem=4 * (D + L + threads))
+        vec = 8 if self.dtype == "bf16" else 4
+        self._launch(name, (M, cfg.n_heads), (ATTEND_THREADS,),
+                     (r.q, self.kc[li], self.vc[li], r.meta, out, np.int32(M), np.int32(cfg.n_heads),
+                      np.int32(cfg.n_kv_heads), np.int32(D), np.int32(L)),
+                     shared_mem=4 * (L + ATTEND_THREADS * vec))
 
-    def _layers(self, r: _Rows, M: int, batched: bool):
-        """Every layer over M rows: r.x holds the embeddings in, the residual stream out."""
+    def _layers(self, r: _Rows, M: int, batched: bool, prefill: bool = False):
+        """Every layer over M rows: r.x holds the embeddings in, the residual stream out. `prefill`: the rows
+        are positions 0..M-1 of one slot (the batched path then attends with the FlashAttention)."""
         from nanoeuler.kernels.cublas import Matrix
 
-        cfg, k = self.cfg, self.k
+        cfg = self.cfg
         C, H, Hkv, D, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
-        HD, NQ = H * D, (H + 2 * Hkv) * D
+        HD = H * D
         i32, f32 = np.int32, np.float32
         x = r.x[:M]
+        flash_ops = r.flash_operands(self.cp, cfg, self.wt) if prefill and batched and self._flash else None
+        null = np.uint64(0)
         for li, w in enumerate(self.layers):
-            if batched:
-                gemm = self.gemm()
-                k["rmsnorm_act"]((M,), (256,), (x, w["n1"], r.act, i32(C), f32(cfg.norm_eps)))
-                gemm(Matrix(r.qkv[:M]), Matrix(r.act2(M, C)), Matrix(w["qkv"]), tb=True)
+            if not batched:
+                self._qkv_rope(r, w, x, li, M)
+                self._attention("attend", r, li, r.att, M)
+                self._gemv("add", w["o"], r.att, None, x, M, C, HD)
+                self._gemv("swiglu", w["gu"], x, w["n2"], r.m, M, F, C)
+                self._gemv("add", w["down"], r.m, None, x, M, C, F)
+                continue
+            gemm = self.gemm()
+            self._launch("rmsnorm_act", (M,), (256,), (x, w["n1"], r.act, i32(C), f32(cfg.norm_eps)))
+            gemm(Matrix(r.qkv[:M]), Matrix(r.act2(M, C)), Matrix(w["qkv"]), tb=True)
+            qh, kh, vh = flash_ops[:3] if flash_ops else (null, null, null)
+            self._launch("rope_cache", (M,), (256,), (r.qkv, r.meta, r.q, self.kc[li], self.vc[li], self.cos,
+                                                      self.sin, qh, kh, vh, i32(M), i32(H), i32(Hkv), i32(D),
+                                                      i32(cfg.ctx_len)))
+            if flash_ops:
+                from nanoeuler.kernels.bf16 import flash
+
+                flash.flash_fwd(self._flash, *flash_ops[:3], r.act, flash_ops[3])
             else:
-                self._gemv(k["gemv_store"], w["qkv"], x, w["n1"], r.qkv, M, NQ, C)
-            k["rope_cache"]((M,), (256,), (r.qkv, r.meta, r.q, self.kc[li], self.vc[li], self.cos, self.sin,
-                                           i32(M), i32(H), i32(Hkv), i32(D), i32(cfg.ctx_len)))
-            if batched:
-                self._attention(k["attend_act"], r, li, r.act, M)
-                gemm(Matrix(x), Matrix(r.act2(M, HD)), Matrix(w["o"]), tb=True, beta=1.0)
-                k["rmsnorm_act"]((M,), (256,), (x, w["n2"], r.act, i32(C), f32(cfg.norm_eps)))
-                gemm(Matrix(r.gu[:M]), Matrix(r.act2(M, C)), Matrix(w["gu"]), tb=True)
-                k["swiglu_act"]((M,), (256,), (r.gu, r.act, i32(F)))
-                gemm(Matrix(x), Matrix(r.act2(M, F)), Matrix(w["down"]), tb=True, beta=1.0)
-            else:
-                self._attention(k["attend"], r, li, r.att, M)
-                self._gemv(k["gemv_add"], w["o"], r.att, None, x, M, C, HD)
-                self._gemv(k["gemv_swiglu"], w["gu"], x, w["n2"], r.m, M, F, C)
-                self._gemv(k["gemv_add"], w["down"], r.m, None, x, M, C, F)
+                self._attention("attend_act", r, li, r.act, M)
+            gemm(Matrix(x), Matrix(r.act2(M, HD)), Matrix(w["o"]), tb=True, beta=1.0)
+            self._launch("rmsnorm_act", (M,), (256,), (x, w["n2"], r.act, i32(C), f32(cfg.norm_eps)))
+            gemm(Matrix(r.gu[:M]), Matrix(r.act2(M, C)), Matrix(w["gu"]), tb=True)
+            self._launch("swiglu_act", (M,), (256,), (r.gu, r.act, i32(F)))
+            gemm(Matrix(x), Matrix(r.act2(M, F)), Matrix(w["down"]), tb=True, beta=1.0)
+
+    def _head_logits(self, x, logits, M: int, n: int, pdl: bool = True) -> None:
+        """The first n rows of the stacked heads (n / V heads) on the final norm of M rows, packed (M, n);
+        two rows a warp (each x value read feeds two weights) where n is even."""
+        if n % 2 == 0:
+            self._gemv("store2", self.heads, x, self.norm, logits, M, n // 2, self.cfg.dim, pdl=pdl)
+        else:
+            self._gemv("store", self.heads, x, self.norm, logits, M, n, self.cfg.dim, pdl=pdl)
+
+    def _embed(self, r: _Rows, M: int) -> None:
+        self._launch("embed", (M,), (256,), (r.meta, self.emb, r.x, np.int32(M), np.int32(self.cfg.dim)))
 
     def _step(self, r: _Rows, M: int, n_heads: int, rule: str):
         """Queue one forward of M rows (ids/slots/positions in r.meta) and the choice of the next ids."""
         cfg, V = self.cfg, self.cfg.vocab_size
-        self.k["embed"]((M,), (256,), (r.meta, self.emb, r.x, np.int32(M), np.int32(cfg.dim)))
+        self._embed(r, M)
         self._layers(r, M, batched=M > GEMV_MAX_ROWS)
-        self._gemv(self.k["gemv_store"], self.heads, r.x, self.norm, r.logits, M, n_heads * V, cfg.dim)
+        self._head_logits(r.x, r.logits, M, n_heads * V)
         # the GEMV wrote the logits packed: (M, n_heads, V)
         if rule == "argmax":
-            self.k_argmax((M * n_heads,), (1024,), (r.logits, np.int32(V), np.int64(V), r.out))
+            self._launch("argmax_rows", (M * n_heads,), (1024,), (r.logits, np.int32(V), np.int64(V), r.out))
+        elif rule == "chain":  # the argmax feeds the next step (greedy_steps)
+            self._launch("argmax_chain", (M,), (1024,), (r.logits, np.int32(V), r.out, r.ctl, r.hist,
+                                                         np.int32(CHAIN_CAP), np.int32(cfg.ctx_len), r.arrive))
+        elif rule == "accept":  # M = K rows of one slot: the next verify pass's block (greedy_passes)
+            self._launch("argmax_rows", (M * n_heads,), (1024,), (r.logits, np.int32(V), np.int64(V), r.out))
+            self._launch("accept_chain", (1,), (32,), (r.out, r.ctl, r.hist, np.int32(CHAIN_CAP), np.int32(M)))
         elif rule == "sample":
-            self.k_sample((M,), (1024,), (r.logits, np.int32(V), np.int64(n_heads * V), r.samp, self.seeds, r.out))
+            self._launch("sample_rows", (M,), (1024,), (r.logits, np.int32(V), np.int64(n_heads * V), r.samp,
+                                                       self.seeds, r.out))
 
     def _run(self, M: int, n_heads: int, rule: str, meta: np.ndarray | None = None) -> _Rows:
-        """Copy in the rows' meta (`meta`, or what is already in the host buffer) and run the step on the backend's stream: kernel by kernel the first time
-        (compiling kernels, letting cuBLAS pick its algorithms), recorded as a CUDA graph the second, and
-        replayed from then on."""
+        """A decode step or verify pass of M rows (`_step`); see `_replay`."""
+        return self._replay((M, n_heads, rule), M, lambda r: self._step(r, M, n_heads, rule), meta)
+
+    def _replay(self, key, M: int, queue, meta: np.ndarray | None = None) -> _Rows:
+        """Copy in the rows' meta (`meta`, or what is already in the host buffer), then `_execute`
+        queue(rows)."""
         r = self._buffers(M)
         if meta is not None:
             r.ctl_host[:3 * M] = meta
-        key = (M, n_heads, rule)
-        state = self._graphs.get(key)
         with self.stream:
             r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
-            if state is None or not self.use_graphs:
-                self._step(r, M, n_heads, rule)
-                self._graphs[key] = "seen"
-            else:
-                if state == "seen":
-                    self.stream.synchronize()
-                    self.stream.begin_capture()
-                    try:
-                        self._step(r, M, n_heads, rule)
-                    finally:
-                        state = self._graphs[key] = self.stream.end_capture()
-                state.launch(self.stream)
+        self._execute(key, lambda: queue(r))
         return r
+
+    def _execute(self, key, queue) -> None:
+        """Run queue() on the backend's stream: kernel by kernel the first time for `key` (compiling
+        kernels, letting cuBLAS pick its algorithms), recorded as a CUDA graph the second, and replayed
+        from then on."""
+        state = self._graphs.get(key)
+        with self.stream:
+            if state is None or not self.use_graphs:
+                queue()
+                self._graphs[key] = "seen"
+                return
+            if state == "seen":
+                self.stream.synchronize()
+                self.stream.begin_capture()
+                try:
+                    queue()
+                finally:
+                    state = self._graphs[key] = self.stream.end_capture()
+            state.launch(self.stream)
 
     def _fetch(self, r: _Rows, n: int) -> np.ndarray:
         with self.stream:
@@ -238,15 +347,18 @@ class GpuBackend:
     def prefill(self, slot: int, ids) -> np.ndarray:
         cfg = self.cfg
         T = len(ids)
-        r = self._buffers(max(32, 1 << (T - 1).bit_length()))  # sizes by powers of two: few buffers
-        meta = np.concatenate([np.asarray(ids, np.int32), np.full(T, slot, np.int32), np.arange(T, dtype=np.int32)])
-        r.ctl_host[:3 * T] = meta
-        with self.stream:
-            r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, 4 * 3 * T, self.stream)
-            self.k["embed"]((T,), (256,), (r.meta, self.emb, r.x, np.int32(T), np.int32(cfg.dim)))
-            self._layers(r, T, batched=T > GEMV_MAX_ROWS)
-            self._gemv(self.k["gemv_store"], self.heads, r.x[T - 1:], self.norm, r.logits, 1,
-                       cfg.mtp_heads * cfg.vocab_size, cfg.dim)
+        short = T <= GEMV_MAX_ROWS  # the GEMV path, float activations; else cuBLAS and the FlashAttention
+        P = T if short else min(cfg.ctx_len, 1 << (T - 1).bit_length())  # longer: rows by powers of two
+        ids = np.concatenate([np.asarray(ids, np.int32), np.zeros(P - T, np.int32)])
+        meta = np.concatenate([ids, np.full(P, slot, np.int32), np.arange(P, dtype=np.int32)])
+
+        def queue(r):
+            self._embed(r, P)
+            self._layers(r, P, batched=not short, prefill=True)
+
+        r = self._replay(("prefill", P), P, queue, meta)
+        with self.stream:  # every head at the prompt's last row; launched plainly after the graph
+            self._head_logits(r.x[T - 1:T], r.logits, 1, cfg.mtp_heads * cfg.vocab_size, pdl=False)
             logits = r.logits[0].get(stream=self.stream)
         return logits.reshape(cfg.mtp_heads, cfg.vocab_size)
 
@@ -263,6 +375,64 @@ class GpuBackend:
             h[3 * B + 2:] = np.array([sampling.temperature, sampling.top_p], dtype=np.float32).view(np.int32)
         self._run(B, 1, "argmax" if greedy else "sample")
         return self._fetch(r, B)
+
+    def greedy_steps(self, tokens, pos, n: int):
+        """Greedy decoding of every slot of the batch, from tokens fed at positions pos (one each): yields
+        the next ids (one per slot) n times. The step's graph feeds itself (argmax_chain), so the host
+        queues up to CHAIN_AHEAD steps ahead and reads each step's ids as they land; steps queued past a
+        row's end only write cache rows that later steps overwrite (positions stay below the context
+        length). The caller keeps the rows it needs inside the context."""
+        M = len(tokens)
+        r = self._buffers(M)
+        r.ctl_host[:M] = tokens
+        r.ctl_host[M:2 * M] = r.slots
+        r.ctl_host[2 * M:3 * M] = pos
+        r.ctl_host[3 * M + 1] = 0  # the step counter
+        with self.stream:
+            r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
+        yield from self._chained(r, (M, 1, "chain"), lambda: self._step(r, M, 1, "chain"), M,
+                                 lambda queued, read: queued < n)
+
+    def _chained(self, r: _Rows, key, queue, size: int, more):
+        """Queue steps that feed themselves while more(queued, read) and fewer than CHAIN_AHEAD are unread;
+        yield each step's record (`size` ids of r.hist's ring) as it lands."""
+        queued = read = 0
+        while True:
+            while queued - read < CHAIN_AHEAD and more(queued, read):
+                self._execute(key, queue)
+                j = queued % CHAIN_CAP
+                with self.stream:
+                    r.hist[j * size:(j + 1) * size].data.copy_to_host_async(r.hist_host[j * size:].ctypes.data,
+                                                                             4 * size, self.stream)
+                    self._landed[j].record(self.stream)
+                queued += 1
+            if queued == read:
+                return
+            j = read % CHAIN_CAP
+            self._landed[j].synchronize()
+            read += 1
+            yield r.hist_host[j * size:(j + 1) * size].copy()
+
+    def greedy_passes(self, sure: int, drafts, pos: int):
+        """Greedy self-speculative verify passes of slot 0 that feed themselves (accept_chain), from the
+        block [sure] + drafts fed at pos: yields (a, block, ids) per pass, a the drafts kept, ids the K heads'
+        argmax after the last kept row (the next sure token and drafts). The host queues up to CHAIN_AHEAD
+        passes ahead, only those sure to end inside the context (a pass moves on by 1 to K positions);
+        it stops when no more are."""
+        K, ctx = self.cfg.mtp_heads, self.cfg.ctx_len
+        r = self._buffers(K)
+        r.ctl_host[:K] = [sure] + list(drafts)
+        r.ctl_host[K:2 * K] = 0
+        r.ctl_host[2 * K:3 * K] = pos + np.arange(K)
+        r.ctl_host[3 * K + 1] = 0  # the pass counter
+        with self.stream:
+            r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
+        start = [pos]  # the first unread pass's position
+        for got in self._chained(r, (K, K, "accept"), lambda: self._step(r, K, K, "accept"), 2 * K + 1,
+                                 lambda queued, read: start[0] + K * (queued - read + 1) <= ctx):
+            a = int(got[0])
+            start[0] += a + 1
+            yield a, got[1:K + 1], got[K + 1:]
 
     def verify_argmax(self, tokens, pos: int) -> np.ndarray:
         t = len(tokens)

@@ -24,7 +24,7 @@ COMPILE_OPTIONS = ("-std=c++17",)
 
 _MODULES: dict = {}
 _FUNCTIONS: dict = {}
-_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"\s*$')
+_INCLUDE = re.compile(r'^#include "([\w./]+\.cuh)"\s*$')
 
 
 def sources() -> list[Path]:
@@ -33,8 +33,9 @@ def sources() -> list[Path]:
 
 
 def source(name: str) -> str:
-    """The text of `<name>.cu` with every `#include "x.cuh"` of its folder inlined (once each), so that
-    the text CuPy compiles, and keys its cache by, holds the headers too; nvcc reads the same includes."""
+    """The text of `<name>.cu` with every `#include "x.cuh"` inlined (once each; the path relative to the
+    including file, as nvcc reads it), so that the text CuPy compiles, and keys its cache by, holds the
+    headers too."""
     path = KERNEL_DIR / f"{name}.cu"
     seen: set = set()
 
@@ -46,9 +47,11 @@ def source(name: str) -> str:
                 continue
             if m is None:
                 out.append(line)
-            elif m.group(1) not in seen:
-                seen.add(m.group(1))
-                out.append(expand(p.parent / m.group(1)))
+            else:
+                header = (p.parent / m.group(1)).resolve()
+                if header not in seen:
+                    seen.add(header)
+                    out.append(expand(header))
         return "\n".join(out)
 
     return expand(path) + "\n"

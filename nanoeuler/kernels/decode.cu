@@ -2,234 +2,317 @@
 // token at (slot, position) of a preallocated KV cache, and the choice of the next token on the GPU.
 //
 // A row's token id, cache slot and position sit in an int32 `meta` array: ids[M], slot[M], pos[M].
-// Weights and the cache are stored as W = bf16 (raw 16-bit words, as in bf16.cu) or float; all arithmetic
+// Weights and the cache are stored as W = bf16 (raw 16-bit words, as in bf16/) or float; all arithmetic
 // is float32 and activations between kernels are float32 (the GEMV kernels) or W (cuBLAS operands).
+//
+// Programmatic dependent launch (compute capability 9.0): the host launches these kernels so that each
+// may start while the one before it still runs (gpu.py). A kernel first does what depends on no earlier
+// kernel (requesting its weights), then waits for the one before it to finish (pdl_wait) before it
+// reads or writes any activation, and only then lets the next one start (pdl_launch). Launched the
+// ordinary way, both are no-ops.
 //
 // References (NumPy, float64): nanoeuler.model.layers (rmsnorm, rope, attention, swiglu, embedding) and
 // nanoeuler.infer.generate.sampling_probs (temperature, top-k, top-p).
 
-typedef unsigned short bf16;
+#include "bf16/common.cuh"
+
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no INFINITY
 
-// bf16 <-> float (the same few lines as bf16.cu): widen by a shift, narrow with round-to-nearest-even.
-__device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((unsigned)h) << 16); }
-__device__ __forceinline__ bf16 f2bf(float f) {
-    bf16 h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
 __device__ __forceinline__ float tof(float x) { return x; }
 __device__ __forceinline__ float tof(bf16 x) { return bf2f(x); }
 template <typename T> __device__ __forceinline__ T fromf(float x);
 template <> __device__ __forceinline__ float fromf<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16 fromf<bf16>(float x) { return f2bf(x); }
 
-// 16 bytes of a weight row as floats: 8 bf16 or 4 float.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// 16 bytes of a weight row: one raw load, unpacked to floats where used (8 bf16 or 4 float).
 template <typename W> struct Vec;
 template <> struct Vec<bf16> {
     static constexpr int N = 8;
-    __device__ static void load(const bf16* p, float* out) {
-        uint4 u = *reinterpret_cast<const uint4*>(p);
-        unsigned w[4] = {u.x, u.y, u.z, u.w};
+    __device__ static void unpack(uint4 u, float* out) {
+        const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            out[2 * i] = __uint_as_float(w[i] << 16);
-            out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+            out[2 * i] = lo_bf(w[i]);
+            out[2 * i + 1] = hi_bf(w[i]);
         }
     }
 };
 template <> struct Vec<float> {
     static constexpr int N = 4;
-    __device__ static void load(const float* p, float* out) {
-        float4 u = *reinterpret_cast<const float4*>(p);
-        out[0] = u.x; out[1] = u.y; out[2] = u.z; out[3] = u.w;
+    __device__ static void unpack(uint4 u, float* out) {
+        out[0] = __uint_as_float(u.x); out[1] = __uint_as_float(u.y);
+        out[2] = __uint_as_float(u.z); out[3] = __uint_as_float(u.w);
     }
 };
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-// Block-wide sum / max (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
-__device__ float block_sum(float v) {
-    __shared__ float red[32];
-    __shared__ float total;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.f;
-        v = warp_sum(v);
-        if (lane == 0) total = v;
-    }
-    __syncthreads();
-    return total;
-}
-__device__ float block_max(float v) {
-    __shared__ float red[32];
-    __shared__ float total;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < (int)(blockDim.x >> 5) ? red[lane] : NEG_INF;
-        v = warp_max(v);
-        if (lane == 0) total = v;
-    }
-    __syncthreads();
-    return total;
-}
+template <typename W> __device__ __forceinline__ uint4 ld16(const W* p) { return *reinterpret_cast<const uint4*>(p); }
 
 // ---- embedding: x[m] = emb[ids[m]] (float32 residual stream) ----------------------------------------
 
 template <typename W>
 __device__ void embed(const int* meta, const W* emb, float* x, int M, int C) {
+    pdl_wait();
+    pdl_launch();
     const int m = blockIdx.x;
     const long long id = meta[m];
     for (int c = threadIdx.x; c < C; c += blockDim.x) x[(long long)m * C + c] = tof(emb[id * C + c]);
 }
 
 // ---- GEMV: y[m, n] = sum_k W[n, k] * a[m, k] for a few rows m ---------------------------------------
-// One warp per two output rows (rows n and n + N for the SwiGLU form), streaming the weight rows in
-// 16-byte loads; the block first stages up to GEMV_ROWS input rows in shared memory (grid.y covers the
-// rest), applying the RMSNorm (x / rms(x) * gain) there when `gain` is given. Epilogues:
-//   EPI_STORE  y[m, n] = acc
-//   EPI_ADD    y[m, n] += acc                         (a branch joining the residual stream)
-//   EPI_SWIGLU y[m, n] = silu(acc_n) * acc_{n + N}    (W holds gate rows, then up rows)
+// A warp computes one output (one weight row) or a pair (two weight rows sharing each x value read):
+//   EPI_STORE  y[m, n] = acc                           one row n = warp
+//   EPI_STORE2 y[m, n] = acc                           two rows 2 warp, 2 warp + 1 (N: pairs; the heads)
+//   EPI_ADD    y[m, n] += acc                          one row (a branch joining the residual stream)
+//   EPI_SWIGLU y[m, n] = silu(acc_n) * acc_{n + N}     gate row n, up row n + N (W: gate rows, then up rows)
+//   EPI_ROPE   q/k rotated, k and v into the cache     rows h D + j and h D + j + D/2 of the qkv matrix
+// Each lane streams 16-byte pieces of its rows, U of them per row in flight at once, the first U requested
+// before the kernel waits for the one before it: with U * 32 pieces covering a row (K <= 2048 bf16 at
+// U = 8) the whole weight matrix is on its way while the previous kernel still runs. The block stages its
+// GEMV_ROWS input rows in shared memory (grid.y covers the rest); with `gain` given, the product is with
+// the RMSNorm of x (x / rms(x) * gain).
 #define GEMV_ROWS 4
 #define GEMV_WARPS 8
-#define GEMV_UNROLL 4
-enum { EPI_STORE = 0, EPI_ADD = 1, EPI_SWIGLU = 2 };
+enum { EPI_STORE = 0, EPI_ADD = 1, EPI_SWIGLU = 2, EPI_ROPE = 3, EPI_STORE2 = 4 };
 
-// GEMV_UNROLL 16-byte loads per lane and weight row, all issued before any is used: a warp keeps several
-// loads in flight instead of waiting out the memory latency once per load.
-template <typename W>
-__device__ __forceinline__ void load_chunk(const W* __restrict__ w, const int* wrow, int parts, int K, int k0,
-                                           float (&wv)[2][GEMV_UNROLL][Vec<W>::N]) {
-#pragma unroll
-    for (int p = 0; p < 2; p++) {
-        if (p >= parts) break;
-        const W* wr = w + (long long)wrow[p] * K;
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; u++) {
-            const int k = k0 + u * 32 * Vec<W>::N;
-            if (k < K) Vec<W>::load(wr + k, wv[p][u]);
-        }
+template <int EPI> struct Gemv {
+    static constexpr int P = (EPI == EPI_STORE || EPI == EPI_ADD) ? 1 : 2;  // weight rows per warp
+    // the weight rows of output `o` (N outputs; `half` = D/2 for EPI_ROPE)
+    __device__ static void rows(int o, int N, int half, int (&r)[2]) {
+        if (EPI == EPI_SWIGLU) { r[0] = o; r[1] = o + N; }
+        else if (EPI == EPI_ROPE) { r[0] = (o / half) * 2 * half + o % half; r[1] = r[0] + half; }
+        else if (EPI == EPI_STORE2) { r[0] = 2 * o; r[1] = 2 * o + 1; }
+        else { r[0] = o; r[1] = o; }
     }
+};
+
+template <typename W, int P, int U>
+__device__ __forceinline__ void gemv_load(const W* const (&wr)[2], int K, int k0, uint4 (&raw)[P][U]) {
+    constexpr int V = Vec<W>::N;
+#pragma unroll
+    for (int p = 0; p < P; p++)
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int k = k0 + u * 32 * V;
+            if (k < K) raw[p][u] = ld16(wr[p] + k);
+        }
 }
 
-template <typename W, int EPI>
-__device__ void gemv(const W* __restrict__ w, const float* __restrict__ x, const float* __restrict__ gain,
-                     float* __restrict__ y, int M, int N, int K, float eps) {
+// The dot products of this warp's P weight rows with the block's rows of x: acc[p][r] (summed over the
+// warp, valid in every lane). Returns false for a warp past the last output (it must not store).
+// The norm's 1/rms(x) multiplies the sums rather than x: the block stages x * gain, reading all its rows
+// at once, and adds up the squares in the same pass, so one barrier ends the prologue.
+template <typename W, int EPI, int U>
+__device__ __forceinline__ bool gemv_dots(const W* __restrict__ w, const float* __restrict__ x,
+                                          const float* __restrict__ gain, int M, int N, int K, float eps,
+                                          int half, float (&acc)[2][GEMV_ROWS], int& o, int& m0, int& rows) {
     extern __shared__ float xs[];  // (rows, K)
-    const int m0 = blockIdx.y * GEMV_ROWS;
-    const int rows = min(GEMV_ROWS, M - m0);
-    const int lane = threadIdx.x & 31;
-    const int wid = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    // a warp computes two output rows, so each x value read from shared memory feeds two weights:
-    // rows 2 wid and 2 wid + 1, or for the SwiGLU gate row wid and up row wid + N
-    int wrow[2];
-    wrow[0] = EPI == EPI_SWIGLU ? wid : 2 * wid;
-    wrow[1] = EPI == EPI_SWIGLU ? wid + N : 2 * wid + 1;
-    const bool active = wrow[0] < N;
-    const int parts = (EPI != EPI_SWIGLU && wrow[1] >= N) ? 1 : 2;
-    constexpr int V = Vec<W>::N;
-    float wv[2][GEMV_UNROLL][V];
-    // the first weights are requested before x is staged, so the two memory latencies overlap
-    if (active && K % V == 0) load_chunk<W>(w, wrow, parts, K, lane * V, wv);
-    for (int r = 0; r < rows; r++) {
-        const float* xr = x + (long long)(m0 + r) * K;
-        float ss = 0.f;
-        for (int k = threadIdx.x; k < K; k += blockDim.x) {
-            const float v = xr[k];
-            xs[r * K + k] = v;
-            ss += v * v;
+    __shared__ float sq[GEMV_ROWS][GEMV_WARPS];
+    constexpr int P = Gemv<EPI>::P, V = Vec<W>::N;
+    m0 = blockIdx.y * GEMV_ROWS;
+    rows = min(GEMV_ROWS, M - m0);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    o = blockIdx.x * GEMV_WARPS + warp;
+    const bool active = o < N;
+    int r[2];
+    Gemv<EPI>::rows(active ? o : 0, N, half, r);
+    const W* const wr[2] = {w + (long long)r[0] * K, w + (long long)r[1] * K};
+    const bool vec = K % V == 0;  // rows 16-byte aligned
+    uint4 raw[P][U];
+    if (active && vec) gemv_load<W, P, U>(wr, K, lane * V, raw);  // independent of earlier kernels
+    pdl_wait();
+    pdl_launch();
+    // x staged in 16-byte pieces. With bf16 weights a lane reads the 8 x values of its 16 weight bytes as
+    // two float4: the first halves of all pieces lie in xs[0, K/2), the second halves in xs[K/2, K), so
+    // the warp's 16-byte reads are consecutive (no bank conflicts).
+    constexpr int NH = V / 4;
+    float ss[GEMV_ROWS];
+#pragma unroll
+    for (int rr = 0; rr < GEMV_ROWS; rr++) ss[rr] = 0.f;
+    if (vec) {
+        const int K4 = K / 4;
+#pragma unroll
+        for (int rr = 0; rr < GEMV_ROWS; rr++) {
+            if (rr >= rows) break;
+            const float4* xr = reinterpret_cast<const float4*>(x + (long long)(m0 + rr) * K);
+#pragma unroll 4
+            for (int k4 = threadIdx.x; k4 < K4; k4 += blockDim.x) {
+                float4 v = xr[k4];
+                ss[rr] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+                if (gain != nullptr) {
+                    const float4 g = reinterpret_cast<const float4*>(gain)[k4];
+                    v.x *= g.x; v.y *= g.y; v.z *= g.z; v.w *= g.w;
+                }
+                *reinterpret_cast<float4*>(xs + rr * K + (k4 % NH) * (K / NH) + (k4 / NH) * 4) = v;
+            }
         }
-        if (gain != nullptr) {  // uniform branch: block_sum's barriers are reached by every thread
-            const float rstd = rsqrtf(block_sum(ss) / K + eps);
-            for (int k = threadIdx.x; k < K; k += blockDim.x) xs[r * K + k] = xs[r * K + k] * rstd * gain[k];
+    } else {
+#pragma unroll
+        for (int rr = 0; rr < GEMV_ROWS; rr++) {
+            if (rr >= rows) break;
+            const float* xr = x + (long long)(m0 + rr) * K;
+            for (int k = threadIdx.x; k < K; k += blockDim.x) {
+                const float v = xr[k];
+                xs[rr * K + k] = gain != nullptr ? v * gain[k] : v;
+                ss[rr] += v * v;
+            }
+        }
+    }
+    if (gain != nullptr) {
+#pragma unroll
+        for (int rr = 0; rr < GEMV_ROWS; rr++) {
+            ss[rr] = warp_sum(ss[rr]);
+            if (lane == 0) sq[rr][warp] = ss[rr];
         }
     }
     __syncthreads();
-    if (!active) return;
-    float acc[2][GEMV_ROWS];
+    if (!active) return false;
 #pragma unroll
     for (int p = 0; p < 2; p++)
 #pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++) acc[p][r] = 0.f;
-    if (K % V == 0) {
-        for (int k0 = lane * V; k0 < K; k0 += 32 * V * GEMV_UNROLL) {
-            if (k0 != lane * V) load_chunk<W>(w, wrow, parts, K, k0, wv);
+        for (int rr = 0; rr < GEMV_ROWS; rr++) acc[p][rr] = 0.f;
+    if (vec) {
+        for (int k0 = lane * V; k0 < K; k0 += 32 * V * U) {
+            if (k0 != lane * V) gemv_load<W, P, U>(wr, K, k0, raw);
 #pragma unroll
-            for (int u = 0; u < GEMV_UNROLL; u++) {
+            for (int u = 0; u < U; u++) {
                 const int k = k0 + u * 32 * V;
                 if (k >= K) break;
+                float wf[P][V];
 #pragma unroll
-                for (int r = 0; r < GEMV_ROWS; r++) {
-                    if (r >= rows) break;
+                for (int p = 0; p < P; p++) Vec<W>::unpack(raw[p][u], wf[p]);
+#pragma unroll
+                for (int rr = 0; rr < GEMV_ROWS; rr++) {
+                    if (rr >= rows) break;
                     float xv[V];  // 16-byte shared-memory loads
 #pragma unroll
-                    for (int i = 0; i < V; i += 4) {
-                        const float4 t = *reinterpret_cast<const float4*>(xs + r * K + k + i);
-                        xv[i] = t.x; xv[i + 1] = t.y; xv[i + 2] = t.z; xv[i + 3] = t.w;
+                    for (int i = 0; i < NH; i++) {
+                        const float4 t = *reinterpret_cast<const float4*>(xs + rr * K + i * (K / NH) + (k / V) * 4);
+                        xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
                     }
 #pragma unroll
-                    for (int p = 0; p < 2; p++) {
-                        if (p >= parts) break;
+                    for (int p = 0; p < P; p++)
 #pragma unroll
-                        for (int i = 0; i < V; i++) acc[p][r] += wv[p][u][i] * xv[i];
-                    }
+                        for (int i = 0; i < V; i++) acc[p][rr] += wf[p][i] * xv[i];
                 }
             }
         }
     } else {  // rows not 16-byte aligned: one element per lane
-        for (int p = 0; p < parts; p++) {
-            const W* wr = w + (long long)wrow[p] * K;
-            for (int k = lane; k < K; k += 32) {
-                const float wk = tof(wr[k]);
 #pragma unroll
-                for (int r = 0; r < GEMV_ROWS; r++)
-                    if (r < rows) acc[p][r] += wk * xs[r * K + k];
+        for (int p = 0; p < P; p++)
+            for (int k = lane; k < K; k += 32) {
+                const float wk = tof(wr[p][k]);
+#pragma unroll
+                for (int rr = 0; rr < GEMV_ROWS; rr++)
+                    if (rr < rows) acc[p][rr] += wk * xs[rr * K + k];
             }
-        }
     }
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; r++) {
-        if (r >= rows) break;
-        const float a0 = warp_sum(acc[0][r]);
-        const float a1 = warp_sum(acc[1][r]);
-        if (lane == 0) {
-            float* out = y + (long long)(m0 + r) * N;
-            if (EPI == EPI_SWIGLU) {
-                out[wid] = a0 / (1.f + __expf(-a0)) * a1;
+    for (int rr = 0; rr < GEMV_ROWS; rr++) {
+        float scale = 1.f;
+        if (gain != nullptr) {
+            float t = 0.f;
+#pragma unroll
+            for (int i = 0; i < GEMV_WARPS; i++) t += sq[rr][i];
+            scale = rsqrtf(t / K + eps);
+        }
+        acc[0][rr] = warp_sum(acc[0][rr]) * scale;
+        if (P == 2) acc[1][rr] = warp_sum(acc[1][rr]) * scale;
+    }
+    return true;
+}
+
+template <typename W, int EPI, int U>
+__device__ void gemv(const W* __restrict__ w, const float* __restrict__ x, const float* __restrict__ gain,
+                     float* __restrict__ y, int M, int N, int K, float eps) {
+    float acc[2][GEMV_ROWS];
+    int o, m0, rows;
+    if (!gemv_dots<W, EPI, U>(w, x, gain, M, N, K, eps, 1, acc, o, m0, rows) || (threadIdx.x & 31) != 0) return;
+#pragma unroll
+    for (int rr = 0; rr < GEMV_ROWS; rr++) {
+        if (rr >= rows) break;
+        float* row = y + (long long)(m0 + rr) * (EPI == EPI_STORE2 ? 2 * N : N);
+        if (EPI == EPI_STORE) row[o] = acc[0][rr];
+        if (EPI == EPI_STORE2) { row[2 * o] = acc[0][rr]; row[2 * o + 1] = acc[1][rr]; }
+        if (EPI == EPI_ADD) row[o] += acc[0][rr];
+        if (EPI == EPI_SWIGLU) row[o] = acc[0][rr] / (1.f + __expf(-acc[0][rr])) * acc[1][rr];
+    }
+}
+
+// The qkv GEMV with RoPE and the cache write in its epilogue: output o = pair (head h, column j < D/2) of
+// the (H + 2 Hkv) heads of q, k, v; q (M, H, D) float out, k rotated and v into the caches
+// (slots, Hkv, L, D) of W at the row's slot and position; cos/sin (L, D/2) as layers.rope_tables.
+template <typename W, int U>
+__device__ void gemv_rope(const W* __restrict__ w, const float* __restrict__ x, const float* __restrict__ gain,
+                          float* __restrict__ q, W* __restrict__ kc, W* __restrict__ vc, const int* __restrict__ meta,
+                          const float* __restrict__ cos_t, const float* __restrict__ sin_t, int M, int H, int Hkv,
+                          int D, int L, int K, float eps) {
+    const int half = D / 2, N = (H + 2 * Hkv) * half;
+    // the rows' slots, positions and rotations: the host's (or the previous step's) meta and constant
+    // tables, requested before the GEMV waits for the kernel before it
+    const int out = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), head = out / half, j = out % half;
+    const int first = blockIdx.y * GEMV_ROWS;
+    int slot[GEMV_ROWS], pos[GEMV_ROWS];
+    float cr[GEMV_ROWS], sr[GEMV_ROWS];
+#pragma unroll
+    for (int rr = 0; rr < GEMV_ROWS; rr++) {
+        if (first + rr >= M || out >= N) break;
+        slot[rr] = meta[M + first + rr];
+        pos[rr] = meta[2 * M + first + rr];
+        cr[rr] = cos_t[pos[rr] * half + j];
+        sr[rr] = sin_t[pos[rr] * half + j];
+    }
+    float acc[2][GEMV_ROWS];
+    int o, m0, rows;
+    if (!gemv_dots<W, EPI_ROPE, U>(w, x, gain, M, N, K, eps, half, acc, o, m0, rows) || (threadIdx.x & 31) != 0)
+        return;
+#pragma unroll
+    for (int rr = 0; rr < GEMV_ROWS; rr++) {
+        if (rr >= rows) break;
+        const int m = m0 + rr;
+        const float x1 = acc[0][rr], x2 = acc[1][rr];
+        if (head < H + Hkv) {
+            const float c = cr[rr], s = sr[rr];
+            const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
+            if (head < H) {
+                float* dst = q + ((long long)m * H + head) * D;
+                dst[j] = y1;
+                dst[j + half] = y2;
             } else {
-                if (EPI == EPI_STORE) out[wrow[0]] = a0;
-                if (EPI == EPI_ADD) out[wrow[0]] += a0;
-                if (parts == 2 && EPI == EPI_STORE) out[wrow[1]] = a1;
-                if (parts == 2 && EPI == EPI_ADD) out[wrow[1]] += a1;
+                W* dst = kc + (((long long)slot[rr] * Hkv + (head - H)) * L + pos[rr]) * D;
+                dst[j] = fromf<W>(y1);
+                dst[j + half] = fromf<W>(y2);
             }
+        } else {
+            W* dst = vc + (((long long)slot[rr] * Hkv + (head - H - Hkv)) * L + pos[rr]) * D;
+            dst[j] = fromf<W>(x1);
+            dst[j + half] = fromf<W>(x2);
         }
     }
 }
 
-// ---- RoPE on q and k, k and v written into the cache -------------------------------------------------
+// ---- RoPE on q and k, k and v written into the cache (the batched path) -------------------------------
 // qkv (M, (H + 2 Hkv) D) float; q (M, H, D) float out; caches (slots, Hkv, L, D) of W.
-// cos/sin (L, D/2): the tables of layers.rope_tables for every position of the context.
+// cos/sin (L, D/2): the tables of layers.rope_tables for every position of the context. With qh given
+// (a prefill from position 0: row m at position m), q, k and v also go to qh (H, M, D), kh and vh
+// (Hkv, M, D) as W, the tensor-core attention's operands, and q is not written.
 
 template <typename W>
 __device__ void rope_cache(const float* __restrict__ qkv, const int* __restrict__ meta, float* __restrict__ q,
                            W* __restrict__ kc, W* __restrict__ vc, const float* __restrict__ cos_t,
-                           const float* __restrict__ sin_t, int M, int H, int Hkv, int D, int L) {
+                           const float* __restrict__ sin_t, W* __restrict__ qh, W* __restrict__ kh,
+                           W* __restrict__ vh, int M, int H, int Hkv, int D, int L) {
+    pdl_wait();
+    pdl_launch();
     const int m = blockIdx.x;
     const int slot = meta[M + m], pos = meta[2 * M + m];
     const int half = D / 2, width = (H + 2 * Hkv) * D;
@@ -240,74 +323,146 @@ __device__ void rope_cache(const float* __restrict__ qkv, const int* __restrict_
         const float x1 = row[head * D + j], x2 = row[head * D + j + half];
         const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
         if (head < H) {
-            q[((long long)m * H + head) * D + j] = y1;
-            q[((long long)m * H + head) * D + j + half] = y2;
+            if (qh != nullptr) {
+                W* dst = qh + ((long long)head * M + m) * D;
+                dst[j] = fromf<W>(y1);
+                dst[j + half] = fromf<W>(y2);
+            } else {
+                q[((long long)m * H + head) * D + j] = y1;
+                q[((long long)m * H + head) * D + j + half] = y2;
+            }
         } else {
             W* dst = kc + (((long long)slot * Hkv + (head - H)) * L + pos) * D;
             dst[j] = fromf<W>(y1);
             dst[j + half] = fromf<W>(y2);
+            if (kh != nullptr) {
+                W* d2 = kh + ((long long)(head - H) * M + m) * D;
+                d2[j] = fromf<W>(y1);
+                d2[j + half] = fromf<W>(y2);
+            }
         }
     }
     for (int i = threadIdx.x; i < Hkv * D; i += blockDim.x) {
         const int h = i / D, d = i % D;
-        vc[(((long long)slot * Hkv + h) * L + pos) * D + d] = fromf<W>(row[(H + Hkv) * D + i]);
+        const W v = fromf<W>(row[(H + Hkv) * D + i]);
+        vc[(((long long)slot * Hkv + h) * L + pos) * D + d] = v;
+        if (vh != nullptr) vh[((long long)h * M + m) * D + d] = v;
     }
 }
 
 // ---- attention of one row and query head over its slot's cache, keys 0..pos ---------------------------
-// grid (M, H); one thread per key for the scores (a whole D-dot each), then groups of D threads split the
-// keys for p @ V (a block of 512 threads: 8 groups at D = 64) and add up in shared memory. Shared: q (D) + scores (L) + partial outputs.
+// grid (M, H). Scores: one thread per key (a whole D-dot each, in 16-byte loads). p @ V: thread t takes
+// the 16-byte piece t % (D / Vec) of every (blockDim / (D / Vec))-th key, so all of a thread's loads are
+// independent (the first AV of them issued with the key loads); the partial outputs are added up in
+// shared memory. Shared: scores (L) + partial outputs (blockDim.x * Vec).
 
-template <typename W, typename O>
+template <typename W, typename O, bool PRE>
 __device__ void attend(const float* __restrict__ q, const W* __restrict__ kc, const W* __restrict__ vc,
                        const int* __restrict__ meta, O* __restrict__ out, int M, int H, int Hkv, int D, int L) {
     extern __shared__ float sm[];
-    float* qs = sm;           // D
-    float* sc = sm + D;       // L
-    float* part = sc + L;     // blockDim.x
+    __shared__ float red[32];
+    constexpr int V = Vec<W>::N;
+    float* sc = sm;           // L
+    float* part = sc + L;     // blockDim.x * V
+    // meta is the host's (or the previous step's): readable before the wait. So are the cache rows at
+    // positions before pos - m (earlier steps wrote them; this step writes a row's own position, and in a
+    // verify pass rows 0..m-1 of the same slot the m positions before it): ask L2 for them meanwhile.
     const int m = blockIdx.x, h = blockIdx.y;
     const int slot = meta[M + m], S = meta[2 * M + m] + 1;
     const int kvh = h / (H / Hkv);
     const W* kb = kc + ((long long)slot * Hkv + kvh) * L * D;
     const W* vb = vc + ((long long)slot * Hkv + kvh) * L * D;
+    for (int j = threadIdx.x; j < S - 1 - m; j += blockDim.x)
+        for (int b = 0; b < D * (int)sizeof(W); b += 128) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)(kb + (long long)j * D) + b));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)(vb + (long long)j * D) + b));
+        }
+    pdl_wait();
+    pdl_launch();
+    // after the wait every load at once: this thread's key row and first V pieces into registers, its
+    // element of q into shared memory (the barrier waits for that one only)
+    const int pieces = D / V, groups = blockDim.x / pieces, g = threadIdx.x / pieces, c = threadIdx.x % pieces;
+    // V pieces and key pieces held (a key row of up to 8 pieces: D <= 8 Vec); PRE = false (the batched
+    // path, many blocks: fewer registers, more blocks resident) holds none
+    constexpr int AV = PRE ? 2 : 0, KP = PRE ? 8 : 1;
+    const int j0 = threadIdx.x;
+    uint4 kpre[KP], vpre[AV > 0 ? AV : 1];
+#pragma unroll
+    for (int p = 0; p < KP; p++)
+        if (PRE && p < pieces && j0 < S) kpre[p] = ld16(kb + (long long)j0 * D + p * V);
+#pragma unroll
+    for (int i = 0; i < AV; i++) {
+        const int j = g + i * groups;
+        if (g < groups && j < S) vpre[i] = ld16(vb + (long long)j * D + c * V);
+    }
+    float* qs = part;  // D floats, free until p @ V
     const float scale = rsqrtf((float)D);
     for (int d = threadIdx.x; d < D; d += blockDim.x) qs[d] = q[((long long)m * H + h) * D + d] * scale;
     __syncthreads();
     float mx = NEG_INF;
-    for (int j = threadIdx.x; j < S; j += blockDim.x) {
-        const W* kr = kb + (long long)j * D;
+    for (int j = j0; j < S; j += blockDim.x) {
         float s = 0.f;
-        constexpr int V = Vec<W>::N;
-#pragma unroll 8
-        for (int d = 0; d < D; d += V) {
-            float kv[V];
-            Vec<W>::load(kr + d, kv);
+        if (PRE && j == j0 && pieces <= KP) {
 #pragma unroll
-            for (int i = 0; i < V; i++) s += qs[d + i] * kv[i];
+            for (int p = 0; p < KP; p++) {
+                if (p >= pieces) break;
+                float kv[V];
+                Vec<W>::unpack(kpre[p], kv);
+#pragma unroll
+                for (int i = 0; i < V; i++) s += qs[p * V + i] * kv[i];
+            }
+        } else {
+            const W* kr = kb + (long long)j * D;
+#pragma unroll 8
+            for (int p = 0; p < pieces; p++) {
+                float kv[V];
+                Vec<W>::unpack(ld16(kr + p * V), kv);
+#pragma unroll
+                for (int i = 0; i < V; i++) s += qs[p * V + i] * kv[i];
+            }
         }
         sc[j] = s;
         mx = fmaxf(mx, s);
     }
-    mx = block_max(mx);
+    mx = block_max(mx, red);
     float sum = 0.f;
     for (int j = threadIdx.x; j < S; j += blockDim.x) {
         const float e = __expf(sc[j] - mx);
         sc[j] = e;
         sum += e;
     }
-    sum = block_sum(sum);  // its barriers also publish sc
-    const int groups = blockDim.x / D, g = threadIdx.x / D, d = threadIdx.x % D;
-    float acc = 0.f;
+    sum = block_sum(sum, red);  // its barriers also publish sc
+    float acc[V];
+#pragma unroll
+    for (int i = 0; i < V; i++) acc[i] = 0.f;
     if (g < groups) {
-#pragma unroll 8
-        for (int j = g; j < S; j += groups) acc += sc[j] * tof(vb[(long long)j * D + d]);
+#pragma unroll
+        for (int i = 0; i < AV; i++) {
+            const int j = g + i * groups;
+            if (j >= S) break;
+            float vv[V];
+            Vec<W>::unpack(vpre[i], vv);
+            const float p = sc[j];
+#pragma unroll
+            for (int t = 0; t < V; t++) acc[t] += p * vv[t];
+        }
+#pragma unroll 4
+        for (int j = g + AV * groups; j < S; j += groups) {
+            float vv[V];
+            Vec<W>::unpack(ld16(vb + (long long)j * D + c * V), vv);
+            const float p = sc[j];
+#pragma unroll
+            for (int t = 0; t < V; t++) acc[t] += p * vv[t];
+        }
     }
-    part[threadIdx.x] = acc;
     __syncthreads();
-    if (threadIdx.x < D) {
+#pragma unroll
+    for (int i = 0; i < V; i++) part[threadIdx.x * V + i] = acc[i];  // = part[g * D + c * V + i]
+    __syncthreads();
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float o = 0.f;
-        for (int i = 0; i < groups; i++) o += part[i * D + threadIdx.x];
-        out[(long long)m * H * D + h * D + threadIdx.x] = fromf<O>(o / sum);
+        for (int i = 0; i < groups; i++) o += part[i * D + d];
+        out[(long long)m * H * D + h * D + d] = fromf<O>(o / sum);
     }
 }
 
@@ -317,16 +472,21 @@ __device__ void attend(const float* __restrict__ q, const W* __restrict__ kc, co
 template <typename W>
 __device__ void rmsnorm_act(const float* __restrict__ x, const float* __restrict__ gain, W* __restrict__ a,
                             int C, float eps) {
+    __shared__ float red[32];
+    pdl_wait();
+    pdl_launch();
     const long long m = blockIdx.x;
     float ss = 0.f;
     for (int c = threadIdx.x; c < C; c += blockDim.x) ss += x[m * C + c] * x[m * C + c];
-    const float rstd = rsqrtf(block_sum(ss) / C + eps);
+    const float rstd = rsqrtf(block_sum(ss, red) / C + eps);
     for (int c = threadIdx.x; c < C; c += blockDim.x) a[m * C + c] = fromf<W>(x[m * C + c] * rstd * gain[c]);
 }
 
 // m = W(silu(gu[:, :F]) * gu[:, F:]), gu (M, 2F) float.
 template <typename W>
 __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, int F) {
+    pdl_wait();
+    pdl_launch();
     const long long m = blockIdx.x;
     for (int f = threadIdx.x; f < F; f += blockDim.x) {
         const float g = gu[m * 2 * F + f], u = gu[m * 2 * F + F + f];
@@ -334,34 +494,52 @@ __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, in
     }
 }
 
+// 3 blocks a multiprocessor (at most 85 registers): room for the next kernel's blocks beside the widest
+// GEMV's (gate/up: 256 blocks), so that they start early and request their weights (the qkv GEMV, with
+// fewer blocks, keeps more registers for its epilogue's values)
+#define GEMV_BOUNDS __launch_bounds__(256, 3)
+#define GEMV_KERNELS(W, NAME, U)                                                                              \
+    extern "C" __global__ void GEMV_BOUNDS gemv_store_u##U##_##NAME(const W* w, const float* x, const float* gain,        \
+                                                        float* y, int M, int N, int K, float eps) {           \
+        gemv<W, EPI_STORE, U>(w, x, gain, y, M, N, K, eps);                                                   \
+    }                                                                                                         \
+    extern "C" __global__ void GEMV_BOUNDS gemv_store2_u##U##_##NAME(const W* w, const float* x, const float* gain,       \
+                                                         float* y, int M, int N, int K, float eps) {          \
+        gemv<W, EPI_STORE2, U>(w, x, gain, y, M, N, K, eps);                                                  \
+    }                                                                                                         \
+    extern "C" __global__ void GEMV_BOUNDS gemv_add_u##U##_##NAME(const W* w, const float* x, const float* gain, float* y,\
+                                                      int M, int N, int K, float eps) {                       \
+        gemv<W, EPI_ADD, U>(w, x, gain, y, M, N, K, eps);                                                     \
+    }                                                                                                         \
+    extern "C" __global__ void GEMV_BOUNDS gemv_swiglu_u##U##_##NAME(const W* w, const float* x, const float* gain,       \
+                                                         float* y, int M, int N, int K, float eps) {          \
+        gemv<W, EPI_SWIGLU, U>(w, x, gain, y, M, N, K, eps);                                                  \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 2) gemv_rope_u##U##_##NAME(const W* w, const float* x, const float* gain,         \
+                                                       float* q, W* kc, W* vc, const int* meta,               \
+                                                       const float* c, const float* s, int M, int H, int Hkv, \
+                                                       int D, int L, int K, float eps) {                      \
+        gemv_rope<W, U>(w, x, gain, q, kc, vc, meta, c, s, M, H, Hkv, D, L, K, eps);                         \
+    }
+
 #define DECODE_KERNELS(W, NAME)                                                                               \
+    GEMV_KERNELS(W, NAME, 4)                                                                                  \
+    GEMV_KERNELS(W, NAME, 8)                                                                                  \
     extern "C" __global__ void embed_##NAME(const int* meta, const W* emb, float* x, int M, int C) {          \
         embed<W>(meta, emb, x, M, C);                                                                         \
     }                                                                                                         \
-    extern "C" __global__ void gemv_store_##NAME(const W* w, const float* x, const float* gain, float* y,     \
-                                                 int M, int N, int K, float eps) {                            \
-        gemv<W, EPI_STORE>(w, x, gain, y, M, N, K, eps);                                                      \
-    }                                                                                                         \
-    extern "C" __global__ void gemv_add_##NAME(const W* w, const float* x, const float* gain, float* y,       \
-                                               int M, int N, int K, float eps) {                              \
-        gemv<W, EPI_ADD>(w, x, gain, y, M, N, K, eps);                                                        \
-    }                                                                                                         \
-    extern "C" __global__ void gemv_swiglu_##NAME(const W* w, const float* x, const float* gain, float* y,    \
-                                                  int M, int N, int K, float eps) {                           \
-        gemv<W, EPI_SWIGLU>(w, x, gain, y, M, N, K, eps);                                                     \
-    }                                                                                                         \
     extern "C" __global__ void rope_cache_##NAME(const float* qkv, const int* meta, float* q, W* kc, W* vc,   \
-                                                 const float* c, const float* s, int M, int H, int Hkv, int D, \
-                                                 int L) {                                                      \
-        rope_cache<W>(qkv, meta, q, kc, vc, c, s, M, H, Hkv, D, L);                                           \
+                                                 const float* c, const float* s, W* qh, W* kh, W* vh, int M,  \
+                                                 int H, int Hkv, int D, int L) {                               \
+        rope_cache<W>(qkv, meta, q, kc, vc, c, s, qh, kh, vh, M, H, Hkv, D, L);                               \
     }                                                                                                         \
-    extern "C" __global__ void attend_##NAME(const float* q, const W* kc, const W* vc, const int* meta,       \
+    extern "C" __global__ void __launch_bounds__(512) attend_##NAME(const float* q, const W* kc, const W* vc, const int* meta,       \
                                              float* out, int M, int H, int Hkv, int D, int L) {               \
-        attend<W, float>(q, kc, vc, meta, out, M, H, Hkv, D, L);                                              \
+        attend<W, float, true>(q, kc, vc, meta, out, M, H, Hkv, D, L);                                              \
     }                                                                                                         \
-    extern "C" __global__ void attend_act_##NAME(const float* q, const W* kc, const W* vc, const int* meta,   \
+    extern "C" __global__ void __launch_bounds__(512, 2) attend_act_##NAME(const float* q, const W* kc, const W* vc, const int* meta,   \
                                                  W* out, int M, int H, int Hkv, int D, int L) {               \
-        attend<W, W>(q, kc, vc, meta, out, M, H, Hkv, D, L);                                                  \
+        attend<W, W, false>(q, kc, vc, meta, out, M, H, Hkv, D, L);                                                  \
     }                                                                                                         \
     extern "C" __global__ void rmsnorm_act_##NAME(const float* x, const float* gain, W* a, int C, float eps) {\
         rmsnorm_act<W>(x, gain, a, C, eps);                                                                   \
@@ -373,12 +551,10 @@ DECODE_KERNELS(float, f32)
 
 // ---- the next token ---------------------------------------------------------------------------------
 
-// out[r] = argmax of logits row r (V wide, rows `stride` apart); the lowest index wins a tie (as np.argmax).
-extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int V, long long stride,
-                                       int* __restrict__ out) {
+// The argmax of z[0..V) over the block, in thread 0; the lowest index wins a tie (as np.argmax).
+__device__ int block_argmax(const float* __restrict__ z, int V) {
     __shared__ float bv[32];
     __shared__ int bi[32];
-    const float* z = logits + blockIdx.x * stride;
     float best = NEG_INF;
     int idx = 0x7fffffff;
     for (int i = threadIdx.x; i < V; i += blockDim.x) {
@@ -393,11 +569,82 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int V, 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) { bv[warp] = best; bi[warp] = idx; }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0)
         for (int w = 1; w < (int)(blockDim.x >> 5); w++)
             if (bv[w] > best || (bv[w] == best && bi[w] < idx)) { best = bv[w]; idx = bi[w]; }
-        out[blockIdx.x] = idx < V ? idx : 0;  // an all-NaN row: token 0
+    return idx < V ? idx : 0;  // an all-NaN row: token 0
+}
+
+// out[r] = argmax of logits row r (V wide, rows `stride` apart).
+extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int V, long long stride,
+                                       int* __restrict__ out) {
+    pdl_wait();
+    pdl_launch();
+    const int idx = block_argmax(logits + blockIdx.x * stride, V);
+    if (threadIdx.x == 0) out[blockIdx.x] = idx;
+}
+
+// Greedy decoding that feeds itself, one block per row of M: out[m] = the argmax of row m, which becomes
+// the row's next input token at the next position (kept below L: a row that has finished may run on);
+// the step's ids are kept at hist[(step % cap) M ...], step counting in ctl[3M + 1]. ctl = [ids, slots,
+// positions (M each), top_k, step, temperature, top_p]. The last block to finish (counted in *arrive)
+// does the update. Steps replayed back to back then need nothing from the host, which reads hist while
+// the GPU runs ahead.
+extern "C" __global__ void argmax_chain(const float* __restrict__ logits, int V, int* out, int* __restrict__ ctl,
+                                        int* __restrict__ hist, int cap, int L, int* arrive) {
+    __shared__ bool last;
+    pdl_wait();
+    pdl_launch();
+    const int M = gridDim.x;
+    const int idx = block_argmax(logits + (long long)blockIdx.x * V, V);
+    if (threadIdx.x == 0) {
+        out[blockIdx.x] = idx;
+        __threadfence();
+        last = atomicAdd(arrive, 1) == M - 1;
     }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int step = ctl[3 * M + 1];
+    for (int m = threadIdx.x; m < M; m += blockDim.x) {
+        const int id = ((volatile int*)out)[m];
+        hist[(long long)(step % cap) * M + m] = id;
+        ctl[m] = id;
+        ctl[2 * M + m] = min(ctl[2 * M + m] + 1, L - 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        ctl[3 * M + 1] = step + 1;
+        *arrive = 0;
+    }
+}
+
+// Greedy self-speculative decoding that feeds itself: after a verify pass of one slot's K rows
+// [sure, draft 1, ..., draft K-1] at positions p0 .. p0+K-1 with every head's argmax in out (row-major
+// (K rows, K heads)), keep drafts while each equals head 0's argmax at the row before it (a of them),
+// and write the next pass's block (the K heads' ids at row a: next sure token, then drafts) at positions
+// p0+a+1 ... into ctl = [ids (K), slots (K), positions (K), top_k, pass, temperature, top_p]. The pass
+// is recorded at hist[(pass % cap) * (2K+1)]: a, the block verified, the K heads' ids at row a.
+extern "C" __global__ void accept_chain(const int* __restrict__ out, int* __restrict__ ctl,
+                                        int* __restrict__ hist, int cap, int K) {
+    pdl_wait();
+    pdl_launch();
+    if (threadIdx.x != 0) return;
+    const int pass = ctl[3 * K + 1];
+    int* rec = hist + (long long)(pass % cap) * (2 * K + 1);
+    int a = 0;
+    while (a < K - 1 && out[a * K] == ctl[a + 1]) a++;
+    rec[0] = a;
+    const int p0 = ctl[2 * K];
+    for (int j = 0; j < K; j++) {
+        rec[1 + j] = ctl[j];
+        rec[1 + K + j] = out[a * K + j];
+    }
+    for (int j = 0; j < K; j++) {
+        ctl[j] = out[a * K + j];
+        ctl[2 * K + j] = p0 + a + 1 + j;
+    }
+    ctl[3 * K + 1] = pass + 1;
 }
 
 // A float's bits mapped to an unsigned key with the same order (for threshold searches).
@@ -423,6 +670,9 @@ __device__ __forceinline__ double uniform01(unsigned long long seed, unsigned lo
 extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* __restrict__ logits, int V,
         long long stride, const int* __restrict__ ctl, const unsigned long long* __restrict__ seeds,
         int* __restrict__ out) {
+    __shared__ float red[32];
+    pdl_wait();
+    pdl_launch();
     const float* z = logits + blockIdx.x * stride;
     const int top_k = ctl[0];
     const unsigned long long counter = (unsigned)ctl[1];
@@ -431,31 +681,31 @@ extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* __re
     float zl[SAMPLE_PER_THREAD];
     float mx = NEG_INF;
     for (int i = lo; i < hi; i++) { zl[i - lo] = z[i] / temp; mx = fmaxf(mx, zl[i - lo]); }
-    mx = block_max(mx);
+    mx = block_max(mx, red);
     unsigned thr = 0;  // keep key(z) >= thr
     if (top_k > 0 && top_k < V) {
         for (int bit = 31; bit >= 0; bit--) {  // the largest threshold with at least top_k keys at or above it
             const unsigned cand = thr | (1u << bit);
             float cnt = 0.f;
             for (int i = lo; i < hi; i++) cnt += okey(zl[i - lo]) >= cand;
-            if (block_sum(cnt) >= (float)top_k) thr = cand;
+            if (block_sum(cnt, red) >= (float)top_k) thr = cand;
         }
     }
     float tot = 0.f;
     for (int i = lo; i < hi; i++) tot += okey(zl[i - lo]) >= thr ? __expf(zl[i - lo] - mx) : 0.f;
-    tot = block_sum(tot);
+    tot = block_sum(tot, red);
     if (top_p < 1.f) {  // the largest threshold whose kept mass (top-k's tokens above it) still reaches top_p
         unsigned t = 0;
         for (int bit = 31; bit >= 0; bit--) {
             const unsigned cand = max(t | (1u << bit), thr);
             float mass = 0.f;
             for (int i = lo; i < hi; i++) mass += okey(zl[i - lo]) >= cand ? __expf(zl[i - lo] - mx) : 0.f;
-            if (block_sum(mass) >= top_p * tot) t = t | (1u << bit);
+            if (block_sum(mass, red) >= top_p * tot) t = t | (1u << bit);
         }
         thr = max(t, thr);
         tot = 0.f;
         for (int i = lo; i < hi; i++) tot += okey(zl[i - lo]) >= thr ? __expf(zl[i - lo] - mx) : 0.f;
-        tot = block_sum(tot);
+        tot = block_sum(tot, red);
     }
     // inverse CDF in index order: each thread's chunk mass, an exclusive scan over threads, then a walk
     __shared__ float scan[1024];

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from nanoeuler.config import add_config_arguments, sections
-from nanoeuler.data.common import add_source_root_argument, atomic_path, info, warn
+from nanoeuler.data.common import add_source_root_argument, atomic_path, info, json_list, warn
 from nanoeuler.errors import UserError
 
 FIELDS = ("instruction", "input", "output")
@@ -33,17 +33,10 @@ def sources(section: dict) -> list[str]:
 
 def load_records(path: Path) -> list:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except RecursionError:
-        raise UserError(f"{path} is not Alpaca data: its JSON is nested too deeply to read") from None
-    if not isinstance(data, list):
-        raise UserError(f"{path} must hold a JSON list of records, got a JSON {type(data).__name__}")
-    return data
+    return json_list(text, path, "Alpaca data")
 
 
 def problem(record) -> str | None:

@@ -46,6 +46,27 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
 DUCKDB_MEMORY_LIMIT = "2GB"
 
 
+def json_list(text: str, path, what: str) -> list:
+    """The JSON list that `text` (the contents of `path`) holds, or a one-line error naming the file.
+
+        >>> json_list('[{"instruction": "Hi"}]', "a.json", "Alpaca data")
+        [{'instruction': 'Hi'}]
+    """
+    import json
+
+    from nanoeuler.errors import UserError
+
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise UserError(f"{path} is not {what}: its JSON is nested too deeply to read") from None
+    if not isinstance(data, list):
+        raise UserError(f"{path} must hold a JSON list of records, got a JSON {type(data).__name__}")
+    return data
+
+
 def jsonl_objects(path: str | os.PathLike, what: str) -> Iterator[tuple[int, dict]]:
     """(line number, object) for each non-blank line of a JSONL file. A missing file, or a line that is
     not UTF-8, not JSON or not an object, is a one-line error naming the file and the line.

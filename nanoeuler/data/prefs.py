@@ -36,7 +36,7 @@ from pathlib import Path
 
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.data.alpaca import write_jsonl
-from nanoeuler.data.common import add_source_root_argument, info, warn
+from nanoeuler.data.common import add_source_root_argument, info, json_list, warn
 from nanoeuler.errors import UserError
 
 RAW_NAMES = {"hh": "train.jsonl.gz", "ultrafeedback": "train_prefs.parquet", "sharegpt": "prefs.json"}
@@ -75,13 +75,7 @@ def read_raw(path: Path, fmt: str) -> list:
     except UnicodeDecodeError as exc:
         raise UserError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     if fmt == "sharegpt":
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-        if not isinstance(records, list):
-            raise UserError(f"{path} must hold a JSON list of records, got a JSON {type(records).__name__}")
-        return records
+        return json_list(text, path, "LLaMA-Factory preference data")
     records = []
     for n, line in enumerate(text.splitlines(), 1):
         if line.strip():

@@ -178,7 +178,7 @@ full20k() {  # the full schedule to the end: `start` in the background, `wait SE
 
 memneed() {  # which pool caps are enough for pretraining with its validation: one short run per cap
     for cap in "$@"; do
-        MEMCAP=$cap GB12=$cap portable 100 auto || true
+        GB12=$cap portable 100 auto || true
     done
 }
 

@@ -22,19 +22,7 @@ if [ ! -d dl/pydoc ]; then
 fi
 
 # The docs as "books" (one document per .rst source); no web text (corpus.weights.fineweb: 0).
-python - <<'PY'
-import pathlib
-import pyarrow as pa, pyarrow.parquet as pq
-root = pathlib.Path("dl/pydoc/usr/share/doc/python3.11/html/_sources")
-files = sorted(root.rglob("*.rst.txt"))
-texts = [f.read_text(encoding="utf-8") for f in files]
-ids = [str(f.relative_to(root)) for f in files]
-pq.write_table(pa.table({"source": ["gutenberg"] * len(ids), "doc_id": ids, "title": ids, "text": texts}),
-               "data/books.parquet")
-pq.write_table(pa.table({"source": pa.array([], pa.string()), "doc_id": pa.array([], pa.string()),
-                         "text": pa.array([], pa.string())}), "data/web.parquet")
-print(f"{len(ids)} documents, {sum(len(t.encode()) for t in texts):,} bytes")
-PY
+[ -f data/books.parquet ] || python "$REPO/scripts/pydoc_books.py" dl/pydoc data
 
 cat > config.yaml <<YAML
 device: cpu

@@ -4,6 +4,7 @@
 # BASELINE names one; HF_COMPILE=1 adds the torch.compile row), and Nsight Compute's time of every kernel
 # of a decode step.
 #   DATA=<dir with gpu.yaml, tok4096.json, shards4096/> scripts/gen_bench.sh [tests] [random] [trained] [ncu]
+# scripts/gen_bench_data.sh DIR builds that DATA folder on the CPU (the Python docs, their BPE, shards, config).
 # Logs go to $LOG_DIR (default $TMPDIR/nanoeuler-gen-bench); a summary is printed last.
 set -u -o pipefail
 cd "$(dirname "$0")/.."

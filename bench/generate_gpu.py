@@ -97,7 +97,7 @@ def kernel_profile(be, cfg, prompt, M, n_heads, reps=20):
     launch = be._launch
 
     def timed_launch(name, grid, block, args, **kw):
-        label = f"{name} N={int(args[5])}" if name.startswith("gemv") and "rope" not in name else name
+        label = f"{name} N={int(args[6])}" if name.startswith("gemv") and "rope" not in name else name
         start, end = cp.cuda.Event(), cp.cuda.Event()
         start.record(be.stream)
         launch(name, grid, block, args, **kw)
@@ -245,6 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="also time each kernel of a decode step and a verify pass")
     ap.add_argument("--steps-only", type=int, default=0, metavar="N",
                     help="only prefill the prompt and run N greedy decode steps (a target for a profiler), then exit")
+    ap.add_argument("--steps-batch", type=int, default=1, metavar="B", help="rows of the --steps-only steps")
     args = ap.parse_args(argv)
 
     from nanoeuler import checkpoint
@@ -267,7 +268,7 @@ def main(argv=None) -> int:
     prompt = prompts[0]
     if args.steps_only:
         eng = Engine.from_params(params, cfg, "gpu", dtype="bf16")
-        eng.generate([prompt], args.steps_only, GREEDY, speculative=False)
+        eng.generate(prompts[:args.steps_batch], args.steps_only, GREEDY, speculative=False)
         return 0
     rows: list = []
     eng = ours(params, cfg, prompt, args, rows)

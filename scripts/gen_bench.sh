@@ -3,7 +3,7 @@
 # trained for the benchmark and the benchmark on it (the engine of another checkout beside it, when
 # BASELINE names one; HF_COMPILE=1 adds the torch.compile row), and Nsight Compute's time of every kernel
 # of a decode step.
-#   DATA=<dir with gpu.yaml, tok4096.json, shards4096/> scripts/gen_bench.sh [tests] [random] [trained] [ncu]
+#   DATA=<dir with gpu.yaml, tok4096.json, shards4096/> scripts/gen_bench.sh [tests] [random] [trained] [ncu] [ncu64]
 # scripts/gen_bench_data.sh DIR builds that DATA folder on the CPU (the Python docs, their BPE, shards, config).
 # Logs go to $LOG_DIR (default $TMPDIR/nanoeuler-gen-bench); a summary is printed last.
 set -u -o pipefail
@@ -50,11 +50,18 @@ for mode in "${modes[@]}"; do
             run random $PY bench/generate_gpu.py --no-hf --repeats 3 ;;
         ncu)  # the decode kernels of three greedy steps, after the first ones (eager, then recorded as a graph)
             timeout "${NCU_TIMEOUT:-180}" ncu --graph-profiling node --cache-control none --clock-control none \
-                --metrics gpu__time_duration.sum --kernel-name regex:"gemv|attend|embed|argmax" \
+                --metrics gpu__time_duration.sum --kernel-name regex:"gemv|attend|embed|argmax|swiglu" \
                 --launch-skip 100 --launch-count 249 --csv --log-file "$LOG_DIR/ncu.csv" \
                 $PY bench/generate_gpu.py --steps-only 12 > "$LOG_DIR/ncu_run.log" 2>&1
             summary+=("ncu        rc=$?")
             ncu_table "$LOG_DIR/ncu.csv" | tee "$LOG_DIR/ncu_table.md" ;;
+        ncu64)  # every kernel of three batch-64 greedy steps (the cuBLAS path), after the first ones
+            timeout "${NCU_TIMEOUT:-180}" ncu --graph-profiling node --cache-control none --clock-control none \
+                --metrics gpu__time_duration.sum --launch-skip 4300 --launch-count 340 --csv \
+                --log-file "$LOG_DIR/ncu64.csv" $PY bench/generate_gpu.py --steps-only 12 --steps-batch 64 \
+                > "$LOG_DIR/ncu64_run.log" 2>&1
+            summary+=("ncu64      rc=$?")
+            ncu_table "$LOG_DIR/ncu64.csv" | tee "$LOG_DIR/ncu64_table.md" ;;
         trained)
             DATA=${DATA:?DATA must name the folder with gpu.yaml, tok4096.json and shards4096/}
             run pretrain $PY -m nanoeuler pretrain --config "$DATA/gpu.yaml" --shards "$DATA/shards4096/manifest.json" \
@@ -73,5 +80,6 @@ for f in random baseline trained; do
     [ -f "$LOG_DIR/$f.log" ] && { echo "=== $f"; sed -n '/^NVIDIA\|^| run/,$p' "$LOG_DIR/$f.log" | grep -v "^$"; }
 done
 [ -f "$LOG_DIR/ncu_table.md" ] && { echo "=== ncu"; cat "$LOG_DIR/ncu_table.md"; }
+[ -f "$LOG_DIR/ncu64_table.md" ] && { echo "=== ncu64"; head -30 "$LOG_DIR/ncu64_table.md"; }
 grep -E "passed|failed" "$LOG_DIR/tests.log" 2>/dev/null | tail -3
 printf '%s\n' "${summary[@]}"

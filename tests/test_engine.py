@@ -156,6 +156,9 @@ def test_every_decode_kernel_the_gpu_backend_launches_is_defined():
     gemv = re.findall(r'extern "C" __global__ void (?:GEMV_BOUNDS |__launch_bounds__\([^)]*\) )?(\w+)_u##U##_##NAME\(',
                       text)
     stems |= {f"{s}_u{u}" for s in gemv for u in units}
+    # SWIGLU_DOWN(W, NAME, U, R) inside GEMV_KERNELS defines swiglu_down_u<U>_r<R>_<NAME>
+    rows = re.findall(r"^\s*SWIGLU_DOWN\(W, NAME, U, (\d+)\)", text, flags=re.M)
+    stems |= {f"swiglu_down_u{u}_r{r}" for u in units for r in rows}
     suffixes = set(re.findall(r"^DECODE_KERNELS\(\w+, (\w+)\)", text, flags=re.M))
     plain = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', text))
     assert set(gpu.KERNELS) <= stems and suffixes == {"bf16", "f32"}

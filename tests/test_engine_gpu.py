@@ -76,9 +76,11 @@ def test_greedy_plain_speculative_and_batched(model, dtype):
     assert got[:3] == eng.generate(prompts, 12, GREEDY) or dtype == "bf16"
 
 
-def test_programmatic_dependent_launch_changes_no_bit(model):
-    """PDL only lets kernels start early (each waits for the one before it inside): the same logits, bit
-    for bit, as ordinary launches, for a prefill, a verify pass and wide-batch decoding."""
+def test_programmatic_dependent_launch_changes_nothing(model):
+    """PDL only lets kernels start early (each waits for the one before it inside): the same logits as
+    ordinary launches, bit for bit for a cuBLAS-path prefill, to float rounding for a verify pass (the GEMV
+    path's branches join the residual stream by atomicAdd, in no fixed order), and the same greedy tokens
+    of wide-batch decoding."""
     from nanoeuler.infer.gpu import GpuBackend
 
     params, cfg = model
@@ -93,7 +95,7 @@ def test_programmatic_dependent_launch_changes_no_bit(model):
         be.start(1)
     np.testing.assert_array_equal(on.prefill(0, ids), off.prefill(0, ids))
     for _ in range(3):  # eager, recorded, replayed
-        np.testing.assert_array_equal(on.verify(ids[:4], 21), off.verify(ids[:4], 21))
+        np.testing.assert_allclose(on.verify(ids[:4], 21), off.verify(ids[:4], 21), rtol=1e-4, atol=1e-4)
     prompts = [list(ids[:3 + i % 7]) for i in range(20)]
     assert (Engine(on, cfg).generate(prompts, 6, GREEDY, speculative=False)
             == Engine(off, cfg).generate(prompts, 6, GREEDY, speculative=False))

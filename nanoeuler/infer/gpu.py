@@ -6,12 +6,15 @@
 The model runs over rows (token, cache slot, position) with the kernels of `kernels/decode.cu`; see
 `engine.py` for the interface. Two ways through a layer, the same arithmetic:
 
-  * few rows (decode steps of up to GEMV_MAX_ROWS slots, speculative verify passes): five kernels a layer,
-    GEMVs that stream each weight row once in 16-byte loads for all rows, with the RMSNorm in their
-    prologue: qkv (RoPE and the cache write in its epilogue), attention over the cache, o (+= x), gate/up
-    (-> silu(g) * u), down (+= x). Batch-1 products are bound by the weight bandwidth, where a GEMM's tiles
-    only waste work. On compute capability 9.0 each is launched with programmatic dependent launch
-    (`launch.py`): it requests its weights while the kernel before it still runs.
+  * few rows (decode steps of up to GEMV_MAX_ROWS slots, speculative verify passes): three kernels a
+    layer that stream each weight row once in 16-byte loads for all rows, with the RMSNorm in their
+    prologue: the qkv GEMV (RoPE and the cache write in its epilogue), attention over the cache with the o
+    projection (`attend_o`: each head's share added to x), the MLP (`swiglu_down`: gate/up, silu(g) * u,
+    and each block's share of the down projection added to dx, which the next layer folds into x). The
+    branches join the residual stream by atomicAdd, so float sums may differ in the last bits from run to
+    run. Batch-1 products are bound by the weight bandwidth, where a GEMM's tiles only waste work, and a
+    step by its kernel boundaries. On compute capability 9.0 each kernel is launched with programmatic
+    dependent launch (`launch.py`): it requests its weights while the kernel before it still runs.
   * many rows (prefill, wide batches): cuBLAS GEMMs (bf16 operands, float32 accumulation, through ctypes so
     that they can be captured) between elementwise kernels; a prefill's attention is the training engine's
     tensor-core FlashAttention (bf16, head size 32 or 64) over the prompt.
@@ -38,12 +41,15 @@ from nanoeuler.model.layers import rope_tables
 from nanoeuler.model.transformer import head_weight_names
 
 # decode.cu's kernels per weight storage (`<stem>_bf16`, `<stem>_f32`; the GEMVs also per U), and its two others
-KERNELS = ("embed", "rope_cache", "attend", "attend_act", "rmsnorm_act", "swiglu_act") + tuple(
-    f"gemv_{e}_u{u}" for e in ("store", "store2", "add", "swiglu", "rope") for u in (4, 8))
+KERNELS = ("embed", "rope_cache", "attend_o", "attend_act", "rmsnorm_act", "swiglu_act") + tuple(
+    f"gemv_{e}_u{u}" for e in ("store", "store2", "rope") for u in (4, 8)) + tuple(
+    f"swiglu_down_u{u}_r{r}" for u in (4, 8) for r in (1, 4))
 GEMV_MAX_ROWS = 16  # decode batches above this many rows take the cuBLAS path
-GEMV_ROWS, GEMV_WARPS = 4, 8  # as decode.cu
+GEMV_ROWS, GEMV_WARPS, MLP_FC = 4, 8, 16  # as decode.cu
+OSPLIT = 4  # attend_o's row splits, at most
 ATTEND_THREADS = 512
-CHAIN_AHEAD, CHAIN_CAP = 3, 8  # greedy steps queued ahead of the host; the ring of their ids on the GPU
+# steps that feed themselves: queued ahead of the host, recorded together as one graph, the ring of their ids
+CHAIN_AHEAD, CHAIN_GROUP, CHAIN_CAP = 8, 4, 16
 
 
 def to_bf16(a):
@@ -68,11 +74,10 @@ class _Rows:
         self.meta, self.samp = self.ctl[:3 * M], self.ctl[3 * M:]
         self.slots = np.arange(M, dtype=np.int32)
         self.x = cp.zeros((M, C), f32)
+        self.dx = cp.zeros((M, C), f32)  # the MLP branch not yet in x (the GEMV path)
         self.qkv = cp.zeros((M, (H + 2 * Hkv) * D), f32)
         self.q = cp.zeros((M, H * D), f32)
-        self.att = cp.zeros((M, H * D), f32)
         self.gu = cp.zeros((M, 2 * F), f32)
-        self.m = cp.zeros((M, F), f32)
         self.act = cp.zeros(M * max(C, F, H * D), wt)  # GEMM operands (the cuBLAS path)
         self.logits = cp.zeros((M, n_out), f32)  # (M, heads, V) packed, for as many heads as asked
         self.out = cp.zeros(M * cfg.mtp_heads, cp.int32)
@@ -112,6 +117,8 @@ class GpuBackend:
             raise ValueError(f"dtype must be bf16 or fp32, got {dtype!r}")
         if cfg.vocab_size > 1024 * 64:  # sample_rows keeps SAMPLE_PER_THREAD = 64 logits per thread
             raise ValueError(f"the GPU sampler handles vocabularies of up to 65536 tokens, not {cfg.vocab_size}")
+        if cfg.dim % OSPLIT:  # attend_o's row splits (1, 2 or OSPLIT)
+            raise ValueError(f"the GPU decode engine needs a width divisible by {OSPLIT}, not {cfg.dim}")
         self.cp, self.cfg, self.dtype = cp, cfg, dtype
         self.wt = cp.uint16 if dtype == "bf16" else cp.float32
         suffix = "bf16" if dtype == "bf16" else "f32"
@@ -157,13 +164,15 @@ class GpuBackend:
         self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
         self.heads = W(cp.concatenate([cp.asarray(p[h], dtype=cp.float32) for h in head_weight_names(cfg)]))
         self.stream = cp.cuda.Stream(non_blocking=True)
+        self._n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
         self._gemm = None
         self._rows: dict[int, _Rows] = {}
         self._graphs: dict = {}
         self.kc = self.vc = None
         self.seeds = None
         self.use_graphs = True
-        self._landed = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(CHAIN_CAP)]  # per record
+        self._events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(CHAIN_CAP)]
+        self._landed = list(self._events)  # per record of the ring: the event after its copy to the host
 
     # ---- buffers ------------------------------------------------------------------------------------
 
@@ -201,37 +210,62 @@ class GpuBackend:
         else:
             self.k[name](grid, block, args, shared_mem=shared_mem, stream=self.stream)
 
-    def _gemv(self, epi: str, w, x, gain, y, M: int, N: int, K: int, pdl: bool = True) -> None:
-        """y = W (norm(x)) over M rows, `epi` as decode.cu: store, add, swiglu, store2 (N = outputs, or pairs
-        of outputs for store2)."""
-        vec = 8 if self.dtype == "bf16" else 4
-        u = 4 if -(-K // (32 * vec)) <= 4 else 8  # 16-byte pieces per lane and row in flight
+    def _u(self, K: int) -> int:
+        """16-byte pieces per lane and weight row in flight in a GEMV over rows of K."""
+        return 4 if -(-K // (32 * (8 if self.dtype == "bf16" else 4))) <= 4 else 8
+
+    def _gemv(self, epi: str, w, x, x2, gain, y, M: int, N: int, K: int, pdl: bool = True) -> None:
+        """y = W (norm(x + x2)) over M rows (x2 may be None), `epi` as decode.cu: store, store2 (N = outputs,
+        or pairs of outputs for store2)."""
         grid = (-(-N // GEMV_WARPS), -(-M // GEMV_ROWS))
-        g = gain if gain is not None else np.uint64(0)
-        self._launch(f"gemv_{epi}_u{u}", grid, (32 * GEMV_WARPS,),
-                     (w, x, g, y, np.int32(M), np.int32(N), np.int32(K), np.float32(self.cfg.norm_eps)),
+        null = np.uint64(0)
+        self._launch(f"gemv_{epi}_u{self._u(K)}", grid, (32 * GEMV_WARPS,),
+                     (w, x, null if x2 is None else x2, null if gain is None else gain, y, np.int32(M), np.int32(N),
+                      np.int32(K), np.float32(self.cfg.norm_eps)),
                      shared_mem=4 * min(M, GEMV_ROWS) * K, pdl=pdl)
 
-    def _qkv_rope(self, r: _Rows, w, x, li: int, M: int) -> None:
-        """q, k, v of M rows with RoPE, k and v into the cache (the qkv GEMV's RoPE epilogue)."""
+    def _qkv_rope(self, r: _Rows, w, li: int, M: int) -> None:
+        """q, k, v of the norm of x + dx over M rows with RoPE, k and v into the cache (the qkv GEMV's RoPE
+        epilogue)."""
         cfg, i32 = self.cfg, np.int32
         H, Hkv, D, C = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
-        vec = 8 if self.dtype == "bf16" else 4
-        u = 4 if -(-C // (32 * vec)) <= 4 else 8
         pairs = (H + 2 * Hkv) * (D // 2)
-        self._launch(f"gemv_rope_u{u}", (-(-pairs // GEMV_WARPS), -(-M // GEMV_ROWS)), (32 * GEMV_WARPS,),
-                     (w["qkv"], x, w["n1"], r.q, self.kc[li], self.vc[li], r.meta, self.cos, self.sin, i32(M),
-                      i32(H), i32(Hkv), i32(D), i32(cfg.ctx_len), i32(C), np.float32(cfg.norm_eps)),
+        self._launch(f"gemv_rope_u{self._u(C)}", (-(-pairs // GEMV_WARPS), -(-M // GEMV_ROWS)), (32 * GEMV_WARPS,),
+                     (w["qkv"], r.x, r.dx, w["n1"], r.q, self.kc[li], self.vc[li], r.meta, self.cos, self.sin,
+                      i32(M), i32(H), i32(Hkv), i32(D), i32(cfg.ctx_len), i32(C), np.float32(cfg.norm_eps)),
                      shared_mem=4 * min(M, GEMV_ROWS) * C)
 
-    def _attention(self, name: str, r: _Rows, li, out, M):
+    def _attend_o(self, r: _Rows, w, li: int, M: int) -> None:
+        """x += dx + W_o attention(q over the cache); dx = 0 (attend_o)."""
+        cfg, i32 = self.cfg, np.int32
+        # row splits: up to OSPLIT while the blocks (one a multiprocessor) fit the GPU at once
+        splits = next((k for k in (OSPLIT, 2) if k * M * cfg.n_heads <= self._n_sm), 1)
+        self._launch("attend_o", (M * cfg.n_heads, splits), (ATTEND_THREADS,),
+                     (r.q, self.kc[li], self.vc[li], r.meta, w["o"], r.x, r.dx, i32(M), i32(cfg.n_heads),
+                      i32(cfg.n_kv_heads), i32(cfg.head_dim), i32(cfg.ctx_len), i32(cfg.dim)),
+                     shared_mem=self._attend_smem() + 4 * cfg.head_dim)
+
+    def _swiglu_down(self, r: _Rows, w, M: int) -> None:
+        """dx += W_down (silu(W_gate norm(x)) * W_up norm(x)) (swiglu_down)."""
         cfg = self.cfg
-        D, L = cfg.head_dim, cfg.ctx_len
-        vec = 8 if self.dtype == "bf16" else 4
-        self._launch(name, (M, cfg.n_heads), (ATTEND_THREADS,),
+        rows = 1 if M == 1 else GEMV_ROWS
+        self._launch(f"swiglu_down_u{self._u(cfg.dim)}_r{rows}", (-(-cfg.hidden // MLP_FC), -(-M // rows)),
+                     (32 * MLP_FC,), (w["gu"], w["down"], r.x, w["n2"], r.dx, np.int32(M), np.int32(cfg.hidden),
+                                      np.int32(cfg.dim), np.float32(cfg.norm_eps)),
+                     shared_mem=4 * min(M, rows) * cfg.dim)
+
+    def _attention(self, r: _Rows, li, out, M):
+        """out (M, H D) of W: attention of the rows' q over the cache (the batched path's operand)."""
+        cfg = self.cfg
+        self._launch("attend_act", (M, cfg.n_heads), (ATTEND_THREADS,),
                      (r.q, self.kc[li], self.vc[li], r.meta, out, np.int32(M), np.int32(cfg.n_heads),
-                      np.int32(cfg.n_kv_heads), np.int32(D), np.int32(L)),
-                     shared_mem=4 * (L + ATTEND_THREADS * vec))
+                      np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.ctx_len)),
+                     shared_mem=self._attend_smem())
+
+    def _attend_smem(self) -> int:
+        """decode.cu's attend_row: the scores, then the partial outputs in two rounds."""
+        vec = 8 if self.dtype == "bf16" else 4
+        return 4 * (self.cfg.ctx_len + ATTEND_THREADS * (vec + 1))
 
     def _layers(self, r: _Rows, M: int, batched: bool, prefill: bool = False):
         """Every layer over M rows: r.x holds the embeddings in, the residual stream out. `prefill`: the rows
@@ -246,12 +280,10 @@ class GpuBackend:
         flash_ops = r.flash_operands(self.cp, cfg, self.wt) if prefill and batched and self._flash else None
         null = np.uint64(0)
         for li, w in enumerate(self.layers):
-            if not batched:
-                self._qkv_rope(r, w, x, li, M)
-                self._attention("attend", r, li, r.att, M)
-                self._gemv("add", w["o"], r.att, None, x, M, C, HD)
-                self._gemv("swiglu", w["gu"], x, w["n2"], r.m, M, F, C)
-                self._gemv("add", w["down"], r.m, None, x, M, C, F)
+            if not batched:  # x + dx out (dx: the last layer's MLP branch)
+                self._qkv_rope(r, w, li, M)
+                self._attend_o(r, w, li, M)
+                self._swiglu_down(r, w, M)
                 continue
             gemm = self.gemm()
             self._launch("rmsnorm_act", (M,), (256,), (x, w["n1"], r.act, i32(C), f32(cfg.norm_eps)))
@@ -265,30 +297,39 @@ class GpuBackend:
 
                 flash.flash_fwd(self._flash, *flash_ops[:3], r.act, flash_ops[3])
             else:
-                self._attention("attend_act", r, li, r.act, M)
+                self._attention(r, li, r.act, M)
             gemm(Matrix(x), Matrix(r.act2(M, HD)), Matrix(w["o"]), tb=True, beta=1.0)
             self._launch("rmsnorm_act", (M,), (256,), (x, w["n2"], r.act, i32(C), f32(cfg.norm_eps)))
             gemm(Matrix(r.gu[:M]), Matrix(r.act2(M, C)), Matrix(w["gu"]), tb=True)
             self._launch("swiglu_act", (M,), (256,), (r.gu, r.act, i32(F)))
             gemm(Matrix(x), Matrix(r.act2(M, F)), Matrix(w["down"]), tb=True, beta=1.0)
 
-    def _head_logits(self, x, logits, M: int, n: int, pdl: bool = True) -> None:
-        """The first n rows of the stacked heads (n / V heads) on the final norm of M rows, packed (M, n);
-        two rows a warp (each x value read feeds two weights) where n is even."""
+    def _head_logits(self, x, dx, logits, M: int, n: int, pdl: bool = True) -> None:
+        """The first n rows of the stacked heads (n / V heads) on the final norm of M rows of x + dx, packed
+        (M, n); two rows a warp (each x value read feeds two weights) where n is even."""
         if n % 2 == 0:
-            self._gemv("store2", self.heads, x, self.norm, logits, M, n // 2, self.cfg.dim, pdl=pdl)
+            self._gemv("store2", self.heads, x, dx, self.norm, logits, M, n // 2, self.cfg.dim, pdl=pdl)
         else:
-            self._gemv("store", self.heads, x, self.norm, logits, M, n, self.cfg.dim, pdl=pdl)
+            self._gemv("store", self.heads, x, dx, self.norm, logits, M, n, self.cfg.dim, pdl=pdl)
 
     def _embed(self, r: _Rows, M: int) -> None:
-        self._launch("embed", (M,), (256,), (r.meta, self.emb, r.x, np.int32(M), np.int32(self.cfg.dim)))
+        self._launch("embed", (M,), (256,), (r.meta, self.emb, r.x, r.dx, np.int32(M), np.int32(self.cfg.dim)))
 
     def _step(self, r: _Rows, M: int, n_heads: int, rule: str):
         """Queue one forward of M rows (ids/slots/positions in r.meta) and the choice of the next ids."""
         cfg, V = self.cfg, self.cfg.vocab_size
         self._embed(r, M)
         self._layers(r, M, batched=M > GEMV_MAX_ROWS)
-        self._head_logits(r.x, r.logits, M, n_heads * V)
+        if M > GEMV_MAX_ROWS:  # many rows: the heads as a GEMM on the final norm
+            from nanoeuler.kernels.cublas import Matrix
+
+            n = n_heads * V
+            self._launch("rmsnorm_act", (M,), (256,), (r.x, self.norm, r.act, np.int32(cfg.dim),
+                                                       np.float32(cfg.norm_eps)))
+            self.gemm()(Matrix(r.logits.reshape(-1)[:M * n].reshape(M, n)), Matrix(r.act2(M, cfg.dim)),
+                        Matrix(self.heads[:n]), tb=True)
+        else:
+            self._head_logits(r.x, r.dx, r.logits, M, n_heads * V)
         # the GEMV wrote the logits packed: (M, n_heads, V)
         if rule == "argmax":
             self._launch("argmax_rows", (M * n_heads,), (1024,), (r.logits, np.int32(V), np.int64(V), r.out))
@@ -358,7 +399,7 @@ class GpuBackend:
 
         r = self._replay(("prefill", P), P, queue, meta)
         with self.stream:  # every head at the prompt's last row; launched plainly after the graph
-            self._head_logits(r.x[T - 1:T], r.logits, 1, cfg.mtp_heads * cfg.vocab_size, pdl=False)
+            self._head_logits(r.x[T - 1:T], r.dx[T - 1:T], r.logits, 1, cfg.mtp_heads * cfg.vocab_size, pdl=False)
             logits = r.logits[0].get(stream=self.stream)
         return logits.reshape(cfg.mtp_heads, cfg.vocab_size)
 
@@ -394,18 +435,29 @@ class GpuBackend:
                                  lambda queued, read: queued < n)
 
     def _chained(self, r: _Rows, key, queue, size: int, more):
-        """Queue steps that feed themselves while more(queued, read) and fewer than CHAIN_AHEAD are unread;
-        yield each step's record (`size` ids of r.hist's ring) as it lands."""
+        """Queue steps that feed themselves while more(queued, read) and at most CHAIN_AHEAD are unread,
+        CHAIN_GROUP of them as one graph (single steps where more() does not allow a whole group): a graph
+        launch and the copy of the ids cost GPU time between graphs. Yield each step's record (`size` ids
+        of r.hist's ring) as it lands."""
         queued = read = 0
         while True:
-            while queued - read < CHAIN_AHEAD and more(queued, read):
-                self._execute(key, queue)
-                j = queued % CHAIN_CAP
+            while more(queued, read):
+                k = CHAIN_GROUP if more(queued + CHAIN_GROUP - 1, read) else 1
+                if queued - read + k > CHAIN_AHEAD:
+                    break
+                self._execute((key, k), lambda: [queue() for _ in range(k)])
                 with self.stream:
-                    r.hist[j * size:(j + 1) * size].data.copy_to_host_async(r.hist_host[j * size:].ctypes.data,
-                                                                             4 * size, self.stream)
-                    self._landed[j].record(self.stream)
-                queued += 1
+                    for lo in range(queued, queued + k):  # the records, in at most two runs of the ring
+                        j = lo % CHAIN_CAP
+                        if lo == queued or j == 0:
+                            n = min(queued + k - lo, CHAIN_CAP - j)
+                            r.hist[j * size:(j + n) * size].data.copy_to_host_async(
+                                r.hist_host[j * size:].ctypes.data, 4 * n * size, self.stream)
+                    last = self._events[(queued + k - 1) % CHAIN_CAP]
+                    last.record(self.stream)
+                    for lo in range(queued, queued + k):
+                        self._landed[lo % CHAIN_CAP] = last
+                queued += k
             if queued == read:
                 return
             j = read % CHAIN_CAP

@@ -57,23 +57,24 @@ template <> struct Vec<float> {
 };
 template <typename W> __device__ __forceinline__ uint4 ld16(const W* p) { return *reinterpret_cast<const uint4*>(p); }
 
-// ---- embedding: x[m] = emb[ids[m]] (float32 residual stream) ----------------------------------------
+// ---- embedding: x[m] = emb[ids[m]] (float32 residual stream), dx[m] = 0 -------------------------------
 
 template <typename W>
-__device__ void embed(const int* meta, const W* emb, float* x, int M, int C) {
+__device__ void embed(const int* meta, const W* emb, float* x, float* dx, int M, int C) {
     pdl_wait();
     pdl_launch();
     const int m = blockIdx.x;
     const long long id = meta[m];
-    for (int c = threadIdx.x; c < C; c += blockDim.x) x[(long long)m * C + c] = tof(emb[id * C + c]);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        x[(long long)m * C + c] = tof(emb[id * C + c]);
+        dx[(long long)m * C + c] = 0.f;  // the MLP branch's sums (swiglu_down) start from zero
+    }
 }
 
 // ---- GEMV: y[m, n] = sum_k W[n, k] * a[m, k] for a few rows m ---------------------------------------
 // A warp computes one output (one weight row) or a pair (two weight rows sharing each x value read):
 //   EPI_STORE  y[m, n] = acc                           one row n = warp
 //   EPI_STORE2 y[m, n] = acc                           two rows 2 warp, 2 warp + 1 (N: pairs; the heads)
-//   EPI_ADD    y[m, n] += acc                          one row (a branch joining the residual stream)
-//   EPI_SWIGLU y[m, n] = silu(acc_n) * acc_{n + N}     gate row n, up row n + N (W: gate rows, then up rows)
 //   EPI_ROPE   q/k rotated, k and v into the cache     rows h D + j and h D + j + D/2 of the qkv matrix
 // Each lane streams 16-byte pieces of its rows, U of them per row in flight at once, the first U requested
 // before the kernel waits for the one before it: with U * 32 pieces covering a row (K <= 2048 bf16 at
@@ -82,14 +83,13 @@ __device__ void embed(const int* meta, const W* emb, float* x, int M, int C) {
 // the RMSNorm of x (x / rms(x) * gain).
 #define GEMV_ROWS 4
 #define GEMV_WARPS 8
-enum { EPI_STORE = 0, EPI_ADD = 1, EPI_SWIGLU = 2, EPI_ROPE = 3, EPI_STORE2 = 4 };
+enum { EPI_STORE = 0, EPI_ROPE = 1, EPI_STORE2 = 2 };
 
 template <int EPI> struct Gemv {
-    static constexpr int P = (EPI == EPI_STORE || EPI == EPI_ADD) ? 1 : 2;  // weight rows per warp
+    static constexpr int P = EPI == EPI_STORE ? 1 : 2;  // weight rows per warp
     // the weight rows of output `o` (N outputs; `half` = D/2 for EPI_ROPE)
     __device__ static void rows(int o, int N, int half, int (&r)[2]) {
-        if (EPI == EPI_SWIGLU) { r[0] = o; r[1] = o + N; }
-        else if (EPI == EPI_ROPE) { r[0] = (o / half) * 2 * half + o % half; r[1] = r[0] + half; }
+        if (EPI == EPI_ROPE) { r[0] = (o / half) * 2 * half + o % half; r[1] = r[0] + half; }
         else if (EPI == EPI_STORE2) { r[0] = 2 * o; r[1] = 2 * o + 1; }
         else { r[0] = o; r[1] = o; }
     }
@@ -107,46 +107,33 @@ __device__ __forceinline__ void gemv_load(const W* const (&wr)[2], int K, int k0
         }
 }
 
-// The dot products of this warp's P weight rows with the block's rows of x: acc[p][r] (summed over the
-// warp, valid in every lane). Returns false for a warp past the last output (it must not store).
-// The norm's 1/rms(x) multiplies the sums rather than x: the block stages x * gain, reading all its rows
-// at once, and adds up the squares in the same pass, so one barrier ends the prologue.
-template <typename W, int EPI, int U>
-__device__ __forceinline__ bool gemv_dots(const W* __restrict__ w, const float* __restrict__ x,
-                                          const float* __restrict__ gain, int M, int N, int K, float eps,
-                                          int half, float (&acc)[2][GEMV_ROWS], int& o, int& m0, int& rows) {
-    extern __shared__ float xs[];  // (rows, K)
-    __shared__ float sq[GEMV_ROWS][GEMV_WARPS];
-    constexpr int P = Gemv<EPI>::P, V = Vec<W>::N;
-    m0 = blockIdx.y * GEMV_ROWS;
-    rows = min(GEMV_ROWS, M - m0);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    o = blockIdx.x * GEMV_WARPS + warp;
-    const bool active = o < N;
-    int r[2];
-    Gemv<EPI>::rows(active ? o : 0, N, half, r);
-    const W* const wr[2] = {w + (long long)r[0] * K, w + (long long)r[1] * K};
-    const bool vec = K % V == 0;  // rows 16-byte aligned
-    uint4 raw[P][U];
-    if (active && vec) gemv_load<W, P, U>(wr, K, lane * V, raw);  // independent of earlier kernels
-    pdl_wait();
-    pdl_launch();
-    // x staged in 16-byte pieces. With bf16 weights a lane reads the 8 x values of its 16 weight bytes as
-    // two float4: the first halves of all pieces lie in xs[0, K/2), the second halves in xs[K/2, K), so
-    // the warp's 16-byte reads are consecutive (no bank conflicts).
-    constexpr int NH = V / 4;
-    float ss[GEMV_ROWS];
+// Stage `rows` rows of x (+ x2 where given; K wide, from row m0) in shared memory xs (rows, K), times gain
+// where given, and add up their squares per warp in sq (the norm's 1/rms multiplies the sums, gemv_finish, so one barrier
+// ends the staging). With bf16 weights a lane reads the 8 x values of its 16 weight bytes as two float4:
+// the first halves of all pieces lie in xs[0, K/2), the second halves in xs[K/2, K), so the warp's
+// 16-byte reads are consecutive (no bank conflicts).
+template <typename W, int R = GEMV_ROWS>
+__device__ __forceinline__ void stage_x(const float* __restrict__ x, const float* __restrict__ x2,
+                                        const float* __restrict__ gain, int m0, int rows, int K, float* xs,
+                                        float (*sq)[32]) {
+    constexpr int NH = Vec<W>::N / 4;
+    float ss[R];
 #pragma unroll
-    for (int rr = 0; rr < GEMV_ROWS; rr++) ss[rr] = 0.f;
-    if (vec) {
+    for (int rr = 0; rr < R; rr++) ss[rr] = 0.f;
+    if (K % Vec<W>::N == 0) {
         const int K4 = K / 4;
 #pragma unroll
-        for (int rr = 0; rr < GEMV_ROWS; rr++) {
+        for (int rr = 0; rr < R; rr++) {
             if (rr >= rows) break;
             const float4* xr = reinterpret_cast<const float4*>(x + (long long)(m0 + rr) * K);
+            const float4* x2r = reinterpret_cast<const float4*>(x2 + (long long)(m0 + rr) * K);
 #pragma unroll 4
             for (int k4 = threadIdx.x; k4 < K4; k4 += blockDim.x) {
                 float4 v = xr[k4];
+                if (x2 != nullptr) {
+                    const float4 d = x2r[k4];
+                    v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
+                }
                 ss[rr] += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
                 if (gain != nullptr) {
                     const float4 g = reinterpret_cast<const float4*>(gain)[k4];
@@ -157,11 +144,11 @@ __device__ __forceinline__ bool gemv_dots(const W* __restrict__ w, const float* 
         }
     } else {
 #pragma unroll
-        for (int rr = 0; rr < GEMV_ROWS; rr++) {
+        for (int rr = 0; rr < R; rr++) {
             if (rr >= rows) break;
             const float* xr = x + (long long)(m0 + rr) * K;
             for (int k = threadIdx.x; k < K; k += blockDim.x) {
-                const float v = xr[k];
+                const float v = xr[k] + (x2 != nullptr ? x2[(long long)(m0 + rr) * K + k] : 0.f);
                 xs[rr * K + k] = gain != nullptr ? v * gain[k] : v;
                 ss[rr] += v * v;
             }
@@ -169,134 +156,193 @@ __device__ __forceinline__ bool gemv_dots(const W* __restrict__ w, const float* 
     }
     if (gain != nullptr) {
 #pragma unroll
-        for (int rr = 0; rr < GEMV_ROWS; rr++) {
+        for (int rr = 0; rr < R; rr++) {
             ss[rr] = warp_sum(ss[rr]);
-            if (lane == 0) sq[rr][warp] = ss[rr];
+            if ((threadIdx.x & 31) == 0) sq[rr][threadIdx.x >> 5] = ss[rr];
         }
     }
     __syncthreads();
-    if (!active) return false;
+}
+
+// This lane's share of the dot products of the P weight rows wr with the staged rows: acc[p][r]. raw holds
+// the first U pieces already where `loaded` (requested early), the loop requests the rest.
+template <typename W, int P, int U, int R = GEMV_ROWS>
+__device__ __forceinline__ void warp_dots(const W* const (&wr)[2], int K, const float* xs, int rows,
+                                          uint4 (&raw)[P][U], bool loaded, float (&acc)[2][R]) {
+    constexpr int V = Vec<W>::N, NH = V / 4;
+    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int p = 0; p < 2; p++)
 #pragma unroll
-        for (int rr = 0; rr < GEMV_ROWS; rr++) acc[p][rr] = 0.f;
-    if (vec) {
-        for (int k0 = lane * V; k0 < K; k0 += 32 * V * U) {
-            if (k0 != lane * V) gemv_load<W, P, U>(wr, K, k0, raw);
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                const int k = k0 + u * 32 * V;
-                if (k >= K) break;
-                float wf[P][V];
-#pragma unroll
-                for (int p = 0; p < P; p++) Vec<W>::unpack(raw[p][u], wf[p]);
-#pragma unroll
-                for (int rr = 0; rr < GEMV_ROWS; rr++) {
-                    if (rr >= rows) break;
-                    float xv[V];  // 16-byte shared-memory loads
-#pragma unroll
-                    for (int i = 0; i < NH; i++) {
-                        const float4 t = *reinterpret_cast<const float4*>(xs + rr * K + i * (K / NH) + (k / V) * 4);
-                        xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
-                    }
-#pragma unroll
-                    for (int p = 0; p < P; p++)
-#pragma unroll
-                        for (int i = 0; i < V; i++) acc[p][rr] += wf[p][i] * xv[i];
-                }
-            }
-        }
-    } else {  // rows not 16-byte aligned: one element per lane
+        for (int rr = 0; rr < R; rr++) acc[p][rr] = 0.f;
+    if (K % V != 0) {  // rows not 16-byte aligned: one element per lane
 #pragma unroll
         for (int p = 0; p < P; p++)
             for (int k = lane; k < K; k += 32) {
                 const float wk = tof(wr[p][k]);
 #pragma unroll
-                for (int rr = 0; rr < GEMV_ROWS; rr++)
+                for (int rr = 0; rr < R; rr++)
                     if (rr < rows) acc[p][rr] += wk * xs[rr * K + k];
             }
+        return;
     }
+    for (int k0 = lane * V; k0 < K; k0 += 32 * V * U) {
+        if (!loaded || k0 != lane * V) gemv_load<W, P, U>(wr, K, k0, raw);
 #pragma unroll
-    for (int rr = 0; rr < GEMV_ROWS; rr++) {
+        for (int u = 0; u < U; u++) {
+            const int k = k0 + u * 32 * V;
+            if (k >= K) break;
+            float wf[P][V];
+#pragma unroll
+            for (int p = 0; p < P; p++) Vec<W>::unpack(raw[p][u], wf[p]);
+#pragma unroll
+            for (int rr = 0; rr < R; rr++) {
+                if (rr >= rows) break;
+                float xv[V];  // 16-byte shared-memory loads
+#pragma unroll
+                for (int i = 0; i < NH; i++) {
+                    const float4 t = *reinterpret_cast<const float4*>(xs + rr * K + i * (K / NH) + (k / V) * 4);
+                    xv[4 * i] = t.x; xv[4 * i + 1] = t.y; xv[4 * i + 2] = t.z; xv[4 * i + 3] = t.w;
+                }
+#pragma unroll
+                for (int p = 0; p < P; p++)
+#pragma unroll
+                    for (int i = 0; i < V; i++) acc[p][rr] += wf[p][i] * xv[i];
+            }
+        }
+    }
+}
+
+// The warp's sums (valid in every lane), times the rows' 1/rms where the product is with the norm.
+template <int P, int R = GEMV_ROWS>
+__device__ __forceinline__ void gemv_finish(float (&acc)[2][R], const float (*sq)[32], bool norm, int K,
+                                            float eps) {
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) {
         float scale = 1.f;
-        if (gain != nullptr) {
+        if (norm) {
             float t = 0.f;
-#pragma unroll
-            for (int i = 0; i < GEMV_WARPS; i++) t += sq[rr][i];
+            for (int i = 0; i < (int)(blockDim.x >> 5); i++) t += sq[rr][i];
             scale = rsqrtf(t / K + eps);
         }
         acc[0][rr] = warp_sum(acc[0][rr]) * scale;
         if (P == 2) acc[1][rr] = warp_sum(acc[1][rr]) * scale;
     }
-    return true;
 }
 
-template <typename W, int EPI, int U>
-__device__ void gemv(const W* __restrict__ w, const float* __restrict__ x, const float* __restrict__ gain,
-                     float* __restrict__ y, int M, int N, int K, float eps) {
-    float acc[2][GEMV_ROWS];
-    int o, m0, rows;
-    if (!gemv_dots<W, EPI, U>(w, x, gain, M, N, K, eps, 1, acc, o, m0, rows) || (threadIdx.x & 31) != 0) return;
+// Output o of the store / store2 epilogues for `rows` rows from m0 (lane 0).
+template <int EPI>
+__device__ __forceinline__ void gemv_store(const float (&acc)[2][GEMV_ROWS], float* __restrict__ y, int o, int N,
+                                           int m0, int rows) {
 #pragma unroll
     for (int rr = 0; rr < GEMV_ROWS; rr++) {
         if (rr >= rows) break;
         float* row = y + (long long)(m0 + rr) * (EPI == EPI_STORE2 ? 2 * N : N);
         if (EPI == EPI_STORE) row[o] = acc[0][rr];
         if (EPI == EPI_STORE2) { row[2 * o] = acc[0][rr]; row[2 * o + 1] = acc[1][rr]; }
-        if (EPI == EPI_ADD) row[o] += acc[0][rr];
-        if (EPI == EPI_SWIGLU) row[o] = acc[0][rr] / (1.f + __expf(-acc[0][rr])) * acc[1][rr];
     }
 }
 
-// The qkv GEMV with RoPE and the cache write in its epilogue: output o = pair (head h, column j < D/2) of
-// the (H + 2 Hkv) heads of q, k, v; q (M, H, D) float out, k rotated and v into the caches
-// (slots, Hkv, L, D) of W at the row's slot and position; cos/sin (L, D/2) as layers.rope_tables.
+// Where the qkv product goes (EPI_ROPE): q (M, H, D) float; k rotated and v into the caches (slots, Hkv,
+// L, D) of W at the row's slot and position (meta); cos/sin (L, D/2) as layers.rope_tables.
+template <typename W> struct RopeOut {
+    float* q;
+    W* kc;
+    W* vc;
+    const int* meta;
+    const float* cos_t;
+    const float* sin_t;
+    int H, Hkv, D, L;
+};
+
+// Output o = pair (head, column j < D/2) of the (H + 2 Hkv) heads of q, k, v, for row m: x1, x2 the
+// pair's two sums, c and s its rotation at the row's position.
+template <typename W>
+__device__ __forceinline__ void rope_store(const RopeOut<W>& r, int o, int m, int M, float x1, float x2, float c,
+                                           float s) {
+    const int half = r.D / 2, head = o / half, j = o % half;
+    const int slot = r.meta[M + m], pos = r.meta[2 * M + m];
+    if (head < r.H + r.Hkv) {
+        const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
+        if (head < r.H) {
+            float* dst = r.q + ((long long)m * r.H + head) * r.D;
+            dst[j] = y1;
+            dst[j + half] = y2;
+        } else {
+            W* dst = r.kc + (((long long)slot * r.Hkv + (head - r.H)) * r.L + pos) * r.D;
+            dst[j] = fromf<W>(y1);
+            dst[j + half] = fromf<W>(y2);
+        }
+    } else {
+        W* dst = r.vc + (((long long)slot * r.Hkv + (head - r.H - r.Hkv)) * r.L + pos) * r.D;
+        dst[j] = fromf<W>(x1);
+        dst[j + half] = fromf<W>(x2);
+    }
+}
+
+// The kernel GEMV's dot products: this warp's P weight rows with the block's rows of x, acc[p][r] (summed
+// over the warp, valid in every lane). Returns false for a warp past the last output (it must not store).
+template <typename W, int EPI, int U>
+__device__ __forceinline__ bool gemv_dots(const W* __restrict__ w, const float* __restrict__ x,
+                                          const float* __restrict__ x2, const float* __restrict__ gain, int M,
+                                          int N, int K, float eps,
+                                          int half, float (&acc)[2][GEMV_ROWS], int& o, int& m0, int& rows) {
+    extern __shared__ float xs[];  // (rows, K)
+    __shared__ float sq[GEMV_ROWS][32];
+    constexpr int P = Gemv<EPI>::P;
+    m0 = blockIdx.y * GEMV_ROWS;
+    rows = min(GEMV_ROWS, M - m0);
+    o = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const bool active = o < N;
+    int r[2];
+    Gemv<EPI>::rows(active ? o : 0, N, half, r);
+    const W* const wr[2] = {w + (long long)r[0] * K, w + (long long)r[1] * K};
+    uint4 raw[P][U];
+    const bool early = active && K % Vec<W>::N == 0;
+    if (early) gemv_load<W, P, U>(wr, K, (threadIdx.x & 31) * Vec<W>::N, raw);  // independent of earlier kernels
+    pdl_wait();
+    pdl_launch();
+    stage_x<W>(x, x2, gain, m0, rows, K, xs, sq);
+    if (!active) return false;
+    warp_dots<W, P, U>(wr, K, xs, rows, raw, early, acc);
+    gemv_finish<P>(acc, sq, gain != nullptr, K, eps);
+    return true;
+}
+
+template <typename W, int EPI, int U>
+__device__ void gemv(const W* __restrict__ w, const float* __restrict__ x, const float* __restrict__ x2,
+                     const float* __restrict__ gain, float* __restrict__ y, int M, int N, int K, float eps) {
+    float acc[2][GEMV_ROWS];
+    int o, m0, rows;
+    if (!gemv_dots<W, EPI, U>(w, x, x2, gain, M, N, K, eps, 1, acc, o, m0, rows) || (threadIdx.x & 31) != 0) return;
+    gemv_store<EPI>(acc, y, o, N, m0, rows);
+}
+
+// The qkv GEMV with RoPE and the cache write in its epilogue (rope_store).
 template <typename W, int U>
-__device__ void gemv_rope(const W* __restrict__ w, const float* __restrict__ x, const float* __restrict__ gain,
-                          float* __restrict__ q, W* __restrict__ kc, W* __restrict__ vc, const int* __restrict__ meta,
-                          const float* __restrict__ cos_t, const float* __restrict__ sin_t, int M, int H, int Hkv,
-                          int D, int L, int K, float eps) {
-    const int half = D / 2, N = (H + 2 * Hkv) * half;
-    // the rows' slots, positions and rotations: the host's (or the previous step's) meta and constant
-    // tables, requested before the GEMV waits for the kernel before it
-    const int out = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), head = out / half, j = out % half;
+__device__ void gemv_rope(const W* __restrict__ w, const float* __restrict__ x, const float* __restrict__ x2,
+                          const float* __restrict__ gain, const RopeOut<W>& ro, int M, int K, float eps) {
+    const int half = ro.D / 2, N = (ro.H + 2 * ro.Hkv) * half;
+    // the rows' rotations: the host's (or the previous step's) positions and constant tables, requested
+    // before the GEMV waits for the kernel before it
+    const int out = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), j = out % half;
     const int first = blockIdx.y * GEMV_ROWS;
-    int slot[GEMV_ROWS], pos[GEMV_ROWS];
     float cr[GEMV_ROWS], sr[GEMV_ROWS];
 #pragma unroll
     for (int rr = 0; rr < GEMV_ROWS; rr++) {
         if (first + rr >= M || out >= N) break;
-        slot[rr] = meta[M + first + rr];
-        pos[rr] = meta[2 * M + first + rr];
-        cr[rr] = cos_t[pos[rr] * half + j];
-        sr[rr] = sin_t[pos[rr] * half + j];
+        const int pos = ro.meta[2 * M + first + rr];
+        cr[rr] = ro.cos_t[pos * half + j];
+        sr[rr] = ro.sin_t[pos * half + j];
     }
     float acc[2][GEMV_ROWS];
     int o, m0, rows;
-    if (!gemv_dots<W, EPI_ROPE, U>(w, x, gain, M, N, K, eps, half, acc, o, m0, rows) || (threadIdx.x & 31) != 0)
+    if (!gemv_dots<W, EPI_ROPE, U>(w, x, x2, gain, M, N, K, eps, half, acc, o, m0, rows) || (threadIdx.x & 31) != 0)
         return;
 #pragma unroll
     for (int rr = 0; rr < GEMV_ROWS; rr++) {
         if (rr >= rows) break;
-        const int m = m0 + rr;
-        const float x1 = acc[0][rr], x2 = acc[1][rr];
-        if (head < H + Hkv) {
-            const float c = cr[rr], s = sr[rr];
-            const float y1 = x1 * c - x2 * s, y2 = x2 * c + x1 * s;
-            if (head < H) {
-                float* dst = q + ((long long)m * H + head) * D;
-                dst[j] = y1;
-                dst[j + half] = y2;
-            } else {
-                W* dst = kc + (((long long)slot[rr] * Hkv + (head - H)) * L + pos[rr]) * D;
-                dst[j] = fromf<W>(y1);
-                dst[j + half] = fromf<W>(y2);
-            }
-        } else {
-            W* dst = vc + (((long long)slot[rr] * Hkv + (head - H - Hkv)) * L + pos[rr]) * D;
-            dst[j] = fromf<W>(x1);
-            dst[j + half] = fromf<W>(x2);
-        }
+        rope_store<W>(ro, o, m0 + rr, M, acc[0][rr], acc[1][rr], cr[rr], sr[rr]);
     }
 }
 
@@ -351,50 +397,46 @@ __device__ void rope_cache(const float* __restrict__ qkv, const int* __restrict_
 }
 
 // ---- attention of one row and query head over its slot's cache, keys 0..pos ---------------------------
-// grid (M, H). Scores: one thread per key (a whole D-dot each, in 16-byte loads). p @ V: thread t takes
-// the 16-byte piece t % (D / Vec) of every (blockDim / (D / Vec))-th key, so all of a thread's loads are
-// independent (the first AV of them issued with the key loads); the partial outputs are added up in
-// shared memory. Shared: scores (L) + partial outputs (blockDim.x * Vec).
-
-template <typename W, typename O, bool PRE>
-__device__ void attend(const float* __restrict__ q, const W* __restrict__ kc, const W* __restrict__ vc,
-                       const int* __restrict__ meta, O* __restrict__ out, int M, int H, int Hkv, int D, int L) {
+// Scores: one thread per key (a whole D-dot each, in 16-byte loads). p @ V: thread t takes the 16-byte
+// piece t % (D / Vec) of every (blockDim / (D / Vec))-th key, so all of a thread's loads are independent;
+// the partial outputs are added up in shared memory, in two rounds (each thread of a round adds up to 8).
+// With PRE, a thread holds its key row and its first AV V pieces in registers, requested at once: those
+// of rows that earlier steps wrote (positions before pos - m: this step writes a row's own position, and
+// in a verify pass rows 0..m-1 of the same slot the m positions before it) before `wait()` (the wait for
+// the kernel before), the others after it. Shared: scores (L) + partial outputs (blockDim.x * (Vec + 1)).
+template <typename W, typename O, bool PRE, typename Wait>
+__device__ void attend_row(const float* __restrict__ q, const W* __restrict__ kc, const W* __restrict__ vc,
+                           const int* __restrict__ meta, O* __restrict__ dst, int M, int H, int Hkv, int D, int L,
+                           int m, int h, Wait wait) {
     extern __shared__ float sm[];
     __shared__ float red[32];
     constexpr int V = Vec<W>::N;
-    float* sc = sm;           // L
-    float* part = sc + L;     // blockDim.x * V
-    // meta is the host's (or the previous step's): readable before the wait. So are the cache rows at
-    // positions before pos - m (earlier steps wrote them; this step writes a row's own position, and in a
-    // verify pass rows 0..m-1 of the same slot the m positions before it): ask L2 for them meanwhile.
-    const int m = blockIdx.x, h = blockIdx.y;
-    const int slot = meta[M + m], S = meta[2 * M + m] + 1;
+    float* sc = sm;                         // L
+    float* part = sc + L;                   // blockDim.x * V
+    float* part2 = part + blockDim.x * V;   // blockDim.x
+    const int slot = meta[M + m], S = meta[2 * M + m] + 1, old = S - 1 - m;
     const int kvh = h / (H / Hkv);
     const W* kb = kc + ((long long)slot * Hkv + kvh) * L * D;
     const W* vb = vc + ((long long)slot * Hkv + kvh) * L * D;
-    for (int j = threadIdx.x; j < S - 1 - m; j += blockDim.x)
-        for (int b = 0; b < D * (int)sizeof(W); b += 128) {
-            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)(kb + (long long)j * D) + b));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)(vb + (long long)j * D) + b));
-        }
-    pdl_wait();
-    pdl_launch();
-    // after the wait every load at once: this thread's key row and first V pieces into registers, its
-    // element of q into shared memory (the barrier waits for that one only)
     const int pieces = D / V, groups = blockDim.x / pieces, g = threadIdx.x / pieces, c = threadIdx.x % pieces;
-    // V pieces and key pieces held (a key row of up to 8 pieces: D <= 8 Vec); PRE = false (the batched
+    // key pieces held (a key row of up to 8 pieces: D <= 8 Vec) and V pieces; PRE = false (the batched
     // path, many blocks: fewer registers, more blocks resident) holds none
     constexpr int AV = PRE ? 2 : 0, KP = PRE ? 8 : 1;
     const int j0 = threadIdx.x;
     uint4 kpre[KP], vpre[AV > 0 ? AV : 1];
+    auto load = [&](bool before) {
 #pragma unroll
-    for (int p = 0; p < KP; p++)
-        if (PRE && p < pieces && j0 < S) kpre[p] = ld16(kb + (long long)j0 * D + p * V);
+        for (int p = 0; p < KP; p++)
+            if (PRE && p < pieces && j0 < S && (j0 < old) == before) kpre[p] = ld16(kb + (long long)j0 * D + p * V);
 #pragma unroll
-    for (int i = 0; i < AV; i++) {
-        const int j = g + i * groups;
-        if (g < groups && j < S) vpre[i] = ld16(vb + (long long)j * D + c * V);
-    }
+        for (int i = 0; i < AV; i++) {
+            const int j = g + i * groups;
+            if (g < groups && j < S && (j < old) == before) vpre[i] = ld16(vb + (long long)j * D + c * V);
+        }
+    };
+    load(true);
+    wait();
+    load(false);
     float* qs = part;  // D floats, free until p @ V
     const float scale = rsqrtf((float)D);
     for (int d = threadIdx.x; d < D; d += blockDim.x) qs[d] = q[((long long)m * H + h) * D + d] * scale;
@@ -459,10 +501,170 @@ __device__ void attend(const float* __restrict__ q, const W* __restrict__ kc, co
 #pragma unroll
     for (int i = 0; i < V; i++) part[threadIdx.x * V + i] = acc[i];  // = part[g * D + c * V + i]
     __syncthreads();
+    // round 1: thread (k, d) adds partials k, k + R, ... of output d (R = blockDim.x / D rounds' worth)
+    const int R = blockDim.x / D;
+    if ((int)threadIdx.x < R * D) {
+        const int k = threadIdx.x / D, d = threadIdx.x % D;
+        float o = 0.f;
+        for (int i = k; i < groups; i += R) o += part[i * D + d];
+        part2[threadIdx.x] = o;
+    }
+    __syncthreads();
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float o = 0.f;
-        for (int i = 0; i < groups; i++) o += part[i * D + d];
-        out[(long long)m * H * D + h * D + d] = fromf<O>(o / sum);
+        for (int k = 0; k < R; k++) o += part2[k * D + d];
+        dst[d] = fromf<O>(o / sum);
+    }
+}
+
+// The cache rows of row m, head h at positions before pos - m: earlier steps wrote them (this step writes a
+// row's own position, and in a verify pass rows 0..m-1 of the same slot the m positions before it), so
+// L2 may be asked for them before the kernel waits for the one before it. meta is the host's (or the
+// previous step's): readable then too.
+template <typename W>
+__device__ __forceinline__ void cache_prefetch(const W* kc, const W* vc, const int* meta, int M, int H, int Hkv,
+                                               int D, int L, int m, int h) {
+    const int slot = meta[M + m], S = meta[2 * M + m] + 1;
+    const long long base = ((long long)slot * Hkv + h / (H / Hkv)) * L * D;
+    for (int j = threadIdx.x; j < S - 1 - m; j += blockDim.x)
+        for (int b = 0; b < D * (int)sizeof(W); b += 128) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)(kc + base + (long long)j * D) + b));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)(vc + base + (long long)j * D) + b));
+        }
+}
+
+// grid (M, H): out (M, H, D) of O.
+template <typename W, typename O, bool PRE>
+__device__ void attend(const float* __restrict__ q, const W* __restrict__ kc, const W* __restrict__ vc,
+                       const int* __restrict__ meta, O* __restrict__ out, int M, int H, int Hkv, int D, int L) {
+    const int m = blockIdx.x, h = blockIdx.y;
+    cache_prefetch<W>(kc, vc, meta, M, H, Hkv, D, L, m, h);
+    attend_row<W, O, PRE>(q, kc, vc, meta, out + ((long long)m * H + h) * D, M, H, Hkv, D, L, m, h, [] {
+        pdl_wait();
+        pdl_launch();
+    });
+}
+
+// ---- attention and the o projection in one kernel: x += W_o att (+ dx, folded in) ---------------------
+// The GEMV path's layer is three kernels: qkv (gemv_rope), attend_o, swiglu_down; the two branches join the
+// residual stream by atomicAdd, so that no kernel has to wait for a whole product before the next step.
+// grid (M H, splits): block (m H + h, s) attends row m with head h (attend_row, into shared
+// memory), then adds its head's share of the o projection to the rows n of x in split s of C / splits:
+// W_o[n, hD:(h+1)D] . att.
+// A row's head slice is PR = D / Vec 16-byte pieces on PR neighbouring lanes, summed by shuffles; the H
+// heads' shares meet in x. Head 0's blocks also fold in dx (the MLP branch of the layer before) and clear
+// it for this layer's swiglu_down. The block's first O_PRE pieces a thread are requested before the wait.
+// Shared: attend_row's (L + blockDim.x * (Vec + 1)) floats, then D.
+#define O_PRE 4
+template <typename W>
+__device__ __forceinline__ float o_piece(uint4 u, const float* att) {
+    float wf[Vec<W>::N], s = 0.f;
+    Vec<W>::unpack(u, wf);
+#pragma unroll
+    for (int i = 0; i < Vec<W>::N; i++) s += wf[i] * att[i];
+    return s;
+}
+
+template <typename W>
+__device__ void attend_o(const float* __restrict__ q, const W* __restrict__ kc, const W* __restrict__ vc,
+                         const int* __restrict__ meta, const W* __restrict__ wo, float* __restrict__ x,
+                         float* __restrict__ dx, int M, int H, int Hkv, int D, int L, int C) {
+    extern __shared__ float sm[];
+    constexpr int V = Vec<W>::N;
+    const int m = blockIdx.x / H, h = blockIdx.x % H, PR = D / V, HD = H * D;
+    const int rows = C / gridDim.y, n0 = blockIdx.y * rows, pieces = rows * PR;
+    // piece i = threadIdx.x + j blockDim.x: row n0 + i / PR, columns h D + (i % PR) V ...
+    auto at = [&](int i) { return wo + (long long)(n0 + i / PR) * HD + h * D + (i % PR) * V; };
+    uint4 pre[O_PRE];
+#pragma unroll
+    for (int j = 0; j < O_PRE; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < pieces) pre[j] = ld16(at(i));
+    }
+    cache_prefetch<W>(kc, vc, meta, M, H, Hkv, D, L, m, h);
+    float* att = sm + L + blockDim.x * (V + 1);  // after attend_row's
+    attend_row<W, float, true>(q, kc, vc, meta, att, M, H, Hkv, D, L, m, h, [] {
+        pdl_wait();
+        pdl_launch();
+    });
+    __syncthreads();
+    for (int j = 0; j * (int)blockDim.x < pieces; j++) {  // the same count in every lane (shuffles)
+        const int i = threadIdx.x + j * blockDim.x;
+        float s = 0.f;
+        if (i < pieces) {
+            uint4 u;
+#pragma unroll
+            for (int jj = 0; jj < O_PRE; jj++)
+                if (jj == j) u = pre[jj];
+            if (j >= O_PRE) u = ld16(at(i));
+            s = o_piece<W>(u, att + (i % PR) * V);
+        }
+        for (int o = PR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (i < pieces && i % PR == 0) {
+            const long long n = (long long)m * C + n0 + i / PR;
+            if (h == 0) {
+                s += dx[n];
+                dx[n] = 0.f;
+            }
+            atomicAdd(x + n, s);
+        }
+    }
+}
+
+// ---- the MLP in one kernel: dx += W_down (silu(W_gate n(x)) * W_up n(x)) -------------------------------
+// grid (ceil(F / MLP_FC), row groups of R: 1 for batch-1 steps, else GEMV_ROWS), MLP_FC warps: warp w computes f = blockIdx.x MLP_FC + w of the
+// gate/up product (the GEMV pieces: its rows requested before the wait, the norm in the prologue); the
+// block's MLP_FC values of h = silu(g) u go to shared memory; then each thread adds W_down[n, f0:f0+MLP_FC]
+// . h to dx[m, n] for its rows n (atomicAdd: the F / MLP_FC blocks meet in dx, which starts at zero:
+// embed clears it, attend_o clears it after folding it into x). The first row's W_down pieces are
+// requested before the wait too. Shared: the staged rows (rows, C).
+#define MLP_FC 16
+template <typename W, int U, int R>
+__device__ void swiglu_down(const W* __restrict__ wgu, const W* __restrict__ wd, const float* __restrict__ x,
+                            const float* __restrict__ gain, float* __restrict__ dx, int M, int F, int C, float eps) {
+    extern __shared__ float xs[];
+    __shared__ float sq[R][32];
+    __shared__ float hs[R][MLP_FC];
+    constexpr int V = Vec<W>::N, FP = MLP_FC / V;  // W_down pieces of a row's MLP_FC columns
+    const int m0 = blockIdx.y * R, rows = min(R, M - m0);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, f0 = blockIdx.x * MLP_FC, f = f0 + warp;
+    const bool active = f < F, whole = F % V == 0 && f0 + MLP_FC <= F;  // whole: 16-byte W_down pieces
+    const W* const wr[2] = {wgu + (long long)(active ? f : 0) * C, wgu + (long long)((active ? f : 0) + F) * C};
+    uint4 raw[2][U], dpre[FP];
+    const bool early = active && C % V == 0;
+    if (early) gemv_load<W, 2, U>(wr, C, lane * V, raw);
+#pragma unroll
+    for (int p = 0; p < FP; p++)
+        if (whole && (int)threadIdx.x < C) dpre[p] = ld16(wd + (long long)threadIdx.x * F + f0 + p * V);
+    pdl_wait();
+    pdl_launch();
+    stage_x<W, R>(x, nullptr, gain, m0, rows, C, xs, sq);
+    float acc[2][R];
+    warp_dots<W, 2, U, R>(wr, C, xs, rows, raw, early, acc);  // (an inactive warp's sums go unused)
+    gemv_finish<2, R>(acc, sq, true, C, eps);
+    if (lane == 0)
+#pragma unroll
+        for (int rr = 0; rr < R; rr++)
+            hs[rr][warp] = active ? acc[0][rr] / (1.f + __expf(-acc[0][rr])) * acc[1][rr] : 0.f;
+    __syncthreads();
+    for (int n = threadIdx.x; n < C; n += blockDim.x) {
+        float wf[MLP_FC];
+        if (whole) {
+#pragma unroll
+            for (int p = 0; p < FP; p++)
+                Vec<W>::unpack(n == (int)threadIdx.x ? dpre[p] : ld16(wd + (long long)n * F + f0 + p * V), wf + p * V);
+        } else {  // the last columns, or rows not 16-byte aligned
+#pragma unroll
+            for (int i = 0; i < MLP_FC; i++) wf[i] = f0 + i < F ? tof(wd[(long long)n * F + f0 + i]) : 0.f;
+        }
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) {
+            if (rr >= rows) break;
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < MLP_FC; i++) s += wf[i] * hs[rr][i];
+            atomicAdd(dx + (long long)(m0 + rr) * C + n, s);
+        }
     }
 }
 
@@ -494,48 +696,50 @@ __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, in
     }
 }
 
-// 3 blocks a multiprocessor (at most 85 registers): room for the next kernel's blocks beside the widest
-// GEMV's (gate/up: 256 blocks), so that they start early and request their weights (the qkv GEMV, with
-// fewer blocks, keeps more registers for its epilogue's values)
+// 3 blocks a multiprocessor (at most 85 registers): room for the next kernel's blocks beside a GEMV's, so
+// that they start early and request their weights (the qkv GEMV, with fewer blocks, keeps more registers
+// for its epilogue's values)
 #define GEMV_BOUNDS __launch_bounds__(256, 3)
-#define GEMV_KERNELS(W, NAME, U)                                                                              \
-    extern "C" __global__ void GEMV_BOUNDS gemv_store_u##U##_##NAME(const W* w, const float* x, const float* gain,        \
-                                                        float* y, int M, int N, int K, float eps) {           \
-        gemv<W, EPI_STORE, U>(w, x, gain, y, M, N, K, eps);                                                   \
-    }                                                                                                         \
-    extern "C" __global__ void GEMV_BOUNDS gemv_store2_u##U##_##NAME(const W* w, const float* x, const float* gain,       \
-                                                         float* y, int M, int N, int K, float eps) {          \
-        gemv<W, EPI_STORE2, U>(w, x, gain, y, M, N, K, eps);                                                  \
-    }                                                                                                         \
-    extern "C" __global__ void GEMV_BOUNDS gemv_add_u##U##_##NAME(const W* w, const float* x, const float* gain, float* y,\
-                                                      int M, int N, int K, float eps) {                       \
-        gemv<W, EPI_ADD, U>(w, x, gain, y, M, N, K, eps);                                                     \
-    }                                                                                                         \
-    extern "C" __global__ void GEMV_BOUNDS gemv_swiglu_u##U##_##NAME(const W* w, const float* x, const float* gain,       \
-                                                         float* y, int M, int N, int K, float eps) {          \
-        gemv<W, EPI_SWIGLU, U>(w, x, gain, y, M, N, K, eps);                                                  \
-    }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256, 2) gemv_rope_u##U##_##NAME(const W* w, const float* x, const float* gain,         \
-                                                       float* q, W* kc, W* vc, const int* meta,               \
-                                                       const float* c, const float* s, int M, int H, int Hkv, \
-                                                       int D, int L, int K, float eps) {                      \
-        gemv_rope<W, U>(w, x, gain, q, kc, vc, meta, c, s, M, H, Hkv, D, L, K, eps);                         \
+// rows of 1: 2 blocks a multiprocessor (at most 64 registers, free of spills); of 4: 1 (128)
+#define SWIGLU_DOWN(W, NAME, U, R)                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * MLP_FC, R == 1 ? 2 : 1) swiglu_down_u##U##_r##R##_##NAME(\
+        const W* wgu, const W* wd, const float* x, const float* gain, float* dx, int M, int F, int C, float eps) { \
+        swiglu_down<W, U, R>(wgu, wd, x, gain, dx, M, F, C, eps);                                             \
     }
+#define GEMV_KERNELS(W, NAME, U)                                                                              \
+    extern "C" __global__ void GEMV_BOUNDS gemv_store_u##U##_##NAME(const W* w, const float* x, const float* x2, \
+                                                        const float* gain, float* y, int M, int N, int K,     \
+                                                        float eps) {                                          \
+        gemv<W, EPI_STORE, U>(w, x, x2, gain, y, M, N, K, eps);                                               \
+    }                                                                                                         \
+    extern "C" __global__ void GEMV_BOUNDS gemv_store2_u##U##_##NAME(const W* w, const float* x, const float* x2,\
+                                                         const float* gain, float* y, int M, int N, int K,    \
+                                                         float eps) {                                         \
+        gemv<W, EPI_STORE2, U>(w, x, x2, gain, y, M, N, K, eps);                                              \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 2) gemv_rope_u##U##_##NAME(                             \
+        const W* w, const float* x, const float* x2, const float* gain, float* q, W* kc, W* vc, const int* meta, \
+        const float* c, const float* s, int M, int H, int Hkv, int D, int L, int K, float eps) {             \
+        gemv_rope<W, U>(w, x, x2, gain, RopeOut<W>{q, kc, vc, meta, c, s, H, Hkv, D, L}, M, K, eps);         \
+    }                                                                                                         \
+    SWIGLU_DOWN(W, NAME, U, 1)                                                                                \
+    SWIGLU_DOWN(W, NAME, U, 4)
 
 #define DECODE_KERNELS(W, NAME)                                                                               \
     GEMV_KERNELS(W, NAME, 4)                                                                                  \
     GEMV_KERNELS(W, NAME, 8)                                                                                  \
-    extern "C" __global__ void embed_##NAME(const int* meta, const W* emb, float* x, int M, int C) {          \
-        embed<W>(meta, emb, x, M, C);                                                                         \
+    extern "C" __global__ void embed_##NAME(const int* meta, const W* emb, float* x, float* dx, int M, int C) { \
+        embed<W>(meta, emb, x, dx, M, C);                                                                     \
     }                                                                                                         \
     extern "C" __global__ void rope_cache_##NAME(const float* qkv, const int* meta, float* q, W* kc, W* vc,   \
                                                  const float* c, const float* s, W* qh, W* kh, W* vh, int M,  \
                                                  int H, int Hkv, int D, int L) {                               \
         rope_cache<W>(qkv, meta, q, kc, vc, c, s, qh, kh, vh, M, H, Hkv, D, L);                               \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(512) attend_##NAME(const float* q, const W* kc, const W* vc, const int* meta,       \
-                                             float* out, int M, int H, int Hkv, int D, int L) {               \
-        attend<W, float, true>(q, kc, vc, meta, out, M, H, Hkv, D, L);                                              \
+    extern "C" __global__ void __launch_bounds__(512) attend_o_##NAME(                                        \
+        const float* q, const W* kc, const W* vc, const int* meta, const W* wo, float* x, float* dx, int M,    \
+        int H, int Hkv, int D, int L, int C) {                                                                \
+        attend_o<W>(q, kc, vc, meta, wo, x, dx, M, H, Hkv, D, L, C);                                          \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(512, 2) attend_act_##NAME(const float* q, const W* kc, const W* vc, const int* meta,   \
                                                  W* out, int M, int H, int Hkv, int D, int L) {               \

@@ -46,10 +46,9 @@ KERNELS = ("embed", "rope_cache", "attend_o", "attend_act", "rmsnorm_act", "swig
     f"swiglu_down_u{u}_r{r}" for u in (4, 8) for r in (1, 4))
 GEMV_MAX_ROWS = 16  # decode batches above this many rows take the cuBLAS path
 GEMV_ROWS, GEMV_WARPS, MLP_FC = 4, 8, 16  # as decode.cu
-OSPLIT = 4  # attend_o's row splits, at most
+OSPLIT = 8  # attend_o's row splits, at most
 ATTEND_THREADS = 512
-# steps that feed themselves: queued ahead of the host, recorded together as one graph, the ring of their ids
-CHAIN_AHEAD, CHAIN_GROUP, CHAIN_CAP = 8, 4, 16
+CHAIN_AHEAD, CHAIN_CAP = 3, 8  # greedy steps queued ahead of the host; the ring of their ids on the GPU
 
 
 def to_bf16(a):
@@ -117,7 +116,7 @@ class GpuBackend:
             raise ValueError(f"dtype must be bf16 or fp32, got {dtype!r}")
         if cfg.vocab_size > 1024 * 64:  # sample_rows keeps SAMPLE_PER_THREAD = 64 logits per thread
             raise ValueError(f"the GPU sampler handles vocabularies of up to 65536 tokens, not {cfg.vocab_size}")
-        if cfg.dim % OSPLIT:  # attend_o's row splits (1, 2 or OSPLIT)
+        if cfg.dim % OSPLIT:  # attend_o's row splits (OSPLIT or a power of two below)
             raise ValueError(f"the GPU decode engine needs a width divisible by {OSPLIT}, not {cfg.dim}")
         self.cp, self.cfg, self.dtype = cp, cfg, dtype
         self.wt = cp.uint16 if dtype == "bf16" else cp.float32
@@ -171,8 +170,7 @@ class GpuBackend:
         self.kc = self.vc = None
         self.seeds = None
         self.use_graphs = True
-        self._events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(CHAIN_CAP)]
-        self._landed = list(self._events)  # per record of the ring: the event after its copy to the host
+        self._landed = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(CHAIN_CAP)]  # per record
 
     # ---- buffers ------------------------------------------------------------------------------------
 
@@ -239,7 +237,9 @@ class GpuBackend:
         """x += dx + W_o attention(q over the cache); dx = 0 (attend_o)."""
         cfg, i32 = self.cfg, np.int32
         # row splits: up to OSPLIT while the blocks (one a multiprocessor) fit the GPU at once
-        splits = next((k for k in (OSPLIT, 2) if k * M * cfg.n_heads <= self._n_sm), 1)
+        splits = OSPLIT
+        while splits > 1 and splits * M * cfg.n_heads > self._n_sm:
+            splits //= 2
         self._launch("attend_o", (M * cfg.n_heads, splits), (ATTEND_THREADS,),
                      (r.q, self.kc[li], self.vc[li], r.meta, w["o"], r.x, r.dx, i32(M), i32(cfg.n_heads),
                       i32(cfg.n_kv_heads), i32(cfg.head_dim), i32(cfg.ctx_len), i32(cfg.dim)),
@@ -435,29 +435,18 @@ class GpuBackend:
                                  lambda queued, read: queued < n)
 
     def _chained(self, r: _Rows, key, queue, size: int, more):
-        """Queue steps that feed themselves while more(queued, read) and at most CHAIN_AHEAD are unread,
-        CHAIN_GROUP of them as one graph (single steps where more() does not allow a whole group): a graph
-        launch and the copy of the ids cost GPU time between graphs. Yield each step's record (`size` ids
-        of r.hist's ring) as it lands."""
+        """Queue steps that feed themselves while more(queued, read) and fewer than CHAIN_AHEAD are unread;
+        yield each step's record (`size` ids of r.hist's ring) as it lands."""
         queued = read = 0
         while True:
-            while more(queued, read):
-                k = CHAIN_GROUP if more(queued + CHAIN_GROUP - 1, read) else 1
-                if queued - read + k > CHAIN_AHEAD:
-                    break
-                self._execute((key, k), lambda: [queue() for _ in range(k)])
+            while queued - read < CHAIN_AHEAD and more(queued, read):
+                self._execute(key, queue)
+                j = queued % CHAIN_CAP
                 with self.stream:
-                    for lo in range(queued, queued + k):  # the records, in at most two runs of the ring
-                        j = lo % CHAIN_CAP
-                        if lo == queued or j == 0:
-                            n = min(queued + k - lo, CHAIN_CAP - j)
-                            r.hist[j * size:(j + n) * size].data.copy_to_host_async(
-                                r.hist_host[j * size:].ctypes.data, 4 * n * size, self.stream)
-                    last = self._events[(queued + k - 1) % CHAIN_CAP]
-                    last.record(self.stream)
-                    for lo in range(queued, queued + k):
-                        self._landed[lo % CHAIN_CAP] = last
-                queued += k
+                    r.hist[j * size:(j + 1) * size].data.copy_to_host_async(r.hist_host[j * size:].ctypes.data,
+                                                                             4 * size, self.stream)
+                    self._landed[j].record(self.stream)
+                queued += 1
             if queued == read:
                 return
             j = read % CHAIN_CAP

@@ -6,13 +6,14 @@
 The model runs over rows (token, cache slot, position) with the kernels of `kernels/decode.cu`; see
 `engine.py` for the interface. Two ways through a layer, the same arithmetic:
 
-  * few rows (decode steps of up to GEMV_MAX_ROWS slots, speculative verify passes): three kernels a
-    layer that stream each weight row once in 16-byte loads for all rows, with the RMSNorm in their
-    prologue: the qkv GEMV (RoPE and the cache write in its epilogue), attention over the cache with the o
-    projection (`attend_o`: each head's share added to x), the MLP (`swiglu_down`: gate/up, silu(g) * u,
-    and each block's share of the down projection added to dx, which the next layer folds into x). The
-    branches join the residual stream by atomicAdd, so float sums may differ in the last bits from run to
-    run. Batch-1 products are bound by the weight bandwidth, where a GEMM's tiles only waste work, and a
+  * few rows (decode steps of up to GEMV_MAX_ROWS slots, speculative verify passes): kernels that
+    stream each weight row once in 16-byte loads for all rows, with the RMSNorm in their prologue. One row
+    (batch-1 steps): three kernels a layer, the qkv GEMV (RoPE and the cache write in its epilogue),
+    attention over the cache with the o projection (`attend_o`: each head's share added to x), the MLP
+    (`swiglu_down`: gate/up, silu(g) * u, and each block's share of the down projection added to dx,
+    which the next layer folds into x); the branches join by atomicAdd, so float sums may differ in the
+    last bits from run to run. More rows: five, qkv, attention, o (+= x), gate/up (-> silu(g) * u), down
+    (+= x). Such products are bound by the weight bandwidth, where a GEMM's tiles only waste work, and a
     step by its kernel boundaries. On compute capability 9.0 each kernel is launched with programmatic
     dependent launch (`launch.py`): it requests its weights while the kernel before it still runs.
   * many rows (prefill, wide batches): cuBLAS GEMMs (bf16 operands, float32 accumulation, through ctypes so
@@ -41,9 +42,9 @@ from nanoeuler.model.layers import rope_tables
 from nanoeuler.model.transformer import head_weight_names
 
 # decode.cu's kernels per weight storage (`<stem>_bf16`, `<stem>_f32`; the GEMVs also per U), and its two others
-KERNELS = ("embed", "rope_cache", "attend_o", "attend_act", "rmsnorm_act", "swiglu_act") + tuple(
-    f"gemv_{e}_u{u}" for e in ("store", "store2", "rope") for u in (4, 8)) + tuple(
-    f"swiglu_down_u{u}_r{r}" for u in (4, 8) for r in (1, 4))
+KERNELS = ("embed", "rope_cache", "attend", "attend_o", "attend_act", "rmsnorm_act", "swiglu_act") + tuple(
+    f"gemv_{e}_u{u}" for e in ("store", "store2", "add", "swiglu", "rope") for u in (4, 8)) + tuple(
+    f"swiglu_down_u{u}_r1" for u in (4, 8))
 GEMV_MAX_ROWS = 16  # decode batches above this many rows take the cuBLAS path
 GEMV_ROWS, GEMV_WARPS, MLP_FC = 4, 8, 16  # as decode.cu
 OSPLIT = 8  # attend_o's row splits, at most
@@ -73,10 +74,12 @@ class _Rows:
         self.meta, self.samp = self.ctl[:3 * M], self.ctl[3 * M:]
         self.slots = np.arange(M, dtype=np.int32)
         self.x = cp.zeros((M, C), f32)
-        self.dx = cp.zeros((M, C), f32)  # the MLP branch not yet in x (the GEMV path)
+        self.dx = cp.zeros((M, C), f32)  # the MLP branch not yet in x (the one-row path)
         self.qkv = cp.zeros((M, (H + 2 * Hkv) * D), f32)
         self.q = cp.zeros((M, H * D), f32)
+        self.att = cp.zeros((M, H * D), f32)
         self.gu = cp.zeros((M, 2 * F), f32)
+        self.m = cp.zeros((M, F), f32)
         self.act = cp.zeros(M * max(C, F, H * D), wt)  # GEMM operands (the cuBLAS path)
         self.logits = cp.zeros((M, n_out), f32)  # (M, heads, V) packed, for as many heads as asked
         self.out = cp.zeros(M * cfg.mtp_heads, cp.int32)
@@ -213,8 +216,8 @@ class GpuBackend:
         return 4 if -(-K // (32 * (8 if self.dtype == "bf16" else 4))) <= 4 else 8
 
     def _gemv(self, epi: str, w, x, x2, gain, y, M: int, N: int, K: int, pdl: bool = True) -> None:
-        """y = W (norm(x + x2)) over M rows (x2 may be None), `epi` as decode.cu: store, store2 (N = outputs,
-        or pairs of outputs for store2)."""
+        """y = W (norm(x + x2)) over M rows (x2 and gain may be None), `epi` as decode.cu: store, store2, add,
+        swiglu (N = outputs, or pairs of outputs for store2)."""
         grid = (-(-N // GEMV_WARPS), -(-M // GEMV_ROWS))
         null = np.uint64(0)
         self._launch(f"gemv_{epi}_u{self._u(K)}", grid, (32 * GEMV_WARPS,),
@@ -245,19 +248,18 @@ class GpuBackend:
                       i32(cfg.n_kv_heads), i32(cfg.head_dim), i32(cfg.ctx_len), i32(cfg.dim)),
                      shared_mem=self._attend_smem() + 4 * cfg.head_dim)
 
-    def _swiglu_down(self, r: _Rows, w, M: int) -> None:
-        """dx += W_down (silu(W_gate norm(x)) * W_up norm(x)) (swiglu_down)."""
+    def _swiglu_down(self, r: _Rows, w) -> None:
+        """dx += W_down (silu(W_gate norm(x)) * W_up norm(x)) of one row (swiglu_down)."""
         cfg = self.cfg
-        rows = 1 if M == 1 else GEMV_ROWS
-        self._launch(f"swiglu_down_u{self._u(cfg.dim)}_r{rows}", (-(-cfg.hidden // MLP_FC), -(-M // rows)),
-                     (32 * MLP_FC,), (w["gu"], w["down"], r.x, w["n2"], r.dx, np.int32(M), np.int32(cfg.hidden),
-                                      np.int32(cfg.dim), np.float32(cfg.norm_eps)),
-                     shared_mem=4 * min(M, rows) * cfg.dim)
+        self._launch(f"swiglu_down_u{self._u(cfg.dim)}_r1", (-(-cfg.hidden // MLP_FC), 1), (32 * MLP_FC,),
+                     (w["gu"], w["down"], r.x, w["n2"], r.dx, np.int32(1), np.int32(cfg.hidden), np.int32(cfg.dim),
+                      np.float32(cfg.norm_eps)), shared_mem=4 * cfg.dim)
 
-    def _attention(self, r: _Rows, li, out, M):
-        """out (M, H D) of W: attention of the rows' q over the cache (the batched path's operand)."""
+    def _attention(self, name: str, r: _Rows, li, out, M):
+        """out (M, H D): attention of the rows' q over the cache, float (`attend`) or W (`attend_act`, the
+        batched path's GEMM operand)."""
         cfg = self.cfg
-        self._launch("attend_act", (M, cfg.n_heads), (ATTEND_THREADS,),
+        self._launch(name, (M, cfg.n_heads), (ATTEND_THREADS,),
                      (r.q, self.kc[li], self.vc[li], r.meta, out, np.int32(M), np.int32(cfg.n_heads),
                       np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.ctx_len)),
                      shared_mem=self._attend_smem())
@@ -280,10 +282,17 @@ class GpuBackend:
         flash_ops = r.flash_operands(self.cp, cfg, self.wt) if prefill and batched and self._flash else None
         null = np.uint64(0)
         for li, w in enumerate(self.layers):
-            if not batched:  # x + dx out (dx: the last layer's MLP branch)
+            if not batched and M == 1:  # x + dx out (dx: the last layer's MLP branch)
                 self._qkv_rope(r, w, li, M)
                 self._attend_o(r, w, li, M)
-                self._swiglu_down(r, w, M)
+                self._swiglu_down(r, w)
+                continue
+            if not batched:  # dx stays zero
+                self._qkv_rope(r, w, li, M)
+                self._attention("attend", r, li, r.att, M)
+                self._gemv("add", w["o"], r.att, None, None, x, M, C, HD)
+                self._gemv("swiglu", w["gu"], x, None, w["n2"], r.m, M, F, C)
+                self._gemv("add", w["down"], r.m, None, None, x, M, C, F)
                 continue
             gemm = self.gemm()
             self._launch("rmsnorm_act", (M,), (256,), (x, w["n1"], r.act, i32(C), f32(cfg.norm_eps)))
@@ -297,7 +306,7 @@ class GpuBackend:
 
                 flash.flash_fwd(self._flash, *flash_ops[:3], r.act, flash_ops[3])
             else:
-                self._attention(r, li, r.act, M)
+                self._attention("attend_act", r, li, r.act, M)
             gemm(Matrix(x), Matrix(r.act2(M, HD)), Matrix(w["o"]), tb=True, beta=1.0)
             self._launch("rmsnorm_act", (M,), (256,), (x, w["n2"], r.act, i32(C), f32(cfg.norm_eps)))
             gemm(Matrix(r.gu[:M]), Matrix(r.act2(M, C)), Matrix(w["gu"]), tb=True)

@@ -75,6 +75,8 @@ __device__ void embed(const int* meta, const W* emb, float* x, float* dx, int M,
 // A warp computes one output (one weight row) or a pair (two weight rows sharing each x value read):
 //   EPI_STORE  y[m, n] = acc                           one row n = warp
 //   EPI_STORE2 y[m, n] = acc                           two rows 2 warp, 2 warp + 1 (N: pairs; the heads)
+//   EPI_ADD    y[m, n] += acc                          one row (a branch joining the residual stream)
+//   EPI_SWIGLU y[m, n] = silu(acc_n) * acc_{n + N}     gate row n, up row n + N (W: gate rows, then up rows)
 //   EPI_ROPE   q/k rotated, k and v into the cache     rows h D + j and h D + j + D/2 of the qkv matrix
 // Each lane streams 16-byte pieces of its rows, U of them per row in flight at once, the first U requested
 // before the kernel waits for the one before it: with U * 32 pieces covering a row (K <= 2048 bf16 at
@@ -83,13 +85,14 @@ __device__ void embed(const int* meta, const W* emb, float* x, float* dx, int M,
 // the RMSNorm of x (x / rms(x) * gain).
 #define GEMV_ROWS 4
 #define GEMV_WARPS 8
-enum { EPI_STORE = 0, EPI_ROPE = 1, EPI_STORE2 = 2 };
+enum { EPI_STORE = 0, EPI_ADD = 1, EPI_SWIGLU = 2, EPI_ROPE = 3, EPI_STORE2 = 4 };
 
 template <int EPI> struct Gemv {
-    static constexpr int P = EPI == EPI_STORE ? 1 : 2;  // weight rows per warp
+    static constexpr int P = (EPI == EPI_STORE || EPI == EPI_ADD) ? 1 : 2;  // weight rows per warp
     // the weight rows of output `o` (N outputs; `half` = D/2 for EPI_ROPE)
     __device__ static void rows(int o, int N, int half, int (&r)[2]) {
-        if (EPI == EPI_ROPE) { r[0] = (o / half) * 2 * half + o % half; r[1] = r[0] + half; }
+        if (EPI == EPI_SWIGLU) { r[0] = o; r[1] = o + N; }
+        else if (EPI == EPI_ROPE) { r[0] = (o / half) * 2 * half + o % half; r[1] = r[0] + half; }
         else if (EPI == EPI_STORE2) { r[0] = 2 * o; r[1] = 2 * o + 1; }
         else { r[0] = o; r[1] = o; }
     }
@@ -230,7 +233,7 @@ __device__ __forceinline__ void gemv_finish(float (&acc)[2][R], const float (*sq
     }
 }
 
-// Output o of the store / store2 epilogues for `rows` rows from m0 (lane 0).
+// Output o of the store / store2 / add / swiglu epilogues for `rows` rows from m0 (lane 0).
 template <int EPI>
 __device__ __forceinline__ void gemv_store(const float (&acc)[2][GEMV_ROWS], float* __restrict__ y, int o, int N,
                                            int m0, int rows) {
@@ -240,6 +243,8 @@ __device__ __forceinline__ void gemv_store(const float (&acc)[2][GEMV_ROWS], flo
         float* row = y + (long long)(m0 + rr) * (EPI == EPI_STORE2 ? 2 * N : N);
         if (EPI == EPI_STORE) row[o] = acc[0][rr];
         if (EPI == EPI_STORE2) { row[2 * o] = acc[0][rr]; row[2 * o + 1] = acc[1][rr]; }
+        if (EPI == EPI_ADD) row[o] += acc[0][rr];
+        if (EPI == EPI_SWIGLU) row[o] = acc[0][rr] / (1.f + __expf(-acc[0][rr])) * acc[1][rr];
     }
 }
 
@@ -546,8 +551,10 @@ __device__ void attend(const float* __restrict__ q, const W* __restrict__ kc, co
 }
 
 // ---- attention and the o projection in one kernel: x += W_o att (+ dx, folded in) ---------------------
-// The GEMV path's layer is three kernels: qkv (gemv_rope), attend_o, swiglu_down; the two branches join the
-// residual stream by atomicAdd, so that no kernel has to wait for a whole product before the next step.
+// A one-row step's layer is three kernels: qkv (gemv_rope), attend_o, swiglu_down; the two branches join the
+// residual stream by atomicAdd, so that no kernel waits for a whole product before the next step. (A few
+// rows take five, the products with more rows to a weight read: gemv_rope, attend, gemv_add (o),
+// gemv_swiglu, gemv_add (down); they measured faster there.)
 // grid (M H, splits): block (m H + h, s) attends row m with head h (attend_row, into shared
 // memory), then adds its head's share of the o projection to the rows n of x in split s of C / splits:
 // W_o[n, hD:(h+1)D] . att.
@@ -612,7 +619,8 @@ __device__ void attend_o(const float* __restrict__ q, const W* __restrict__ kc, 
 }
 
 // ---- the MLP in one kernel: dx += W_down (silu(W_gate n(x)) * W_up n(x)) -------------------------------
-// grid (ceil(F / MLP_FC), row groups of R: 1 for batch-1 steps, else GEMV_ROWS), MLP_FC warps: warp w computes f = blockIdx.x MLP_FC + w of the
+// grid (ceil(F / MLP_FC), row groups of R), MLP_FC warps (R = 1, the one-row step, instantiated: the
+// registers of more rows leave no room for the next kernel's blocks): warp w computes f = f0 + w of the
 // gate/up product (the GEMV pieces: its rows requested before the wait, the norm in the prologue); the
 // block's MLP_FC values of h = silu(g) u go to shared memory; then each thread adds W_down[n, f0:f0+MLP_FC]
 // . h to dx[m, n] for its rows n (atomicAdd: the F / MLP_FC blocks meet in dx, which starts at zero:
@@ -700,9 +708,9 @@ __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, in
 // that they start early and request their weights (the qkv GEMV, with fewer blocks, keeps more registers
 // for its epilogue's values)
 #define GEMV_BOUNDS __launch_bounds__(256, 3)
-// rows of 1: 2 blocks a multiprocessor (at most 64 registers, free of spills); of 4: 1 (128)
+// at most 64 registers: 2 blocks a multiprocessor (rows of one keep it nearly free of spills)
 #define SWIGLU_DOWN(W, NAME, U, R)                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * MLP_FC, R == 1 ? 2 : 1) swiglu_down_u##U##_r##R##_##NAME(\
+    extern "C" __global__ void __launch_bounds__(32 * MLP_FC, 2) swiglu_down_u##U##_r##R##_##NAME(           \
         const W* wgu, const W* wd, const float* x, const float* gain, float* dx, int M, int F, int C, float eps) { \
         swiglu_down<W, U, R>(wgu, wd, x, gain, dx, M, F, C, eps);                                             \
     }
@@ -717,13 +725,22 @@ __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, in
                                                          float eps) {                                         \
         gemv<W, EPI_STORE2, U>(w, x, x2, gain, y, M, N, K, eps);                                              \
     }                                                                                                         \
+    extern "C" __global__ void GEMV_BOUNDS gemv_add_u##U##_##NAME(const W* w, const float* x, const float* x2,   \
+                                                      const float* gain, float* y, int M, int N, int K,       \
+                                                      float eps) {                                            \
+        gemv<W, EPI_ADD, U>(w, x, x2, gain, y, M, N, K, eps);                                                 \
+    }                                                                                                         \
+    extern "C" __global__ void GEMV_BOUNDS gemv_swiglu_u##U##_##NAME(const W* w, const float* x, const float* x2,\
+                                                         const float* gain, float* y, int M, int N, int K,    \
+                                                         float eps) {                                         \
+        gemv<W, EPI_SWIGLU, U>(w, x, x2, gain, y, M, N, K, eps);                                              \
+    }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 2) gemv_rope_u##U##_##NAME(                             \
         const W* w, const float* x, const float* x2, const float* gain, float* q, W* kc, W* vc, const int* meta, \
         const float* c, const float* s, int M, int H, int Hkv, int D, int L, int K, float eps) {             \
         gemv_rope<W, U>(w, x, x2, gain, RopeOut<W>{q, kc, vc, meta, c, s, H, Hkv, D, L}, M, K, eps);         \
     }                                                                                                         \
-    SWIGLU_DOWN(W, NAME, U, 1)                                                                                \
-    SWIGLU_DOWN(W, NAME, U, 4)
+    SWIGLU_DOWN(W, NAME, U, 1)
 
 #define DECODE_KERNELS(W, NAME)                                                                               \
     GEMV_KERNELS(W, NAME, 4)                                                                                  \
@@ -740,6 +757,11 @@ __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, in
         const float* q, const W* kc, const W* vc, const int* meta, const W* wo, float* x, float* dx, int M,    \
         int H, int Hkv, int D, int L, int C) {                                                                \
         attend_o<W>(q, kc, vc, meta, wo, x, dx, M, H, Hkv, D, L, C);                                          \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(512) attend_##NAME(const float* q, const W* kc, const W* vc,   \
+                                                               const int* meta, float* out, int M, int H,     \
+                                                               int Hkv, int D, int L) {                       \
+        attend<W, float, true>(q, kc, vc, meta, out, M, H, Hkv, D, L);                                        \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(512, 2) attend_act_##NAME(const float* q, const W* kc, const W* vc, const int* meta,   \
                                                  W* out, int M, int H, int Hkv, int D, int L) {               \

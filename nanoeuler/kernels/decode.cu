@@ -111,8 +111,8 @@ __device__ __forceinline__ void gemv_load(const W* const (&wr)[2], int K, int k0
 }
 
 // Stage `rows` rows of x (+ x2 where given; K wide, from row m0) in shared memory xs (rows, K), times gain
-// where given, and add up their squares per warp in sq (the norm's 1/rms multiplies the sums, gemv_finish, so one barrier
-// ends the staging). With bf16 weights a lane reads the 8 x values of its 16 weight bytes as two float4:
+// where given, and add up their squares per warp in sq (the norm's 1/rms multiplies the sums, gemv_finish,
+// so one barrier ends the staging). With bf16 weights a lane reads the 8 x values of its 16 weight bytes as two float4:
 // the first halves of all pieces lie in xs[0, K/2), the second halves in xs[K/2, K), so the warp's
 // 16-byte reads are consecutive (no bank conflicts).
 template <typename W, int R = GEMV_ROWS>

@@ -193,6 +193,29 @@ class _FeedsItself:
             block, pos = ids[:, a].copy(), pos + a + 1
 
 
+@pytest.mark.parametrize("cost,probed", [(100.0, True), (0.0, False)])
+def test_default_speculation_goes_on_plainly_where_it_does_not_pay(model, monkeypatch, cost, probed):
+    """On by default (not asked for), a greedy stream whose first PROBE_PASSES passes keep fewer tokens a
+    pass than the backend's verify_cost goes on plainly; the tokens are plain greedy's either way, also
+    through the self-feeding calls (a switch from greedy_passes to greedy_steps mid-stream)."""
+    from nanoeuler.infer import engine as engine_mod
+
+    params, cfg = model
+    base = Engine.from_params(params, cfg, "cpu")
+    monkeypatch.setattr(type(base.backend), "verify_cost", cost)
+    p, n = [5, 17, 42, 8], cfg.ctx_len + 20  # across a refill
+    want = list(base.stream(p, n, GREEDY, speculative=False))
+    for eng in (Engine.from_params(params, cfg, "cpu"), Engine(_FeedsItself(base.backend, cfg), cfg)):
+        assert list(eng.stream(p, n, GREEDY)) == want
+        assert (eng.stats.passes == engine_mod.PROBE_PASSES) == probed
+        eng.stats = type(eng.stats)()
+        assert list(eng.stream(p, n, GREEDY, speculative=True)) == want  # asked for: no probe
+        assert eng.stats.passes > engine_mod.PROBE_PASSES
+        eng.stats = type(eng.stats)()
+        assert eng.generate([p], n, GREEDY) == [want]
+        assert (eng.stats.passes == engine_mod.PROBE_PASSES) == probed
+
+
 def test_steps_that_feed_themselves_give_the_same_tokens(model):
     params, cfg = model
     eng = Engine.from_params(params, cfg, "cpu")

@@ -34,6 +34,9 @@ def _mm(x, w):
 
 
 class CpuBackend:
+    # a verify pass's time in decode steps (`small`, 2 threads: 3.0 tokens a pass ran 1.15x plain; BENCHMARKS.md)
+    verify_cost = 2.6
+
     def __init__(self, params: dict, cfg):
         p = {k: np.asarray(v) for k, v in params.items()}
         self.cfg = cfg

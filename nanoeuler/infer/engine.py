@@ -16,8 +16,9 @@ ragged prompts, and self-speculative decoding. The arithmetic lives in a backend
     verify(tokens, pos) -> (K, t, V)    feed t tokens of slot 0 at pos..pos+t-1; every head's logits
     verify_argmax(tokens, pos) -> (K,t) the same, reduced to argmax ids (the greedy fast path)
 
-and optionally (the GPU's) greedy steps and speculative passes that feed themselves on the device,
-queued ahead of the host: `greedy_steps(tokens, pos, n)` and `greedy_passes(sure, drafts, pos)`.
+and `verify_cost`, a verify pass's time in decode steps; and optionally (the GPU's) greedy steps and
+speculative passes that feed themselves on the device, queued ahead of the host: `greedy_steps(tokens,
+pos, n)` and `greedy_passes(sure, drafts, pos)`.
 
 Positions are the host's: a slot's cache holds whatever was fed at positions < pos, so rewinding after
 rejected drafts costs nothing (the next feed overwrites them; attention never looks past the row's own
@@ -35,6 +36,10 @@ from the draft head's distribution q is kept with probability min(1, p(x)/q(x)),
 distribution at the row before it; at the first rejection the next token is drawn from
 max(0, p - q) renormalised (and after K-1 acceptances from head 0's last row), which makes each
 token's distribution exactly plain sampling's (`accept_or_resample`).
+
+A pass pays when it keeps more tokens than it costs decode steps (the backend's `verify_cost`, measured:
+BENCHMARKS.md). Where speculation is on by default rather than asked for, greedy streams that keep fewer
+over their first PROBE_PASSES passes go on plainly: the same tokens either way.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from nanoeuler.infer.generate import Sampling, sample_token, sampling_probs
+
+PROBE_PASSES = 16  # verify passes before a default-on greedy stream checks that speculation pays
 
 
 @dataclass
@@ -124,7 +131,7 @@ class Engine:
             for i, p in enumerate(prompts):
                 s = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + i)
                 row = []
-                for t in self.stream(p, max_new_tokens, s, stop_ids, speculative=True):
+                for t in self.stream(p, max_new_tokens, s, stop_ids, speculative=speculative or self.speculative):
                     row.append(t)
                     if on_token:
                         on_token(i, t)
@@ -207,20 +214,27 @@ class Engine:
         if not self._use_speculation(speculative, sampling, 1):
             yield from self._single(prompt, max_new_tokens, sampling, stop_ids)
             return
-        yield from self._speculative(prompt, max_new_tokens, sampling, stop_ids)
+        asked = speculative if speculative is not None else self.speculative
+        yield from self._speculative(prompt, max_new_tokens, sampling, stop_ids, probe=asked is None)
 
     def _single(self, prompt, max_new, sampling, stop_ids) -> Iterator[int]:
         """Plain decoding of one prompt: `_batch` with one row, in plain ints (the host's share of a step
-        is a few microseconds of Python, not NumPy calls). Greedy decoding on a backend with
-        `greedy_steps` (the GPU's: steps that feed themselves, queued ahead) takes its ids from there."""
-        be, ctx = self.backend, self.cfg.ctx_len
+        is a few microseconds of Python, not NumPy calls)."""
         if max_new <= 0:
             return
         hist = self._check_prompt(prompt)
-        rngs = [np.random.default_rng(sampling.seed)]
-        be.start(1, [sampling.seed])
-        tok = self._first(be.prefill(0, hist)[0], rngs[0], sampling)
-        feed, pos, n = [0], [len(hist)], 0
+        rng = np.random.default_rng(sampling.seed)
+        self.backend.start(1, [sampling.seed])
+        tok = self._first(self.backend.prefill(0, hist)[0], rng, sampling)
+        yield from self._plain(hist, tok, 0, max_new, sampling, stop_ids, rng)
+
+    def _plain(self, hist, tok, n, max_new, sampling, stop_ids, rng) -> Iterator[int]:
+        """Plain decoding of slot 0 from `tok` (not yet yielded; the cache holds hist's positions, n ids
+        were yielded before). Greedy decoding on a backend with `greedy_steps` (the GPU's: steps that
+        feed themselves, queued ahead) takes its ids from there."""
+        be, ctx = self.backend, self.cfg.ctx_len
+        rngs = [rng]
+        feed, pos = [0], [len(hist)]
         mask = np.ones(1, dtype=bool)
         chain = getattr(be, "greedy_steps", None) if sampling.temperature <= 0 else None
         ahead = None  # greedy_steps' ids, up to the end of the context or of max_new
@@ -245,7 +259,9 @@ class Engine:
                 tok = int(be.decode(feed, pos, sampling, n - 1, rngs, mask)[0])
             pos[0] += 1
 
-    def _speculative(self, prompt, max_new, sampling, stop_ids):
+    def _speculative(self, prompt, max_new, sampling, stop_ids, probe: bool = False):
+        """Self-speculative decoding of one prompt. `probe`: a greedy stream goes on plainly (`_plain`)
+        once its first PROBE_PASSES verify passes kept fewer tokens a pass than the backend's verify_cost."""
         be, cfg = self.backend, self.cfg
         K, ctx = cfg.mtp_heads, cfg.ctx_len
         hist = self._check_prompt(prompt)
@@ -259,6 +275,8 @@ class Engine:
         n = 0
         chain = getattr(be, "greedy_passes", None) if greedy else None
         passes = None  # its generator, while it runs
+        probe = probe and greedy
+        kept = [0, 0]  # this stream's passes and the tokens they gave
         while True:
             # emit the sure token; then either slide, step plainly near the end of the context, or verify
             yield sure
@@ -306,6 +324,8 @@ class Engine:
                 _, new_drafts, new_qs = self._drafts(logits[1:, a], rng, sampling)
             st.passes += 1
             st.tokens += a + 1
+            kept[0] += 1
+            kept[1] += a + 1
             for j in range(K - 1):  # draft j is checked when all before it were kept
                 st.offered[j] += j <= a
                 st.accepted[j] += j < a
@@ -316,6 +336,10 @@ class Engine:
                 if int(d) in stop_ids or n == max_new:
                     return
             sure, drafts, qs = nxt, new_drafts, new_qs
+            if probe and kept[0] == PROBE_PASSES and kept[1] < be.verify_cost * kept[0]:
+                passes = None  # (passes it queued ahead only wrote cache rows that later steps overwrite)
+                yield from self._plain(hist, sure, n, max_new, sampling, stop_ids, rng)
+                return
 
     def _after_prefill(self, heads_logits, rng, sampling):
         """(sure token from head 0, drafts from heads 1.., their distributions) from (K, V) logits."""
@@ -349,4 +373,5 @@ def add_speculative_argument(parser) -> None:
     parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None,
                         help="self-speculative decoding: the MTP heads draft, one pass verifies (same greedy "
                              "output; same sampling distribution). Default: on for greedy decoding "
-                             "(--temperature 0) of one prompt, where it is faster; off for sampling")
+                             "(--temperature 0) of one prompt, going on plainly when its first 16 passes "
+                             "keep too few drafts to pay; off for sampling")

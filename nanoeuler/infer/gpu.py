@@ -106,6 +106,9 @@ class _Rows:
 
 
 class GpuBackend:
+    # a verify pass's time in decode steps (H100, the 116M model: 458 against 256 us; BENCHMARKS.md)
+    verify_cost = 1.8
+
     def __init__(self, params: dict, cfg, dtype: str = "bf16", pdl: bool | None = None):
         """`pdl`: launch with programmatic dependent launch where the GPU has it (default: on, unless the
         environment sets NANOEULER_PDL=0)."""

@@ -78,9 +78,9 @@ def test_greedy_plain_speculative_and_batched(model, dtype):
 
 def test_programmatic_dependent_launch_changes_nothing(model):
     """PDL only lets kernels start early (each waits for the one before it inside): the same logits as
-    ordinary launches, bit for bit for a cuBLAS-path prefill, to float rounding for a verify pass (the GEMV
-    path's branches join the residual stream by atomicAdd, in no fixed order), and the same greedy tokens
-    of wide-batch decoding."""
+    ordinary launches, bit for bit for a cuBLAS-path prefill, to float rounding for a verify pass (GEMV
+    kernels, where the one-row layer's branches join by atomicAdd in no fixed order), and the same greedy
+    tokens of wide-batch decoding."""
     from nanoeuler.infer.gpu import GpuBackend
 
     params, cfg = model

@@ -155,6 +155,7 @@ def test_every_decode_kernel_the_gpu_backend_launches_is_defined():
     units = re.findall(r"^\s*GEMV_KERNELS\(W, NAME, (\d+)\)", text, flags=re.M)
     gemv = re.findall(r'extern "C" __global__ void (?:GEMV_BOUNDS |__launch_bounds__\([^)]*\) )?(\w+)_u##U##_##NAME\(',
                       text)
+    gemv += [f"gemv_{s}" for s in re.findall(r"^\s*GEMV_KERNEL\(W, NAME, U, (\w+), EPI_\w+\)", text, flags=re.M)]
     stems |= {f"{s}_u{u}" for s in gemv for u in units}
     # SWIGLU_DOWN(W, NAME, U, R) inside GEMV_KERNELS defines swiglu_down_u<U>_r<R>_<NAME>
     rows = re.findall(r"^\s*SWIGLU_DOWN\(W, NAME, U, (\d+)\)", text, flags=re.M)

@@ -276,7 +276,7 @@ class Engine:
         chain = getattr(be, "greedy_passes", None) if greedy else None
         passes = None  # its generator, while it runs
         probe = probe and greedy
-        kept = [0, 0]  # this stream's passes and the tokens they gave
+        kept_passes = kept_tokens = 0  # this stream's
         while True:
             # emit the sure token; then either slide, step plainly near the end of the context, or verify
             yield sure
@@ -324,8 +324,8 @@ class Engine:
                 _, new_drafts, new_qs = self._drafts(logits[1:, a], rng, sampling)
             st.passes += 1
             st.tokens += a + 1
-            kept[0] += 1
-            kept[1] += a + 1
+            kept_passes += 1
+            kept_tokens += a + 1
             for j in range(K - 1):  # draft j is checked when all before it were kept
                 st.offered[j] += j <= a
                 st.accepted[j] += j < a
@@ -336,7 +336,7 @@ class Engine:
                 if int(d) in stop_ids or n == max_new:
                     return
             sure, drafts, qs = nxt, new_drafts, new_qs
-            if probe and kept[0] == PROBE_PASSES and kept[1] < be.verify_cost * kept[0]:
+            if probe and kept_passes == PROBE_PASSES and kept_tokens < be.verify_cost * kept_passes:
                 passes = None  # (passes it queued ahead only wrote cache rows that later steps overwrite)
                 yield from self._plain(hist, sure, n, max_new, sampling, stop_ids, rng)
                 return

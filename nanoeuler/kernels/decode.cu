@@ -714,27 +714,18 @@ __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, in
         const W* wgu, const W* wd, const float* x, const float* gain, float* dx, int M, int F, int C, float eps) { \
         swiglu_down<W, U, R>(wgu, wd, x, gain, dx, M, F, C, eps);                                             \
     }
+// gemv_<STEM>_u<U>_<NAME>: the GEMV with epilogue EPI
+#define GEMV_KERNEL(W, NAME, U, STEM, EPI)                                                                    \
+    extern "C" __global__ void GEMV_BOUNDS gemv_##STEM##_u##U##_##NAME(const W* w, const float* x, const float* x2,\
+                                                           const float* gain, float* y, int M, int N, int K,  \
+                                                           float eps) {                                       \
+        gemv<W, EPI, U>(w, x, x2, gain, y, M, N, K, eps);                                                     \
+    }
 #define GEMV_KERNELS(W, NAME, U)                                                                              \
-    extern "C" __global__ void GEMV_BOUNDS gemv_store_u##U##_##NAME(const W* w, const float* x, const float* x2, \
-                                                        const float* gain, float* y, int M, int N, int K,     \
-                                                        float eps) {                                          \
-        gemv<W, EPI_STORE, U>(w, x, x2, gain, y, M, N, K, eps);                                               \
-    }                                                                                                         \
-    extern "C" __global__ void GEMV_BOUNDS gemv_store2_u##U##_##NAME(const W* w, const float* x, const float* x2,\
-                                                         const float* gain, float* y, int M, int N, int K,    \
-                                                         float eps) {                                         \
-        gemv<W, EPI_STORE2, U>(w, x, x2, gain, y, M, N, K, eps);                                              \
-    }                                                                                                         \
-    extern "C" __global__ void GEMV_BOUNDS gemv_add_u##U##_##NAME(const W* w, const float* x, const float* x2,   \
-                                                      const float* gain, float* y, int M, int N, int K,       \
-                                                      float eps) {                                            \
-        gemv<W, EPI_ADD, U>(w, x, x2, gain, y, M, N, K, eps);                                                 \
-    }                                                                                                         \
-    extern "C" __global__ void GEMV_BOUNDS gemv_swiglu_u##U##_##NAME(const W* w, const float* x, const float* x2,\
-                                                         const float* gain, float* y, int M, int N, int K,    \
-                                                         float eps) {                                         \
-        gemv<W, EPI_SWIGLU, U>(w, x, x2, gain, y, M, N, K, eps);                                              \
-    }                                                                                                         \
+    GEMV_KERNEL(W, NAME, U, store, EPI_STORE)                                                                 \
+    GEMV_KERNEL(W, NAME, U, store2, EPI_STORE2)                                                               \
+    GEMV_KERNEL(W, NAME, U, add, EPI_ADD)                                                                     \
+    GEMV_KERNEL(W, NAME, U, swiglu, EPI_SWIGLU)                                                               \
     extern "C" __global__ void __launch_bounds__(256, 2) gemv_rope_u##U##_##NAME(                             \
         const W* w, const float* x, const float* x2, const float* gain, float* q, W* kc, W* vc, const int* meta, \
         const float* c, const float* s, int M, int H, int Hkv, int D, int L, int K, float eps) {             \

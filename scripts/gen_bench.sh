@@ -3,7 +3,8 @@
 # trained for the benchmark and the benchmark on it (the engine of another checkout beside it, when
 # BASELINE names one; HF_COMPILE=1 adds the torch.compile row), and Nsight Compute's time of every kernel
 # of a decode step.
-#   DATA=<dir with gpu.yaml, tok4096.json, shards4096/> scripts/gen_bench.sh [tests] [random] [trained] [ncu] [ncu64]
+#   DATA=<dir with gpu.yaml, tok4096.json, shards4096/> scripts/gen_bench.sh [tests] [random] [steps] [trained] [ncu]
+#       [ncu64] [ncupass]   (ncupass: PASS=RxH@P, one pass of bench/decode_steps_gpu.py)
 # scripts/gen_bench_data.sh DIR builds that DATA folder on the CPU (the Python docs, their BPE, shards, config).
 # Logs go to $LOG_DIR (default $TMPDIR/nanoeuler-gen-bench); a summary is printed last.
 set -u -o pipefail
@@ -62,6 +63,15 @@ for mode in "${modes[@]}"; do
                 > "$LOG_DIR/ncu64_run.log" 2>&1
             summary+=("ncu64      rc=$?")
             ncu_table "$LOG_DIR/ncu64.csv" | tee "$LOG_DIR/ncu64_table.md" ;;
+        ncupass)  # every kernel of one pass of bench/decode_steps_gpu.py (PASS=RxH@P, default 4x4@256: a verify pass)
+            timeout "${NCU_TIMEOUT:-180}" ncu --graph-profiling node --cache-control none --clock-control none \
+                --metrics gpu__time_duration.sum --csv --log-file "$LOG_DIR/ncupass.csv" \
+                $PY bench/decode_steps_gpu.py --only "${PASS:-4x4@256}" --reps 2 --repeats 1 \
+                > "$LOG_DIR/ncupass_run.log" 2>&1
+            summary+=("ncupass    rc=$?")
+            ncu_table "$LOG_DIR/ncupass.csv" | tee "$LOG_DIR/ncupass_table.md" ;;
+        steps)  # every pass's graph replayed alone, by rows and cache position
+            run steps $PY bench/decode_steps_gpu.py ;;
         trained)
             DATA=${DATA:?DATA must name the folder with gpu.yaml, tok4096.json and shards4096/}
             run pretrain $PY -m nanoeuler pretrain --config "$DATA/gpu.yaml" --shards "$DATA/shards4096/manifest.json" \
@@ -81,5 +91,7 @@ for f in random baseline trained; do
 done
 [ -f "$LOG_DIR/ncu_table.md" ] && { echo "=== ncu"; cat "$LOG_DIR/ncu_table.md"; }
 [ -f "$LOG_DIR/ncu64_table.md" ] && { echo "=== ncu64"; head -30 "$LOG_DIR/ncu64_table.md"; }
+[ -f "$LOG_DIR/ncupass_table.md" ] && { echo "=== ncupass ${PASS:-4x4@256}"; head -30 "$LOG_DIR/ncupass_table.md"; }
+[ -f "$LOG_DIR/steps.log" ] && { echo "=== steps"; sed -n '/^| pass/,$p' "$LOG_DIR/steps.log"; }
 grep -E "passed|failed" "$LOG_DIR/tests.log" 2>/dev/null | tail -3
 printf '%s\n' "${summary[@]}"

@@ -51,6 +51,23 @@ def test_batched_ragged_prompts_equal_one_at_a_time(model):
         assert got[i] == ref.generate(p, 30, Sampling(0.9, 0, 1.0, 2 + i), stop_ids={7})
 
 
+def test_prefill_many_equals_one_prefill_a_slot(model):
+    params, cfg = model
+    be = Engine.from_params(params, cfg, "cpu").backend
+    prompts = [[1, 2, 3], [9], list(range(10, 30)), [4] * 5]
+    be.start(4)
+    want = [be.prefill(b, p) for b, p in enumerate(prompts)]
+    caches = [k.copy() for k in be.k + be.v]
+    for k in be.k + be.v:
+        k[:] = 0
+    got = be.prefill_many([0, 1, 2, 3], prompts)
+    assert got.shape == (4, cfg.mtp_heads, cfg.vocab_size)
+    for b in range(4):
+        np.testing.assert_allclose(got[b], want[b], rtol=1e-12, atol=1e-12)
+    for k, want_k in zip(be.k + be.v, caches):  # the same cache rows, which the next steps read
+        np.testing.assert_allclose(k, want_k, rtol=1e-12, atol=1e-12)
+
+
 def test_speculative_greedy_is_token_identical_and_drafts_get_accepted(model):
     params, cfg = model
     # a model whose draft heads are its head 0 shifted: half the drafts are right
@@ -162,6 +179,11 @@ def test_every_decode_kernel_the_gpu_backend_launches_is_defined():
     stems |= {f"swiglu_down_u{u}_r{r}" for u in units for r in rows}
     suffixes = set(re.findall(r"^DECODE_KERNELS\(\w+, (\w+)\)", text, flags=re.M))
     plain = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', text))
+    # TGEMV_KERNELS(CH) defines tgemv_<stem>_c<CH> (bf16 only)
+    chunks = re.findall(r"^TGEMV_KERNELS\((\d+)\)", text, flags=re.M)
+    tc = [f"tgemv_{s}" for s in re.findall(r"^\s*TGEMV_KERNEL\(CH, (\w+), EPI_\w+\)", text, flags=re.M)]
+    tc += re.findall(r"(tgemv_\w+?)_c##CH\(", text)
+    assert set(gpu.TC_KERNELS) <= {f"{s}_c{c}" for s in tc for c in chunks}
     assert set(gpu.KERNELS) <= stems and suffixes == {"bf16", "f32"}
     assert {"argmax_rows", "sample_rows"} <= plain
 

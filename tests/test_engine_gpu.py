@@ -76,6 +76,48 @@ def test_greedy_plain_speculative_and_batched(model, dtype):
     assert got[:3] == eng.generate(prompts, 12, GREEDY) or dtype == "bf16"
 
 
+@pytest.mark.parametrize("dtype,tol", [("fp32", 2e-5), ("bf16", 3e-2)])
+def test_prefill_many_matches_numpy_across_chunks(model, dtype, tol):
+    """Ragged prompts of several slots in one go: 3 rows (the GEMV path) and 70 rows in two chunks of the
+    context (48) through the cuBLAS path; the caches then serve a verify pass of each slot."""
+    params, cfg = model
+    cpu = Engine.from_params(params, cfg, "cpu").backend
+    gpu = Engine.from_params(params, cfg, "gpu", dtype=dtype).backend
+    rng = np.random.default_rng(4)
+    for lens in ((1, 2), (5, 40, 1, 24)):
+        prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in lens]
+        cpu.start(len(lens)), gpu.start(len(lens))
+        got = gpu.prefill_many(list(range(len(lens))), prompts)
+        want = cpu.prefill_many(list(range(len(lens))), prompts)
+        for b in range(len(lens)):
+            assert _rel(got[b], want[b]) < tol
+        block = rng.integers(0, cfg.vocab_size, 4)
+        assert _rel(gpu.verify(block, lens[0]), cpu.verify(block, lens[0])) < tol  # slot 0's cache
+
+
+def test_tensor_core_gemv_matches_the_float_gemv():
+    """2 to 16 rows of bf16 weights take the tensor-core GEMVs (x as bf16 hi + lo): against the float GEMV
+    on the same bf16 weights far inside bf16's rounding, against NumPy within it. ffn_hidden 1536 puts
+    the down projection on the 8-chunk kernels, the rest on the 4-chunk ones."""
+    from nanoeuler.infer.gpu import GpuBackend
+
+    cfg = ModelConfig(vocab_size=300, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=48, mtp_heads=4,
+                      ffn_hidden=1536)
+    params = transformer.init_params(cfg, seed=5, dtype=np.float64)
+    cpu = Engine.from_params(params, cfg, "cpu").backend
+    tc, ffma = GpuBackend(params, cfg, "bf16"), GpuBackend(params, cfg, "bf16")
+    ffma.tensor_cores = False
+    rng = np.random.default_rng(8)
+    ids = rng.integers(0, cfg.vocab_size, 12)
+    for be in (cpu, tc, ffma):
+        be.start(1)
+        be.prefill(0, ids)
+    for t in (2, 4, 7, 16):
+        block = rng.integers(0, cfg.vocab_size, t)
+        got, same, want = tc.verify(block, 12), ffma.verify(block, 12), cpu.verify(block, 12)
+        assert _rel(got, same) < 5e-3 and _rel(got, want) < 3e-2
+
+
 def test_programmatic_dependent_launch_changes_nothing(model):
     """PDL only lets kernels start early (each waits for the one before it inside): the same logits as
     ordinary launches, bit for bit for a cuBLAS-path prefill, to float rounding for a verify pass (GEMV

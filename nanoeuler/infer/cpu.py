@@ -129,6 +129,14 @@ class CpuBackend:
         xn = self._rows(ids, np.full(T, slot), pos)
         return self._heads(xn[-1:], self.cfg.mtp_heads)[:, 0]  # (K, V)
 
+    def prefill_many(self, slots, prompts) -> np.ndarray:
+        """`prefill` of several slots in one pass over all their rows: (len(slots), K, V)."""
+        lens = [len(p) for p in prompts]
+        ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
+        pos = np.concatenate([np.arange(n) for n in lens])
+        xn = self._rows(ids, np.repeat(np.asarray(slots), lens), pos)
+        return self._heads(xn[np.cumsum(lens) - 1], self.cfg.mtp_heads).transpose(1, 0, 2)
+
     def decode(self, tokens, pos, sampling, step, rngs, mask) -> np.ndarray:
         rows = np.flatnonzero(mask)
         out = np.asarray(tokens).copy()

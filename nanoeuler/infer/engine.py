@@ -12,6 +12,7 @@ ragged prompts, and self-speculative decoding. The arithmetic lives in a backend
 
     start(batch, seeds)                 make `batch` empty cache slots; seeds of their samplers
     prefill(slot, ids) -> (K, V)        fill slot's cache with ids; every head's logits at the last one
+    prefill_many(slots, prompts)        the same for several slots at once -> (len(slots), K, V)
     decode(tokens, pos, sampling, step) feed one token per slot at its position; the next token per slot
     verify(tokens, pos) -> (K, t, V)    feed t tokens of slot 0 at pos..pos+t-1; every head's logits
     verify_argmax(tokens, pos) -> (K,t) the same, reduced to argmax ids (the greedy fast path)
@@ -164,7 +165,8 @@ class Engine:
         hist = [self._check_prompt(p) for p in prompts]
         rngs = [np.random.default_rng(sampling.seed + i) for i in range(B)]
         be.start(B, [sampling.seed + i for i in range(B)])
-        pending = np.array([self._first(be.prefill(b, hist[b])[0], rngs[b], sampling) for b in range(B)])
+        first = be.prefill_many(list(range(B)), hist)  # (B, K, V)
+        pending = np.array([self._first(first[b, 0], rngs[b], sampling) for b in range(B)])
         pos = np.array([len(h) for h in hist])  # where each slot's pending token will be fed
         count = np.zeros(B, dtype=np.int64)
         live = np.ones(B, dtype=bool)

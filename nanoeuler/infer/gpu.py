@@ -42,13 +42,16 @@ from nanoeuler.model.layers import rope_tables
 from nanoeuler.model.transformer import head_weight_names
 
 # decode.cu's kernels per weight storage (`<stem>_bf16`, `<stem>_f32`; the GEMVs also per U), and its two others
-KERNELS = ("embed", "rope_cache", "attend", "attend_o", "attend_act", "rmsnorm_act", "swiglu_act") + tuple(
-    f"gemv_{e}_u{u}" for e in ("store", "store2", "add", "swiglu", "rope") for u in (4, 8)) + tuple(
-    f"swiglu_down_u{u}_r1" for u in (4, 8))
+KERNELS = ("embed", "rope_cache", "attend", "attend_o", "attend_act", "attend_kv_act", "rmsnorm_act",
+           "swiglu_act") + tuple(f"gemv_{e}_u{u}" for e in ("store", "store2", "add", "swiglu", "rope") for u in (4, 8)) \
+    + tuple(f"swiglu_down_u{u}_r1" for u in (4, 8))
+# the tensor-core GEMVs of a few rows (bf16 only, no storage suffix): tgemv_<epilogue>_c<chunks a warp>
+TC_KERNELS = tuple(f"tgemv_{e}_c{c}" for e in ("store", "add", "swiglu", "rope") for c in (4, 8))
 GEMV_MAX_ROWS = 16  # decode batches above this many rows take the cuBLAS path
-GEMV_ROWS, GEMV_WARPS, MLP_FC = 4, 8, 16  # as decode.cu
+GEMV_ROWS, GEMV_WARPS, MLP_FC, TC_WARPS = 4, 8, 16, 8  # as decode.cu
 OSPLIT = 8  # attend_o's row splits, at most
 ATTEND_THREADS = 512
+KV_WARPS, KV_MAXG = 8, 4  # attend_kv's warps a block, and query heads a key/value head at most (as decode.cu)
 CHAIN_AHEAD, CHAIN_CAP = 3, 8  # greedy steps queued ahead of the host; the ring of their ids on the GPU
 
 
@@ -125,9 +128,16 @@ class GpuBackend:
         if cfg.dim % OSPLIT:  # attend_o's row splits (OSPLIT or a power of two below)
             raise ValueError(f"the GPU decode engine needs a width divisible by {OSPLIT}, not {cfg.dim}")
         self.cp, self.cfg, self.dtype = cp, cfg, dtype
+        self.tensor_cores = True  # the few-row GEMVs on tensor cores (bf16); off: the float GEMV for all
+        # attend_kv: a lane group of D / Vec lanes a key must divide the warp; else `attend` (a block a head)
+        pieces = cfg.head_dim // (8 if dtype == "bf16" else 4)
+        self.attend_kv = cfg.head_dim % (8 if dtype == "bf16" else 4) == 0 and 32 % pieces == 0 \
+            and cfg.n_heads // cfg.n_kv_heads <= KV_MAXG
         self.wt = cp.uint16 if dtype == "bf16" else cp.float32
         suffix = "bf16" if dtype == "bf16" else "f32"
         self.k = {n: kernel("decode", f"{n}_{suffix}") for n in KERNELS}
+        if dtype == "bf16":
+            self.k.update({n: kernel("decode", n) for n in TC_KERNELS})
         self.k["argmax_rows"] = kernel("decode", "argmax_rows")
         self.k["sample_rows"] = kernel("decode", "sample_rows")
         self.k["argmax_chain"] = kernel("decode", "argmax_chain")
@@ -218,11 +228,27 @@ class GpuBackend:
         """16-byte pieces per lane and weight row in flight in a GEMV over rows of K."""
         return 4 if -(-K // (32 * (8 if self.dtype == "bf16" else 4))) <= 4 else 8
 
+    def _tc(self, M: int, K: int) -> int:
+        """Chunks a warp (4 or 8) of the tensor-core GEMV for M rows of K, or 0 where it does not apply."""
+        if self.dtype != "bf16" or not self.tensor_cores or not 2 <= M <= 16 or K % 32:
+            return 0
+        per_warp = -(-K // (32 * TC_WARPS))
+        return 4 if per_warp <= 4 else 8 if per_warp <= 8 else 0
+
     def _gemv(self, epi: str, w, x, x2, gain, y, M: int, N: int, K: int, pdl: bool = True) -> None:
         """y = W (norm(x + x2)) over M rows (x2 and gain may be None), `epi` as decode.cu: store, store2, add,
-        swiglu (N = outputs, or pairs of outputs for store2)."""
-        grid = (-(-N // GEMV_WARPS), -(-M // GEMV_ROWS))
+        swiglu (N = outputs, or pairs of outputs for store2). 2 to 16 rows of bf16 weights take the
+        tensor-core GEMV (store2 as store)."""
         null = np.uint64(0)
+        ch = self._tc(M, K)
+        if ch:
+            if epi == "store2":
+                epi, N = "store", 2 * N
+            self._launch(f"tgemv_{epi}_c{ch}", (-(-N // 8),), (32 * TC_WARPS,),
+                         (w, x, null if x2 is None else x2, null if gain is None else gain, y, np.int32(M),
+                          np.int32(N), np.int32(K), np.float32(self.cfg.norm_eps)), pdl=pdl)
+            return
+        grid = (-(-N // GEMV_WARPS), -(-M // GEMV_ROWS))
         self._launch(f"gemv_{epi}_u{self._u(K)}", grid, (32 * GEMV_WARPS,),
                      (w, x, null if x2 is None else x2, null if gain is None else gain, y, np.int32(M), np.int32(N),
                       np.int32(K), np.float32(self.cfg.norm_eps)),
@@ -234,6 +260,12 @@ class GpuBackend:
         cfg, i32 = self.cfg, np.int32
         H, Hkv, D, C = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
         pairs = (H + 2 * Hkv) * (D // 2)
+        ch = self._tc(M, C) if D % 16 == 0 else 0  # a block's 8 pairs in one head
+        if ch:
+            self._launch(f"tgemv_rope_c{ch}", (-(-pairs // 8),), (32 * TC_WARPS,),
+                         (w["qkv"], r.x, r.dx, w["n1"], r.q, self.kc[li], self.vc[li], r.meta, self.cos, self.sin,
+                          i32(M), i32(H), i32(Hkv), i32(D), i32(cfg.ctx_len), i32(C), np.float32(cfg.norm_eps)))
+            return
         self._launch(f"gemv_rope_u{self._u(C)}", (-(-pairs // GEMV_WARPS), -(-M // GEMV_ROWS)), (32 * GEMV_WARPS,),
                      (w["qkv"], r.x, r.dx, w["n1"], r.q, self.kc[li], self.vc[li], r.meta, self.cos, self.sin,
                       i32(M), i32(H), i32(Hkv), i32(D), i32(cfg.ctx_len), i32(C), np.float32(cfg.norm_eps)),
@@ -262,10 +294,17 @@ class GpuBackend:
         """out (M, H D): attention of the rows' q over the cache, float (`attend`) or W (`attend_act`, the
         batched path's GEMM operand)."""
         cfg = self.cfg
-        self._launch(name, (M, cfg.n_heads), (ATTEND_THREADS,),
-                     (r.q, self.kc[li], self.vc[li], r.meta, out, np.int32(M), np.int32(cfg.n_heads),
-                      np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.ctx_len)),
-                     shared_mem=self._attend_smem())
+        args = (r.q, self.kc[li], self.vc[li], r.meta, out, np.int32(M), np.int32(cfg.n_heads),
+                np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.ctx_len))
+        if self.attend_kv and M > GEMV_MAX_ROWS:
+            # a block per (row, key/value head): the heads that share it read its rows once; measured slower
+            # than a block per head up to 16 rows (too few blocks), faster from 64 (BENCHMARKS.md)
+            groups = KV_WARPS * 32 // (cfg.head_dim // (8 if self.dtype == "bf16" else 4))
+            G = cfg.n_heads // cfg.n_kv_heads
+            self._launch(name.replace("attend", "attend_kv"), (M, cfg.n_kv_heads), (32 * KV_WARPS,), args,
+                         shared_mem=4 * G * groups * (cfg.head_dim + 2))
+        else:
+            self._launch(name, (M, cfg.n_heads), (ATTEND_THREADS,), args, shared_mem=self._attend_smem())
 
     def _attend_smem(self) -> int:
         """decode.cu's attend_row: the scores, then the partial outputs in two rounds."""
@@ -414,6 +453,47 @@ class GpuBackend:
             self._head_logits(r.x[T - 1:T], r.dx[T - 1:T], r.logits, 1, cfg.mtp_heads * cfg.vocab_size, pdl=False)
             logits = r.logits[0].get(stream=self.stream)
         return logits.reshape(cfg.mtp_heads, cfg.vocab_size)
+
+    def prefill_many(self, slots, prompts) -> np.ndarray:
+        """`prefill` of several slots in one go: (len(slots), K, V). All prompts' rows go through the model
+        together, in chunks of up to ctx_len rows in prompt order (a row attends to its own slot's cache up
+        to its position, which its prompt's earlier rows, in this chunk or one before, have written); a
+        chunk is padded to a power of two with copies of its last row (the same cache row written twice
+        with the same values), so its graph serves every later chunk of that size."""
+        if len(prompts) == 1:
+            return self.prefill(slots[0], prompts[0])[None]
+        cp, cfg = self.cp, self.cfg
+        lens = [len(p) for p in prompts]
+        ids = np.concatenate([np.asarray(p, np.int32) for p in prompts])
+        slot = np.repeat(np.asarray(slots, np.int32), lens)
+        pos = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
+        last = np.cumsum(lens) - 1  # each prompt's last row
+        xl = cp.zeros((len(prompts), cfg.dim), cp.float32)
+        dxl = cp.zeros_like(xl)
+        for c0 in range(0, len(ids), cfg.ctx_len):
+            c1 = min(len(ids), c0 + cfg.ctx_len)
+            T = c1 - c0
+            P = T if T <= GEMV_MAX_ROWS else 1 << (T - 1).bit_length()
+            pad = lambda a: np.concatenate([a[c0:c1], np.full(P - T, a[c1 - 1], np.int32)])  # noqa: E731
+            batched = P > GEMV_MAX_ROWS
+
+            def queue(r, P=P, batched=batched):
+                self._embed(r, P)
+                self._layers(r, P, batched=batched)
+
+            r = self._replay(("prefill_many", P), P, queue, np.concatenate([pad(ids), pad(slot), pad(pos)]))
+            done = np.flatnonzero((last >= c0) & (last < c1))
+            if len(done):
+                with self.stream:
+                    rows = cp.asarray(last[done] - c0)
+                    xl[cp.asarray(done)] = r.x[rows]
+                    dxl[cp.asarray(done)] = r.dx[rows]
+        n = cfg.mtp_heads * cfg.vocab_size
+        logits = cp.zeros((len(prompts), n), cp.float32)
+        with self.stream:  # every head at each prompt's last row; launched plainly after the graphs
+            self._head_logits(xl, dxl, logits, len(prompts), n, pdl=False)
+            out = logits.get(stream=self.stream)
+        return out.reshape(len(prompts), cfg.mtp_heads, cfg.vocab_size)
 
     def decode(self, tokens, pos, sampling, step, rngs, mask) -> np.ndarray:
         B = len(tokens)

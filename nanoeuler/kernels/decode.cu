@@ -15,6 +15,7 @@
 // nanoeuler.infer.generate.sampling_probs (temperature, top-k, top-p).
 
 #include "bf16/common.cuh"
+#include "bf16/mma.cuh"
 
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no INFINITY
 
@@ -351,6 +352,178 @@ __device__ void gemv_rope(const W* __restrict__ w, const float* __restrict__ x, 
     }
 }
 
+// ---- GEMV of 2 to 16 rows on the tensor cores (bf16 weights) -----------------------------------------
+// The same products and epilogues as `gemv` (y = W norm(x + x2)), for a few rows at once: the rows of x
+// are the A tile of mma.sync m16n8k16 (16 rows, zeros past M), 8 weight rows the B tile, accumulated in
+// float32. A block of TC_WARPS warps owns 8 outputs (NT = 2 tiles of 8 weight rows where an output needs
+// two: gate and up, RoPE's pair) and splits K among its warps in chunks of 32, chunk q to warp q % TC_WARPS;
+// the warps' tiles meet in shared memory. Each lane loads 16 bytes of its weight row per chunk, columns
+// 8c .. 8c+7 (c = lane % 4): the sum runs over k in any order, so those 8 columns serve as the two k16 steps'
+// B fragments as they lie in memory, and the A fragments are taken from the same columns of x. x is split
+// into two bf16 parts, hi + lo (each product twice), so the activations keep about 16 bits, as close to the
+// float GEMV's as makes no difference to the bf16 weights' own rounding. The weights of up to CH chunks a
+// warp are requested before the wait for the kernel before. Needs K % 32 == 0 and K <= 32 * TC_WARPS * CH.
+#define TC_WARPS 8
+#define TC_PASS 2
+template <int EPI> struct Tc { static constexpr int NT = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1; };
+
+// 8 values of row m of x (+ x2) from column k, zeros past M.
+__device__ __forceinline__ void tc_x8(const float* __restrict__ x, const float* __restrict__ x2, int m, int M, int K,
+                                      int k, float (&a)[8]) {
+    float4 u = make_float4(0.f, 0.f, 0.f, 0.f), v = u;
+    if (m < M) {
+        u = ld4(x + (long long)m * K + k, 0);
+        v = ld4(x + (long long)m * K + k, 1);
+        if (x2 != nullptr) {
+            const float4 d = ld4(x2 + (long long)m * K + k, 0), e = ld4(x2 + (long long)m * K + k, 1);
+            u.x += d.x; u.y += d.y; u.z += d.z; u.w += d.w;
+            v.x += e.x; v.y += e.y; v.z += e.z; v.w += e.w;
+        }
+    }
+    a[0] = u.x; a[1] = u.y; a[2] = u.z; a[3] = u.w; a[4] = v.x; a[5] = v.y; a[6] = v.z; a[7] = v.w;
+}
+
+// The A fragments (hi, lo) of k16 step s from rows g (a0) and g + 8 (a1): columns 4s .. 4s+3 of the 8.
+__device__ __forceinline__ void tc_frags(const float (&a0)[8], const float (&a1)[8], int s, unsigned (&hi)[4],
+                                         unsigned (&lo)[4]) {
+    hi[0] = pack2(a0[4 * s], a0[4 * s + 1]);
+    hi[1] = pack2(a1[4 * s], a1[4 * s + 1]);
+    hi[2] = pack2(a0[4 * s + 2], a0[4 * s + 3]);
+    hi[3] = pack2(a1[4 * s + 2], a1[4 * s + 3]);
+    lo[0] = pack2(a0[4 * s] - lo_bf(hi[0]), a0[4 * s + 1] - hi_bf(hi[0]));
+    lo[1] = pack2(a1[4 * s] - lo_bf(hi[1]), a1[4 * s + 1] - hi_bf(hi[1]));
+    lo[2] = pack2(a0[4 * s + 2] - lo_bf(hi[2]), a0[4 * s + 3] - hi_bf(hi[2]));
+    lo[3] = pack2(a1[4 * s + 2] - lo_bf(hi[3]), a1[4 * s + 3] - hi_bf(hi[3]));
+}
+
+// The block's sums: thread t (< M * 8) gets row m = t / 8 and output o = 8 blockIdx.x + t % 8, v0 (and v1,
+// the second tile's) already times the row's 1/rms where gain is given. False for a thread without one.
+template <int EPI, int CH>
+__device__ __forceinline__ bool tc_sums(const bf16* __restrict__ w, const float* __restrict__ x,
+                                        const float* __restrict__ x2, const float* __restrict__ gain, int M, int N,
+                                        int K, float eps, int half, int& m, int& o, float& v0, float& v1) {
+    constexpr int NT = Tc<EPI>::NT;
+    __shared__ float part[TC_WARPS][NT][16][9];  // each warp's tiles (rows, outputs), padded
+    __shared__ float ssq[TC_WARPS][16];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int o0 = blockIdx.x * 8, chunks = K / 32;
+    int r[2];
+    Gemv<EPI>::rows(min(o0 + g, N - 1), N, half, r);
+    uint4 raw[NT][CH];
+#pragma unroll
+    for (int i = 0; i < CH; i++) {
+        const int q = warp + TC_WARPS * i;
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+            raw[t][i] = q < chunks && o0 + g < N ? ld16(w + (long long)r[t] * K + q * 32 + c * 8) : make_uint4(0, 0, 0, 0);
+    }
+    pdl_wait();
+    pdl_launch();
+    float acc[NT][4], ss0 = 0.f, ss1 = 0.f;
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    // x (and the norm's gain) in passes of TC_PASS chunks, every load of a pass requested before the first
+    // product; rows g + 8 only where there are more than 8
+#pragma unroll
+    for (int i0 = 0; i0 < CH; i0 += TC_PASS) {
+        float a0[TC_PASS][8], a1[TC_PASS][8], gk[TC_PASS][8];
+#pragma unroll
+        for (int i = i0; i < i0 + TC_PASS && i < CH; i++) {
+            const int k = (warp + TC_WARPS * i) * 32 + c * 8;
+            if (k >= K) break;  // the same in every lane of the warp
+            tc_x8(x, x2, g, M, K, k, a0[i - i0]);
+            tc_x8(x, x2, M > 8 ? g + 8 : M, M, K, k, a1[i - i0]);
+            if (gain != nullptr) tc_x8(gain, nullptr, 0, 1, 0, k, gk[i - i0]);
+        }
+#pragma unroll
+        for (int i = i0; i < i0 + TC_PASS && i < CH; i++) {
+            if ((warp + TC_WARPS * i) * 32 >= K) break;
+            float (&u0)[8] = a0[i - i0], (&u1)[8] = a1[i - i0];
+            if (gain != nullptr) {
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    ss0 += u0[e] * u0[e];
+                    ss1 += u1[e] * u1[e];
+                    u0[e] *= gk[i - i0][e];
+                    u1[e] *= gk[i - i0][e];
+                }
+            }
+#pragma unroll
+            for (int s = 0; s < 2; s++) {
+                unsigned hi[4], lo[4];
+                tc_frags(u0, u1, s, hi, lo);
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    const unsigned b0 = s == 0 ? raw[t][i].x : raw[t][i].z, b1 = s == 0 ? raw[t][i].y : raw[t][i].w;
+                    mma16816(acc[t], hi, b0, b1);
+                    mma16816(acc[t], lo, b0, b1);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {  // C fragment: rows g, g + 8; outputs 2c, 2c + 1
+        part[warp][t][g][2 * c] = acc[t][0];
+        part[warp][t][g][2 * c + 1] = acc[t][1];
+        part[warp][t][g + 8][2 * c] = acc[t][2];
+        part[warp][t][g + 8][2 * c + 1] = acc[t][3];
+    }
+    if (gain != nullptr) {
+        ss0 += __shfl_xor_sync(0xffffffffu, ss0, 1);
+        ss0 += __shfl_xor_sync(0xffffffffu, ss0, 2);
+        ss1 += __shfl_xor_sync(0xffffffffu, ss1, 1);
+        ss1 += __shfl_xor_sync(0xffffffffu, ss1, 2);
+        if (c == 0) {
+            ssq[warp][g] = ss0;
+            ssq[warp][g + 8] = ss1;
+        }
+    }
+    __syncthreads();
+    m = threadIdx.x >> 3;
+    o = o0 + (threadIdx.x & 7);
+    if (m >= M || o >= N) return false;
+    v0 = v1 = 0.f;
+    float sq = 0.f;
+#pragma unroll
+    for (int u = 0; u < TC_WARPS; u++) {
+        v0 += part[u][0][m][threadIdx.x & 7];
+        if (NT == 2) v1 += part[u][NT - 1][m][threadIdx.x & 7];
+        sq += ssq[u][m];
+    }
+    if (gain != nullptr) {
+        const float scale = rsqrtf(sq / K + eps);
+        v0 *= scale;
+        v1 *= scale;
+    }
+    return true;
+}
+
+// y[m, o] = v (store), += v (add), silu(gate) * up (swiglu) for rows m < M: the few-row `gemv` on tensor cores.
+template <int EPI, int CH>
+__device__ void tgemv(const bf16* __restrict__ w, const float* __restrict__ x, const float* __restrict__ x2,
+                      const float* __restrict__ gain, float* __restrict__ y, int M, int N, int K, float eps) {
+    int m, o;
+    float v0, v1;
+    if (!tc_sums<EPI, CH>(w, x, x2, gain, M, N, K, eps, 1, m, o, v0, v1)) return;
+    float* row = y + (long long)m * N;
+    if (EPI == EPI_STORE) row[o] = v0;
+    if (EPI == EPI_ADD) row[o] += v0;
+    if (EPI == EPI_SWIGLU) row[o] = v0 / (1.f + __expf(-v0)) * v1;
+}
+
+// The qkv product of a few rows with RoPE and the cache write (as gemv_rope): output o is the pair (j, j + D/2)
+// of a head; a block's 8 outputs lie in one head (D % 16 == 0).
+template <int CH>
+__device__ void tgemv_rope(const bf16* __restrict__ w, const float* __restrict__ x, const float* __restrict__ x2,
+                           const float* __restrict__ gain, const RopeOut<bf16>& ro, int M, int K, float eps) {
+    const int half = ro.D / 2, N = (ro.H + 2 * ro.Hkv) * half;
+    int m, o;
+    float v0, v1;
+    if (!tc_sums<EPI_ROPE, CH>(w, x, x2, gain, M, N, K, eps, half, m, o, v0, v1)) return;
+    const int pos = ro.meta[2 * M + m], j = o % half;
+    rope_store<bf16>(ro, o, m, M, v0, v1, ro.cos_t[pos * half + j], ro.sin_t[pos * half + j]);
+}
+
 // ---- RoPE on q and k, k and v written into the cache (the batched path) -------------------------------
 // qkv (M, (H + 2 Hkv) D) float; q (M, H, D) float out; caches (slots, Hkv, L, D) of W.
 // cos/sin (L, D/2): the tables of layers.rope_tables for every position of the context. With qh given
@@ -548,6 +721,105 @@ __device__ void attend(const float* __restrict__ q, const W* __restrict__ kc, co
         pdl_wait();
         pdl_launch();
     });
+}
+
+// ---- attention of many rows: a block per (row, key/value head), its query heads together ------------
+// grid (M, Hkv), KV_WARPS warps: out (M, H, D) of O (the wide batch's GEMM operand). The G = H / Hkv query heads that share a key/value
+// head read its cache rows once. A group of P = D / Vec lanes takes one key at a time (lane c of the group:
+// the 16-byte piece c of the key and of the value row), so a warp holds 32 / P keys; the groups of the
+// block take keys gi, gi + groups, ... and keep, per query head, a running max, sum and output piece (an
+// online softmax), requesting KV_AHEAD keys' rows before using any. The groups' partial results meet in
+// shared memory at the end: G * groups * (D + 2) floats. Needs 32 % P == 0 and G <= KV_MAXG (gpu.py checks;
+// other shapes take `attend`).
+#define KV_WARPS 8
+#define KV_MAXG 4
+#define KV_AHEAD 2
+template <typename W, typename O>
+__device__ void attend_kv(const float* __restrict__ q, const W* __restrict__ kc, const W* __restrict__ vc,
+                          const int* __restrict__ meta, O* __restrict__ out, int M, int H, int Hkv, int D, int L) {
+    extern __shared__ float sm[];
+    constexpr int V = Vec<W>::N;
+    const int m = blockIdx.x, kvh = blockIdx.y, G = H / Hkv, P = D / V;
+    const int lane = threadIdx.x & 31, c = lane % P, per_warp = 32 / P;
+    const int groups = (blockDim.x >> 5) * per_warp, gi = (threadIdx.x >> 5) * per_warp + lane / P;
+    pdl_wait();
+    pdl_launch();
+    const int slot = meta[M + m], S = meta[2 * M + m] + 1;
+    const W* kb = kc + ((long long)slot * Hkv + kvh) * L * D + c * V;
+    const W* vb = vc + ((long long)slot * Hkv + kvh) * L * D + c * V;
+    const float scale = rsqrtf((float)D);
+    float qv[KV_MAXG][V], mx[KV_MAXG], sum[KV_MAXG], acc[KV_MAXG][V];
+#pragma unroll
+    for (int g = 0; g < KV_MAXG; g++) {
+        mx[g] = NEG_INF;
+        sum[g] = 0.f;
+#pragma unroll
+        for (int i = 0; i < V; i++) {
+            acc[g][i] = 0.f;
+            qv[g][i] = g < G ? q[((long long)m * H + kvh * G + g) * D + c * V + i] * scale : 0.f;
+        }
+    }
+    // the warp's loop bounds come from its first group, so that all its lanes take part in every shuffle
+    const int wg = (threadIdx.x >> 5) * per_warp;
+    for (int j0 = wg; j0 < S; j0 += KV_AHEAD * groups) {
+        uint4 kr[KV_AHEAD], vr[KV_AHEAD];
+#pragma unroll
+        for (int a = 0; a < KV_AHEAD; a++) {
+            const int j = j0 + gi - wg + a * groups;
+            if (j < S) {
+                kr[a] = ld16(kb + (long long)j * D);
+                vr[a] = ld16(vb + (long long)j * D);
+            }
+        }
+#pragma unroll
+        for (int a = 0; a < KV_AHEAD; a++) {
+            if (j0 + a * groups >= S) break;  // the same in every lane of the warp
+            const bool here = j0 + gi - wg + a * groups < S;  // the same in every lane of a group
+            float kf[V], vf[V];
+            Vec<W>::unpack(here ? kr[a] : make_uint4(0, 0, 0, 0), kf);
+            Vec<W>::unpack(here ? vr[a] : make_uint4(0, 0, 0, 0), vf);
+#pragma unroll
+            for (int g = 0; g < KV_MAXG; g++) {
+                if (g >= G) break;
+                float s = 0.f;
+#pragma unroll
+                for (int i = 0; i < V; i++) s += qv[g][i] * kf[i];
+                for (int o = P / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, P);
+                if (!here) continue;
+                const float nm = fmaxf(mx[g], s), r = __expf(mx[g] - nm), p = __expf(s - nm);
+                mx[g] = nm;
+                sum[g] = sum[g] * r + p;
+#pragma unroll
+                for (int i = 0; i < V; i++) acc[g][i] = acc[g][i] * r + p * vf[i];
+            }
+        }
+    }
+    // partials: part[(g * groups + gi) * D + d], then the (max, sum) pairs after all G * groups * D
+    float* part = sm;
+    float* ms = sm + G * groups * D;
+#pragma unroll
+    for (int g = 0; g < KV_MAXG; g++) {
+        if (g >= G) break;
+#pragma unroll
+        for (int i = 0; i < V; i++) part[(g * groups + gi) * D + c * V + i] = acc[g][i];
+        if (c == 0) {
+            ms[2 * (g * groups + gi)] = mx[g];
+            ms[2 * (g * groups + gi) + 1] = sum[g];
+        }
+    }
+    __syncthreads();
+    for (int t = threadIdx.x; t < G * D; t += blockDim.x) {
+        const int g = t / D, d = t % D;
+        float big = NEG_INF;
+        for (int k = 0; k < groups; k++) big = fmaxf(big, ms[2 * (g * groups + k)]);
+        float o = 0.f, l = 0.f;
+        for (int k = 0; k < groups; k++) {
+            const float w = __expf(ms[2 * (g * groups + k)] - big);  // 0 for a group that saw no key
+            l += ms[2 * (g * groups + k) + 1] * w;
+            o += part[(g * groups + k) * D + d] * w;
+        }
+        out[((long long)m * H + kvh * G + g) * D + d] = fromf<O>(o / l);
+    }
 }
 
 // ---- attention and the o projection in one kernel: x += W_o att (+ dx, folded in) ---------------------
@@ -758,6 +1030,10 @@ __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, in
                                                  W* out, int M, int H, int Hkv, int D, int L) {               \
         attend<W, W, false>(q, kc, vc, meta, out, M, H, Hkv, D, L);                                                  \
     }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * KV_WARPS, 2) attend_kv_act_##NAME(const float* q,           \
+        const W* kc, const W* vc, const int* meta, W* out, int M, int H, int Hkv, int D, int L) {             \
+        attend_kv<W, W>(q, kc, vc, meta, out, M, H, Hkv, D, L);                                               \
+    }                                                                                                         \
     extern "C" __global__ void rmsnorm_act_##NAME(const float* x, const float* gain, W* a, int C, float eps) {\
         rmsnorm_act<W>(x, gain, a, C, eps);                                                                   \
     }                                                                                                         \
@@ -765,6 +1041,24 @@ __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, in
 
 DECODE_KERNELS(bf16, bf16)
 DECODE_KERNELS(float, f32)
+
+// tgemv_<STEM>_c<CH>: the tensor-core GEMV of a few rows (bf16 weights only), up to CH chunks a warp
+#define TGEMV_KERNEL(CH, STEM, EPI)                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * TC_WARPS, 2) tgemv_##STEM##_c##CH(                          \
+        const bf16* w, const float* x, const float* x2, const float* gain, float* y, int M, int N, int K, float eps) { \
+        tgemv<EPI, CH>(w, x, x2, gain, y, M, N, K, eps);                                                      \
+    }
+#define TGEMV_KERNELS(CH)                                                                                     \
+    TGEMV_KERNEL(CH, store, EPI_STORE)                                                                        \
+    TGEMV_KERNEL(CH, add, EPI_ADD)                                                                            \
+    TGEMV_KERNEL(CH, swiglu, EPI_SWIGLU)                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * TC_WARPS, 2) tgemv_rope_c##CH(                              \
+        const bf16* w, const float* x, const float* x2, const float* gain, float* q, bf16* kc, bf16* vc,       \
+        const int* meta, const float* c, const float* s, int M, int H, int Hkv, int D, int L, int K, float eps) { \
+        tgemv_rope<CH>(w, x, x2, gain, RopeOut<bf16>{q, kc, vc, meta, c, s, H, Hkv, D, L}, M, K, eps);        \
+    }
+TGEMV_KERNELS(4)
+TGEMV_KERNELS(8)
 
 // ---- the next token ---------------------------------------------------------------------------------
 

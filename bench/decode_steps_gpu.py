@@ -10,7 +10,9 @@ in the cache matters: attention reads every earlier position, so each pass is ti
 Medians over --repeats runs of 50 replays, after a warm-up. --variants times the same passes on backends
 built other ways (a column each): `blockattn` (wide batches' attention a block per query head, as before
 `attend_kv`), `nopdl` (ordinary launches), `ffma` (the float GEMV for 2 to 16 rows too, not the tensor-core
-one).
+one), `nocluster` (one-row attention + o projection as attend_o: every block attends over all keys),
+`separgmax` (a one-row step's head and its argmax as two kernels), `aloneN` (up to N keys every block of
+attend_o_cluster's cluster attends over all of them; default 96).
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--reps", type=int, default=50, help="replays per timed run")
     ap.add_argument("--only", metavar="RxH@P", help="one pass: R rows, H heads at position P (for a profiler)")
+    ap.add_argument("--rows", help="only the passes of these row counts, comma-separated (e.g. 1,4)")
     ap.add_argument("--variants", default="default",
-                    help="comma-separated: default, blockattn, nopdl, ffma")
+                    help="comma-separated: default, blockattn, nopdl, ffma, nocluster, separgmax, aloneN")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -92,17 +95,24 @@ def main(argv=None) -> int:
     K = cfg.mtp_heads
     passes = [(label, rows or K, heads or K, one) for label, rows, heads, one in PASSES]
     positions = [int(p) for p in args.positions.split(",")]
+    if args.rows:
+        passes = [p for p in passes if str(p[1]) in args.rows.split(",")]
     if args.only:
         (label, rows, heads, one), pos = parse_only(args.only, K)
         passes, positions = [(label, rows, heads, one)], [pos]
     variants = args.variants.split(",")
     times: dict = {}
     for v in variants:
-        if v not in ("default", "blockattn", "nopdl", "ffma"):
+        if v not in ("default", "blockattn", "nopdl", "ffma", "nocluster", "separgmax") and not (
+                v.startswith("alone") and v[5:].isdigit()):
             raise SystemExit(f"unknown variant {v!r}")
         be = GpuBackend(params, cfg, dtype=args.dtype, pdl=False if v == "nopdl" else None)
         be.attend_kv = be.attend_kv and v != "blockattn"
         be.tensor_cores = v != "ffma"
+        be.attend_cluster = be.attend_cluster and v != "nocluster"
+        be.fuse_argmax = v != "separgmax"
+        if v.startswith("alone"):
+            be.alone_keys = int(v[5:])
         for label, rows, heads, one in passes:
             be.start(1 if one else rows, list(range(1 if one else rows)))
             for pos in positions:

@@ -95,6 +95,47 @@ def test_prefill_many_matches_numpy_across_chunks(model, dtype, tol):
         assert _rel(gpu.verify(block, lens[0]), cpu.verify(block, lens[0])) < tol  # slot 0's cache
 
 
+@pytest.mark.parametrize("dtype,tol", [("fp32", 2e-5), ("bf16", 3e-2)])
+def test_one_row_attention_over_a_cluster_matches_numpy(model, dtype, tol):
+    """A one-row pass (the decode step's layer) attends with the keys split over a cluster of 8 blocks
+    (attend_o_cluster): against NumPy, and against attend_o (every block over all keys), at positions
+    where every block attends alone, and where some of the 8 blocks have no key, one, and several."""
+    from nanoeuler.infer.gpu import GpuBackend
+
+    params, cfg = model
+    cpu = Engine.from_params(params, cfg, "cpu").backend
+    split, whole = GpuBackend(params, cfg, dtype), GpuBackend(params, cfg, dtype)
+    whole.attend_cluster = False
+    split.alone_keys = 2  # the blocks exchange their partial results from 3 keys on
+    assert split.attend_cluster
+    ids = np.random.default_rng(9).integers(0, cfg.vocab_size, cfg.ctx_len)
+    for be in (cpu, split, whole):
+        be.start(1)
+        be.prefill(0, ids)
+    for pos in (0, 3, 9, 30, cfg.ctx_len - 1):
+        got, other, want = split.verify([ids[pos]], pos), whole.verify([ids[pos]], pos), cpu.verify([ids[pos]], pos)
+        assert _rel(got, want) < tol and _rel(got, other) < max(tol / 10, 1e-5)
+
+
+def test_one_row_greedy_id_is_the_argmax_of_head_zero(model):
+    """A one-row greedy step takes its id in the head's own kernel (head_argmax): the argmax of the logits
+    that the same layers give, and the lowest id where logits tie (np.argmax's choice)."""
+    from nanoeuler.infer.gpu import GpuBackend
+
+    params, cfg = model
+    head0 = transformer.head_weight_names(cfg)[0]
+    tied = dict(params, **{head0: np.tile(params[head0][5], (cfg.vocab_size, 1))})  # every logit the same
+    ids = np.random.default_rng(10).integers(0, cfg.vocab_size, 20)
+    for p, tie in ((params, False), (tied, True)):
+        be = GpuBackend(p, cfg, "bf16")
+        be.start(1)
+        be.prefill(0, ids)
+        for pos in (3, 11, 19):
+            got = be.decode(np.array([ids[pos]]), np.array([pos]), GREEDY, 0, [None], np.ones(1, bool))
+            want = 0 if tie else int(np.argmax(be.verify([ids[pos]], pos)[0, 0]))
+            assert int(got[0]) == want
+
+
 def test_tensor_core_gemv_matches_the_float_gemv():
     """2 to 16 rows of bf16 weights take the tensor-core GEMVs (x as bf16 hi + lo): against the float GEMV
     on the same bf16 weights far inside bf16's rounding, against NumPy within it. ffn_hidden 1536 puts

@@ -42,14 +42,17 @@ from nanoeuler.model.layers import rope_tables
 from nanoeuler.model.transformer import head_weight_names
 
 # decode.cu's kernels per weight storage (`<stem>_bf16`, `<stem>_f32`; the GEMVs also per U), and its two others
-KERNELS = ("embed", "rope_cache", "attend", "attend_o", "attend_act", "attend_kv_act", "rmsnorm_act",
-           "swiglu_act") + tuple(f"gemv_{e}_u{u}" for e in ("store", "store2", "add", "swiglu", "rope") for u in (4, 8)) \
+KERNELS = ("embed", "rope_cache", "attend", "attend_o", "attend_o_cluster", "attend_act", "attend_kv_act", "rmsnorm_act",
+           "swiglu_act") + tuple(f"{e}_u{u}" for e in ("gemv_store", "gemv_store2", "gemv_add", "gemv_swiglu", "gemv_rope",
+                                                        "head_argmax") for u in (4, 8)) \
     + tuple(f"swiglu_down_u{u}_r1" for u in (4, 8))
 # the tensor-core GEMVs of a few rows (bf16 only, no storage suffix): tgemv_<epilogue>_c<chunks a warp>
 TC_KERNELS = tuple(f"tgemv_{e}_c{c}" for e in ("store", "add", "swiglu", "rope") for c in (4, 8))
 GEMV_MAX_ROWS = 16  # decode batches above this many rows take the cuBLAS path
 GEMV_ROWS, GEMV_WARPS, MLP_FC, TC_WARPS = 4, 8, 16, 8  # as decode.cu
-OSPLIT = 8  # attend_o's row splits, at most
+OSPLIT = 8  # attend_o's row splits, at most; attend_o_cluster's cluster (as decode.cu's OC_SPLIT)
+OC_WARPS = 8
+ALONE_KEYS = 96  # up to this many keys each block of the cluster attends over all of them (measured: BENCHMARKS.md)
 ATTEND_THREADS = 512
 KV_WARPS, KV_MAXG = 8, 4  # attend_kv's warps a block, and query heads a key/value head at most (as decode.cu)
 CHAIN_AHEAD, CHAIN_CAP = 3, 8  # greedy steps queued ahead of the host; the ring of their ids on the GPU
@@ -88,11 +91,15 @@ class _Rows:
         self.out = cp.zeros(M * cfg.mtp_heads, cp.int32)
         self.out_host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * M * cfg.mtp_heads), dtype=np.int32)
         self.qh = self.kh = self.vh = self.lse = None  # a prefill's attention operands (`flash_operands`)
-        # steps that feed themselves (greedy_steps, greedy_passes): their records (a ring) and the host's copy
+        # steps that feed themselves (greedy_steps, greedy_passes): their records, a ring in pinned host memory
+        # that the kernels write straight into (with unified addressing its host pointer is valid on the GPU),
+        # read by the host once the step's event has passed: no copy in the stream between steps
         self.rec = max(M, 2 * cfg.mtp_heads + 1)
-        self.hist = cp.zeros(CHAIN_CAP * self.rec, cp.int32)
-        self.hist_host = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * CHAIN_CAP * self.rec), dtype=np.int32)
+        self._hist_mem = cp.cuda.alloc_pinned_memory(4 * CHAIN_CAP * self.rec)
+        self.hist_host = np.frombuffer(self._hist_mem, dtype=np.int32, count=CHAIN_CAP * self.rec)
+        self.hist = np.uint64(self.hist_host.ctypes.data)  # the kernels' pointer to it
         self.arrive = cp.zeros(1, cp.int32)
+        self.best = cp.zeros(1, cp.uint64)  # head_argmax's running best (order key, ~index)
 
     def flash_operands(self, cp, cfg, wt):
         """q (1, H, M, D), k and v (1, Hkv, M, D) of W and the logsumexp (1, H, M): the FlashAttention's."""
@@ -129,6 +136,11 @@ class GpuBackend:
             raise ValueError(f"the GPU decode engine needs a width divisible by {OSPLIT}, not {cfg.dim}")
         self.cp, self.cfg, self.dtype = cp, cfg, dtype
         self.tensor_cores = True  # the few-row GEMVs on tensor cores (bf16); off: the float GEMV for all
+        # attend_o_cluster: a key's 16-byte pieces on at most a warp's lanes; else attend_o
+        vec = 8 if dtype == "bf16" else 4
+        self.attend_cluster = cfg.head_dim % vec == 0 and cfg.head_dim // vec <= 32
+        self.alone_keys = ALONE_KEYS
+        self.fuse_argmax = True  # a one-row greedy step's head and argmax as one kernel (head_argmax)
         # attend_kv: a lane group of D / Vec lanes a key must divide the warp; else `attend` (a block a head)
         pieces = cfg.head_dim // (8 if dtype == "bf16" else 4)
         self.attend_kv = cfg.head_dim % (8 if dtype == "bf16" else 4) == 0 and 32 % pieces == 0 \
@@ -272,8 +284,13 @@ class GpuBackend:
                      shared_mem=4 * min(M, GEMV_ROWS) * C)
 
     def _attend_o(self, r: _Rows, w, li: int, M: int) -> None:
-        """x += dx + W_o attention(q over the cache); dx = 0 (attend_o)."""
+        """x += dx + W_o attention(q over the cache); dx = 0 (attend_o_cluster, or attend_o)."""
         cfg, i32 = self.cfg, np.int32
+        if self.attend_cluster:  # the keys split over a cluster of OSPLIT blocks, each a split of W_o's rows
+            self._launch("attend_o_cluster", (M * cfg.n_heads, OSPLIT), (32 * OC_WARPS,),
+                         (r.q, self.kc[li], self.vc[li], r.meta, w["o"], r.x, r.dx, i32(M), i32(cfg.n_heads),
+                          i32(cfg.n_kv_heads), i32(cfg.head_dim), i32(cfg.ctx_len), i32(cfg.dim), i32(self.alone_keys)))
+            return
         # row splits: up to OSPLIT while the blocks (one a multiprocessor) fit the GPU at once
         splits = OSPLIT
         while splits > 1 and splits * M * cfg.n_heads > self._n_sm:
@@ -288,7 +305,8 @@ class GpuBackend:
         cfg = self.cfg
         self._launch(f"swiglu_down_u{self._u(cfg.dim)}_r1", (-(-cfg.hidden // MLP_FC), 1), (32 * MLP_FC,),
                      (w["gu"], w["down"], r.x, w["n2"], r.dx, np.int32(1), np.int32(cfg.hidden), np.int32(cfg.dim),
-                      np.float32(cfg.norm_eps)), shared_mem=4 * cfg.dim)
+                      np.float32(cfg.norm_eps)),
+                     shared_mem=4 * (-(-cfg.dim // 4) * 4) + max(0, cfg.dim - 32 * MLP_FC) * MLP_FC * np.dtype(self.wt).itemsize)
 
     def _attention(self, name: str, r: _Rows, li, out, M):
         """out (M, H D): attention of the rows' q over the cache, float (`attend`) or W (`attend_act`, the
@@ -379,6 +397,13 @@ class GpuBackend:
                                                        np.float32(cfg.norm_eps)))
             self.gemm()(Matrix(r.logits.reshape(-1)[:M * n].reshape(M, n)), Matrix(r.act2(M, cfg.dim)),
                         Matrix(self.heads[:n]), tb=True)
+        elif M == 1 and n_heads == 1 and rule in ("argmax", "chain") and V % 2 == 0 and self.fuse_argmax:
+            # one row's next id: head 0 and its argmax in one kernel (the logits are not kept)
+            self._launch(f"head_argmax_u{self._u(cfg.dim)}", (-(-V // 2 // GEMV_WARPS),), (32 * GEMV_WARPS,),
+                         (self.heads, r.x, r.dx, self.norm, np.int32(V // 2), np.int32(cfg.dim),
+                          np.float32(cfg.norm_eps), r.best, r.arrive, r.out, r.ctl, r.hist, np.int32(CHAIN_CAP),
+                          np.int32(cfg.ctx_len), np.int32(rule == "chain")), shared_mem=4 * cfg.dim)
+            return
         else:
             self._head_logits(r.x, r.dx, r.logits, M, n_heads * V)
         # the GEMV wrote the logits packed: (M, n_heads, V)
@@ -533,11 +558,8 @@ class GpuBackend:
         while True:
             while queued - read < CHAIN_AHEAD and more(queued, read):
                 self._execute(key, queue)
-                j = queued % CHAIN_CAP
                 with self.stream:
-                    r.hist[j * size:(j + 1) * size].data.copy_to_host_async(r.hist_host[j * size:].ctypes.data,
-                                                                             4 * size, self.stream)
-                    self._landed[j].record(self.stream)
+                    self._landed[queued % CHAIN_CAP].record(self.stream)
                 queued += 1
             if queued == read:
                 return

@@ -58,6 +58,12 @@ template <> struct Vec<float> {
 };
 template <typename W> __device__ __forceinline__ uint4 ld16(const W* p) { return *reinterpret_cast<const uint4*>(p); }
 
+// A float's bits mapped to an unsigned key with the same order (for threshold searches).
+__device__ __forceinline__ unsigned okey(float f) {
+    const unsigned u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
 // ---- embedding: x[m] = emb[ids[m]] (float32 residual stream), dx[m] = 0 -------------------------------
 
 template <typename W>
@@ -524,6 +530,54 @@ __device__ void tgemv_rope(const bf16* __restrict__ w, const float* __restrict__
     rope_store<bf16>(ro, o, m, M, v0, v1, ro.cos_t[pos * half + j], ro.sin_t[pos * half + j]);
 }
 
+// ---- head 0 and its argmax in one kernel (the one-row step) -------------------------------------------
+// The logits of head 0 (two rows a warp, as EPI_STORE2; N pairs) are not stored: each block's best
+// (the logit's order key, then ~index, so that the lowest index wins a tie as np.argmax; NaN counts
+// lowest) goes to *best by atomicMax, and the last block to finish (counted in *arrive) takes the id:
+// out[0], and with `chain` what argmax_chain does for one row (the step's record in hist, the next
+// input id and position in ctl). It leaves *best and *arrive at zero for the next step.
+template <typename W, int U>
+__device__ void head_argmax(const W* __restrict__ w, const float* __restrict__ x, const float* __restrict__ x2,
+                            const float* __restrict__ gain, int N, int K, float eps, unsigned long long* best,
+                            int* arrive, int* out, int* ctl, int* hist, int cap, int L, int chain) {
+    __shared__ unsigned long long bb[GEMV_WARPS];
+    __shared__ bool last;
+    float acc[2][GEMV_ROWS];
+    int o, m0, rows;
+    const bool ok = gemv_dots<W, EPI_STORE2, U>(w, x, x2, gain, 1, N, K, eps, 1, acc, o, m0, rows);
+    auto key = [](float v, int i) {
+        return ((unsigned long long)(v == v ? okey(v) : 0u) << 32) | (0xFFFFFFFFu - (unsigned)i);
+    };
+    if ((threadIdx.x & 31) == 0) {
+        unsigned long long k = 0;
+        if (ok) k = max(key(acc[0][0], 2 * o), key(acc[1][0], 2 * o + 1));
+        bb[threadIdx.x >> 5] = k;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned long long k = 0;
+        for (int i = 0; i < GEMV_WARPS; i++) k = max(k, bb[i]);
+        atomicMax(best, k);
+        __threadfence();
+        last = atomicAdd(arrive, 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last || threadIdx.x != 0) return;
+    __threadfence();
+    const int id = (int)(0xFFFFFFFFu - (unsigned)(*(volatile unsigned long long*)best & 0xFFFFFFFFull));
+    out[0] = id;
+    if (chain) {  // ctl = [id, slot, position, top_k, step, temperature, top_p]
+        const int step = ctl[4];
+        hist[step % cap] = id;
+        __threadfence_system();  // hist is the host's (pinned) memory
+        ctl[0] = id;
+        ctl[2] = min(ctl[2] + 1, L - 1);
+        ctl[4] = step + 1;
+    }
+    *best = 0ull;
+    *arrive = 0;
+}
+
 // ---- RoPE on q and k, k and v written into the cache (the batched path) -------------------------------
 // qkv (M, (H + 2 Hkv) D) float; q (M, H, D) float out; caches (slots, Hkv, L, D) of W.
 // cos/sin (L, D/2): the tables of layers.rope_tables for every position of the context. With qh given
@@ -890,6 +944,199 @@ __device__ void attend_o(const float* __restrict__ q, const W* __restrict__ kc, 
     }
 }
 
+// ---- the same for one row with the keys split over a cluster of 8 blocks --------------------------------
+// grid (M H, 8), clusters of the 8 blocks of a (row, head), OC_WARPS warps: block s attends over its eighth
+// of the keys (contiguous), a group of P lanes a key (lane c: 16-byte piece c of the key and value rows,
+// P = D / Vec rounded up to a power of two) with a running max, sum and output piece per group; a warp's
+// groups meet by shuffles, the warps in shared memory, the 8 blocks' partial results through distributed
+// shared memory (one cluster barrier), and each block then adds its split of the o projection to x as attend_o does. Rows of keys
+// that earlier steps wrote (all but the row's own position) are requested before the wait, with the
+// block's W_o pieces. Needs D % Vec == 0 and D / Vec <= 32.
+#define OC_WARPS 8
+#define OC_SPLIT 8
+#define OC_KEYS 2  // keys a group holds from before the wait (4: more registers, slower)
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// a float of block `rank`'s shared memory, at the address p has in this block's
+__device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
+    unsigned a = smem_u32(p), r;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+    return v;
+}
+
+template <typename W>
+__device__ void attend_o_cluster(const float* __restrict__ q, const W* __restrict__ kc, const W* __restrict__ vc,
+                                 const int* __restrict__ meta, const W* __restrict__ wo, float* __restrict__ x,
+                                 float* __restrict__ dx, int M, int H, int Hkv, int D, int L, int C,
+                                 int alone_keys) {
+    constexpr int V = Vec<W>::N;
+    __shared__ float gpart[OC_WARPS * 258];  // the warps' (max, sum, output D), D <= 256
+    __shared__ float bpart[2 + 256];                  // this block's (max, sum, output D)
+    __shared__ float att[256];
+    const int m = blockIdx.x / H, h = blockIdx.x % H, HD = H * D, split = cluster_rank();
+    const int Pv = D / V, P = Pv <= 1 ? 1 : Pv <= 2 ? 2 : Pv <= 4 ? 4 : Pv <= 8 ? 8 : Pv <= 16 ? 16 : 32;
+    const int lane = threadIdx.x & 31, c = lane % P, groups = blockDim.x / P, gi = threadIdx.x / P;
+    const int slot = meta[M + m], S = meta[2 * M + m] + 1, old = S - 1 - m;
+    // up to alone_keys keys every block attends over all of them and the cluster exchanges nothing (its
+    // barriers cost more than the keys then)
+    const bool alone = S <= alone_keys;
+    const int per = (S + OC_SPLIT - 1) / OC_SPLIT, j0 = alone ? 0 : split * per, j1 = alone ? S : min(S, j0 + per);
+    const W* kb = kc + ((long long)slot * Hkv + h / (H / Hkv)) * L * D + c * V;
+    const W* vb = vc + ((long long)slot * Hkv + h / (H / Hkv)) * L * D + c * V;
+    // before the wait: the o projection's pieces (as attend_o) and the group's first keys of earlier steps
+    const int rows = C / OC_SPLIT, n0 = split * rows, PR = D / V, pieces = rows * PR;
+    auto at = [&](int i) { return wo + (long long)(n0 + i / PR) * HD + h * D + (i % PR) * V; };
+    uint4 pre[O_PRE], kr[OC_KEYS], vr[OC_KEYS];
+#pragma unroll
+    for (int j = 0; j < O_PRE; j++) {
+        const int i = threadIdx.x + j * blockDim.x;
+        if (i < pieces) pre[j] = ld16(at(i));
+    }
+#pragma unroll
+    for (int a = 0; a < OC_KEYS; a++) {
+        const int j = j0 + gi + a * groups;
+        if (c < Pv && j < j1 && j < old) {
+            kr[a] = ld16(kb + (long long)j * D);
+            vr[a] = ld16(vb + (long long)j * D);
+        }
+    }
+    pdl_wait();
+    pdl_launch();
+    float qv[V], mx = NEG_INF, sum = 0.f, acc[V];
+    const float scale = rsqrtf((float)D);
+#pragma unroll
+    for (int i = 0; i < V; i++) {
+        qv[i] = c < Pv ? q[((long long)m * H + h) * D + c * V + i] * scale : 0.f;
+        acc[i] = 0.f;
+    }
+    // the warp's loop bounds come from its first group (every lane takes part in every shuffle)
+    const int wg = (threadIdx.x >> 5) * (32 / P);
+    for (int jw = j0 + wg, a = 0; jw < j1; jw += groups, a++) {
+        const int j = jw - wg + gi;
+        const bool here = j < j1;
+        uint4 ku = make_uint4(0, 0, 0, 0), vu = ku;
+        if (here && c < Pv) {
+            if (a < OC_KEYS && j < old) {
+#pragma unroll
+                for (int b = 0; b < OC_KEYS; b++)
+                    if (b == a) { ku = kr[b]; vu = vr[b]; }
+            } else {
+                ku = ld16(kb + (long long)j * D);
+                vu = ld16(vb + (long long)j * D);
+            }
+        }
+        float kf[V], vf[V], sc = 0.f;
+        Vec<W>::unpack(ku, kf);
+        Vec<W>::unpack(vu, vf);
+#pragma unroll
+        for (int i = 0; i < V; i++) sc += qv[i] * kf[i];
+        for (int o = P / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o, P);
+        if (!here) continue;
+        const float nm = fmaxf(mx, sc), r = __expf(mx - nm), p = __expf(sc - nm);
+        mx = nm;
+        sum = sum * r + p;
+#pragma unroll
+        for (int i = 0; i < V; i++) acc[i] = acc[i] * r + p * vf[i];
+    }
+    // the warp's groups -> one partial (shuffles), the warps' -> the block's (bpart), the cluster's 8 -> att
+    for (int off = P; off < 32; off <<= 1) {
+        const float om = __shfl_xor_sync(0xffffffffu, mx, off), ol = __shfl_xor_sync(0xffffffffu, sum, off);
+        const float nm = fmaxf(mx, om);
+        const float wa = mx == NEG_INF ? 0.f : __expf(mx - nm), wb = om == NEG_INF ? 0.f : __expf(om - nm);
+        sum = sum * wa + ol * wb;
+#pragma unroll
+        for (int i = 0; i < V; i++) acc[i] = acc[i] * wa + __shfl_xor_sync(0xffffffffu, acc[i], off) * wb;
+        mx = nm;
+    }
+    const int warp = threadIdx.x >> 5;
+    if (lane < P && c < Pv)
+#pragma unroll
+        for (int i = 0; i < V; i++) gpart[warp * (D + 2) + 2 + c * V + i] = acc[i];
+    if (lane == 0) {
+        gpart[warp * (D + 2)] = mx;
+        gpart[warp * (D + 2) + 1] = sum;
+    }
+    __syncthreads();
+    if (alone) {
+        for (int d = threadIdx.x; d < D; d += blockDim.x) {
+            float big = NEG_INF, l = 0.f, o = 0.f;
+#pragma unroll
+            for (int k = 0; k < OC_WARPS; k++) big = fmaxf(big, gpart[k * (D + 2)]);
+#pragma unroll
+            for (int k = 0; k < OC_WARPS; k++) {
+                const float w = gpart[k * (D + 2)] == NEG_INF ? 0.f : __expf(gpart[k * (D + 2)] - big);
+                l += gpart[k * (D + 2) + 1] * w;
+                o += gpart[k * (D + 2) + 2 + d] * w;
+            }
+            att[d] = o / l;
+        }
+    }
+    for (int t = threadIdx.x; t < D + 2 && !alone; t += blockDim.x) {  // bpart = (max, sum, outputs)
+        float big = NEG_INF;
+#pragma unroll
+        for (int k = 0; k < OC_WARPS; k++) big = fmaxf(big, gpart[k * (D + 2)]);
+        float v = big;
+        if (t > 0) {
+            v = 0.f;
+#pragma unroll
+            for (int k = 0; k < OC_WARPS; k++)  // a warp that saw no key weighs 0
+                v += big == NEG_INF ? 0.f : gpart[k * (D + 2) + t] * __expf(gpart[k * (D + 2)] - big);
+        }
+        bpart[t] = v;
+    }
+    if (!alone) cluster_arrive();
+    if (!alone) cluster_wait();  // every block's bpart is written
+    for (int d = threadIdx.x; d < D && !alone; d += blockDim.x) {
+        float mb[OC_SPLIT], lb[OC_SPLIT], ob[OC_SPLIT], big = NEG_INF, l = 0.f, o = 0.f;
+#pragma unroll
+        for (int b = 0; b < OC_SPLIT; b++) {  // all requested at once
+            mb[b] = ld_cluster(bpart, b);
+            lb[b] = ld_cluster(bpart + 1, b);
+            ob[b] = ld_cluster(bpart + 2 + d, b);
+        }
+#pragma unroll
+        for (int b = 0; b < OC_SPLIT; b++) big = fmaxf(big, mb[b]);
+#pragma unroll
+        for (int b = 0; b < OC_SPLIT; b++) {
+            const float w = mb[b] == NEG_INF ? 0.f : __expf(mb[b] - big);
+            l += lb[b] * w;
+            o += ob[b] * w;
+        }
+        att[d] = o / l;
+    }
+    if (!alone) cluster_arrive();  // this block has read the others' bpart; it waits for theirs before it exits
+    __syncthreads();
+    for (int j = 0; j * (int)blockDim.x < pieces; j++) {  // the same count in every lane (shuffles)
+        const int i = threadIdx.x + j * blockDim.x;
+        float s = 0.f;
+        if (i < pieces) {
+            uint4 u;
+#pragma unroll
+            for (int jj = 0; jj < O_PRE; jj++)
+                if (jj == j) u = pre[jj];
+            if (j >= O_PRE) u = ld16(at(i));
+            s = o_piece<W>(u, att + (i % PR) * V);
+        }
+        for (int o = PR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (i < pieces && i % PR == 0) {
+            const long long n = (long long)m * C + n0 + i / PR;
+            if (h == 0) {
+                s += dx[n];
+                dx[n] = 0.f;
+            }
+            atomicAdd(x + n, s);
+        }
+    }
+    if (!alone) cluster_wait();
+}
+
 // ---- the MLP in one kernel: dx += W_down (silu(W_gate n(x)) * W_up n(x)) -------------------------------
 // grid (ceil(F / MLP_FC), row groups of R), MLP_FC warps (R = 1, the one-row step, instantiated: the
 // registers of more rows leave no room for the next kernel's blocks): warp w computes f = f0 + w of the
@@ -897,7 +1144,8 @@ __device__ void attend_o(const float* __restrict__ q, const W* __restrict__ kc, 
 // block's MLP_FC values of h = silu(g) u go to shared memory; then each thread adds W_down[n, f0:f0+MLP_FC]
 // . h to dx[m, n] for its rows n (atomicAdd: the F / MLP_FC blocks meet in dx, which starts at zero:
 // embed clears it, attend_o clears it after folding it into x). The first row's W_down pieces are
-// requested before the wait too. Shared: the staged rows (rows, C).
+// requested before the wait too. Shared: the staged rows (rows, C), then W_down's pieces of the rows past
+// the block's threads ((C - blockDim.x) * MLP_FC of W).
 #define MLP_FC 16
 template <typename W, int U, int R>
 __device__ void swiglu_down(const W* __restrict__ wgu, const W* __restrict__ wd, const float* __restrict__ x,
@@ -913,9 +1161,19 @@ __device__ void swiglu_down(const W* __restrict__ wgu, const W* __restrict__ wd,
     uint4 raw[2][U], dpre[FP];
     const bool early = active && C % V == 0;
     if (early) gemv_load<W, 2, U>(wr, C, lane * V, raw);
+    // W_down's pieces: a thread's first row into registers, its later rows into shared memory (by cp.async,
+    // no registers held), all requested before the wait; each thread reads back only what it copied
+    uint4* tile = reinterpret_cast<uint4*>(xs + ((R * C + 3) & ~3));  // (C - blockDim.x) rows of FP pieces
 #pragma unroll
     for (int p = 0; p < FP; p++)
         if (whole && (int)threadIdx.x < C) dpre[p] = ld16(wd + (long long)threadIdx.x * F + f0 + p * V);
+    if (whole)
+        for (int n = threadIdx.x + blockDim.x; n < C; n += blockDim.x)
+#pragma unroll
+            for (int p = 0; p < FP; p++)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(tile + (n - blockDim.x) * FP + p)),
+                             "l"(wd + (long long)n * F + f0 + p * V));
+    cp_commit();
     pdl_wait();
     pdl_launch();
     stage_x<W, R>(x, nullptr, gain, m0, rows, C, xs, sq);
@@ -926,13 +1184,14 @@ __device__ void swiglu_down(const W* __restrict__ wgu, const W* __restrict__ wd,
 #pragma unroll
         for (int rr = 0; rr < R; rr++)
             hs[rr][warp] = active ? acc[0][rr] / (1.f + __expf(-acc[0][rr])) * acc[1][rr] : 0.f;
+    cp_wait<0>();
     __syncthreads();
     for (int n = threadIdx.x; n < C; n += blockDim.x) {
         float wf[MLP_FC];
         if (whole) {
 #pragma unroll
             for (int p = 0; p < FP; p++)
-                Vec<W>::unpack(n == (int)threadIdx.x ? dpre[p] : ld16(wd + (long long)n * F + f0 + p * V), wf + p * V);
+                Vec<W>::unpack(n == (int)threadIdx.x ? dpre[p] : tile[(n - blockDim.x) * FP + p], wf + p * V);
         } else {  // the last columns, or rows not 16-byte aligned
 #pragma unroll
             for (int i = 0; i < MLP_FC; i++) wf[i] = f0 + i < F ? tof(wd[(long long)n * F + f0 + i]) : 0.f;
@@ -998,6 +1257,11 @@ __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, in
     GEMV_KERNEL(W, NAME, U, store2, EPI_STORE2)                                                               \
     GEMV_KERNEL(W, NAME, U, add, EPI_ADD)                                                                     \
     GEMV_KERNEL(W, NAME, U, swiglu, EPI_SWIGLU)                                                               \
+    extern "C" __global__ void GEMV_BOUNDS head_argmax_u##U##_##NAME(const W* w, const float* x, const float* x2, \
+        const float* gain, int N, int K, float eps, unsigned long long* best, int* arrive, int* out, int* ctl, \
+        int* hist, int cap, int L, int chain) {                                                               \
+        head_argmax<W, U>(w, x, x2, gain, N, K, eps, best, arrive, out, ctl, hist, cap, L, chain);            \
+    }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256, 2) gemv_rope_u##U##_##NAME(                             \
         const W* w, const float* x, const float* x2, const float* gain, float* q, W* kc, W* vc, const int* meta, \
         const float* c, const float* s, int M, int H, int Hkv, int D, int L, int K, float eps) {             \
@@ -1020,6 +1284,11 @@ __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, in
         const float* q, const W* kc, const W* vc, const int* meta, const W* wo, float* x, float* dx, int M,    \
         int H, int Hkv, int D, int L, int C) {                                                                \
         attend_o<W>(q, kc, vc, meta, wo, x, dx, M, H, Hkv, D, L, C);                                          \
+    }                                                                                                         \
+    extern "C" __global__ void __cluster_dims__(1, OC_SPLIT, 1) __launch_bounds__(32 * OC_WARPS) attend_o_cluster_##NAME( \
+        const float* q, const W* kc, const W* vc, const int* meta, const W* wo, float* x, float* dx, int M, int H, \
+        int Hkv, int D, int L, int C, int alone_keys) {                                                       \
+        attend_o_cluster<W>(q, kc, vc, meta, wo, x, dx, M, H, Hkv, D, L, C, alone_keys);                      \
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(512) attend_##NAME(const float* q, const W* kc, const W* vc,   \
                                                                const int* meta, float* out, int M, int H,     \
@@ -1097,7 +1366,7 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int V, 
 
 // Greedy decoding that feeds itself, one block per row of M: out[m] = the argmax of row m, which becomes
 // the row's next input token at the next position (kept below L: a row that has finished may run on);
-// the step's ids are kept at hist[(step % cap) M ...], step counting in ctl[3M + 1]. ctl = [ids, slots,
+// the step's ids are kept at hist[(step % cap) M ...] (pinned host memory), step counting in ctl[3M + 1]. ctl = [ids, slots,
 // positions (M each), top_k, step, temperature, top_p]. The last block to finish (counted in *arrive)
 // does the update. Steps replayed back to back then need nothing from the host, which reads hist while
 // the GPU runs ahead.
@@ -1123,6 +1392,7 @@ extern "C" __global__ void argmax_chain(const float* __restrict__ logits, int V,
         ctl[m] = id;
         ctl[2 * M + m] = min(ctl[2 * M + m] + 1, L - 1);
     }
+    __threadfence_system();  // hist is the host's (pinned) memory
     __syncthreads();
     if (threadIdx.x == 0) {
         ctl[3 * M + 1] = step + 1;
@@ -1151,6 +1421,7 @@ extern "C" __global__ void accept_chain(const int* __restrict__ out, int* __rest
         rec[1 + j] = ctl[j];
         rec[1 + K + j] = out[a * K + j];
     }
+    __threadfence_system();  // hist is the host's (pinned) memory
     for (int j = 0; j < K; j++) {
         ctl[j] = out[a * K + j];
         ctl[2 * K + j] = p0 + a + 1 + j;
@@ -1158,11 +1429,6 @@ extern "C" __global__ void accept_chain(const int* __restrict__ out, int* __rest
     ctl[3 * K + 1] = pass + 1;
 }
 
-// A float's bits mapped to an unsigned key with the same order (for threshold searches).
-__device__ __forceinline__ unsigned okey(float f) {
-    const unsigned u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
 // splitmix64: a counter-based generator; uniform in [0, 1) from (seed, counter).
 __device__ __forceinline__ double uniform01(unsigned long long seed, unsigned long long counter) {
     unsigned long long z = seed + 0x9E3779B97F4A7C15ull * (counter + 1);

@@ -181,10 +181,14 @@ def test_every_decode_kernel_the_gpu_backend_launches_is_defined():
     suffixes = set(re.findall(r"^DECODE_KERNELS\(\w+, (\w+)\)", text, flags=re.M))
     plain = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', text))
     # TGEMV_KERNELS(CH) defines tgemv_<stem>_c<CH> (bf16 only)
-    chunks = re.findall(r"^TGEMV_KERNELS\((\d+)\)", text, flags=re.M)
-    tc = [f"tgemv_{s}" for s in re.findall(r"^\s*TGEMV_KERNEL\(CH, (\w+), EPI_\w+\)", text, flags=re.M)]
-    tc += re.findall(r"(tgemv_\w+?)_c##CH\(", text)
-    assert set(gpu.TC_KERNELS) <= {f"{s}_c{c}" for s in tc for c in chunks}
+    # and TGEMV_PAIRED(CH) the paired ones (swiglu, rope)
+    macros = dict(re.findall(r"^#define (TGEMV_\w+)\(CH\)((?:.*\\\n)*.*)$", text, flags=re.M))
+    defined = set()
+    for macro, body in macros.items():
+        tc = [f"tgemv_{s}" for s in re.findall(r"TGEMV_KERNEL\(CH, (\w+), EPI_\w+\)", body)]
+        tc += re.findall(r"(tgemv_\w+?)_c##CH\(", body)
+        defined |= {f"{s}_c{c}" for s in tc for c in re.findall(rf"^{macro}\((\d+)\)", text, flags=re.M)}
+    assert set(gpu.TC_KERNELS) <= defined
     assert set(gpu.KERNELS) <= stems and suffixes == {"bf16", "f32"}
     assert {"argmax_rows", "sample_rows"} <= plain
 

@@ -47,7 +47,7 @@ KERNELS = ("embed", "rope_cache", "attend", "attend_o", "attend_o_cluster", "att
                                                         "head_argmax") for u in (4, 8)) \
     + tuple(f"swiglu_down_u{u}_r1" for u in (4, 8))
 # the tensor-core GEMVs of a few rows (bf16 only, no storage suffix): tgemv_<epilogue>_c<chunks a warp>
-TC_KERNELS = tuple(f"tgemv_{e}_c{c}" for e in ("store", "add", "swiglu", "rope") for c in (4, 8))
+TC_KERNELS = tuple(f"tgemv_{e}_c{c}" for e in ("store", "add") for c in (4, 8)) + ("tgemv_swiglu_c4", "tgemv_rope_c4")
 GEMV_MAX_ROWS = 16  # decode batches above this many rows take the cuBLAS path
 GEMV_ROWS, GEMV_WARPS, MLP_FC, TC_WARPS = 4, 8, 16, 8  # as decode.cu
 OSPLIT = 8  # attend_o's row splits, at most; attend_o_cluster's cluster (as decode.cu's OC_SPLIT)
@@ -116,8 +116,8 @@ class _Rows:
 
 
 class GpuBackend:
-    # a verify pass's time in decode steps (H100, the 116M model: 458 against 256 us; BENCHMARKS.md)
-    verify_cost = 1.8
+    # a verify pass's time in decode steps (H100, the 116M model: 330 against 236 us; BENCHMARKS.md)
+    verify_cost = 1.4
 
     def __init__(self, params: dict, cfg, dtype: str = "bf16", pdl: bool | None = None):
         """`pdl`: launch with programmatic dependent launch where the GPU has it (default: on, unless the
@@ -240,19 +240,20 @@ class GpuBackend:
         """16-byte pieces per lane and weight row in flight in a GEMV over rows of K."""
         return 4 if -(-K // (32 * (8 if self.dtype == "bf16" else 4))) <= 4 else 8
 
-    def _tc(self, M: int, K: int) -> int:
-        """Chunks a warp (4 or 8) of the tensor-core GEMV for M rows of K, or 0 where it does not apply."""
+    def _tc(self, M: int, K: int, paired: bool = False) -> int:
+        """Chunks a warp (4 or 8; 4 only for the `paired` epilogues, swiglu and rope) of the tensor-core GEMV
+        for M rows of K, or 0 where it does not apply."""
         if self.dtype != "bf16" or not self.tensor_cores or not 2 <= M <= 16 or K % 32:
             return 0
         per_warp = -(-K // (32 * TC_WARPS))
-        return 4 if per_warp <= 4 else 8 if per_warp <= 8 else 0
+        return 4 if per_warp <= 4 else 8 if per_warp <= 8 and not paired else 0
 
     def _gemv(self, epi: str, w, x, x2, gain, y, M: int, N: int, K: int, pdl: bool = True) -> None:
         """y = W (norm(x + x2)) over M rows (x2 and gain may be None), `epi` as decode.cu: store, store2, add,
         swiglu (N = outputs, or pairs of outputs for store2). 2 to 16 rows of bf16 weights take the
         tensor-core GEMV (store2 as store)."""
         null = np.uint64(0)
-        ch = self._tc(M, K)
+        ch = self._tc(M, K, paired=epi == "swiglu")
         if ch:
             if epi == "store2":
                 epi, N = "store", 2 * N
@@ -272,7 +273,7 @@ class GpuBackend:
         cfg, i32 = self.cfg, np.int32
         H, Hkv, D, C = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
         pairs = (H + 2 * Hkv) * (D // 2)
-        ch = self._tc(M, C) if D % 16 == 0 else 0  # a block's 8 pairs in one head
+        ch = self._tc(M, C, paired=True) if D % 16 == 0 else 0  # a block's 8 pairs in one head
         if ch:
             self._launch(f"tgemv_rope_c{ch}", (-(-pairs // 8),), (32 * TC_WARPS,),
                          (w["qkv"], r.x, r.dx, w["n1"], r.q, self.kc[li], self.vc[li], r.meta, self.cos, self.sin,

@@ -368,7 +368,8 @@ __device__ void gemv_rope(const W* __restrict__ w, const float* __restrict__ x, 
 // B fragments as they lie in memory, and the A fragments are taken from the same columns of x. x is split
 // into two bf16 parts, hi + lo (each product twice), so the activations keep about 16 bits, as close to the
 // float GEMV's as makes no difference to the bf16 weights' own rounding. The weights of up to CH chunks a
-// warp are requested before the wait for the kernel before. Needs K % 32 == 0 and K <= 32 * TC_WARPS * CH.
+// warp are requested before the wait for the kernel before, into shared memory (cp.async). Needs K % 32 == 0
+// and K <= 32 * TC_WARPS * CH.
 #define TC_WARPS 8
 #define TC_PASS 2
 template <int EPI> struct Tc { static constexpr int NT = (EPI == EPI_SWIGLU || EPI == EPI_ROPE) ? 2 : 1; };
@@ -415,14 +416,23 @@ __device__ __forceinline__ bool tc_sums(const bf16* __restrict__ w, const float*
     const int o0 = blockIdx.x * 8, chunks = K / 32;
     int r[2];
     Gemv<EPI>::rows(min(o0 + g, N - 1), N, half, r);
-    uint4 raw[NT][CH];
+    // the weights into shared memory by cp.async (no registers held while they arrive), each lane's 16-byte
+    // pieces at raw[(i NT + t) blockDim + thread]: it reads back only what it copied
+    __shared__ uint4 raw[CH * NT * 32 * TC_WARPS];
 #pragma unroll
     for (int i = 0; i < CH; i++) {
         const int q = warp + TC_WARPS * i;
 #pragma unroll
-        for (int t = 0; t < NT; t++)
-            raw[t][i] = q < chunks && o0 + g < N ? ld16(w + (long long)r[t] * K + q * 32 + c * 8) : make_uint4(0, 0, 0, 0);
+        for (int t = 0; t < NT; t++) {
+            uint4* dst = raw + (i * NT + t) * blockDim.x + threadIdx.x;
+            if (q < chunks && o0 + g < N)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)),
+                             "l"(w + (long long)r[t] * K + q * 32 + c * 8));
+            else
+                *dst = make_uint4(0, 0, 0, 0);
+        }
     }
+    cp_commit();
     pdl_wait();
     pdl_launch();
     float acc[NT][4], ss0 = 0.f, ss1 = 0.f;
@@ -454,13 +464,15 @@ __device__ __forceinline__ bool tc_sums(const bf16* __restrict__ w, const float*
                     u1[e] *= gk[i - i0][e];
                 }
             }
+            if (i == 0) cp_wait<0>();
 #pragma unroll
             for (int s = 0; s < 2; s++) {
                 unsigned hi[4], lo[4];
                 tc_frags(u0, u1, s, hi, lo);
 #pragma unroll
                 for (int t = 0; t < NT; t++) {
-                    const unsigned b0 = s == 0 ? raw[t][i].x : raw[t][i].z, b1 = s == 0 ? raw[t][i].y : raw[t][i].w;
+                    const uint4 wt = raw[(i * NT + t) * blockDim.x + threadIdx.x];
+                    const unsigned b0 = s == 0 ? wt.x : wt.z, b1 = s == 0 ? wt.y : wt.w;
                     mma16816(acc[t], hi, b0, b1);
                     mma16816(acc[t], lo, b0, b1);
                 }
@@ -1317,9 +1329,11 @@ DECODE_KERNELS(float, f32)
         const bf16* w, const float* x, const float* x2, const float* gain, float* y, int M, int N, int K, float eps) { \
         tgemv<EPI, CH>(w, x, x2, gain, y, M, N, K, eps);                                                      \
     }
+// (the paired epilogues, two weight tiles a warp, with 4 chunks only: 8 would take over 48 KB of shared memory)
 #define TGEMV_KERNELS(CH)                                                                                     \
     TGEMV_KERNEL(CH, store, EPI_STORE)                                                                        \
-    TGEMV_KERNEL(CH, add, EPI_ADD)                                                                            \
+    TGEMV_KERNEL(CH, add, EPI_ADD)
+#define TGEMV_PAIRED(CH)                                                                                      \
     TGEMV_KERNEL(CH, swiglu, EPI_SWIGLU)                                                                      \
     extern "C" __global__ void __launch_bounds__(32 * TC_WARPS, 2) tgemv_rope_c##CH(                              \
         const bf16* w, const float* x, const float* x2, const float* gain, float* q, bf16* kc, bf16* vc,       \
@@ -1328,6 +1342,7 @@ DECODE_KERNELS(float, f32)
     }
 TGEMV_KERNELS(4)
 TGEMV_KERNELS(8)
+TGEMV_PAIRED(4)
 
 // ---- the next token ---------------------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ torch.compile (where it works; the error is printed where not). Columns: tokens/
 a 512-token prompt in ms, and the speculative acceptance. Then batch 64 (64 different 16-token prompts)
 against batch 1, and the agreement of our greedy tokens with the reference `Generator` (float32 CuPy layers):
 float32 engine (identical expected) and bf16 engine (identical until the first near-tie).
-Times are medians over --repeats runs after a warm-up run.
+Times are medians over --repeats runs after a warm-up run. Acceptance depends on the text, so speculation is
+also measured over --spec-prompts prompts (each decoded once, plainly and speculatively).
 """
 
 from __future__ import annotations
@@ -218,6 +219,27 @@ def batched(eng, cfg, prompts, args):
     return n / one, len(prompts) * n / many
 
 
+def speculation_over(eng, prompts, n):
+    """Plain and speculative greedy decoding of each prompt once (after a warm-up): total tokens/s of each,
+    and the speculative passes' tokens per pass and per-head acceptance over all of them."""
+    import cupy as cp
+
+    eng.stats = type(eng.stats)()
+    for spec in (False, True):
+        list(eng.stream(prompts[0], n, GREEDY, speculative=spec))
+    eng.stats = type(eng.stats)()
+    secs = []
+    for spec in (False, True):
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for p in prompts:
+            list(eng.stream(p, n, GREEDY, speculative=spec))
+        cp.cuda.Device().synchronize()
+        secs.append(time.perf_counter() - t0)
+    st = eng.stats
+    return len(prompts) * n / secs[0], len(prompts) * n / secs[1], st.tokens_per_pass(), st.acceptance()
+
+
 def agreement(params, cfg, prompt, steps):
     """First index where our greedy tokens leave the reference Generator's (float32 CuPy layers); None = never."""
     import cupy as cp
@@ -240,6 +262,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--agree-steps", type=int, default=64)
+    ap.add_argument("--spec-prompts", type=int, default=8,
+                    help="also decode this many of the prompts plainly and speculatively (acceptance over them)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
     ap.add_argument("--no-hf-compile", action="store_true", help="skip the torch.compile row (it takes minutes)")
     ap.add_argument("--profile", action="store_true", help="also time each kernel of a decode step and a verify pass")
@@ -273,6 +297,7 @@ def main(argv=None) -> int:
     rows: list = []
     eng = ours(params, cfg, prompt, args, rows)
     one, many = batched(eng, cfg, prompts, args)
+    spread = speculation_over(eng, prompts[:args.spec_prompts], args.new_tokens) if args.spec_prompts else None
     profiles = {}
     if args.profile:
         for label, M, nh in (("decode step", 1, 1), ("verify pass", cfg.mtp_heads, cfg.mtp_heads)):
@@ -298,6 +323,11 @@ def main(argv=None) -> int:
     print(f"a graph of 100 empty kernels: {args.floor_us:.2f} us per kernel")
     print(f"\nbatched greedy, ours bf16: batch 1 {one:,.0f} tokens/s, batch {args.batch} {many:,.0f} tokens/s "
           f"= {many / one:.1f}x")
+    if spread:
+        plain, spec, tpp, acc = spread
+        print(f"greedy over {args.spec_prompts} prompts (windows of the text, one after the other): plain "
+              f"{plain:,.0f} tokens/s, speculative {spec:,.0f} = {spec / plain:.2f}x; {tpp:.2f} tokens/pass, heads "
+              + " ".join(f"{a:.2f}" for a in acc))
     for label, prof in profiles.items():
         print(f"\n{label}, kernel by kernel (CUDA events around each launch, mean of 20 steps):")
         print("| kernel | launches | us per step | share |")

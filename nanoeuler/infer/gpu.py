@@ -138,7 +138,8 @@ class GpuBackend:
         self.tensor_cores = True  # the few-row GEMVs on tensor cores (bf16); off: the float GEMV for all
         # attend_o_cluster: a key's 16-byte pieces on at most a warp's lanes; else attend_o
         vec = 8 if dtype == "bf16" else 4
-        self.attend_cluster = cfg.head_dim % vec == 0 and cfg.head_dim // vec <= 32
+        self.attend_cluster = cfg.head_dim % vec == 0 and cfg.head_dim // vec <= 32 and \
+            int(cp.cuda.Device().compute_capability) >= 90  # thread block clusters
         self.alone_keys = ALONE_KEYS
         self.fuse_argmax = True  # a one-row greedy step's head and argmax as one kernel (head_argmax)
         # attend_kv: a lane group of D / Vec lanes a key must divide the warp; else `attend` (a block a head)

@@ -967,19 +967,38 @@ __device__ void attend_o(const float* __restrict__ q, const W* __restrict__ kc, 
 #define OC_WARPS 8
 #define OC_SPLIT 8
 #define OC_KEYS 2  // keys a group holds from before the wait (4: more registers, slower)
+// Clusters need compute capability 9.0: below it the kernel compiles without them (so that the file builds
+// for every GPU) and the host never launches it (gpu.py's attend_cluster).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define CLUSTER_DIMS __cluster_dims__(1, OC_SPLIT, 1)
+#else
+#define CLUSTER_DIMS
+#endif
 __device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
+    unsigned r = 0;
+#if __CUDA_ARCH__ >= 900
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
     return r;
 }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
 // a float of block `rank`'s shared memory, at the address p has in this block's
 __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
+    float v = *p;
+#if __CUDA_ARCH__ >= 900
     unsigned a = smem_u32(p), r;
-    float v;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+#endif
     return v;
 }
 
@@ -1297,7 +1316,7 @@ __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, in
         int H, int Hkv, int D, int L, int C) {                                                                \
         attend_o<W>(q, kc, vc, meta, wo, x, dx, M, H, Hkv, D, L, C);                                          \
     }                                                                                                         \
-    extern "C" __global__ void __cluster_dims__(1, OC_SPLIT, 1) __launch_bounds__(32 * OC_WARPS) attend_o_cluster_##NAME( \
+    extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(32 * OC_WARPS) attend_o_cluster_##NAME(          \
         const float* q, const W* kc, const W* vc, const int* meta, const W* wo, float* x, float* dx, int M, int H, \
         int Hkv, int D, int L, int C, int alone_keys) {                                                       \
         attend_o_cluster<W>(q, kc, vc, meta, wo, x, dx, M, H, Hkv, D, L, C, alone_keys);                      \

@@ -4,30 +4,38 @@
     >>> be.start(1, seeds=[0]); be.prefill(0, ids)       # (K, V) logits of the prompt's last row   # doctest: +SKIP
 
 The model runs over rows (token, cache slot, position) with the kernels of `kernels/decode.cu`; see
-`engine.py` for the interface. Two ways through a layer, the same arithmetic:
+`engine.py` for the interface. Three ways through a layer, the same arithmetic:
 
-  * few rows (decode steps of up to GEMV_MAX_ROWS slots, speculative verify passes): kernels that
-    stream each weight row once in 16-byte loads for all rows, with the RMSNorm in their prologue. One row
-    (batch-1 steps): three kernels a layer, the qkv GEMV (RoPE and the cache write in its epilogue),
-    attention over the cache with the o projection (`attend_o`: each head's share added to x), the MLP
-    (`swiglu_down`: gate/up, silu(g) * u, and each block's share of the down projection added to dx,
-    which the next layer folds into x); the branches join by atomicAdd, so float sums may differ in the
-    last bits from run to run. More rows: five, qkv, attention, o (+= x), gate/up (-> silu(g) * u), down
-    (+= x). Such products are bound by the weight bandwidth, where a GEMM's tiles only waste work, and a
-    step by its kernel boundaries. On compute capability 9.0 each kernel is launched with programmatic
-    dependent launch (`launch.py`): it requests its weights while the kernel before it still runs.
+  * one row (batch-1 steps): three kernels, the qkv GEMV (the RMSNorm in its prologue, RoPE and the cache
+    write in its epilogue), attention with the o projection (`attend_o_cluster`: the 8 blocks of a head,
+    a thread block cluster, each attend over an eighth of the keys, exchange their partial softmax
+    through distributed shared memory and add their eighth of W_o's rows to x; up to ALONE_KEYS keys
+    each attends over all of them; below compute capability 9.0 `attend_o`, every block over all keys),
+    and the MLP (`swiglu_down`: gate/up, silu(g) * u, and each block's
+    share of the down projection added to dx, which the next layer folds into x). The branches join by
+    atomicAdd, so float sums may differ in the last bits from run to run. Head 0 and the argmax are one
+    kernel (`head_argmax`).
+  * 2 to 16 rows (verify passes, small batches, short prefills): five kernels, qkv, attention, o (+= x),
+    gate/up (-> silu(g) * u), down (+= x); with bf16 weights the products run on the tensor cores
+    (`tgemv_*`: mma.sync, x split into bf16 hi + lo, so the activations keep about 16 bits), else as
+    float GEMVs. Such products are bound by the weight bandwidth and a step by its kernel boundaries, so
+    every kernel requests its weights (into registers, or shared memory by cp.async) before it waits for
+    the one before it: on compute capability 9.0 each is launched with programmatic dependent launch
+    (`launch.py`) and may start while that one still runs.
   * many rows (prefill, wide batches): cuBLAS GEMMs (bf16 operands, float32 accumulation, through ctypes so
     that they can be captured) between elementwise kernels; a prefill's attention is the training engine's
-    tensor-core FlashAttention (bf16, head size 32 or 64) over the prompt.
+    tensor-core FlashAttention (bf16, head size 32 or 64) over the prompt, a wide batch's a block per
+    (row, key/value head) (`attend_kv_act`: the query heads that share the key/value head read it once).
 
 A decode step (embedding, every layer, the final norm and head, the choice of the next token) is recorded
 once per (rows, heads, rule) as a CUDA graph and replayed; per step the host copies in one small array
 (ids, slots, positions, sampling values) and reads back the chosen ids: nothing else crosses, nothing is
 allocated. Greedy steps feed themselves (`greedy_steps`, `greedy_passes`): the chosen ids become the
-next step's inputs on the GPU, so the host queues steps ahead and only reads ids. A prefill is recorded
-once per row count, prompts padded to a power of two (the padding rows come after the prompt, so causal
-attention keeps them out of its rows, and the next steps overwrite what they leave in the cache);
-prompts of up to GEMV_MAX_ROWS tokens take the GEMV path, unpadded. Sampling (temperature, top-k, top-p)
+next step's inputs on the GPU and are written straight into pinned host memory, so the host queues steps
+ahead and only reads ids. A prefill is recorded once per row count, prompts padded to a power of two (the
+padding rows come after the prompt, so causal attention keeps them out of its rows, and the next steps
+overwrite what they leave in the cache); prompts of up to GEMV_MAX_ROWS tokens take the GEMV path,
+unpadded. A batch's prompts are prefilled together (`prefill_many`). Sampling (temperature, top-k, top-p)
 draws from a counter-based generator seeded per slot.
 """
 

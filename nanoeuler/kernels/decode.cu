@@ -910,22 +910,58 @@ __device__ __forceinline__ float o_piece(uint4 u, const float* att) {
     return s;
 }
 
+// A block's share of the o projection: rows n0 .. n0 + C / splits of W_o, head h's D columns; piece i (a
+// thread's j-th: i = threadIdx.x + j blockDim.x) is row n0 + i / PR, columns h D + (i % PR) Vec ... The
+// first O_PRE pieces a thread are requested before the wait (load); add() adds each row's product with
+// att (D floats, shared) to x[m] by atomicAdd, head 0's blocks also folding in dx (and clearing it).
+template <typename W> struct OShare {
+    const W* wo;
+    int n0, PR, HD, hD, pieces;
+    uint4 pre[O_PRE];
+    __device__ OShare(const W* w, int split, int splits, int H, int D, int h, int C)
+        : wo(w), n0(split * (C / splits)), PR(D / Vec<W>::N), HD(H * D), hD(h * D), pieces(C / splits * (D / Vec<W>::N)) {}
+    __device__ const W* at(int i) const { return wo + (long long)(n0 + i / PR) * HD + hD + (i % PR) * Vec<W>::N; }
+    __device__ void load() {
+#pragma unroll
+        for (int j = 0; j < O_PRE; j++) {
+            const int i = threadIdx.x + j * blockDim.x;
+            if (i < pieces) pre[j] = ld16(at(i));
+        }
+    }
+    __device__ void add(const float* att, int m, int C, bool fold, float* __restrict__ x, float* __restrict__ dx) const {
+        for (int j = 0; j * (int)blockDim.x < pieces; j++) {  // the same count in every lane (shuffles)
+            const int i = threadIdx.x + j * blockDim.x;
+            float s = 0.f;
+            if (i < pieces) {
+                uint4 u;
+#pragma unroll
+                for (int jj = 0; jj < O_PRE; jj++)
+                    if (jj == j) u = pre[jj];
+                if (j >= O_PRE) u = ld16(at(i));
+                s = o_piece<W>(u, att + (i % PR) * Vec<W>::N);
+            }
+            for (int o = PR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (i < pieces && i % PR == 0) {
+                const long long n = (long long)m * C + n0 + i / PR;
+                if (fold) {
+                    s += dx[n];
+                    dx[n] = 0.f;
+                }
+                atomicAdd(x + n, s);
+            }
+        }
+    }
+};
+
 template <typename W>
 __device__ void attend_o(const float* __restrict__ q, const W* __restrict__ kc, const W* __restrict__ vc,
                          const int* __restrict__ meta, const W* __restrict__ wo, float* __restrict__ x,
                          float* __restrict__ dx, int M, int H, int Hkv, int D, int L, int C) {
     extern __shared__ float sm[];
     constexpr int V = Vec<W>::N;
-    const int m = blockIdx.x / H, h = blockIdx.x % H, PR = D / V, HD = H * D;
-    const int rows = C / gridDim.y, n0 = blockIdx.y * rows, pieces = rows * PR;
-    // piece i = threadIdx.x + j blockDim.x: row n0 + i / PR, columns h D + (i % PR) V ...
-    auto at = [&](int i) { return wo + (long long)(n0 + i / PR) * HD + h * D + (i % PR) * V; };
-    uint4 pre[O_PRE];
-#pragma unroll
-    for (int j = 0; j < O_PRE; j++) {
-        const int i = threadIdx.x + j * blockDim.x;
-        if (i < pieces) pre[j] = ld16(at(i));
-    }
+    const int m = blockIdx.x / H, h = blockIdx.x % H;
+    OShare<W> share(wo, blockIdx.y, gridDim.y, H, D, h, C);
+    share.load();
     cache_prefetch<W>(kc, vc, meta, M, H, Hkv, D, L, m, h);
     float* att = sm + L + blockDim.x * (V + 1);  // after attend_row's
     attend_row<W, float, true>(q, kc, vc, meta, att, M, H, Hkv, D, L, m, h, [] {
@@ -933,27 +969,7 @@ __device__ void attend_o(const float* __restrict__ q, const W* __restrict__ kc, 
         pdl_launch();
     });
     __syncthreads();
-    for (int j = 0; j * (int)blockDim.x < pieces; j++) {  // the same count in every lane (shuffles)
-        const int i = threadIdx.x + j * blockDim.x;
-        float s = 0.f;
-        if (i < pieces) {
-            uint4 u;
-#pragma unroll
-            for (int jj = 0; jj < O_PRE; jj++)
-                if (jj == j) u = pre[jj];
-            if (j >= O_PRE) u = ld16(at(i));
-            s = o_piece<W>(u, att + (i % PR) * V);
-        }
-        for (int o = PR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (i < pieces && i % PR == 0) {
-            const long long n = (long long)m * C + n0 + i / PR;
-            if (h == 0) {
-                s += dx[n];
-                dx[n] = 0.f;
-            }
-            atomicAdd(x + n, s);
-        }
-    }
+    share.add(att, m, C, h == 0, x, dx);
 }
 
 // ---- the same for one row with the keys split over a cluster of 8 blocks --------------------------------
@@ -1011,7 +1027,7 @@ __device__ void attend_o_cluster(const float* __restrict__ q, const W* __restric
     __shared__ float gpart[OC_WARPS * 258];  // the warps' (max, sum, output D), D <= 256
     __shared__ float bpart[2 + 256];                  // this block's (max, sum, output D)
     __shared__ float att[256];
-    const int m = blockIdx.x / H, h = blockIdx.x % H, HD = H * D, split = cluster_rank();
+    const int m = blockIdx.x / H, h = blockIdx.x % H, split = cluster_rank();
     const int Pv = D / V, P = Pv <= 1 ? 1 : Pv <= 2 ? 2 : Pv <= 4 ? 4 : Pv <= 8 ? 8 : Pv <= 16 ? 16 : 32;
     const int lane = threadIdx.x & 31, c = lane % P, groups = blockDim.x / P, gi = threadIdx.x / P;
     const int slot = meta[M + m], S = meta[2 * M + m] + 1, old = S - 1 - m;
@@ -1022,14 +1038,9 @@ __device__ void attend_o_cluster(const float* __restrict__ q, const W* __restric
     const W* kb = kc + ((long long)slot * Hkv + h / (H / Hkv)) * L * D + c * V;
     const W* vb = vc + ((long long)slot * Hkv + h / (H / Hkv)) * L * D + c * V;
     // before the wait: the o projection's pieces (as attend_o) and the group's first keys of earlier steps
-    const int rows = C / OC_SPLIT, n0 = split * rows, PR = D / V, pieces = rows * PR;
-    auto at = [&](int i) { return wo + (long long)(n0 + i / PR) * HD + h * D + (i % PR) * V; };
-    uint4 pre[O_PRE], kr[OC_KEYS], vr[OC_KEYS];
-#pragma unroll
-    for (int j = 0; j < O_PRE; j++) {
-        const int i = threadIdx.x + j * blockDim.x;
-        if (i < pieces) pre[j] = ld16(at(i));
-    }
+    OShare<W> share(wo, split, OC_SPLIT, H, D, h, C);
+    share.load();
+    uint4 kr[OC_KEYS], vr[OC_KEYS];
 #pragma unroll
     for (int a = 0; a < OC_KEYS; a++) {
         const int j = j0 + gi + a * groups;
@@ -1144,27 +1155,7 @@ __device__ void attend_o_cluster(const float* __restrict__ q, const W* __restric
     }
     if (!alone) cluster_arrive();  // this block has read the others' bpart; it waits for theirs before it exits
     __syncthreads();
-    for (int j = 0; j * (int)blockDim.x < pieces; j++) {  // the same count in every lane (shuffles)
-        const int i = threadIdx.x + j * blockDim.x;
-        float s = 0.f;
-        if (i < pieces) {
-            uint4 u;
-#pragma unroll
-            for (int jj = 0; jj < O_PRE; jj++)
-                if (jj == j) u = pre[jj];
-            if (j >= O_PRE) u = ld16(at(i));
-            s = o_piece<W>(u, att + (i % PR) * V);
-        }
-        for (int o = PR / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (i < pieces && i % PR == 0) {
-            const long long n = (long long)m * C + n0 + i / PR;
-            if (h == 0) {
-                s += dx[n];
-                dx[n] = 0.f;
-            }
-            atomicAdd(x + n, s);
-        }
-    }
+    share.add(att, m, C, h == 0, x, dx);
     if (!alone) cluster_wait();
 }
 

@@ -977,9 +977,10 @@ __device__ void attend_o(const float* __restrict__ q, const W* __restrict__ kc, 
 // of the keys (contiguous), a group of P lanes a key (lane c: 16-byte piece c of the key and value rows,
 // P = D / Vec rounded up to a power of two) with a running max, sum and output piece per group; a warp's
 // groups meet by shuffles, the warps in shared memory, the 8 blocks' partial results through distributed
-// shared memory (one cluster barrier), and each block then adds its split of the o projection to x as attend_o does. Rows of keys
-// that earlier steps wrote (all but the row's own position) are requested before the wait, with the
-// block's W_o pieces. Needs D % Vec == 0 and D / Vec <= 32.
+// shared memory (one cluster barrier), and each block then adds its split of the o projection to x, as
+// attend_o does. Up to alone_keys keys every block attends over all of them and the cluster exchanges
+// nothing (its barriers cost more than so few keys). Keys that earlier steps wrote (all but the row's own
+// position) are requested before the wait, with the block's W_o pieces. Needs D % Vec == 0, D / Vec <= 32.
 #define OC_WARPS 8
 #define OC_SPLIT 8
 #define OC_KEYS 2  // keys a group holds from before the wait (4: more registers, slower)
@@ -1025,14 +1026,12 @@ __device__ void attend_o_cluster(const float* __restrict__ q, const W* __restric
                                  int alone_keys) {
     constexpr int V = Vec<W>::N;
     __shared__ float gpart[OC_WARPS * 258];  // the warps' (max, sum, output D), D <= 256
-    __shared__ float bpart[2 + 256];                  // this block's (max, sum, output D)
+    __shared__ float bpart[2 + 256];         // this block's
     __shared__ float att[256];
     const int m = blockIdx.x / H, h = blockIdx.x % H, split = cluster_rank();
     const int Pv = D / V, P = Pv <= 1 ? 1 : Pv <= 2 ? 2 : Pv <= 4 ? 4 : Pv <= 8 ? 8 : Pv <= 16 ? 16 : 32;
     const int lane = threadIdx.x & 31, c = lane % P, groups = blockDim.x / P, gi = threadIdx.x / P;
     const int slot = meta[M + m], S = meta[2 * M + m] + 1, old = S - 1 - m;
-    // up to alone_keys keys every block attends over all of them and the cluster exchanges nothing (its
-    // barriers cost more than the keys then)
     const bool alone = S <= alone_keys;
     const int per = (S + OC_SPLIT - 1) / OC_SPLIT, j0 = alone ? 0 : split * per, j1 = alone ? S : min(S, j0 + per);
     const W* kb = kc + ((long long)slot * Hkv + h / (H / Hkv)) * L * D + c * V;

@@ -167,8 +167,8 @@ def test_every_decode_kernel_the_gpu_backend_launches_is_defined():
     from nanoeuler.kernels import KERNEL_DIR
 
     text = (KERNEL_DIR / "decode.cu").read_text()
-    stems = set(re.findall(r'extern "C" __global__ void (?:CLUSTER_DIMS )?(?:__launch_bounds__\([^)]*\) )?(\w+)_##NAME\(',
-                           text))
+    stems = set(re.findall(r'extern "C" __global__ void (?:CLUSTER_DIMS )?(?:__launch_bounds__\([^)]*\) )?'
+                           r'(\w+)_##NAME\(', text))
     # the GEMV family: GEMV_KERNELS(W, NAME, U) defines <stem>_u<U>_<NAME>
     units = re.findall(r"^\s*GEMV_KERNELS\(W, NAME, (\d+)\)", text, flags=re.M)
     gemv = re.findall(r'extern "C" __global__ void (?:GEMV_BOUNDS |__launch_bounds__\([^)]*\) )?(\w+)_u##U##_##NAME\(',

@@ -50,9 +50,9 @@ from nanoeuler.model.layers import rope_tables
 from nanoeuler.model.transformer import head_weight_names
 
 # decode.cu's kernels per weight storage (`<stem>_bf16`, `<stem>_f32`; the GEMVs also per U), and its two others
-KERNELS = ("embed", "rope_cache", "attend", "attend_o", "attend_o_cluster", "attend_act", "attend_kv_act", "rmsnorm_act",
-           "swiglu_act") + tuple(f"{e}_u{u}" for e in ("gemv_store", "gemv_store2", "gemv_add", "gemv_swiglu", "gemv_rope",
-                                                        "head_argmax") for u in (4, 8)) \
+GEMV_STEMS = ("gemv_store", "gemv_store2", "gemv_add", "gemv_swiglu", "gemv_rope", "head_argmax")
+KERNELS = ("embed", "rope_cache", "attend", "attend_o", "attend_o_cluster", "attend_act", "attend_kv_act",
+           "rmsnorm_act", "swiglu_act") + tuple(f"{e}_u{u}" for e in GEMV_STEMS for u in (4, 8)) \
     + tuple(f"swiglu_down_u{u}_r1" for u in (4, 8))
 # the tensor-core GEMVs of a few rows (bf16 only, no storage suffix): tgemv_<epilogue>_c<chunks a warp>
 TC_KERNELS = tuple(f"tgemv_{e}_c{c}" for e in ("store", "add") for c in (4, 8)) + ("tgemv_swiglu_c4", "tgemv_rope_c4")
@@ -143,16 +143,18 @@ class GpuBackend:
         if cfg.dim % OSPLIT:  # attend_o's row splits (OSPLIT or a power of two below)
             raise ValueError(f"the GPU decode engine needs a width divisible by {OSPLIT}, not {cfg.dim}")
         self.cp, self.cfg, self.dtype = cp, cfg, dtype
-        self.tensor_cores = True  # the few-row GEMVs on tensor cores (bf16); off: the float GEMV for all
-        # attend_o_cluster: a key's 16-byte pieces on at most a warp's lanes; else attend_o
-        vec = 8 if dtype == "bf16" else 4
+        # the kernel paths; each switch is a variant of bench/decode_steps_gpu.py (BENCHMARKS.md has the figures)
+        vec = 8 if dtype == "bf16" else 4  # weights or cache values a 16-byte load
+        self.tensor_cores = True  # 2 to 16 rows of bf16 weights: tgemv (mma.sync); off: the float GEMV
+        # one row: attention split over a cluster of 8 blocks (a key's 16-byte pieces on at most a warp's lanes;
+        # clusters need compute capability 9.0), each alone up to alone_keys keys; else attend_o
         self.attend_cluster = cfg.head_dim % vec == 0 and cfg.head_dim // vec <= 32 and \
-            int(cp.cuda.Device().compute_capability) >= 90  # thread block clusters
+            int(cp.cuda.Device().compute_capability) >= 90
         self.alone_keys = ALONE_KEYS
-        self.fuse_argmax = True  # a one-row greedy step's head and argmax as one kernel (head_argmax)
-        # attend_kv: a lane group of D / Vec lanes a key must divide the warp; else `attend` (a block a head)
-        pieces = cfg.head_dim // (8 if dtype == "bf16" else 4)
-        self.attend_kv = cfg.head_dim % (8 if dtype == "bf16" else 4) == 0 and 32 % pieces == 0 \
+        self.fuse_argmax = True  # one row's greedy id in the head's own kernel (head_argmax)
+        # wide batches: attend_kv_act, a block per (row, key/value head) (its lane groups of D / vec lanes
+        # must divide the warp); else attend_act, a block per (row, head)
+        self.attend_kv = cfg.head_dim % vec == 0 and 32 % (cfg.head_dim // vec) == 0 \
             and cfg.n_heads // cfg.n_kv_heads <= KV_MAXG
         self.wt = cp.uint16 if dtype == "bf16" else cp.float32
         suffix = "bf16" if dtype == "bf16" else "f32"
@@ -316,7 +318,8 @@ class GpuBackend:
         self._launch(f"swiglu_down_u{self._u(cfg.dim)}_r1", (-(-cfg.hidden // MLP_FC), 1), (32 * MLP_FC,),
                      (w["gu"], w["down"], r.x, w["n2"], r.dx, np.int32(1), np.int32(cfg.hidden), np.int32(cfg.dim),
                       np.float32(cfg.norm_eps)),
-                     shared_mem=4 * (-(-cfg.dim // 4) * 4) + max(0, cfg.dim - 32 * MLP_FC) * MLP_FC * np.dtype(self.wt).itemsize)
+                     shared_mem=4 * (-(-cfg.dim // 4) * 4)  # x, then W_down's rows past the block's threads
+                     + max(0, cfg.dim - 32 * MLP_FC) * MLP_FC * np.dtype(self.wt).itemsize)
 
     def _attention(self, name: str, r: _Rows, li, out, M):
         """out (M, H D): attention of the rows' q over the cache, float (`attend`) or W (`attend_act`, the

@@ -57,6 +57,10 @@ template <> struct Vec<float> {
     }
 };
 template <typename W> __device__ __forceinline__ uint4 ld16(const W* p) { return *reinterpret_cast<const uint4*>(p); }
+// 16 bytes into shared memory by cp.async, without registers; the copying thread waits with cp_wait (mma.cuh)
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src));
+}
 
 // A float's bits mapped to an unsigned key with the same order (for threshold searches).
 __device__ __forceinline__ unsigned okey(float f) {
@@ -426,8 +430,7 @@ __device__ __forceinline__ bool tc_sums(const bf16* __restrict__ w, const float*
         for (int t = 0; t < NT; t++) {
             uint4* dst = raw + (i * NT + t) * blockDim.x + threadIdx.x;
             if (q < chunks && o0 + g < N)
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)),
-                             "l"(w + (long long)r[t] * K + q * 32 + c * 8));
+                cp16(dst, w + (long long)r[t] * K + q * 32 + c * 8);
             else
                 *dst = make_uint4(0, 0, 0, 0);
         }
@@ -790,13 +793,13 @@ __device__ void attend(const float* __restrict__ q, const W* __restrict__ kc, co
 }
 
 // ---- attention of many rows: a block per (row, key/value head), its query heads together ------------
-// grid (M, Hkv), KV_WARPS warps: out (M, H, D) of O (the wide batch's GEMM operand). The G = H / Hkv query heads that share a key/value
-// head read its cache rows once. A group of P = D / Vec lanes takes one key at a time (lane c of the group:
-// the 16-byte piece c of the key and of the value row), so a warp holds 32 / P keys; the groups of the
-// block take keys gi, gi + groups, ... and keep, per query head, a running max, sum and output piece (an
-// online softmax), requesting KV_AHEAD keys' rows before using any. The groups' partial results meet in
-// shared memory at the end: G * groups * (D + 2) floats. Needs 32 % P == 0 and G <= KV_MAXG (gpu.py checks;
-// other shapes take `attend`).
+// grid (M, Hkv), KV_WARPS warps: out (M, H, D) of O (the wide batch's GEMM operand). The G = H / Hkv query
+// heads that share a key/value head read its cache rows once. A group of P = D / Vec lanes takes one key at
+// a time (lane c of the group: the 16-byte piece c of the key and of the value row), so a warp holds 32 / P
+// keys; the groups of the block take keys gi, gi + groups, ... and keep, per query head, a running max, sum
+// and output piece (an online softmax), requesting KV_AHEAD keys' rows before using any. The groups' partial
+// results meet in shared memory at the end: G * groups * (D + 2) floats. Needs 32 % P == 0 and G <= KV_MAXG
+// (gpu.py checks; other shapes take attend_act).
 #define KV_WARPS 8
 #define KV_MAXG 4
 #define KV_AHEAD 2
@@ -919,7 +922,8 @@ template <typename W> struct OShare {
     int n0, PR, HD, hD, pieces;
     uint4 pre[O_PRE];
     __device__ OShare(const W* w, int split, int splits, int H, int D, int h, int C)
-        : wo(w), n0(split * (C / splits)), PR(D / Vec<W>::N), HD(H * D), hD(h * D), pieces(C / splits * (D / Vec<W>::N)) {}
+        : wo(w), n0(split * (C / splits)), PR(D / Vec<W>::N), HD(H * D), hD(h * D),
+          pieces(C / splits * (D / Vec<W>::N)) {}
     __device__ const W* at(int i) const { return wo + (long long)(n0 + i / PR) * HD + hD + (i % PR) * Vec<W>::N; }
     __device__ void load() {
 #pragma unroll
@@ -928,7 +932,8 @@ template <typename W> struct OShare {
             if (i < pieces) pre[j] = ld16(at(i));
         }
     }
-    __device__ void add(const float* att, int m, int C, bool fold, float* __restrict__ x, float* __restrict__ dx) const {
+    __device__ void add(const float* att, int m, int C, bool fold, float* __restrict__ x,
+                        float* __restrict__ dx) const {
         for (int j = 0; j * (int)blockDim.x < pieces; j++) {  // the same count in every lane (shuffles)
             const int i = threadIdx.x + j * blockDim.x;
             float s = 0.f;
@@ -1192,8 +1197,7 @@ __device__ void swiglu_down(const W* __restrict__ wgu, const W* __restrict__ wd,
         for (int n = threadIdx.x + blockDim.x; n < C; n += blockDim.x)
 #pragma unroll
             for (int p = 0; p < FP; p++)
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(tile + (n - blockDim.x) * FP + p)),
-                             "l"(wd + (long long)n * F + f0 + p * V));
+                cp16(tile + (n - blockDim.x) * FP + p, wd + (long long)n * F + f0 + p * V);
     cp_commit();
     pdl_wait();
     pdl_launch();
@@ -1390,9 +1394,9 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int V, 
 
 // Greedy decoding that feeds itself, one block per row of M: out[m] = the argmax of row m, which becomes
 // the row's next input token at the next position (kept below L: a row that has finished may run on);
-// the step's ids are kept at hist[(step % cap) M ...] (pinned host memory), step counting in ctl[3M + 1]. ctl = [ids, slots,
-// positions (M each), top_k, step, temperature, top_p]. The last block to finish (counted in *arrive)
-// does the update. Steps replayed back to back then need nothing from the host, which reads hist while
+// the step's ids are kept at hist[(step % cap) M ...] (pinned host memory), step counting in ctl[3M + 1].
+// ctl = [ids, slots, positions (M each), top_k, step, temperature, top_p]. The last block to finish (counted
+// in *arrive) does the update. Steps replayed back to back then need nothing from the host, which reads hist while
 // the GPU runs ahead.
 extern "C" __global__ void argmax_chain(const float* __restrict__ logits, int V, int* out, int* __restrict__ ctl,
                                         int* __restrict__ hist, int cap, int L, int* arrive) {

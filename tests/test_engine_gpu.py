@@ -107,7 +107,8 @@ def test_one_row_attention_over_a_cluster_matches_numpy(model, dtype, tol):
     split, whole = GpuBackend(params, cfg, dtype), GpuBackend(params, cfg, dtype)
     whole.attend_cluster = False
     split.alone_keys = 2  # the blocks exchange their partial results from 3 keys on
-    assert split.attend_cluster
+    if not split.attend_cluster:
+        pytest.skip("thread block clusters need compute capability 9.0")
     ids = np.random.default_rng(9).integers(0, cfg.vocab_size, cfg.ctx_len)
     for be in (cpu, split, whole):
         be.start(1)

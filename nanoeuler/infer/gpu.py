@@ -156,6 +156,7 @@ class GpuBackend:
         # must divide the warp); else attend_act, a block per (row, head)
         self.attend_kv = cfg.head_dim % vec == 0 and 32 % (cfg.head_dim // vec) == 0 \
             and cfg.n_heads // cfg.n_kv_heads <= KV_MAXG
+        self._kv_groups = KV_WARPS * 32 // max(1, cfg.head_dim // vec)  # attend_kv_act's lane groups a block
         self.wt = cp.uint16 if dtype == "bf16" else cp.float32
         suffix = "bf16" if dtype == "bf16" else "f32"
         self.k = {n: kernel("decode", f"{n}_{suffix}") for n in KERNELS}
@@ -330,10 +331,9 @@ class GpuBackend:
         if self.attend_kv and M > GEMV_MAX_ROWS:
             # a block per (row, key/value head): the heads that share it read its rows once; measured slower
             # than a block per head up to 16 rows (too few blocks), faster from 64 (BENCHMARKS.md)
-            groups = KV_WARPS * 32 // (cfg.head_dim // (8 if self.dtype == "bf16" else 4))
             G = cfg.n_heads // cfg.n_kv_heads
             self._launch(name.replace("attend", "attend_kv"), (M, cfg.n_kv_heads), (32 * KV_WARPS,), args,
-                         shared_mem=4 * G * groups * (cfg.head_dim + 2))
+                         shared_mem=4 * G * self._kv_groups * (cfg.head_dim + 2))
         else:
             self._launch(name, (M, cfg.n_heads), (ATTEND_THREADS,), args, shared_mem=self._attend_smem())
 

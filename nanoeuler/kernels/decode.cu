@@ -545,6 +545,15 @@ __device__ void tgemv_rope(const bf16* __restrict__ w, const float* __restrict__
     rope_store<bf16>(ro, o, m, M, v0, v1, ro.cos_t[pos * half + j], ro.sin_t[pos * half + j]);
 }
 
+// A greedy chain's row m after a step (of M rows): its chosen id recorded in the step's place in the ring
+// hist (cap steps; the host's pinned memory) and fed at the next position, kept below L. ctl = [ids, slots,
+// positions (M each), top_k, step, temperature, top_p].
+__device__ __forceinline__ void chain_row(int* ctl, int* hist, int M, int m, int id, int step, int cap, int L) {
+    hist[(long long)(step % cap) * M + m] = id;
+    ctl[m] = id;
+    ctl[2 * M + m] = min(ctl[2 * M + m] + 1, L - 1);
+}
+
 // ---- head 0 and its argmax in one kernel (the one-row step) -------------------------------------------
 // The logits of head 0 (two rows a warp, as EPI_STORE2; N pairs) are not stored: each block's best
 // (the logit's order key, then ~index, so that the lowest index wins a tie as np.argmax; NaN counts
@@ -583,10 +592,8 @@ __device__ void head_argmax(const W* __restrict__ w, const float* __restrict__ x
     out[0] = id;
     if (chain) {  // ctl = [id, slot, position, top_k, step, temperature, top_p]
         const int step = ctl[4];
-        hist[step % cap] = id;
+        chain_row(ctl, hist, 1, 0, id, step, cap, L);
         __threadfence_system();  // hist is the host's (pinned) memory
-        ctl[0] = id;
-        ctl[2] = min(ctl[2] + 1, L - 1);
         ctl[4] = step + 1;
     }
     *best = 0ull;
@@ -1414,12 +1421,7 @@ extern "C" __global__ void argmax_chain(const float* __restrict__ logits, int V,
     if (!last) return;
     __threadfence();
     const int step = ctl[3 * M + 1];
-    for (int m = threadIdx.x; m < M; m += blockDim.x) {
-        const int id = ((volatile int*)out)[m];
-        hist[(long long)(step % cap) * M + m] = id;
-        ctl[m] = id;
-        ctl[2 * M + m] = min(ctl[2 * M + m] + 1, L - 1);
-    }
+    for (int m = threadIdx.x; m < M; m += blockDim.x) chain_row(ctl, hist, M, m, ((volatile int*)out)[m], step, cap, L);
     __threadfence_system();  // hist is the host's (pinned) memory
     __syncthreads();
     if (threadIdx.x == 0) {

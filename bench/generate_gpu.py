@@ -48,14 +48,36 @@ def timed(fn, repeats):
     return statistics.median(out)
 
 
-def prompts_from(tok, cfg, n, length, rng):
-    """n prompts of `length` tokens: windows of a text when a tokenizer is given, else random ids."""
-    if tok is not None:
-        text = ("The Python standard library is very extensive, offering a wide range of facilities. "
-                "It contains built-in modules that provide access to system functionality such as file I/O. ") * 40
+def prompts_from(tok, cfg, n, length, rng, text=None):
+    """n prompts of `length` tokens: windows of a text when a tokenizer is given (`text`: n windows spread
+    evenly over it, else a repeated sentence every 7 tokens), else random ids."""
+    if tok is None:
+        return [list(rng.integers(0, cfg.vocab_size, length)) for _ in range(n)]
+    if text is not None:
         ids = tok.encode(text)
-        return [ids[i * 7:i * 7 + length] for i in range(n)]
-    return [list(rng.integers(0, cfg.vocab_size, length)) for _ in range(n)]
+        if len(ids) < n * length:
+            raise SystemExit(f"--prompt-text: {len(ids)} tokens, fewer than {n} prompts of {length}")
+        stride = (len(ids) - length) // max(n - 1, 1)
+        return [ids[i * stride:i * stride + length] for i in range(n)]
+    text = ("The Python standard library is very extensive, offering a wide range of facilities. "
+            "It contains built-in modules that provide access to system functionality such as file I/O. ") * 40
+    ids = tok.encode(text)
+    return [ids[i * 7:i * 7 + length] for i in range(n)]
+
+
+def read_text(path: str, limit: int = 2_000_000) -> str:
+    """The first `limit` characters of a UTF-8 text file, or of a parquet file's `text` column (the corpus)."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        parts, size = [], 0
+        for doc in pq.read_table(path, columns=["text"]).column("text").to_pylist():
+            parts.append(doc)
+            size += len(doc)
+            if size >= limit:
+                break
+        return "\n\n".join(parts)[:limit]
+    return Path(path).read_text(encoding="utf-8")[:limit]
 
 
 def ours(params, cfg, prompt, args, rows):
@@ -221,23 +243,24 @@ def batched(eng, cfg, prompts, args):
 
 def speculation_over(eng, prompts, n):
     """Plain and speculative greedy decoding of each prompt once (after a warm-up): total tokens/s of each,
-    and the speculative passes' tokens per pass and per-head acceptance over all of them."""
+    the speculative passes' tokens per pass and per-head acceptance over all of them, and each prompt's
+    speculative/plain ratio."""
     import cupy as cp
 
-    eng.stats = type(eng.stats)()
-    for spec in (False, True):
-        list(eng.stream(prompts[0], n, GREEDY, speculative=spec))
-    eng.stats = type(eng.stats)()
-    secs = []
-    for spec in (False, True):
+    def one(p, spec):
         cp.cuda.Device().synchronize()
         t0 = time.perf_counter()
-        for p in prompts:
-            list(eng.stream(p, n, GREEDY, speculative=spec))
+        list(eng.stream(p, n, GREEDY, speculative=spec))
         cp.cuda.Device().synchronize()
-        secs.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    for spec in (False, True):
+        one(prompts[0], spec)
+    eng.stats = type(eng.stats)()
+    secs = np.array([[one(p, spec) for spec in (False, True)] for p in prompts])
+    plain, spec = len(prompts) * n / secs.sum(axis=0)
     st = eng.stats
-    return len(prompts) * n / secs[0], len(prompts) * n / secs[1], st.tokens_per_pass(), st.acceptance()
+    return plain, spec, st.tokens_per_pass(), st.acceptance(), secs[:, 0] / secs[:, 1]
 
 
 def agreement(params, cfg, prompt, steps):
@@ -264,6 +287,9 @@ def main(argv=None) -> int:
     ap.add_argument("--agree-steps", type=int, default=64)
     ap.add_argument("--spec-prompts", type=int, default=8,
                     help="also decode this many of the prompts plainly and speculatively (acceptance over them)")
+    ap.add_argument("--prompt-text", metavar="FILE",
+                    help="draw the prompts from this text (a UTF-8 file, or a parquet's `text` column, e.g. the "
+                         "corpus's val.parquet), windows spread over it; default: a repeated sentence")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
     ap.add_argument("--no-hf-compile", action="store_true", help="skip the torch.compile row (it takes minutes)")
     ap.add_argument("--profile", action="store_true", help="also time each kernel of a decode step and a verify pass")
@@ -288,7 +314,10 @@ def main(argv=None) -> int:
         ckpt = str(Path(tempfile.mkdtemp()) / "random.bin")
         checkpoint.save_model(ckpt, params, cfg, step=0, tokenizer_json=None)
     rng = np.random.default_rng(0)
-    prompts = prompts_from(tok, cfg, args.batch, args.prompt_len, rng)
+    text = read_text(args.prompt_text) if args.prompt_text else None
+    if text is not None and tok is None:
+        raise SystemExit(f"--prompt-text: {args.ckpt or 'random weights'} has no tokenizer to encode it")
+    prompts = prompts_from(tok, cfg, args.batch, args.prompt_len, rng, text)
     prompt = prompts[0]
     if args.steps_only:
         eng = Engine.from_params(params, cfg, "gpu", dtype="bf16")
@@ -324,10 +353,13 @@ def main(argv=None) -> int:
     print(f"\nbatched greedy, ours bf16: batch 1 {one:,.0f} tokens/s, batch {args.batch} {many:,.0f} tokens/s "
           f"= {many / one:.1f}x")
     if spread:
-        plain, spec, tpp, acc = spread
+        plain, spec, tpp, acc, ratios = spread
         print(f"greedy over {args.spec_prompts} prompts (windows of the text, one after the other): plain "
               f"{plain:,.0f} tokens/s, speculative {spec:,.0f} = {spec / plain:.2f}x; {tpp:.2f} tokens/pass, heads "
               + " ".join(f"{a:.2f}" for a in acc))
+        q = np.percentile(ratios, [0, 25, 50, 75, 100])
+        print(f"  per prompt, speculative / plain: min {q[0]:.2f}x, quartiles {q[1]:.2f}x {q[2]:.2f}x {q[3]:.2f}x, "
+              f"max {q[4]:.2f}x; {int((ratios >= 1.6).sum())} of {len(ratios)} prompts at 1.6x or more")
     for label, prof in profiles.items():
         print(f"\n{label}, kernel by kernel (CUDA events around each launch, mean of 20 steps):")
         print("| kernel | launches | us per step | share |")

@@ -5,6 +5,10 @@
 # of a decode step.
 #   DATA=<dir with gpu.yaml, tok4096.json, shards4096/> scripts/gen_bench.sh [tests] [random] [steps] [trained] [ncu]
 #       [ncu64] [ncupass]   (ncupass: PASS=RxH@P, one pass of bench/decode_steps_gpu.py)
+#   CORPUS=<dir with train.parquet, val.parquet, tokenizer.json> STEPS=N scripts/gen_bench.sh mirror
+#       the full config's model trained N steps (default 8000) on a corpus of the full run (the offline
+#       mirror's: scripts/mirror/build.py, then the pipeline's corpus and tokenizer stages), the benchmark
+#       on it with the prompts drawn from the corpus's validation text
 # scripts/gen_bench_data.sh DIR builds that DATA folder on the CPU (the Python docs, their BPE, shards, config).
 # Logs go to $LOG_DIR (default $TMPDIR/nanoeuler-gen-bench); a summary is printed last.
 set -u -o pipefail
@@ -82,6 +86,19 @@ for mode in "${modes[@]}"; do
                 (cd "$BASELINE" && export PYTHONPATH=$PWD && timeout "${STAGE_TIMEOUT:-300}" $PY bench/generate_gpu.py --ckpt "$LOG_DIR/base.bin" \
                     --no-hf --repeats 3 2>&1 | tee "$LOG_DIR/baseline.log")
             fi ;;
+        mirror)
+            CORPUS=${CORPUS:?CORPUS must name the folder with train.parquet, val.parquet and tokenizer.json}
+            run tokenize $PY -m nanoeuler tokenize --config config/config.yaml --tokenizer "$CORPUS/tokenizer.json" \
+                --train "$CORPUS/train.parquet" --val "$CORPUS/val.parquet" --out "$LOG_DIR/mshards/manifest.json" \
+                --workers "$(nproc)"
+            printf 'device: gpu\ntokenizer: {vocab_size: 4096}\nmodel: {preset: gpu}\npretrain: {precision: bf16, steps: %s}\n' \
+                "${STEPS:-8000}" > "$LOG_DIR/mirror.yaml"
+            STAGE_TIMEOUT=${TRAIN_TIMEOUT:-480} run mpretrain $PY -m nanoeuler pretrain --config "$LOG_DIR/mirror.yaml" \
+                --shards "$LOG_DIR/mshards/manifest.json" --tokenizer "$CORPUS/tokenizer.json" --out "$LOG_DIR/mirror.bin" \
+                --run-dir "$LOG_DIR/mrun" --no-progress
+            grep '"val_loss"' "$LOG_DIR/mrun/metrics.jsonl" | tail -1
+            run trained $PY bench/generate_gpu.py --ckpt "$LOG_DIR/mirror.bin" --prompt-text "$CORPUS/val.parquet" \
+                --repeats 3 --spec-prompts "${SPEC_PROMPTS:-64}" --no-hf-compile ;;
         *) echo "unknown mode $mode"; exit 2 ;;
     esac
 done

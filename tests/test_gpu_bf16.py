@@ -348,3 +348,16 @@ def test_engine_stepper_grad_hook_path_matches_the_graph_step():
     doubled = make_stepper(settings, cfg, params, cupy, grad_hook=double)
     norm = fresh.step([batches[0]], 1e-3)[1]
     assert doubled.step([batches[0]], 1e-3)[1] == pytest.approx(2 * norm, rel=1e-5)
+
+    # a hook that only queues GPU work (`in_graph`, as the data-parallel all-reduce) runs inside the step's
+    # CUDA graph: the same losses and norms as the hook run kernel by kernel, steps after the first replayed
+    def double_in_graph(grads):
+        double(grads)
+    double_in_graph.in_graph = True
+
+    eager = make_stepper(settings, cfg, params, cupy, grad_hook=double)
+    graphed = make_stepper(settings, cfg, params, cupy, grad_hook=double_in_graph)
+    for (x, y), lr in zip(batches, [1e-3, 1e-2, 1e-4, 3e-3]):
+        (loss, norm), (ref_loss, ref_norm) = graphed.step([(x, y)], lr), eager.step([(x, y)], lr)
+        assert loss == pytest.approx(ref_loss, rel=5e-5) and norm == pytest.approx(ref_norm, rel=1e-3)
+    assert graphed.engine._graph is not None and eager.engine._graph is None

@@ -66,6 +66,7 @@ class Engine:
         self.graph = bool(graph)
         self._graph = None  # the captured step, after one step run kernel by kernel
         self._eager_steps = 0
+        self.collective = None  # see `set_collective`
         self.hyper = cp.zeros(3, dtype=np.float32)  # AdamW's per-step values (step size, 1/sqrt(bc2), decay)
         self._hyper_host = np.zeros(3, dtype=np.float32)
         self._refresh_image()
@@ -309,8 +310,17 @@ class Engine:
         """The sum of squared gradients in `self.sq` again, from `self.G` as it is now (after a change of the
         gradients between `forward_backward` and `optimizer_step`, such as an all-reduce)."""
         with self._on_stream():
-            cp.cuda.runtime.memsetAsync(self.sq.data.ptr, 0, 4, self.stream.ptr)
-            optim.sumsq(self.G, self.sq)
+            self._grad_norm()
+
+    def _grad_norm(self) -> None:
+        cp.cuda.runtime.memsetAsync(self.sq.data.ptr, 0, 4, self.stream.ptr)
+        optim.sumsq(self.G, self.sq)
+
+    def set_collective(self, fn) -> None:
+        """Make fn(grads) part of every `step`, between the backward and the norm (recomputed after it):
+        a data-parallel all-reduce, say. fn must only queue work on the current stream on the same buffers
+        every step (no host sync, no allocation), as the step is captured into a CUDA graph with it."""
+        self.collective, self._graph, self._eager_steps = fn, None, 0
 
     def optimizer_step(self, lr: float) -> None:
         """Clip (by the norm in `self.sq`) and apply AdamW to every parameter; refresh the bf16 image."""
@@ -333,17 +343,22 @@ class Engine:
             if self._graph is not None:
                 self._graph.launch(self.stream)
             else:
-                self._forward_backward()
-                self._adamw()
+                self._step_body()
                 self._eager_steps += 1
+
+    def _step_body(self) -> None:
+        self._forward_backward()
+        if self.collective is not None:  # the gradients changed (averaged over the ranks): their norm again
+            self.collective(self.grads())
+            self._grad_norm()
+        self._adamw()
 
     def _capture(self):
         """The whole step as a CUDA graph, or None (with a warning) where capture fails."""
         try:
             self.stream.begin_capture()
             try:
-                self._forward_backward()
-                self._adamw()
+                self._step_body()
             finally:
                 graph = self.stream.end_capture()
             return graph

@@ -360,6 +360,9 @@ class DataParallel:
                     a[...] = buf
             if then is not None:
                 then(grads)
+        # NCCL calls may be captured into a CUDA graph: without `then`, the bf16 engine runs the hook in its
+        # graph step (its gradients are one contiguous buffer, so the copy above is never taken)
+        hook.in_graph = then is None
         return hook
 
     def wrap(self, stepper) -> "ParallelStepper":

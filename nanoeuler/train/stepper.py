@@ -107,12 +107,15 @@ class EngineStepper:
 
     The engine is built for a fixed shape, so smaller batches (SFT: shorter sequences, an epoch's last
     batch) are padded at the end with ignored targets; causal attention keeps padding from touching the
-    real tokens, and rows without targets do not change the mean loss. Without a grad_hook a step is one
-    replay of the engine's CUDA graph; with one, the engine's forward/backward, the hook on its gradient
-    views, the norm over them and the update run one after another."""
+    real tokens, and rows without targets do not change the mean loss. Without a grad_hook, or with one
+    marked `in_graph` (it only queues GPU work, as the data-parallel all-reduce does), a step is one replay
+    of the engine's CUDA graph, the hook inside it; with another hook, the engine's forward/backward, the
+    hook on its gradient views, the norm over them and the update run one after another."""
 
     def __init__(self, engine, grad_hook: GradHook | None = None):
         self.engine, self.grad_hook = engine, grad_hook
+        if grad_hook is not None and getattr(grad_hook, "in_graph", False):
+            engine.set_collective(grad_hook)
 
     @property
     def t(self) -> int:
@@ -128,7 +131,7 @@ class EngineStepper:
             x = np.pad(x, ((0, rows), (0, cols)))
             y = np.pad(y, ((0, rows), (0, cols), (0, 0)), constant_values=-1)
         x, y = np.asarray(x, dtype=np.int32), np.asarray(y, dtype=np.int32)
-        if self.grad_hook is None:
+        if self.grad_hook is None or eng.collective is self.grad_hook:
             eng.step(x, y, lr)
         else:
             eng.forward_backward(x, y)

@@ -66,18 +66,23 @@ def prompts_from(tok, cfg, n, length, rng, text=None):
 
 
 def read_text(path: str, limit: int = 2_000_000) -> str:
-    """The first `limit` characters of a UTF-8 text file, or of a parquet file's `text` column (the corpus)."""
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
+    """The first `limit` characters of a UTF-8 text file, or of a corpus parquet's `text` column (the
+    tokenizer stage's reader); a file that cannot be read stops the run with one line naming it."""
+    from nanoeuler.errors import UserError
+    from nanoeuler.tokenizer.shards import iter_batches, open_corpus
 
+    try:
+        if not path.endswith(".parquet"):
+            return Path(path).read_text(encoding="utf-8")[:limit]
         parts, size = [], 0
-        for doc in pq.read_table(path, columns=["text"]).column("text").to_pylist():
-            parts.append(doc)
-            size += len(doc)
+        for batch in iter_batches(open_corpus(Path(path)), Path(path)):
+            parts += batch
+            size += sum(map(len, batch))
             if size >= limit:
                 break
         return "\n\n".join(parts)[:limit]
-    return Path(path).read_text(encoding="utf-8")[:limit]
+    except (UserError, OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"--prompt-text: {path}: {exc}") from None
 
 
 def ours(params, cfg, prompt, args, rows):

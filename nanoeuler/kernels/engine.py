@@ -400,7 +400,9 @@ class Engine:
             self.block_backward(i)
         embed.embed_bwd(self.dx, self.ids, self.demb)
         # the gradient norm: the folded matrices added their squares already; the rest lie before them
-        optim.sumsq(self.G[:self.fold_start], self.sq)
+        # (a collective changes the gradients: `_step_body` takes the whole norm after it instead)
+        if self.collective is None:
+            optim.sumsq(self.G[:self.fold_start], self.sq)
 
     def block_forward(self, i: int) -> None:
         """`transformer._block_forward` of layer i. The residual stream: x_in = xs[i % 2], which the first

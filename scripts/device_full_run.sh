@@ -54,7 +54,19 @@ prepare() {  # on a machine with network: Python 3.12 manylinux wheels and the p
         "snakemake==$($PY -c 'import snakemake; print(snakemake.__version__)')" \
         "duckdb==$($PY -c 'import duckdb; print(duckdb.__version__)')"
     rm -f "$dest"/whl/pulp-*.whl  # 16 MB, only for the ILP scheduler: we run --scheduler greedy
-    tar -C "$REPO/data" -cf - mirror | xz -T2 -3 > "$dest/mirror.tar.xz"
+    # what the GPU machine's image has already (its package list): the carried tree is limited to 64 MiB
+    for p in attrs certifi charset_normalizer idna jinja2 markupsafe packaging psutil pyyaml requests \
+             tabulate typing_extensions wrapt; do rm -f "$dest"/whl/$p-*.whl; done
+    # the web parquet files stored uncompressed inside an xz archive: 3 MB smaller than zstd-19 inside it
+    local tmp
+    tmp=$(mktemp -d)
+    cp -r "$REPO/data/mirror" "$tmp/"
+    $PY -c "
+import glob, pyarrow.parquet as pq
+for f in glob.glob('$tmp/mirror/fineweb/**/*.parquet', recursive=True):
+    pq.write_table(pq.read_table(f), f, compression='NONE', row_group_size=pq.ParquetFile(f).metadata.num_rows)"
+    tar -C "$tmp" -cf - mirror | xz -T2 -9 > "$dest/mirror.tar.xz"
+    rm -rf "$tmp"
     du -sh "$dest/whl" "$dest/mirror.tar.xz"
 }
 

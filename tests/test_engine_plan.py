@@ -65,3 +65,32 @@ def test_variants_pick_the_fastest_that_applies_and_refuse_the_rest():
     with pytest.raises(ValueError, match="head_dim 6 not supported"):
         choose_variants(ModelConfig(vocab_size=9, dim=12, n_layers=1, n_heads=2, n_kv_heads=1, ctx_len=8), 8,
                         sm90a=True)
+
+
+@pytest.mark.parametrize("cfg", CFGS[:2], ids=["gpu", "small"])
+def test_engine_bytes_invariants(cfg):
+    """What each option adds or saves: the accumulator is one more float32 gradient (and its loss);
+    checkpointing keeps every layer's float32 input but one layer's activations; the activations grow
+    with the batch in proportion; the flat buffers do not depend on the batch."""
+    from nanoeuler.kernels.bf16.plan import engine_bytes
+
+    var = choose_variants(cfg, 128, sm90a=False)
+    kw = dict(attention=var.attention, fuse_swiglu=var.fuse_swiglu, fuse_rope=var.fuse_rope)
+    base = engine_bytes(cfg, 8, 128, **kw)
+    n = plan_layout(cfg).total
+    assert base["params"] == base["grads"] == 4 * n and base["moments"] == 8 * n and base["image"] == 2 * n
+    assert engine_bytes(cfg, 8, 128, accum=True, **kw)["accumulator"] == 4 * n + 4 and base["accumulator"] == 0
+    ckpt = engine_bytes(cfg, 8, 128, checkpoint=True, **kw)
+    N, L, C = 8 * 128, cfg.n_layers, cfg.dim
+    per_layer = (base["activations"] - 2 * N * C * 4) // L  # two alternating stream buffers without
+    assert ckpt["activations"] == per_layer + L * N * C * 4
+    assert {k: v for k, v in ckpt.items() if k != "activations"} == {k: v for k, v in base.items()
+                                                                     if k != "activations"}
+    double = engine_bytes(cfg, 16, 128, **kw)
+    assert double["activations"] == 2 * base["activations"]
+    assert all(double[k] == base[k] for k in ("params", "grads", "moments", "image", "wdt"))
+    dpo = engine_bytes(cfg, 8, 128, head="dpo", **kw)
+    K = cfg.mtp_heads
+    assert dpo["scratch"] - base["scratch"] == (2 * N + 3 * 8 + 4) * 4 - (N * K + K) * 4
+    with pytest.raises(ValueError):
+        engine_bytes(cfg, 8, 128, head="mse", **kw)

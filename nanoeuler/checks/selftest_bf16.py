@@ -6,7 +6,8 @@ relative error ||out - ref|| / ||ref||. Tolerance 1e-2 for bf16 operands (docs/A
 of bf16 kernels that involve no bf16 rounding are held to float32's 1e-5.
 
 Cases: the engine's cuBLAS wrapper at the step's layouts; each bf16 kernel on its own; the whole model's
-loss and every gradient from the engine against `transformer.loss_and_grads` in float64; one engine
+loss and every gradient from the engine against `transformer.loss_and_grads` in float64 (with the
+cross-entropy head, and with DPO's sequence log-prob head against `dpo_head_loss`); one engine
 optimizer step (clipping + AdamW) against `optim.clip_grad_norm` + `optim.AdamW.step` in float64.
 """
 
@@ -359,6 +360,68 @@ def case_bf16_ce_heads(rng, shape):
             ("bf16 ce_heads dlogits", from_bf16(dlg.get()), dref, TOL_BF16)]
 
 
+def case_bf16_seq_logp(rng, shape):
+    """shape (B, T, K, V, R): DPO's sequence log-prob head on its own. Pass 1 over row chunks of R
+    (each row's log-prob of its head-0 target and logsumexp), the pair loss and dloss/dlogp (a padding
+    pair of weight 0 included), pass 2 (the logits' gradient in place), against model.dpo in float64."""
+    import cupy
+
+    from nanoeuler.model import dpo
+
+    B, T, K, V, R = shape
+    N, P = B * T, B // 2
+    z = bf16_round(_randn(rng, (N, V), 3.0))
+    t = rng.integers(0, V, size=(N, K))
+    t[rng.random(N) < 0.4, 0] = -1
+    t[:, 1:] = -1
+    t[(P - 1) * T:P * T, 0] = -1  # the last pair is padding: no targets, weight 0
+    t[(B - 1) * T:, 0] = -1
+    ref = _randn(rng, B, 20.0) - 100.0
+    w = np.full(P, 1.0 / (P - 1))
+    w[P - 1] = 0.0
+    beta, eps = 0.3, 0.1
+    tg = _g(t, np.int32)
+    tok, lse = _g(np.full(N, np.nan)), _g(np.full(N, np.nan))
+    zd = _g(to_bf16(z), np.uint16)
+    for r0 in range(0, N, R):
+        r1 = min(N, r0 + R)
+        _k("seq_logp_rows")((r1 - r0,), (256,), (zd[r0:r1], tg[r0:r1], tok[r0:r1], lse[r0:r1], np.int32(V),
+                                                 np.int32(K)))
+    logp, dlogp, loss = (_g(np.full(n, np.nan)) for n in (B, B, 1))
+    _k("dpo_pair_loss")((1,), (1024,), (tok, _g(ref), _g(w), logp, dlogp, loss, np.int32(B), np.int32(T),
+                                        np.float32(beta), np.float32(eps)))
+    for r0 in range(0, N, R):
+        r1 = min(N, r0 + R)
+        _k("seq_logp_grad")((r1 - r0,), (256,), (zd[r0:r1], tg[r0:r1], lse[r0:r1], dlogp, np.int32(V), np.int32(K),
+                                                 np.int64(r0), np.int32(T)))
+    valid = t[:, 0] >= 0
+    tok_r, probs = dpo.token_logps(z, np.where(valid, t[:, 0], 0))
+    tok_r = np.where(valid, tok_r, 0.0)
+    logp_r = tok_r.reshape(B, T).sum(1)
+    keep = np.r_[0:P - 1, P:B - 1]  # the pairs with weight 1 / (P - 1): plain DPO over them
+    loss_r, dl, _ = dpo.pair_loss(logp_r[keep], ref[keep], beta, eps)
+    dlogp_r = np.zeros(B)
+    dlogp_r[keep] = dl
+    onehot = np.zeros((N, V))
+    onehot[np.arange(N), np.where(valid, t[:, 0], 0)] = 1.0
+    dz_r = np.where(valid[:, None], dlogp_r[np.arange(N) // T][:, None] * (onehot - probs), 0.0)
+    return [("seq_logp_rows log-probs", tok, tok_r, TOL_FP32), ("dpo_pair_loss logp", logp, logp_r, TOL_FP32),
+            ("dpo_pair_loss loss", loss, np.array([loss_r]), TOL_FP32),
+            ("dpo_pair_loss dloss/dlogp", dlogp, dlogp_r, TOL_FP32),
+            ("seq_logp_grad dlogits", from_bf16(zd.get()), dz_r, TOL_BF16)]
+
+
+def case_bf16_grad_accumulate(rng, shape):
+    """shape (n,): acc += g over a flat range (a scalar tail when n % 4), and the loss into its sum."""
+    n = shape[0]
+    g, acc0 = _randn(rng, n), _randn(rng, n)
+    acc, loss_acc = _g(acc0), _g(np.array([1.5]))
+    _k("grad_accumulate")((min(4096, -(-n // 1024)),), (256,), (_g(g), acc, np.int64(n), _g(np.array([2.25])),
+                                                                  loss_acc))
+    return [("grad_accumulate sum", acc, acc0 + g, TOL_FP32), ("grad_accumulate loss", loss_acc, np.array([3.75]),
+                                                                  TOL_FP32)]
+
+
 def case_bf16_flash(rng, shape):
     """shape (B, H, Hkv, T, D, variant): tensor-core causal GQA attention forward and backward on bf16
     operands, against the float64 layer on the same (bf16-valued) inputs. The backward's output is the
@@ -508,6 +571,61 @@ def case_engine(rng, shape):
     return rows
 
 
+def case_engine_dpo(rng, shape):
+    """shape (label, pairs, T, attention, checkpoint): the engine with the DPO head (sequence log-probs of
+    head 0, the pair loss against reference log-probs, label smoothing): loss and every gradient (the MTP
+    heads' zero) vs float64 `loss_and_grads(..., head_loss=dpo_head_loss(...))`, responses masked as
+    `train.pairs.pair_batch` masks them."""
+    from nanoeuler.kernels import has_sm90a
+    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.model import dpo, transformer
+    from nanoeuler.model.config import ModelConfig
+
+    which, P, T, attention, checkpoint = shape
+    if attention == "wg" and not has_sm90a():
+        return []
+    if which == "d384":
+        cfg = ModelConfig(vocab_size=1024, dim=384, n_layers=2, n_heads=6, n_kv_heads=2, ctx_len=256, mtp_heads=4)
+    else:
+        cfg = ModelConfig.named("small")
+    B = 2 * P
+    params, inputs, targets = _engine_problem(rng, cfg, B, T)
+    targets[:, :, 1:] = -1
+    for b in range(B):  # a prompt, then a response of its own length, then padding
+        start, stop = int(rng.integers(2, T // 3)), int(rng.integers(T // 2, T + 1))
+        targets[b, :start, 0] = -1
+        targets[b, stop:, 0] = -1
+    p64 = {n: p.astype(np.float64) for n, p in params.items()}
+    # reference log-probs near the policy's, so that the margins are of order one (not saturated)
+    idx, tgt, seq = dpo.response_rows(targets)
+    tok, _ = dpo.token_logps(transformer.logits(p64, inputs, cfg).reshape(B * T, -1)[idx], tgt)
+    ref = dpo.sequence_logps(tok, seq, B) + rng.standard_normal(B) * 10.0
+    beta, eps = 0.1, 0.1
+    eng = Engine(cfg, params, batch=B, seq=T, attention=attention, chunk_bytes=2 * cfg.vocab_size * 48,
+                 head="dpo", dpo_beta=beta, dpo_label_smoothing=eps, checkpoint=checkpoint)
+    weights = np.full(P, 1.0 / P)
+    for _ in range(2):
+        eng.forward_backward(_g(inputs, np.int32), _g(targets, np.int32), ref, weights)
+    loss_ref, g_ref = transformer.loss_and_grads(p64, inputs, targets, cfg,
+                                                 head_loss=dpo.dpo_head_loss(ref, beta=beta, label_smoothing=eps))
+    got = {n: np.asarray(g.get(), dtype=np.float64) for n, g in eng.grads().items()}
+    names = [n for n in params if not n.startswith("mtp_heads.")]
+    mtp = [n for n in params if n.startswith("mtp_heads.")]
+    errs = {n: float(np.linalg.norm(got[n] - g_ref[n]) / max(np.linalg.norm(g_ref[n]), 1e-30)) for n in names}
+    worst = max(names, key=lambda n: errs[n] if np.isfinite(errs[n]) else np.inf)
+    logp = eng.last_logps()[0]
+    rows = [("engine dpo sequence log-probs", logp, dpo.sequence_logps(tok, seq, B), TOL_BF16),
+            ("engine dpo loss", np.array([eng.last_loss()]), np.array([loss_ref]), TOL_BF16),
+            ("engine dpo grads, all tensors", np.concatenate([got[n].ravel() for n in names]),
+             np.concatenate([g_ref[n].ravel() for n in names]), TOL_BF16),
+            (f"engine dpo grad, worst: {worst.replace('layers.', 'L')}", got[worst], g_ref[worst], 2 * TOL_BF16)]
+    if mtp:
+        rows.append(("engine dpo MTP heads' gradients are zero", np.concatenate([got[n].ravel() for n in mtp]),
+                     np.zeros(sum(got[n].size for n in mtp)), 0.0))
+    del eng
+    return rows
+
+
 CASES_BF16 = [
     # the engine's products, at the step's layouts (op(a), op(b)), output types and accumulation
     (case_bf16_gemm, (300, 1280, 768, False, True, "bf16", 0), "M300 N1280 K768 a b^T", {}),
@@ -548,6 +666,10 @@ CASES_BF16 = [
     (case_bf16_ce_heads, (70, 4, 4096), "N70 K4 V4096", {}),
     (case_bf16_ce_heads, (33, 2, 100), "N33 K2 V100", {}),
     (case_bf16_ce_heads, (33, 2, 101), "N33 K2 V101 (scalar path)", {}),
+    (case_bf16_seq_logp, (6, 37, 4, 4096, 50), "B6 T37 K4 V4096 R50 (a padding pair)", {}),
+    (case_bf16_seq_logp, (4, 20, 2, 101, 80), "B4 T20 K2 V101 R80 (scalar path, one chunk)", {}),
+    (case_bf16_grad_accumulate, (1000,), "n1000", {}),
+    (case_bf16_grad_accumulate, (12345,), "n12345 (a scalar tail)", {}),
     (case_bf16_flash, (2, 12, 4, 100, 64, "mma"), "B2 H12/4 T100 D64", {}),
     (case_bf16_flash, (1, 4, 4, 129, 64, "mma"), "B1 H4/4 T129 D64", {}),
     (case_bf16_flash, (2, 4, 2, 37, 32, "mma"), "B2 H4/2 T37 D32", {}),
@@ -568,6 +690,8 @@ CASES_BF16 = [
     (case_engine, ("small", 2, 100, "ldm"), "small preset B2 T100 ldm-attn", {}),
     (case_engine, ("d64", 2, 200, "wg"), "2 layers D64 B2 T200 wg-attn", {}),
     (case_engine, ("d384", 2, 256, "wg"), "2 layers C384 F1024 B2 T256 wg-attn, fused SwiGLU and RoPE", {}),
+    (case_engine_dpo, ("small", 2, 100, "mma", False), "DPO head, small preset 2 pairs T100", {}),
+    (case_engine_dpo, ("d384", 2, 256, "wg", True), "DPO head, 2 layers C384 2 pairs T256 wg, checkpointing", {}),
 ]
 
 __all__ = ["CASES_BF16", "to_bf16", "from_bf16", "bf16_round", "math"]

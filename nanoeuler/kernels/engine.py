@@ -3,6 +3,13 @@
     >>> eng = Engine(cfg, params, batch=16, seq=512)            # params: NumPy or CuPy float32   # doctest: +SKIP
     >>> eng.step(inputs, targets, lr)   # forward, backward, clipping, AdamW; no host sync        # doctest: +SKIP
     >>> eng.last_loss()                 # reads the loss back (a sync; call it when logging)      # doctest: +SKIP
+    >>> eng = Engine(cfg, params, batch=4, seq=512, accum=True, checkpoint=True)                 # doctest: +SKIP
+    >>> eng.step_accum([(x0, y0), (x1, y1)], lr)   # one update from two micro-batches            # doctest: +SKIP
+
+Options: `accum` (an accumulation buffer, so that `step_accum` makes one update from several micro-batches
+of the engine's shape), `checkpoint` (keep each layer's input only and recompute the layer in the
+backward), `head="dpo"` (head 0's sequence log-probabilities and DPO's pair loss instead of the
+multi-token cross-entropy; `model.dpo.dpo_head_loss` is its reference).
 
 Same model and loss as `transformer.loss_and_grads` followed by `optim.clip_grad_norm` and
 `optim.AdamW.step`, and laid out like it: `block_forward(i)` / `block_backward(i)` mirror
@@ -43,10 +50,15 @@ class Engine:
     def __init__(self, cfg: ModelConfig, params: dict, *, batch: int, seq: int, lr: float = 3e-4,
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, max_norm: float = 1.0,
                  no_decay=None, chunk_bytes: int | None = None, attention: str = "auto", graph: bool = True,
-                 fuse_swiglu: bool | None = None, fuse_rope: bool | None = None):
+                 fuse_swiglu: bool | None = None, fuse_rope: bool | None = None, accum: bool = False,
+                 checkpoint: bool = False, head: str = "ce", dpo_beta: float = 0.1, dpo_label_smoothing: float = 0.0):
         self.cfg = cfg
         self.B, self.T = int(batch), int(seq)
         self.N = self.B * self.T
+        if head not in ("ce", "dpo") or (head == "dpo" and self.B % 2):
+            raise ValueError(f"head {head!r} with batch {self.B}: 'ce', or 'dpo' with an even batch (pairs)")
+        self.accum, self.checkpoint, self.head = bool(accum), bool(checkpoint), head
+        self.dpo_beta, self.dpo_eps = float(dpo_beta), float(dpo_label_smoothing)
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps, self.weight_decay, self.max_norm = float(eps), float(weight_decay), float(max_norm)
         self.lr = float(lr)
@@ -66,6 +78,8 @@ class Engine:
         self.graph = bool(graph)
         self._graph = None  # the captured step, after one step run kernel by kernel
         self._eager_steps = 0
+        self._graphs, self._eager = {}, {}  # the accumulating step's phases ("micro", "update"), likewise
+        self._logps = []  # the DPO head's per-sequence log-probs of each micro-batch of the last step (device)
         self.collective = None  # see `set_collective`
         self.hyper = cp.zeros(3, dtype=np.float32)  # AdamW's per-step values (step size, 1/sqrt(bc2), decay)
         self._hyper_host = np.zeros(3, dtype=np.float32)
@@ -83,6 +97,7 @@ class Engine:
         n, f32 = self.layout.total, np.float32
         self.P, self.G, self.Mo, self.Vo = (cp.zeros(n, dtype=f32) for _ in range(4))
         self.Pb = cp.zeros(n, dtype=BF16_STORAGE)
+        self.Gacc = cp.zeros(n, dtype=f32) if self.accum else None  # the micro-batches' summed gradients
         for name, shape in self.shapes.items():
             src = params[name]
             if tuple(src.shape) != tuple(shape):
@@ -151,17 +166,22 @@ class Engine:
         def e(shape, dt=f32):
             return cp.empty(shape, dtype=dt)
 
-        self.xs = [e((N, C)), e((N, C))]  # layer i reads the stream from xs[i % 2]
+        def per_layer(shape, dt=f32):  # one buffer a layer; checkpointing: one that every layer reuses
+            return [e(shape, dt)] * L if self.checkpoint else [e(shape, dt) for _ in range(L)]
+
+        # layer i reads its input from xs[i % len(xs)]: two buffers that alternate, or with checkpointing
+        # every layer's input, from which the backward recomputes the layer
+        self.xs = [e((N, C)) for _ in range(L if self.checkpoint else 2)]
         self.ob, self.ybr = e((N, C), bf), e((N, C), bf)  # the o_proj and down branches
-        self.xh1, self.xh2 = [e((N, C), bf) for _ in range(L)], [e((N, C), bf) for _ in range(L)]
-        self.rstd1, self.rstd2 = [e(N) for _ in range(L)], [e(N) for _ in range(L)]
+        self.xh1, self.xh2 = per_layer((N, C), bf), per_layer((N, C), bf)
+        self.rstd1, self.rstd2 = per_layer(N), per_layer(N)
         qdt = bf if self.attention != "fp32" else f32  # the attention operands
-        self.q = [e((B, H, T, D), qdt) for _ in range(L)]
-        self.k = [e((B, Hkv, T, D), qdt) for _ in range(L)]
-        self.v = [e((B, Hkv, T, D), qdt) for _ in range(L)]
-        self.lse = [e((B, H, T)) for _ in range(L)]
-        self.a = [e((N, H * D), bf) for _ in range(L)]
-        self.gu = [e((N, 2 * F), bf) for _ in range(L)]
+        self.q = per_layer((B, H, T, D), qdt)
+        self.k = per_layer((B, Hkv, T, D), qdt)
+        self.v = per_layer((B, Hkv, T, D), qdt)
+        self.lse = per_layer((B, H, T))
+        self.a = per_layer((N, H * D), bf)
+        self.gu = per_layer((N, 2 * F), bf)
         qkv_cols = (H + 2 * Hkv) * D
         self.qkv = self.dqkv = e((N, qkv_cols), bf)  # the qkv GEMM's output forward, its gradient backward
         if self.attention == "fp32":
@@ -184,8 +204,15 @@ class Engine:
         self.xn, self.rstdf = e((N, C), bf), e(N)  # xhat of the final norm: the output heads' input
         self.dxn = e((N, C))  # its dL/dxhat, summed over the heads
         self.gpart = e((FOLD_SPLITS, C))  # per-split column sums of gain_fold_grad
-        self.loss_rows, self.head_scale = e((N, K)), e(K)
+        if self.head == "ce":
+            self.loss_rows, self.head_scale = e((N, K)), e(K)
+            self._scale_host = np.zeros(K, dtype=f32)  # the step's scale, when `accumulate` sets it
+        else:  # each row's log-prob of its target and logsumexp, each sequence's log-prob, dloss/dlogp
+            self.tok, self.lse_rows = e(N), e(N)
+            self.logp, self.dlogp = e(B), e(B)
+            self.ref, self.pair_w = cp.zeros(B, dtype=f32), cp.zeros(B // 2, dtype=f32)  # loaded with the batch
         self.loss, self.sq = cp.zeros(1, dtype=f32), cp.zeros(1, dtype=f32)
+        self.loss_acc = cp.zeros(1, dtype=f32) if self.accum else None
         self.ids, self.tg = cp.zeros(N, dtype=np.int32), cp.zeros((N, K), dtype=np.int32)
         cos, sin = layers.rope_tables(T, D, cfg.rope_theta, cp, np.float32)
         self.cos, self.sin = cp.ascontiguousarray(cos), cp.ascontiguousarray(sin)
@@ -202,20 +229,26 @@ class Engine:
         self.mdqkv, self.mdxb = Matrix(self.dqkv), Matrix(self.dxb)
 
     def _tensor_maps(self) -> None:
-        """The TMA copies of the fused GEMMs: boxes of 64 columns, 128 rows for the products' operands."""
+        """The TMA copies of the fused GEMMs: boxes of 64 columns, 128 rows for the products' operands
+        (one map a buffer: with checkpointing, the layers share one)."""
+        def maps(make, bufs):
+            made = {}
+            return [made.setdefault(id(b), make(b)) for b in bufs]
+
         if self.fuse_swiglu:
             L, F, C = self.cfg.n_layers, self.cfg.hidden, self.cfg.dim
             self.dy_map = tile_map(self.dxb, 128)
             self.wdt_map = tile_map(self.wdt.reshape(L * F, C), 128)
-            self.xh2_maps = [tile_map(x, 128) for x in self.xh2]
+            self.xh2_maps = maps(lambda x: tile_map(x, 128), self.xh2)
             self.wgu_maps = [gate_up_map(w["gu"].arr) for w in self.Lw]  # the bf16 image: rewritten in place
-            self.gu_maps = [tile_map(x, 64) for x in self.gu]  # the epilogues' boxes: 64 rows x 64 columns
+            self.gu_maps = maps(lambda x: tile_map(x, 64), self.gu)  # the epilogues' boxes: 64 rows x 64 columns
             self.m_map = tile_map(self.m, 64)
             self.dgu_map = tile_map(self.dgu, 64)
         if self.fuse_rope:  # xhat1 and Wqkv in boxes of 128 rows; q/k/v, a box per head and 64 positions
-            self.xh1_maps = [tile_map(x, 128) for x in self.xh1]
+            self.xh1_maps = maps(lambda x: tile_map(x, 128), self.xh1)
             self.wqkv_maps = [tile_map(w["qkv"].arr, 128) for w in self.Lw]
-            self.qkv_maps = [(heads_map(q), heads_map(k), heads_map(v)) for q, k, v in zip(self.q, self.k, self.v)]
+            self.q_maps, self.k_maps, self.v_maps = (maps(heads_map, b) for b in (self.q, self.k, self.v))
+            self.qkv_maps = list(zip(self.q_maps, self.k_maps, self.v_maps))
 
     # ---- parameter access ------------------------------------------------------------------------------
 
@@ -228,9 +261,10 @@ class Engine:
         """Master weights (float32 views into the engine's buffer; copy before keeping)."""
         return {n: self.view(self.P, n) for n in self.shapes}
 
-    def grads(self) -> dict:
-        """Gradients of the last `forward_backward` (before clipping; views)."""
-        return {n: self.view(self.G, n) for n in self.shapes}
+    def grads(self, accumulated: bool = False) -> dict:
+        """Gradients of the last `forward_backward` (before clipping; views), or (accumulated) the sum over
+        the micro-batches of the last `accumulate`."""
+        return {n: self.view(self.Gacc if accumulated else self.G, n) for n in self.shapes}
 
     def state_tensors(self) -> dict:
         """{"m.<name>", "v.<name>"} like `optim.AdamW.state_tensors` (views); the step count is `self.t`."""
@@ -263,8 +297,9 @@ class Engine:
     def nbytes(self) -> int:
         """Device bytes of the engine's buffers (views into them, such as the arena's, not counted twice)."""
         arrays = []
-        for v in self.__dict__.values():
-            arrays += v if isinstance(v, list) else [v]
+        for name, v in self.__dict__.items():
+            if name != "_logps":  # the last step's log-probs: copies, not the engine's buffers
+                arrays += v if isinstance(v, list) else [v]
         owned = {id(a): a for a in arrays if isinstance(a, cp.ndarray) and a.base is None}
         return sum(a.nbytes for a in owned.values())
 
@@ -280,15 +315,27 @@ class Engine:
         """Global gradient norm of the last step, before clipping (synchronises)."""
         return math.sqrt(float(self.sq[0]))
 
+    def last_logps(self) -> np.ndarray:
+        """The DPO head's sequence log-probabilities of the last step, (micro-batches, B) (synchronises)."""
+        return cp.stack(self._logps).get() if self._logps else np.zeros((0, self.B), dtype=np.float32)
+
     # ---- the step --------------------------------------------------------------------------------------
 
-    def _load_batch(self, inputs, targets):
+    def _load_batch(self, inputs, targets, ref=None, pair_weight=None):
+        """The batch into the engine's buffers; with the DPO head also each sequence's reference log-prob
+        ref (B,) and each pair's weight in the step's mean (B/2,) (0 for a padding pair)."""
         N, K = self.N, self.cfg.mtp_heads
         if tuple(inputs.shape) != (self.B, self.T) or tuple(targets.shape) != (self.B, self.T, K):
             raise ValueError(f"engine built for inputs ({self.B},{self.T}) and targets ({self.B},{self.T},{K}); "
                              f"got {tuple(inputs.shape)} and {tuple(targets.shape)}")
         cp.copyto(self.ids, cp.asarray(inputs).reshape(N), casting="unsafe")
         cp.copyto(self.tg, cp.asarray(targets).reshape(N, K), casting="unsafe")
+        if self.head == "dpo":
+            if ref is None or pair_weight is None or len(ref) != self.B or len(pair_weight) != self.B // 2:
+                raise ValueError(f"the DPO head needs ref ({self.B},) and pair weights ({self.B // 2},) "
+                                 "with each batch")
+            cp.copyto(self.ref, cp.asarray(ref, dtype=np.float32))
+            cp.copyto(self.pair_w, cp.asarray(pair_weight, dtype=np.float32))
 
     @contextlib.contextmanager
     def _on_stream(self):
@@ -300,11 +347,17 @@ class Engine:
             yield
         caller.wait_event(self.stream.record())
 
-    def forward_backward(self, inputs, targets) -> None:
+    def forward_backward(self, inputs, targets, ref=None, pair_weight=None) -> None:
         """Loss into `self.loss`, gradients into `self.G`, sum of squared gradients into `self.sq`."""
-        self._load_batch(inputs, targets)
+        self._load_batch(inputs, targets, ref, pair_weight)
         with self._on_stream():
             self._forward_backward()
+            self._logps = []
+            self._keep_logps()
+
+    def _keep_logps(self) -> None:
+        if self.head == "dpo":  # a copy: the next micro-batch rewrites logp
+            self._logps.append(self.logp.copy())
 
     def recompute_grad_norm(self) -> None:
         """The sum of squared gradients in `self.sq` again, from `self.G` as it is now (after a change of the
@@ -312,15 +365,16 @@ class Engine:
         with self._on_stream():
             self._grad_norm()
 
-    def _grad_norm(self) -> None:
+    def _grad_norm(self, g=None) -> None:
         cp.cuda.runtime.memsetAsync(self.sq.data.ptr, 0, 4, self.stream.ptr)
-        optim.sumsq(self.G, self.sq)
+        optim.sumsq(self.G if g is None else g, self.sq)
 
     def set_collective(self, fn) -> None:
         """Make fn(grads) part of every `step`, between the backward and the norm (recomputed after it):
         a data-parallel all-reduce, say. fn must only queue work on the current stream on the same buffers
         every step (no host sync, no allocation), as the step is captured into a CUDA graph with it."""
         self.collective, self._graph, self._eager_steps = fn, None, 0
+        self._graphs, self._eager = {}, {}
 
     def optimizer_step(self, lr: float) -> None:
         """Clip (by the norm in `self.sq`) and apply AdamW to every parameter; refresh the bf16 image."""
@@ -328,14 +382,14 @@ class Engine:
         with self._on_stream():
             self._adamw()
 
-    def step(self, inputs, targets, lr: float | None = None) -> None:
+    def step(self, inputs, targets, lr: float | None = None, ref=None, pair_weight=None) -> None:
         """One training step (forward, backward, clipping, AdamW), queued without a host sync.
 
         The first step runs kernel by kernel; it compiles the kernels and lets cuBLAS choose its
         algorithms. The second is captured into a CUDA graph (`graph=True`), and from then on a step is
         the copy of the batch and of AdamW's per-step values into the engine's buffers, and one launch of
         that graph: the GPU runs the step's ~500 kernels back to back, without a launch gap between them."""
-        self._load_batch(inputs, targets)
+        self._load_batch(inputs, targets, ref, pair_weight)
         self._set_hyper(self.lr if lr is None else float(lr))
         with self._on_stream():
             if self._graph is None and self.graph and self._eager_steps:
@@ -345,6 +399,73 @@ class Engine:
             else:
                 self._step_body()
                 self._eager_steps += 1
+            self._logps = []
+            self._keep_logps()
+
+    def step_accum(self, micro, lr: float | None = None) -> None:
+        """One update from several micro-batches (`accumulate`, then `update`): what `step` makes of their
+        concatenation. Each phase is a CUDA graph from its second use, as `step` is."""
+        self.accumulate(micro)
+        self.update(lr)
+
+    def accumulate(self, micro) -> None:
+        """The forward and backward of each micro-batch, gradients summed into `Gacc`, losses into `loss_acc`.
+
+        micro: [(inputs, targets)], with the DPO head [(inputs, targets, ref, pair_weight)] (the pair weights
+        already 1 / pairs of the whole step). The cross-entropy's per-head scale is that of all micro-batches'
+        targets together (host arrays: counted here), as `mtp_cross_entropy` of the concatenated batch has it."""
+        if self.Gacc is None:
+            raise ValueError("this engine was built without accum=True")
+        if self.head == "ce":
+            self._set_scale([mb[1] for mb in micro])
+        with self._on_stream():
+            for buf in (self.Gacc, self.loss_acc):
+                cp.cuda.runtime.memsetAsync(buf.data.ptr, 0, buf.nbytes, self.stream.ptr)
+        self._logps = []
+        for mb in micro:
+            self._load_batch(*mb)
+            with self._on_stream():
+                self._run("micro", self._micro_body)
+                self._keep_logps()
+
+    def update(self, lr: float | None = None) -> None:
+        """After `accumulate`: the collective (if any) on the summed gradients, their norm, clip + AdamW."""
+        self._set_hyper(self.lr if lr is None else float(lr))
+        with self._on_stream():
+            self._run("update", self._update_body)
+
+    def _set_scale(self, targets) -> None:
+        """head_scale[k] = 1 / (valid targets of head k * heads with any) over all the micro-batches, in
+        float32 as `ce_head_scale` computes it, queued like AdamW's values."""
+        K = self.cfg.mtp_heads
+        counts = sum(np.count_nonzero(np.asarray(y).reshape(-1, K) >= 0, axis=0) for y in targets)
+        active = np.float32(np.count_nonzero(counts))
+        self._scale_host[:] = [np.float32(1) / (np.float32(c) * active) if c else 0 for c in counts]
+        cp.cuda.runtime.memcpyAsync(self.head_scale.data.ptr, self._scale_host.ctypes.data, self._scale_host.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
+
+    def _micro_body(self) -> None:
+        self._forward_backward(accumulating=True)
+        optim.grad_accumulate(self.G, self.Gacc, self.loss, self.loss_acc)
+
+    def _update_body(self) -> None:
+        if self.collective is not None:  # once per update, on the sums
+            self.collective(self.grads(accumulated=True))
+        self._grad_norm(self.Gacc)
+        self._adamw(self.Gacc)
+        cp.cuda.runtime.memcpyAsync(self.loss.data.ptr, self.loss_acc.data.ptr, 4,
+                                    cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+
+    def _run(self, key: str, body) -> None:
+        """body kernel by kernel on its first call, then captured once and replayed (as `step` does)."""
+        graph = self._graphs.get(key)
+        if graph is None and self.graph and self._eager.get(key):
+            graph = self._graphs[key] = self._capture(body)
+        if graph is not None:
+            graph.launch(self.stream)
+        else:
+            body()
+            self._eager[key] = self._eager.get(key, 0) + 1
 
     def _step_body(self) -> None:
         self._forward_backward()
@@ -353,12 +474,12 @@ class Engine:
             self._grad_norm()
         self._adamw()
 
-    def _capture(self):
-        """The whole step as a CUDA graph, or None (with a warning) where capture fails."""
+    def _capture(self, body=None):
+        """The whole step (or `body`) as a CUDA graph, or None (with a warning) where capture fails."""
         try:
             self.stream.begin_capture()
             try:
-                self._step_body()
+                (body or self._step_body)()
             finally:
                 graph = self.stream.end_capture()
             return graph
@@ -377,8 +498,9 @@ class Engine:
         cp.cuda.runtime.memcpyAsync(self.hyper.data.ptr, self._hyper_host.ctypes.data, self._hyper_host.nbytes,
                                     cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
 
-    def _forward_backward(self) -> None:
-        """`transformer.loss_and_grads`: embedding, blocks, final norm, heads' loss, and back."""
+    def _forward_backward(self, accumulating: bool = False) -> None:
+        """`transformer.loss_and_grads`: embedding, blocks, final norm, heads' loss, and back.
+        accumulating: a micro-batch of `accumulate` (the head scale is the step's; the norm comes later)."""
         L = self.cfg.n_layers
         stream = cp.cuda.get_current_stream().ptr
         # Every gradient is overwritten by the step (GEMMs with beta=0, the first output-head chunk included,
@@ -386,33 +508,44 @@ class Engine:
         # with atomics: only it is zeroed (the padding between tensors stays zero from __init__).
         cp.cuda.runtime.memsetAsync(self.demb.data.ptr, 0, self.demb.nbytes, stream)
         cp.cuda.runtime.memsetAsync(self.sq.data.ptr, 0, 4, stream)
-        heads.ce_head_scale(self.tg, self.head_scale)
+        if self.head == "ce" and not accumulating:
+            heads.ce_head_scale(self.tg, self.head_scale)
         embed.embed_fwd(self.ids, self.emb, self.xs[0])
         for i in range(L):
             self.block_forward(i)
         # the trunk's output, normed: the stream after the last layer = its input + both its branches
-        norms.rmsnorm_fwd(self.xs[(L - 1) % 2], self.xn, self.rstdf, self.cfg.norm_eps, add=(self.ob, self.ybr))
-        self.heads_loss()
+        norms.rmsnorm_fwd(self.xs[(L - 1) % len(self.xs)], self.xn, self.rstdf, self.cfg.norm_eps,
+                          add=(self.ob, self.ybr))
+        if self.head == "ce":
+            self.heads_loss()
+        else:
+            self.seq_logp_loss()
         # the final norm's backward: its gain's gradient from the heads' folded weight gradients, then dx
         norms.gain_fold(*self.fold_heads, self.gpart, self.sq)
         norms.rmsnorm_bwd(self.dxn, self.xn, self.rstdf, self.dx, self.dxb, accumulate=False)
         for i in reversed(range(L)):
+            if self.checkpoint and i < L - 1:  # the last layer's activations are still the forward's
+                self.block_forward(i, recompute=True)
             self.block_backward(i)
         embed.embed_bwd(self.dx, self.ids, self.demb)
         # the gradient norm: the folded matrices added their squares already; the rest lie before them
-        # (a collective changes the gradients: `_step_body` takes the whole norm after it instead)
-        if self.collective is None:
+        # (a collective changes the gradients: `_step_body` takes the whole norm after it instead; an
+        # accumulating step takes it over the sums)
+        if self.collective is None and not accumulating:
             optim.sumsq(self.G[:self.fold_start], self.sq)
 
-    def block_forward(self, i: int) -> None:
-        """`transformer._block_forward` of layer i. The residual stream: x_in = xs[i % 2], which the first
-        norm writes as the previous layer's x_in + its o_proj branch + its down branch; x_mid = x_in + ob
-        is never stored (the second norm adds ob itself); x_out = x_mid + ybr is the next layer's to write."""
-        w, x, eps = self.Lw[i], self.xs[i % 2], self.cfg.norm_eps
-        if i == 0:  # h = rmsnorm(x), its gain folded into the weights that read h
+    def block_forward(self, i: int, recompute: bool = False) -> None:
+        """`transformer._block_forward` of layer i. The residual stream: x_in = xs[i % len(xs)], which the
+        first norm writes as the previous layer's x_in + its o_proj branch + its down branch; x_mid = x_in + ob
+        is never stored (the second norm adds ob itself); x_out = x_mid + ybr is the next layer's to write.
+        recompute (checkpointing, in the backward): from the kept x_in, what the backward reads (the same
+        kernels on the same values: bit-identical), not the down branch."""
+        nx = len(self.xs)
+        w, x, eps = self.Lw[i], self.xs[i % nx], self.cfg.norm_eps
+        if i == 0 or recompute:  # h = rmsnorm(x), its gain folded into the weights that read h
             norms.rmsnorm_fwd(x, self.xh1[i], self.rstd1[i], eps)
         else:
-            norms.rmsnorm_fwd(self.xs[(i - 1) % 2], self.xh1[i], self.rstd1[i], eps, add=(self.ob, self.ybr), out=x)
+            norms.rmsnorm_fwd(self.xs[(i - 1) % nx], self.xh1[i], self.rstd1[i], eps, add=(self.ob, self.ybr), out=x)
         self.qkv_rope(i)  # q, k, v = rope(q(h)), rope(k(h)), v(h)
         if self.attention != "fp32":  # a = attention(q, k, v), in the o_proj operand's layout
             flash.flash_fwd(self._flash, self.q[i], self.k[i], self.v[i], self.a[i], self.lse[i])
@@ -426,8 +559,10 @@ class Engine:
                                 self.m_map, self.N, self.cfg.dim, self.cfg.hidden, self.sms)
         else:
             self.gemm(self.mgu[i], self.mxh2[i], w["gu"], tb=True)
-            swiglu.swiglu_fwd(self.gu[i], self.m)
-        self.gemm(self.mybr, self.mm, w["d"], tb=True)  # x_out = x_mid + down(m)
+            if not recompute:  # (the SwiGLU backward recomputes m)
+                swiglu.swiglu_fwd(self.gu[i], self.m)
+        if not recompute:
+            self.gemm(self.mybr, self.mm, w["d"], tb=True)  # x_out = x_mid + down(m)
 
     def qkv_rope(self, i: int) -> None:
         """q/k/v of layer i in the attention layout, q and k rotated: inside the qkv GEMM (fuse_rope), or
@@ -456,6 +591,26 @@ class Engine:
                 gemm(dxc, lg, wh, beta=0.0 if h == 0 else 1.0)
                 gemm(dwh, lg, xc, ta=True, beta=0.0 if r0 == 0 else 1.0)
         heads.ce_loss_reduce(self.loss_rows, self.head_scale, self.loss)
+
+    def seq_logp_loss(self) -> None:
+        """`model.dpo.dpo_head_loss` on xn: pass 1 over the row chunks gives each row's log-prob of its
+        head-0 target; one block sums them by sequence and takes the pair loss and dloss/dlogp against the
+        reference; pass 2 makes the logits again, turns them into their gradient dlogp[b] (onehot - softmax)
+        and runs the dxn and head-0 weight GEMMs. Heads 1..K-1 keep zero gradients (G is never written there)."""
+        R, gemm, w0, dw0 = self.R, self.gemm, self.w_head[0], self.dw_head[0]
+        chunks = [(r0, min(self.N, r0 + R)) for r0 in range(0, self.N, R)]
+        for r0, r1 in chunks:
+            lg = Matrix(self.logits[:r1 - r0])
+            gemm(lg, Matrix(self.xn[r0:r1]), w0, tb=True)
+            heads.seq_logp_rows(lg.arr, self.tg[r0:r1], self.tok[r0:r1], self.lse_rows[r0:r1])
+        heads.dpo_pair_loss(self.tok, self.ref, self.pair_w, self.logp, self.dlogp, self.loss, self.T, self.dpo_beta,
+                            self.dpo_eps)
+        for r0, r1 in chunks:
+            lg, xc = Matrix(self.logits[:r1 - r0]), Matrix(self.xn[r0:r1])
+            gemm(lg, xc, w0, tb=True)
+            heads.seq_logp_grad(lg.arr, self.tg[r0:r1], self.lse_rows[r0:r1], self.dlogp, r0, self.T)
+            gemm(Matrix(self.dxn[r0:r1]), lg, w0)
+            gemm(dw0, lg, xc, ta=True, beta=0.0 if r0 == 0 else 1.0)
 
     def block_backward(self, i: int) -> None:
         """`transformer._block_backward` of layer i: dx (and its bf16 copy dxb) is the gradient at x_out on
@@ -495,10 +650,11 @@ class Engine:
             flash.flash_bwd_f32(self._flash, q, k, v, self.da, self.lse[i], self.delta, self.att, self.dk, self.dv)
             rope.rope_bwd_pack(self.att, self.dk, self.dv, self.cos, self.sin, self.dqkv)
 
-    def _adamw(self) -> None:
+    def _adamw(self, g=None) -> None:
+        g = self.G if g is None else g
         for start, end, decayed, gain, cols in self.runs:  # every gain before the images that fold it in
             s = slice(start, end)
-            optim.adamw_clip(self.P[s], self.G[s], self.Mo[s], self.Vo[s], self.Pb[s], self.sq, self.hyper, decayed,
+            optim.adamw_clip(self.P[s], g[s], self.Mo[s], self.Vo[s], self.Pb[s], self.sq, self.hyper, decayed,
                              self.max_norm, self.beta1, self.beta2, self.eps, gain, cols)
         self._refresh_wdt()
 

@@ -25,6 +25,8 @@ leaves them as SFT made them while the trunk under them moves.
 
 from __future__ import annotations
 
+from collections import deque
+
 from nanoeuler.backend import array_module
 
 
@@ -104,3 +106,39 @@ def dpo_head_loss(ref_logps, *, beta: float, label_smoothing: float = 0.0):
         return loss, dxn.reshape(B, T, C), {"lm_head.weight": dlogits.T @ x}
 
     return head_loss
+
+
+class DpoHead:
+    """DPO's objective as a description that each training path reads its own way: the xp stepper calls it
+    as a `head_loss` (`dpo_head_loss`), the bf16 engine runs its sequence log-prob head with `beta` and
+    `label_smoothing`. The batch source `push`es each micro-batch's reference log-probs (2P,) in the order
+    the stepper takes the micro-batches; each use `pop`s them.
+
+    With a step cut into micro-batches (`totals`, from the xp stepper) a micro-batch's loss and gradients
+    are its share of the mean over all the step's pairs, as the engine has them.
+
+        >>> import numpy as np
+        >>> head = DpoHead(beta=0.1); head.push(np.zeros(2))
+        >>> xn = np.zeros((2, 1, 3)); w = np.zeros((4, 3)); tgt = np.array([[[1]], [[2]]])
+        >>> round(head(xn, {"lm_head.weight": w}, tgt, None)[0], 6)
+        0.693147
+    """
+
+    def __init__(self, beta: float, label_smoothing: float = 0.0):
+        self.beta, self.label_smoothing = float(beta), float(label_smoothing)
+        self._pending: deque = deque()
+
+    def push(self, ref) -> None:
+        self._pending.append(ref)
+
+    def pop(self):
+        return self._pending.popleft()
+
+    def __call__(self, xn, params, targets, cfg, totals=None):
+        loss, dxn, grads = dpo_head_loss(self.pop(), beta=self.beta,
+                                         label_smoothing=self.label_smoothing)(xn, params, targets, cfg)
+        if totals is not None and totals.rows != xn.shape[0]:  # this micro-batch's share of the step's mean
+            share = xn.shape[0] / totals.rows
+            loss, dxn = loss * share, dxn * share
+            grads = {n: g * share for n, g in grads.items()}
+        return loss, dxn, grads

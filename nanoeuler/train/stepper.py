@@ -8,7 +8,8 @@
 micro-batches, clips their global norm and applies AdamW; `EngineStepper` hands the same update to
 the bf16 engine on the GPU. Two hooks let a stage or a launcher change the step without forking the
 loop: `head_loss` replaces the loss on the final normed state (`transformer.mtp_cross_entropy` by
-default; the xp path only), and `grad_hook(grads)` runs on the averaged gradients between the
+default; on the engine only a `model.dpo.DpoHead`, which it runs as its DPO head), and
+`grad_hook(grads)` runs on the averaged gradients between the
 backward and the clipping (a data-parallel all-reduce goes there). A non-finite loss or gradient
 norm raises `NonFinite`: before the update on the xp path, after it on the engine (which never
 waits for the device inside a step); either way no checkpoint of that state is written.
@@ -103,17 +104,25 @@ class XpStepper:
 
 
 class EngineStepper:
-    """The bf16 engine's step (`nanoeuler.kernels.engine.Engine`), for batches of at most (batch, ctx_len).
+    """The bf16 engine's step (`nanoeuler.kernels.engine.Engine`), for micro-batches of at most (batch, ctx_len).
 
     The engine is built for a fixed shape, so smaller batches (SFT: shorter sequences, an epoch's last
     batch) are padded at the end with ignored targets; causal attention keeps padding from touching the
-    real tokens, and rows without targets do not change the mean loss. Without a grad_hook, or with one
-    marked `in_graph` (it only queues GPU work, as the data-parallel all-reduce does), a step is one replay
-    of the engine's CUDA graph, the hook inside it; with another hook, the engine's forward/backward, the
-    hook on its gradient views, the norm over them and the update run one after another."""
+    real tokens, and rows without targets do not change the mean loss. Several micro-batches make one
+    update (the engine's `step_accum`: the loss normalised over all of them, gradients summed, one clip
+    and AdamW). Without a grad_hook, or with one marked `in_graph` (it only queues GPU work, as the
+    data-parallel all-reduce does), a step is replays of the engine's CUDA graphs, the hook inside them,
+    once an update; with another hook, the engine's forward/backward, the hook on its gradient views, the
+    norm over them and the update run one after another.
 
-    def __init__(self, engine, grad_hook: GradHook | None = None):
-        self.engine, self.grad_hook = engine, grad_hook
+    With a `DpoHead` (the engine built with head "dpo") a micro-batch of p pairs is laid out as the
+    engine's P = batch/2 pair slots: chosen rows at 0..p-1, rejected at P..P+p-1, the rest padding pairs
+    of weight 0; every pair weighs 1 / the step's pairs. `last_logps()` gives the policy's sequence
+    log-probs of the last step."""
+
+    def __init__(self, engine, grad_hook: GradHook | None = None, head=None):
+        self.engine, self.grad_hook, self.head = engine, grad_hook, head
+        self._pairs: list = []  # pairs of each micro-batch of the last step (DPO)
         if grad_hook is not None and getattr(grad_hook, "in_graph", False):
             engine.set_collective(grad_hook)
 
@@ -121,28 +130,63 @@ class EngineStepper:
     def t(self) -> int:
         return self.engine.t
 
-    def step(self, batch: Batch, lr: float) -> tuple[float, float]:
-        if len(batch) != 1:
-            raise ValueError(f"the bf16 engine takes one micro-batch a step, got {len(batch)}")
-        x, y = batch[0]
+    def _padded(self, x, y) -> tuple:
         eng = self.engine
         rows, cols = eng.B - x.shape[0], eng.T - x.shape[1]
         if rows or cols:
             x = np.pad(x, ((0, rows), (0, cols)))
             y = np.pad(y, ((0, rows), (0, cols), (0, 0)), constant_values=-1)
-        x, y = np.asarray(x, dtype=np.int32), np.asarray(y, dtype=np.int32)
-        if self.grad_hook is None or eng.collective is self.grad_hook:
-            eng.step(x, y, lr)
-        else:
-            eng.forward_backward(x, y)
+        return np.asarray(x, dtype=np.int32), np.asarray(y, dtype=np.int32)
+
+    def _micro_batches(self, batch: Batch) -> list:
+        if self.head is None:
+            return [self._padded(x, y) for x, y in batch]
+        half = self.engine.B // 2
+        self._pairs = [x.shape[0] // 2 for x, _ in batch]
+        weight = 1.0 / sum(self._pairs)
+        out = []
+        for (x, y), p in zip(batch, self._pairs):
+            ref = np.asarray(self.head.pop(), dtype=np.float32)
+            if p > half or x.shape[0] != 2 * p or ref.shape != (2 * p,):
+                raise ValueError(f"a DPO micro-batch of at most {half} whole pairs (chosen rows, then rejected), "
+                                 f"with a reference log-prob each; got {x.shape[0]} rows, {ref.shape[0]} values")
+            x, y = self._padded(x, y)  # pairs in slots 0..p-1: the rejected rows move to slots P..P+p-1
+            order = np.r_[0:p, 2 * p:p + half, p:2 * p, p + half:2 * half]
+            refs = np.zeros(2 * half, dtype=np.float32)
+            refs[:p], refs[half:half + p] = ref[:p], ref[p:]
+            out.append((x[order], y[order], refs, np.r_[np.full(p, weight), np.zeros(half - p)].astype(np.float32)))
+        return out
+
+    def step(self, batch: Batch, lr: float) -> tuple[float, float]:
+        eng = self.engine
+        micro = self._micro_batches(batch)
+        in_graph = self.grad_hook is None or eng.collective is self.grad_hook
+        if len(micro) == 1 and in_graph:
+            eng.step(*micro[0][:2], lr, *micro[0][2:])
+        elif len(micro) == 1:
+            eng.forward_backward(*micro[0])
             self.grad_hook(eng.grads())
             eng.recompute_grad_norm()
             eng.optimizer_step(lr)
+        elif eng.Gacc is None:
+            raise ValueError(f"this engine takes one micro-batch a step (built without accum), got {len(micro)}")
+        elif in_graph:
+            eng.step_accum(micro, lr)
+        else:
+            eng.accumulate(micro)
+            self.grad_hook(eng.grads(accumulated=True))
+            eng.update(lr)
         loss, norm = eng.last_loss(), eng.grad_norm()
         for what, value in (("loss", loss), ("gradient norm", norm)):
             if not math.isfinite(value):
                 raise NonFinite(what, value)
         return loss, norm
+
+    def last_logps(self) -> np.ndarray:
+        """DPO: the policy's sequence log-probs of the last step's pairs, (pairs, 2), chosen in column 0."""
+        got, half = self.engine.last_logps(), self.engine.B // 2
+        return np.concatenate([np.stack([row[:p], row[half:half + p]], axis=1)
+                               for row, p in zip(got, self._pairs)]) if self._pairs else np.zeros((0, 2))
 
     def params(self) -> dict:
         return self.engine.params()
@@ -167,16 +211,20 @@ def make_stepper(settings, cfg, params: dict, xp, *, stage: str = "train", head_
     if xp is np:
         raise UserError(f"{stage}.precision bf16 runs on the GPU engine; use --device gpu, "
                         "or precision fp32 on the CPU")
-    if settings.grad_accum != 1:
-        raise UserError(f"{stage}.precision bf16 takes grad_accum 1 (got {settings.grad_accum}); "
-                        "raise batch_size instead")
-    if head_loss is not None and head_loss is not transformer.mtp_cross_entropy:
-        raise UserError(f"{stage}.precision bf16 trains the multi-token cross-entropy only; "
+    from nanoeuler.model.dpo import DpoHead
+
+    dpo = head_loss if isinstance(head_loss, DpoHead) else None
+    if head_loss is not None and dpo is None and head_loss is not transformer.mtp_cross_entropy:
+        raise UserError(f"{stage}.precision bf16 trains the multi-token cross-entropy or DPO only; "
                         "use precision fp32 for this stage's loss")
     from nanoeuler.kernels import kernel_path_options
     from nanoeuler.kernels.engine import Engine
 
-    engine = Engine(cfg, params, batch=settings.batch_size, seq=cfg.ctx_len, betas=(settings.beta1, settings.beta2),
-                    eps=settings.eps, weight_decay=settings.weight_decay, max_norm=settings.grad_clip,
+    # DPO's batch_size counts pairs: two sequences each
+    head = {} if dpo is None else dict(head="dpo", dpo_beta=dpo.beta, dpo_label_smoothing=dpo.label_smoothing)
+    engine = Engine(cfg, params, batch=settings.batch_size * (2 if dpo else 1), seq=cfg.ctx_len,
+                    betas=(settings.beta1, settings.beta2), eps=settings.eps, weight_decay=settings.weight_decay,
+                    max_norm=settings.grad_clip, accum=settings.grad_accum > 1,
+                    checkpoint=bool(getattr(settings, "checkpoint_activations", False)), **head,
                     **kernel_path_options(settings.kernels))
-    return EngineStepper(engine, grad_hook=grad_hook)
+    return EngineStepper(engine, grad_hook=grad_hook, head=dpo)

@@ -118,3 +118,101 @@ extern "C" __global__ void __launch_bounds__(1024) ce_loss_reduce(const float* _
     acc = block_sum(acc, red);
     if (threadIdx.x == 0) out[0] = acc;
 }
+
+// ---- the sequence log-probability head (DPO): head 0 only ----
+// Reference: nanoeuler.model.dpo (token_logps, sequence_logps, pair_loss, dpo_head_loss).
+
+// Pass 1 over head 0's logits (R, V) bf16 of rows r0 .. r0+R-1: each row's log-probability of its target,
+// tok[r] = z[t] - lse, and lse[r] for pass 2 (both 0 for rows without a target). grid (R,), blockDim 256.
+extern "C" __global__ void __launch_bounds__(256) seq_logp_rows(const bf16* __restrict__ z, const int* __restrict__ targets,
+                                                                float* __restrict__ tok, float* __restrict__ lse, int V, int K) {
+    __shared__ float red[32];
+    const long long r = blockIdx.x;
+    const bf16* zr = z + r * V;
+    const int t = targets[r * K];
+    if (t < 0) {
+        if (threadIdx.x == 0) tok[r] = 0.f, lse[r] = 0.f;
+        return;
+    }
+    const int V4 = (V & 3) == 0 ? V / 4 : 0, tail = 4 * V4;
+    float mx = __int_as_float(0xff800000);
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        const float4 a = ld4(zr, j);
+        mx = fmaxf(mx, fmaxf(fmaxf(a.x, a.y), fmaxf(a.z, a.w)));
+    }
+    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, ld1(zr, j));
+    mx = block_max(mx, red);
+    float s = 0.f;
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        const float4 a = ld4(zr, j);
+        s += (expf(a.x - mx) + expf(a.y - mx)) + (expf(a.z - mx) + expf(a.w - mx));
+    }
+    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) s += expf(ld1(zr, j) - mx);
+    s = block_sum(s, red);
+    if (threadIdx.x == 0) {
+        const float l = mx + logf(s);
+        tok[r] = ld1(zr, t) - l;
+        lse[r] = l;
+    }
+}
+
+// log(1 + exp(x)) without overflow.
+__device__ __forceinline__ float softplus(float x) { return fmaxf(x, 0.f) + log1pf(expf(-fabsf(x))); }
+
+// The DPO pair loss of B = 2P sequences of T rows each (P chosen, then the P rejected in the same order):
+//   logp[b] = sum_t tok[b T + t];  h_i = beta ((logp[i] - ref[i]) - (logp[P+i] - ref[P+i]))
+//   loss[0] = sum_i w[i] ((1-eps) softplus(-h_i) + eps softplus(h_i))
+//   dlogp[i] = beta dh_i, dlogp[P+i] = -beta dh_i,  dh_i = w[i] (-(1-eps) (1 - sigmoid(h_i)) + eps sigmoid(h_i))
+// w[i] weighs pair i in the step's mean (1 / pairs of the whole step; 0 for a padding pair). One block of 1024.
+extern "C" __global__ void __launch_bounds__(1024) dpo_pair_loss(
+    const float* __restrict__ tok, const float* __restrict__ ref, const float* __restrict__ w, float* __restrict__ logp,
+    float* __restrict__ dlogp, float* __restrict__ loss, int B, int T, float beta, float eps) {
+    __shared__ float red[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int b = warp; b < B; b += nw) {  // a warp per sequence
+        float s = 0.f;
+        for (int t = lane; t < T; t += 32) s += tok[(long long)b * T + t];
+        s = warp_sum(s);
+        if (lane == 0) logp[b] = s;
+    }
+    __syncthreads();
+    const int P = B / 2;
+    float acc = 0.f;
+    for (int i = threadIdx.x; i < P; i += blockDim.x) {
+        const float h = beta * ((logp[i] - ref[i]) - (logp[P + i] - ref[P + i]));
+        acc += w[i] * ((1.f - eps) * softplus(-h) + eps * softplus(h));
+        const float sig = expf(-softplus(-h));
+        const float dh = w[i] * (-(1.f - eps) * (1.f - sig) + eps * sig);
+        dlogp[i] = beta * dh;
+        dlogp[P + i] = -beta * dh;
+    }
+    acc = block_sum(acc, red);
+    if (threadIdx.x == 0) loss[0] = acc;
+}
+
+// Pass 2 over head 0's logits (R, V) bf16 of rows r0 .. r0+R-1 (the same values as pass 1), overwritten in
+// place by the loss's gradient: z[r, j] <- dlogp[b] ([j == t] - exp(z[r, j] - lse[r])), b = (r0 + r) / T the
+// row's sequence (0 for rows without a target). grid (R,), blockDim 256.
+extern "C" __global__ void __launch_bounds__(256) seq_logp_grad(bf16* __restrict__ z, const int* __restrict__ targets,
+                                                                const float* __restrict__ lse, const float* __restrict__ dlogp,
+                                                                int V, int K, long long r0, int T) {
+    const long long r = blockIdx.x;
+    bf16* zr = z + r * V;
+    uint2* z4 = reinterpret_cast<uint2*>(zr);
+    const int V4 = (V & 3) == 0 ? V / 4 : 0, tail = 4 * V4;
+    const int t = targets[r * K];
+    if (t < 0) {
+        for (int j = threadIdx.x; j < V4; j += blockDim.x) z4[j] = make_uint2(0u, 0u);
+        for (int j = tail + threadIdx.x; j < V; j += blockDim.x) zr[j] = 0;
+        return;
+    }
+    const float c = dlogp[(r0 + r) / T], l = lse[r];
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        const float4 a = ld4(zr, j);
+        const int j0 = 4 * j;
+        z4[j] = make_uint2(
+            pack2(c * ((j0 == t ? 1.f : 0.f) - expf(a.x - l)), c * ((j0 + 1 == t ? 1.f : 0.f) - expf(a.y - l))),
+            pack2(c * ((j0 + 2 == t ? 1.f : 0.f) - expf(a.z - l)), c * ((j0 + 3 == t ? 1.f : 0.f) - expf(a.w - l))));
+    }
+    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) zr[j] = f2bf(c * ((j == t ? 1.f : 0.f) - expf(ld1(zr, j) - l)));
+}

@@ -1,4 +1,5 @@
-"""Launchers of heads.cu: the multi-token cross-entropy over the K output heads, a chunk of rows at a time."""
+"""Launchers of heads.cu: the multi-token cross-entropy over the K output heads, a chunk of rows at a time,
+and the sequence log-probability head of DPO (head 0 only)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,25 @@ def ce_loss_reduce(loss_rows, scale, loss) -> None:
     """loss[0] = sum over heads k of scale[k] * sum of loss_rows[:, k]."""
     N, K = loss_rows.shape
     kernel("bf16/heads", "ce_loss_reduce")((1,), (1024,), (loss_rows, scale, loss, i64(N), i32(K)))
+
+
+def seq_logp_rows(logits, targets, tok, lse) -> None:
+    """Pass 1 of the sequence log-prob head: head 0's logits (R, V) bf16 -> each row's log-prob of its target
+    tok (R,) and logsumexp lse (R,), both 0 where targets (R, K)[:, 0] is -1."""
+    R, V = logits.shape
+    kernel("bf16/heads", "seq_logp_rows")((R,), (256,), (logits, targets, tok, lse, i32(V), i32(targets.shape[1])))
+
+
+def dpo_pair_loss(tok, ref, weight, logp, dlogp, loss, T: int, beta: float, label_smoothing: float) -> None:
+    """Sequence log-probs logp (B,) from the rows' tok (B*T,); the DPO loss of its B/2 pairs (chosen first)
+    against ref (B,), pair i weighted by weight[i], into loss[0]; dloss/dlogp (B,)."""
+    B = logp.shape[0]
+    kernel("bf16/heads", "dpo_pair_loss")((1,), (1024,), (tok, ref, weight, logp, dlogp, loss, i32(B), i32(T),
+                                                          np.float32(beta), np.float32(label_smoothing)))
+
+
+def seq_logp_grad(logits, targets, lse, dlogp, r0: int, T: int) -> None:
+    """Pass 2: head 0's logits (R, V) of rows r0.. overwritten by dlogp[row's sequence] (onehot - softmax)."""
+    R, V = logits.shape
+    kernel("bf16/heads", "seq_logp_grad")((R,), (256,), (logits, targets, lse, dlogp, i32(V), i32(targets.shape[1]),
+                                                         i64(r0), i32(T)))

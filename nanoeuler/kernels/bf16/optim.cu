@@ -80,3 +80,20 @@ extern "C" __global__ void __launch_bounds__(256) adamw_clip_bf16(
     for (long long i = 4 * n4 + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         pb[i] = f2bf(adamw_one(p[i], g[i], m[i], v[i], a) * gain_at(gain, C, i));
 }
+
+// Gradient accumulation over micro-batches: acc += g (a flat range; 16-byte accesses, a scalar tail), and
+// loss_acc[0] += loss[0]. Each micro-batch's g is a whole gradient (its loss already carries the step's
+// normalisation), so the sum is the gradient of the concatenated batch.
+extern "C" __global__ void __launch_bounds__(256) grad_accumulate(const float* __restrict__ g, float* __restrict__ acc,
+                                                                  long long n, const float* __restrict__ loss,
+                                                                  float* __restrict__ loss_acc) {
+    const long long n4 = n >> 2, stride = (long long)gridDim.x * blockDim.x, i0 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (long long i = i0; i < n4; i += stride) {
+        const float4 a = reinterpret_cast<const float4*>(g)[i];
+        float4 b = reinterpret_cast<float4*>(acc)[i];
+        b.x += a.x, b.y += a.y, b.z += a.z, b.w += a.w;
+        reinterpret_cast<float4*>(acc)[i] = b;
+    }
+    for (long long i = 4 * n4 + i0; i < n; i += stride) acc[i] += g[i];
+    if (i0 == 0) loss_acc[0] += loss[0];
+}

@@ -31,3 +31,9 @@ def adamw_clip(p, g, m, v, pb, sq, hyper, decayed: bool, max_norm: float, beta1:
     kernel("bf16/optim", "adamw_clip_bf16")((min(4096, -(-n // 256)),), (256,), (
         p, g, m, v, pb, i64(n), sq, hyper, i32(decayed), f32(max_norm), f32(beta1), f32(beta2), f32(eps), gain,
         i32(cols)))
+
+
+def grad_accumulate(g, acc, loss, loss_acc) -> None:
+    """acc += g (flat float32) and loss_acc[0] += loss[0]: one micro-batch into the step's sums."""
+    n = g.size
+    kernel("bf16/optim", "grad_accumulate")((min(4096, -(-n // 1024)),), (256,), (g, acc, i64(n), loss, loss_acc))

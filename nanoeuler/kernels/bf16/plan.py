@@ -249,3 +249,66 @@ def swiglu_gemm_grid(N: int, F: int, sms: int, tile_units: int = 128) -> tuple:
         (48,)
     """
     return (min(sms, -(-N // 128) * (F // tile_units)),)
+
+
+# ---- memory -------------------------------------------------------------------------------------------
+
+TENSOR_MAP_BYTES = 128  # a TMA descriptor, kept on the device
+
+
+def engine_bytes(cfg, batch: int, seq: int, *, attention: str, fuse_swiglu: bool, fuse_rope: bool,
+                 accum: bool = False, checkpoint: bool = False, head: str = "ce",
+                 chunk_bytes: int | None = None) -> dict:
+    """Device bytes of every buffer `Engine.__init__` allocates, by group; their sum is `Engine.nbytes()`.
+
+    The variants are resolved ones (`choose_variants`); `batch` counts sequences (DPO: twice the pairs).
+    Groups: params / grads / moments (float32 master weights, gradients, both AdamW moments), image (the
+    bf16 weights), wdt (the fused SwiGLU backward's Wd image), accumulator (`accum`), activations (what the
+    backward keeps: per layer, or with `checkpoint` each layer's input and one layer's worth), arena (MLP
+    scratch shared with the output heads' logits), scratch (the rest of the step's buffers and tables).
+
+        >>> from nanoeuler.model.config import ModelConfig
+        >>> cfg = ModelConfig.named("gpu")
+        >>> full = engine_bytes(cfg, 16, 512, attention="wg", fuse_swiglu=True, fuse_rope=True)
+        >>> ckpt = engine_bytes(cfg, 16, 512, attention="wg", fuse_swiglu=True, fuse_rope=True, checkpoint=True)
+        >>> ckpt["activations"] < full["activations"] / 3, ckpt["params"] == full["params"]
+        (True, True)
+    """
+    if attention not in ATTENTION_VARIANTS or head not in ("ce", "dpo"):
+        raise ValueError(f"attention {attention!r} (one of {ATTENTION_VARIANTS}), head {head!r} ('ce' or 'dpo')")
+    B, T = int(batch), int(seq)
+    N = B * T
+    L, C, H, Hkv, D, F, V, K = (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden,
+                                cfg.vocab_size, cfg.mtp_heads)
+    n = plan_layout(cfg).total
+    bf, f4 = 2, 4
+    qb = bf if attention != "fp32" else f4  # the attention operands' element size
+    keep = 1 if checkpoint else L  # layers whose activations exist at once
+    per_layer = (2 * N * C * bf + 2 * N * f4 + (B * H * T * D + 2 * B * Hkv * T * D) * qb + B * H * T * f4
+                 + N * H * D * bf + N * 2 * F * bf)  # xhat1, xhat2, 1/rms x2, q, k, v, lse, a, gate/up
+    stream = (L if checkpoint else 2) * N * C * f4  # the residual stream's buffers
+    _, mlp_bytes = carve(mlp_scratch(N, F, fuse_swiglu))
+    R = head_chunk_rows(N, V, mlp_bytes, chunk_bytes)
+    scratch = (2 * N * C * bf  # the o_proj and down branches
+               + N * (H + 2 * Hkv) * D * bf  # qkv (forward) / dqkv (backward)
+               + (B * H * T * D + 2 * B * Hkv * T * D) * f4 * (attention == "fp32")  # float32 attention's out, dk, dv
+               + N * C * bf + N * H * D * qb + B * H * T * f4  # dh, da, delta
+               + N * C * f4 + N * C * bf + N * C * bf + N * f4 + N * C * f4  # dx, dxb, xn, rstdf, dxn
+               + FOLD_SPLITS * C * f4 + 3 * f4 + 2 * f4  # gpart, AdamW's values, loss, sq
+               + N * f4 + N * K * f4  # ids, targets
+               + 2 * T * (D // 2) * f4)  # the RoPE tables
+    if head == "ce":
+        scratch += N * K * f4 + K * f4  # per-row losses, head scale
+    else:
+        scratch += 2 * N * f4 + 2 * B * f4 + B * f4 + (B // 2) * f4  # tok, lse rows; logp, dlogp; ref; pair weights
+    maps = 0
+    if fuse_swiglu:
+        maps += 4 + 2 * keep + L  # dy, wdt, m, dgu; xhat2 and gu per kept layer; Wgu per layer
+    if fuse_rope:
+        maps += 4 * keep + L  # xhat1, q, k, v per kept layer; Wqkv per layer
+    scratch += maps * TENSOR_MAP_BYTES
+    return {"params": n * f4, "grads": n * f4, "moments": 2 * n * f4, "image": n * bf,
+            "wdt": (L * F * C * bf + L * 8) if fuse_swiglu else 0,
+            "accumulator": (n * f4 + f4) if accum else 0,
+            "activations": keep * per_layer + stream,
+            "arena": max(mlp_bytes, 2 * R * V), "scratch": scratch}

@@ -6,8 +6,9 @@
 The stage is three things on top of the shared training loop (`train.loop`: checkpoints, exact resume,
 divergence stop, metrics, progress bar): the loss (`model.dpo.dpo_head_loss`, a head loss on the final
 normed state), a batch source (`PairBatches`: P pairs as 2P rows, with their reference log-probabilities
-from `nanoeuler ref-logps`), and the held-out scoring. It runs on the fp32 xp path, on the CPU or through
-CuPy on the GPU; the bf16 engine's fused cross-entropy head has no place for another loss.
+from `nanoeuler ref-logps`), and the held-out scoring. The loss is a `model.dpo.DpoHead`: the fp32 xp path
+(CPU, or CuPy on the GPU) calls it as a head loss, and with `dpo.precision: bf16` the GPU engine runs it
+as its sequence log-probability head (`kernels/engine.py`, head "dpo").
 
 A few pairs (`dpo.val_pairs`, at most a fifth, drawn by seed) are held out; every `eval_every` steps the
 log gets their DPO loss, reward accuracy (the share with a positive margin), mean margin
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -42,15 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class PairBatches:
     """Micro-batch m of the run: `batch_size` pairs of epoch m // per_epoch, in that epoch's seeded order.
 
-    `head_loss` is the loop's loss: it trains each micro-batch against that batch's reference values,
-    which `batch` queues in the order the loop will ask for the gradients."""
+    `head` is the loop's loss (a `model.dpo.DpoHead`): it trains each micro-batch against that batch's
+    reference values, which `batch` queues in the order the loop will ask for the gradients."""
 
     def __init__(self, examples, ref: np.ndarray, sec: dict, K: int, pad_id: int):
         self.examples, self.ref, self.K, self.pad_id = examples, ref, K, pad_id
         self.B, self.accum, self.seed = int(sec["batch_size"]), int(sec["grad_accum"]), int(sec["seed"])
-        self.beta, self.eps = float(sec["beta"]), float(sec["label_smoothing"])
+        from nanoeuler.model.dpo import DpoHead
+
+        self.head = DpoHead(float(sec["beta"]), float(sec["label_smoothing"]))
         self.per_epoch = math.ceil(len(examples) / self.B)
-        self._pending: deque = deque()
 
     def steps(self, epochs: int) -> int:
         return math.ceil(epochs * self.per_epoch / self.accum)
@@ -60,14 +61,8 @@ class PairBatches:
 
         epoch, i = divmod(step * self.accum + micro, self.per_epoch)
         idx = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))[i * self.B:(i + 1) * self.B]
-        self._pending.append(np.concatenate([self.ref[idx, 0], self.ref[idx, 1]]))
+        self.head.push(np.concatenate([self.ref[idx, 0], self.ref[idx, 1]]))
         return pair_batch([self.examples[j] for j in idx], self.K, self.pad_id)
-
-    def head_loss(self, xn, params, targets, cfg):
-        from nanoeuler.model.dpo import dpo_head_loss
-
-        loss = dpo_head_loss(self._pending.popleft(), beta=self.beta, label_smoothing=self.eps)
-        return loss(xn, params, targets, cfg)
 
     def state(self) -> dict:
         return {}
@@ -124,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir=run_dir, out=out, xp=xp, evaluate=evaluate if val_examples else None,
         identity={"data": {"prefs_sha256": file_sha256(args.prefs), "chat_checksum": checksum}},
         extra_out={"dpo_data": {"train_pairs": len(train_idx), "val_pairs": n_val}},
-        progress=not args.no_progress, foreign_model_is_error=False, head_loss=batches.head_loss,
+        progress=not args.no_progress, foreign_model_is_error=False, head_loss=batches.head,
     )
     last = loop.train(spec)
     plot_losses([("DPO", rundir.read_jsonl(run_dir / "metrics.jsonl"))], run_dir / "loss.png")

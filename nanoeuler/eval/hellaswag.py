@@ -11,7 +11,8 @@ Chance is 25%; GPT-2 124M scores 28.6% / 29.6% this way in llm.c's `dev/data/hel
 A row longer than the model's context keeps its last `ctx_len + 1` tokens (the context loses
 its start); the ending is always scored whole unless it alone is longer than the context.
 Items go through the model `batch_size` at a time (4 rows each, right-padded: the model is
-causal, so padding after a row changes none of its log-probabilities), on NumPy or CuPy.
+causal, so padding after a row changes none of its log-probabilities), on NumPy or CuPy; on the GPU
+fewer where `gpu_memory` asks for it.
 
     nanoeuler hellaswag-eval --ckpt results/base.bin --data data/hellaswag/hellaswag.jsonl \\
         --name base --out results/hellaswag/base.json
@@ -114,16 +115,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nanoeuler import memory
     from nanoeuler.data.common import atomic_path
     from nanoeuler.data.hellaswag import read_items
     from nanoeuler.infer.generate import load
 
-    conf = sections(args, "device", "eval")
+    conf = sections(args, "device", "gpu_memory", "eval")
     ev = conf["eval"]
-    gen, tok, meta = load(args.ckpt, args.device or conf["device"])
+    gen, tok, meta = load(args.ckpt, args.device or conf["device"], gpu_memory=conf["gpu_memory"])
     items = read_items(Path(args.data), ev["hellaswag_items"])
-    result = score_items(gen.params, gen.cfg, tok.encode_ordinary, items, int(ev["hellaswag_batch_size"]), gen.xp,
+    budget = gen.budget
+    cfg = gen.cfg
+    resident = memory.decode_parts(cfg, 0) if budget is not None else {}
+    per_batch, predict = memory.eval_items_for("hellaswag-eval", budget, cfg, cfg.ctx_len,
+                                               int(ev["hellaswag_batch_size"]), "logits", resident, rows_per_item=4)
+    result = score_items(gen.params, cfg, tok.encode_ordinary, items, per_batch, gen.xp,
                          desc=f"hellaswag {args.name}")
+    if budget is not None:
+        gen.meter.report("hellaswag-eval", memory.peak(predict(per_batch), budget.context),
+                         detail=f"{per_batch} items a forward")
     result = {"model": args.name, "file": str(args.ckpt), "steps": meta.get("step"), **result,
               "definitions": DEFINITIONS}
     with atomic_path(args.out) as tmp:

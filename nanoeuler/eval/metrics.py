@@ -11,24 +11,24 @@ from __future__ import annotations
 
 import math
 
-# Input positions per evaluation forward. The float32 forward keeps every layer's activations until it
-# returns (~0.35 MB a position for the 116M model, plus each head's logits), beside the training engine's
-# 6.3 GB: 4096 positions made pretraining need a pool of more than 10 GB, 2048 keep it under 12 GB with room.
+# Input positions per evaluation forward on the CPU. On the GPU the stage sizes its chunks from its
+# memory budget instead (`memory.eval_items_for`).
 EVAL_CHUNK_TOKENS = 2048
 
 
 def evaluate_windows(params: dict, cfg, inputs, targets, batch_size: int, xp,
-                     chunk_tokens: int = EVAL_CHUNK_TOKENS) -> tuple[float, float]:
+                     chunk_tokens: int | None = EVAL_CHUNK_TOKENS) -> tuple[float, float]:
     """(mean loss over heads, head-0 cross-entropy) over fixed windows, each window weighted equally.
 
     `inputs` (N, T) and `targets` (N, T, K) are NumPy; batches of at most `batch_size` windows and
-    `chunk_tokens` positions (at least one window) move to the params' device.
+    `chunk_tokens` positions (at least one window; None: `batch_size` alone) move to the params' device.
     """
     from nanoeuler.model import transformer
 
     total = ce0 = 0.0
     n = inputs.shape[0]
-    batch_size = max(1, min(batch_size, chunk_tokens // max(1, inputs.shape[1])))
+    if chunk_tokens is not None:
+        batch_size = max(1, min(batch_size, chunk_tokens // max(1, inputs.shape[1])))
     for lo in range(0, n, batch_size):
         x = xp.asarray(inputs[lo : lo + batch_size])
         y = xp.asarray(targets[lo : lo + batch_size])
@@ -38,9 +38,12 @@ def evaluate_windows(params: dict, cfg, inputs, targets, batch_size: int, xp,
     return total / n, ce0 / n
 
 
-def val_metrics(params: dict, cfg, val: tuple, split_tokens: int, split_bytes: int, batch_size: int, xp) -> dict:
+def val_metrics(params: dict, cfg, val: tuple, split_tokens: int, split_bytes: int, batch_size: int, xp,
+                sized: bool = False) -> dict:
+    """`sized`: `batch_size` windows were sized to the device's memory (`memory.eval_items_for`), so no
+    cap of positions applies."""
     inputs, targets = val
-    loss, ce = evaluate_windows(params, cfg, inputs, targets, batch_size, xp)
+    loss, ce = evaluate_windows(params, cfg, inputs, targets, batch_size, xp, None if sized else EVAL_CHUNK_TOKENS)
     return {
         "val_loss": loss,
         "val_ce": ce,

@@ -78,25 +78,41 @@ DEFINITIONS = {
 }
 
 
-def _load_models(args: argparse.Namespace, device: str) -> tuple[list[tuple], object]:
+def _load_models(args: argparse.Namespace, device: str, gpu_memory="auto") -> tuple[list[tuple], object]:
     """[(name, generation engine, metadata, path)] of base, chat and (with --dpo) the DPO model, each
     checked to carry the tokenizer of the model it was tuned from; the base tokenizer last."""
     from nanoeuler.infer.generate import load
 
     spec = getattr(args, "speculative", None)
-    base, base_tok, base_meta = load(args.base, device, spec)
-    chat, chat_tok, chat_meta = load(args.chat, device, spec)
+    base, base_tok, base_meta = load(args.base, device, spec, gpu_memory, "evaluate")
+    chat, chat_tok, chat_meta = load(args.chat, device, spec, gpu_memory, "evaluate")
     if base_tok.sha256 != chat_tok.sha256:
         raise UserError(f"{args.chat} and {args.base} carry different tokenizers; the chat model must be "
                         "fine-tuned from this base model")
     models = [("base", base, base_meta, args.base), ("chat", chat, chat_meta, args.chat)]
     if args.dpo:
-        dpo, dpo_tok, dpo_meta = load(args.dpo, device)
+        dpo, dpo_tok, dpo_meta = load(args.dpo, device, None, gpu_memory, "evaluate")
         if dpo_tok.sha256 != chat_tok.sha256:
             raise UserError(f"{args.dpo} and {args.chat} carry different tokenizers; the DPO model must be "
                             "tuned from this chat model")
         models.append(("dpo", dpo, dpo_meta, args.dpo))
+    _share_memory([m[1] for m in models])
     return models, base_tok
+
+
+def _share_memory(engines) -> None:
+    """All models stay loaded: each engine's generation batch fits beside the others' weights (the budget
+    was measured before the first one loaded)."""
+    from nanoeuler import memory
+
+    budget = engines[0].budget
+    if budget is None:
+        return
+    held = [memory.decode_parts(e.cfg, 0) for e in engines]
+    for i, e in enumerate(engines):
+        others = {f"{k}_{j}": v for j, h in enumerate(held) if j != i for k, v in h.items()}
+        e.budget = budget
+        e.max_batch = memory.decode_batch("evaluate", budget, e.cfg, e.max_batch, others)
 
 
 def _model_metrics(models, val_split, ev: dict) -> dict:
@@ -109,11 +125,22 @@ def _model_metrics(models, val_split, ev: dict) -> dict:
         cfg = gen.cfg
         val = fixed_windows(val_split, cfg.ctx_len, cfg.mtp_heads, int(ev["val_tokens"]))
         print(f"nanoeuler evaluate: val loss of {name} ({val[0].size} tokens)", file=sys.stderr, flush=True)
-        m = val_metrics(gen.params, cfg, val, val_split.tokens, val_split.bytes, int(ev["batch_size"]), gen.xp)
+        rows = _val_rows(models, gen, int(ev["batch_size"]))
+        m = val_metrics(gen.params, cfg, val, val_split.tokens, val_split.bytes, rows, gen.xp, gen.budget is not None)
         out[name] = {**m, "file": str(path), "params": cfg.n_params(), "model_config": cfg.to_dict(),
                      "steps": meta.get("step"), "training": meta.get("final_metrics", {})}
         out[name].update({key: meta[key] for key in ("sft_data", "dpo_data") if key in meta})
     return out
+
+
+def _val_rows(models, gen, most: int) -> int:
+    """Validation windows a forward of `gen` takes beside every loaded model (`memory.eval_items_for`)."""
+    from nanoeuler import memory
+
+    if gen.budget is None:
+        return most
+    held = {f"{k}_{j}": v for j, m in enumerate(models) for k, v in memory.decode_parts(m[1].cfg, 0).items()}
+    return memory.eval_items_for("evaluate", gen.budget, gen.cfg, gen.cfg.ctx_len, most, "loss", held)[0]
 
 
 def _samples(models, tok, ev: dict, sampling) -> tuple[list, list]:
@@ -161,10 +188,10 @@ def run(args: argparse.Namespace) -> int:
     from nanoeuler.infer.generate import Sampling
     from nanoeuler.train.loader import ShardSplit, read_manifest
 
-    conf = sections(args, "device", "eval")
+    conf = sections(args, "device", "gpu_memory", "eval")
     ev = conf["eval"]
     hellaswag = read_hellaswag(args.hellaswag)  # before the long work: a bad file stops the stage at once
-    models, tok = _load_models(args, args.device or conf["device"])
+    models, tok = _load_models(args, args.device or conf["device"], conf["gpu_memory"])
     manifest = read_manifest(args.shards)
     if manifest.get("tokenizer_sha256") not in (None, tok.sha256):
         raise UserError(f"shards {args.shards} were made with another tokenizer than the one in {args.base}")
@@ -186,9 +213,26 @@ def run(args: argparse.Namespace) -> int:
     _write_text(Path(args.metrics), json.dumps(metrics, indent=2) + "\n")
     samples = Path(args.samples)
     _write_text(samples, _markdown(metrics, base_samples, chat_samples, os.path.relpath(plot, samples.parent)))
+    _report_memory(models, int(ev["batch_size"]), len(ev["base_prompts"]))
     print(f"nanoeuler evaluate: base val bpb {_fmt(metrics['base']['val_bpb'])}, chat val bpb "
           f"{_fmt(metrics['chat']['val_bpb'])}; wrote {samples}, {args.metrics}, {plot}", file=sys.stderr)
     return 0
+
+
+def _report_memory(models, val_rows: int, prompts: int) -> None:
+    """The measured peak against the larger prediction: validation beside every model, or generation."""
+    from nanoeuler import memory
+
+    gen = models[0][1]
+    if gen.budget is None:
+        return
+    held = {f"{k}_{j}": v for j, m in enumerate(models) for k, v in memory.decode_parts(m[1].cfg, 0).items()}
+    rows = _val_rows(models, gen, val_rows)
+    val = {**held, **memory.forward_parts(gen.cfg, rows, gen.cfg.ctx_len, "loss", params=False)}
+    decode = {**held, **memory.decode_parts(gen.cfg, min(prompts, gen.max_batch or prompts))}
+    decode = {k: v for k, v in decode.items() if k not in ("params", "weights")}  # held already counts them
+    gen.meter.report("evaluate", memory.peak(max(val, decode, key=lambda p: sum(p.values())), gen.budget.context),
+                     detail=f"{rows} windows a forward")
 
 
 def read_hellaswag(paths: list[str]) -> dict:

@@ -64,9 +64,9 @@ def run(args: argparse.Namespace) -> int:
 
     from nanoeuler.infer.generate import load, sampling_from
 
-    conf = sections(args, "device", "eval")
+    conf = sections(args, "device", "gpu_memory", "eval")
     sampling, max_new = sampling_from(args, conf["eval"])
-    gen, tok, _ = load(args.ckpt, args.device or conf["device"], args.speculative)
+    gen, tok, _ = load(args.ckpt, args.device or conf["device"], args.speculative, conf["gpu_memory"], "chat")
     print(f"nanoeuler chat: {args.ckpt} ({gen.cfg.n_params():,} parameters, {gen.cfg.ctx_len}-token context). "
           "One instruction per line; Ctrl-D or /quit to leave.", file=sys.stderr, flush=True)
 

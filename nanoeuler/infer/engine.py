@@ -100,6 +100,9 @@ class Engine:
         self.xp = xp
         self.speculative = speculative  # the default of `stream` and `generate`; None: `_use_speculation`
         self.stats = SpecStats()
+        # rows decoded at once at most (None: no cap), and the memory budget it came from (`generate.load`)
+        self.max_batch: int | None = None
+        self.budget = self.meter = None
 
     @classmethod
     def from_params(cls, params: dict, cfg, device: str = "cpu", dtype: str = "bf16",
@@ -126,7 +129,10 @@ class Engine:
                  on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
         """New ids for each prompt (a stop id ends a row and is included). Prompt i samples with seed
         sampling.seed + i. `on_token(row, id)` is called as each id is chosen. With `speculative`, the
-        prompts run one after the other through `stream(..., speculative=True)` (default: `self.speculative`)."""
+        prompts run one after the other through `stream(..., speculative=True)` (default: `self.speculative`).
+        More prompts than `max_batch` run in groups of that many (prompt i still samples with seed + i)."""
+        if self.max_batch and len(prompts) > self.max_batch:
+            return self._grouped(prompts, max_new_tokens, sampling, stop_ids, speculative, on_token)
         if self._use_speculation(speculative, sampling, len(prompts)):
             out = []
             for i, p in enumerate(prompts):
@@ -145,6 +151,23 @@ class Engine:
             out[b].append(t)
             if on_token:
                 on_token(b, t)
+        return out
+
+    def report_memory(self, stage: str, rows: int) -> None:
+        """Log the measured and predicted device peak of a stage that decoded `rows` rows at once (GPU only)."""
+        if self.budget is not None:
+            from nanoeuler import memory
+
+            self.meter.report(stage, memory.peak(memory.decode_parts(self.cfg, rows), self.budget.context),
+                              detail=f"{rows} rows decoded at once")
+
+    def _grouped(self, prompts, max_new, sampling, stop_ids, speculative, on_token) -> list[list[int]]:
+        """`generate` over groups of `max_batch` prompts: the KV cache of that many rows fits the memory."""
+        out: list[list[int]] = []
+        for lo in range(0, len(prompts), self.max_batch):
+            part = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + lo)
+            shifted = None if on_token is None else (lambda b, t, lo=lo: on_token(lo + b, t))
+            out += self.generate(prompts[lo:lo + self.max_batch], max_new, part, stop_ids, speculative, shifted)
         return out
 
     def _use_speculation(self, asked: bool | None, sampling: Sampling, rows: int) -> bool:

@@ -143,10 +143,11 @@ class Generator:
         return list(self.stream(prompt_ids, max_new_tokens, sampling, stop_ids))
 
 
-def load(path, device: str = "auto", speculative: bool | None = None):
+def load(path, device: str = "auto", speculative: bool | None = None, gpu_memory="auto", stage: str = "sample"):
     """(decode `Engine` on `device`, Tokenizer, metadata) from a model file that carries its tokenizer.
-    On the GPU the engine runs bf16 weights (the float32 ones stay in `engine.params`)."""
-    from nanoeuler import checkpoint
+    On the GPU the engine runs bf16 weights (the float32 ones stay in `engine.params`), and `gpu_memory`
+    (the config key) caps the rows it decodes at once (`Engine.max_batch`, `memory.decode_batch`)."""
+    from nanoeuler import checkpoint, memory
     from nanoeuler.backend import resolve_device
     from nanoeuler.errors import UserError
     from nanoeuler.infer.engine import Engine
@@ -160,7 +161,17 @@ def load(path, device: str = "auto", speculative: bool | None = None):
         tok = Tokenizer.from_json(meta["tokenizer"])
     except UserError as exc:
         raise UserError(f"{path}: its tokenizer is unreadable: {exc}") from None
-    return Engine.from_params(params, cfg, resolve_device(device), speculative=speculative), tok, meta
+    device = resolve_device(device)
+    xp = np if device == "cpu" else __import__("cupy")
+    meter = memory.PeakMeter(xp)
+    budget = memory.Budget.on_device(gpu_memory, xp)  # before this model's weights take their share
+    engine = Engine.from_params(params, cfg, device, speculative=speculative)
+    engine.budget, engine.meter = budget, meter
+    engine.max_batch = memory.decode_batch(stage, budget, cfg, DECODE_ROWS_MOST)
+    return engine, tok, meta
+
+
+DECODE_ROWS_MOST = 256  # generation slots at most, whatever the memory holds
 
 
 def add_sampling_arguments(parser) -> None:

@@ -34,9 +34,9 @@ def run(args: argparse.Namespace) -> int:
     from nanoeuler.infer.generate import decode_stream, fit_prompt, load, sampling_from
 
     check_text(args.prompt, "--prompt")
-    conf = sections(args, "device", "eval")
+    conf = sections(args, "device", "gpu_memory", "eval")
     sampling, max_new = sampling_from(args, conf["eval"])
-    gen, tok, _ = load(args.ckpt, args.device or conf["device"], args.speculative)
+    gen, tok, _ = load(args.ckpt, args.device or conf["device"], args.speculative, conf["gpu_memory"], "sample")
     ids = tok.encode(args.prompt) if args.prompt else [tok.eot_id]
     ids, dropped = fit_prompt(ids, gen.cfg.ctx_len, min(max_new, gen.cfg.ctx_len // 4))
     if dropped:
@@ -51,4 +51,5 @@ def run(args: argparse.Namespace) -> int:
         out.flush()
     out.write("\n")
     out.flush()
+    gen.report_memory("sample", 1)
     return 0

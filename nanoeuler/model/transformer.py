@@ -16,6 +16,7 @@ depth, gains ones; drawn in float64 in canonical order and rounded, so float64 a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -138,26 +139,34 @@ def _layer_params(params, i):
 # ---- the trunk: embedding, blocks, final norm --------------------------------------------------
 
 
-def _trunk_forward(params, ids, cfg, ops, xp):
-    """ids (B,T) -> final normed state (B,T,C) and the caches for the backward."""
+def _trunk_forward(params, ids, cfg, ops, xp, keep: str = "all"):
+    """ids (B,T) -> final normed state (B,T,C) and what the backward needs. `keep`: "all" keeps every
+    block's cache; "inputs" only each block's input (gradient checkpointing: the backward recomputes the
+    block's forward, trading a third more compute for one (B,T,C) array a layer); "none" nothing (a
+    forward without a backward holds one block's activations at a time)."""
     T = ids.shape[1]
     emb = params["embed_tokens.weight"]
     cos, sin = ops.rope_tables(T, cfg.head_dim, cfg.rope_theta, xp, emb.dtype)
     x = ops.embedding_forward(ids, emb)  # (B,T,C)
     blocks = []
     for i in range(cfg.n_layers):
+        x_in = x
         x, c = _block_forward(ops, _layer_params(params, i), x, cos, sin, cfg)
-        blocks.append(c)
+        blocks.append({"all": c, "inputs": x_in}.get(keep))
+        del c, x_in
     xn, nc = ops.rmsnorm_forward(x, params["norm.weight"], cfg.norm_eps)  # (B,T,C)
-    return xn, (cos, sin, blocks, nc)
+    return xn, (cos, sin, blocks, nc if keep != "none" else None, keep)
 
 
 def _trunk_backward(params, ids, dxn, cache, cfg, ops, grads):
-    cos, sin, blocks, nc = cache
+    cos, sin, blocks, nc, keep = cache
     dx, grads["norm.weight"] = ops.rmsnorm_backward(dxn, nc)
     for i in reversed(range(cfg.n_layers)):
-        dx = _block_backward(ops, _layer_params(params, i), dx, blocks[i], cos, sin, cfg, grads, f"layers.{i}.")
-        blocks[i] = None  # free the layer's activations early
+        p = _layer_params(params, i)
+        block = blocks[i] if keep == "all" else _block_forward(ops, p, blocks[i], cos, sin, cfg)[1]
+        blocks[i] = None  # free the layer's activations (or input) early
+        dx = _block_backward(ops, p, dx, block, cos, sin, cfg, grads, f"layers.{i}.")
+        del block
     grads["embed_tokens.weight"] = ops.embedding_backward(dx, ids, cfg.vocab_size)
 
 
@@ -179,9 +188,30 @@ def _batch_on_device(params, inputs, targets, cfg):
 # ---- public API --------------------------------------------------------------------------------
 
 
-def mtp_cross_entropy(xn, params, targets, cfg: ModelConfig):
+@dataclass(frozen=True)
+class Totals:
+    """A whole step's valid targets per head and its rows, for a step cut into micro-batches: each
+    micro-batch's loss is normalised by these, so the micro-batches' losses and gradients add up to
+    those of the uncut batch (masked SFT batches hold different numbers of targets per micro-batch).
+
+        >>> import numpy as np
+        >>> step_totals([np.array([[[1, -1]]]), np.array([[[2, 3]], [[-1, -1]]])])
+        Totals(counts=(2, 1), rows=3)
+    """
+    counts: tuple
+    rows: int
+
+
+def step_totals(targets_list) -> Totals:
+    """The Totals of micro-batches' targets (B,T,K) (NumPy, on the host: no device sync)."""
+    counts = sum(np.asarray((np.asarray(y) >= 0).reshape(-1, y.shape[-1]).sum(axis=0)) for y in targets_list)
+    return Totals(tuple(int(c) for c in counts), sum(int(y.shape[0]) for y in targets_list))
+
+
+def mtp_cross_entropy(xn, params, targets, cfg: ModelConfig, totals: Totals | None = None):
     """The pretraining loss on the final normed state: mean over the heads with a valid target of each
     head's mean cross-entropy. xn (B,T,C), targets (B,T,K) -> (loss, dxn (B,T,C), {head weight: grad}).
+    With `totals` (of the whole step) the means divide by its counts: this micro-batch's share.
 
     This is the default `head_loss` of `loss_and_grads`; a stage with another objective (DPO) passes its
     own function of the same signature.
@@ -192,7 +222,8 @@ def mtp_cross_entropy(xn, params, targets, cfg: ModelConfig):
     N = B * T
     xn2 = xn.reshape(N, C)  # (N,C)
     counts = [int(c) for c in (targets >= 0).reshape(N, cfg.mtp_heads).sum(axis=0)]
-    active = sum(1 for c in counts if c > 0)
+    whole = counts if totals is None else list(totals.counts)
+    active = sum(1 for c in whole if c > 0)
     grads: dict = {}
     dxn2 = xp.zeros_like(xn2)
     loss = 0.0
@@ -200,7 +231,7 @@ def mtp_cross_entropy(xn, params, targets, cfg: ModelConfig):
         if counts[k] == 0:
             grads[name] = xp.zeros_like(params[name])
             continue
-        dloss_sum = 1.0 / (counts[k] * active)  # d(loss)/d(this head's summed cross-entropy)
+        dloss_sum = 1.0 / (whole[k] * active)  # d(loss)/d(this head's summed cross-entropy)
         loss_sum, _, dx_k, grads[name] = ops.linear_cross_entropy(
             xn2, params[name], targets[:, :, k].reshape(N), dloss_sum)  # logits (N,V) live only inside
         loss += float(loss_sum) * dloss_sum
@@ -209,15 +240,19 @@ def mtp_cross_entropy(xn, params, targets, cfg: ModelConfig):
     return loss, dxn2.reshape(B, T, C), grads
 
 
-def loss_and_grads(params, inputs, targets, cfg: ModelConfig, head_loss=mtp_cross_entropy):
+def loss_and_grads(params, inputs, targets, cfg: ModelConfig, head_loss=mtp_cross_entropy,
+                   totals: Totals | None = None, checkpoint: bool = False):
     """inputs (B,T) int, targets (B,T,K) int (-1 ignored) -> (loss: float, grads: dict like params).
 
     `head_loss(xn, params, targets, cfg) -> (loss, dxn, head_grads)` turns the final normed state
-    (B,T,C) into the loss; heads it leaves out of `head_grads` get zero gradients.
+    (B,T,C) into the loss; heads it leaves out of `head_grads` get zero gradients. `totals`: this is one
+    micro-batch of a step of these totals, handed on to `head_loss` as `totals=`. `checkpoint`: keep only
+    each block's input and recompute its forward in the backward (the same loss and gradients).
     """
     xp, ops, ids, targets = _batch_on_device(params, inputs, targets, cfg)
-    xn, trunk = _trunk_forward(params, ids, cfg, ops, xp)
-    loss, dxn, grads = head_loss(xn, params, targets, cfg)
+    xn, trunk = _trunk_forward(params, ids, cfg, ops, xp, keep="inputs" if checkpoint else "all")
+    share = {} if totals is None else {"totals": totals}  # a head loss without micro-batches needs no totals
+    loss, dxn, grads = head_loss(xn, params, targets, cfg, **share)
     del xn
     for name in head_weight_names(cfg):
         if name not in grads:
@@ -230,7 +265,7 @@ def forward_loss(params, inputs, targets, cfg: ModelConfig):
     """The loss without a backward (evaluation) -> (loss: float, head_losses: list[float], head 0 first)."""
     xp, ops, ids, targets = _batch_on_device(params, inputs, targets, cfg)
     N = ids.size
-    xn, _ = _trunk_forward(params, ids, cfg, ops, xp)
+    xn, _ = _trunk_forward(params, ids, cfg, ops, xp, keep="none")
     xn2 = xn.reshape(N, cfg.dim)
     head_losses, active = [], []
     for k, name in enumerate(head_weight_names(cfg)):
@@ -248,7 +283,7 @@ def logits(params, inputs, cfg: ModelConfig, head: int = 0):
     xp = array_module(emb)
     ops = ops_for(xp)
     ids = _ids(inputs, xp, cfg.vocab_size, "inputs")
-    xn, _ = _trunk_forward(params, ids, cfg, ops, xp)
+    xn, _ = _trunk_forward(params, ids, cfg, ops, xp, keep="none")
     return ops.linear_forward(xn, params[head_weight_names(cfg)[head]])
 
 

@@ -22,6 +22,7 @@ answers; `infer.generate.load` decides, and two kinds are handled:
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -77,8 +78,14 @@ class Backend:
         self.capacity = slots if self._slots else None
 
     @classmethod
-    def load(cls, path, device: str = "auto", name: str | None = None, slots: int = 8) -> "Backend":
-        engine, tok, _ = load(path, device)
+    def load(cls, path, device: str = "auto", name: str | None = None, slots: int = 8,
+             gpu_memory="auto") -> "Backend":
+        """`slots` at most as many as the GPU's memory holds caches for (`gpu_memory`, `memory.decode_batch`)."""
+        engine, tok, _ = load(path, device, gpu_memory=gpu_memory, stage="serve")
+        if engine.max_batch is not None and slots > engine.max_batch:
+            print(f"nanoeuler serve: max_batch {engine.max_batch} (not {slots}): the KV caches of that many streams "
+                  f"fit {engine.budget.total / 1e9:.1f} GB ({engine.budget.source})", file=sys.stderr, flush=True)
+            slots = engine.max_batch
         return cls(engine, tok, name or Path(path).stem, slots)
 
     @property

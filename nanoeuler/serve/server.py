@@ -84,9 +84,11 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_queue < 0:
         raise UserError("--max-queue must be >= 0")
-    conf = sections(args, "device")
-    backend = Backend.load(args.ckpt, args.device or conf["device"], args.model_name, slots=args.max_batch)
-    config = ServeConfig(max_tokens=args.max_tokens, max_batch=args.max_batch, max_queue=args.max_queue,
+    conf = sections(args, "device", "gpu_memory")
+    backend = Backend.load(args.ckpt, args.device or conf["device"], args.model_name, slots=args.max_batch,
+                           gpu_memory=conf["gpu_memory"])
+    config = ServeConfig(max_tokens=args.max_tokens, max_batch=backend.capacity or args.max_batch,
+                         max_queue=args.max_queue,
                          api_key=args.api_key or None)
     warning = exposure_warning(args.host, config.api_key)
     if warning:

@@ -36,6 +36,7 @@ class TrainConfig:
     checkpoint_every: int
     keep_checkpoints: int
     kernels: str = "auto"  # the bf16 engine's kernel path: "auto" or "portable" (kernels.kernel_path_options)
+    checkpoint_activations: bool = False  # recompute each block's forward in the backward (less memory)
 
     @classmethod
     def from_section(cls, section: dict):

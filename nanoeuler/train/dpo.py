@@ -64,6 +64,19 @@ class PairBatches:
         self.head.push(np.concatenate([self.ref[idx, 0], self.ref[idx, 1]]))
         return pair_batch([self.examples[j] for j in idx], self.K, self.pad_id)
 
+    def split(self, batch: list, pairs: int) -> list:
+        """The step's micro-batches cut into pieces of at most `pairs` pairs (to fit the device), each with
+        its share of the queued reference values (`loop.Run.split`)."""
+        from nanoeuler.train.pairs import pair_pieces
+
+        refs = [self.head.pop() for _ in batch]
+        out = []
+        for (x, y), ref in zip(batch, refs):
+            for px, py, pref in pair_pieces(x, y, ref, pairs):
+                self.head.push(pref)
+                out.append((px, py))
+        return out
+
     def state(self) -> dict:
         return {}
 
@@ -82,14 +95,16 @@ def pair_metrics(logps: np.ndarray, ref: np.ndarray, beta: float, eps: float) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    from nanoeuler import memory
     from nanoeuler.backend import get_xp
     from nanoeuler.eval.plots import plot_losses
     from nanoeuler.train import loop, rundir
+    from nanoeuler.train.config import TrainConfig
     from nanoeuler.train.pairs import (encode_pairs, file_sha256, load_chat_model, read_pairs, sequence_logps,
                                        split_pairs)
     from nanoeuler.train.reflogps import load_reference, reference_meta
 
-    conf = sections(args, "device", "dpo")
+    conf = sections(args, "device", "gpu_memory", "dpo")
     sec = conf["dpo"]
     xp = get_xp(args.device or conf["device"])
     params, cfg, meta, tok, checksum = load_chat_model(args.ckpt)
@@ -106,9 +121,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"nanoeuler dpo: the chat model prefers the chosen answer (higher log-prob) in "
               f"{(val_ref[:, 0] > val_ref[:, 1]).mean():.3f} of the held-out pairs", file=sys.stderr, flush=True)
     batches = PairBatches([examples[i] for i in train_idx], ref[train_idx], sec, cfg.mtp_heads, tok.eot_id)
+    budget = memory.Budget.on_device(conf["gpu_memory"], xp)
+    fit = memory.plan_training("dpo", cfg, TrainConfig.from_section(sec), budget, eval_items=int(sec["batch_size"]),
+                               eval_kind="pair_logps", rows_per_item=2, unit=" pairs", head="dpo",
+                               sm90a=memory.on_sm90a(xp))
 
     def evaluate(p):
-        logps = sequence_logps(p, cfg, val_examples, int(sec["batch_size"]), tok.eot_id, xp)
+        logps = sequence_logps(p, cfg, val_examples, fit.eval_items, tok.eot_id, xp)
         return pair_metrics(logps, val_ref, float(sec["beta"]), float(sec["label_smoothing"]))
 
     out = Path(args.out)
@@ -120,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         identity={"data": {"prefs_sha256": file_sha256(args.prefs), "chat_checksum": checksum}},
         extra_out={"dpo_data": {"train_pairs": len(train_idx), "val_pairs": n_val}},
         progress=not args.no_progress, foreign_model_is_error=False, head_loss=batches.head,
+        micro_rows=fit.micro, split=batches.split, predicted_peak=fit.predicted,
     )
     last = loop.train(spec)
     plot_losses([("DPO", rundir.read_jsonl(run_dir / "metrics.jsonl"))], run_dir / "loss.png")

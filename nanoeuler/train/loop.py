@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -30,9 +30,10 @@ from nanoeuler.train.config import TrainConfig
 from nanoeuler.train.stepper import NonFinite, make_stepper
 
 # Training-section keys that change what is logged or kept, not the trajectory (`kernels` computes the
-# same step with other kernels, so a run can resume on another GPU). (sft.val_examples is not one of
-# them: the held-out records are not trained on.)
-COSMETIC_KEYS = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "val_tokens", "kernels")
+# same step with other kernels, so a run can resume on another GPU; `checkpoint_activations` the same
+# step with less memory). (sft.val_examples is not one of them: the held-out records are not trained on.)
+COSMETIC_KEYS = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "val_tokens", "kernels",
+                 "checkpoint_activations")
 # How many processes train: not a setting of the trajectory itself; the world size enters the identity.
 LAUNCH_KEYS = ("gpus",)
 
@@ -70,9 +71,32 @@ class Run:
     # One rank of a data-parallel run (`train.parallel.DataParallel`): the gradients and the loss are averaged
     # over the ranks, and rank 0 alone reads and writes the run directory. None: a single process.
     parallel: object | None = None
+    # Rows a micro-batch may hold to fit the device (`memory.fit_rows`; 0: batch_size as configured): each
+    # of the grad_accum batches is cut by `split` (default `memory.split_rows`) into pieces of at most this
+    # many rows, which step exactly as the uncut batch does.
+    micro_rows: int = 0
+    split: Callable[[list, int], list] | None = None
+    predicted_peak: float = 0.0  # bytes (`memory.peak`), logged beside the measured peak at the end
 
     def __post_init__(self):
         self.settings = TrainConfig.from_section(self.section)
+
+    @property
+    def step_settings(self) -> TrainConfig:
+        """The settings the stepper is built with: micro-batches of `micro_rows`, as many as a step needs."""
+        s = self.settings
+        if not self.micro_rows or self.micro_rows >= s.batch_size:
+            return s
+        return replace(s, batch_size=self.micro_rows, grad_accum=s.grad_accum * -(-s.batch_size // self.micro_rows))
+
+    def micro_batches(self, step0: int) -> list:
+        """The micro-batches of 0-based update `step0`: the loader's grad_accum batches, cut to `micro_rows`."""
+        from nanoeuler.memory import split_rows
+
+        batch = [self.batches.batch(step0, micro) for micro in range(self.settings.grad_accum)]
+        if not self.micro_rows or self.micro_rows >= self.settings.batch_size:
+            return batch
+        return (self.split or split_rows)(batch, self.micro_rows)
 
 
 def run_identity(run: Run) -> dict:
@@ -184,7 +208,7 @@ def _find_resume_on_every_rank(run: Run) -> tuple[dict, dict] | None:
 def _make_stepper(run: Run, params: dict):
     dp = run.parallel
     hook = run.grad_hook if dp is None else dp.grad_hook(then=run.grad_hook)
-    stepper = make_stepper(run.settings, run.cfg, params, run.xp, stage=run.stage, head_loss=run.head_loss,
+    stepper = make_stepper(run.step_settings, run.cfg, params, run.xp, stage=run.stage, head_loss=run.head_loss,
                            grad_hook=hook)
     return stepper if dp is None else dp.wrap(stepper)
 
@@ -210,6 +234,7 @@ def _start(run: Run):
 def train(run: Run) -> dict:
     """Train to `run.total_steps` (resuming when possible), then write `run.out`. Returns the last metrics."""
     from nanoeuler.backend import oom_guard
+    from nanoeuler.memory import PeakMeter
     from nanoeuler.optim import lr_at
 
     s = run.settings
@@ -219,6 +244,7 @@ def train(run: Run) -> dict:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         rundir.remove_stale_temporaries(run.run_dir)
     log = rundir.MetricsLog(run.run_dir / "metrics.jsonl")
+    meter = PeakMeter(run.xp)
     stepper, start = _start(run)
     if root:
         log.truncate_after(start)
@@ -227,12 +253,12 @@ def train(run: Run) -> dict:
     bar = _progress_bar(run, start) if root else None
     tokens_since, t_since = 0, time.perf_counter()
     try:
-        with oom_guard(s.batch_size, run.cfg.ctx_len):  # a GPU OOM becomes one clear line
+        with oom_guard(run.step_settings.batch_size, run.cfg.ctx_len):  # a GPU OOM becomes one clear line
             for step0 in range(start, run.total_steps):
                 step, final = step0 + 1, step0 + 1 == run.total_steps
                 lr = lr_at(step0, max_lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps,
                            total_steps=run.total_steps)
-                batch = [run.batches.batch(step0, micro) for micro in range(s.grad_accum)]
+                batch = run.micro_batches(step0)
                 try:
                     loss, norm = stepper.step(batch, lr)
                 except NonFinite as exc:
@@ -254,6 +280,7 @@ def train(run: Run) -> dict:
                 if root and (step % s.checkpoint_every == 0 or final):
                     last_ckpt = _save_checkpoint(run, stepper, step)
                 t_since += time.perf_counter() - t0  # keep evaluation and checkpoints out of tokens/s
+                meter.sample()
                 if bar is not None:
                     bar.update(1)
     finally:
@@ -261,6 +288,9 @@ def train(run: Run) -> dict:
             bar.close()
     if run.parallel is not None and not run.parallel.is_root:
         return last  # rank 0 writes the final model
+    if start < run.total_steps:  # measured on a run that trained here
+        meter.report(run.stage, run.predicted_peak, lambda rec: log.append({"step": run.total_steps, **rec}),
+                     f"micro-batch {run.step_settings.batch_size}")
     return _finish(run, stepper, last or _last_record(log), last_ckpt)
 
 

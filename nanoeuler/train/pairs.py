@@ -90,8 +90,25 @@ def pair_batch(examples: list[tuple], K: int, pad_id: int) -> tuple[np.ndarray, 
     return inputs, targets
 
 
+def pair_pieces(x, y, ref, pairs: int) -> list[tuple]:
+    """A batch of P pairs (2P rows, chosen first; reference log-probs (2P,) alike) cut into pieces of at most
+    `pairs` pairs, each laid out as a batch of its own: [(x, y, ref), ...].
+
+        >>> x = np.arange(6)[:, None]                 # chosen rows 0 1 2, rejected rows 3 4 5
+        >>> [p[0][:, 0].tolist() for p in pair_pieces(x, x, np.arange(6.0), 2)]
+        [[0, 1, 3, 4], [2, 5]]
+    """
+    P = x.shape[0] // 2
+    out = []
+    for i in range(0, P, pairs):
+        rows = np.r_[i:min(i + pairs, P), P + i:P + min(i + pairs, P)]
+        out.append((x[rows], y[rows], np.asarray(ref)[rows]))
+    return out
+
+
 def sequence_logps(params, cfg, examples: list[tuple], batch_size: int, pad_id: int, xp) -> np.ndarray:
-    """Summed response log-probabilities (N, 2): column 0 chosen, 1 rejected, in float64 on the host."""
+    """Summed response log-probabilities (N, 2): column 0 chosen, 1 rejected, in float64 on the host;
+    `batch_size` pairs a forward (sized by a stage on the GPU to its memory, `memory.eval_items_for`)."""
     from nanoeuler.backend import to_numpy
     from nanoeuler.model import dpo, transformer
 

@@ -49,6 +49,7 @@ def _inputs(args: argparse.Namespace, model_section: dict):
 
 
 def run(args: argparse.Namespace) -> int:
+    from nanoeuler import memory
     from nanoeuler.backend import get_xp
     from nanoeuler.eval.metrics import val_metrics
     from nanoeuler.eval.plots import plot_losses
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from nanoeuler.train.config import PretrainConfig
     from nanoeuler.train.loader import RandomWindows, ShardSplit, fixed_windows
 
-    conf = sections(args, "device", "model", "pretrain")
+    conf = sections(args, "device", "gpu_memory", "model", "pretrain")
     sec = conf["pretrain"]
     settings = PretrainConfig.from_section(sec)
     device = args.device or conf["device"]
@@ -74,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
     windows = RandomWindows(train_split, T, K, settings.batch_size, settings.seed,
                             rank=0 if dp is None else dp.rank, world=1 if dp is None else dp.size)
     val = fixed_windows(val_split, T, K, settings.val_tokens)
+    budget = memory.Budget.on_device(conf["gpu_memory"], xp)
+    fit = memory.plan_training("pretrain", cfg, settings, budget, eval_items=settings.batch_size,
+                               sm90a=memory.on_sm90a(xp))
 
     class _Batches:
         def batch(self, step, micro):
@@ -83,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         load_state = staticmethod(windows.load_state)
 
     def evaluate(params):
-        return val_metrics(params, cfg, val, val_split.tokens, val_split.bytes, settings.batch_size, xp)
+        return val_metrics(params, cfg, val, val_split.tokens, val_split.bytes, fit.eval_items, xp,
+                           budget is not None)
 
     out = Path(args.out)
     run_dir = Path(args.run_dir) if args.run_dir else out.parent / "pretrain"
@@ -94,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         evaluate=evaluate,
         identity={"data": {"manifest_sha256": manifest["_sha256"]}},
         extra_out={"val_split": {"tokens": val_split.tokens, "bytes": val_split.bytes}},
-        progress=not args.no_progress, parallel=dp,
+        progress=not args.no_progress, parallel=dp, micro_rows=fit.micro, predicted_peak=fit.predicted,
     )
     last = loop.train(spec)
     if dp is not None:

@@ -23,7 +23,8 @@ from nanoeuler.backend import add_device_argument
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.errors import UserError
 
-BATCH_PAIRS = 8  # pairs per forward pass (16 sequences); the values do not depend on it beyond rounding
+BATCH_PAIRS = 8  # pairs per forward pass at most (16 sequences; fewer where the GPU's memory asks for it);
+# the values do not depend on it beyond rounding
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,27 +66,35 @@ def load_reference(path, want: dict) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from nanoeuler import memory
     from nanoeuler.backend import get_xp
     from nanoeuler.data.common import atomic_path
     from nanoeuler.train.pairs import encode_pairs, load_chat_model, read_pairs, sequence_logps
 
-    xp = get_xp(args.device or sections(args, "device")["device"])
+    conf = sections(args, "device", "gpu_memory")
+    xp = get_xp(args.device or conf["device"])
+    meter = memory.PeakMeter(xp)
+    budget = memory.Budget.on_device(conf["gpu_memory"], xp)
     params, cfg, _, tok, checksum = load_chat_model(args.ckpt)
+    resident = {"params": memory.F32 * cfg.n_params()}
+    chunk, predict = memory.eval_items_for("ref-logps", budget, cfg, cfg.ctx_len, BATCH_PAIRS, "pair_logps",
+                                           resident, rows_per_item=2)
     pairs = read_pairs(args.prefs)
     examples, counts = encode_pairs(pairs, tok, cfg.ctx_len)
     print(f"nanoeuler ref-logps: {len(examples)} pairs, {counts['truncated']} cut to the {cfg.ctx_len}-token "
           f"context ({counts['prompt_cut']} lost the start of the prompt)", file=sys.stderr, flush=True)
     dev = {name: xp.asarray(p) for name, p in params.items()}
     logps = np.zeros((len(examples), 2))
-    for lo in tqdm(range(0, len(examples), BATCH_PAIRS), desc="ref-logps", unit="batch", file=sys.stderr,
+    for lo in tqdm(range(0, len(examples), chunk), desc="ref-logps", unit="batch", file=sys.stderr,
                    disable=args.no_progress, mininterval=0.5 if sys.stderr.isatty() else 10.0):
-        logps[lo:lo + BATCH_PAIRS] = sequence_logps(dev, cfg, examples[lo:lo + BATCH_PAIRS], BATCH_PAIRS,
-                                                    tok.eot_id, xp)
+        logps[lo:lo + chunk] = sequence_logps(dev, cfg, examples[lo:lo + chunk], chunk, tok.eot_id, xp)
     info = reference_meta(args.prefs, checksum, cfg, len(examples))
     out = Path(args.out)
     with atomic_path(out) as tmp:
         with open(tmp, "wb") as f:  # a file object: np.savez would append .npz to the temporary's name
             np.savez(f, logps=logps, meta=np.array(json.dumps(info)))
+    if budget is not None:
+        meter.report("ref-logps", memory.peak(predict(chunk), budget.context), detail=f"{chunk} pairs a forward")
     print(f"nanoeuler ref-logps: wrote {out}: mean chosen {logps[:, 0].mean():.2f}, "
           f"rejected {logps[:, 1].mean():.2f} nats")
     return 0

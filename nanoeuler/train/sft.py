@@ -190,7 +190,8 @@ class EpochBatches:
 
 
 def response_loss(params, cfg, examples, batch_size: int, pad_id: int, xp) -> dict:
-    """Loss over held-out examples' response tokens, weighted by each batch's head-0 targets."""
+    """Loss over held-out examples' response tokens, weighted by each batch's head-0 targets; `batch_size`
+    examples a forward (sized by the stage to its memory, `memory.eval_items_for`)."""
     from nanoeuler.model import transformer
     tot = ce = weight = 0.0
     for lo in range(0, len(examples), batch_size):
@@ -247,13 +248,13 @@ def _examples(data: str, tok, ctx_len: int, settings, verbose: bool):
 
 
 def run(args: argparse.Namespace) -> int:
-    from nanoeuler import checkpoint
+    from nanoeuler import checkpoint, memory
     from nanoeuler.backend import get_xp
     from nanoeuler.eval.plots import plot_losses
     from nanoeuler.train import loop, rundir
     from nanoeuler.train.config import SftConfig
 
-    conf = sections(args, "device", "sft")
+    conf = sections(args, "device", "gpu_memory", "sft")
     sec = conf["sft"]
     settings = SftConfig.from_section(sec)
     device = args.device or conf["device"]
@@ -271,11 +272,13 @@ def run(args: argparse.Namespace) -> int:
     examples, val_examples, counts = _examples(args.data, tok, cfg.ctx_len, settings, verbose=root)
 
     pad_id = tok.eot_id
+    budget = memory.Budget.on_device(conf["gpu_memory"], xp)
+    fit = memory.plan_training("sft", cfg, settings, budget, eval_items=settings.batch_size, sm90a=memory.on_sm90a(xp))
     batches = EpochBatches(examples, settings.batch_size, settings.grad_accum, settings.seed,
                            cfg.mtp_heads, pad_id, rank=0 if dp is None else dp.rank, world=1 if dp is None else dp.size)
 
     def evaluate(p):
-        return response_loss(p, cfg, val_examples, settings.batch_size, pad_id, xp)
+        return response_loss(p, cfg, val_examples, fit.eval_items, pad_id, xp)
 
     out = Path(args.out)
     run_dir = Path(args.run_dir) if args.run_dir else out.parent / "sft"
@@ -285,7 +288,8 @@ def run(args: argparse.Namespace) -> int:
         run_dir=run_dir, out=out, xp=xp, evaluate=evaluate if val_examples else None,
         identity={"data": {"alpaca_sha256": data_sha, "base_checksum": base_checksum}},
         extra_out={"sft_data": {"train_examples": len(examples), "val_examples": len(val_examples), **counts}},
-        progress=not args.no_progress, foreign_model_is_error=False, parallel=dp,
+        progress=not args.no_progress, foreign_model_is_error=False, parallel=dp, micro_rows=fit.micro,
+        predicted_peak=fit.predicted,
     )
     last = loop.train(spec)
     if dp is not None:

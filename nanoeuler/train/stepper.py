@@ -4,12 +4,12 @@
     >>> loss, grad_norm = stepper.step([(inputs, targets)], lr=3e-4)    # one (x, y) per grad_accum
     >>> stepper.params(), stepper.state_tensors(), stepper.t            # what a checkpoint keeps
 
-`XpStepper` runs `transformer.loss_and_grads` on NumPy or CuPy, averages the gradients of the
-micro-batches, clips their global norm and applies AdamW; `EngineStepper` hands the same update to
-the bf16 engine on the GPU. Two hooks let a stage or a launcher change the step without forking the
-loop: `head_loss` replaces the loss on the final normed state (`transformer.mtp_cross_entropy` by
-default; on the engine only a `model.dpo.DpoHead`, which it runs as its DPO head), and
-`grad_hook(grads)` runs on the averaged gradients between the
+`XpStepper` runs `transformer.loss_and_grads` on NumPy or CuPy, sums the gradients of the
+micro-batches (each normalised by the whole step's targets), clips their global norm and applies
+AdamW; `EngineStepper` hands the same update to the bf16 engine on the GPU. Two hooks let a stage or
+a launcher change the step without forking the loop: `head_loss` replaces the loss on the final
+normed state (`transformer.mtp_cross_entropy` by default; on the engine only a `model.dpo.DpoHead`,
+which it runs as its DPO head), and `grad_hook(grads)` runs on the summed gradients between the
 backward and the clipping (a data-parallel all-reduce goes there). A non-finite loss or gradient
 norm raises `NonFinite`: before the update on the xp path, after it on the engine (which never
 waits for the device inside a step); either way no checkpoint of that state is written.
@@ -56,12 +56,17 @@ class Stepper(Protocol):
 
 
 class XpStepper:
-    """loss_and_grads + averaging over micro-batches + grad_hook + clip_grad_norm + AdamW, on `params`' device."""
+    """loss_and_grads + summing over micro-batches + grad_hook + clip_grad_norm + AdamW, on `params`' device.
+
+    Each micro-batch's loss is normalised by the whole step's valid targets and rows
+    (`transformer.step_totals`), so a batch cut into micro-batches of any sizes steps as the uncut one
+    does. `checkpoint`: recompute each block's forward in the backward (`loss_and_grads`)."""
 
     def __init__(self, cfg, params: dict, opt: AdamW, max_norm: float,
-                 head_loss=transformer.mtp_cross_entropy, grad_hook: GradHook | None = None):
+                 head_loss=transformer.mtp_cross_entropy, grad_hook: GradHook | None = None,
+                 checkpoint: bool = False):
         self.cfg, self._params, self.opt, self.max_norm = cfg, params, opt, float(max_norm)
-        self.head_loss, self.grad_hook = head_loss, grad_hook
+        self.head_loss, self.grad_hook, self.checkpoint = head_loss, grad_hook, bool(checkpoint)
         self.xp = array_module(params["embed_tokens.weight"])
 
     @property
@@ -69,20 +74,20 @@ class XpStepper:
         return self.opt.t
 
     def step(self, batch: Batch, lr: float) -> tuple[float, float]:
-        xp, accum = self.xp, len(batch)
+        xp = self.xp
+        totals = transformer.step_totals([y for _, y in batch]) if len(batch) > 1 else None
         loss, grads = 0.0, None
         for x, y in batch:
             micro_loss, g = transformer.loss_and_grads(self._params, xp.asarray(x), xp.asarray(y), self.cfg,
-                                                       head_loss=self.head_loss)
-            loss += micro_loss / accum
+                                                       head_loss=self.head_loss, totals=totals,
+                                                       checkpoint=self.checkpoint)
+            loss += micro_loss
             if grads is None:
                 grads = g
             else:
                 for name in grads:
                     grads[name] += g[name]
-        if accum > 1:
-            for name in grads:
-                grads[name] *= 1.0 / accum
+            del g
         if self.grad_hook is not None:  # first: a data-parallel hook is a collective every rank must join
             self.grad_hook(grads)
         if not math.isfinite(loss):
@@ -207,7 +212,8 @@ def make_stepper(settings, cfg, params: dict, xp, *, stage: str = "train", head_
         opt = AdamW(device_params, betas=(settings.beta1, settings.beta2), eps=settings.eps,
                     weight_decay=settings.weight_decay)
         return XpStepper(cfg, device_params, opt, settings.grad_clip,
-                         head_loss=head_loss or transformer.mtp_cross_entropy, grad_hook=grad_hook)
+                         head_loss=head_loss or transformer.mtp_cross_entropy, grad_hook=grad_hook,
+                         checkpoint=settings.checkpoint_activations)
     if xp is np:
         raise UserError(f"{stage}.precision bf16 runs on the GPU engine; use --device gpu, "
                         "or precision fp32 on the CPU")

@@ -33,7 +33,7 @@ rule ref_logps:
     output:
         f"{RESULTS}/ref_logps.npz",
     params:
-        cfg=stage_params("device"),
+        cfg=stage_params("device", "gpu_memory"),
     threads: RES["cpu_threads"]
     resources:
         **job_resources(gpu=config["device"] != "cpu"),
@@ -55,7 +55,7 @@ rule dpo:
     output:
         f"{RESULTS}/dpo.bin",
     params:
-        cfg=stage_params("device", "dpo"),
+        cfg=stage_params("device", "gpu_memory", "dpo"),
         run_dir=f"{RESULTS}/dpo",
     threads: RES["cpu_threads"]
     resources:

@@ -12,7 +12,7 @@ rule hellaswag_eval:
     wildcard_constraints:
         model="[A-Za-z0-9_]+",
     params:
-        cfg=stage_params("device", "eval"),
+        cfg=stage_params("device", "gpu_memory", "eval"),
     threads: RES["cpu_threads"]
     resources:
         **job_resources(gpu=config["device"] != "cpu"),
@@ -36,7 +36,7 @@ rule evaluate:
         metrics=f"{RESULTS}/metrics.json",
         plot=report(f"{RESULTS}/loss.png", caption="../report/loss.rst", category="Loss curves"),
     params:
-        cfg=stage_params("device", "eval"),
+        cfg=stage_params("device", "gpu_memory", "eval"),
         pretrain_dir=f"{RESULTS}/pretrain",
         sft_dir=f"{RESULTS}/sft",
         dpo=f"--dpo {RESULTS}/dpo.bin" if config["eval"]["dpo"] else "",

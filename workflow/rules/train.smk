@@ -11,7 +11,7 @@ rule pretrain:
     output:
         f"{RESULTS}/base.bin",
     params:
-        cfg=stage_params("device", "model", "pretrain"),
+        cfg=stage_params("device", "gpu_memory", "model", "pretrain"),
         run_dir=f"{RESULTS}/pretrain",
     threads: RES["cpu_threads"]  # BLAS threads on the CPU; capped at --cores by Snakemake
     resources:
@@ -33,7 +33,7 @@ rule sft:
     output:
         f"{RESULTS}/chat.bin",
     params:
-        cfg=stage_params("device", "sft"),
+        cfg=stage_params("device", "gpu_memory", "sft"),
         run_dir=f"{RESULTS}/sft",
     threads: RES["cpu_threads"]
     resources:

@@ -1,0 +1,340 @@
+"""Device memory on the CPU: the memory model's arithmetic, the fitting of micro-batches and evaluation chunks
+to a budget (faked here: a CPU run has none), micro-batched steps equal to uncut ones, the one-line refusal,
+gradient checkpointing, and generation batches capped by the budget."""
+
+import json
+
+import numpy as np
+import pytest
+
+from nanoeuler import memory
+from nanoeuler.cli import main
+from nanoeuler.config import validate
+from nanoeuler.errors import UserError
+from nanoeuler.model import transformer
+from nanoeuler.model.config import ModelConfig
+from nanoeuler.train.config import PretrainConfig, SftConfig
+from nanoeuler.train.stepper import make_stepper
+from train_fixtures import make_tokenizer, save_random_model, write_alpaca, write_config, write_shards
+
+GPU = ModelConfig.named("gpu")
+CFG = ModelConfig(vocab_size=40, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=8, mtp_heads=3)
+CONTEXT = memory.context_for(8)  # an RTX 4070's
+
+
+def _sft(**kw):
+    return SftConfig.from_section(validate({"sft": kw})["sft"])
+
+
+def _card(gigabytes: float) -> memory.Budget:
+    return memory.Budget(gigabytes * 1e9, CONTEXT, "gpu_memory")
+
+
+# ---- the arithmetic --------------------------------------------------------------------------------------
+
+
+def test_gpu_memory_takes_bytes_sizes_and_auto_and_refuses_the_rest():
+    assert memory.parse_bytes("auto") is None and memory.parse_bytes(7e9) == 7e9
+    assert memory.parse_bytes("11GB") == 11e9 and memory.parse_bytes("1.5 GiB") == 1.5 * 2**30
+    for bad in ("eleven", "11 parsecs", -1, 0, "0GB"):
+        with pytest.raises(UserError, match="gpu_memory"):
+            memory.parse_bytes(bad)
+    assert validate({"gpu_memory": "11GB"})["gpu_memory"] == "11GB" and validate({})["gpu_memory"] == "auto"
+
+
+def test_the_xp_step_is_state_plus_activations_that_grow_with_the_rows():
+    one, two = memory.xp_train_parts(GPU, 4, 512), memory.xp_train_parts(GPU, 8, 512)
+    n = GPU.n_params()
+    assert one["params"] == one["grads"] == 4 * n and one["adamw"] == 8 * n and "grad_sum" not in one
+    assert two["activations"] == 2 * one["activations"] - GPU.n_layers * 4 * (1280 + 2 * 2048) * 768  # weights once
+    assert memory.xp_train_parts(GPU, 4, 512, micro_batches=2)["grad_sum"] == 4 * n
+    ckpt = memory.xp_train_parts(GPU, 8, 512, checkpoint=True)
+    assert ckpt["activations"] < two["activations"] / 8  # 16 layers: inputs alone and one layer's set
+
+
+def test_the_model_matches_what_the_full_run_measured_before_evaluation_dropped_its_cache():
+    """DPO at fp32 with 16 pairs of up to 512 tokens peaked at 16.9 GiB on an 80 GB card: the step's
+    prediction with the context of an H100 comes within a tenth of it."""
+    parts = memory.train_parts(GPU, _sft(), 32, 512, head="dpo")
+    assert memory.peak(parts, memory.context_for(9)) / 2**30 == pytest.approx(16.9, rel=0.1)
+
+
+def test_engine_parts_are_the_engines_own_figures_for_the_portable_path():
+    from nanoeuler.kernels.bf16 import plan
+
+    parts = memory.engine_parts(GPU, 32, 512, "portable")
+    assert parts == plan.engine_bytes(GPU, 32, 512, attention="ldm", fuse_swiglu=False, fuse_rope=False)
+    assert 6e9 < sum(parts.values()) < 7.5e9  # pretraining's engine at batch 32 fits a 12 GB card
+    ckpt = memory.engine_parts(GPU, 32, 512, "portable", checkpoint=True, accum=True)
+    assert ckpt["activations"] < parts["activations"] / 2 and ckpt["accumulator"] > 0
+
+
+def test_a_forward_without_a_backward_holds_one_block_not_all():
+    train = memory.xp_train_parts(GPU, 32, 512)["activations"]
+    forward = memory.forward_parts(GPU, 32, 512, params=False)
+    assert forward["block"] < train / 10
+    assert memory.forward_parts(GPU, 8, 512, "pair_logps")["head"] > memory.forward_parts(GPU, 8, 512, "logits")["head"]
+
+
+def test_decode_cache_grows_with_the_slots():
+    one, eight = memory.decode_parts(GPU, 1), memory.decode_parts(GPU, 8)
+    assert eight["kv_cache"] == 8 * one["kv_cache"] == 8 * 2 * 2 * 16 * 4 * 512 * 64
+    assert eight["weights"] == 2 * GPU.n_params()
+
+
+# ---- fitting -------------------------------------------------------------------------------------------
+
+
+def test_the_batch_splits_evenly_into_the_largest_micro_batches_that_fit(capsys):
+    fit = memory.plan_training("sft", GPU, _sft(), _card(11), eval_items=32)
+    assert fit.micro == 11 and fit.eval_items == 32 and fit.predicted <= 11e9  # 12 fit: 3 of 11
+    assert "nanoeuler sft: batch 32 as 3 micro-batches of 11 to fit 11.0 GB (gpu_memory)" in capsys.readouterr().err
+    assert memory.plan_training("sft", GPU, _sft(), _card(7), eval_items=32).micro == 7
+    assert memory.plan_training("sft", GPU, _sft(), None, eval_items=32) == memory.TrainPlan(32, 32, 0.0)
+    twelve = memory.Budget(12e8 / memory.FIT_SHARE + memory.CUBLAS_WORKSPACE + 1, 0, "gpu_memory")
+    assert memory.fit_rows("x", 32, twelve, lambda m: {"a": 1e8 * m}) == 11  # 12 fit: 3 of 11
+
+
+def test_checkpointing_and_bf16_fit_a_12_gb_card_whole():
+    for settings in (_sft(checkpoint_activations=True), _sft(precision="bf16")):
+        fit = memory.plan_training("sft", GPU, settings, _card(11), eval_items=32)
+        assert fit.micro == 32 and fit.predicted < 11e9
+
+
+def test_dpo_counts_pairs_and_fits_8_gb():
+    fit = memory.plan_training("dpo", GPU, _sft(batch_size=16), _card(7), eval_items=16, eval_kind="pair_logps",
+                               rows_per_item=2, unit=" pairs", head="dpo")
+    assert fit.micro == 3 and fit.predicted <= 7e9
+
+
+def test_one_sequence_that_cannot_fit_is_one_line_naming_what_it_needs():
+    with pytest.raises(UserError) as exc:
+        memory.plan_training("sft", GPU, _sft(), _card(2.5), eval_items=32)
+    msg = str(exc.value)
+    assert msg.startswith("needs 3.") and "GB for one sequence of 512 at fp32; gpu_memory is 2.5 GB" in msg
+    assert "sft.checkpoint_activations: true" in msg and "\n" not in msg
+    with pytest.raises(UserError, match="for the model and one sequence's cache of 512"):
+        memory.decode_batch("sample", _card(0.6), GPU, 8)
+
+
+def test_evaluation_chunks_shrink_with_the_room_left():
+    resident = memory.resident_parts(GPU, _sft(), 32, 512)
+    wide, _ = memory.eval_items_for("sft", _card(22), GPU, 512, 64, "loss", resident)
+    narrow, _ = memory.eval_items_for("sft", _card(3.5), GPU, 512, 64, "loss", resident)
+    assert wide == 64 and 1 <= narrow < wide
+    with pytest.raises(UserError, match="to score 4 sequences of 512"):
+        memory.eval_items_for("hellaswag-eval", _card(1.9), GPU, 512, 16, "logits", resident, rows_per_item=4)
+
+
+# ---- micro-batches step as the uncut batch ------------------------------------------------------------------
+
+
+def _params(dtype=np.float32):
+    return {n: p.astype(dtype) for n, p in transformer.init_params(CFG, seed=0).items()}
+
+
+def _masked(seed, B=6):
+    """SFT-like rows: each head's targets cover a different, random span (some rows none at all)."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, CFG.vocab_size, size=(B, CFG.ctx_len))
+    y = rng.integers(0, CFG.vocab_size, size=(B, CFG.ctx_len, CFG.mtp_heads))
+    keep = rng.random(size=y.shape) < rng.random(size=(B, 1, 1))
+    keep[0] = False  # a row without a target
+    return x, np.where(keep, y, -1)
+
+
+def _windows(seed, B=6):
+    rng = np.random.default_rng(seed)
+    w = rng.integers(0, CFG.vocab_size, size=(B, CFG.ctx_len + CFG.mtp_heads))
+    return w[:, :CFG.ctx_len], np.stack([w[:, 1 + k:CFG.ctx_len + 1 + k] for k in range(CFG.mtp_heads)], axis=-1)
+
+
+@pytest.mark.parametrize("data", [_masked, _windows])
+def test_a_micro_batched_run_repeats_the_uncut_runs_losses(data):
+    settings = PretrainConfig.from_section(validate({"pretrain": {"batch_size": 6}})["pretrain"])
+    whole, cut = make_stepper(settings, CFG, _params(), np), make_stepper(settings, CFG, _params(), np)
+    for step in range(5):
+        batch = [data(step)]
+        loss, norm = whole.step(batch, lr=3e-3)
+        loss2, norm2 = cut.step(memory.split_rows(batch, 4), lr=3e-3)  # pieces of 4 and 2 rows
+        assert loss2 == pytest.approx(loss, rel=1e-6) and norm2 == pytest.approx(norm, rel=1e-5)
+    for n, p in whole.params().items():
+        np.testing.assert_allclose(cut.params()[n], p, rtol=1e-4, atol=1e-6)  # AdamW: near-zero gradients
+
+
+def test_dpo_pairs_split_with_their_reference_values_step_as_the_whole_batch():
+    from nanoeuler.train.dpo import PairBatches
+
+    x, y = _masked(7, B=6)
+    y[:, :, 1:] = -1
+    y[:, -1, 0] = 3  # every sequence scores at least one token
+    ref = np.linspace(-3.0, -1.0, 6)
+    settings = PretrainConfig.from_section(validate({"pretrain": {"batch_size": 3}})["pretrain"])
+    losses = []
+    for pieces in (3, 2, 1):
+        batches = PairBatches([], np.zeros((0, 2)), dict(validate({})["dpo"], beta=0.5), CFG.mtp_heads, 0)
+        stepper = make_stepper(settings, CFG, _params(np.float64), np, head_loss=batches.head)
+        batches.head.push(ref)
+        losses.append(stepper.step(batches.split([(x, y)], pieces), lr=1e-2)[0])
+        params = stepper.params()
+        if pieces == 3:
+            first = params
+        else:
+            for n, p in first.items():
+                np.testing.assert_allclose(params[n], p, rtol=1e-9, atol=1e-12)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-12) and losses[2] == pytest.approx(losses[0], rel=1e-12)
+
+
+# ---- gradient checkpointing ---------------------------------------------------------------------------------
+
+
+def test_checkpointing_gives_the_same_loss_and_gradients_in_float64():
+    params, (x, y) = _params(np.float64), _masked(3)
+    loss, grads = transformer.loss_and_grads(params, x, y, CFG)
+    loss2, grads2 = transformer.loss_and_grads(params, x, y, CFG, checkpoint=True)
+    assert loss2 == loss
+    for n in grads:
+        np.testing.assert_array_equal(grads2[n], grads[n])
+
+
+def test_checkpointed_gradients_match_finite_differences():
+    params, (x, y) = _params(np.float64), _windows(4, B=2)
+    _, grads = transformer.loss_and_grads(params, x, y, CFG, checkpoint=True)
+    rng, h = np.random.default_rng(0), 1e-5
+    for name in ("layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight", "embed_tokens.weight",
+                 "layers.0.input_layernorm.weight"):
+        for _ in range(3):
+            i = tuple(rng.integers(0, s) for s in params[name].shape)
+            keep = params[name][i]
+            params[name][i] = keep + h
+            up = transformer.forward_loss(params, x, y, CFG)[0]
+            params[name][i] = keep - h
+            down = transformer.forward_loss(params, x, y, CFG)[0]
+            params[name][i] = keep
+            assert grads[name][i] == pytest.approx((up - down) / (2 * h), rel=1e-5, abs=1e-9)
+
+
+# ---- the stages, with a faked card ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def _fake_card(monkeypatch, total: float):
+    monkeypatch.setattr(memory.Budget, "on_device", classmethod(lambda cls, setting, xp: _card(total / 1e9)))
+
+
+def yaml_model(conf):
+    import yaml
+
+    return yaml.safe_load(open(conf))["model"]
+
+
+def _losses(run_dir):
+    return [r["loss"] for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "loss" in r]
+
+
+def test_sft_cut_to_fit_a_small_card_trains_as_the_uncut_run(tmp_path, tok, monkeypatch, capsys):
+    save_random_model(tmp_path / "base.bin", tok)
+    write_alpaca(tmp_path / "alpaca.jsonl", n=40)
+    sft = {"batch_size": 8, "epochs": 1, "max_examples": 40, "val_examples": 4, "eval_every": 2, "log_every": 1}
+    conf = write_config(tmp_path / "c.yaml", sft=sft)
+    args = ["sft", "--config", str(conf), "--base", str(tmp_path / "base.bin"), "--data",
+            str(tmp_path / "alpaca.jsonl"), "--no-progress"]
+    assert main(args + ["--out", str(tmp_path / "a.bin"), "--run-dir", str(tmp_path / "a")]) == 0
+
+    cfg = ModelConfig.from_section(yaml_model(conf), tok.vocab_size)
+    three = sum(memory.train_parts(cfg, _sft(**sft), 3, cfg.ctx_len, micro_batches=3).values())
+    total = three / memory.FIT_SHARE + memory.CUBLAS_WORKSPACE + CONTEXT + 1
+    _fake_card(monkeypatch, total)
+    capsys.readouterr()
+    assert main(args + ["--out", str(tmp_path / "b.bin"), "--run-dir", str(tmp_path / "b")]) == 0
+    assert "nanoeuler sft: batch 8 as 3 micro-batches of 3 to fit" in capsys.readouterr().err
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert len(a) == len(b) > 2 and b == pytest.approx(a, rel=1e-6)
+
+    _fake_card(monkeypatch, CONTEXT + memory.CUBLAS_WORKSPACE + 1e5)
+    assert main(args + ["--out", str(tmp_path / "c.bin"), "--run-dir", str(tmp_path / "c")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("nanoeuler sft: error: needs ") and "for one sequence of 64 at fp32" in err[-1]
+    assert not (tmp_path / "c.bin").exists()
+
+
+def test_pretraining_cut_to_fit_trains_as_the_uncut_run(tmp_path, tok, monkeypatch):
+    manifest = write_shards(tmp_path / "shards", tok)
+    pre = {"batch_size": 6, "steps": 4, "log_every": 1, "eval_every": 2, "val_tokens": 256, "warmup_steps": 1}
+    conf = write_config(tmp_path / "c.yaml", pretrain=pre)
+    args = ["pretrain", "--config", str(conf), "--shards", str(manifest), "--tokenizer", str(tmp_path / "t.json"),
+            "--no-progress"]
+    (tmp_path / "t.json").write_text(tok.to_json())
+    assert main(args + ["--out", str(tmp_path / "a.bin"), "--run-dir", str(tmp_path / "a")]) == 0
+    cfg = ModelConfig.from_section(yaml_model(conf), tok.vocab_size)
+    two = sum(memory.train_parts(cfg, _sft(batch_size=6), 2, cfg.ctx_len, micro_batches=3).values())
+    _fake_card(monkeypatch, two / memory.FIT_SHARE + memory.CUBLAS_WORKSPACE + CONTEXT + 1)
+    assert main(args + ["--out", str(tmp_path / "b.bin"), "--run-dir", str(tmp_path / "b")]) == 0
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert len(a) == 4 and b == pytest.approx(a, rel=1e-6)
+
+
+# ---- generation -------------------------------------------------------------------------------------------
+
+
+def test_more_prompts_than_the_cache_holds_run_in_groups_with_the_same_tokens(tmp_path, tok):
+    from nanoeuler.infer.generate import Sampling, load
+
+    save_random_model(tmp_path / "m.bin", tok)
+    gen, _, _ = load(tmp_path / "m.bin", "cpu")
+    prompts = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14], [15]]
+    for sampling in (Sampling(temperature=0), Sampling(temperature=1.0, seed=3)):
+        gen.max_batch = None
+        whole = gen.generate(prompts, 6, sampling)
+        gen.max_batch = 2
+        seen = []
+        assert gen.generate(prompts, 6, sampling, on_token=lambda b, t: seen.append(b)) == whole
+        assert sorted(set(seen)) == [0, 1, 2, 3, 4]
+
+
+def test_the_meter_reports_nothing_on_the_cpu():
+    meter = memory.PeakMeter(np)
+    assert meter.measured() == 0.0 and meter.report("sft", 1e9) == {}
+
+
+# ---- the device script's pieces that need no GPU ------------------------------------------------------------
+
+
+ROWS = ("pretrain-fp32 pretrain-bf16 sft-fp32 sft-bf16 ref-logps dpo-fp32 dpo-bf16 hellaswag-eval evaluate "
+        "sample").split()
+
+
+def _script(tmp_path, *args):
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "device_memory.sh"
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "WORK": str(tmp_path), "OUT": str(tmp_path / "out")})
+
+
+def test_the_device_script_writes_a_valid_full_config_for_every_row(tmp_path):
+    from nanoeuler.config import load_config
+
+    for row in ROWS:
+        assert _script(tmp_path, "config", row, str(tmp_path / "c.yaml")).returncode == 0
+        conf = load_config(tmp_path / "c.yaml")
+        assert conf["device"] == "gpu" and conf["model"]["preset"] == "gpu" and conf["gpu_memory"] == "auto"
+        stage = row.split("-")[0]
+        if stage in ("pretrain", "sft", "dpo"):
+            assert conf[stage]["precision"] == row.split("-")[1] and conf[stage]["batch_size"] in (16, 32)
+
+
+def test_the_device_script_prints_its_table_from_the_rows_so_far(tmp_path):
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "rows.tsv").write_text(
+        "sft-fp32\t7 GB\t7 of 32\t6.3\t6.1\t0.968\t4,100\nsft-fp32\t22 GB\t-\t17.3\t16.8\t0.971\t9,000\n")
+    r = _script(tmp_path, "table")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("| stage | cap | micro-batch") and lines[2] == "| sft-fp32 | 7 GB | 7 of 32 | 6.3 | 6.1 | 0.968 | 4,100 |"
+    assert (tmp_path / "out" / "memory_table.md").read_text() == r.stdout

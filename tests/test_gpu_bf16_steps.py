@@ -170,10 +170,20 @@ def _dpo_stepper(precision, cfg, params, beta, eps, **kw):
     return make_stepper(_settings(precision=precision, **kw), cfg, params, cupy, head_loss=head), head
 
 
+def _concat_pairs(parts, refs):
+    """Micro-batches of pairs (chosen rows first in each) and their reference values as one batch."""
+    halves = [(x.shape[0] // 2, x, y, r) for (x, y), r in zip(parts, refs)]
+    x = np.concatenate([x[:p] for p, x, _, _ in halves] + [x[p:] for p, x, _, _ in halves])
+    y = np.concatenate([y[:p] for p, _, y, _ in halves] + [y[p:] for p, _, y, _ in halves])
+    r = np.concatenate([r[:p] for p, _, _, r in halves] + [r[p:] for p, _, _, r in halves])
+    return [(x, y)], [r]
+
+
 def test_dpo_on_the_engine_tracks_the_fp32_path():
     """The same pairs and weights through the fp32 xp stepper (dpo_head_loss) and the bf16 engine's DPO head:
-    losses, norms and weights agree to bf16 tolerance, with one micro-batch a step and with two (the second
-    short: padding pairs); the engine reports each pair's sequence log-probs."""
+    losses, norms and weights agree to bf16 tolerance, with one micro-batch a step, and for two micro-batches
+    (the second short: padding pairs in the engine) against the fp32 step of their concatenation; the engine
+    reports each pair's sequence log-probs."""
     from nanoeuler.model import transformer
 
     cfg = _cfg()
@@ -186,10 +196,15 @@ def test_dpo_on_the_engine_tracks_the_fp32_path():
     got = {}
     for precision in ("fp32", "bf16"):
         fixed, head = _dpo_stepper(precision, cfg, params, beta, eps, batch_size=4)
-        accum, head2 = _dpo_stepper(precision, cfg, params, beta, eps, batch_size=4, grad_accum=2)
+        if precision == "bf16":
+            accum, head2 = _dpo_stepper(precision, cfg, params, beta, eps, batch_size=4, grad_accum=2)
+        else:  # the reference: one step over the concatenated batch
+            accum, head2 = _dpo_stepper(precision, cfg, params, beta, eps, batch_size=6)
         losses = []
         for s, r in zip(steps, refs):
             st, h = (fixed, head) if len(s) == 1 else (accum, head2)
+            if len(s) > 1 and precision == "fp32":
+                s, r = _concat_pairs(s, r)
             for ref in r:
                 h.push(ref)
             losses.append(st.step(s, 1e-3))

@@ -59,7 +59,6 @@ stage() {  # $1 the row, $2 its directory: the stage's command line, run in $WOR
         hellaswag-eval) echo "hellaswag-eval $c --ckpt $r/chat.bin --data $WORK/data/hellaswag/hellaswag.jsonl --name chat --out $2/out.json" ;;
         evaluate) echo "evaluate $c --base $r/base.bin --chat $r/chat.bin --shards $r/shards/manifest.json --samples $2/samples.md --metrics $2/metrics.json --plot $2/loss.png --pretrain-dir $2 --sft-dir $2" ;;
         sample) echo "sample $c --ckpt $r/chat.bin --prompt Once --max-new-tokens 256 --temperature 0" ;;
-        *) echo "unknown row $1 (one of: $ROWS)" >&2; exit 2 ;;
     esac
 }
 
@@ -71,11 +70,11 @@ run_row() {  # $1 the row, $2 the cap: one run, one line of rows.tsv
     t0=$(date +%s.%N)
     (cd "$WORK" && CUPY_GPU_MEMORY_LIMIT=$2 $PY -m nanoeuler $(stage "$1" "$dir")) > "$dir/stdout" 2> "$dir/log" || rc=$?
     t1=$(date +%s.%N)
-    $PY - "$1" "$2" "$dir" "$rc" "$t0" "$t1" >> "$DIR/rows.tsv" <<'PY'
+    $PY - "$1" "$2" "$dir" "$rc" "$t0" "$t1" "$DIR/rows.tsv" <<'PY'
 import json, re, sys
 from pathlib import Path
 
-row, cap, d, rc, t0, t1 = sys.argv[1:]
+row, cap, d, rc, t0, t1, table = sys.argv[1:]
 log = Path(d, "log").read_text(errors="replace")
 peak = re.findall(r"device memory peak ([\d.]+) GB measured, ([\d.]+) GB predicted \(([\d.]+|None)\)(?:; (.*))?", log)
 fit = re.findall(r"batch (\d+(?: pairs)?) as (\d+) micro-batches of (\d+)", log)
@@ -96,7 +95,10 @@ elif err:
 else:
     measured = predicted = ratio = "-"
     chosen = f"exit {rc}, see {d}/log"
-print("\t".join([row, f"{float(cap) / 1e9:g} GB", chosen, predicted, measured, ratio, speed]))
+line = "\t".join([row, f"{float(cap) / 1e9:g} GB", chosen, predicted, measured, ratio, speed])
+old = Path(table).read_text().splitlines() if Path(table).exists() else []
+key = "\t".join(line.split("\t")[:2]) + "\t"  # a row run again at a cap replaces its line
+Path(table).write_text("".join(f"{r}\n" for r in old if not r.startswith(key)) + line + "\n")
 PY
     tail -1 "$DIR/rows.tsv"
 }
@@ -113,7 +115,12 @@ table() {
 mkdir -p "$DIR"
 if [ "${1:-}" = table ]; then table; exit 0; fi
 if [ "${1:-}" = config ]; then config "$2" "$3"; exit 0; fi  # one row's config file (tests read it)
-[ -f "$DIR/prefs.jsonl" ] || head -n 288 "$WORK/data/prefs/prefs.jsonl" > "$DIR/prefs.jsonl"  # 256 train, 32 held out
+for row in ${@:-$ROWS}; do  # every row known before the first run
+    case " $ROWS " in *" $row "*) ;; *) echo "unknown row $row (one of: $ROWS)" >&2; exit 2 ;; esac
+done
+if [ ! -f "$DIR/prefs.jsonl" ] && [ -f "$WORK/data/prefs/prefs.jsonl" ]; then  # 256 train, 32 held out
+    head -n 288 "$WORK/data/prefs/prefs.jsonl" > "$DIR/prefs.jsonl"
+fi
 for row in ${@:-$ROWS}; do
     for cap in $CAPS; do
         run_row "$row" "$cap"

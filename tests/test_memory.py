@@ -3,6 +3,10 @@ to a budget (faked here: a CPU run has none), micro-batched steps equal to uncut
 gradient checkpointing, and generation batches capped by the budget."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -278,6 +282,61 @@ def test_pretraining_cut_to_fit_trains_as_the_uncut_run(tmp_path, tok, monkeypat
     assert len(a) == 4 and b == pytest.approx(a, rel=1e-6)
 
 
+def test_dpo_and_its_reference_cut_to_fit_a_small_card_give_the_uncut_results(tmp_path, tok, monkeypatch, capsys):
+    from nanoeuler.train.config import TrainConfig
+    from test_dpo import write_pairs
+
+    save_random_model(tmp_path / "chat.bin", tok)
+    dpo = {"epochs": 1, "batch_size": 4, "lr": 1e-3, "warmup_steps": 1, "val_pairs": 4, "log_every": 1,
+           "eval_every": 2, "beta": 0.5}
+    conf, prefs = write_config(tmp_path / "c.yaml", dpo=dpo), write_pairs(tmp_path / "prefs.jsonl")
+    common = ["--config", str(conf), "--ckpt", str(tmp_path / "chat.bin"), "--prefs", str(prefs), "--no-progress"]
+
+    def train(name):
+        return main(["dpo", *common, "--ref", str(tmp_path / "a.npz"), "--out", str(tmp_path / f"{name}.bin"),
+                     "--run-dir", str(tmp_path / name)])
+
+    assert main(["ref-logps", *common, "--out", str(tmp_path / "a.npz")]) == 0 and train("a") == 0
+    cfg = ModelConfig.from_section(yaml_model(conf), tok.vocab_size)
+    one_pair = memory.eval_items_for("ref-logps", None, cfg, cfg.ctx_len, 1, "pair_logps",
+                                     {"params": 4 * cfg.n_params()}, rows_per_item=2)[1](1)
+    _fake_card(monkeypatch, sum(one_pair.values()) / memory.FIT_SHARE + memory.CUBLAS_WORKSPACE + CONTEXT + 1)
+    card = memory.Budget.on_device("auto", np)
+    resident = {"params": 4 * cfg.n_params()}
+    assert memory.eval_items_for("x", card, cfg, cfg.ctx_len, 8, "pair_logps", resident, 2)[0] == 1
+    assert main(["ref-logps", *common, "--out", str(tmp_path / "b.npz")]) == 0  # a pair a forward
+    with np.load(tmp_path / "a.npz") as a, np.load(tmp_path / "b.npz") as b:
+        np.testing.assert_allclose(b["logps"], a["logps"], rtol=1e-6)
+
+    settings = TrainConfig.from_section(validate({"dpo": dpo})["dpo"])
+    two = sum(memory.train_parts(cfg, settings, 4, cfg.ctx_len, micro_batches=2, head="dpo").values())
+    _fake_card(monkeypatch, two / memory.FIT_SHARE + memory.CUBLAS_WORKSPACE + CONTEXT + 1)
+    capsys.readouterr()
+    assert train("b") == 0
+    assert "nanoeuler dpo: batch 4 pairs as 2 micro-batches of 2 pairs to fit" in capsys.readouterr().err
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")  # h = beta (logp - ref ...): float32 sums of
+    assert len(a) == len(b) == 5 and b == pytest.approx(a, abs=1e-5)  # ~100 nats each, differenced
+
+
+def test_hellaswag_scored_an_item_a_forward_picks_as_the_whole_batch(tmp_path, tok, monkeypatch):
+    from test_hellaswag import SAMPLE
+
+    save_random_model(tmp_path / "m.bin", tok)
+    conf = write_config(tmp_path / "c.yaml", eval={"hellaswag_items": 6, "hellaswag_batch_size": 6})
+    args = ["hellaswag-eval", "--config", str(conf), "--ckpt", str(tmp_path / "m.bin"), "--data", str(SAMPLE),
+            "--name", "m"]
+    assert main(args + ["--out", str(tmp_path / "a.json")]) == 0
+    cfg = ModelConfig.from_section(yaml_model(conf), tok.vocab_size)
+    item = memory.eval_items_for("hellaswag-eval", None, cfg, cfg.ctx_len, 1, "logits", memory.decode_parts(cfg, 0),
+                                 rows_per_item=4)[1](1)
+    _fake_card(monkeypatch, sum(item.values()) / memory.FIT_SHARE + memory.CUBLAS_WORKSPACE + CONTEXT + 1)
+    card = memory.Budget.on_device("auto", np)
+    assert memory.eval_items_for("x", card, cfg, cfg.ctx_len, 6, "logits", memory.decode_parts(cfg, 0), 4)[0] == 1
+    assert main(args + ["--out", str(tmp_path / "b.json")]) == 0  # an item a forward
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "ab")
+    assert a["picks"] == b["picks"] and a["picks_norm"] == b["picks_norm"] and a["items"] == 6
+
+
 # ---- generation -------------------------------------------------------------------------------------------
 
 
@@ -308,13 +367,12 @@ ROWS = ("pretrain-fp32 pretrain-bf16 sft-fp32 sft-bf16 ref-logps dpo-fp32 dpo-bf
         "sample").split()
 
 
-def _script(tmp_path, *args):
-    import subprocess
-    from pathlib import Path
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_memory.sh"
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "device_memory.sh"
-    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True,
-                          env={"PATH": "/usr/bin:/bin", "WORK": str(tmp_path), "OUT": str(tmp_path / "out")})
+
+def _script(tmp_path, *args, **env):
+    env = {"PATH": "/usr/bin:/bin", "WORK": str(tmp_path), "OUT": str(tmp_path / "out"), **env}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env)
 
 
 def test_the_device_script_writes_a_valid_full_config_for_every_row(tmp_path):
@@ -336,5 +394,33 @@ def test_the_device_script_prints_its_table_from_the_rows_so_far(tmp_path):
     r = _script(tmp_path, "table")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("| stage | cap | micro-batch") and lines[2] == "| sft-fp32 | 7 GB | 7 of 32 | 6.3 | 6.1 | 0.968 | 4,100 |"
+    assert lines[0].startswith("| stage | cap | micro-batch")
+    assert lines[2] == "| sft-fp32 | 7 GB | 7 of 32 | 6.3 | 6.1 | 0.968 | 4,100 |"
     assert (tmp_path / "out" / "memory_table.md").read_text() == r.stdout
+
+
+def test_the_device_script_reads_each_stages_lines_into_its_table(tmp_path):
+    """A stand-in for `python -m nanoeuler` prints what a stage prints on the GPU: a fitted run, a refused
+    one; the script's own parsing runs on the real interpreter."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/bash
+if [ "$1" = -m ]; then
+  case "$CUPY_GPU_MEMORY_LIMIT" in
+    7e9) echo "nanoeuler sft: error: needs 8.1 GB for one sequence of 512 at fp32; gpu_memory is 7.4 GB: x" >&2
+         exit 1 ;;
+  esac
+  echo "nanoeuler sft: batch 32 as 3 micro-batches of 11 to fit 11.4 GB (free on the card)" >&2
+  echo "nanoeuler sft: device memory peak 9.9 GB measured, 10.2 GB predicted (0.971); micro-batch 11" >&2
+  exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    for _ in range(2):  # a row run again replaces its lines
+        r = _script(tmp_path, "sft-fp32", PYTHON=str(fake), CAPS="7e9 11e9", HOME=os.environ.get("HOME", "/tmp"))
+        assert r.returncode == 0, r.stderr
+    table = (tmp_path / "out" / "memory_table.md").read_text().splitlines()
+    assert table[2:] == [
+        "| sft-fp32 | 7 GB | refused: needs 8.1 GB for one sequence of 512 at fp32; gpu_memory is 7.4 GB: x "
+        "| - | - | - | - |",
+        "| sft-fp32 | 11 GB | 11 of 32 | 10.2 | 9.9 | 0.971 | - |"]

@@ -51,12 +51,13 @@ def live_server(model_path, **config):
 
     from nanoeuler.serve.app import ServeConfig, create_app
     from nanoeuler.serve.backend import Backend
-    from nanoeuler.serve.server import listen
+    from nanoeuler.serve.server import listen, uvicorn_config
 
+    grace = config.pop("shutdown_grace_s", 10.0)
     backend = Backend.load(model_path, "cpu", slots=config.get("max_batch", ServeConfig.max_batch))
     app = create_app(backend, ServeConfig(**config))
     sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, app.state.config.read_timeout_s, grace, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -93,6 +93,11 @@ class Backend:
         return self.engine.cfg
 
     @property
+    def free_slots(self) -> int | None:
+        """Cache slots no stream holds (None on an engine without slots); `capacity` when idle."""
+        return len(self._slots.free) if self._slots else None
+
+    @property
     def ctx_len(self) -> int:
         return self.engine.cfg.ctx_len
 

@@ -6,12 +6,17 @@
 Needs the `serve` extra (FastAPI + uvicorn). Binds to 127.0.0.1 unless told otherwise; any other
 address prints a warning, since without `--api-key` (or NANOEULER_API_KEY) anyone who can reach the
 port can use the model, and with it the key still travels in plain HTTP.
+
+A client gets --read-timeout seconds for a request's headers (then the connection is closed) and again
+for its body (408). SIGTERM or Ctrl-C stops taking connections and lets answers in progress finish for
+up to --shutdown-grace seconds; what is left then (a stream whose client stopped reading) is cut.
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import socket
 import sys
@@ -19,6 +24,8 @@ import sys
 from nanoeuler.backend import add_device_argument
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.errors import UserError
+
+MAX_BATCH = 1024  # a bound before memory is even counted (`backend._slots` counts it)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +43,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests generated together (default: 8)")
     parser.add_argument("--max-queue", type=int, default=64, metavar="N",
                         help="requests waiting beyond those; more are answered 429 (default: 64)")
+    parser.add_argument("--read-timeout", type=float, default=30.0, metavar="S",
+                        help="seconds a client has to send a request's headers, and again its body (default: 30)")
+    parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
+                        help="seconds answers in progress get to finish after SIGTERM (default: 10)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Numbers in range before anything is loaded; each problem is one line."""
+    bounds = {"port": (0, 65535), "max_tokens": (1, None), "max_batch": (1, MAX_BATCH), "max_queue": (0, None)}
+    for name, (lo, hi) in bounds.items():
+        value = getattr(args, name)
+        if value < lo or (hi is not None and value > hi):
+            upper = f" and <= {hi}" if hi is not None else ""
+            raise UserError(f"--{name.replace('_', '-')}: {value} is out of range (must be >= {lo}{upper})")
+    for name in ("read_timeout", "shutdown_grace"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise UserError(f"--{name.replace('_', '-')}: {value} is not a number of seconds > 0")
+
+
+def uvicorn_config(app, read_timeout_s: float, shutdown_grace_s: float, log_level: str = "info"):
+    """uvicorn's settings for `app`: h11 with a deadline on each request's headers, and a bounded shutdown."""
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        """Closes a connection whose next request's headers have not all arrived `read_timeout_s` after it
+        opened or after its last answer (uvicorn itself waits for ever on a client that trickles them)."""
+
+        _deadline = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc):
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self):
+            self._disarm()
+            self._deadline = self.loop.call_later(read_timeout_s, self._headers_late)
+
+        def _disarm(self):
+            if self._deadline is not None:
+                self._deadline.cancel()
+
+        def _headers_late(self):
+            waiting = self.cycle is None or self.cycle.response_complete  # no request under way
+            if waiting and not self.transport.is_closing():
+                self.transport.close()
+
+    return uvicorn.Config(app, http=Protocol, log_level=log_level, timeout_graceful_shutdown=shutdown_grace_s)
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:
@@ -79,15 +143,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"serving needs the 'serve' extra ({exc.name} is missing): pip install 'nanoeuler[serve]'")
     from nanoeuler.serve.backend import Backend
 
-    for name in ("max_tokens", "max_batch"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_queue < 0:
-        raise UserError("--max-queue must be >= 0")
+    check_arguments(args)
     conf = sections(args, "device")
     backend = Backend.load(args.ckpt, args.device or conf["device"], args.model_name, slots=args.max_batch)
     config = ServeConfig(max_tokens=args.max_tokens, max_batch=args.max_batch, max_queue=args.max_queue,
-                         api_key=args.api_key or None)
+                         api_key=args.api_key or None, read_timeout_s=args.read_timeout)
     warning = exposure_warning(args.host, config.api_key)
     if warning:
         print(f"nanoeuler serve: warning: {warning}", file=sys.stderr, flush=True)
@@ -97,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"nanoeuler serve: {args.ckpt} as model {backend.name!r} ({backend.cfg.n_params():,} "
           f"parameters, {backend.ctx_len}-token context) at http://{host}:{port}/ (API: http://{host}:{port}/v1)",
           file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(backend, config), log_level=args.log_level))
+    server = uvicorn.Server(uvicorn_config(create_app(backend, config), args.read_timeout, args.shutdown_grace,
+                                           args.log_level))
     server.run(sockets=[sock])
     return 0

@@ -184,6 +184,8 @@ class _Slots:
         s.pos = len(s.history)
 
     def step(self, streams: list[TokenStream]) -> list[int | Exception]:
+        """`Backend.step` on slots: prefill the new streams, hand out every pending token, decode the next ones
+        (one call per sampling setting). A stream's own failure takes its token's place in `out`."""
         out = {id(s): _own(s, lambda s=s: self._prefill(s)) for s in streams if s.pending is None}
         feed = []
         for s in streams:

@@ -38,7 +38,7 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    with live_server(model_path, max_tokens=400, max_batch=4, read_timeout_s=2.0) as (url, app):
+    with live_server(model_path, max_tokens=400, max_batch=4, client_timeout_s=2.0) as (url, app):
         yield url, app
 
 
@@ -116,7 +116,7 @@ def test_sample_and_chat_refuse_bad_numbers_in_one_line(command, flag, value, ca
 
 @pytest.mark.parametrize("args, flag", [
     (["--port", "70000"], "--port"), (["--port", "-1"], "--port"), (["--max-batch", "1000000"], "--max-batch"),
-    (["--max-batch", "0"], "--max-batch"), (["--read-timeout", "nan"], "--read-timeout"),
+    (["--max-batch", "0"], "--max-batch"), (["--client-timeout", "nan"], "--client-timeout"),
     (["--shutdown-grace", "0"], "--shutdown-grace"),
 ])
 def test_serve_refuses_bad_numbers_in_one_line(args, flag, capsys, tmp_path):
@@ -350,6 +350,22 @@ def test_headers_that_do_not_arrive_in_time_close_the_connection(server):
         s.settimeout(10)
         assert s.recv(4096) == b""  # closed, unanswered
     assert time.monotonic() - start < 5
+
+
+def test_an_answer_nobody_reads_is_dropped_and_its_generation_stopped(model_path):
+    body = json.dumps({"prompt": "It", "max_tokens": 10**6, "ignore_eos": True, "stream": True}).encode()
+    with live_server(model_path, max_tokens=10**6, client_timeout_s=1.0, send_buffer=4096) as (url, app):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect((host, int(port)))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 60  # the buffers fill in moments, then one timeout
+            while app.state.scheduler.stats()["cancelled"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            stats = app.state.scheduler.stats()
+            assert stats["cancelled"] == 1 and stats["active"] == 0 and stats["tokens"] < 10**6
 
 
 @pytest.mark.parametrize("headers", [

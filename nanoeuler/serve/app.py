@@ -14,7 +14,7 @@ every token generated, the end marker included. A client that goes away cancels 
 
 Hostile or broken clients harm only their own request: a POST must say `Content-Type: application/json`
 (415 otherwise, so a page on another site cannot send one without the browser asking first); its body is
-read as it arrives, within `read_timeout_s` (408) and `max_body_bytes` (413, the connection closed); and
+read as it arrives, within `client_timeout_s` (408) and `max_body_bytes` (413, the connection closed); and
 every answer carries an `X-Request-Id`, which a 500 also names in its message and in the server's log,
 with the exception's traceback.
 """
@@ -54,7 +54,7 @@ class ServeConfig:
     max_queue: int = 64
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
-    read_timeout_s: float = 30.0  # for a request's body here, and for its headers (`server.uvicorn_config`)
+    client_timeout_s: float = 30.0  # for a request's body here; headers and unread answers: `server.uvicorn_config`
 
 
 def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI:
@@ -184,9 +184,9 @@ async def _read_json(request: Request, config: ServeConfig) -> dict:
     if length.isdigit() and int(length) > limit:
         raise ApiError(f"the request body is {length} bytes; the limit is {limit}", status=413)
     try:
-        raw = await asyncio.wait_for(_read_body(request, limit), config.read_timeout_s)
+        raw = await asyncio.wait_for(_read_body(request, limit), config.client_timeout_s)
     except asyncio.TimeoutError:
-        raise ApiError(f"the request body did not arrive within {config.read_timeout_s:g} s", status=408) from None
+        raise ApiError(f"the request body did not arrive within {config.client_timeout_s:g} s", status=408) from None
     return parse_json(raw)
 
 

@@ -7,8 +7,9 @@ Needs the `serve` extra (FastAPI + uvicorn). Binds to 127.0.0.1 unless told othe
 address prints a warning, since without `--api-key` (or NANOEULER_API_KEY) anyone who can reach the
 port can use the model, and with it the key still travels in plain HTTP.
 
-A client gets --read-timeout seconds for a request's headers (then the connection is closed) and again
-for its body (408). SIGTERM or Ctrl-C stops taking connections and lets answers in progress finish for
+A client gets --client-timeout seconds for a request's headers (then the connection is closed), again
+for its body (408), and may leave an answer unread for as long (then the connection is dropped and the
+generation stops). SIGTERM or Ctrl-C stops taking connections and lets answers in progress finish for
 up to --shutdown-grace seconds; what is left then (a stream whose client stopped reading) is cut.
 """
 
@@ -43,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests generated together (default: 8)")
     parser.add_argument("--max-queue", type=int, default=64, metavar="N",
                         help="requests waiting beyond those; more are answered 429 (default: 64)")
-    parser.add_argument("--read-timeout", type=float, default=30.0, metavar="S",
-                        help="seconds a client has to send a request's headers, and again its body (default: 30)")
+    parser.add_argument("--client-timeout", type=float, default=30.0, metavar="S",
+                        help="seconds a client may stall: sending a request's headers, its body, or taking "
+                             "an answer (default: 30)")
     parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
                         help="seconds answers in progress get to finish after SIGTERM (default: 10)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -58,42 +60,49 @@ def check_arguments(args: argparse.Namespace) -> None:
         if value < lo or (hi is not None and value > hi):
             upper = f" and <= {hi}" if hi is not None else ""
             raise UserError(f"--{name.replace('_', '-')}: {value} is out of range (must be >= {lo}{upper})")
-    for name in ("read_timeout", "shutdown_grace"):
+    for name in ("client_timeout", "shutdown_grace"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise UserError(f"--{name.replace('_', '-')}: {value} is not a number of seconds > 0")
 
 
-def uvicorn_config(app, read_timeout_s: float, shutdown_grace_s: float, log_level: str = "info"):
-    """uvicorn's settings for `app`: h11 with a deadline on each request's headers, and a bounded shutdown."""
+def uvicorn_config(app, client_timeout_s: float, shutdown_grace_s: float, log_level: str = "info"):
+    """uvicorn's settings for `app`: h11 with deadlines on stalled clients (`Protocol`), a bounded shutdown."""
     import uvicorn
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class Protocol(H11Protocol):
-        """Closes a connection whose next request's headers have not all arrived `read_timeout_s` after it
-        opened or after its last answer (uvicorn itself waits for ever on a client that trickles them)."""
+        """h11 with two deadlines uvicorn lacks, both `client_timeout_s`: a connection whose next request's
+        headers have not all arrived that long after it opened (or after its last answer) is closed, and
+        one whose client has taken no part of an answer for that long is dropped (its generation stops)."""
 
-        _deadline = None
+        _headers_due = _stall_due = None
 
         def connection_made(self, transport):
             super().connection_made(transport)
-            self._arm()
+            self._headers_due = self._rearm(self._headers_due, self._headers_late)
 
         def on_response_complete(self):
             super().on_response_complete()
-            self._arm()
+            self._headers_due = self._rearm(self._headers_due, self._headers_late)
+
+        def pause_writing(self):  # the client's buffers are full: it is not reading
+            super().pause_writing()
+            self._stall_due = self._rearm(self._stall_due, self.transport.abort)
+
+        def resume_writing(self):
+            super().resume_writing()
+            self._stall_due = self._rearm(self._stall_due, None)
 
         def connection_lost(self, exc):
-            self._disarm()
+            self._rearm(self._headers_due, None)
+            self._rearm(self._stall_due, None)
             super().connection_lost(exc)
 
-        def _arm(self):
-            self._disarm()
-            self._deadline = self.loop.call_later(read_timeout_s, self._headers_late)
-
-        def _disarm(self):
-            if self._deadline is not None:
-                self._deadline.cancel()
+        def _rearm(self, timer, then):
+            if timer is not None:
+                timer.cancel()
+            return self.loop.call_later(client_timeout_s, then) if then else None
 
         def _headers_late(self):
             waiting = self.cycle is None or self.cycle.response_complete  # no request under way
@@ -147,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     conf = sections(args, "device")
     backend = Backend.load(args.ckpt, args.device or conf["device"], args.model_name, slots=args.max_batch)
     config = ServeConfig(max_tokens=args.max_tokens, max_batch=args.max_batch, max_queue=args.max_queue,
-                         api_key=args.api_key or None, read_timeout_s=args.read_timeout)
+                         api_key=args.api_key or None, client_timeout_s=args.client_timeout)
     warning = exposure_warning(args.host, config.api_key)
     if warning:
         print(f"nanoeuler serve: warning: {warning}", file=sys.stderr, flush=True)
@@ -157,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"nanoeuler serve: {args.ckpt} as model {backend.name!r} ({backend.cfg.n_params():,} "
           f"parameters, {backend.ctx_len}-token context) at http://{host}:{port}/ (API: http://{host}:{port}/v1)",
           file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn_config(create_app(backend, config), args.read_timeout, args.shutdown_grace,
+    server = uvicorn.Server(uvicorn_config(create_app(backend, config), args.client_timeout, args.shutdown_grace,
                                            args.log_level))
     server.run(sockets=[sock])
     return 0

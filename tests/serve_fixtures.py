@@ -6,6 +6,7 @@ it answers them word for word, so a test can tell that the server applied the ch
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 
@@ -46,17 +47,22 @@ def train_chat_model(path, steps: int = 100):
 
 @contextlib.contextmanager
 def live_server(model_path, **config):
-    """Serve `model_path` on 127.0.0.1 (a free port) in a thread; yields (base URL, app)."""
+    """Serve `model_path` on 127.0.0.1 (a free port) in a thread; yields (base URL, app). `config`: ServeConfig's
+    fields, and `shutdown_grace_s` and `send_buffer` (SO_SNDBUF of the connections)."""
     import uvicorn
 
     from nanoeuler.serve.app import ServeConfig, create_app
     from nanoeuler.serve.backend import Backend
-    from nanoeuler.serve.server import listen
+    from nanoeuler.serve.server import listen, uvicorn_config
 
+    grace = config.pop("shutdown_grace_s", 10.0)
+    send_buffer = config.pop("send_buffer", None)  # bytes: small, an unread answer fills it in moments
     backend = Backend.load(model_path, "cpu", slots=config.get("max_batch", ServeConfig.max_batch))
     app = create_app(backend, ServeConfig(**config))
     sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    if send_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)  # connections accepted inherit it
+    server = uvicorn.Server(uvicorn_config(app, app.state.config.client_timeout_s, grace, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

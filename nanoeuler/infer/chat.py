@@ -7,7 +7,7 @@ turns are not part of the context), the answer streams as it is generated and en
 Empty lines are ignored, a line that is not valid UTF-8 is refused with one line on stderr (the
 session goes on); Ctrl-D (end of input) or `/quit` leaves; Ctrl-C stops the answer being generated. A prompt longer than the context is left-truncated (its start is dropped) with a notice
 on stderr; an answer that fills the context goes on in a sliding window (see `infer.generate`).
-Turn n samples with seed + n, so a session is reproducible.
+Turn n samples with seed + n, so a session is reproducible. Sampling options are checked as `sample` checks them.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ through the decode engine (`infer.engine`, returned by `load`), which is tested 
 from __future__ import annotations
 
 import codecs
+import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -32,6 +33,41 @@ class Sampling:
     top_k: int = 40
     top_p: float = 0.95
     seed: int = 0
+
+
+# Below this temperature sampling is greedy: logits / T would overflow (float32 on the GPU) long before the
+# draw could differ from the argmax (a logit gap of 1e-4 already leaves the runner-up exp(-100)).
+MIN_TEMPERATURE = 1e-6
+SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT): NumPy's generators refuse negative ones, int64 holds these
+
+
+class SamplingError(ValueError):
+    """A sampling value the sampler cannot work with; `field` names it (temperature, top_k, top_p, seed)."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(problem)
+        self.field = field
+
+
+def checked_sampling(temperature, top_k, top_p, seed) -> Sampling:
+    """A `Sampling` from values as they arrive (command line, config, HTTP request), the one check of them all:
+    numbers finite and where the sampler works, else a SamplingError. Under MIN_TEMPERATURE is greedy (0).
+
+        >>> checked_sampling(float("nan"), 0, 1.0, 0)
+        Traceback (most recent call last):
+        nanoeuler.infer.generate.SamplingError: nan is not a finite number >= 0
+        >>> checked_sampling(5e-324, 0, 1.0, 0).temperature
+        0.0
+    """
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise SamplingError("temperature", f"{temperature} is not a finite number >= 0")
+    if top_k < 0:
+        raise SamplingError("top_k", f"{top_k} is below 0 (0 keeps every token)")
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise SamplingError("top_p", f"{top_p} is not a number in (0, 1]")
+    if not 0 <= seed < SEED_LIMIT:
+        raise SamplingError("seed", f"{seed} is outside [0, 2**63)")
+    return Sampling(0.0 if temperature < MIN_TEMPERATURE else float(temperature), int(top_k), float(top_p), int(seed))
 
 
 def sampling_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
@@ -184,16 +220,19 @@ def add_sampling_arguments(parser) -> None:
 
 
 def sampling_from(args, eval_section: dict) -> tuple[Sampling, int]:
-    """(Sampling, max_new_tokens): command-line values, else the config's eval section."""
+    """(Sampling, max_new_tokens): command-line values, else the config's eval section (`checked_sampling`)."""
     from nanoeuler.errors import UserError
 
     def pick(name, key):
         value = getattr(args, name, None)
         return eval_section[key] if value is None else value
 
-    s = Sampling(temperature=float(pick("temperature", "temperature")), top_k=int(pick("top_k", "top_k")),
-                 top_p=float(pick("top_p", "top_p")), seed=int(pick("seed", "seed")))
+    try:
+        s = checked_sampling(float(pick("temperature", "temperature")), int(pick("top_k", "top_k")),
+                             float(pick("top_p", "top_p")), int(pick("seed", "seed")))
+    except SamplingError as exc:
+        raise UserError(f"--{exc.field.replace('_', '-')}: {exc}") from None
     n = int(pick("max_new_tokens", "max_new_tokens"))
-    if s.temperature < 0 or s.top_k < 0 or not 0 < s.top_p <= 1 or n < 0:
-        raise UserError("need --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1, --max-new-tokens >= 0")
+    if n < 0:
+        raise UserError(f"--max-new-tokens: {n} is below 0")
     return s, n

@@ -3,7 +3,9 @@
     nanoeuler sample --ckpt results/base.bin --prompt "It was" --temperature 0.8 --seed 1
 
 Generation stops at `<|endoftext|>` or `</s>` (neither is printed) or after --max-new-tokens.
-Unset sampling options come from the config's `eval` section (--config), else its defaults.
+Unset sampling options come from the config's `eval` section (--config), else its defaults. They are checked
+as the server checks them (`generate.checked_sampling`): finite numbers, --seed in [0, 2**63), and a
+--temperature below 1e-6 is greedy, as 0 is; anything else is one line naming the option.
 """
 
 from __future__ import annotations

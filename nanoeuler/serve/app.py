@@ -1,7 +1,7 @@
 """The HTTP API: OpenAI-compatible routes, the chat page, and errors as OpenAI error bodies.
 
     GET  /                      the chat page (one HTML file, no external resources)
-    GET  /health                {"status": "ok", "model", "active", "waiting", ...}; no key needed
+    GET  /health                {"status": "ok", "model", "active", "waiting", "free_slots", ...}; no key needed
     GET  /v1/models             the one model served, named after its file (chat.bin -> "chat")
     POST /v1/chat/completions   messages -> an answer (`stream`: server-sent events ending `data: [DONE]`)
     POST /v1/completions        prompt -> its continuation (the same options)
@@ -11,6 +11,12 @@ takes a while), queued (`scheduler`; 429 when full) and answered as its tokens a
 decoded incrementally, so a character split over tokens is sent whole, and cut at the first stop
 string; `</s>` and `<|endoftext|>` end an answer and are not sent. `usage.completion_tokens` counts
 every token generated, the end marker included. A client that goes away cancels its generation.
+
+Hostile or broken clients harm only their own request: a POST must say `Content-Type: application/json`
+(415 otherwise, so a page on another site cannot send one without the browser asking first); its body is
+read as it arrives, within `client_timeout_s` (408) and `max_body_bytes` (413, the connection closed); and
+every answer carries an `X-Request-Id`, which a 500 also names in its message and in the server's log,
+with the exception's traceback.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import asyncio
 import codecs
 import hmac
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -35,6 +42,8 @@ from nanoeuler.serve.prompts import PromptError, StopText, chat_prompt
 from nanoeuler.serve.protocol import ApiError, Options, parse_chat, parse_completion, parse_json
 from nanoeuler.serve.scheduler import Job, QueueFull, Scheduler
 
+log = logging.getLogger("nanoeuler.serve")
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -45,6 +54,7 @@ class ServeConfig:
     max_queue: int = 64
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    client_timeout_s: float = 30.0  # for a request's body here; headers and unread answers: `server.uvicorn_config`
 
 
 def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI:
@@ -57,7 +67,8 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI
         await asyncio.to_thread(scheduler.stop)
 
     app = FastAPI(title="nanoeuler", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.scheduler = scheduler
+    app.state.scheduler, app.state.config = scheduler, config
+    app.add_middleware(_RequestIds)
     page = resources.files("nanoeuler.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
     _add_error_handlers(app)
 
@@ -68,7 +79,7 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": backend.name, "context": backend.ctx_len, "max_tokens": config.max_tokens,
-                "auth": config.api_key is not None, **scheduler.stats()}
+                "auth": config.api_key is not None, "free_slots": backend.free_slots, **scheduler.stats()}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -105,6 +116,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         headers = {"Retry-After": "1"} if exc.status == 429 else None
         if exc.status == 401:
             headers = {"WWW-Authenticate": "Bearer"}
+        if exc.status in (408, 413):  # the rest of the body is not read: the connection cannot carry another request
+            headers = {"Connection": "close"}
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -113,10 +126,41 @@ def _add_error_handlers(app: FastAPI) -> None:
         body = ApiError(f"{request.method} {request.url.path}: {what}", status=exc.status_code).body()
         return JSONResponse(body, status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def internal_error(request, exc: Exception):
-        body = ApiError(f"internal error: {type(exc).__name__}: {exc}", type="server_error", status=500).body()
-        return JSONResponse(body, status_code=500)
+
+class _RequestIds:
+    """ASGI middleware: an id for every request, sent back as `X-Request-Id`; what escapes the routes is
+    logged with its traceback under that id and answered 500 (a response already started is cut short)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = uuid.uuid4().hex[:16]
+        scope.setdefault("state", {})["request_id"] = rid
+        started = False
+
+        async def send_with_id(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            error = _server_error(rid, f"{scope['method']} {scope['path']}", exc)
+            if not started:
+                await JSONResponse(error.body(), status_code=500)(scope, receive, send_with_id)
+
+
+def _server_error(rid: str, what: str, exc: BaseException) -> ApiError:
+    """Log `exc` with its traceback under request id `rid`; the 500 that says so to the client."""
+    log.error("request %s: %s failed", rid, what, exc_info=exc)
+    return ApiError(f"{what} failed: {type(exc).__name__}: {exc} (request id {rid})", type="server_error",
+                    status=500)
 
 
 def _authorize(request: Request, config: ServeConfig) -> None:
@@ -130,13 +174,30 @@ def _authorize(request: Request, config: ServeConfig) -> None:
 
 
 async def _read_json(request: Request, config: ServeConfig) -> dict:
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > config.max_body_bytes:
-        raise ApiError(f"the request body is {length} bytes; the limit is {config.max_body_bytes}", status=413)
-    raw = await request.body()
-    if len(raw) > config.max_body_bytes:
-        raise ApiError(f"the request body is {len(raw)} bytes; the limit is {config.max_body_bytes}", status=413)
+    """The body as JSON, read as it arrives (chunked or not): never more than `max_body_bytes` held."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise ApiError(f"the request body must be sent as 'Content-Type: application/json' (got "
+                       f"{kind or 'none'!r})", status=415)
+    limit = config.max_body_bytes
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise ApiError(f"the request body is {length} bytes; the limit is {limit}", status=413)
+    try:
+        raw = await asyncio.wait_for(_read_body(request, limit), config.client_timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(f"the request body did not arrive within {config.client_timeout_s:g} s", status=408) from None
     return parse_json(raw)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(f"the request body is more than {limit} bytes, the limit", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _max_new_tokens(options: Options, backend: Backend, config: ServeConfig) -> int:
@@ -209,13 +270,14 @@ async def _answer(request, kind, ids, max_new, options: Options, backend, schedu
     text = _Text(job, backend, options.stop)
     shape = _Shape(kind, backend.name, len(ids))
     if options.stream:
-        return StreamingResponse(_events(job, text, shape, options.include_usage), media_type="text/event-stream",
+        events = _events(job, text, shape, options.include_usage, request.state.request_id)
+        return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
     try:
         content = "".join([piece async for piece in text.pieces()])
     except Exception as exc:
-        raise ApiError(f"generation failed: {type(exc).__name__}: {exc}", type="server_error", status=500) from None
+        raise _server_error(request.state.request_id, "generation", exc) from None
     finally:
         watcher.cancel()
         job.cancel()
@@ -229,7 +291,7 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
     job.cancel()
 
 
-async def _events(job: Job, text: _Text, shape: "_Shape", include_usage: bool):
+async def _events(job: Job, text: _Text, shape: "_Shape", include_usage: bool, rid: str):
     """Server-sent events; leaving early (the client went away: Starlette cancels us) cancels the job."""
     try:
         if shape.kind == "chat":  # the role comes first, as OpenAI sends it
@@ -240,8 +302,7 @@ async def _events(job: Job, text: _Text, shape: "_Shape", include_usage: bool):
         if include_usage:
             yield _event({**shape.chunk("", None), "choices": [], "usage": shape.usage(job.generated)})
     except Exception as exc:
-        yield _event(ApiError(f"generation failed: {type(exc).__name__}: {exc}", type="server_error",
-                              status=500).body())
+        yield _event(_server_error(rid, "generation", exc).body())
     finally:
         job.cancel()
     yield "data: [DONE]\n\n"

@@ -12,6 +12,9 @@ answers; `infer.generate.load` decides, and two kinds are handled:
   prompt is prefilled into it, and a step feeds every stream's last token in one `decode` per distinct
   sampling setting (continuous batching: requests join and leave between steps).
 
+A stream's failure is its own: `step` gives the exception in that stream's place (the stream is done,
+its slot goes back when it is closed) and the other streams go on as if it had never been there.
+
     >>> backend = Backend.load("results/chat.bin", device="cpu")
     >>> a = backend.open(backend.tok.encode("Once"), max_new_tokens=2, sampling=Sampling(temperature=0))
     >>> b = backend.open(backend.tok.encode("It was"), max_new_tokens=1, sampling=Sampling(temperature=0))
@@ -22,12 +25,14 @@ answers; `infer.generate.load` decides, and two kinds are handled:
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
+from nanoeuler.errors import UserError
 from nanoeuler.infer.generate import Sampling, load, sample_token
 
 __all__ = ["Backend", "Sampling", "TokenStream"]
@@ -57,12 +62,14 @@ class TokenStream:
         return self.record(next(self._tokens))
 
     def close(self) -> None:
-        if self._tokens is not None:
-            self._tokens.close()
-        if self.release is not None:
-            self.release(self)
-            self.release = None
         self.done = True
+        try:
+            if self._tokens is not None:
+                self._tokens.close()
+        finally:  # the slot goes back whatever the engine's iterator did
+            if self.release is not None:
+                release, self.release = self.release, None
+                release(self)
 
 
 class Backend:
@@ -73,7 +80,7 @@ class Backend:
         self.engine, self.tok, self.name = engine, tok, name
         self.stop_ids = frozenset({tok.end_id, tok.eot_id})
         be = getattr(engine, "backend", None)
-        self._slots = _Slots(be, engine.cfg, slots) if all(
+        self._slots = _slots(be, engine.cfg, slots) if all(
             hasattr(be, m) for m in ("start", "prefill", "decode")) else None
         self.capacity = slots if self._slots else None
 
@@ -93,6 +100,11 @@ class Backend:
         return self.engine.cfg
 
     @property
+    def free_slots(self) -> int | None:
+        """Cache slots no stream holds (None on an engine without slots); `capacity` when idle."""
+        return len(self._slots.free) if self._slots else None
+
+    @property
     def ctx_len(self) -> int:
         return self.engine.cfg.ctx_len
 
@@ -108,11 +120,35 @@ class Backend:
         self._slots.take(stream, prompt_ids, sampling)
         return stream
 
-    def step(self, streams: list[TokenStream]) -> list[int]:
-        """The batch entry: the next token of every stream (none of them may be `done`)."""
+    def step(self, streams: list[TokenStream]) -> list[int | Exception]:
+        """The batch entry: the next token of every stream (none of them may be `done`), or in its place the
+        exception that ended that stream alone."""
         if self._slots is None:
-            return [s.advance() for s in streams]
+            return [_own(s, s.advance) for s in streams]
         return self._slots.step(streams)
+
+
+def _own(stream: TokenStream, work):
+    """work()'s result, or the exception it raised, which ends `stream` (and only it)."""
+    try:
+        return work()
+    except Exception as exc:
+        stream.done = True
+        return exc
+
+
+def _slots(be, cfg, n: int) -> "_Slots":
+    """`n` slots, or a UserError when their caches cannot fit: counted at 2 bytes a value (bf16, the least
+    any backend keeps) against this machine's memory first, then whatever the allocation itself refuses."""
+    need = n * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.ctx_len * cfg.head_dim * 2
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise UserError(f"--max-batch {n}: the caches of {n} generation slots need {need / 2**30:.1f} GiB or "
+                        f"more; this machine has {have / 2**30:.1f} GiB")
+    try:
+        return _Slots(be, cfg, n)
+    except MemoryError as exc:  # NumPy's, and CuPy's OutOfMemoryError
+        raise UserError(f"--max-batch {n}: the caches of {n} generation slots do not fit in memory ({exc})") from None
 
 
 class _Slots:
@@ -131,13 +167,18 @@ class _Slots:
     def take(self, stream: TokenStream, prompt_ids: list[int], sampling: Sampling) -> None:
         if not self.free:
             raise RuntimeError(f"all {self.n} generation slots are taken")
-        stream.slot = self.free.pop()
+        rng = np.random.default_rng(sampling.seed)  # first: a seed it refuses must not hold a slot
+        slot = self.free.pop()
+        try:
+            self.seeds[slot] = sampling.seed
+            self.be.start(self.n, self.seeds)  # same shape: the caches stay, the slot's sampler is reseeded
+        except BaseException:
+            self.seeds[slot] = 0
+            self.free.append(slot)
+            raise
+        self.rngs[slot] = rng
+        stream.slot, stream.sampling, stream.release = slot, sampling, self._give_back
         stream.history = list(prompt_ids[-self.cfg.ctx_len:])
-        stream.sampling = sampling
-        stream.release = self._give_back
-        self.seeds[stream.slot] = sampling.seed
-        self.rngs[stream.slot] = np.random.default_rng(sampling.seed)
-        self.be.start(self.n, self.seeds)  # same shape: the caches stay, the slot's sampler is reseeded
 
     def _give_back(self, stream: TokenStream) -> None:
         self.free.append(stream.slot)
@@ -149,27 +190,34 @@ class _Slots:
         s.pending = sample_token(logits, self.rngs[s.slot], t.temperature, t.top_k, t.top_p)
         s.pos = len(s.history)
 
-    def step(self, streams: list[TokenStream]) -> list[int]:
-        for s in streams:
-            if s.pending is None:
-                self._prefill(s)
-        out = [s.record(s.pending) for s in streams]
+    def step(self, streams: list[TokenStream]) -> list[int | Exception]:
+        """`Backend.step` on slots: prefill the new streams, hand out every pending token, decode the next ones
+        (one call per sampling setting). A stream's own failure takes its token's place in `out`."""
+        out = {id(s): _own(s, lambda s=s: self._prefill(s)) for s in streams if s.pending is None}
         feed = []
-        for s, t in zip(streams, out):
+        for s in streams:
+            if isinstance(out.get(id(s)), Exception):
+                continue
+            t = out[id(s)] = s.record(s.pending)
             s.history.append(t)
             if s.done:
                 continue
             if s.pos >= self.cfg.ctx_len:  # the slot is full: refill it from the newest tokens
                 s.history = s.history[-max(1, self.cfg.ctx_len // 2):]
-                self._prefill(s)
+                refilled = _own(s, lambda s=s: self._prefill(s))
+                out[id(s)] = refilled if isinstance(refilled, Exception) else t
             else:
                 feed.append(s)
         groups: dict[tuple, list[TokenStream]] = {}
         for s in feed:
             groups.setdefault((s.sampling.temperature, s.sampling.top_k, s.sampling.top_p), []).append(s)
         for group in groups.values():
-            self._decode(feed, group)
-        return out
+            try:
+                self._decode(feed, group)
+            except Exception as exc:  # the group shares its sampling setting: what failed is theirs
+                for s in group:
+                    s.done, out[id(s)] = True, exc
+        return [out[id(s)] for s in streams]
 
     def _decode(self, feed: list[TokenStream], group: list[TokenStream]) -> None:
         """One decode call for `group`. An engine may compute the rows outside the mask too, writing their

@@ -9,16 +9,24 @@ Every check names the field it rejects, as the OpenAI API does:
 
 Fields of the OpenAI API that change nothing here (`user`, `logit_bias`, penalties, ...) are accepted
 and ignored; `n` must be 1. One extension: `ignore_eos` (as in vLLM) generates past the end marker. Sampling defaults are OpenAI's: temperature 1, top_p 1, a fresh seed per request.
+Sampling values pass the sampler's own check (`infer.generate.checked_sampling`, shared with the commands):
+a seed is in [0, 2**63), and a temperature under 1e-6 is greedy, as 0 is.
+
+A body is parsed as strict JSON: NaN and Infinity, numbers that overflow a float, integers of more than
+MAX_DIGITS digits and nesting deeper than Python's parser follows are each a 400, never a 500.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
+from nanoeuler.infer.generate import SamplingError, checked_sampling
 from nanoeuler.serve.prompts import ROLES
 
 MAX_STOPS = 4
+MAX_DIGITS = 100  # an integer longer than this is no token id, seed or count: refused before int() works on it
 
 
 class ApiError(Exception):
@@ -61,18 +69,38 @@ class CompletionRequest:
 
 
 def parse_json(raw: bytes) -> dict:
-    """A request body -> its JSON object; invalid UTF-8 and malformed JSON are errors."""
+    """A request body -> its JSON object; invalid UTF-8, malformed or non-strict JSON are errors (400)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ApiError(f"the request body is not valid UTF-8 (byte {exc.start})") from None
     try:
-        body = json.loads(text)
+        body = json.loads(text, parse_constant=_no_constant, parse_int=_bounded_int, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise ApiError(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError("the request body is not valid JSON: it is nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     return body
+
+
+def _no_constant(name: str):
+    raise ApiError(f"the request body is not valid JSON: {name} is not a JSON number")
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_DIGITS:
+        raise ApiError(f"the request body holds an integer of {len(digits.lstrip('-'))} digits; at most "
+                       f"{MAX_DIGITS} are accepted")
+    return int(digits)
+
+
+def _finite_float(digits: str) -> float:
+    value = float(digits)
+    if not math.isfinite(value):
+        raise ApiError(f"the request body holds the number {digits[:40]}, which overflows a float")
+    return value
 
 
 def _text(value, name: str) -> str:
@@ -91,17 +119,17 @@ def _kind(value) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _number(body, name, default, lo, hi, integer=False, lo_open=False):
+def _number(body, name, default, lo=None, hi=None, integer=False):
+    """The field's number, checked for type and, given `lo`/`hi`, for the API's range [lo, hi]."""
     value = body.get(name)
     if value is None:
         return default
     ok = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok):
         raise ApiError(f"{name}: expected {'an integer' if integer else 'a number'}, got {_kind(value)}", name)
-    if value < lo or (lo_open and value == lo) or (hi is not None and value > hi):
-        low = f"> {lo}" if lo_open else f">= {lo}"
-        raise ApiError(f"{name}: {value} is out of range (must be {low}" + (f" and <= {hi})" if hi is not None
-                                                                           else ")"), name)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ApiError(f"{name}: {value} is out of range (must be >= {lo}" + (f" and <= {hi})" if hi is not None
+                                                                            else ")"), name)
     return value
 
 
@@ -126,18 +154,24 @@ def parse_options(body: dict, max_tokens_key: str = "max_tokens") -> Options:
     model = body.get("model")
     if model is not None:
         _text(model, "model")
-    if _number(body, "n", 1, 1, None, integer=True) != 1:
+    if _number(body, "n", 1, 1, integer=True) != 1:
         raise ApiError("n: only n = 1 is supported", "n")
     stream, ignore_eos = _flag(body, "stream"), _flag(body, "ignore_eos")
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict) or not isinstance(stream_options.get("include_usage", False), bool):
         raise ApiError("stream_options: expected an object like {\"include_usage\": true}", "stream_options")
+    seed = _number(body, "seed", None, integer=True)
+    try:  # the sampler's own check; temperature has the API's upper bound too
+        sampling = checked_sampling(_number(body, "temperature", 1.0, hi=2), 0, _number(body, "top_p", 1.0),
+                                    0 if seed is None else seed)
+    except SamplingError as exc:
+        raise ApiError(f"{exc.field}: {exc}", exc.field) from None
     return Options(
         model=model,
-        max_tokens=_number(body, max_tokens_key, None, 1, None, integer=True),
-        temperature=float(_number(body, "temperature", 1.0, 0, 2)),
-        top_p=float(_number(body, "top_p", 1.0, 0, 1, lo_open=True)),
-        seed=_number(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
+        max_tokens=_number(body, max_tokens_key, None, 1, integer=True),
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=seed,
         stop=_stops(body.get("stop")),
         stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)),

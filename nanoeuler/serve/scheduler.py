@@ -8,6 +8,10 @@ does not hold up a short one. Tokens go back to the handler's event loop through
 `call_soon_threadsafe`, so the loop never waits on the model. A job whose client has gone (or whose
 stop string has appeared) is cancelled: the worker drops it before its next token.
 
+A job's failure is its own: a stream that fails alone (`Backend.step` gives its exception) ends only its
+job; a step that raises ends the jobs in it, never the worker. Every way out of the batch goes through
+`_finish`, which closes the job's stream (its cache slot goes back) and uncounts it.
+
     >>> scheduler = Scheduler(backend, max_batch=8, max_queue=64).start()
     >>> job = scheduler.submit(prompt_ids, max_new_tokens=16, sampling=Sampling(temperature=0))
     >>> async for token in job.tokens(): ...     # inside the event loop
@@ -34,6 +38,7 @@ class Job:
     def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_at_end: bool = True):
         self.prompt_ids, self.max_new_tokens, self.sampling = prompt_ids, max_new_tokens, sampling
         self.stop_at_end = stop_at_end
+        self.stream: TokenStream | None = None  # opened by the worker, closed by `Scheduler._finish`
         self.generated = 0
         self.outcome: str | None = None  # finished, cancelled or failed, once the worker is done with it
         self.cancelled = threading.Event()
@@ -109,7 +114,7 @@ class Scheduler:
             return {"active": self._in_flight - len(self._waiting), "waiting": len(self._waiting), **self.counts,
                     "max_batch": self.max_batch, "max_queue": self.max_queue}
 
-    def _admit(self, active: list[tuple[Job, TokenStream]]) -> bool:
+    def _admit(self, active: list[Job]) -> bool:
         """Move waiting jobs into the batch; wait while there is nothing to do. False once stopping."""
         with self._cond:
             while not self._stopping and not self._waiting and not active:
@@ -121,14 +126,14 @@ class Scheduler:
                 self._waiting.clear()
                 return False
             while self._waiting and len(active) < self.max_batch:
-                active.append((self._waiting.popleft(), None))  # streams are opened by the next step
+                active.append(self._waiting.popleft())  # streams are opened by the next step
         return True
 
-    def _finish(self, job: Job, stream: TokenStream | None, outcome: str, item=_END) -> None:
+    def _finish(self, job: Job, outcome: str, item=_END) -> None:
         job.outcome = outcome
         try:
-            if stream is not None:
-                stream.close()
+            if job.stream is not None:
+                job.stream.close()
         finally:
             with self._cond:  # counted before the handler hears of it, so /health agrees with the answer
                 self.counts[outcome] += 1
@@ -136,45 +141,48 @@ class Scheduler:
             job.put(item)
 
     def _run(self) -> None:
-        active: list[tuple[Job, TokenStream | None]] = []
+        active: list[Job] = []
         while self._admit(active):
             try:
                 active = self._step(active)
             except Exception as exc:  # a failed step ends its jobs, never the server
-                for job, stream in active:
+                for job in active:
                     if job.outcome is None:
-                        self._finish(job, stream, "failed", exc)
+                        self._finish(job, "failed", exc)
                 active = []
-        for job, stream in active:
-            self._finish(job, stream, "cancelled", RuntimeError("the server is shutting down"))
+        for job in active:
+            self._finish(job, "cancelled", RuntimeError("the server is shutting down"))
 
-    def _step(self, active: list[tuple[Job, TokenStream]]) -> list[tuple[Job, TokenStream]]:
+    def _step(self, active: list[Job]) -> list[Job]:
         """Drop cancelled jobs, advance the others by one token each; returns the jobs still running."""
         live = []
-        for job, stream in active:
-            if stream is None and not job.cancelled.is_set():
+        for job in active:
+            if job.stream is None and not job.cancelled.is_set():
                 try:
-                    stream = self.backend.open(job.prompt_ids, job.max_new_tokens, job.sampling, job.stop_at_end)
+                    job.stream = self.backend.open(job.prompt_ids, job.max_new_tokens, job.sampling, job.stop_at_end)
                 except Exception as exc:
-                    self._finish(job, None, "failed", exc)
+                    self._finish(job, "failed", exc)
                     continue
             if job.cancelled.is_set():
-                self._finish(job, stream, "cancelled")
-            elif stream.done:  # asked for 0 tokens
-                self._finish(job, stream, "finished")
+                self._finish(job, "cancelled")
+            elif job.stream.done:  # asked for 0 tokens
+                self._finish(job, "finished")
             else:
-                live.append((job, stream))
+                live.append(job)
         if not live:
             return live
-        tokens = self.backend.step([stream for _, stream in live])
+        tokens = self.backend.step([job.stream for job in live])
         running = []
-        for (job, stream), token in zip(live, tokens):
+        for job, token in zip(live, tokens):
+            if isinstance(token, Exception):  # this job's own failure; the others go on
+                self._finish(job, "failed", token)
+                continue
             job.generated += 1
             job.put(token)
-            if stream.done:
-                self._finish(job, stream, "finished")
+            if job.stream.done:
+                self._finish(job, "finished")
             else:
-                running.append((job, stream))
+                running.append(job)
         with self._cond:
-            self.counts["tokens"] += len(tokens)
+            self.counts["tokens"] += len(live) - sum(isinstance(t, Exception) for t in tokens)
         return running

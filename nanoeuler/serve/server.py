@@ -6,12 +6,18 @@
 Needs the `serve` extra (FastAPI + uvicorn). Binds to 127.0.0.1 unless told otherwise; any other
 address prints a warning, since without `--api-key` (or NANOEULER_API_KEY) anyone who can reach the
 port can use the model, and with it the key still travels in plain HTTP.
+
+A client gets --client-timeout seconds for a request's headers (then the connection is closed), again
+for its body (408), and may leave an answer unread for as long (then the connection is dropped and the
+generation stops). SIGTERM or Ctrl-C stops taking connections and lets answers in progress finish for
+up to --shutdown-grace seconds; what is left then (a stream whose client stopped reading) is cut.
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import socket
 import sys
@@ -19,6 +25,8 @@ import sys
 from nanoeuler.backend import add_device_argument
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.errors import UserError
+
+MAX_BATCH = 1024  # a bound before memory is even counted (`backend._slots` counts it)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +44,72 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests generated together (default: 8)")
     parser.add_argument("--max-queue", type=int, default=64, metavar="N",
                         help="requests waiting beyond those; more are answered 429 (default: 64)")
+    parser.add_argument("--client-timeout", type=float, default=30.0, metavar="S",
+                        help="seconds a client may stall: sending a request's headers, its body, or taking "
+                             "an answer (default: 30)")
+    parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
+                        help="seconds answers in progress get to finish after SIGTERM (default: 10)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Numbers in range before anything is loaded; each problem is one line."""
+    bounds = {"port": (0, 65535), "max_tokens": (1, None), "max_batch": (1, MAX_BATCH), "max_queue": (0, None)}
+    for name, (lo, hi) in bounds.items():
+        value = getattr(args, name)
+        if value < lo or (hi is not None and value > hi):
+            upper = f" and <= {hi}" if hi is not None else ""
+            raise UserError(f"--{name.replace('_', '-')}: {value} is out of range (must be >= {lo}{upper})")
+    for name in ("client_timeout", "shutdown_grace"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise UserError(f"--{name.replace('_', '-')}: {value} is not a number of seconds > 0")
+
+
+def uvicorn_config(app, client_timeout_s: float, shutdown_grace_s: float, log_level: str = "info"):
+    """uvicorn's settings for `app`: h11 with deadlines on stalled clients (`Protocol`), a bounded shutdown."""
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        """h11 with two deadlines uvicorn lacks, both `client_timeout_s`: a connection whose next request's
+        headers have not all arrived that long after it opened (or after its last answer) is closed, and
+        one whose client has taken no part of an answer for that long is dropped (its generation stops)."""
+
+        _headers_due = _stall_due = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._headers_due = self._rearm(self._headers_due, self._headers_late)
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._headers_due = self._rearm(self._headers_due, self._headers_late)
+
+        def pause_writing(self):  # the client's buffers are full: it is not reading
+            super().pause_writing()
+            self._stall_due = self._rearm(self._stall_due, self.transport.abort)
+
+        def resume_writing(self):
+            super().resume_writing()
+            self._stall_due = self._rearm(self._stall_due, None)
+
+        def connection_lost(self, exc):
+            self._rearm(self._headers_due, None)
+            self._rearm(self._stall_due, None)
+            super().connection_lost(exc)
+
+        def _rearm(self, timer, then):
+            if timer is not None:
+                timer.cancel()
+            return self.loop.call_later(client_timeout_s, then) if then else None
+
+        def _headers_late(self):
+            waiting = self.cycle is None or self.cycle.response_complete  # no request under way
+            if waiting and not self.transport.is_closing():
+                self.transport.close()
+
+    return uvicorn.Config(app, http=Protocol, log_level=log_level, timeout_graceful_shutdown=shutdown_grace_s)
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:
@@ -79,17 +152,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"serving needs the 'serve' extra ({exc.name} is missing): pip install 'nanoeuler[serve]'")
     from nanoeuler.serve.backend import Backend
 
-    for name in ("max_tokens", "max_batch"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_queue < 0:
-        raise UserError("--max-queue must be >= 0")
+    check_arguments(args)
     conf = sections(args, "device", "gpu_memory")
     backend = Backend.load(args.ckpt, args.device or conf["device"], args.model_name, slots=args.max_batch,
                            gpu_memory=conf["gpu_memory"])
     config = ServeConfig(max_tokens=args.max_tokens, max_batch=backend.capacity or args.max_batch,
-                         max_queue=args.max_queue,
-                         api_key=args.api_key or None)
+                         max_queue=args.max_queue, api_key=args.api_key or None,
+                         client_timeout_s=args.client_timeout)
     warning = exposure_warning(args.host, config.api_key)
     if warning:
         print(f"nanoeuler serve: warning: {warning}", file=sys.stderr, flush=True)
@@ -99,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"nanoeuler serve: {args.ckpt} as model {backend.name!r} ({backend.cfg.n_params():,} "
           f"parameters, {backend.ctx_len}-token context) at http://{host}:{port}/ (API: http://{host}:{port}/v1)",
           file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(backend, config), log_level=args.log_level))
+    server = uvicorn.Server(uvicorn_config(create_app(backend, config), args.client_timeout, args.shutdown_grace,
+                                           args.log_level))
     server.run(sockets=[sock])
     return 0

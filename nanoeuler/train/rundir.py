@@ -126,7 +126,7 @@ def writer_lock(run_dir: Path, stage: str):
 
 def _write_holder(fd: int) -> None:
     """Who holds the lock, for the message a second writer gets."""
-    command = shlex.join(["nanoeuler", *sys.argv[1:]])
+    command = shlex.join(["nanoeuler", *sys.argv[1:]]).replace("\n", "\\n")  # the refusal stays one line
     info = {"pid": os.getpid(), "host": socket.gethostname(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "command": command if len(command) <= 200 else command[:197] + "..."}

@@ -1,6 +1,7 @@
 # Two commands on a fresh machine with python3 and make:
 #   make demo   install into .venv and run the tiny pipeline offline to results/chat.bin
 #   make test   install into .venv with the test extra and run the test suite
+# Then `source .venv/bin/activate` for the `nanoeuler` and `snakemake` commands of README.md.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -20,12 +21,14 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test,cluster]'
 	touch $(VENV)/.installed $@
 
-# Targets go before --configfile (it takes every word after it); the rules call the venv's `nanoeuler`.
+# Targets go before --configfile (it takes every word after it). The rules run the `nanoeuler` beside
+# the venv's snakemake; the last line says how to put both on PATH for the README's commands.
 # `make demo DPO=1` adds the DPO stages (config/tiny-dpo.yaml: evaluate reports the DPO model too).
 DEMO_TARGETS := results/chat.bin results/samples.md results/metrics.json results/loss.png
 DEMO_CONFIG  := config/tiny.yaml $(if $(filter 1,$(DPO)),config/tiny-dpo.yaml)
 demo: $(VENV)/.installed
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake $(DEMO_TARGETS) --cores $(CORES) --configfile $(DEMO_CONFIG)
+	$(BIN)/snakemake $(DEMO_TARGETS) --cores $(CORES) --configfile $(DEMO_CONFIG)
+	@echo "make demo: done; 'source $(BIN)/activate' puts nanoeuler and snakemake on PATH"
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q

@@ -8,7 +8,6 @@
 import json
 import os
 import sys
-import time
 
 import yaml
 
@@ -16,7 +15,11 @@ from nanoeuler.config import validate
 from nanoeuler.data.common import failure_causes
 from nanoeuler.eval.compare import experiment_dirs
 
-_started = time.time()  # logs written since then belong to this run
+# Every rule runs `nanoeuler`: the one installed beside this Snakemake when there is one, from the same
+# environment as the imports above (so `.venv/bin/snakemake` works without the venv activated), else PATH's.
+_beside = os.path.dirname(sys.executable)
+if os.access(os.path.join(_beside, "nanoeuler"), os.X_OK):
+    os.environ["PATH"] = os.pathsep.join([_beside, os.environ.get("PATH", "")])
 
 if not config:  # no --configfile given: the full run
     with open(os.path.join(workflow.basedir, "config", "config.yaml")) as f:
@@ -35,9 +38,9 @@ RES = config["resources"]
 
 
 onerror:
-    # Snakemake names the failed rule and its log; the cause is that log's last line
-    # (`nanoeuler <stage>: error: ...`), so repeat it here, where the console ends.
-    for line in failure_causes("logs", _started):  # the shared data logs and every experiment's
+    # Snakemake names each failed rule and its log; the cause is that log's last line (`nanoeuler <stage>:
+    # error: ...`, or the shell's `command not found`), so repeat it here, where the console ends.
+    for line in failure_causes(log):  # `log`: Snakemake's own log, which names the failed jobs' logs
         print(line, file=sys.stderr)
 
 

@@ -20,6 +20,7 @@ import importlib
 import os
 import sys
 
+from nanoeuler import __version__
 from nanoeuler.errors import UserError
 
 # name -> (module, one-line help). Order is the order of the pipeline.
@@ -58,6 +59,7 @@ def _top_parser() -> argparse.ArgumentParser:
         + "\n\nRun `nanoeuler <stage> --help` for the options of a stage.",
     )
     parser.add_argument("stage", choices=list(COMMANDS), metavar="stage", help="one of the stages below")
+    parser.add_argument("--version", action="version", version=f"nanoeuler {__version__}")
     return parser
 
 

@@ -2,7 +2,8 @@
 
 The schema (`workflow/schemas/config.schema.yaml`) is a small subset of JSON Schema:
 `type`, `properties`, `additionalProperties: false`, `default`, `description`, `enum`,
-`minimum`, `maximum`, `exclusiveMinimum`, `items`. Every key has a default and a description.
+`minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `items` (and `$schema`). Every key has a
+default and a description. Numbers are finite and integers fit in 64 bits, whatever the schema says.
 `validate` fills the defaults in and turns every problem into one line naming the key:
 
     >>> validate({"alpaca": {"min_outptu": 1}})      # doctest: +SKIP
@@ -19,6 +20,8 @@ import argparse
 import copy
 import difflib
 import json
+import math
+import operator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,13 @@ from nanoeuler.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
+
+# The keywords `_check` implements; a schema using any other would be silently half-checked.
+KEYWORDS = frozenset({"$schema", "type", "properties", "additionalProperties", "default", "description", "enum",
+                      "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "items"})
+INT64 = (-(2**63), 2**63 - 1)  # every integer goes on to NumPy or DuckDB as a 64-bit integer
+_BOUNDS = {"minimum": (operator.ge, ">="), "maximum": (operator.le, "<="),
+           "exclusiveMinimum": (operator.gt, ">"), "exclusiveMaximum": (operator.lt, "<")}
 
 _TYPES = {
     "object": dict,
@@ -59,16 +69,12 @@ def _check(value: Any, schema: dict, key: str) -> Any:
     if types is not None:
         types = [types] if isinstance(types, str) else types
         if not any(_type_ok(value, t) for t in types):
-            raise UserError(f"config key '{key}' must be {' or '.join(types)}, got {type(value).__name__} {value!r}")
+            raise UserError(f"config key '{key}' must be {' or '.join(types)}, "
+                            f"got {type(value).__name__} {_show(value)}")
     if "enum" in schema and value not in schema["enum"]:
         raise UserError(f"config key '{key}' must be one of {schema['enum']}, got {value!r}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if "minimum" in schema and value < schema["minimum"]:
-            raise UserError(f"config key '{key}' must be >= {schema['minimum']}, got {value}")
-        if "maximum" in schema and value > schema["maximum"]:
-            raise UserError(f"config key '{key}' must be <= {schema['maximum']}, got {value}")
-        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
-            raise UserError(f"config key '{key}' must be > {schema['exclusiveMinimum']}, got {value}")
+        _check_number(value, schema, key)
     if isinstance(value, list) and "items" in schema:
         return [_check(item, schema["items"], f"{key}[{i}]") for i, item in enumerate(value)]
     if isinstance(value, dict) and "properties" in schema:
@@ -91,6 +97,25 @@ def _check(value: Any, schema: dict, key: str) -> Any:
             out.setdefault(name, value[name])
         return out
     return value
+
+
+def _check_number(value: int | float, schema: dict, key: str) -> None:
+    """A number is finite, an integer fits in 64 bits, and both lie within the schema's bounds."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"config key '{key}' must be a finite number, got {value}")
+    if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+        raise UserError(f"config key '{key}' must be between -2**63 and 2**63-1, got {_show(value)}")
+    for word, (ok, sign) in _BOUNDS.items():
+        if word in schema and not ok(value, schema[word]):
+            raise UserError(f"config key '{key}' must be {sign} {schema[word]}, got {_show(value)}")
+
+
+def _show(value: Any) -> str:
+    """A value as an error shows it: short, and a huge integer by its size (Python prints none of over 4300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _join(prefix: str, name: str) -> str:
@@ -117,6 +142,8 @@ def load_config(path: str | Path | None) -> dict:
         raise UserError(f"config file {path} does not exist") from None
     except yaml.YAMLError as exc:
         raise UserError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    except ValueError as exc:  # a value YAML cannot build: a date of month 13, an integer of 5000 digits
+        raise UserError(f"config file {path} holds a value that cannot be read: {str(exc).splitlines()[0]}") from None
     except UnicodeDecodeError as exc:
         raise UserError(f"config file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     except RecursionError:
@@ -144,7 +171,7 @@ def sections(args: argparse.Namespace, *names: str) -> dict[str, dict]:
     if getattr(args, "params", None):
         try:
             given = json.loads(args.params)
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # JSONDecodeError, or an integer of over 4300 digits
             raise UserError(f"--params is not valid JSON: {exc}") from None
         if not isinstance(given, dict):
             raise UserError("--params must be a JSON object of config sections")

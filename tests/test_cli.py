@@ -42,3 +42,18 @@ def test_user_error_is_one_line_and_exit_1(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "nope.yaml" in lines[0]
     assert not (tmp_path / "a.jsonl").exists()
+
+
+def test_version_is_the_packages_one():
+    import importlib.metadata
+
+    import nanoeuler
+    from nanoeuler.config import REPO_ROOT
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
+    out = subprocess.run([sys.executable, "-m", "nanoeuler", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout == f"nanoeuler {nanoeuler.__version__}\n"
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "nanoeuler.__version__"}
+    assert importlib.metadata.version("nanoeuler") == nanoeuler.__version__  # what pip installed says the same

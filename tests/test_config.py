@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanoeuler import cli
-from nanoeuler.config import REPO_ROOT, load_config, load_schema, validate
+from nanoeuler.config import KEYWORDS, REPO_ROOT, load_config, load_schema, validate
 from nanoeuler.data import alpaca, fineweb, gutenberg
 from nanoeuler.data.common import is_remote, local_path
 from nanoeuler.errors import UserError
@@ -106,3 +109,114 @@ def test_stage_cli_rejects_a_bad_key_in_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert err == ("nanoeuler corpus: error: config key 'corpus.val_frac' is not known "
                    "(did you mean 'corpus.val_fraction'?)")
+
+
+# ---- numbers: finite, 64-bit, within every bound the schema states --------------------------------
+
+def _numeric_keys(schema, path=()):
+    """(path, key schema) of every number or integer key, a list's items as index 0 of a one-item list."""
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types or []
+    if {"number", "integer"} & set(types):
+        yield path, schema
+    for name, sub in (schema.get("properties") or {}).items():
+        yield from _numeric_keys(sub, (*path, name))
+    if "items" in schema:
+        yield from _numeric_keys(schema["items"], (*path, 0))
+
+
+def _config_with(path, value):
+    """The smallest config setting `path` (names and list indexes) to `value`."""
+    out = value
+    for step in reversed(path):
+        out = [out] if step == 0 else {step: out}
+    return out
+
+
+def _key_name(path):
+    return ".".join(str(p) for p in path).replace(".0", "[0]")
+
+
+def _is_float_key(sub):
+    return "number" in ([sub["type"]] if isinstance(sub["type"], str) else sub["type"])
+
+
+SCHEMA = load_schema()
+FLOAT_KEYS = [(path, sub) for path, sub in _numeric_keys(SCHEMA) if _is_float_key(sub)]
+INT_KEYS = [(path, sub) for path, sub in _numeric_keys(SCHEMA) if not _is_float_key(sub)]
+
+
+def test_the_schema_has_the_numeric_keys_the_tests_walk():
+    assert len(FLOAT_KEYS) >= 27 and ("corpus", "val_fraction") in [p for p, _ in FLOAT_KEYS]
+    assert ("gutenberg", "ids", 0) in [p for p, _ in INT_KEYS]
+
+
+def _within(value, sub):
+    return (value >= sub.get("minimum", value) and value <= sub.get("maximum", value)
+            and ("exclusiveMinimum" not in sub or value > sub["exclusiveMinimum"])
+            and ("exclusiveMaximum" not in sub or value < sub["exclusiveMaximum"]))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(key=st.sampled_from(FLOAT_KEYS), value=st.floats(allow_nan=True, allow_infinity=True) | st.integers())
+def test_every_float_key_takes_only_finite_numbers_within_its_bounds(key, value):
+    path, sub = key
+    try:
+        out = validate(_config_with(path, value), SCHEMA)
+    except UserError as exc:
+        assert str(exc).startswith(f"config key '{_key_name(path)}' must be"), str(exc)
+        assert "\n" not in str(exc)
+    else:
+        got = out
+        for step in path:
+            got = got[step]
+        assert got == value and math.isfinite(value) and _within(value, sub)
+        assert not isinstance(value, int) or abs(value) < 2**63
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(key=st.sampled_from(INT_KEYS), value=st.floats(allow_nan=True, allow_infinity=True) | st.booleans()
+       | st.integers(2**63, 2**70) | st.integers(-(2**70), -(2**63) - 1) | st.just(10**5000))
+def test_an_integer_key_refuses_floats_bools_and_values_beyond_64_bits(key, value):
+    path, _ = key
+    with pytest.raises(UserError) as exc:
+        validate(_config_with(path, value), SCHEMA)
+    assert str(exc.value).startswith(f"config key '{_key_name(path)}' must be"), str(exc.value)
+    assert len(str(exc.value)) < 200
+
+
+@pytest.mark.parametrize("text, match", [
+    ("corpus:\n  val_fraction: .nan\n", r"'corpus.val_fraction' must be a finite number, got nan"),
+    ("pretrain:\n  lr: .inf\n", r"'pretrain.lr' must be a finite number, got inf"),
+    ("eval:\n  temperature: -.inf\n", r"'eval.temperature' must be a finite number, got -inf"),
+    ("pretrain:\n  steps: .inf\n", r"'pretrain.steps' must be integer, got float inf"),
+    ("fineweb:\n  byte_budget: 99999999999999999999\n", r"'fineweb.byte_budget' must be between -2\*\*63"),
+    ("gutenberg:\n  delay_s: 1.0e+15\n", r"'gutenberg.delay_s' must be <= 3600, got 1000000000000000.0"),
+    ("corpus:\n  weights:\n    fineweb: 1.0e+300\n", r"'corpus.weights.fineweb' must be <= 100"),
+    ("dpo:\n  label_smoothing: 0.5\n", r"'dpo.label_smoothing' must be < 0.5, got 0.5"),
+    ("corpus:\n  seed: " + "9" * 5000 + "\n", r"holds a value that cannot be read: Exceeds the limit"),
+    ("corpus:\n  seed: 2026-13-45\n", r"holds a value that cannot be read: month must be in 1..12"),
+])
+def test_a_number_that_is_not_finite_or_too_big_is_one_line_naming_it(tmp_path, text, match):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match=match) as exc:
+        load_config(path)
+    assert "\n" not in str(exc.value) and str(path) in str(exc.value)
+
+
+def test_nan_in_params_json_stops_the_stage_before_duckdb(capsys):
+    assert cli.main(["corpus", "--params", '{"corpus": {"val_fraction": NaN}}']) == 1
+    assert capsys.readouterr().err.strip() == (
+        "nanoeuler corpus: error: config key 'corpus.val_fraction' must be a finite number, got nan")
+
+
+def test_the_schema_uses_only_keywords_the_validator_checks():
+    def walk(schema, key):
+        assert set(schema) <= KEYWORDS, f"{key or 'the schema'} uses {sorted(set(schema) - KEYWORDS)}"
+        for name, sub in (schema.get("properties") or {}).items():
+            walk(sub, f"{key}.{name}" if key else name)
+        if "items" in schema:
+            walk(schema["items"], f"{key}[]")
+
+    walk(SCHEMA, "")

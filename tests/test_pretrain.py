@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -189,3 +190,50 @@ def test_bf16_precision_on_the_cpu_is_one_clear_error(data, tmp_path):
         "nanoeuler pretrain: error: pretrain.precision bf16 runs on the GPU engine; "
         "use --device gpu, or precision fp32 on the CPU"]
     assert not (tmp_path / "base.bin").exists()
+
+
+# holds a run directory as a writer would, until killed
+HOLD = ("import sys, time\nfrom nanoeuler.train.rundir import writer_lock\n"
+        "with writer_lock(sys.argv[1], 'pretrain'):\n    print('held', flush=True)\n    time.sleep(300)\n")
+
+
+def _holder(run_dir: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_a_second_writer_of_a_run_directory_is_refused_naming_the_first(data, tmp_path):
+    """Started by hand beside Snakemake's run, a second pretrain interleaved metrics.jsonl and overwrote checkpoints."""
+    conf = write_config(tmp_path / "c.yaml", pretrain=PRE)
+    run = tmp_path / "run"
+    holder = _holder(run)
+    try:
+        r = pretrain(data, tmp_path, conf)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert r.stderr.startswith(f"nanoeuler pretrain: error: run directory {run} is in use by another writer "
+                               f"(pid {holder.pid} on {socket.gethostname()}, started 20"), r.stderr
+    assert f": nanoeuler {run}); wait for it to finish or stop it" in r.stderr
+    assert [p.name for p in run.iterdir()] == [".lock"] and not (tmp_path / "base.bin").exists()
+
+
+def test_the_run_directory_lock_dies_with_its_holder(tmp_path):
+    from nanoeuler.errors import UserError
+    from nanoeuler.train.rundir import writer_lock
+
+    holder = _holder(tmp_path / "run")
+    with pytest.raises(UserError, match=f"pid {holder.pid} on "):
+        with writer_lock(tmp_path / "run", "sft"):
+            pass
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    with writer_lock(tmp_path / "run", "sft"):  # taken at once: no stale lock to clean up
+        with pytest.raises(UserError, match=f"pid {os.getpid()} on "):
+            with writer_lock(tmp_path / "run", "dpo"):
+                pass
+    with writer_lock(tmp_path / "run", "dpo"):  # and given back when the run ends
+        pass

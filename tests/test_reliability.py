@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import stat
 import struct
 import subprocess
@@ -276,6 +277,70 @@ def test_offline_fails_fast_with_the_cause_in_snakemakes_error(tmp_path):
     assert (tmp_path / "logs" / "alpaca.log").read_text().strip().splitlines()[-1].startswith(cause)
     assert f"logs/alpaca.log: {cause}" in r.stderr, r.stderr[-3000:]
     assert time.monotonic() - t0 < 60
+
+
+def _alpaca_rule(tmp_path, path_dirs, python_path=()):
+    """Run the quick `alpaca` rule of the tiny config with PATH = `path_dirs` and the system's /usr/bin:/bin."""
+    path = os.pathsep.join([*map(str, path_dirs), "/usr/bin", "/bin"])
+    env = {**os.environ, "PATH": path, "PYTHONPATH": os.pathsep.join([*map(str, python_path), str(REPO)])}
+    cmd = [str(Path(sys.executable).parent / "snakemake"), "data/alpaca/alpaca.jsonl", "-s", str(REPO / "Snakefile"),
+           "--cores", "1", "--configfile", str(REPO / "config" / "tiny.yaml")]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+# a stage killed from outside (the OOM killer, say) after a line of progress: its log says nothing of an error
+KILLED = """
+import os, signal, sys
+if sys.argv[1:2] == ["alpaca"]:
+    print("alpaca: reading 3 records", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+SNAKEMAKE_LOG = """Error in rule tokenizer:
+    jobid: 3
+    log: logs/tokenizer.log (check log file(s) for error details)
+Error in rule tokenizer:
+    log: logs/tokenizer.log (check log file(s) for error details)
+Error in rule both:
+    log: logs/empty.log, logs/missing.log (check log file(s) for error details)
+"""
+
+
+def test_failure_causes_are_the_failed_jobs_logs_each_once(tmp_path, monkeypatch):
+    from nanoeuler.data.common import failure_causes
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "tokenizer.log").write_text("merges 1/10\n/bin/bash: line 1: nanoeuler: command not found\n\n")
+    (tmp_path / "logs" / "empty.log").write_text("")
+    (tmp_path / "logs" / "corpus.log").write_text("a job that ran fine, whatever error its text mentions\n")
+    (tmp_path / "snakemake.log").write_text(SNAKEMAKE_LOG)
+    assert failure_causes([str(tmp_path / "snakemake.log")]) == [
+        "logs/tokenizer.log: /bin/bash: line 1: nanoeuler: command not found",
+        "logs/empty.log: (empty)",
+        "logs/missing.log: (cannot be read: No such file or directory)"]
+
+
+@pytest.mark.slow
+def test_a_failed_rule_shows_its_logs_last_line_whatever_it_says(tmp_path):
+    """A log whose last line has no "error" in it (`nanoeuler: command not found`, a killed stage's progress)
+    was not shown: Snakemake's error ended with no cause."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(KILLED)
+    r = _alpaca_rule(tmp_path, [], python_path=[site])
+    assert r.returncode != 0
+    assert r.stderr.rstrip().splitlines().count("logs/alpaca.log: alpaca: reading 3 records") == 1, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_venvs_snakemake_runs_the_rules_without_the_venv_on_path(tmp_path):
+    """`.venv/bin/snakemake` run without activating the venv failed every rule with exit 127."""
+    assert shutil.which("nanoeuler", path="/usr/bin:/bin") is None
+    r = _alpaca_rule(tmp_path, [])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "data" / "alpaca" / "alpaca.jsonl").stat().st_size > 0
 
 
 def test_the_tiny_configs_chat_prompts_fit_its_context():

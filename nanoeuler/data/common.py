@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 import urllib.parse
 import urllib.request
@@ -160,22 +161,33 @@ def _absolute(source: str) -> bool:
     return source.lower().startswith("file:") or Path(source).expanduser().is_absolute()
 
 
-def failure_causes(log_dir: str | os.PathLike, since: float) -> list[str]:
-    """'<log>: <last line>' of each log under `log_dir` written after `since` that ends in an error.
+def failure_causes(snakemake_logs: str | os.PathLike | list) -> list[str]:
+    """'<log>: <its last line>' for the log of every job that failed, whatever that line says.
 
-    Snakemake's error names a failed rule and its log; this puts the cause next to it.
+    Snakemake's own log (`snakemake_logs`: the path, or list of paths, that `onerror` gets) names each
+    failed job's logs in its error ("log: logs/x.log (check log file(s) for error details)"). Their
+    last line is the cause: `nanoeuler <stage>: error: ...`, an exception, or the shell's
+    `nanoeuler: command not found`; this puts it where the console ends.
     """
-    out = []
-    for log in sorted(Path(log_dir).glob("**/*.log")):
-        try:
-            if log.stat().st_mtime < since:
-                continue
-            lines = log.read_text(encoding="utf-8", errors="replace").strip().splitlines()
-        except OSError:
-            continue
-        if lines and ("error" in lines[-1].lower() or lines[-1].startswith(("nanoeuler ", "Traceback"))):
-            out.append(f"{log}: {lines[-1]}")
-    return out
+    found: dict[str, None] = {}  # the failed jobs' logs in order, each once (a retried job fails again)
+    for path in [snakemake_logs] if isinstance(snakemake_logs, (str, os.PathLike)) else snakemake_logs:
+        with contextlib.suppress(OSError):
+            for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+                named = _FAILED_LOGS.match(line)
+                if named:
+                    found.update(dict.fromkeys(named.group(1).split(", ")))
+    return [f"{log}: {_last_line(Path(log))}" for log in found]
+
+
+_FAILED_LOGS = re.compile(r"^\s+log: (.+) \(check log file\(s\) for error details\)$")
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    except OSError as exc:
+        return f"(cannot be read: {exc.strerror or exc})"
+    return lines[-1].strip() if lines else "(empty)"
 
 
 # Arrow type families a data stage accepts for a column (pyarrow.types predicates by name).

@@ -232,7 +232,16 @@ def _start(run: Run):
 
 
 def train(run: Run) -> dict:
-    """Train to `run.total_steps` (resuming when possible), then write `run.out`. Returns the last metrics."""
+    """Train to `run.total_steps` (resuming when possible), then write `run.out`. Returns the last metrics.
+
+    The process that writes the run directory holds it for the whole run (`rundir.writer_lock`)."""
+    if run.parallel is not None and not run.parallel.is_root:
+        return _train(run)
+    with rundir.writer_lock(run.run_dir, run.stage):
+        return _train(run)
+
+
+def _train(run: Run) -> dict:
     from nanoeuler.backend import oom_guard
     from nanoeuler.memory import PeakMeter
     from nanoeuler.optim import lr_at

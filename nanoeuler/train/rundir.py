@@ -4,18 +4,28 @@ The checkpoint file format is `nanoeuler.checkpoint` (atomic writes, checksums);
 names, finds, rotates and sets aside files. A checkpoint that fails to load is renamed to
 `*.bin.corrupt` so that it is never picked again; checkpoints of a finished or abandoned run with
 other settings, another model config or another tokenizer move to `previous/`, replacing what was there.
+One process writes a run directory at a time: its writer holds `.lock` inside it (`writer_lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import re
+import shlex
 import shutil
+import socket
 import sys
+import time
 from pathlib import Path
 
+from nanoeuler.errors import UserError
+
 _CKPT = re.compile(r"^ckpt_(\d{8})\.bin$")
+LOCK_NAME = ".lock"
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
@@ -85,6 +95,51 @@ def model_change(meta: dict, model_config: dict, tokenizer_sha256: str) -> str:
     if meta.get("tokenizer_sha256") != tokenizer_sha256:
         parts.append(f"tokenizer sha256 {str(meta.get('tokenizer_sha256'))[:12]} -> {tokenizer_sha256[:12]}")
     return ", ".join(parts)
+
+
+@contextlib.contextmanager
+def writer_lock(run_dir: Path, stage: str):
+    """Hold `run_dir` for this process; a second writer is refused with one line naming the holder.
+
+    An flock on `run_dir/.lock`: the kernel drops it when the holder exits or is killed, so a killed
+    run resumes at once and no stale lock is ever cleaned up by hand. The file itself stays.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"run directory {run_dir} is in use by another writer ({_holder(fd)}); "
+                            f"wait for it to finish or stop it") from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            warn(stage, f"cannot lock {run_dir} ({exc.strerror}): a second writer there would not be stopped")
+        else:
+            _write_holder(fd)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _write_holder(fd: int) -> None:
+    """Who holds the lock, for the message a second writer gets."""
+    command = shlex.join(["nanoeuler", *sys.argv[1:]]).replace("\n", "\\n")  # the refusal stays one line
+    info = {"pid": os.getpid(), "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "command": command if len(command) <= 200 else command[:197] + "..."}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 1 << 16, 0).decode("utf-8"))
+        return f"pid {info['pid']} on {info['host']}, started {info['started']}: {info['command']}"
+    except (ValueError, KeyError, TypeError):  # the holder has not written its name yet
+        return "a process that is just starting"
 
 
 def warn(stage: str, message: str) -> None:

@@ -120,7 +120,7 @@ def oom_message(batch_size: int, context: int, exc: BaseException | None = None)
         first = str(exc).splitlines()[0] if str(exc) else ""
         detail = f" ({first})" if first else ""
     return (f"the GPU ran out of memory at batch size {batch_size} and context {context}{detail}; "
-            "lower batch_size (raise grad_accum to keep the tokens per step) or ctx_len, "
+            "set gpu_memory below what the card has (the stage then cuts its batches smaller, same result), "
             "or free the GPU of other processes")
 
 

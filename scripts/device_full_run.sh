@@ -20,6 +20,9 @@
 #   bash scripts/device_full_run.sh portable STEPS [auto]  # pretraining on the portable (or auto) kernels,
 #                                                      # memory pool capped at 12 GB; the process's peak GPU memory
 #   bash scripts/device_full_run.sh shards         # on a fresh machine: the shards from .carry/corpus + tokenizer
+#   MEMCAP=11e9 WORK=DIR bash scripts/device_full_run.sh capped SECONDS   # the whole DAG (DPO overlay
+#                                                  # included) as on a card of MEMCAP bytes: the portable
+#                                                  # kernels, CuPy's pool capped, `start` + `wait` in one
 #   bash scripts/device_full_run.sh compare        # bench/train_gpu.py at B32xT512: Hopper path, portable
 #                                                  # path and torch.compile in one run
 #
@@ -247,6 +250,14 @@ YAML
     grep -E '"tokens_per_s"' "$dir/run/metrics.jsonl" | tail -1 | tee -a "$OUT/memcap.txt"
 }
 
+capped() {  # the whole DAG from an empty results/ as on a card of $GB12 bytes less its context
+    export CUPY_GPU_MEMORY_LIMIT=$GB12 NANOEULER_KERNELS=portable
+    CONFIGS="config/config.yaml config/mirror.yaml config/mirror-dpo.yaml"
+    TARGETS="results/chat.bin results/samples.md results/dpo.bin"
+    start
+    wait_run "$1"
+}
+
 compare() {  # one bench run at the full config's B32xT512: the Hopper path, the portable one, torch.compile
     mkdir -p "$OUT"
     $PY "$REPO/bench/train_gpu.py" --rows 32x512 --steps 50 --warmup 5 \
@@ -266,6 +277,7 @@ case "${1:-}" in
     memneed) shift; memneed "$@" ;;
     dposweep) dposweep ;;
     shards) shards ;;
+    capped) capped "${2:-540}" ;;
     compare) compare ;;
-    *) sed -n 2,28p "$0"; exit 2 ;;
+    *) sed -n 2,31p "$0"; exit 2 ;;
 esac

@@ -5,7 +5,8 @@
 
 Per rule: wall time and peak RSS (Snakemake's `benchmark:` files), CPU cores busy on average
 (CPU time / wall time), the peak GPU memory in use while the stage ran (nvidia-smi samples between
-the stage's start and end, noted by the `nanoeuler` wrapper) and the size of the rule's outputs.
+the stage's start and end, noted by the `nanoeuler` wrapper), the stage's own measured and predicted
+peak and how it cut its batches (its log's lines), and the size of the rule's outputs.
 `--extrapolate` reads "wall_seconds step" lines taken while a run trained and prints the wall time
 of the whole schedule at the measured rate.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import re
 import sys
 from pathlib import Path
 
@@ -71,12 +73,28 @@ def gpu_samples(path: Path) -> list[tuple[float, float]]:
     return out
 
 
+def own_memory(log: Path) -> tuple[str, str, str]:
+    """(measured peak, predicted peak, how the batch was cut) from a stage's log: the lines
+    `nanoeuler <stage>: device memory peak 9.1 GB measured, 9.4 GB predicted (0.97)` and
+    `nanoeuler <stage>: batch 32 as 4 micro-batches of 8 to fit 11.0 GB` (`-` where absent)."""
+    measured = predicted = cut = "-"
+    for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
+        m = re.search(r"device memory peak ([\d.]+ GB) measured, ([\d.]+ GB) predicted", line)
+        if m:
+            measured, predicted = m.groups()
+        m = re.search(r": (batch .* to fit [\d.]+ GB)", line)
+        if m:
+            cut = m.group(1)
+    return measured, predicted, cut
+
+
 def table(work: Path) -> str:
     windows = stage_windows(work / "stage_times.txt")
     samples = gpu_samples(work / "gpu_mem.csv")
     base = min((m for _, m in samples), default=0.0)  # memory in use before anything ran (the driver's own)
-    lines = ["| stage | wall s | peak RSS | CPU cores busy (mean) | peak GPU memory | output |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| stage | wall s | peak RSS | CPU cores busy (mean) | peak GPU memory (nvidia-smi) | own peak | "
+             "predicted | batch | output |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     total = 0.0
     for rule, (cmd, outputs) in RULES.items():
         bench = work / "benchmarks" / f"{rule}.tsv"
@@ -89,8 +107,9 @@ def table(work: Path) -> str:
         a, b = windows.get(cmd, (0.0, 0.0))
         peak = max((m for t, m in samples if a <= t <= b), default=base) - base
         out = human(sum(size_of(work / o) for o in outputs)) if all((work / o).exists() for o in outputs) else "n/a"
+        own, predicted, cut = own_memory(work / "logs" / f"{rule}.log")
         lines.append(f"| {rule} | {wall:.1f} | {rss / 1000:.2f} GB | {cpu / max(wall, 1e-9):.1f} | "
-                     f"{peak / 1024:.1f} GiB | {out} |")
+                     f"{peak / 1024:.1f} GiB | {own} | {predicted} | {cut} | {out} |")
     done = work / "done"
     if done.exists() and (work / "started").exists():
         end = float(done.read_text().split()[1])

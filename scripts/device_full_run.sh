@@ -91,10 +91,11 @@ shim() {
     # the rules call `nanoeuler`: run this tree's package, and note when each stage starts and ends
     cat > "$SITE/bin/nanoeuler" <<EOF
 #!/usr/bin/env bash
-echo "\$1 start \$(date +%s.%N)" >> "$WORK/stage_times.txt"
+times=\${NANOEULER_STAGE_TIMES:-/dev/null}
+echo "\$1 start \$(date +%s.%N)" >> "\$times"
 $PY -m nanoeuler "\$@"
 rc=\$?
-echo "\$1 end \$(date +%s.%N) \$rc" >> "$WORK/stage_times.txt"
+echo "\$1 end \$(date +%s.%N) \$rc" >> "\$times"
 exit \$rc
 EOF
     chmod +x "$SITE/bin/nanoeuler"
@@ -102,6 +103,7 @@ EOF
 
 start() {
     env_setup
+    export NANOEULER_STAGE_TIMES=$WORK/stage_times.txt  # the shim notes each stage's start and end there
     rm -rf "$MIRROR" "$WORK" && mkdir -p "$MIRROR" "$WORK"
     xz -dc "$REPO/.carry/mirror.tar.xz" | tar -C "$MIRROR" -xf -
     setsid $PY "$REPO/scripts/mirror/serve.py" --root "$MIRROR/mirror" --port $PORT > "$WORK/serve.log" 2>&1 < /dev/null &
@@ -251,7 +253,7 @@ YAML
 }
 
 capped() {  # the whole DAG from an empty results/ as on a card of $GB12 bytes less its context
-    export CUPY_GPU_MEMORY_LIMIT=$GB12 NANOEULER_KERNELS=portable
+    export CUPY_GPU_MEMORY_LIMIT=$(printf '%.0f' "$GB12") NANOEULER_KERNELS=portable  # CuPy reads an integer
     CONFIGS="config/config.yaml config/mirror.yaml config/mirror-dpo.yaml"
     TARGETS="results/chat.bin results/samples.md results/dpo.bin"
     start

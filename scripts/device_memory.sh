@@ -68,7 +68,7 @@ run_row() {  # $1 the row, $2 the cap: one run, one line of rows.tsv
     config "$1" "$dir/cfg.yaml"
     local t0 t1 rc=0
     t0=$(date +%s.%N)
-    (cd "$WORK" && CUPY_GPU_MEMORY_LIMIT=$2 $PY -m nanoeuler $(stage "$1" "$dir")) > "$dir/stdout" 2> "$dir/log" || rc=$?
+    (cd "$WORK" && CUPY_GPU_MEMORY_LIMIT=$(printf "%.0f" "$2") $PY -m nanoeuler $(stage "$1" "$dir")) > "$dir/stdout" 2> "$dir/log" || rc=$?
     t1=$(date +%s.%N)
     $PY - "$1" "$2" "$dir" "$rc" "$t0" "$t1" "$DIR/rows.tsv" <<'PY'
 import json, re, sys

@@ -361,12 +361,12 @@ def _hint(stage: str, settings) -> str:
 def eval_items_for(stage: str, budget: Budget | None, cfg, seq: int, most: int, kind: str, resident: dict,
                    rows_per_item: int = 1, hint: str = "use a card with more memory or a shorter model.ctx_len"):
     """(items of one forward of `kind` beside `resident` inside `budget`, at most `most`; the prediction as a
-    function of the items). The one sizing of every evaluation and scoring chunk: a training stage's
+    function of the items and, optionally, their padded length). The one sizing of every evaluation and scoring chunk: a training stage's
     held-out loss, pretraining's and `evaluate`'s validation windows, the pairs' log-probs, HellaSwag.
     One item that cannot fit is a UserError naming what it needs."""
-    def forward(m):
+    def forward(m, length: int = seq):  # `length`: a chunk's padded length, when shorter than `seq`
         return {**resident, **{f"eval_{k}": v for k, v in
-                               forward_parts(cfg, m * rows_per_item, seq, kind, params=False).items()}}
+                               forward_parts(cfg, m * rows_per_item, length, kind, params=False).items()}}
 
     if budget is not None and not budget.fits(forward(1)):
         need = sum(forward(1).values()) / FIT_SHARE + CUBLAS_WORKSPACE + budget.context

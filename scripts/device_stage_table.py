@@ -34,6 +34,9 @@ RULES = {
     "prefs": ("prefs", ["data/prefs/prefs.jsonl"]),
     "ref_logps": ("ref-logps", ["results/ref_logps.npz"]),
     "dpo": ("dpo", ["results/dpo.bin"]),
+    "hellaswag_eval_base": ("hellaswag-eval", ["results/hellaswag/base.json"]),
+    "hellaswag_eval_chat": ("hellaswag-eval", ["results/hellaswag/chat.json"]),
+    "hellaswag_eval_dpo": ("hellaswag-eval", ["results/hellaswag/dpo.json"]),
     "evaluate": ("evaluate", ["results/samples.md", "results/metrics.json", "results/loss.png"]),
 }
 

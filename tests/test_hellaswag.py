@@ -78,6 +78,11 @@ def test_batches_do_not_change_the_picks():
     one = score_items(params, cfg, _encode, items, batch_size=1, xp=np)
     many = score_items(params, cfg, _encode, items, batch_size=3, xp=np)
     assert one["picks"] == many["picks"] and one["picks_norm"] == many["picks_norm"]
+    # the largest forward (for the memory report): (items, their padded length), largest by their product
+    forwards = [(len(items[lo:lo + 3]), max(len(t) for it in items[lo:lo + 3]
+                                             for t, _ in item_rows(_encode, it, cfg.ctx_len)) - 1)
+                for lo in range(0, 7, 3)]
+    assert many["largest_forward"] == max(forwards, key=lambda f: f[0] * f[1])
 
 
 def test_transformers_on_the_hf_export_makes_the_same_picks(tmp_path):

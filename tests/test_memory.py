@@ -406,7 +406,7 @@ def test_the_device_script_reads_each_stages_lines_into_its_table(tmp_path):
     fake.write_text(f"""#!/bin/bash
 if [ "$1" = -m ]; then
   case "$CUPY_GPU_MEMORY_LIMIT" in
-    7e9) echo "nanoeuler sft: error: needs 8.1 GB for one sequence of 512 at fp32; gpu_memory is 7.4 GB: x" >&2
+    7000000000) echo "nanoeuler sft: error: needs 8.1 GB for one sequence of 512 at fp32; gpu_memory is 7.4 GB: x" >&2
          exit 1 ;;
   esac
   echo "nanoeuler sft: batch 32 as 3 micro-batches of 11 to fit 11.4 GB (free on the card)" >&2

@@ -87,13 +87,15 @@ def score_items(params: dict, cfg, encode, items: list[dict], batch_size: int, x
     """Picks and accuracies over `items` (see the module docstring)."""
     from tqdm import tqdm
 
-    picks, picks_norm, truncated = [], [], 0
+    picks, picks_norm, truncated, largest = [], [], 0, (0, 0)
     with tqdm(total=len(items), desc=desc, unit="item", disable=None) as bar:
         for lo in range(0, len(items), batch_size):
             batch = items[lo : lo + batch_size]
             rows = [row for item in batch for row in item_rows(encode, item, cfg.ctx_len)]
             truncated += sum(len(t) == cfg.ctx_len + 1 for t, _ in rows)
             total, mean = score_rows(params, cfg, rows, xp)
+            length = max(len(t) for t, _ in rows) - 1  # the forward's padded length
+            largest = max(largest, (len(batch), length), key=lambda b: b[0] * b[1])
             picks += total.reshape(-1, 4).argmax(axis=1).tolist()
             picks_norm += mean.reshape(-1, 4).argmax(axis=1).tolist()
             bar.update(len(batch))
@@ -102,7 +104,7 @@ def score_items(params: dict, cfg, encode, items: list[dict], batch_size: int, x
     correct_norm = sum(p == y for p, y in zip(picks_norm, labels))
     return {"items": len(items), "acc": correct / len(items), "acc_norm": correct_norm / len(items),
             "correct": correct, "correct_norm": correct_norm, "rows_at_context_limit": truncated,
-            "chance": 0.25, "picks": picks, "picks_norm": picks_norm}
+            "chance": 0.25, "picks": picks, "picks_norm": picks_norm, "largest_forward": largest}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,8 +133,9 @@ def run(args: argparse.Namespace) -> int:
                                                int(ev["hellaswag_batch_size"]), "logits", resident, rows_per_item=4)
     result = score_items(gen.params, cfg, tok.encode_ordinary, items, per_batch, gen.xp,
                          desc=f"hellaswag {args.name}")
+    items_in, length = result.pop("largest_forward")  # (items, padded length) of the largest forward
     if budget is not None:
-        gen.meter.report("hellaswag-eval", memory.peak(predict(per_batch), budget.context),
+        gen.meter.report("hellaswag-eval", memory.peak(predict(items_in, length), budget.context),
                          detail=f"{per_batch} items a forward")
     result = {"model": args.name, "file": str(args.ckpt), "steps": meta.get("step"), **result,
               "definitions": DEFINITIONS}

@@ -18,6 +18,8 @@ rule hellaswag_eval:
         **job_resources(gpu=config["device"] != "cpu"),
     log:
         f"{LOGS}/hellaswag_eval_{{model}}.log",
+    benchmark:
+        f"{BENCH}/hellaswag_eval_{{model}}.tsv"
     shell:
         "OMP_NUM_THREADS={threads} OPENBLAS_NUM_THREADS={threads} "
         "nanoeuler hellaswag-eval --params {params.cfg:q} --ckpt {input.model:q} --data {input.data:q} "

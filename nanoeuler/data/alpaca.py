@@ -32,11 +32,7 @@ def sources(section: dict) -> list[str]:
 
 
 def load_records(path: Path) -> list:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
-    return json_list(text, path, "Alpaca data")
+    return json_list(path, "Alpaca data")
 
 
 def problem(record) -> str | None:

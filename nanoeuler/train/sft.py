@@ -18,8 +18,8 @@ same loop, checkpoints and resume rules as pretraining (`results/sft/`).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -49,7 +49,7 @@ def read_records(path: str | Path) -> list[dict]:
     from nanoeuler.data.common import jsonl_objects
 
     path = Path(path)
-    if not path.exists():
+    if not os.path.lexists(path):  # lexists: a symlink loop is named as one by the reader
         raise UserError(f"Alpaca data {path} does not exist (run `nanoeuler alpaca` first)")
     records = []
     for n, rec in jsonl_objects(path, "Alpaca data"):
@@ -253,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
     from nanoeuler.eval.plots import plot_losses
     from nanoeuler.train import loop, rundir
     from nanoeuler.train.config import SftConfig
+    from nanoeuler.files import DATA_JSONL, file_sha256
 
     conf = sections(args, "device", "gpu_memory", "sft")
     sec = conf["sft"]
@@ -268,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     tok = _base_tokenizer(args.base, meta)
     base_checksum = checkpoint.read_header(args.base)[1].get("checksum")
 
-    data_sha = hashlib.sha256(Path(args.data).read_bytes()).hexdigest()
+    data_sha = file_sha256(args.data, "Alpaca data", DATA_JSONL)
     examples, val_examples, counts = _examples(args.data, tok, cfg.ctx_len, settings, verbose=root)
 
     pad_id = tok.eot_id

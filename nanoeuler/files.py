@@ -41,6 +41,7 @@ SMALL_JSON = 64 * MiB      # tokenizer.json, shard manifest, metrics.json, Hella
 DATA_JSON = 1 * GiB        # a whole-file JSON data set held in memory (Alpaca's 22 MB alpaca_data.json)
 DATA_JSONL = 4 * GiB       # JSON lines data (Alpaca, preference pairs, HellaSwag), decompressed
 LINE = 16 * MiB            # one line of a JSON lines file
+BOOK = 256 * MiB           # one plain-text book (the longest on Project Gutenberg are about 10 MB)
 ARRAYS = 4 * GiB           # the reference log-probabilities (.npz)
 CHECKPOINT = 256 * GiB     # a model file (read tensor by tensor against its header)
 

@@ -39,7 +39,7 @@ GiB = 1 << 30
 # before it fills the memory rather than after.
 SMALL_JSON = 64 * MiB      # tokenizer.json, shard manifest, metrics.json, HellaSwag results, samples.md
 DATA_JSON = 1 * GiB        # a whole-file JSON data set held in memory (Alpaca's 22 MB alpaca_data.json)
-DATA_JSONL = 4 * GiB       # JSON lines data (Alpaca, preference pairs, HellaSwag), decompressed
+DATA_JSONL = 1 * GiB       # JSON lines data (Alpaca, preference pairs, HellaSwag), decompressed
 LINE = 16 * MiB            # one line of a JSON lines file
 BOOK = 256 * MiB           # one plain-text book (the longest on Project Gutenberg are about 10 MB)
 ARRAYS = 4 * GiB           # the reference log-probabilities (.npz)
@@ -261,6 +261,18 @@ def json_lines(path: str | os.PathLike, what: str, **bounds) -> Iterator[tuple[i
 
 
 # ---- writing ------------------------------------------------------------------------------------
+
+def check_outputs(**outputs) -> None:
+    """Refuse output files that name a directory, before a stage spends its time: option=path pairs.
+
+        >>> check_outputs(out=".")
+        Traceback (most recent call last):
+        nanoeuler.errors.UserError: --out . is a directory; name a file to write
+    """
+    for option, path in outputs.items():
+        if path is not None and Path(path).is_dir():
+            raise UserError(f"--{option.replace('_', '-')} {path} is a directory; name a file to write")
+
 
 @contextlib.contextmanager
 def naming(path: str | os.PathLike) -> Iterator[None]:

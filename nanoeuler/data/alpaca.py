@@ -21,6 +21,7 @@ from pathlib import Path
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.data.common import add_source_root_argument, atomic_path, info, json_list, warn
 from nanoeuler.errors import UserError
+from nanoeuler.files import DATA_JSON
 
 FIELDS = ("instruction", "input", "output")
 RAW_NAME = "alpaca_data.json"
@@ -95,7 +96,8 @@ def build(section: dict, raw_dir: Path, out: Path, root: str = ".") -> dict[str,
     from nanoeuler.data.download import fetch, fetch_options
 
     raw = raw_dir / RAW_NAME
-    if fetch(section["url"], raw, root=root, sha256=section["sha256"], check=load_records, **fetch_options(section)):
+    if fetch(section["url"], raw, root=root, sha256=section["sha256"], check=load_records,
+             limit=DATA_JSON, **fetch_options(section)):
         info(f"fetched {section['url']} -> {raw} ({raw.stat().st_size:,} bytes)")
     else:
         info(f"{raw} already there")

@@ -117,7 +117,7 @@ def build(section: dict, raw_dir: Path, out: Path, root: str = ".") -> int:
             return strip_license(decode(read_bytes(p, "book", BOOK), book_id), book_id)
 
         try:
-            if fetch(source, path, root=root, check=check, **fetch_options(section)):
+            if fetch(source, path, root=root, check=check, limit=BOOK, **fetch_options(section)):
                 fetched += 1
             else:
                 cached += 1

@@ -23,7 +23,7 @@ from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.data.alpaca import write_jsonl
 from nanoeuler.data.common import add_source_root_argument, info
 from nanoeuler.errors import UserError
-from nanoeuler.files import JsonError, lines, parse_json
+from nanoeuler.files import DATA_JSONL, JsonError, lines, parse_json
 
 RAW_NAME = "hellaswag_val.jsonl"
 N_ENDINGS = 4
@@ -89,7 +89,7 @@ def build(section: dict, raw_dir: Path, out: Path, root: str = ".") -> int:
 
     raw = raw_dir / RAW_NAME
     if fetch(section["url"], raw, root=root, sha256=section["sha256"], timeout_s=section["timeout_s"],
-             retries=section["retries"], delay_s=section["delay_s"]):
+             retries=section["retries"], delay_s=section["delay_s"], limit=DATA_JSONL):
         info(f"fetched {section['url']} -> {raw} ({raw.stat().st_size:,} bytes)")
     else:
         info(f"{raw} already there")

@@ -35,7 +35,7 @@ from pathlib import Path
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.data.alpaca import write_jsonl
 from nanoeuler.data.common import add_source_root_argument, info, json_list, warn
-from nanoeuler.files import check_input, json_lines
+from nanoeuler.files import DATA_JSONL, check_input, json_lines
 from nanoeuler.errors import UserError
 
 RAW_NAMES = {"hh": "train.jsonl.gz", "ultrafeedback": "train_prefs.parquet", "sharegpt": "prefs.json"}
@@ -217,7 +217,7 @@ def build(section: dict, raw_dir: Path, out: Path, root: str = ".") -> dict[str,
 
     raw = raw_dir / RAW_NAMES[section["format"]]
     if fetch(section["url"], raw, root=root, sha256=section["sha256"], timeout_s=section["timeout_s"],
-             retries=section["retries"], delay_s=section["delay_s"]):
+             retries=section["retries"], delay_s=section["delay_s"], limit=DATA_JSONL):
         info(f"fetched {section['url']} -> {raw} ({raw.stat().st_size:,} bytes)")
     else:
         info(f"{raw} already there")

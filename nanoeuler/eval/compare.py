@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from nanoeuler.errors import UserError
-from nanoeuler.files import read_json
+from nanoeuler.files import check_outputs, read_json
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # Directories and files of the unnamed run's results/; an experiment of the same name would mix with
@@ -183,6 +183,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from nanoeuler.data.common import atomic_path
 
+    check_outputs(table=args.table, plot=args.plot)
     experiments = [load_experiment(name) for name in args.experiments]
     header, rows = table_rows(experiments)
     text = render_table(header, rows, markdown=args.table.endswith(".md"))

@@ -186,9 +186,11 @@ def _training_runs(args: argparse.Namespace) -> list[tuple[str, list]]:
 
 def run(args: argparse.Namespace) -> int:
     from nanoeuler.eval.plots import plot_losses
+    from nanoeuler.files import check_outputs
     from nanoeuler.infer.generate import Sampling
     from nanoeuler.train.loader import ShardSplit, read_manifest
 
+    check_outputs(samples=args.samples, metrics=args.metrics, plot=args.plot)
     conf = sections(args, "device", "gpu_memory", "eval")
     ev = conf["eval"]
     hellaswag = read_hellaswag(args.hellaswag)  # before the long work: a bad file stops the stage at once

@@ -370,11 +370,14 @@ def write_text_atomic(path: Path, text: str) -> None:
     import os
     import tempfile
 
+    from nanoeuler.files import check_outputs, naming
+
+    check_outputs(out=path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, default_file_mode())  # mkstemp makes 0600; outputs get what open() would give
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+        with naming(path), os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:  # a full disk names it
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -36,7 +36,7 @@ import numpy as np
 
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.errors import UserError
-from nanoeuler.files import SMALL_JSON, check_input, naming, parse_json, read_text
+from nanoeuler.files import SMALL_JSON, check_input, check_outputs, naming, parse_json, read_text
 from nanoeuler.tokenizer.bpe import MAX_VOCAB, Tokenizer, write_text_atomic
 
 MANIFEST_FORMAT = 1
@@ -248,6 +248,7 @@ def tokenize_corpus(tok: Tokenizer, inputs: dict[str, Path], manifest_path: Path
 
 
 def run(args: argparse.Namespace) -> int:
+    check_outputs(out=args.out)
     cfg = sections(args, "shards")["shards"]
     tok = Tokenizer.load(args.tokenizer)
     manifest = tokenize_corpus(tok, {"train": Path(args.train), "val": Path(args.val)}, Path(args.out),

@@ -24,7 +24,7 @@ import numpy as np
 from nanoeuler.backend import add_device_argument
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.errors import UserError
-from nanoeuler.files import ARRAYS, open_input, parse_json
+from nanoeuler.files import ARRAYS, check_outputs, open_input, parse_json
 
 BATCH_PAIRS = 8  # pairs per forward pass at most (16 sequences; fewer where the GPU's memory asks for it);
 # the values do not depend on it beyond rounding
@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from nanoeuler.data.common import atomic_path
     from nanoeuler.train.pairs import encode_pairs, load_chat_model, read_pairs, sequence_logps
 
+    check_outputs(out=args.out)
     conf = sections(args, "device", "gpu_memory")
     xp = get_xp(args.device or conf["device"])
     meter = memory.PeakMeter(xp)

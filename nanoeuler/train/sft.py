@@ -251,10 +251,11 @@ def run(args: argparse.Namespace) -> int:
     from nanoeuler import checkpoint, memory
     from nanoeuler.backend import get_xp
     from nanoeuler.eval.plots import plot_losses
+    from nanoeuler.files import DATA_JSONL, check_outputs, file_sha256
     from nanoeuler.train import loop, rundir
     from nanoeuler.train.config import SftConfig
-    from nanoeuler.files import DATA_JSONL, file_sha256
 
+    check_outputs(out=args.out)  # refused now, not after the training
     conf = sections(args, "device", "gpu_memory", "sft")
     sec = conf["sft"]
     settings = SftConfig.from_section(sec)

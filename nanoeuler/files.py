@@ -124,11 +124,15 @@ def check_input(path: str | os.PathLike, what: str, limit: int | None = None) ->
 
 def read_bytes(path: str | os.PathLike, what: str, limit: int, *, gunzip: bool = False) -> bytes:
     """The bytes of `path`, at most `limit` of them (after decompression when `gunzip` and it is gzip)."""
+    chunks, seen = [], 0
     with _reader(path, what, limit, gunzip) as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:  # grew since it was checked, or decompressed past the limit
-        raise UserError(f"{what} {path} holds more than {size_text(limit)}; a {what} is at most {size_text(limit)}")
-    return data
+        while chunk := f.read(MiB):  # in pieces: read(limit) would set aside `limit` bytes at once
+            seen += len(chunk)
+            if seen > limit:  # grew since it was checked, or decompressed past the limit
+                raise UserError(f"{what} {path} holds more than {size_text(limit)}; a {what} is at most "
+                                f"{size_text(limit)}")
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def read_text(path: str | os.PathLike, what: str, limit: int, *, gunzip: bool = False) -> str:

@@ -136,10 +136,8 @@ def export(ckpt, out) -> list[str]:
 
 def check_out_dir(out: Path) -> None:
     """Refuse an --out whose replacement would lose something: a file, a link, or a folder holding
-    anything but a previous export's files.
-
-        >>> check_out_dir(Path("results"))   # doctest: +SKIP
-        nanoeuler.errors.UserError: --out results holds other files (base.bin, chat.bin, pretrain, ...); ...
+    anything but a previous export's files. For example `--out results` is refused with
+    "--out results holds other files (base.bin, chat.bin, metrics.json, pretrain, sft, ...)".
     """
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise UserError(f"--out {out} exists and is not a directory")

@@ -112,7 +112,7 @@ DRIVER = textwrap.dedent("""
     resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
     from nanoeuler import cli
 
-    class Hang(Exception):
+    class Hang(BaseException):  # not caught by a stage's `except Exception`
         pass
 
     def alarm(*_):

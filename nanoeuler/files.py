@@ -67,25 +67,31 @@ def size_text(n: int) -> str:
 def open_input(path: str | os.PathLike, what: str, limit: int | None = None) -> BinaryIO:
     """`path` opened for binary reading after checking it is a regular file of at most `limit` bytes.
 
-    `what` names the kind of file in the message ("tokenizer file", "Alpaca data"). A FIFO is opened
-    without waiting for a writer, and refused like a device or a directory.
+    `what` names the kind of file in the message ("tokenizer file", "Alpaca data"). The path is looked
+    at before it is opened, so a device or FIFO is refused without being opened, and the open file is
+    looked at again (it may have been swapped in between).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        _check_regular(os.stat(path), path, what, limit)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # O_NONBLOCK: a FIFO never waits
     except OSError as exc:
         raise UserError(f"{what} {path} {_open_problem(exc)}") from None
     try:
-        info = os.fstat(fd)
-        kind = _not_regular(info.st_mode)
-        if kind:
-            raise UserError(f"{what} {path} is {kind}, not a regular file")
-        if limit is not None and info.st_size > limit:
-            raise UserError(f"{what} {path} is {size_text(info.st_size)}; a {what} is at most {size_text(limit)}")
+        _check_regular(os.fstat(fd), path, what, limit)
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
+
+
+def _check_regular(info: os.stat_result, path, what: str, limit: int | None) -> None:
+    kind = _not_regular(info.st_mode)
+    if kind:
+        raise UserError(f"{what} {path} is {kind}, not a regular file")
+    if limit is not None and info.st_size > limit:
+        raise UserError(f"{what} {path} is {size_text(info.st_size)}, more than the {size_text(limit)} "
+                        "read from such a file")
 
 
 def _open_problem(exc: OSError) -> str:
@@ -129,8 +135,7 @@ def read_bytes(path: str | os.PathLike, what: str, limit: int, *, gunzip: bool =
         while chunk := f.read(MiB):  # in pieces: read(limit) would set aside `limit` bytes at once
             seen += len(chunk)
             if seen > limit:  # grew since it was checked, or decompressed past the limit
-                raise UserError(f"{what} {path} holds more than {size_text(limit)}; a {what} is at most "
-                                f"{size_text(limit)}")
+                raise UserError(f"{what} {path} holds more than the {size_text(limit)} read from such a file")
             chunks.append(chunk)
     return b"".join(chunks)
 
@@ -156,7 +161,7 @@ def file_sha256(path: str | os.PathLike, what: str, limit: int) -> str:
         while chunk := f.read(MiB):
             seen += len(chunk)
             if seen > limit:
-                raise UserError(f"{what} {path} holds more than {size_text(limit)}")
+                raise UserError(f"{what} {path} holds more than the {size_text(limit)} read from such a file")
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -245,11 +250,10 @@ def lines(path: str | os.PathLike, what: str, *, limit: int = DATA_JSONL, line_l
     with _reader(path, what, limit, gunzip) as f:
         for n, raw in enumerate(iter(lambda: f.readline(line_limit + 1), b""), 1):
             if len(raw) > line_limit:
-                raise UserError(f"{path}:{n}: line longer than {size_text(line_limit)}; is {path} "
-                                f"a {what} file?")
+                raise UserError(f"{path}:{n}: a line longer than {size_text(line_limit)} (is this {what}?)")
             seen += len(raw)
             if seen > limit:
-                raise UserError(f"{what} {path} holds more than {size_text(limit)}")
+                raise UserError(f"{what} {path} holds more than the {size_text(limit)} read from such a file")
             yield n, raw
 
 

@@ -50,6 +50,9 @@ OPTIONS = {
                           "--out", "{out}/ref.npz", "--no-progress"],
     "dpo --ref": ["dpo", "--config", "{config}", "--ckpt", "{base}", "--prefs", "{prefs}", "--ref", X,
                   "--out", "{out}/dpo.bin", "--no-progress"],
+    "evaluate --hellaswag": ["evaluate", "--config", "{config}", "--base", "{base}", "--chat", "{base}", "--shards",
+                             "{manifest}", "--samples", "{out}/samples.md", "--metrics", "{out}/metrics.json",
+                             "--plot", "{out}/loss.png", "--hellaswag", X],
     "report-pages --metrics": ["report-pages", "--metrics", X, "--samples", "{samples}", "--run-config", "{{}}",
                                "--out-dir", "{out}"],
     "report-pages --samples": ["report-pages", "--metrics", "{metrics}", "--samples", X, "--run-config", "{{}}",
@@ -159,7 +162,9 @@ def outcomes(request, tmp_path_factory):
             where[(option, fault)] = (bad, case / "out")
     import nanoeuler  # the child runs the code this test imported
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(nanoeuler.__file__).parents[1])] + sys.path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(nanoeuler.__file__).parents[1])] + sys.path),
+           # one BLAS thread: each thread's buffers count against the address-space limit on a many-core host
+           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(cases), capture_output=True, text=True,
                           env=env, timeout=1800, cwd=base)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -41,6 +41,7 @@ import numpy as np
 
 from nanoeuler.backend import to_numpy
 from nanoeuler.errors import UserError
+from nanoeuler.files import CHECKPOINT, JsonError, naming, open_input, parse_json
 from nanoeuler.model.config import ModelConfig
 
 FORMAT = "nanoeuler"
@@ -101,7 +102,7 @@ def write_safetensors(path, tensors: dict, raw_metadata: dict[str, str],
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with naming(path), open(tmp, "wb") as f:  # a full disk names the checkpoint
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
             for a in arrays.values():
@@ -157,8 +158,8 @@ def read_header(path) -> tuple[dict, dict, int]:
 def _read_header(path: Path) -> tuple[dict, dict, int, bytes]:
     """read_header's answer plus the canonical header bytes that the checksum covers."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_input(path, "checkpoint", CHECKPOINT) as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise UserError(f"checkpoint {path} is truncated ({size} bytes, no header)")
@@ -167,15 +168,11 @@ def _read_header(path: Path) -> tuple[dict, dict, int, bytes]:
                 raise UserError(f"checkpoint {path} is truncated or not a checkpoint "
                                 f"(header length {n}, file size {size})")
             raw = f.read(n)
-    except FileNotFoundError:
-        raise UserError(f"checkpoint {path} does not exist") from None
-    except IsADirectoryError:
-        raise UserError(f"checkpoint {path} is a directory, not a file") from None
     except OSError as exc:
         raise UserError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        header = parse_json(raw, str(path))
+    except JsonError:
         raise UserError(f"checkpoint {path} is corrupt (its header is not valid JSON)") from None
     if not isinstance(header, dict):
         raise UserError(f"checkpoint {path} is corrupt (its header is not a JSON object)")
@@ -220,7 +217,7 @@ def load(path) -> tuple[dict, dict]:
     # version 1 files: the checksum covers the data section only
     digest = hashlib.sha256(canonical if meta["format_version"] != "1" else b"")
     arrays = {}
-    with open(path, "rb") as f:
+    with open_input(path, "checkpoint", CHECKPOINT) as f:
         f.seek(start)
         for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2]):
             a = np.empty(shape, dtype=dtype.newbyteorder("<"))
@@ -236,9 +233,11 @@ def load(path) -> tuple[dict, dict]:
     for key, value in meta.items():
         if key in RESERVED:
             continue
+        if not isinstance(value, str):
+            raise UserError(f"checkpoint {path} is corrupt (metadata {key!r} is not JSON)")
         try:
-            metadata[key] = json.loads(value)
-        except (TypeError, json.JSONDecodeError):
+            metadata[key] = parse_json(value, f"{path}: metadata {key!r}")
+        except JsonError:
             raise UserError(f"checkpoint {path} is corrupt (metadata {key!r} is not JSON)") from None
     return {name: arrays[name] for name in entries}, metadata
 

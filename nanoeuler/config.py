@@ -134,18 +134,16 @@ def load_config(path: str | Path | None) -> dict:
     """Read a YAML config file (None: all defaults) and validate it."""
     if path is None:
         return validate({})
+    from nanoeuler.files import SMALL_JSON, read_text
+
     path = Path(path)
+    text = read_text(path, "config file", SMALL_JSON)  # bounded: a device or FIFO is refused
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise UserError(f"config file {path} does not exist") from None
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise UserError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     except ValueError as exc:  # a value YAML cannot build: a date of month 13, an integer of 5000 digits
         raise UserError(f"config file {path} holds a value that cannot be read: {str(exc).splitlines()[0]}") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"config file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     except RecursionError:
         raise UserError(f"config file {path} is nested too deeply to read") from None
     if raw is not None and not isinstance(raw, dict):

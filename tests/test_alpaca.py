@@ -63,7 +63,7 @@ def test_nothing_usable_is_an_error():
 
 @pytest.mark.parametrize("content, match", [
     ('{"instruction": "x"}', "must hold a JSON list of records, got a JSON dict"),
-    ('[{"instruction": "x",]', r"is not valid JSON: .* at line 1 column"),
+    ('[{"instruction": "x",]', r"not valid JSON \(.* at line 1 column"),
     (b"\xff\xfe[]", "is not UTF-8"),
 ])
 def test_unreadable_files(tmp_path, content, match):

@@ -155,7 +155,7 @@ def test_os_errors_are_one_line_and_leave_no_output(tmp_path, capsys, monkeypatc
     out = tmp_path / "tok" / "tokenizer.json"
     assert main(["tokenizer", "--params", json.dumps({"tokenizer": {"vocab_size": 300}}),
                  "--corpus", str(corpus_file), "--out", str(out)]) == 1
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "nanoeuler tokenizer: error: No space left on device"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"nanoeuler tokenizer: error: {out}: No space left on device"
     assert list(out.parent.iterdir()) == []  # no partial or temporary file
 
 
@@ -360,3 +360,247 @@ def test_the_tiny_configs_chat_prompts_fit_its_context():
     room = min(cfg["eval"]["max_new_tokens"], ctx // 4)  # what chat and sample keep free for the answer
     for prompt in cfg["eval"]["chat_prompts"]:
         assert len(tok.encode(render_prompt(prompt))) <= ctx - room, prompt
+
+
+# ---- nothing removed that a stage did not make ------------------------------------------------------
+
+
+def test_export_hf_never_replaces_a_folder_that_holds_other_things(tmp_path, model_file, capsys, monkeypatch):
+    """`export-hf --out results` deleted all of results/ (models, run directories) and exited 0."""
+    from nanoeuler.cli import main
+
+    results = tmp_path / "results"
+    (results / "pretrain").mkdir(parents=True)
+    (results / "pretrain" / "ckpt_00000010.bin").write_bytes(b"run")
+    (results / "base.bin").write_bytes(b"model")
+    before = sorted(p.relative_to(tmp_path) for p in results.rglob("*"))
+    assert main(["export-hf", "--ckpt", str(model_file), "--out", str(results)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("nanoeuler export-hf: error: --out ") and "holds other files (base.bin, pretrain)" in err
+    monkeypatch.chdir(results)  # `--out .` was a ValueError traceback
+    assert main(["export-hf", "--ckpt", str(model_file), "--out", "."]) == 1
+    assert "holds other files" in capsys.readouterr().err
+    assert sorted(p.relative_to(tmp_path) for p in results.rglob("*")) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]  # no temporary folder left beside it
+
+    hf = tmp_path / "hf"
+    for _ in range(2):  # a new folder, then the previous export, which is replaced file by file
+        assert main(["export-hf", "--ckpt", str(model_file), "--out", str(hf)]) == 0
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                   "tokenizer_config.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "results"]
+
+
+def test_setting_a_run_aside_keeps_what_the_run_did_not_put_in_previous(tmp_path):
+    """previous/ was removed whole, with whatever the user kept there."""
+    from nanoeuler.train import rundir
+
+    prev = tmp_path / "previous"
+    (prev / "notes").mkdir(parents=True)
+    (prev / "notes" / "plan.txt").write_text("mine")
+    (prev / "ckpt_00000001.bin").write_bytes(b"older run")
+    (tmp_path / "ckpt_00000005.bin").write_bytes(b"old run")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 5}\n')
+    rundir.set_aside_all(tmp_path)
+    assert sorted(p.name for p in prev.iterdir()) == ["ckpt_00000005.bin", "metrics.jsonl", "notes"]
+    assert (prev / "notes" / "plan.txt").read_text() == "mine"
+
+
+def test_tokenize_removes_only_the_shards_its_old_manifest_lists(tmp_path):
+    """Every file named like a shard next to the manifest was deleted, the user's too."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nanoeuler.tokenizer.shards import tokenize_corpus
+    from train_fixtures import make_tokenizer
+
+    tok = make_tokenizer()
+    corpus = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": ["the sea was calm " * 30] * 4}), corpus)
+    out = tmp_path / "shards" / "manifest.json"
+    tokenize_corpus(tok, {"train": corpus, "val": corpus}, out, shard_tokens=100)
+    first = sorted(p.name for p in out.parent.glob("train_*.npy"))
+    assert len(first) > 1
+    (out.parent / "train_0099.npy").write_bytes(b"the user's")
+    tokenize_corpus(tok, {"train": corpus, "val": corpus}, out, shard_tokens=10_000)  # fewer shards now
+    assert sorted(p.name for p in out.parent.glob("train_*.npy")) == ["train_0000.npy", "train_0099.npy"]
+
+
+# ---- one JSON parser: every reader says the same about the same bad text ---------------------------------
+
+BAD_JSON = {"a lone surrogate": '"\\ud800"', "nested 100,000 deep": "[" * 100_000 + "]" * 100_000}
+
+
+def _read_alpaca_raw(path):
+    from nanoeuler.data.alpaca import load_records
+    return load_records(path)
+
+
+def _read_prefs(fmt):
+    def read(path):
+        from nanoeuler.data.prefs import read_raw
+        return read_raw(path, fmt)
+    return read
+
+
+def _read_hellaswag(path):
+    from nanoeuler.data.hellaswag import read_items
+    return read_items(path)
+
+
+def _read_pairs(path):
+    from nanoeuler.train.pairs import read_pairs
+    return read_pairs(path)
+
+
+def _read_sft(path):
+    from nanoeuler.train.sft import read_records
+    return read_records(path)
+
+
+def _read_tokenizer(path):
+    from nanoeuler.tokenizer.bpe import Tokenizer
+    return Tokenizer.load(path)
+
+
+def _read_manifest(path):
+    from nanoeuler.train.loader import read_manifest
+    return read_manifest(path)
+
+
+# reader -> (what reads it, the file's text around the bad value V)
+JSON_READERS = {
+    "alpaca (raw JSON)": (_read_alpaca_raw, '[{"instruction": V, "input": "", "output": "x"}]'),
+    "prefs (LLaMA-Factory JSON)": (_read_prefs("sharegpt"), '[{"conversations": V}]'),
+    "prefs (HH JSON lines)": (_read_prefs("hh"), '{"chosen": V, "rejected": "x"}\n'),
+    "hellaswag, hellaswag-eval": (_read_hellaswag, '{"ctx": V, "endings": ["a", "b", "c", "d"], "label": 0}\n'),
+    "ref-logps, dpo (pairs)": (_read_pairs, '{"prompt": V, "chosen": "a", "rejected": "b"}\n'),
+    "sft (Alpaca JSON lines)": (_read_sft, '{"instruction": V, "input": "", "output": "x"}\n'),
+    "tokenizer.json": (_read_tokenizer, '{"format": V}'),
+    "shard manifest": (_read_manifest, '{"splits": V}'),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_JSON)
+@pytest.mark.parametrize("reader", JSON_READERS)
+def test_every_json_reader_refuses_the_same_bad_json_in_one_line(tmp_path, reader, bad):
+    """A lone surrogate was a UnicodeEncodeError traceback (alpaca, prefs, hellaswag, ref-logps); deep
+    nesting a RecursionError (prefs, hellaswag)."""
+    read, text = JSON_READERS[reader]
+    path = tmp_path / "input.json"
+    path.write_text(text.replace("V", BAD_JSON[bad]), encoding="utf-8")
+    with pytest.raises(UserError) as exc:
+        read(path)
+    message = str(exc.value)
+    assert str(path) in message and "\n" not in message
+    assert ("lone surrogate U+D800" if bad == "a lone surrogate" else "nested too deeply") in message
+
+
+# ---- errors that name the file ------------------------------------------------------------------------
+
+
+def test_a_full_disk_names_the_file(tmp_path):
+    """A full disk said "20000 requested and 10176 written" (tokenize) or "No space left on device" (a
+    checkpoint) without a path. A file-size limit makes the writes fail the same way."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from train_fixtures import make_tokenizer
+
+    make_tokenizer().save(tmp_path / "tok.json")
+    pq.write_table(pa.table({"text": ["the sea was calm and the sky was blue " * 400] * 20}), tmp_path / "c.parquet")
+    script = f"""
+import resource, signal, sys
+import numpy as np
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (16384, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+from nanoeuler import checkpoint, cli
+try:
+    checkpoint.save({str(tmp_path / "ckpt.bin")!r}, {{"w": np.zeros(100_000, np.float32)}}, {{}})
+except OSError as exc:
+    print("checkpoint:", cli.os_error(exc), file=sys.stderr)
+sys.exit(cli.main(["tokenize", "--tokenizer", {str(tmp_path / "tok.json")!r}, "--train", {str(tmp_path / "c.parquet")!r},
+                   "--val", {str(tmp_path / "c.parquet")!r}, "--out", {str(tmp_path / "shards" / "m.json")!r}]))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"checkpoint: {tmp_path / 'ckpt.bin'}: File too large" in lines
+    assert lines[-1].startswith(f"nanoeuler tokenize: error: {tmp_path / 'shards'}/"), lines[-1]
+    assert "train_0000.npy" in lines[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.parquet", "shards", "tok.json"]
+    assert list((tmp_path / "shards").iterdir()) == []
+
+
+def test_a_truncated_reference_file_is_one_line(tmp_path):
+    """A cut ref_logps.npz was a BadZipFile traceback."""
+    from nanoeuler.train.reflogps import load_reference
+
+    path = tmp_path / "ref_logps.npz"
+    with open(path, "wb") as f:
+        np.savez(f, logps=np.zeros((4, 2)), meta=np.array("{}"))
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(UserError, match=f"reference log-probs {path} are unreadable .*re-run"):
+        load_reference(path, {"pairs": 4})
+
+
+@pytest.mark.parametrize("metrics, complaint", [
+    ([1, 2], "must hold a JSON object"),
+    ({"base": {"val_loss": 3.0, "params": "many"}}, "key 'base.params' must be a number"),
+    ({"base": {"val_loss": 3.0}, "hellaswag": [1]}, "key 'hellaswag' must map each model"),
+    ({"hellaswag": {"base": {"acc": 0.3}}}, "key 'hellaswag.base.items' must be a number"),
+])
+def test_a_metrics_file_of_the_wrong_shape_is_named(tmp_path, capsys, monkeypatch, metrics, complaint):
+    """compare and report-pages ended in AttributeError, TypeError or ValueError tracebacks."""
+    from nanoeuler.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    path = Path("results") / "exp" / "metrics.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(metrics))
+    Path("samples.md").write_text("# s\n")
+    assert main(["compare", "exp", "--table", "t.md", "--plot", "p.png"]) == 1
+    assert main(["report-pages", "--metrics", str(path), "--samples", "samples.md", "--run-config", "{}",
+                 "--out-dir", "pages"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(": error: ")[0] for line in lines] == ["nanoeuler compare", "nanoeuler report-pages"]
+    assert all(str(path) in line and complaint in line for line in lines), lines
+    assert sorted(os.listdir()) == ["results", "samples.md"]
+
+
+def test_samples_that_are_not_utf8_are_named(tmp_path, capsys):
+    from nanoeuler.cli import main
+
+    (tmp_path / "m.json").write_text("{}")
+    (tmp_path / "s.md").write_bytes(b"caf\xe9\n")
+    assert main(["report-pages", "--metrics", str(tmp_path / "m.json"), "--samples", str(tmp_path / "s.md"),
+                 "--run-config", "{}", "--out-dir", str(tmp_path / "pages")]) == 1
+    assert capsys.readouterr().err.strip() == (f"nanoeuler report-pages: error: samples file {tmp_path / 's.md'} "
+                                               "is not UTF-8 text (invalid continuation byte at byte 3)")
+
+
+def test_compare_plot_is_written_as_named_and_leaves_no_temporary(tmp_path, capsys, monkeypatch):
+    """--plot DIR left `.<name>.tmp.png` behind; --plot x.pdf held PNG bytes."""
+    from nanoeuler.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "metrics.json").write_text(json.dumps({"base": {"val_loss": 3.0}}))
+    (tmp_path / "plots").mkdir()
+    assert main(["compare", "", "--table", "t.md", "--plot", "plots"]) == 1
+    assert capsys.readouterr().err.strip() == "nanoeuler compare: error: --plot plots is a directory; name a file to write"
+    assert sorted(os.listdir()) == ["plots", "results"] and os.listdir("plots") == []
+    assert main(["compare", "", "--table", "t.md", "--plot", "plots/x.pdf"]) == 0
+    assert (tmp_path / "plots" / "x.pdf").read_bytes().startswith(b"%PDF")
+    assert main(["compare", "", "--table", "t.md", "--plot", "plots/x.nope"]) == 1
+    assert "cannot write a .nope image" in capsys.readouterr().err
+    assert os.listdir("plots") == ["x.pdf"]
+
+
+def test_an_experiment_named_like_a_file_of_the_run_is_refused():
+    """`experiment: base.bin` passed the name check and ended in a NotADirectoryError traceback."""
+    from nanoeuler.eval.compare import experiment_dirs
+
+    for name in ("base.bin", "metrics.json", "tokenizer.json"):
+        with pytest.raises(UserError, match=f"'{name}' is a file of the run itself"):
+            experiment_dirs(name)

@@ -21,6 +21,7 @@ from pathlib import Path
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.data.common import add_source_root_argument, atomic_path, info, json_list, warn
 from nanoeuler.errors import UserError
+from nanoeuler.files import DATA_JSON
 
 FIELDS = ("instruction", "input", "output")
 RAW_NAME = "alpaca_data.json"
@@ -32,11 +33,7 @@ def sources(section: dict) -> list[str]:
 
 
 def load_records(path: Path) -> list:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
-    return json_list(text, path, "Alpaca data")
+    return json_list(path, "Alpaca data")
 
 
 def problem(record) -> str | None:
@@ -99,7 +96,8 @@ def build(section: dict, raw_dir: Path, out: Path, root: str = ".") -> dict[str,
     from nanoeuler.data.download import fetch, fetch_options
 
     raw = raw_dir / RAW_NAME
-    if fetch(section["url"], raw, root=root, sha256=section["sha256"], check=load_records, **fetch_options(section)):
+    if fetch(section["url"], raw, root=root, sha256=section["sha256"], check=load_records,
+             limit=DATA_JSON, **fetch_options(section)):
         info(f"fetched {section['url']} -> {raw} ({raw.stat().st_size:,} bytes)")
     else:
         info(f"{raw} already there")

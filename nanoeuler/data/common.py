@@ -27,14 +27,21 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to `dest`; move it onto `dest` only if the block succeeds.
 
     The temporary file sits in the same directory so the final `os.replace` is atomic: readers see
-    either the old file or the complete new one, and an error leaves no partial output behind.
+    either the old file or the complete new one, and an error leaves no partial output behind. An
+    existing directory at `dest` is refused before the block runs.
     """
+    from nanoeuler.errors import UserError
+    from nanoeuler.files import naming
+
     dest = Path(dest)
+    if dest.is_dir():  # checked first: os.replace would fail only after all the work
+        raise UserError(f"output {dest} is a directory; name a file")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
     try:
-        yield tmp
-        os.replace(tmp, dest)
+        with naming(dest):  # a full disk seen by write() names no file
+            yield tmp
+            os.replace(tmp, dest)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
@@ -47,59 +54,35 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
 DUCKDB_MEMORY_LIMIT = "2GB"
 
 
-def json_list(text: str, path, what: str) -> list:
-    """The JSON list that `text` (the contents of `path`) holds, or a one-line error naming the file.
+def json_list(path: str | os.PathLike, what: str, *, limit: int | None = None, gunzip: bool = False) -> list:
+    """The JSON list a whole file holds (read by `nanoeuler.files.read_json`), or a one-line error.
 
-        >>> json_list('[{"instruction": "Hi"}]', "a.json", "Alpaca data")
-        [{'instruction': 'Hi'}]
+        >>> json_list("data/sample/alpaca.json", "Alpaca data")[0]["instruction"]   # doctest: +SKIP
+        'Give three tips for staying healthy.'
     """
-    import json
-
     from nanoeuler.errors import UserError
+    from nanoeuler.files import DATA_JSON, read_json
 
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except RecursionError:
-        raise UserError(f"{path} is not {what}: its JSON is nested too deeply to read") from None
+    data = read_json(path, what, DATA_JSON if limit is None else limit, gunzip=gunzip)
     if not isinstance(data, list):
         raise UserError(f"{path} must hold a JSON list of records, got a JSON {type(data).__name__}")
     return data
 
 
 def jsonl_objects(path: str | os.PathLike, what: str) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for each non-blank line of a JSONL file. A missing file, or a line that is
-    not UTF-8, not JSON or not an object, is a one-line error naming the file and the line.
+    """(line number, object) for each non-blank line of a JSONL file, read by `nanoeuler.files.json_lines`
+    (bounded lines, one JSON parser); a line that is not a JSON object is a one-line error naming it.
 
         >>> list(jsonl_objects("pairs.jsonl", "preference pairs"))   # doctest: +SKIP
         [(1, {'prompt': ..., 'chosen': ..., 'rejected': ...}), ...]
     """
-    import json
-
     from nanoeuler.errors import UserError
+    from nanoeuler.files import json_lines
 
-    try:
-        f = open(path, "rb")  # decoded line by line, so a bad byte is reported with its line
-    except FileNotFoundError:
-        raise UserError(f"{what} {path} does not exist") from None
-    with f:
-        for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise UserError(f"{path}:{n}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-            except RecursionError:
-                raise UserError(f"{path}:{n}: JSON nested too deeply to read") from None
-            if not isinstance(rec, dict):
-                raise UserError(f"{path}:{n}: expected a JSON object")
-            yield n, rec
+    for n, rec in json_lines(path, what):
+        if not isinstance(rec, dict):
+            raise UserError(f"{path}:{n}: expected a JSON object")
+        yield n, rec
 
 
 @contextlib.contextmanager

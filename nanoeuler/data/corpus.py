@@ -18,11 +18,13 @@ and split are logged.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.data.common import atomic_path, check_column_types, duckdb_connection, info
 from nanoeuler.errors import UserError
+from nanoeuler.files import check_input
 
 SOURCES = ("gutenberg", "fineweb")
 _HASH_DIV = 1_000_000_007  # md5 as a number -> a fraction in [0, 1)
@@ -55,8 +57,9 @@ def chunk_text(text: str, chunk_bytes: int) -> list[str]:
 def _read_table(path: Path, what: str):
     import pyarrow.parquet as pq
 
-    if not path.exists():
+    if not os.path.lexists(path):
         raise UserError(f"{what} file {path} does not exist (run the {what} stage first)")
+    check_input(path, f"{what} file")  # a directory, device or FIFO: one line, not a hang
     try:
         table = pq.read_table(path)
     except Exception as exc:

@@ -47,6 +47,7 @@ import urllib3
 from tqdm import tqdm
 
 from nanoeuler.data.common import info, is_remote, local_path
+from nanoeuler.files import size_text
 from nanoeuler.errors import UserError
 
 USER_AGENT = "nanoeuler/0.1 (data pipeline; python-requests)"
@@ -84,17 +85,22 @@ def fetch(
     max_time_s: float = 3600.0,
     session: requests.Session | None = None,
     check: Callable[[Path], object] | None = None,
+    limit: int | None = None,
 ) -> bool:
     """Make `dest` a complete copy of `source`. Returns False when it already was (nothing fetched).
 
     `root` is the directory relative local paths are taken from. `retries` counts the attempts after
     the first that made no progress; `max_time_s` bounds the whole download. `check(path)` is the
     stage's validation (raises UserError): see the module docstring for what happens when it fails.
+    `limit` is the largest local source the stage reads, refused before it is copied.
     Raises UserError naming the source when the file cannot be had or fails its checks.
     """
     dest = Path(dest)
     record = dest.with_name(dest.name + ".source")
     identity = {"source": source, **_source_identity(source, root)}
+    if limit is not None and identity.get("source_size", 0) > limit:
+        raise UserError(f"source file {local_path(source, root)} (from '{source}') is "
+                        f"{size_text(identity['source_size'])}, more than the {size_text(limit)} this stage reads")
     if _cached(dest, record, identity):
         problem = _problem(check, dest)
         if problem is None:

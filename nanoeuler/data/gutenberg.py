@@ -27,6 +27,7 @@ from pathlib import Path
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.data.common import add_source_root_argument, atomic_path, info, warn
 from nanoeuler.errors import UserError
+from nanoeuler.files import BOOK, read_bytes
 
 _MARKER = r"^[ \t]*\*{3}[ \t]*{which}[ \t]+OF[ \t]+(?:THE|THIS)[ \t]+PROJECT[ \t]+GUTENBERG[ \t]+E-?BOOK\b.*$"
 START_RE = re.compile(_MARKER.replace("{which}", "START"), re.IGNORECASE | re.MULTILINE)
@@ -113,10 +114,10 @@ def build(section: dict, raw_dir: Path, out: Path, root: str = ".") -> int:
         path = raw_dir / f"{book_id}.txt"
 
         def check(p, book_id=book_id):
-            return strip_license(decode(p.read_bytes(), book_id), book_id)
+            return strip_license(decode(read_bytes(p, "book", BOOK), book_id), book_id)
 
         try:
-            if fetch(source, path, root=root, check=check, **fetch_options(section)):
+            if fetch(source, path, root=root, check=check, limit=BOOK, **fetch_options(section)):
                 fetched += 1
             else:
                 cached += 1

@@ -17,13 +17,13 @@ that score different numbers of items share this one file.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.data.alpaca import write_jsonl
 from nanoeuler.data.common import add_source_root_argument, info
 from nanoeuler.errors import UserError
+from nanoeuler.files import DATA_JSONL, JsonError, lines, parse_json
 
 RAW_NAME = "hellaswag_val.jsonl"
 N_ENDINGS = 4
@@ -62,17 +62,13 @@ def read_items(path: Path, max_items: int | None = None) -> list[dict]:
         2
     """
     items, bad = [], []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
-    for number, line in enumerate(lines, start=1):
+    for number, line in lines(path, "HellaSwag data"):
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            bad.append((number, f"is not valid JSON ({exc.msg})"))
+            item = parse_json(line, f"{path}:{number}")
+        except JsonError as exc:  # reported with the other bad lines
+            bad.append((number, f"is {exc.why}"))
             continue
         if (why := problem(item)) is not None:
             bad.append((number, why))
@@ -93,7 +89,7 @@ def build(section: dict, raw_dir: Path, out: Path, root: str = ".") -> int:
 
     raw = raw_dir / RAW_NAME
     if fetch(section["url"], raw, root=root, sha256=section["sha256"], timeout_s=section["timeout_s"],
-             retries=section["retries"], delay_s=section["delay_s"]):
+             retries=section["retries"], delay_s=section["delay_s"], limit=DATA_JSONL):
         info(f"fetched {section['url']} -> {raw} ({raw.stat().st_size:,} bytes)")
     else:
         info(f"{raw} already there")

@@ -30,13 +30,12 @@ Output: JSON lines {"prompt": rendered template text, "chosen": response, "rejec
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from pathlib import Path
 
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.data.alpaca import write_jsonl
 from nanoeuler.data.common import add_source_root_argument, info, json_list, warn
+from nanoeuler.files import DATA_JSONL, check_input, json_lines
 from nanoeuler.errors import UserError
 
 RAW_NAMES = {"hh": "train.jsonl.gz", "ultrafeedback": "train_prefs.parquet", "sharegpt": "prefs.json"}
@@ -64,31 +63,15 @@ def read_raw(path: Path, fmt: str) -> list:
     """The records of a raw file, as Python objects (dicts, or whatever a malformed line holds)."""
     if fmt == "ultrafeedback":
         return _read_parquet(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-        if data[:2] == b"\x1f\x8b":
-            data = gzip.decompress(data)
-        text = data.decode("utf-8")
-    except (OSError, EOFError) as exc:
-        raise UserError(f"{path} is not readable (truncated gzip?): {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     if fmt == "sharegpt":
-        return json_list(text, path, "LLaMA-Factory preference data")
-    records = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-    return records
+        return json_list(path, "LLaMA-Factory preference data", gunzip=True)
+    return [record for _, record in json_lines(path, "preference data", gunzip=True)]
 
 
 def _read_parquet(path: Path) -> list:
     import duckdb
 
+    check_input(path, "preference data")  # DuckDB would wait on a FIFO or read a device for ever
     con = duckdb.connect()
     try:
         cols = [r[0] for r in con.execute("SELECT name FROM parquet_schema(?)", [str(path)]).fetchall()]
@@ -234,7 +217,7 @@ def build(section: dict, raw_dir: Path, out: Path, root: str = ".") -> dict[str,
 
     raw = raw_dir / RAW_NAMES[section["format"]]
     if fetch(section["url"], raw, root=root, sha256=section["sha256"], timeout_s=section["timeout_s"],
-             retries=section["retries"], delay_s=section["delay_s"]):
+             retries=section["retries"], delay_s=section["delay_s"], limit=DATA_JSONL):
         info(f"fetched {section['url']} -> {raw} ({raw.stat().st_size:,} bytes)")
     else:
         info(f"{raw} already there")

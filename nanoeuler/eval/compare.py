@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import argparse
 import html
-import json
+import os
 import re
 import sys
 from pathlib import Path
 
 from nanoeuler.errors import UserError
+from nanoeuler.files import check_outputs, read_json
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-# Directories of the unnamed run's results/; an experiment of the same name would mix with them.
-_TAKEN = {"shards", "pretrain", "sft", "dpo", "hellaswag", "report", "compare"}
+# Directories and files of the unnamed run's results/; an experiment of the same name would mix with
+# them (or, for a file, have no directory at all).
+_TAKEN = {"shards", "pretrain", "sft", "dpo", "hellaswag", "report", "compare",
+          "base.bin", "chat.bin", "dpo.bin", "tokenizer.json", "tokenizer.hf.json", "metrics.json", "samples.md",
+          "loss.png", "ref_logps.npz"}
 
 
 def experiment_dirs(name: str) -> tuple[str, str]:
@@ -38,7 +42,8 @@ def experiment_dirs(name: str) -> tuple[str, str]:
     if name == "":
         return "results", "logs"
     if not _NAME.fullmatch(name) or name in _TAKEN:
-        why = "is a directory of the run itself" if name in _TAKEN else "may hold only letters, digits, '.', '_', '-'"
+        kind = "file" if "." in name else "directory"
+        why = f"is a {kind} of the run itself" if name in _TAKEN else "may hold only letters, digits, '.', '_', '-'"
         raise UserError(f"config key 'experiment': {name!r} {why}")
     return f"results/{name}", f"logs/{name}"
 
@@ -47,6 +52,43 @@ def experiment_dirs(name: str) -> tuple[str, str]:
 COLUMNS = [("params", "params", "{:,}"), ("steps", "steps", "{}"), ("val loss", "val_loss", "{:.4f}"),
            ("val CE", "val_ce", "{:.4f}"), ("val bits/byte", "val_bpb", "{:.4f}"),
            ("HellaSwag acc", "acc", "{:.4f}"), ("HellaSwag acc_norm", "acc_norm", "{:.4f}")]
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+HELLASWAG_KEYS = ("items", "acc", "acc_norm", "correct", "correct_norm")
+
+
+def check_metrics(metrics, path) -> dict:
+    """`metrics` (read from `path`) after checking the shape that the tables and pages read.
+
+    {model: {"val_loss": number, ...}, "hellaswag": {model: {"acc": number, ...}}, "definitions": {...}};
+    anything else is a UserError naming the key.
+
+        >>> check_metrics({"base": {"val_loss": 3.2, "steps": "many"}}, "m.json")
+        Traceback (most recent call last):
+        nanoeuler.errors.UserError: m.json: key 'base.steps' must be a number, not str
+    """
+    if not isinstance(metrics, dict):
+        raise UserError(f"{path} must hold a JSON object (metrics by model), not a JSON {type(metrics).__name__}")
+    hellaswag, definitions = metrics.get("hellaswag", {}), metrics.get("definitions", {})
+    if not isinstance(hellaswag, dict) or not all(isinstance(v, dict) for v in hellaswag.values()):
+        raise UserError(f"{path}: key 'hellaswag' must map each model to an object of scores")
+    if not isinstance(definitions, dict):
+        raise UserError(f"{path}: key 'definitions' must be an object")
+    for model, entry in metrics.items():
+        if model in ("hellaswag", "definitions") or not isinstance(entry, dict):
+            continue
+        for _, key, _ in COLUMNS:
+            if entry.get(key) is not None and not _number(entry[key]):
+                raise UserError(f"{path}: key '{model}.{key}' must be a number, not {type(entry[key]).__name__}")
+    for model, scores in hellaswag.items():
+        for key in HELLASWAG_KEYS:
+            if not _number(scores.get(key)):
+                raise UserError(f"{path}: key 'hellaswag.{model}.{key}' must be a number")
+    return metrics
 
 
 def model_entries(metrics: dict) -> dict:
@@ -62,12 +104,11 @@ def load_experiment(name: str) -> dict:
 
     results = Path(experiment_dirs(name)[0])
     path = results / "metrics.json"
-    try:
-        metrics = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"experiment {name!r} has no {path}: run its pipeline first") from None
-    except ValueError as exc:
-        raise UserError(f"{path} is not valid JSON: {exc}") from None
+    if results.exists() and not results.is_dir():
+        raise UserError(f"experiment {name!r}: {results} is a file, not the experiment's results directory")
+    if not os.path.lexists(path):
+        raise UserError(f"experiment {name!r} has no {path}: run its pipeline first")
+    metrics = check_metrics(read_json(path, "metrics file"), path)
     runs = [("pretraining", read_jsonl(results / "pretrain" / "metrics.jsonl")),
             ("SFT", read_jsonl(results / "sft" / "metrics.jsonl"))]
     return {"name": name or "(default)", "models": model_entries(metrics), "runs": runs}
@@ -135,18 +176,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("experiments", nargs="+", metavar="NAME",
                         help="experiment names as in their configs ('' for the unnamed run's results/)")
     parser.add_argument("--table", required=True, metavar="FILE", help="metrics table: .html, or .md for Markdown")
-    parser.add_argument("--plot", required=True, metavar="PNG", help="loss curves of all experiments")
+    parser.add_argument("--plot", required=True, metavar="PNG",
+                        help="loss curves of all experiments (.png; .pdf or .svg by the name's ending)")
 
 
 def run(args: argparse.Namespace) -> int:
     from nanoeuler.data.common import atomic_path
 
+    check_outputs(table=args.table, plot=args.plot)
     experiments = [load_experiment(name) for name in args.experiments]
     header, rows = table_rows(experiments)
     text = render_table(header, rows, markdown=args.table.endswith(".md"))
-    plot_experiments(experiments, Path(args.plot))
-    with atomic_path(args.table) as tmp:
+    with atomic_path(args.table) as tmp:  # the plot inside: a failed plot leaves no table either
         tmp.write_text(text, encoding="utf-8")
+        plot_experiments(experiments, Path(args.plot))
     print(f"nanoeuler compare: {len(experiments)} experiments, {len(rows)} rows; wrote {args.table}, {args.plot}",
           file=sys.stderr)
     return 0

@@ -120,8 +120,10 @@ def run(args: argparse.Namespace) -> int:
     from nanoeuler import memory
     from nanoeuler.data.common import atomic_path
     from nanoeuler.data.hellaswag import read_items
+    from nanoeuler.files import check_outputs
     from nanoeuler.infer.generate import load
 
+    check_outputs(out=args.out)
     conf = sections(args, "device", "gpu_memory", "eval")
     ev = conf["eval"]
     gen, tok, meta = load(args.ckpt, args.device or conf["device"], gpu_memory=conf["gpu_memory"])

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import html
-import json
 import re
 from pathlib import Path
 
 import yaml
 
-from nanoeuler.errors import UserError
-from nanoeuler.eval.compare import html_table, model_entries, page, table_rows
+from nanoeuler.eval.compare import check_metrics, html_table, model_entries, page, table_rows
+from nanoeuler.files import SMALL_JSON, parse_json, read_json, read_text
 
 
 def metrics_page(metrics: dict) -> str:
@@ -85,12 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from nanoeuler.data.common import atomic_path
 
-    try:
-        metrics = json.loads(Path(args.metrics).read_text(encoding="utf-8"))
-        config = json.loads(args.run_config)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read the run's metrics or config: {exc}") from None
-    samples = Path(args.samples).read_text(encoding="utf-8")
+    metrics = check_metrics(read_json(args.metrics, "metrics file"), args.metrics)
+    config = parse_json(args.run_config, "--run-config")
+    samples = read_text(args.samples, "samples file", SMALL_JSON)
     pages = {
         "metrics.html": metrics_page(metrics),
         "hellaswag.html": hellaswag_page(metrics),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 
@@ -45,12 +44,29 @@ def style_loss_axes(ax, title: str) -> None:
 
 
 def save_figure(fig, out: Path) -> None:
-    """Lay out, write atomically (a temporary file renamed: the PNG is complete or absent) and close `fig`."""
+    """Lay out, write atomically (a temporary file renamed: the image is complete or absent) and close `fig`.
+
+    The image type follows the name's ending (.png, .pdf, .svg, ...; none: PNG), so `x.pdf` holds a PDF.
+    """
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, out)
+    from nanoeuler.data.common import atomic_path
+
+    try:
+        kind = image_type(fig, out)
+        fig.tight_layout()
+        with atomic_path(out) as tmp:
+            fig.savefig(tmp, format=kind, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def image_type(fig, out: Path) -> str:
+    """The format matplotlib writes for `out`'s ending; a UserError for one it cannot write."""
+    from nanoeuler.errors import UserError
+
+    kind = out.suffix[1:].lower() or "png"
+    supported = fig.canvas.get_supported_filetypes()
+    if kind not in supported:
+        raise UserError(f"plot {out}: cannot write a .{kind} image (use one of .{', .'.join(sorted(supported))})")
+    return kind

@@ -30,6 +30,7 @@ from pathlib import Path
 from nanoeuler.backend import add_device_argument
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.errors import UserError
+from nanoeuler.files import read_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,10 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    from nanoeuler.data.common import atomic_path
+
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def _fence(text: str) -> str:
@@ -185,9 +186,11 @@ def _training_runs(args: argparse.Namespace) -> list[tuple[str, list]]:
 
 def run(args: argparse.Namespace) -> int:
     from nanoeuler.eval.plots import plot_losses
+    from nanoeuler.files import check_outputs
     from nanoeuler.infer.generate import Sampling
     from nanoeuler.train.loader import ShardSplit, read_manifest
 
+    check_outputs(samples=args.samples, metrics=args.metrics, plot=args.plot)
     conf = sections(args, "device", "gpu_memory", "eval")
     ev = conf["eval"]
     hellaswag = read_hellaswag(args.hellaswag)  # before the long work: a bad file stops the stage at once
@@ -239,8 +242,8 @@ def read_hellaswag(paths: list[str]) -> dict:
     """{model: its HellaSwag scores} from `hellaswag-eval` outputs, without the per-item picks."""
     out = {}
     for path in paths:
+        result = read_json(path, "HellaSwag result")
         try:
-            result = json.loads(Path(path).read_text(encoding="utf-8"))
             out[result["model"]] = {k: result[k] for k in ("items", "acc", "acc_norm", "correct", "correct_norm",
                                                             "steps", "file")}
         except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -13,7 +13,9 @@ expects) and, when the checkpoint carries a tokenizer, `tokenizer.json` (HF toke
     model = LlamaForCausalLM.from_pretrained(DIR)
     tok = PreTrainedTokenizerFast.from_pretrained(DIR)
 
-The directory is built beside DIR and renamed into place, so a failed export leaves no partial DIR.
+The files are built in a folder beside DIR and moved in when all are written, so a failed export leaves
+no partial DIR. An existing DIR must be empty or a previous export: a folder holding anything else is
+refused, never replaced.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import argparse
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from nanoeuler import checkpoint
 from nanoeuler.errors import UserError
+from nanoeuler.files import naming
 from nanoeuler.model.config import ModelConfig
 
 
@@ -95,42 +99,74 @@ def _tokenizer_files(tokenizer_json: str, cfg: ModelConfig):
     return to_hf_json(tok), tok_config, [tok.end_id, tok.eot_id], tok.eot_id
 
 
+# What an export writes; an existing --out may hold these and nothing else (it is a previous export).
+EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
 def export(ckpt, out) -> list[str]:
-    """Write the HF model directory `out` from checkpoint `ckpt`; returns the file names written."""
+    """Write the HF model directory `out` from checkpoint `ckpt`; returns the file names written.
+
+    The files are written into a new folder beside `out`, then moved in: as a whole when `out` does not
+    exist, else one by one into `out`, which must be empty or a previous export. Nothing else is ever
+    replaced or removed.
+    """
+    out = Path(os.path.abspath(out))  # "." and "dir/" have a name and a parent this way
+    check_out_dir(out)
     params, cfg, metadata = checkpoint.load_model(ckpt)
-    out = Path(out)
     tok = None
     if metadata.get("tokenizer"):
         tok = _tokenizer_files(metadata["tokenizer"], cfg)
     eos, bos = (tok[2], tok[3]) if tok else (None, None)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory")
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, eos, bos), indent=2) + "\n", encoding="utf-8")
-        checkpoint.write_safetensors(tmp / "model.safetensors", hf_tensors(params, cfg), {"format": "pt"})
-        if tok:
-            (tmp / "tokenizer.json").write_text(tok[0], encoding="utf-8")
-            (tmp / "tokenizer_config.json").write_text(json.dumps(tok[1], indent=2) + "\n", encoding="utf-8")
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old{os.getpid()}")
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with naming(out):
+            (tmp / "config.json").write_text(json.dumps(hf_config(cfg, eos, bos), indent=2) + "\n",
+                                             encoding="utf-8")
+            checkpoint.write_safetensors(tmp / "model.safetensors", hf_tensors(params, cfg), {"format": "pt"})
+            if tok:
+                (tmp / "tokenizer.json").write_text(tok[0], encoding="utf-8")
+                (tmp / "tokenizer_config.json").write_text(json.dumps(tok[1], indent=2) + "\n", encoding="utf-8")
+        move_into(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the folder this export made, empty after a move
     checkpoint.fsync_dir(out.parent)
     return sorted(p.name for p in out.iterdir())
 
 
+def check_out_dir(out: Path) -> None:
+    """Refuse an --out whose replacement would lose something: a file, a link, or a folder holding
+    anything but a previous export's files. For example `--out results` is refused with
+    "--out results holds other files (base.bin, chat.bin, metrics.json, pretrain, sft, ...)".
+    """
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise UserError(f"--out {out} exists and is not a directory")
+    if not out.exists():
+        return
+    others = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES or not p.is_file())
+    if others:
+        shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        raise UserError(f"--out {out} holds other files ({shown}); export into a new or empty directory, "
+                        "or a previous export")
+
+
+def move_into(tmp: Path, out: Path) -> None:
+    """The finished files of `tmp` into `out`: a rename of the folder when `out` is new, else file by
+    file, and a previous export's file that this one does not write (its tokenizer) is removed."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    written = {p.name for p in tmp.iterdir()}
+    for name in sorted(written):
+        os.replace(tmp / name, out / name)
+    for name in EXPORT_FILES:
+        if name not in written:
+            (out / name).unlink(missing_ok=True)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt", required=True, help="checkpoint to export (results/base.bin, results/chat.bin, ...)")
-    parser.add_argument("--out", required=True, help="directory to write (replaced if it exists)")
+    parser.add_argument("--out", required=True, help="directory to write: a new one, an empty one or a previous export")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -296,10 +296,14 @@ class Tokenizer:
     @classmethod
     def from_json(cls, s: str) -> "Tokenizer":
         """Parse our tokenizer.json; anything malformed is a UserError saying what is wrong."""
+        from nanoeuler.files import JsonError, parse_json
+
+        if not isinstance(s, (str, bytes)):
+            raise UserError(f"not JSON text but a {type(s).__name__}")
         try:
-            d = json.loads(s)
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise UserError(f"not valid JSON ({exc})") from None
+            d = parse_json(s, "tokenizer")
+        except JsonError as exc:
+            raise UserError(exc.why) from None
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise UserError(f"not a nanoeuler tokenizer file (expected \"format\": \"{FORMAT_NAME}\")")
         if d.get("version") != FORMAT_VERSION:
@@ -339,13 +343,10 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> "Tokenizer":
+        from nanoeuler.files import SMALL_JSON, read_text
+
         path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise UserError(f"tokenizer file {path} does not exist") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"cannot read tokenizer file {path}: {exc}") from None
+        text = read_text(path, "tokenizer file", SMALL_JSON)
         try:
             return cls.from_json(text)
         except UserError as exc:
@@ -369,11 +370,14 @@ def write_text_atomic(path: Path, text: str) -> None:
     import os
     import tempfile
 
+    from nanoeuler.files import check_outputs, naming
+
+    check_outputs(out=path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, default_file_mode())  # mkstemp makes 0600; outputs get what open() would give
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+        with naming(path), os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:  # a full disk names it
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

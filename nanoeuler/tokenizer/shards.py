@@ -36,6 +36,7 @@ import numpy as np
 
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.errors import UserError
+from nanoeuler.files import SMALL_JSON, check_input, check_outputs, naming, parse_json, read_text
 from nanoeuler.tokenizer.bpe import MAX_VOCAB, Tokenizer, write_text_atomic
 
 MANIFEST_FORMAT = 1
@@ -62,8 +63,7 @@ def open_corpus(path: Path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if not path.exists():
-        raise UserError(f"corpus file {path} does not exist")
+    check_input(path, "corpus file")  # a missing file, a directory, a device or FIFO: one line
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as exc:
@@ -155,7 +155,7 @@ class _ShardWriter:
         if self.fill == 0:
             return
         name = f"{self.split}_{len(self.shards):04d}.npy"
-        with open(self.folder / name, "wb") as f:
+        with naming(self.folder / name), open(self.folder / name, "wb") as f:  # a full disk names the shard
             np.save(f, self.buf[:self.fill])
             f.flush()
             os.fsync(f.fileno())
@@ -184,6 +184,25 @@ def tokenize_split(path: Path, split: str, folder: Path, shard_tokens: int, pool
     return {"shards": writer.shards, "tokens": tokens, "bytes": total_bytes, "documents": documents}
 
 
+def previous_shards(manifest_path: Path) -> set[str]:
+    """Shard names that an earlier manifest at `manifest_path` lists (none when it is absent or not ours).
+
+    Only plain shard names count, so a hand-edited manifest cannot point the clean-up elsewhere.
+    """
+    try:
+        old = parse_json(read_text(manifest_path, "shard manifest", SMALL_JSON), str(manifest_path))
+    except UserError:
+        return set()
+    splits = old.get("splits") if isinstance(old, dict) else None
+    names = set()
+    for split in splits.values() if isinstance(splits, dict) else ():
+        for shard in split.get("shards", []) if isinstance(split, dict) else ():
+            name = shard.get("file") if isinstance(shard, dict) else None
+            if isinstance(name, str) and _SHARD_NAME.match(name):
+                names.add(name)
+    return names
+
+
 def tokenize_corpus(tok: Tokenizer, inputs: dict[str, Path], manifest_path: Path, shard_tokens: int,
                     workers: int = 1) -> dict:
     """Encode every split, move the shards next to `manifest_path`, then write the manifest. Returns it."""
@@ -210,12 +229,13 @@ def tokenize_corpus(tok: Tokenizer, inputs: dict[str, Path], manifest_path: Path
             pool = None
         manifest = {"format": MANIFEST_FORMAT, "tokenizer_sha256": tok.sha256, "vocab_size": tok.vocab_size,
                     "eot_id": tok.eot_id, "dtype": "uint16", "splits": splits}
-        # swap in: old manifest out first, then shards, then the new manifest
-        manifest_path.unlink(missing_ok=True)
+        # swap in: old manifest out first, then shards, then the new manifest; of the old shards only
+        # those its manifest lists are removed, never another file that merely looks like a shard
         keep = {s["file"] for split in splits.values() for s in split["shards"]}
-        for old in out_dir.iterdir():
-            if _SHARD_NAME.match(old.name) and old.name not in keep:
-                old.unlink()
+        stale = previous_shards(manifest_path) - keep
+        manifest_path.unlink(missing_ok=True)
+        for name in stale:
+            (out_dir / name).unlink(missing_ok=True)
         for name in sorted(keep):
             os.replace(tmp / name, out_dir / name)
         write_text_atomic(manifest_path, json.dumps(manifest, indent=2) + "\n")
@@ -228,6 +248,7 @@ def tokenize_corpus(tok: Tokenizer, inputs: dict[str, Path], manifest_path: Path
 
 
 def run(args: argparse.Namespace) -> int:
+    check_outputs(out=args.out)
     cfg = sections(args, "shards")["shards"]
     tok = Tokenizer.load(args.tokenizer)
     manifest = tokenize_corpus(tok, {"train": Path(args.train), "val": Path(args.val)}, Path(args.out),

@@ -101,6 +101,9 @@ def sample_corpus(path: str | Path, sample_bytes: int, seed: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from nanoeuler.files import check_outputs
+
+    check_outputs(out=args.out, hf_out=args.hf_out)
     cfg = sections(args, "tokenizer")["tokenizer"]
     check_vocab_size(cfg["vocab_size"])
     t0 = time.perf_counter()

@@ -16,26 +16,21 @@ the same every time it is evaluated.
 from __future__ import annotations
 
 import hashlib
-import json
+import os
 from pathlib import Path
 
 import numpy as np
 
 from nanoeuler.errors import UserError
+from nanoeuler.files import SMALL_JSON, check_input, parse_json, read_text
 
 
 def read_manifest(path: str | Path) -> dict:
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"shard manifest {path} does not exist (run `nanoeuler tokenize` first)") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"shard manifest {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    try:
-        manifest = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise UserError(f"shard manifest {path} is not valid JSON: {str(exc).splitlines()[0]}") from None
+    if not os.path.lexists(path):
+        raise UserError(f"shard manifest {path} does not exist (run `nanoeuler tokenize` first)")
+    text = read_text(path, "shard manifest", SMALL_JSON)
+    manifest = parse_json(text, f"shard manifest {path}")
     if not isinstance(manifest, dict) or "splits" not in manifest:
         raise UserError(f"shard manifest {path} has no 'splits' key")
     manifest["_sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -48,18 +43,19 @@ class ShardSplit:
     def __init__(self, manifest_path: str | Path, split: str, manifest: dict | None = None):
         manifest_path = Path(manifest_path)
         manifest = manifest if manifest is not None else read_manifest(manifest_path)
-        if split not in manifest["splits"]:
+        if not isinstance(manifest["splits"], dict) or split not in manifest["splits"]:
             raise UserError(f"shard manifest {manifest_path} has no '{split}' split")
-        info = manifest["splits"][split]
+        info = _split_entry(manifest["splits"][split], manifest_path, split)
         self.name = split
         self.manifest = manifest
         self.arrays: list[np.ndarray] = []
         for shard in info.get("shards", []):
             path = manifest_path.parent / shard["file"]
+            if not os.path.lexists(path):
+                raise UserError(f"shard {path} listed in {manifest_path} does not exist")
+            check_input(path, "shard")  # a device or FIFO cannot be mapped
             try:
                 arr = np.load(path, mmap_mode="r")
-            except FileNotFoundError:
-                raise UserError(f"shard {path} listed in {manifest_path} does not exist") from None
             except ValueError as exc:
                 raise UserError(f"shard {path} is not a readable .npy file: {exc}") from None
             if arr.ndim != 1 or arr.dtype != np.uint16:
@@ -81,6 +77,18 @@ class ShardSplit:
             parts.append(np.asarray(arr[:need], dtype=np.int64))
             need -= parts[-1].shape[0]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _split_entry(info, manifest_path: Path, split: str) -> dict:
+    """A split's manifest entry after checking its shape: {"shards": [{"file": str, ...}], ...}."""
+    shards = info.get("shards", []) if isinstance(info, dict) else None
+    if not isinstance(shards, list) or not all(isinstance(s, dict) and isinstance(s.get("file"), str)
+                                               and isinstance(s.get("tokens", 0), int) for s in shards):
+        raise UserError(f"shard manifest {manifest_path}: split '{split}' must hold a list 'shards' of "
+                        "{\"file\": name, \"tokens\": count} objects")
+    if not isinstance(info.get("bytes", 0), int):
+        raise UserError(f"shard manifest {manifest_path}: split '{split}' key 'bytes' must be an integer")
+    return info
 
 
 def split_window(windows: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray]:

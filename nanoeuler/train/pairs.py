@@ -12,7 +12,7 @@ targets mark the response tokens and every other head's targets are -1.
 
 from __future__ import annotations
 
-import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,7 @@ FIELDS = ("prompt", "chosen", "rejected")
 def read_pairs(path: str | Path) -> list[dict]:
     """The {prompt, chosen, rejected} lines of a prefs JSONL; a malformed line is an error naming it."""
     path = Path(path)
-    if not path.exists():
+    if not os.path.lexists(path):  # lexists: a symlink loop is named as one by the reader
         raise UserError(f"preference pairs {path} do not exist (run `nanoeuler prefs` first)")
     pairs = []
     for n, rec in jsonl_objects(path, "preference pairs"):
@@ -51,7 +51,11 @@ def load_chat_model(path) -> tuple[dict, object, dict, object, str]:
 
 
 def file_sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    """The SHA-256 of a preference pairs file, read in bounded pieces."""
+    from nanoeuler.files import DATA_JSONL
+    from nanoeuler.files import file_sha256 as sha256_of
+
+    return sha256_of(path, "preference pairs", DATA_JSONL)
 
 
 def fit_pair(prompt, chosen, rejected, ctx_len: int):

@@ -53,11 +53,13 @@ def run(args: argparse.Namespace) -> int:
     from nanoeuler.backend import get_xp
     from nanoeuler.eval.metrics import val_metrics
     from nanoeuler.eval.plots import plot_losses
+    from nanoeuler.files import check_outputs
     from nanoeuler.model.transformer import init_params
     from nanoeuler.train import loop, rundir
     from nanoeuler.train.config import PretrainConfig
     from nanoeuler.train.loader import RandomWindows, ShardSplit, fixed_windows
 
+    check_outputs(out=args.out)  # refused now, not after the training
     conf = sections(args, "device", "gpu_memory", "model", "pretrain")
     sec = conf["pretrain"]
     settings = PretrainConfig.from_section(sec)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,7 @@ import numpy as np
 from nanoeuler.backend import add_device_argument
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.errors import UserError
+from nanoeuler.files import ARRAYS, check_outputs, open_input, parse_json
 
 BATCH_PAIRS = 8  # pairs per forward pass at most (16 sequences; fewer where the GPU's memory asks for it);
 # the values do not depend on it beyond rounding
@@ -46,19 +49,22 @@ def reference_meta(prefs_path, model_checksum: str, cfg, n_pairs: int) -> dict:
 
 def load_reference(path, want: dict) -> np.ndarray:
     """The (N, 2) log-probabilities of a reference file, after checking its meta against `want`."""
+    if not os.path.lexists(path):
+        raise UserError(f"reference log-probs {path} do not exist (run `nanoeuler ref-logps` first)")
     try:
-        with np.load(path) as z:
-            logps, meta = z["logps"], json.loads(str(z["meta"]))
-    except FileNotFoundError:
-        raise UserError(f"reference log-probs {path} do not exist (run `nanoeuler ref-logps` first)") from None
-    except (OSError, ValueError, KeyError) as exc:
-        raise UserError(f"reference log-probs {path} are unreadable ({exc})") from None
+        with open_input(path, "reference log-probs file", ARRAYS) as f, np.load(f) as z:
+            logps, meta = z["logps"], parse_json(str(z["meta"]), f"{path}: meta")
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # a cut or foreign file
+        raise UserError(f"reference log-probs {path} are unreadable ({type(exc).__name__}: {exc}); "
+                        "re-run `nanoeuler ref-logps`") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"reference log-probs {path} are unreadable (its meta is not a JSON object)")
     diff = [k for k in want if meta.get(k) != want[k]]
     if diff:
         raise UserError(f"reference log-probs {path} were computed for other {', '.join(diff)} "
                         "(another prefs file or chat model); re-run `nanoeuler ref-logps`")
-    if logps.shape != (want["pairs"], 2) or not np.isfinite(logps).all():
-        raise UserError(f"reference log-probs {path} hold shape {logps.shape} or non-finite values; "
+    if logps.shape != (want["pairs"], 2) or logps.dtype.kind != "f" or not np.isfinite(logps).all():
+        raise UserError(f"reference log-probs {path} hold {logps.dtype} of shape {logps.shape} or non-finite values; "
                         "re-run `nanoeuler ref-logps`")
     return logps
 
@@ -71,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from nanoeuler.data.common import atomic_path
     from nanoeuler.train.pairs import encode_pairs, load_chat_model, read_pairs, sequence_logps
 
+    check_outputs(out=args.out)
     conf = sections(args, "device", "gpu_memory")
     xp = get_xp(args.device or conf["device"])
     meter = memory.PeakMeter(xp)

@@ -3,7 +3,8 @@
 The checkpoint file format is `nanoeuler.checkpoint` (atomic writes, checksums); this module only
 names, finds, rotates and sets aside files. A checkpoint that fails to load is renamed to
 `*.bin.corrupt` so that it is never picked again; checkpoints of a finished or abandoned run with
-other settings, another model config or another tokenizer move to `previous/`, replacing what was there.
+other settings, another model config or another tokenizer move to `previous/`, replacing the checkpoints
+and metrics there (nothing else: a run directory may be a folder that holds other things).
 One process writes a run directory at a time: its writer holds `.lock` inside it (`writer_lock`).
 """
 
@@ -16,13 +17,13 @@ import json
 import os
 import re
 import shlex
-import shutil
 import socket
 import sys
 import time
 from pathlib import Path
 
 from nanoeuler.errors import UserError
+from nanoeuler.files import JsonError, lines, naming, parse_json
 
 _CKPT = re.compile(r"^ckpt_(\d{8})\.bin$")
 LOCK_NAME = ".lock"
@@ -66,16 +67,23 @@ def set_aside_corrupt(path: Path) -> Path:
 
 
 def set_aside_all(run_dir: Path) -> Path:
-    """Move every checkpoint and the metrics file into run_dir/previous/ (emptied first)."""
+    """Move every checkpoint and the metrics file into run_dir/previous/, replacing the ones there.
+
+    Only files of those names are replaced: anything else in previous/ (or a previous/ that is not a
+    directory) is the user's, and stays as it is.
+    """
     run_dir = Path(run_dir)
     prev = run_dir / "previous"
-    if prev.exists():
-        shutil.rmtree(prev)
-    prev.mkdir(parents=True)
+    if prev.is_symlink() or (prev.exists() and not prev.is_dir()):
+        raise UserError(f"{prev} is not a directory: the run's old checkpoints cannot be set aside there; "
+                        "move it away or name another --run-dir")
+    prev.mkdir(parents=True, exist_ok=True)
+    for _, path in list_checkpoints(prev):
+        path.unlink()
     for _, path in list_checkpoints(run_dir):
         os.replace(path, prev / path.name)
     metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
+    if metrics.is_file():
         os.replace(metrics, prev / metrics.name)
     return prev
 
@@ -160,29 +168,32 @@ class MetricsLog:
         keep = [r for r in self.read() if r.get("step", 0) <= step] if step > 0 else []
         tmp = self.path.with_name(self.path.name + ".tmp")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
+        with naming(self.path), open(tmp, "w", encoding="utf-8") as f:
             for r in keep:
                 f.write(json.dumps(r) + "\n")
         os.replace(tmp, self.path)
 
     def append(self, record: dict) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
+        with naming(self.path), open(self.path, "a", encoding="utf-8") as f:  # a full disk names the log
             f.write(json.dumps(record) + "\n")
             f.flush()
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Records of a JSONL file; a torn or garbled line (a killed writer, a bad disk) is skipped."""
+    """Records of a JSONL file; a torn or garbled line (a killed writer, a bad disk) is skipped.
+
+    Read by `nanoeuler.files.lines`: a line longer than any record, or a file that is not one (a
+    directory, a device), is an error naming it.
+    """
     path = Path(path)
-    if not path.exists():
+    if not os.path.lexists(path):
         return []
     out = []
-    with open(path, "rb") as f:
-        for line in f:
-            try:
-                rec = json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
+    for n, line in lines(path, "metrics log"):
+        try:
+            rec = parse_json(line, f"{path}:{n}")
+        except JsonError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
     return out

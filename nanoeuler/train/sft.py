@@ -18,8 +18,8 @@ same loop, checkpoints and resume rules as pretraining (`results/sft/`).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -49,7 +49,7 @@ def read_records(path: str | Path) -> list[dict]:
     from nanoeuler.data.common import jsonl_objects
 
     path = Path(path)
-    if not path.exists():
+    if not os.path.lexists(path):  # lexists: a symlink loop is named as one by the reader
         raise UserError(f"Alpaca data {path} does not exist (run `nanoeuler alpaca` first)")
     records = []
     for n, rec in jsonl_objects(path, "Alpaca data"):
@@ -251,9 +251,11 @@ def run(args: argparse.Namespace) -> int:
     from nanoeuler import checkpoint, memory
     from nanoeuler.backend import get_xp
     from nanoeuler.eval.plots import plot_losses
+    from nanoeuler.files import DATA_JSONL, check_outputs, file_sha256
     from nanoeuler.train import loop, rundir
     from nanoeuler.train.config import SftConfig
 
+    check_outputs(out=args.out)  # refused now, not after the training
     conf = sections(args, "device", "gpu_memory", "sft")
     sec = conf["sft"]
     settings = SftConfig.from_section(sec)
@@ -268,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     tok = _base_tokenizer(args.base, meta)
     base_checksum = checkpoint.read_header(args.base)[1].get("checksum")
 
-    data_sha = hashlib.sha256(Path(args.data).read_bytes()).hexdigest()
+    data_sha = file_sha256(args.data, "Alpaca data", DATA_JSONL)
     examples, val_examples, counts = _examples(args.data, tok, cfg.ctx_len, settings, verbose=root)
 
     pad_id = tok.eot_id

@@ -43,9 +43,10 @@ CUBLAS_WORKSPACE = 32 * MiB  # CuPy's cuBLAS handle takes its workspace itself, 
 # The share of the pool's budget a prediction may fill: the pool rounds blocks up and fragments.
 FIT_SHARE = 0.92
 LOGITS_CHUNK = 64 * MiB  # kernels/ops.py's DEFAULT_CHUNK_BYTES: one chunk of an output head's logits
-# Scoring holds (rows, V) float32 arrays beside the logits: hellaswag's shifted logits and their exp;
-# sequence_logps' response rows, shifted, exp and softmax.
-SCORE_COPIES = {"loss": 0, "logits": 2, "pair_logps": 4}
+# Scoring holds (rows, V) float32 arrays beside the logits: hellaswag's shifted logits and their exp.
+# The pairs' log-probs (`dpo.target_logps`) take LOGITS_CHUNK of logits at a time, with their shifted copy
+# and its exp beside them.
+SCORE_COPIES = {"loss": 0, "logits": 2, "pair_logps": 2}
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -135,10 +136,18 @@ def forward_parts(cfg, rows: int, seq: int, kind: str = "loss", params: bool = T
     parts["block"] = layer_cache_bytes(cfg, rows, seq) + F32 * N * C
     if kind == "loss":
         parts["head"] = F32 * (2 * N * C + 2 * N) + 8 * N + LOGITS_CHUNK
+    elif kind == "pair_logps":  # the final state, its response rows, a chunk of logits and its copies
+        r = min(N, score_chunk_rows(cfg))
+        parts["head"] = F32 * (2 * N * C + (1 + SCORE_COPIES[kind]) * r * cfg.vocab_size + 2 * N) + 8 * 3 * N
     else:
         parts["head"] = F32 * (2 * N * C + (1 + SCORE_COPIES[kind]) * N * V)
     parts["batch"] = 8 * N * (1 + cfg.mtp_heads)
     return parts
+
+
+def score_chunk_rows(cfg) -> int:
+    """Rows of logits a scoring pass computes at once: LOGITS_CHUNK of float32 (4096 at V = 4096)."""
+    return max(1, LOGITS_CHUNK // (F32 * cfg.vocab_size))
 
 
 def engine_parts(cfg, batch: int, seq: int, kernels: str = "portable", sm90a: bool = False,

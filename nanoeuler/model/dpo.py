@@ -51,6 +51,24 @@ def token_logps(logits, tgt):
     return z[rows, tgt] - xp.log(s[:, 0]), e / s
 
 
+def target_logps(rows, w, tgt, chunk: int):
+    """Log-probabilities (n,) of targets (n,) under softmax(rows (n,C) @ w (V,C)^T), `chunk` rows of logits
+    at a time, so scoring never holds (n, V) arrays for a whole batch.
+
+        >>> import numpy as np
+        >>> target_logps(np.zeros((3, 2)), np.zeros((4, 2)), np.array([0, 1, 3]), chunk=2).round(4)  # uniform: log 1/4
+        array([-1.3863, -1.3863, -1.3863])
+    """
+    xp = array_module(rows)
+    out = xp.empty(rows.shape[0], dtype=rows.dtype)
+    for lo in range(0, rows.shape[0], chunk):
+        lg = rows[lo:lo + chunk] @ w.T  # (r,V)
+        top = lg.max(axis=1, keepdims=True)
+        lse = xp.log(xp.exp(lg - top).sum(axis=1)) + top[:, 0]
+        out[lo:lo + chunk] = lg[xp.arange(lg.shape[0]), tgt[lo:lo + chunk]] - lse
+    return out
+
+
 def sequence_logps(tok_logp, seq, n_seqs: int):
     """Sum token log-probabilities (n,) by sequence number (n,) -> (n_seqs,)."""
     xp = array_module(tok_logp)

@@ -277,14 +277,18 @@ def forward_loss(params, inputs, targets, cfg: ModelConfig):
     return loss, head_losses
 
 
-def logits(params, inputs, cfg: ModelConfig, head: int = 0):
-    """inputs (B,T) -> (B,T,V) logits of output head `head` (0: next token)."""
+def final_state(params, inputs, cfg: ModelConfig):
+    """inputs (B,T) -> (B,T,C) the final norm's output, what every output head reads (no backward kept)."""
     emb = params["embed_tokens.weight"]
     xp = array_module(emb)
-    ops = ops_for(xp)
     ids = _ids(inputs, xp, cfg.vocab_size, "inputs")
-    xn, _ = _trunk_forward(params, ids, cfg, ops, xp, keep="none")
-    return ops.linear_forward(xn, params[head_weight_names(cfg)[head]])
+    return _trunk_forward(params, ids, cfg, ops_for(xp), xp, keep="none")[0]
+
+
+def logits(params, inputs, cfg: ModelConfig, head: int = 0):
+    """inputs (B,T) -> (B,T,V) logits of output head `head` (0: next token)."""
+    xn = final_state(params, inputs, cfg)
+    return ops_for(array_module(xn)).linear_forward(xn, params[head_weight_names(cfg)[head]])
 
 
 # ---- incremental decoding ----------------------------------------------------------------------

@@ -114,16 +114,17 @@ def sequence_logps(params, cfg, examples: list[tuple], batch_size: int, pad_id: 
     """Summed response log-probabilities (N, 2): column 0 chosen, 1 rejected, in float64 on the host;
     `batch_size` pairs a forward (sized by a stage on the GPU to its memory, `memory.eval_items_for`)."""
     from nanoeuler.backend import to_numpy
+    from nanoeuler.memory import score_chunk_rows
     from nanoeuler.model import dpo, transformer
 
     out = np.zeros((len(examples), 2))
+    w = params[transformer.head_weight_names(cfg)[0]]
     for lo in range(0, len(examples), batch_size):
         part = examples[lo:lo + batch_size]
         x, y = pair_batch(part, cfg.mtp_heads, pad_id)
-        lg = transformer.logits(params, xp.asarray(x), cfg)  # (2P,T,V)
-        y = xp.asarray(y)
-        idx, tgt, seq = dpo.response_rows(y)
-        tok, _ = dpo.token_logps(lg.reshape(-1, lg.shape[-1])[idx], tgt)
+        xn = transformer.final_state(params, xp.asarray(x), cfg)  # (2P,T,C)
+        idx, tgt, seq = dpo.response_rows(xp.asarray(y))
+        tok = dpo.target_logps(xn.reshape(-1, cfg.dim)[idx], w, tgt, score_chunk_rows(cfg))
         logp = to_numpy(dpo.sequence_logps(tok, seq, 2 * len(part))).astype(np.float64)
         out[lo:lo + len(part)] = logp.reshape(2, len(part)).T
     return out

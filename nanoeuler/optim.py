@@ -196,13 +196,15 @@ class Muon:
         W -= lr * muon_scale(W.shape) * newton_schulz(u)
 
     `lr_scale`: {name: multiplier of step's lr} for every tensor (Muon's own lr as a multiple of the
-    schedule's, say); the other arguments are AdamW's. State: the momentum "m.<name>" of each hidden
-    matrix, AdamW's moments of the rest, one step count.
+    schedule's, say); the other arguments are AdamW's. `orthogonalize(u, steps)`: newton_schulz, or a
+    stand-in (the self-test's, which rounds where the bf16 engine rounds). State: the momentum
+    "m.<name>" of each hidden matrix, AdamW's moments of the rest, one step count.
     """
 
     def __init__(self, params: dict, momentum: float = 0.95, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 no_decay=None, lr_scale: dict | None = None, ns_steps: int = NS_STEPS):
+                 no_decay=None, lr_scale: dict | None = None, ns_steps: int = NS_STEPS, orthogonalize=None):
         self.momentum, self.weight_decay, self.ns_steps = float(momentum), float(weight_decay), int(ns_steps)
+        self.orthogonalize = orthogonalize or newton_schulz
         self.lr_scale = dict(lr_scale or {})
         self.hidden = [n for n in params if param_group(n) == "hidden"]
         self.adam = AdamW(params, betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay,
@@ -223,7 +225,7 @@ class Muon:
             lr_n = lr * self.lr_scale.get(n, 1.0)
             if self.weight_decay:
                 p *= 1.0 - lr_n * self.weight_decay
-            p -= (lr_n * muon_scale(p.shape)) * newton_schulz(u, self.ns_steps).astype(p.dtype, copy=False)
+            p -= (lr_n * muon_scale(p.shape)) * self.orthogonalize(u, self.ns_steps).astype(p.dtype, copy=False)
 
     def state_tensors(self) -> dict:
         """{"m.<name>": momentum} of the hidden matrices and AdamW's {"m.", "v."} of the rest (arrays)."""

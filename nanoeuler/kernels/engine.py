@@ -776,6 +776,7 @@ class Engine:
         L, r, c = self.cfg.n_layers, sh.rows, sh.cols
         m, xs, tall = min(r, c), 2 * sh.stride, r > c
         mm, gemm, stream = m * m, self.gemm, self.stream.ptr
+        pitch = 2 * max(xs, r * c)  # bytes between the layers' matrices (one layer: any pitch >= its size)
         A, B = (Matrix(buf.reshape(-1)[:mm].reshape(m, m)) for buf in (self.ns_a, self.ns_b))  # layer l's: l mm on
         cur, nxt = sh.x, sh.y
         for _ in range(NS_STEPS):
@@ -783,7 +784,7 @@ class Engine:
             gemm.batched(A, X, X, L, (mm, xs, xs), ta=tall, tb=not tall)
             cp.cuda.runtime.memcpyAsync(B.ptr, A.ptr, L * mm * 2, cp.cuda.runtime.memcpyDeviceToDevice, stream)
             gemm.batched(B, A, A, L, (mm, mm, mm), alpha=c_, beta=b_)
-            cp.cuda.runtime.memcpy2DAsync(Y.ptr, xs * 2, X.ptr, xs * 2, r * c * 2, L,
+            cp.cuda.runtime.memcpy2DAsync(Y.ptr, pitch, X.ptr, pitch, r * c * 2, L,
                                           cp.cuda.runtime.memcpyDeviceToDevice, stream)
             if tall:
                 gemm.batched(Y, X, B, L, (xs, xs, mm), beta=a_)

@@ -5,8 +5,8 @@
     python bench/time_to_quality.py report runs/ --plot docs/time_to_quality.png
 
 A recipe is named `<optimizer>_<lr>[_<steps>]`; RECIPES says what each optimizer's recipe changes in
-config/config.yaml's pretraining (bf16 engine, the full `gpu` model, B32 x T512, val bits/byte every
-`--eval-every` steps). `adamw_<lr>` is today's default recipe (AdamW, warmup + cosine) at peak lr `<lr>`;
+the schema's pretraining defaults (on config/config.yaml's model and tokenizer: the bf16 engine, the full
+`gpu` model, B32 x T512, val bits/byte every `--eval-every` steps). `adamw_<lr>` is today's default recipe (AdamW, warmup + cosine) at peak lr `<lr>`;
 `muon_<lr>` is the new one (Muon on the hidden matrices at muon_lr `<lr>`, AdamW on the rest at
 `--adam-lr`, warmup-stable-decay, zero-initialised output projections). `<steps>` overrides `--steps`.
 
@@ -54,8 +54,9 @@ def write_config(path: Path, keys: dict, eval_every: int) -> None:
     import yaml
 
     base = yaml.safe_load((ROOT / "config" / "config.yaml").read_text()) or {}
-    pre = dict(base.get("pretrain") or {})
-    pre.update(precision="bf16", eval_every=eval_every, log_every=50, checkpoint_every=keys["steps"], **keys)
+    # the pretraining section is the recipe's alone (over the schema's defaults, today's AdamW recipe),
+    # whatever recipe config.yaml itself names
+    pre = dict(precision="bf16", eval_every=eval_every, log_every=50, checkpoint_every=keys["steps"], **keys)
     base.update(device="gpu", pretrain=pre)
     path.write_text(yaml.safe_dump(base, sort_keys=False))
 

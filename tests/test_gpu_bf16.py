@@ -51,7 +51,7 @@ def test_engine_kernels_exist_in_their_family_files():
     tests = (KERNEL_DIR.parent / "checks" / "selftest_bf16.py").read_text()
     # every bf16 kernel has a self-test row that launches it, on its own or inside the whole engine
     via_engine = {"f32_to_bf16", "embed_fwd", "embed_bwd", "sumsq", "adamw_clip_bf16", "muon_momentum",
-                  "muon_normalize", "muon_update"}
+                  "muon_normalize", "muon_update", "muon_poly_init"}
     for name in defined - flash_names - via_engine:
         assert f'_k("{name}")' in tests, name
     assert "case_engine" in tests and "case_engine_muon" in tests
@@ -247,8 +247,12 @@ def test_engine_graph_replay_matches_kernel_by_kernel(hidden, optimizer):
     # last-bit differences of near-zero gradients into steps of size lr (two kernel-by-kernel runs differ
     # by up to 3e-3 here, the embedding most). Step 2's learning rate frozen into the graph would move
     # every weight by about 1e-2 in step 3 instead of 1e-4: weights of order 0.02 would change by half.
+    # Muon moves every weight by about lr whatever its gradient's size, and its Newton-Schulz steps grow
+    # such last-bit differences further (the directions of small singular values): 3e-2 (two
+    # kernel-by-kernel-vs-graph runs differ by 1.1-1.7e-2); a frozen lr would still move weights by half.
+    tol = 1e-2 if optimizer == "adamw" else 3e-2
     for n, p in runs[False][1].items():
-        assert np.linalg.norm(runs[True][1][n] - p) <= 1e-2 * np.linalg.norm(p), n
+        assert np.linalg.norm(runs[True][1][n] - p) <= tol * np.linalg.norm(p), n
 
 
 @pytest.mark.gpu
@@ -266,7 +270,7 @@ def test_training_loop_in_bf16_resumes_from_its_checkpoint(tmp_path, optimizer):
     from nanoeuler import checkpoint
     from nanoeuler.train import loop
 
-    extra = {} if optimizer == "adamw" else dict(optimizer="muon", schedule="wsd", muon_lr=1e-2)
+    extra = {} if optimizer == "adamw" else dict(optimizer="muon", schedule="wsd", muon_lr=3e-3)
     run = _loop_run(tmp_path, "bf16", 10, **extra)
     loop.train(run)
     full = _losses(run)
@@ -284,9 +288,11 @@ def test_training_loop_in_bf16_resumes_from_its_checkpoint(tmp_path, optimizer):
     # that varies, and AdamW turns such last-digit differences of a near-zero gradient into a whole
     # step of size lr for that weight, so single weights may differ by ~lr. A broken resume (moments,
     # step count or data order lost) moves every weight: compare the whole tensors.
+    # Under Muon every weight moves by about lr a step and the Newton-Schulz steps grow last-bit
+    # differences (7e-3 seen at muon_lr 1e-2); a lost momentum or step count moves weights by tens of %.
     for w in ("layers.0.mlp.down_proj.weight", "embed_tokens.weight"):
         rel = np.linalg.norm(again[w] - final[w]) / np.linalg.norm(final[w])
-        assert rel < 1e-3, (w, rel)
+        assert rel < (1e-3 if optimizer == "adamw" else 2e-2), (w, rel)
 
 
 @pytest.mark.gpu

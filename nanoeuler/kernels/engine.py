@@ -770,26 +770,23 @@ class Engine:
 
     def _newton_schulz(self, sh):
         """`optim.newton_schulz` on every layer's matrix of one shape at once, in bf16 on the tensor cores:
-        A = X X^T (X^T X for a tall X), B = b A + c A A, X' = a X + B X (X B), ping-ponging between sh.x and
+        A = X X^T (X^T X for a tall X), B = a I + b A + c A A, X' = B X (X B), ping-ponging between sh.x and
         sh.y. Returns the bf16 array that holds the result (matrix l at l * 2 stride)."""
         a_, b_, c_ = NS_COEFFS
         L, r, c = self.cfg.n_layers, sh.rows, sh.cols
         m, xs, tall = min(r, c), 2 * sh.stride, r > c
-        mm, gemm, stream = m * m, self.gemm, self.stream.ptr
-        pitch = 2 * max(xs, r * c)  # bytes between the layers' matrices (one layer: any pitch >= its size)
+        mm, gemm = m * m, self.gemm
         A, B = (Matrix(buf.reshape(-1)[:mm].reshape(m, m)) for buf in (self.ns_a, self.ns_b))  # layer l's: l mm on
         cur, nxt = sh.x, sh.y
         for _ in range(NS_STEPS):
             X, Y = Matrix(cur[:r * c].reshape(r, c)), Matrix(nxt[:r * c].reshape(r, c))
             gemm.batched(A, X, X, L, (mm, xs, xs), ta=tall, tb=not tall)
-            cp.cuda.runtime.memcpyAsync(B.ptr, A.ptr, L * mm * 2, cp.cuda.runtime.memcpyDeviceToDevice, stream)
-            gemm.batched(B, A, A, L, (mm, mm, mm), alpha=c_, beta=b_)
-            cp.cuda.runtime.memcpy2DAsync(Y.ptr, pitch, X.ptr, pitch, r * c * 2, L,
-                                          cp.cuda.runtime.memcpyDeviceToDevice, stream)
+            optim.muon_poly_init(A.arr, B.arr, m, L, a_, b_)
+            gemm.batched(B, A, A, L, (mm, mm, mm), alpha=c_, beta=1.0)
             if tall:
-                gemm.batched(Y, X, B, L, (xs, xs, mm), beta=a_)
+                gemm.batched(Y, X, B, L, (xs, xs, mm))
             else:
-                gemm.batched(Y, B, X, L, (xs, mm, xs), beta=a_)
+                gemm.batched(Y, B, X, L, (xs, mm, xs))
             cur, nxt = nxt, cur
         return cur
 

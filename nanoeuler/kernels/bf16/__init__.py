@@ -26,7 +26,7 @@ FAMILIES = {
     "heads": ("ce_head_scale", "ce_heads_fwd_bwd", "ce_loss_reduce", "seq_logp_rows", "dpo_pair_loss",
               "seq_logp_grad"),
     "optim": ("f32_to_bf16", "sumsq", "adamw_clip_bf16", "grad_accumulate", "muon_momentum", "muon_normalize",
-              "muon_update"),
+              "muon_update", "muon_poly_init"),
     "flash_mma": _FLASH_MMA,
     "flash_wg": ("flash_fwd_wg_d64", "flash_bwd_dkdv_wg_d64", "flash_bwd_dq_wg_d64"),
     "gemm_tma": ("swiglu_fwd_gemm", "swiglu_bwd_gemm", "qkv_rope_gemm", "wdt_image"),

@@ -152,3 +152,15 @@ extern "C" __global__ void __launch_bounds__(256) muon_update(
         pb[i] = f2bf(pi * gain_at(gain, C, i));
     }
 }
+
+// The Newton-Schulz step's polynomial before its product: b = cb * a + ca * I for `count` m x m bf16
+// matrices (packed), so that the step's two remaining products (b += cc * a a, then x' = b x) need no
+// copy of x for its linear term.
+extern "C" __global__ void __launch_bounds__(256) muon_poly_init(const bf16* __restrict__ a, bf16* __restrict__ b,
+                                                                 long long m, long long count, float ca, float cb) {
+    const long long n = m * m * count;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long e = i % (m * m);
+        b[i] = f2bf(fmaf(cb, bf2f(a[i]), e / m == e % m ? ca : 0.f));
+    }
+}

@@ -64,3 +64,9 @@ def muon_update(p, o, pb, n: int, stride: int, ostride: int, layers: int, hyper,
     kernel("bf16/optim", "muon_update")(_layer_grid(n, layers), (256,), (
         p, o, pb, i64(n), i64(stride), i64(ostride), hyper, i32(decayed), f32(scale), gain, i64(gstride),
         i32(cols)))
+
+
+def muon_poly_init(a, b, m: int, count: int, ca: float, cb: float) -> None:
+    """b = cb * a + ca * I for `count` packed m x m bf16 matrices (a Newton-Schulz step's linear terms)."""
+    n = m * m * count
+    kernel("bf16/optim", "muon_poly_init")(grid_1d(n), (256,), (a, b, i64(m), i64(count), f32(ca), f32(cb)))

@@ -65,7 +65,9 @@ class TrainConfig:
     def from_section(cls, section: dict):
         """The fields of `cls` from a validated section (keys of other stages' fields are left out)."""
         kinds = {"int": int, "float": float, "str": str, "bool": bool}
-        fields = [f for f in dataclasses.fields(cls) if f.name in section or f.default is dataclasses.MISSING]
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        fields = [f for f in dataclasses.fields(cls) if f.name in section or f.name in required]
         return cls(**{f.name: kinds.get(f.type, lambda v: v)(section[f.name]) for f in fields})
 
 

@@ -6,9 +6,10 @@
 
 A recipe is named `<optimizer>_<lr>[_<steps>]`; RECIPES says what each optimizer's recipe changes in
 the schema's pretraining defaults (on config/config.yaml's model and tokenizer: the bf16 engine, the full
-`gpu` model, B32 x T512, val bits/byte every `--eval-every` steps). `adamw_<lr>` is today's default recipe (AdamW, warmup + cosine) at peak lr `<lr>`;
-`muon_<lr>` is the new one (Muon on the hidden matrices at muon_lr `<lr>`, AdamW on the rest at
-`--adam-lr`, warmup-stable-decay, zero-initialised output projections). `<steps>` overrides `--steps`.
+`gpu` model, B32 x T512, val bits/byte every `--eval-every` steps). `adamw_<lr>` is the schema's default
+recipe (AdamW, warmup + cosine) at peak lr `<lr>`; `muon_<lr>` is the new one (Muon on the hidden
+matrices at muon_lr `<lr>`, AdamW on the rest at `--adam-lr`, warmup-stable-decay, zero-initialised
+output projections). `<steps>` overrides `--steps`.
 
 `report` takes the tuned baseline (the AdamW run with the lowest val bits/byte) and, for every run: its
 best val bits/byte within the baseline's token budget, the tokens and the training seconds it needed to

@@ -748,7 +748,8 @@ class Engine:
             self.muon_shapes.append(MuonShape(name, offs[0], stride, rows, cols, decayed, muon_scale((rows, cols)),
                                               gain, gstride, x, x[rows * cols:]))
         m = max(min(sh.rows, sh.cols) for sh in self.muon_shapes)
-        parts, need = carve([((L, m, m), BF16_STORAGE), ((L, m, m), BF16_STORAGE), ((len(self.muon_shapes), L), np.float32)])
+        parts, need = carve([((L, m, m), BF16_STORAGE), ((L, m, m), BF16_STORAGE),
+                             ((len(self.muon_shapes), L), np.float32)])
         store = self.arena if self.arena.nbytes >= need else cp.empty(need, dtype=np.uint8)  # (a tiny model's arena)
         self.muon_scratch = None if store is self.arena else store
         self.ns_a, self.ns_b, self.muon_ss = (store[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in parts)

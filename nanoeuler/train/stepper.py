@@ -6,7 +6,8 @@
 
 `XpStepper` runs `transformer.loss_and_grads` on NumPy or CuPy, sums the gradients of the
 micro-batches (each normalised by the whole step's targets), clips their global norm and applies
-the optimizer (AdamW, or Muon on the hidden matrices: `settings.optimizer`); `EngineStepper` hands the same update to the bf16 engine on the GPU. Two hooks let a stage or
+the optimizer (AdamW, or Muon on the hidden matrices: `settings.optimizer`); `EngineStepper` hands
+the same update to the bf16 engine on the GPU. Two hooks let a stage or
 a launcher change the step without forking the loop: `head_loss` replaces the loss on the final
 normed state (`transformer.mtp_cross_entropy` by default; on the engine only a `model.dpo.DpoHead`,
 which it runs as its DPO head), and `grad_hook(grads)` runs on the summed gradients between the

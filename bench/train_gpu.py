@@ -339,8 +339,8 @@ def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log, timed):
 def engine_options(mode: str) -> dict:
     """`Engine` keyword arguments of a mode `ours-bf16[-flag...]`, each flag an attention variant (wg, ldm,
     mma; fa32 for the float32 FlashAttention), `eager` (no CUDA graph), `norope` (RoPE and the attention
-    layouts after the qkv GEMM, not inside it) or `nofuse` (that, and the SwiGLU forward and backward
-    after their GEMMs too).
+    layouts after the qkv GEMM, not inside it), `nofuse` (that, and the SwiGLU forward and backward
+    after their GEMMs too) or `muon` (Muon on the hidden matrices instead of AdamW).
 
         >>> engine_options("ours-bf16-ldm-eager"), engine_options("ours-bf16-fa32"), engine_options("ours-bf16")
         ({'attention': 'ldm', 'graph': False}, {'attention': 'fp32'}, {})
@@ -355,6 +355,8 @@ def engine_options(mode: str) -> dict:
             opts["fuse_rope"] = False
         elif flag == "nofuse":
             opts["fuse_swiglu"] = opts["fuse_rope"] = False
+        elif flag == "muon":
+            opts["optimizer"] = "muon"
         else:
             raise ValueError(f"unknown flag {flag!r} in mode {mode!r}")
     return opts

@@ -50,10 +50,11 @@ def test_engine_kernels_exist_in_their_family_files():
     assert defined - flash_names <= wanted, (defined - flash_names) - wanted  # every other kernel has a launcher
     tests = (KERNEL_DIR.parent / "checks" / "selftest_bf16.py").read_text()
     # every bf16 kernel has a self-test row that launches it, on its own or inside the whole engine
-    via_engine = {"f32_to_bf16", "embed_fwd", "embed_bwd", "sumsq", "adamw_clip_bf16"}
+    via_engine = {"f32_to_bf16", "embed_fwd", "embed_bwd", "sumsq", "adamw_clip_bf16", "muon_momentum",
+                  "muon_normalize", "muon_update", "muon_poly_init"}
     for name in defined - flash_names - via_engine:
         assert f'_k("{name}")' in tests, name
-    assert "case_engine" in tests
+    assert "case_engine" in tests and "case_engine_muon" in tests
     # the flash kernels, by variant and head size through flash.flash_kernels, each of its three names
     flash = (bf16 / "flash.py").read_text()
     assert "flash_kernels(var, D)" in tests and 'f"{name}_{variant}_d{D}"' in flash
@@ -154,7 +155,7 @@ def test_bench_torch_model_matches_ours_on_cpu():
     assert bench.flops_per_token(ModelConfig.named("gpu"), 512) == 717_225_984
 
 
-def _loop_run(tmp_path, precision, total_steps, *, short=False):
+def _loop_run(tmp_path, precision, total_steps, *, short=False, **extra):
     """A `loop.Run` of a head-size-64 model on the GPU, trained on a fixed repeating pattern.
     short=True gives SFT-like batches: shorter than the context, prompt targets -1."""
     import cupy
@@ -166,7 +167,7 @@ def _loop_run(tmp_path, precision, total_steps, *, short=False):
 
     cfg = ModelConfig(vocab_size=64, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=32, mtp_heads=2)
     sec = dict(validate({})["pretrain"], lr=3e-3, warmup_steps=2, batch_size=4, log_every=1,
-               checkpoint_every=5, eval_every=1000, precision=precision)
+               checkpoint_every=5, eval_every=1000, precision=precision, **extra)
     B, T, K = 4, cfg.ctx_len - (7 if short else 0), cfg.mtp_heads
     seq = (np.arange(T + K + B)[None, :] * 5 + np.arange(B)[:, None] * 3) % cfg.vocab_size  # learnable
 
@@ -214,7 +215,8 @@ def test_training_loop_in_bf16_tracks_fp32(tmp_path, short):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden", [0, 384], ids=["F341", "F384"])  # F384: the fused SwiGLU backward on sm_90a
-def test_engine_graph_replay_matches_kernel_by_kernel(hidden):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_engine_graph_replay_matches_kernel_by_kernel(hidden, optimizer):
     """Steps replayed from the captured CUDA graph compute what the kernel-by-kernel steps compute, with
     the batch and the learning rate of each step (AdamW's per-step values live on the device)."""
     import cupy
@@ -231,7 +233,7 @@ def test_engine_graph_replay_matches_kernel_by_kernel(hidden):
     lrs = [1e-3, 1e-2, 1e-4, 3e-3]  # a learning rate frozen into the graph at its capture (step 2) would show
     runs = {}
     for graph in (False, True):
-        eng = Engine(cfg, params, batch=4, seq=64, graph=graph)
+        eng = Engine(cfg, params, batch=4, seq=64, graph=graph, optimizer=optimizer)
         losses = []
         for (x, y), lr in zip(batches, lrs):
             eng.step(cupy.asarray(x, dtype=np.int32), cupy.asarray(y, dtype=np.int32), lr=lr)
@@ -245,8 +247,12 @@ def test_engine_graph_replay_matches_kernel_by_kernel(hidden):
     # last-bit differences of near-zero gradients into steps of size lr (two kernel-by-kernel runs differ
     # by up to 3e-3 here, the embedding most). Step 2's learning rate frozen into the graph would move
     # every weight by about 1e-2 in step 3 instead of 1e-4: weights of order 0.02 would change by half.
+    # Muon moves every weight by about lr whatever its gradient's size, and its Newton-Schulz steps grow
+    # such last-bit differences further (the directions of small singular values): 3e-2 (two
+    # kernel-by-kernel-vs-graph runs differ by 1.1-1.7e-2); a frozen lr would still move weights by half.
+    tol = 1e-2 if optimizer == "adamw" else 3e-2
     for n, p in runs[False][1].items():
-        assert np.linalg.norm(runs[True][1][n] - p) <= 1e-2 * np.linalg.norm(p), n
+        assert np.linalg.norm(runs[True][1][n] - p) <= tol * np.linalg.norm(p), n
 
 
 @pytest.mark.gpu
@@ -259,17 +265,20 @@ def test_engine_doctests():
 
 
 @pytest.mark.gpu
-def test_training_loop_in_bf16_resumes_from_its_checkpoint(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_training_loop_in_bf16_resumes_from_its_checkpoint(tmp_path, optimizer):
     from nanoeuler import checkpoint
     from nanoeuler.train import loop
 
-    run = _loop_run(tmp_path, "bf16", 10)
+    extra = {} if optimizer == "adamw" else dict(optimizer="muon", schedule="wsd", muon_lr=3e-3)
+    run = _loop_run(tmp_path, "bf16", 10, **extra)
     loop.train(run)
     full = _losses(run)
     final, _ = checkpoint.load(run.run_dir / "ckpt_00000010.bin")
+    assert ("optim.v.layers.0.mlp.down_proj.weight" in final) == (optimizer == "adamw")
     (run.run_dir / "ckpt_00000010.bin").unlink()
     run.out.unlink()
-    loop.train(_loop_run(tmp_path, "bf16", 10))  # resumes from step 5
+    loop.train(_loop_run(tmp_path, "bf16", 10, **extra))  # resumes from step 5
     resumed = _losses(run)
     assert len(resumed) == 10
     assert np.allclose(resumed, full, rtol=1e-3), (full, resumed)
@@ -279,9 +288,11 @@ def test_training_loop_in_bf16_resumes_from_its_checkpoint(tmp_path):
     # that varies, and AdamW turns such last-digit differences of a near-zero gradient into a whole
     # step of size lr for that weight, so single weights may differ by ~lr. A broken resume (moments,
     # step count or data order lost) moves every weight: compare the whole tensors.
+    # Under Muon every weight moves by about lr a step and the Newton-Schulz steps grow last-bit
+    # differences (7e-3 seen at muon_lr 1e-2); a lost momentum or step count moves weights by tens of %.
     for w in ("layers.0.mlp.down_proj.weight", "embed_tokens.weight"):
         rel = np.linalg.norm(again[w] - final[w]) / np.linalg.norm(final[w])
-        assert rel < 1e-3, (w, rel)
+        assert rel < (1e-3 if optimizer == "adamw" else 2e-2), (w, rel)
 
 
 @pytest.mark.gpu

@@ -78,8 +78,10 @@ def test_pretrain_writes_model_metrics_plot_and_rotates_checkpoints(data, tmp_pa
         np.testing.assert_array_equal(p, ck[name])
 
 
-def test_kill_9_and_resume_gives_identical_losses(data, tmp_path):
-    spec = dict(PRE, steps=150, checkpoint_every=25, eval_every=50)
+@pytest.mark.parametrize("recipe", [{}, dict(optimizer="muon", muon_lr=1e-2, schedule="wsd", zero_init_out=True)],
+                         ids=["adamw", "muon"])
+def test_kill_9_and_resume_gives_identical_losses(data, tmp_path, recipe):
+    spec = dict(PRE, steps=150, checkpoint_every=25, eval_every=50, **recipe)
     conf = write_config(tmp_path / "c.yaml", pretrain=spec)
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     r = pretrain(data, whole, conf)

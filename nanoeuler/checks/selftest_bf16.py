@@ -500,6 +500,31 @@ def case_bf16_gemm(rng, shape):
     return [(f"gemm {out}{' +c' if beta else ''}", got, ref, TOL_BF16 if out == "bf16" else 1e-4)]
 
 
+def case_bf16_gemm_batched(rng, shape):
+    """shape (count, M, N, K, ta, tb, alpha, beta): c_i = alpha op(a_i) @ op(b_i) + beta c_i, bf16 in and out,
+    through `Gemm.batched` (Muon's Newton-Schulz products); a's matrices lie `gap` elements apart beyond
+    their size (the layers' matrices in the flat buffers), b and c packed."""
+    from nanoeuler.kernels.cublas import Gemm, Matrix
+
+    L, M, N, K, ta, tb, alpha, beta = shape
+    gap = 64
+    a_shape, b_shape = ((K, M) if ta else (M, K)), ((N, K) if tb else (K, N))
+    sa = M * K + gap
+    a_flat = _randn(rng, (L, sa))
+    a_dev, a_flat64 = _dev_bf16(a_flat)
+    a64 = a_flat64[:, :M * K].reshape((L,) + a_shape)
+    b_dev, b64 = _dev_bf16(_randn(rng, (L,) + b_shape))
+    c_dev, c64 = _dev_bf16(_randn(rng, (L, M, N)))
+    if not beta:  # poisoned: a product that skipped a matrix leaves NaN
+        c_dev.fill(0xFFFF)
+        c64 = np.zeros_like(c64)
+    ref = alpha * np.matmul(np.swapaxes(a64, 1, 2) if ta else a64, np.swapaxes(b64, 1, 2) if tb else b64) + beta * c64
+    first = lambda arr, shp: Matrix(arr.reshape(-1)[:int(np.prod(shp))].reshape(shp))  # noqa: E731
+    Gemm().batched(first(c_dev, (M, N)), first(a_dev, a_shape), first(b_dev, b_shape), L, (M * N, sa, N * K),
+                   ta=ta, tb=tb, alpha=alpha, beta=beta)
+    return [("gemm batched bf16", from_bf16(c_dev.get()).reshape(L, M, N), ref, TOL_BF16)]
+
+
 def _engine_problem(rng, cfg, B, T):
     from nanoeuler.checks.gradcheck import random_problem
 
@@ -571,6 +596,107 @@ def case_engine(rng, shape):
     return rows
 
 
+def newton_schulz_bf16(g, steps):
+    """`optim.newton_schulz` rounding to bf16 where the engine's Muon does: the momentum u, then u scaled
+    to norm 1, and each output of a step (A = X X^T, B = a I + b A, B += c A A, X' = B X), in float64 else."""
+    from nanoeuler.optim import NS_COEFFS
+
+    a, b, c = NS_COEFFS
+    tall = g.shape[0] > g.shape[1]
+    x = bf16_round(bf16_round(g) / (np.linalg.norm(g) + 1e-7))
+    for _ in range(steps):
+        A = bf16_round(x.T @ x if tall else x @ x.T)
+        B = bf16_round(c * (A @ A) + bf16_round(b * A + a * np.eye(len(A))))
+        x = bf16_round(x @ B if tall else B @ x)
+    return x
+
+
+def _well_conditioned(rng, rows, cols):
+    """A rows x cols matrix of Frobenius norm 1 with singular values spread over [0.1, 1] before scaling."""
+    k = min(rows, cols)
+    u, _ = np.linalg.qr(rng.standard_normal((rows, k)))
+    v, _ = np.linalg.qr(rng.standard_normal((cols, k)))
+    x = u @ np.diag(np.linspace(0.1, 1.0, k)) @ v.T
+    return x / np.linalg.norm(x)
+
+
+def case_engine_muon(rng, shape):
+    """shape (label, B, T, attention): two steps of the engine under Muon (its momentum, the Newton-Schulz
+    iteration as batched bf16 GEMMs, the scaled update, per-group learning rates) vs float64 `optim.Muon`
+    on the engine's own gradients: the hidden matrices' update, the other tensors' (AdamW), the image."""
+    import cupy
+
+    from nanoeuler.kernels import has_sm90a
+    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.model.config import ModelConfig
+    from nanoeuler.optim import Muon, clip_grad_norm, group_lr_scale, newton_schulz, param_group
+
+    which, B, T, attention = shape
+    if attention == "wg" and not has_sm90a():
+        return []
+    if which == "small":
+        cfg = ModelConfig.named("small")
+    else:  # q 384x384, k/v 128x384, gate/up 1024x384 (tall), down 384x1024 (wide)
+        cfg = ModelConfig(vocab_size=1024, dim=384, n_layers=3, n_heads=6, n_kv_heads=2, ctx_len=256, mtp_heads=4)
+    params, inputs, targets = _engine_problem(rng, cfg, B, T)
+    scale = group_lr_scale(params, {"hidden": 3.0, "embed": 2.0})
+    eng = Engine(cfg, params, batch=B, seq=T, max_norm=0.5, attention=attention, optimizer="muon", lr_scale=scale)
+    p64 = {n: p.astype(np.float64) for n, p in params.items()}
+    refs = {"float64": {n: p.copy() for n, p in p64.items()}, "bf16": {n: p.copy() for n, p in p64.items()}}
+    opts = {k: Muon(ref_p, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, lr_scale=scale,
+                    orthogonalize=newton_schulz_bf16 if k == "bf16" else None) for k, ref_p in refs.items()}
+    for lr in (1e-2, 5e-3):  # the second step carries the first's momentum
+        eng.forward_backward(_g(inputs, np.int32), _g(targets, np.int32))
+        g_dev = {n: np.asarray(g.get(), dtype=np.float64) for n, g in eng.grads().items()}
+        clip_grad_norm(g_dev, 0.5)
+        for k in refs:
+            opts[k].step(refs[k], g_dev, lr)
+        eng.optimizer_step(lr)
+    cupy.cuda.get_current_stream().synchronize()
+    new = eng.params()
+    hidden = [n for n in params if param_group(n) == "hidden"]
+    rest = [n for n in params if param_group(n) != "hidden"]
+    rows = []
+    # The whole update against the reference that rounds where the engine rounds, and against exact
+    # float64 Newton-Schulz: to 2e-2 and 3e-2, as bf16 products cost that much. Small singular values
+    # grow ~3.4x per step (the quintic's slope at 0), and with them any difference in the last bit of a
+    # bf16 rounding (float32 vs float64 sums): the rounded reference is about as far from the engine
+    # (1.0-1.1e-2 on an H200) as exact float64 is (1.4-1.7e-2; 1.1-1.5e-2 between the two on the CPU).
+    # A wrong transpose, scale or gain is off by order one. The iteration alone, below, on matrices with
+    # singular values in [0.1, 1] before scaling: 1.3-2.1e-2 from float64 on an H200, so held to 3e-2.
+    for label, names, ref_p, tol in (("hidden matrices vs bf16-rounded Newton-Schulz", hidden, refs["bf16"], 2e-2),
+                                     ("hidden matrices vs float64 Newton-Schulz", hidden, refs["float64"], 3e-2),
+                                     ("AdamW groups", rest, refs["float64"], 1e-4)):
+        upd = np.concatenate([(new[n].get().astype(np.float64) - p64[n]).ravel() for n in names])
+        upd_ref = np.concatenate([(ref_p[n] - p64[n]).ravel() for n in names])
+        rows.append((f"engine muon 2 steps, {label}", upd, upd_ref, tol))
+    # the batched Newton-Schulz alone: each shape's matrices with singular values in [0.1, 1]
+    for sh in eng.muon_shapes:
+        if sh.name not in ("self_attn.k_proj", "mlp.gate_proj", "mlp.down_proj"):
+            continue
+        L = cfg.n_layers
+        mats = [_well_conditioned(rng, sh.rows, sh.cols) for _ in range(L)]
+        x_in = [from_bf16(to_bf16(x)) for x in mats]
+        for layer, x in enumerate(x_in):
+            sh.x[2 * layer * sh.stride:][:x.size].set(to_bf16(x).ravel())
+        with eng._on_stream():
+            out = eng._newton_schulz(sh)
+        cupy.cuda.get_current_stream().synchronize()
+        got = np.stack([from_bf16(out[2 * layer * sh.stride:][:sh.rows * sh.cols].get()).reshape(sh.rows, sh.cols)
+                        for layer in range(L)])
+        ref = np.stack([newton_schulz(x) for x in x_in])  # their norm is 1 already: scaling changes nothing
+        rows.append((f"engine newton-schulz, {L} x {sh.name.split('.')[1]} {sh.rows}x{sh.cols}", got, ref, 3e-2))
+    ref_p = refs["float64"]
+    names = list(params)
+    pb = eng.Pb.get()
+    img = np.concatenate([from_bf16(pb[eng.offsets[n]:eng.offsets[n] + ref_p[n].size]) for n in names])
+    img_ref = [ref_p[n] * ref_p[eng.gain_of[n]] if n in eng.gain_of else ref_p[n] for n in names]
+    rows.append(("engine muon bf16 weight image (gains folded)", img, np.concatenate([r.ravel() for r in img_ref]),
+                 TOL_BF16))
+    del eng
+    return rows
+
+
 def case_engine_dpo(rng, shape):
     """shape (label, pairs, T, attention, checkpoint): the engine with the DPO head (sequence log-probs of
     head 0, the pair loss against reference log-probs, label smoothing): loss and every gradient (the MTP
@@ -634,6 +760,10 @@ CASES_BF16 = [
     (case_bf16_gemm, (4096, 768, 300, True, False, "f32", 1), "M4096 N768 K300 a^T b +c", {}),
     (case_bf16_gemm, (300, 768, 4096, False, False, "f32", 1), "M300 N768 K4096 a b +c", {}),
     (case_bf16_gemm, (37, 100, 64, False, True, "bf16", 1), "M37 N100 K64 a b^T +c (unaligned rows)", {}),
+    (case_bf16_gemm_batched, (3, 96, 96, 160, False, True, 1.0, 0.0), "3 x X X^T, X 96x160", {}),
+    (case_bf16_gemm_batched, (3, 64, 64, 160, True, False, 1.0, 0.0), "3 x X^T X, X 160x64", {}),
+    (case_bf16_gemm_batched, (2, 96, 96, 96, False, False, 2.0315, -4.775), "2 x c A A + b B", {}),
+    (case_bf16_gemm_batched, (3, 64, 160, 64, False, False, 1.0, 3.4445), "3 x B X + a X", {}),
     (case_bf16_rmsnorm, (300, 768), "N300 C768", {}),
     (case_bf16_rmsnorm, (37, 341), "N37 C341", {}),
     (case_bf16_rmsnorm, (1000, 1024), "N1000 C1024", {}),
@@ -690,6 +820,8 @@ CASES_BF16 = [
     (case_engine, ("small", 2, 100, "ldm"), "small preset B2 T100 ldm-attn", {}),
     (case_engine, ("d64", 2, 200, "wg"), "2 layers D64 B2 T200 wg-attn", {}),
     (case_engine, ("d384", 2, 256, "wg"), "2 layers C384 F1024 B2 T256 wg-attn, fused SwiGLU and RoPE", {}),
+    (case_engine_muon, ("small", 2, 100, "mma"), "Muon, small preset B2 T100", {}),
+    (case_engine_muon, ("d384", 2, 256, "wg"), "Muon, 3 layers C384 F1024 B2 T256 wg-attn", {}),
     (case_engine_dpo, ("small", 2, 100, "mma", False), "DPO head, small preset 2 pairs T100", {}),
     (case_engine_dpo, ("d384", 2, 256, "wg", True), "DPO head, 2 layers C384 2 pairs T256 wg, checkpointing", {}),
 ]

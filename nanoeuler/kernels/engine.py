@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from dataclasses import dataclass
 
 import cupy as cp
 import numpy as np
@@ -40,8 +41,37 @@ from nanoeuler.kernels.cublas import Gemm, Matrix
 from nanoeuler.kernels.tma import gate_up_map, heads_map, tile_map
 from nanoeuler.model import layers
 from nanoeuler.model.config import ModelConfig
+from nanoeuler.optim import GROUPS, HIDDEN_MATRICES, NS_COEFFS, NS_STEPS, muon_scale, param_group
 
 _NULL = np.uint64(0)  # a null pointer argument (an optional input or output a kernel skips)
+
+
+@dataclass
+class MuonShape:
+    """One hidden matrix (`name`, rows x cols) in every layer: layer l's at start + l * stride in the flat
+    buffers, its gain (if folded) at gain + l * gstride, its Newton-Schulz operands x and y (bf16, layer
+    l's at l * 2 stride)."""
+    name: str
+    start: int
+    stride: int
+    rows: int
+    cols: int
+    decayed: bool
+    scale: float
+    gain: object
+    gstride: int
+    x: object
+    y: object
+
+
+def _group_scales(shapes: dict, lr_scale: dict | None) -> dict:
+    """{lr group: multiple of the step's lr} from per-tensor multiples, which must agree within a group."""
+    out = {g: set() for g in GROUPS}
+    for n in shapes:
+        out[param_group(n)].add(float((lr_scale or {}).get(n, 1.0)))
+    if any(len(v) > 1 for v in out.values()):
+        raise ValueError(f"the engine takes one lr multiple per group {GROUPS}, got {out}")
+    return {g: (v.pop() if v else 1.0) for g, v in out.items()}
 
 
 class Engine:
@@ -51,7 +81,8 @@ class Engine:
                  betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, max_norm: float = 1.0,
                  no_decay=None, chunk_bytes: int | None = None, attention: str = "auto", graph: bool = True,
                  fuse_swiglu: bool | None = None, fuse_rope: bool | None = None, accum: bool = False,
-                 checkpoint: bool = False, head: str = "ce", dpo_beta: float = 0.1, dpo_label_smoothing: float = 0.0):
+                 checkpoint: bool = False, head: str = "ce", dpo_beta: float = 0.1, dpo_label_smoothing: float = 0.0,
+                 optimizer: str = "adamw", muon_momentum: float = 0.95, lr_scale: dict | None = None):
         self.cfg = cfg
         self.B, self.T = int(batch), int(seq)
         self.N = self.B * self.T
@@ -63,6 +94,10 @@ class Engine:
         self.eps, self.weight_decay, self.max_norm = float(eps), float(weight_decay), float(max_norm)
         self.lr = float(lr)
         self.t = 0
+        if optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer {optimizer!r}: 'adamw' or 'muon'")
+        self.optimizer, self.muon_momentum = optimizer, float(muon_momentum)
+        self.group_scale = _group_scales(cfg.param_shapes(), lr_scale)
         variants = choose_variants(cfg, self.T, attention, fuse_swiglu, fuse_rope, sm90a=has_sm90a())
         self.attention, self.fuse_swiglu, self.fuse_rope = variants.attention, variants.fuse_swiglu, variants.fuse_rope
         self.layout = plan_layout(cfg, no_decay)
@@ -81,11 +116,14 @@ class Engine:
         self._graphs, self._eager = {}, {}  # the accumulating step's phases ("micro", "update"), likewise
         self._logps = []  # the DPO head's per-sequence log-probs of each micro-batch of the last step (device)
         self.collective = None  # see `set_collective`
-        self.hyper = cp.zeros(3, dtype=np.float32)  # AdamW's per-step values (step size, 1/sqrt(bc2), decay)
-        self._hyper_host = np.zeros(3, dtype=np.float32)
+        # the optimizer's per-step values of each lr group (GROUPS): AdamW's step size, 1/sqrt(bc2) and decay
+        # factor; Muon's group: its lr, -, decay factor
+        self.hyper = cp.zeros(3 * len(GROUPS), dtype=np.float32)
+        self._hyper_host = np.zeros(3 * len(GROUPS), dtype=np.float32)
         self._refresh_image()
         self._weight_views()
         self._allocate_activations(chunk_bytes)
+        self._muon_plan()
         self._tensor_maps()
         cp.cuda.get_current_stream().synchronize()
 
@@ -104,8 +142,9 @@ class Engine:
                 raise ValueError(f"parameter {name} has shape {tuple(src.shape)}, expected {shape}")
             self.view(self.P, name)[...] = cp.asarray(src, dtype=f32)
         # the AdamW runs with their gains as device views (AdamW writes the image of a run times its gain)
-        self.runs = [(r.start, r.end, r.decayed, _NULL if r.gain is None else self.view(self.P, r.gain), r.cols)
-                     for r in self.layout.runs]
+        # and the index of their lr group
+        self.runs = [(r.start, r.end, r.decayed, _NULL if r.gain is None else self.view(self.P, r.gain), r.cols,
+                      GROUPS.index(r.group)) for r in self.layout.runs]
         if self.fuse_swiglu:
             cfg = self.cfg
             self.wdt = cp.empty((cfg.n_layers, cfg.hidden, cfg.dim), dtype=BF16_STORAGE)
@@ -267,12 +306,17 @@ class Engine:
         return {n: self.view(self.Gacc if accumulated else self.G, n) for n in self.shapes}
 
     def state_tensors(self) -> dict:
-        """{"m.<name>", "v.<name>"} like `optim.AdamW.state_tensors` (views); the step count is `self.t`."""
+        """{"m.<name>", "v.<name>"} like `optim.AdamW.state_tensors` (views); the step count is `self.t`.
+        Under Muon its hidden matrices have only "m.<name>", the momentum, as `optim.Muon.state_tensors`."""
         out = {}
         for n in self.shapes:
             out[f"m.{n}"] = self.view(self.Mo, n)
-            out[f"v.{n}"] = self.view(self.Vo, n)
+            if not self._muon_owns(n):
+                out[f"v.{n}"] = self.view(self.Vo, n)
         return out
+
+    def _muon_owns(self, name: str) -> bool:
+        return self.optimizer == "muon" and param_group(name) == "hidden"
 
     def load_state(self, params: dict, tensors: dict | None = None, t: int = 0) -> None:
         """Set the master weights (and optionally the AdamW moments and step count), refresh the bf16 image."""
@@ -280,7 +324,8 @@ class Engine:
             self.view(self.P, n)[...] = cp.asarray(params[n], dtype=np.float32)
             if tensors is not None:
                 self.view(self.Mo, n)[...] = cp.asarray(tensors[f"m.{n}"], dtype=np.float32)
-                self.view(self.Vo, n)[...] = cp.asarray(tensors[f"v.{n}"], dtype=np.float32)
+                if not self._muon_owns(n):
+                    self.view(self.Vo, n)[...] = cp.asarray(tensors[f"v.{n}"], dtype=np.float32)
         self.t = int(t)
         self._refresh_image()
 
@@ -290,7 +335,7 @@ class Engine:
 
     def _refresh_image(self) -> None:
         """The bf16 GEMM image of the master weights, the folded norm gains included."""
-        for start, end, _, gain, cols in self.runs:
+        for start, end, _, gain, cols, _ in self.runs:
             optim.f32_to_bf16(self.P[start:end], self.Pb[start:end], gain, cols)
         self._refresh_wdt()
 
@@ -490,11 +535,15 @@ class Engine:
             return None
 
     def _set_hyper(self, lr: float) -> None:
-        """Count the step and queue AdamW's values for it (step size, 1/sqrt(1 - b2^t), decay factor) on
-        the current stream; the copy from pageable memory is staged at once, so the host never waits."""
+        """Count the step and queue each lr group's values for it (AdamW: step size, 1/sqrt(1 - b2^t),
+        decay factor; Muon: lr, -, decay factor) on the current stream; the copy from pageable memory is
+        staged at once, so the host never waits."""
         self.t += 1
-        self._hyper_host[:] = (lr / (1.0 - self.beta1 ** self.t), 1.0 / math.sqrt(1.0 - self.beta2 ** self.t),
-                               1.0 - lr * self.weight_decay)
+        inv_sqrt_bc2 = 1.0 / math.sqrt(1.0 - self.beta2 ** self.t)
+        for gi, group in enumerate(GROUPS):
+            lr_g = lr * self.group_scale[group]
+            step = lr_g if group == "hidden" and self.optimizer == "muon" else lr_g / (1.0 - self.beta1 ** self.t)
+            self._hyper_host[3 * gi:3 * gi + 3] = (step, inv_sqrt_bc2, 1.0 - lr_g * self.weight_decay)
         cp.cuda.runtime.memcpyAsync(self.hyper.data.ptr, self._hyper_host.ctypes.data, self._hyper_host.nbytes,
                                     cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
 
@@ -651,12 +700,96 @@ class Engine:
             rope.rope_bwd_pack(self.att, self.dk, self.dv, self.cos, self.sin, self.dqkv)
 
     def _adamw(self, g=None) -> None:
+        """The update: AdamW on every run (under Muon, on every run but the hidden matrices', which Muon
+        updates after the gains it folds into their images)."""
         g = self.G if g is None else g
-        for start, end, decayed, gain, cols in self.runs:  # every gain before the images that fold it in
+        muon = self.optimizer == "muon"
+        for start, end, decayed, gain, cols, gi in self.runs:  # every gain before the images that fold it in
+            if muon and GROUPS[gi] == "hidden":
+                continue
             s = slice(start, end)
-            optim.adamw_clip(self.P[s], g[s], self.Mo[s], self.Vo[s], self.Pb[s], self.sq, self.hyper, decayed,
-                             self.max_norm, self.beta1, self.beta2, self.eps, gain, cols)
+            optim.adamw_clip(self.P[s], g[s], self.Mo[s], self.Vo[s], self.Pb[s], self.sq, self.hyper[3 * gi:],
+                             decayed, self.max_norm, self.beta1, self.beta2, self.eps, gain, cols)
+        if muon:
+            self._muon(g)
         self._refresh_wdt()
+
+    # ---- Muon ------------------------------------------------------------------------------------------
+
+    def _muon_plan(self) -> None:
+        """Under Muon, one `MuonShape` per hidden matrix shape of a layer (q, k, v, o, gate, up, down): each
+        is that matrix in every layer, a constant stride apart in the flat buffers, and orthogonalised as one
+        batch. Their Newton-Schulz operands live in the second moment's buffer, unused by Muon's matrices
+        (two bf16 matrices in each float32 one's place); the products X X^T and their polynomial, and the
+        per-layer norms, in the arena, which is dead once the backward ends."""
+        self.muon_shapes = []
+        if self.optimizer != "muon":
+            return
+        cfg, L = self.cfg, self.cfg.n_layers
+        vb = self.Vo.view(BF16_STORAGE)
+        gains = {"self_attn": "input_layernorm", "mlp": "post_attention_layernorm"}
+        for name in HIDDEN_MATRICES:
+            names = [f"layers.{i}.{name}.weight" for i in range(L)]
+            offs = [self.offsets[n] for n in names]
+            stride = offs[1] - offs[0] if L > 1 else 0
+            if any(b - a != stride for a, b in zip(offs, offs[1:])):
+                raise ValueError(f"the layers' {name} do not lie a constant stride apart")
+            rows, cols = self.shapes[names[0]]
+            folded = names[0] in self.layout.gain_of
+            gain = _NULL
+            gstride = 0
+            if folded:
+                gname = [f"layers.{i}.{gains[name.split('.')[0]]}.weight" for i in range(L)]
+                gain = self.view(self.P, gname[0])
+                gstride = self.offsets[gname[1]] - self.offsets[gname[0]] if L > 1 else 0
+                assert all(self.layout.gain_of[n] == g for n, g in zip(names, gname))
+            decayed = [r[2] for r in self.runs if r[0] <= offs[0] < r[1]][0]
+            x = vb[2 * offs[0]:]
+            self.muon_shapes.append(MuonShape(name, offs[0], stride, rows, cols, decayed, muon_scale((rows, cols)),
+                                              gain, gstride, x, x[rows * cols:]))
+        m = max(min(sh.rows, sh.cols) for sh in self.muon_shapes)
+        parts, need = carve([((L, m, m), BF16_STORAGE), ((L, m, m), BF16_STORAGE),
+                             ((len(self.muon_shapes), L), np.float32)])
+        store = self.arena if self.arena.nbytes >= need else cp.empty(need, dtype=np.uint8)  # (a tiny model's arena)
+        self.muon_scratch = None if store is self.arena else store
+        self.ns_a, self.ns_b, self.muon_ss = (store[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in parts)
+
+    def _muon(self, g) -> None:
+        """`optim.Muon.step` on the hidden matrices: the clipped gradient's Nesterov momentum, normalised, 5
+        Newton-Schulz steps as batched bf16 GEMMs, the scaled update and the bf16 image (gains folded in)."""
+        L, stream = self.cfg.n_layers, self.stream.ptr
+        hidden = self.hyper[3 * GROUPS.index("hidden"):]
+        cp.cuda.runtime.memsetAsync(self.muon_ss.data.ptr, 0, self.muon_ss.nbytes, stream)
+        for k, sh in enumerate(self.muon_shapes):
+            n, xs, ss = sh.rows * sh.cols, 2 * sh.stride, self.muon_ss[k]
+            optim.muon_momentum(g[sh.start:], self.Mo[sh.start:], sh.x, n, sh.stride, xs, L, ss, self.sq,
+                                self.max_norm, self.muon_momentum)
+            optim.muon_normalize(sh.x, n, xs, L, ss)
+            o = self._newton_schulz(sh)
+            optim.muon_update(self.P[sh.start:], o, self.Pb[sh.start:], n, sh.stride, xs, L, hidden, sh.decayed,
+                              sh.scale, sh.gain, sh.gstride, sh.cols)
+
+    def _newton_schulz(self, sh):
+        """`optim.newton_schulz` on every layer's matrix of one shape at once, in bf16 on the tensor cores:
+        A = X X^T (X^T X for a tall X), B = a I + b A + c A A, X' = B X (X B), ping-ponging between sh.x and
+        sh.y. Returns the bf16 array that holds the result (matrix l at l * 2 stride)."""
+        a_, b_, c_ = NS_COEFFS
+        L, r, c = self.cfg.n_layers, sh.rows, sh.cols
+        m, xs, tall = min(r, c), 2 * sh.stride, r > c
+        mm, gemm = m * m, self.gemm
+        A, B = (Matrix(buf.reshape(-1)[:mm].reshape(m, m)) for buf in (self.ns_a, self.ns_b))  # layer l's: l mm on
+        cur, nxt = sh.x, sh.y
+        for _ in range(NS_STEPS):
+            X, Y = Matrix(cur[:r * c].reshape(r, c)), Matrix(nxt[:r * c].reshape(r, c))
+            gemm.batched(A, X, X, L, (mm, xs, xs), ta=tall, tb=not tall)
+            optim.muon_poly_init(A.arr, B.arr, m, L, a_, b_)
+            gemm.batched(B, A, A, L, (mm, mm, mm), alpha=c_, beta=1.0)
+            if tall:
+                gemm.batched(Y, X, B, L, (xs, xs, mm))
+            else:
+                gemm.batched(Y, B, X, L, (xs, mm, xs))
+            cur, nxt = nxt, cur
+        return cur
 
     def _refresh_wdt(self) -> None:
         """`swiglu_bwd_gemm`'s image of every layer's Wd, from the bf16 image (nothing when not fused)."""

@@ -27,7 +27,10 @@ from nanoeuler.dispatch import ops_for
 INIT_STD = 0.02
 
 
-def init_params(cfg: ModelConfig, seed: int, dtype=np.float32) -> dict[str, np.ndarray]:
+def init_params(cfg: ModelConfig, seed: int, dtype=np.float32, zero_out: bool = False) -> dict[str, np.ndarray]:
+    """Gains of one; other matrices normal with INIT_STD, the output projections (o, down) scaled down by
+    sqrt(2 n_layers) so the residual stream's variance stays put, or with `zero_out` zero: every block
+    then starts as the identity and learns its branch (the same draws are made either way)."""
     rng = np.random.default_rng(seed)
     resid_std = INIT_STD / math.sqrt(2 * cfg.n_layers)
     params = {}
@@ -35,8 +38,11 @@ def init_params(cfg: ModelConfig, seed: int, dtype=np.float32) -> dict[str, np.n
         if name.endswith("norm.weight"):
             params[name] = np.ones(shape, dtype=dtype)
             continue
-        std = resid_std if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
+        out_proj = name.endswith(("o_proj.weight", "down_proj.weight"))
+        std = resid_std if out_proj else INIT_STD
         params[name] = (rng.standard_normal(shape) * std).astype(dtype)
+        if out_proj and zero_out:
+            params[name][...] = 0
     return params
 
 

@@ -37,12 +37,37 @@ class TrainConfig:
     keep_checkpoints: int
     kernels: str = "auto"  # the bf16 engine's kernel path: "auto" or "portable" (kernels.kernel_path_options)
     checkpoint_activations: bool = False  # recompute each block's forward in the backward (less memory)
+    optimizer: str = "adamw"  # "adamw" | "muon" (Muon on the hidden matrices, AdamW on the rest)
+    muon_lr: float = 0.006  # the hidden matrices' peak lr under Muon
+    muon_momentum: float = 0.95
+    schedule: str = "cosine"  # "cosine" | "wsd" (optim.lr_at)
+    cooldown_frac: float = 0.2  # wsd: the last fraction of the steps, a linear decay
+    lr_scale: dict = dataclasses.field(default_factory=dict)  # {group: multiple of the scheduled lr}
+
+    def group_lr_scale(self, names) -> dict:
+        """{name: multiple of the scheduled lr}: `lr_scale` by group, and under Muon the hidden matrices'
+        muon_lr / lr (optim.param_group names the groups).
+
+            >>> from nanoeuler.config import validate
+            >>> s = TrainConfig.from_section(validate({"pretrain": {"optimizer": "muon", "lr": 1e-3,
+            ...     "muon_lr": 4e-3, "lr_scale": {"embed": 2.0}}})["pretrain"])
+            >>> s.group_lr_scale(["embed_tokens.weight", "layers.0.mlp.up_proj.weight", "norm.weight"])
+            {'embed_tokens.weight': 2.0, 'layers.0.mlp.up_proj.weight': 4.0, 'norm.weight': 1.0}
+        """
+        from nanoeuler.optim import group_lr_scale
+
+        scales = dict(self.lr_scale)
+        if self.optimizer == "muon":
+            scales["hidden"] = scales.get("hidden", 1.0) * self.muon_lr / self.lr
+        return group_lr_scale(names, scales)
 
     @classmethod
     def from_section(cls, section: dict):
         """The fields of `cls` from a validated section (keys of other stages' fields are left out)."""
         kinds = {"int": int, "float": float, "str": str, "bool": bool}
-        fields = [f for f in dataclasses.fields(cls) if f.name in section or f.default is dataclasses.MISSING]
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        fields = [f for f in dataclasses.fields(cls) if f.name in section or f.name in required]
         return cls(**{f.name: kinds.get(f.type, lambda v: v)(section[f.name]) for f in fields})
 
 
@@ -50,6 +75,7 @@ class TrainConfig:
 class PretrainConfig(TrainConfig):
     steps: int
     val_tokens: int
+    zero_init_out: bool = False  # o_proj and down_proj start at zero
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -266,7 +266,7 @@ def _train(run: Run) -> dict:
             for step0 in range(start, run.total_steps):
                 step, final = step0 + 1, step0 + 1 == run.total_steps
                 lr = lr_at(step0, max_lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps,
-                           total_steps=run.total_steps)
+                           total_steps=run.total_steps, schedule=s.schedule, cooldown_frac=s.cooldown_frac)
                 batch = run.micro_batches(step0)
                 try:
                     loss, norm = stepper.step(batch, lr)

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else out.parent / "pretrain"
     spec = loop.Run(
         stage="pretrain", cfg=cfg, section=sec, total_steps=settings.steps, batches=_Batches(),
-        init_params=lambda: init_params(cfg, settings.seed),
+        init_params=lambda: init_params(cfg, settings.seed, zero_out=settings.zero_init_out),
         tokenizer_json=tok.to_json(), tokenizer_sha256=tok.sha256, run_dir=run_dir, out=out, xp=xp,
         evaluate=evaluate,
         identity={"data": {"manifest_sha256": manifest["_sha256"]}},

@@ -6,7 +6,8 @@
 
 `XpStepper` runs `transformer.loss_and_grads` on NumPy or CuPy, sums the gradients of the
 micro-batches (each normalised by the whole step's targets), clips their global norm and applies
-AdamW; `EngineStepper` hands the same update to the bf16 engine on the GPU. Two hooks let a stage or
+the optimizer (AdamW, or Muon on the hidden matrices: `settings.optimizer`); `EngineStepper` hands
+the same update to the bf16 engine on the GPU. Two hooks let a stage or
 a launcher change the step without forking the loop: `head_loss` replaces the loss on the final
 normed state (`transformer.mtp_cross_entropy` by default; on the engine only a `model.dpo.DpoHead`,
 which it runs as its DPO head), and `grad_hook(grads)` runs on the summed gradients between the
@@ -25,7 +26,7 @@ import numpy as np
 from nanoeuler.backend import array_module
 from nanoeuler.errors import UserError
 from nanoeuler.model import transformer
-from nanoeuler.optim import AdamW, clip_grad_norm
+from nanoeuler.optim import AdamW, Muon, clip_grad_norm
 
 Batch = Sequence[tuple]  # micro-batches [(inputs (B,T), targets (B,T,K)), ...], NumPy on the host
 GradHook = Callable[[dict], None]  # grads {name: array}, changed in place
@@ -62,7 +63,7 @@ class XpStepper:
     (`transformer.step_totals`), so a batch cut into micro-batches of any sizes steps as the uncut one
     does. `checkpoint`: recompute each block's forward in the backward (`loss_and_grads`)."""
 
-    def __init__(self, cfg, params: dict, opt: AdamW, max_norm: float,
+    def __init__(self, cfg, params: dict, opt: AdamW | Muon, max_norm: float,
                  head_loss=transformer.mtp_cross_entropy, grad_hook: GradHook | None = None,
                  checkpoint: bool = False):
         self.cfg, self._params, self.opt, self.max_norm = cfg, params, opt, float(max_norm)
@@ -207,10 +208,13 @@ def make_stepper(settings, cfg, params: dict, xp, *, stage: str = "train", head_
                  grad_hook: GradHook | None = None) -> Stepper:
     """The stepper that `settings.precision` asks for (a `train.config.TrainConfig`), starting from
     `params` (NumPy or `xp` arrays) with fresh optimizer state; `stage` names the config section in errors."""
+    lr_scale = settings.group_lr_scale(params)
     if settings.precision != "bf16":
         device_params = {name: xp.asarray(p) for name, p in params.items()}
-        opt = AdamW(device_params, betas=(settings.beta1, settings.beta2), eps=settings.eps,
-                    weight_decay=settings.weight_decay)
+        adam = dict(betas=(settings.beta1, settings.beta2), eps=settings.eps, weight_decay=settings.weight_decay,
+                    lr_scale=lr_scale)
+        opt = (Muon(device_params, momentum=settings.muon_momentum, **adam) if settings.optimizer == "muon"
+               else AdamW(device_params, **adam))
         return XpStepper(cfg, device_params, opt, settings.grad_clip,
                          head_loss=head_loss or transformer.mtp_cross_entropy, grad_hook=grad_hook,
                          checkpoint=settings.checkpoint_activations)
@@ -230,7 +234,8 @@ def make_stepper(settings, cfg, params: dict, xp, *, stage: str = "train", head_
     head = {} if dpo is None else dict(head="dpo", dpo_beta=dpo.beta, dpo_label_smoothing=dpo.label_smoothing)
     engine = Engine(cfg, params, batch=settings.batch_size * (2 if dpo else 1), seq=cfg.ctx_len,
                     betas=(settings.beta1, settings.beta2), eps=settings.eps, weight_decay=settings.weight_decay,
-                    max_norm=settings.grad_clip, accum=settings.grad_accum > 1,
+                    max_norm=settings.grad_clip, accum=settings.grad_accum > 1, optimizer=settings.optimizer,
+                    muon_momentum=settings.muon_momentum, lr_scale=lr_scale,
                     checkpoint=bool(getattr(settings, "checkpoint_activations", False)), **head,
                     **kernel_path_options(settings.kernels))
     return EngineStepper(engine, grad_hook=grad_hook, head=dpo)

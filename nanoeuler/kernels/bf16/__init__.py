@@ -6,7 +6,7 @@
 Families: `embed` (token embedding), `norms` (RMSNorm with its gain folded into the next GEMM, and the
 folded weights' gradients), `rope` (RoPE and the attention layouts), `swiglu`, `heads` (cross-entropy
 over the output heads; DPO's sequence log-probabilities), `optim` (gradient norm, AdamW, gradient
-accumulation, the bf16 weight image), `flash_mma` / `flash_wg`
+accumulation, the bf16 weight image, Muon's momentum and update), `flash_mma` / `flash_wg`
 (tensor-core attention by mma.sync / by Hopper wgmma; launchers in `flash.py`) and `gemm_tma` (GEMMs
 with the SwiGLU or RoPE inside, fed by TMA). Shared device code sits in `common.cuh`, `mma.cuh`,
 `wgmma.cuh` and `swiglu.cuh`, which the loader inlines (`nanoeuler.kernels.source`). `plan.py` holds
@@ -25,7 +25,8 @@ FAMILIES = {
     "swiglu": ("swiglu_fwd_bf16", "swiglu_bwd_bf16"),
     "heads": ("ce_head_scale", "ce_heads_fwd_bwd", "ce_loss_reduce", "seq_logp_rows", "dpo_pair_loss",
               "seq_logp_grad"),
-    "optim": ("f32_to_bf16", "sumsq", "adamw_clip_bf16", "grad_accumulate"),
+    "optim": ("f32_to_bf16", "sumsq", "adamw_clip_bf16", "grad_accumulate", "muon_momentum", "muon_normalize",
+              "muon_update", "muon_poly_init"),
     "flash_mma": _FLASH_MMA,
     "flash_wg": ("flash_fwd_wg_d64", "flash_bwd_dkdv_wg_d64", "flash_bwd_dq_wg_d64"),
     "gemm_tma": ("swiglu_fwd_gemm", "swiglu_bwd_gemm", "qkv_rope_gemm", "wdt_image"),

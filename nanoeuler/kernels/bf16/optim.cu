@@ -97,3 +97,70 @@ extern "C" __global__ void __launch_bounds__(256) grad_accumulate(const float* _
     for (long long i = 4 * n4 + i0; i < n; i += stride) acc[i] += g[i];
     if (i0 == 0) loss_acc[0] += loss[0];
 }
+
+// ---- Muon (reference: nanoeuler.optim.Muon) ---------------------------------------------------------
+// One launch covers one shape of hidden matrix in every layer (all layers' q, say): blockIdx.y is the
+// layer l, whose matrix of n elements starts at l * stride in the flat buffers (float32) and at
+// l * xstride in the bf16 Newton-Schulz operand x.
+
+// Clip g as adamw_clip_bf16 does (c from sumsq_acc), then Nesterov momentum:
+//   m = mu m + c g ; u = c g + mu m ; x = bf16(u) ; ss[l] += sum u^2   (ss zeroed by the caller)
+extern "C" __global__ void __launch_bounds__(256) muon_momentum(
+    const float* __restrict__ g, float* __restrict__ m, bf16* __restrict__ x, long long n, long long stride,
+    long long xstride, float* __restrict__ ss, const float* __restrict__ sumsq_acc, float max_norm, float mu) {
+    __shared__ float red[32];
+    const float norm = sqrtf(sumsq_acc[0]);
+    const float c = (max_norm > 0.f && norm > max_norm && norm <= 3.0e38f) ? max_norm / (norm + 1e-6f) : 1.f;
+    const long long l = blockIdx.y;
+    g += l * stride, m += l * stride, x += l * xstride;
+    float s = 0.f;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float gi = c * g[i], mi = fmaf(mu, m[i], gi), u = fmaf(mu, mi, gi);
+        m[i] = mi;
+        x[i] = f2bf(u);
+        s = fmaf(u, u, s);
+    }
+    s = block_sum(s, red);
+    if (threadIdx.x == 0) atomicAdd(ss + l, s);
+}
+
+// x = bf16(x / (sqrt(ss[l]) + 1e-7)): each matrix scaled to Frobenius norm 1, so that its singular values
+// lie in (0, 1], where the Newton-Schulz iteration converges.
+extern "C" __global__ void __launch_bounds__(256) muon_normalize(bf16* __restrict__ x, long long n, long long xstride,
+                                                                 const float* __restrict__ ss) {
+    const long long l = blockIdx.y;
+    const float r = 1.f / (sqrtf(ss[l]) + 1e-7f);
+    x += l * xstride;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        x[i] = f2bf(bf2f(x[i]) * r);
+}
+
+// The update from the orthogonalised o (bf16): p = p * decay - hyper[0] * scale * o, and the GEMM image
+// pb = bf16(p * gain[e % C]) (gain of layer l at gain + l * gstride; null: none). hyper = (the group's lr,
+// unused, its decay factor), on the device like AdamW's; decay is 1 where not `decayed`.
+extern "C" __global__ void __launch_bounds__(256) muon_update(
+    float* __restrict__ p, const bf16* __restrict__ o, bf16* __restrict__ pb, long long n, long long stride,
+    long long ostride, const float* __restrict__ hyper, int decayed, float scale, const float* __restrict__ gain,
+    long long gstride, int C) {
+    const long long l = blockIdx.y;
+    const float step = hyper[0] * scale, decay = decayed ? hyper[2] : 1.f;
+    p += l * stride, pb += l * stride, o += l * ostride;
+    if (gain) gain += l * gstride;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const float pi = fmaf(p[i], decay, -step * bf2f(o[i]));
+        p[i] = pi;
+        pb[i] = f2bf(pi * gain_at(gain, C, i));
+    }
+}
+
+// The Newton-Schulz step's polynomial before its product: b = cb * a + ca * I for `count` m x m bf16
+// matrices (packed), so that the step's two remaining products (b += cc * a a, then x' = b x) need no
+// copy of x for its linear term.
+extern "C" __global__ void __launch_bounds__(256) muon_poly_init(const bf16* __restrict__ a, bf16* __restrict__ b,
+                                                                 long long m, long long count, float ca, float cb) {
+    const long long n = m * m * count;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const long long e = i % (m * m);
+        b[i] = f2bf(fmaf(cb, bf2f(a[i]), e / m == e % m ? ca : 0.f));
+    }
+}

@@ -37,3 +37,36 @@ def grad_accumulate(g, acc, loss, loss_acc) -> None:
     """acc += g (flat float32) and loss_acc[0] += loss[0]: one micro-batch into the step's sums."""
     n = g.size
     kernel("bf16/optim", "grad_accumulate")((min(4096, -(-n // 1024)),), (256,), (g, acc, i64(n), loss, loss_acc))
+
+
+def _layer_grid(n: int, layers: int) -> tuple:
+    """(blocks over one matrix of n elements, layers): about 2048 blocks in all."""
+    return (max(1, min(-(-n // 256), -(-2048 // layers))), layers)
+
+
+def muon_momentum(g, m, x, n: int, stride: int, xstride: int, layers: int, ss, sq, max_norm: float,
+                  mu: float) -> None:
+    """For each layer l: the clipped gradient's Nesterov momentum u (m updated in place) into the bf16
+    matrix x[l*xstride:], and ss[l] += sum u^2. g, m: float32 from the layer-0 matrix, layers `stride` apart."""
+    kernel("bf16/optim", "muon_momentum")(_layer_grid(n, layers), (256,), (
+        g, m, x, i64(n), i64(stride), i64(xstride), ss, sq, f32(max_norm), f32(mu)))
+
+
+def muon_normalize(x, n: int, xstride: int, layers: int, ss) -> None:
+    """Each layer's bf16 matrix x[l*xstride:][:n] divided by sqrt(ss[l]) (its Frobenius norm)."""
+    kernel("bf16/optim", "muon_normalize")(_layer_grid(n, layers), (256,), (x, i64(n), i64(xstride), ss))
+
+
+def muon_update(p, o, pb, n: int, stride: int, ostride: int, layers: int, hyper, decayed: bool, scale: float,
+                gain, gstride: int, cols: int) -> None:
+    """p = p * decay - lr * scale * o per layer (hyper: lr, -, decay on the device), and its bf16 image
+    pb = bf16(p * gain) (gain: the layer-0 gain, layers `gstride` apart, or a null pointer)."""
+    kernel("bf16/optim", "muon_update")(_layer_grid(n, layers), (256,), (
+        p, o, pb, i64(n), i64(stride), i64(ostride), hyper, i32(decayed), f32(scale), gain, i64(gstride),
+        i32(cols)))
+
+
+def muon_poly_init(a, b, m: int, count: int, ca: float, cb: float) -> None:
+    """b = cb * a + ca * I for `count` packed m x m bf16 matrices (a Newton-Schulz step's linear terms)."""
+    n = m * m * count
+    kernel("bf16/optim", "muon_poly_init")(grid_1d(n), (256,), (a, b, i64(m), i64(count), f32(ca), f32(cb)))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nanoeuler.optim import default_no_decay
+from nanoeuler.optim import default_no_decay, param_group
 
 BF16_STORAGE = np.uint16  # bf16 values travel as raw 16-bit words; the kernels convert them
 ALIGN = 64  # elements: every tensor of the flat buffers starts 256-byte aligned (float32)
@@ -69,13 +69,15 @@ def choose_variants(cfg, seq: int, attention: str = "auto", fuse_swiglu: bool | 
 
 @dataclass
 class Run:
-    """A range of the flat buffers that one AdamW launch updates: equally decayed, and (gain set) one
-    matrix of `cols` columns whose GEMM image carries that norm gain."""
+    """A range of the flat buffers that one AdamW launch updates: equally decayed, of one learning-rate
+    group (`optim.param_group`), and (gain set) one matrix of `cols` columns whose GEMM image carries that
+    norm gain."""
     start: int
     end: int
     decayed: bool
     gain: str | None
     cols: int
+    group: str = "hidden"
 
 
 @dataclass
@@ -115,7 +117,8 @@ def plan_layout(cfg, no_decay=None) -> Layout:
 
     The gain-folded matrices come last, so that AdamW updates every gain before the images that fold it
     in and the gradient norm's plain sum covers a prefix; undecayed before decayed (a stable sort).
-    Tensors of one group are adjacent (one stacked GEMM operand); each group starts ALIGN-aligned."""
+    Tensors of one group are adjacent (one stacked GEMM operand); each group starts ALIGN-aligned. A run
+    holds one learning-rate group (the embedding, the gains, the hidden matrices: separate runs)."""
     shapes = cfg.param_shapes()
     no_decay = {n for n, s in shapes.items() if default_no_decay(n, s)} if no_decay is None else set(no_decay)
     groups = sorted(gemm_groups(cfg), key=lambda g: (g[1] is not None, g[0][0] not in no_decay))
@@ -123,9 +126,10 @@ def plan_layout(cfg, no_decay=None) -> Layout:
     off = 0
     for names, gain in groups:
         decayed = {n not in no_decay for n in names}
-        if len(decayed) != 1:
-            raise ValueError(f"tensors {names} are read by one GEMM but differ in weight decay")
-        d = decayed.pop()
+        kinds = {param_group(n) for n in names}
+        if len(decayed) != 1 or len(kinds) != 1:
+            raise ValueError(f"tensors {names} are read by one GEMM but differ in weight decay or group")
+        d, kind = decayed.pop(), kinds.pop()
         start = off
         for n in names:
             lay.offsets[n] = off
@@ -138,10 +142,11 @@ def plan_layout(cfg, no_decay=None) -> Layout:
             raise ValueError(f"tensors {names} exceed the 32-bit indexing of the gain-folding kernels")
         end = -(-off // ALIGN) * ALIGN
         last = lay.runs[-1] if lay.runs else None
-        if gain is None and last is not None and last.decayed == d and last.gain is None and last.end == start:
+        if (gain is None and last is not None and last.decayed == d and last.gain is None and last.end == start
+                and last.group == kind):
             last.end = end
         else:
-            lay.runs.append(Run(start, end, d, gain, shapes[names[0]][-1]))
+            lay.runs.append(Run(start, end, d, gain, shapes[names[0]][-1], kind))
         off = end
     if set(lay.offsets) != set(shapes):
         raise ValueError("flat layout does not cover the parameters")

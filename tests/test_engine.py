@@ -223,9 +223,9 @@ class _FeedsItself:
 
 @pytest.mark.parametrize("cost,probed", [(100.0, True), (0.0, False)])
 def test_default_speculation_goes_on_plainly_where_it_does_not_pay(model, monkeypatch, cost, probed):
-    """On by default (not asked for), a greedy stream whose first PROBE_PASSES passes keep fewer tokens a
-    pass than the backend's verify_cost goes on plainly; the tokens are plain greedy's either way, also
-    through the self-feeding calls (a switch from greedy_passes to greedy_steps mid-stream)."""
+    """On by default (not asked for), a greedy stream on a backend with self-feeding passes (the GPU's) whose
+    first PROBE_PASSES passes keep fewer tokens a pass than the backend's verify_cost goes on plainly; the
+    tokens are plain greedy's either way (a switch from greedy_passes to greedy_steps mid-stream)."""
     from nanoeuler.infer import engine as engine_mod
 
     params, cfg = model
@@ -233,15 +233,46 @@ def test_default_speculation_goes_on_plainly_where_it_does_not_pay(model, monkey
     monkeypatch.setattr(type(base.backend), "verify_cost", cost)
     p, n = [5, 17, 42, 8], cfg.ctx_len + 20  # across a refill
     want = list(base.stream(p, n, GREEDY, speculative=False))
-    for eng in (Engine.from_params(params, cfg, "cpu"), Engine(_FeedsItself(base.backend, cfg), cfg)):
-        assert list(eng.stream(p, n, GREEDY)) == want
-        assert (eng.stats.passes == engine_mod.PROBE_PASSES) == probed
+    eng = Engine(_FeedsItself(base.backend, cfg), cfg)
+    assert list(eng.stream(p, n, GREEDY)) == want
+    assert (eng.stats.passes == engine_mod.PROBE_PASSES) == probed
+    eng.stats = type(eng.stats)()
+    assert list(eng.stream(p, n, GREEDY, speculative=True)) == want  # asked for: no probe
+    assert eng.stats.passes > engine_mod.PROBE_PASSES
+    eng.stats = type(eng.stats)()
+    assert eng.generate([p], n, GREEDY) == [want]
+    assert (eng.stats.passes == engine_mod.PROBE_PASSES) == probed
+
+
+@pytest.mark.parametrize("cost", [100.0, 0.0])
+def test_default_speculation_on_the_cpu_verifies_only_where_the_heads_would_pay(model, monkeypatch, cost):
+    """On the NumPy backend a default-on greedy stream starts plainly and checks the draft heads on a few
+    steps (`step_heads`): with passes priced out (cost 100) it never verifies; priced free, it does. The
+    tokens are plain greedy's either way, across a context refill and with a stop id."""
+    params, cfg = model
+    eng = Engine.from_params(params, cfg, "cpu")
+    monkeypatch.setattr(type(eng.backend), "verify_cost", cost)
+    for p, n in (([5, 17, 42, 8], cfg.ctx_len + 20), ([1], 3), (list(range(30, 50)), 2 * cfg.ctx_len)):
         eng.stats = type(eng.stats)()
-        assert list(eng.stream(p, n, GREEDY, speculative=True)) == want  # asked for: no probe
-        assert eng.stats.passes > engine_mod.PROBE_PASSES
-        eng.stats = type(eng.stats)()
-        assert eng.generate([p], n, GREEDY) == [want]
-        assert (eng.stats.passes == engine_mod.PROBE_PASSES) == probed
+        assert list(eng.stream(p, n, GREEDY)) == list(eng.stream(p, n, GREEDY, speculative=False))
+    assert (eng.stats.passes > 0) == (cost == 0.0)
+    stop = list(eng.stream([5, 17], 9, GREEDY, speculative=False))[-1]
+    assert list(eng.stream([5, 17], 40, GREEDY, {stop})) == list(eng.stream([5, 17], 40, GREEDY, {stop}, speculative=False))
+
+
+def test_default_speculation_on_the_cpu_never_verifies_drafts_that_are_never_right():
+    """Draft heads that never agree with the text (an untrained model's): no verify pass at all, whatever
+    the timing, since 1 + 0 kept drafts a pass never beats a pass's cost."""
+    params, cfg = _model(K=4, seed=11)
+    for k in range(1, 4):  # a draft head that always proposes a token head 0 never picks
+        w = np.zeros_like(params["lm_head.weight"])
+        w[cfg.vocab_size - 1] = 1.0
+        params[f"mtp_heads.{k}.weight"] = w
+        params["lm_head.weight"][cfg.vocab_size - 1] = -1e3 * np.abs(params["lm_head.weight"]).max()
+    eng = Engine.from_params(params, cfg, "cpu")
+    out = list(eng.stream([3, 1, 4], 2 * cfg.ctx_len, GREEDY))
+    assert out == Generator(params, cfg).generate([3, 1, 4], 2 * cfg.ctx_len, GREEDY)
+    assert eng.stats.passes == 0 and eng.stats.plain > len(out) // 2
 
 
 def test_steps_that_feed_themselves_give_the_same_tokens(model):

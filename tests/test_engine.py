@@ -288,3 +288,29 @@ def test_steps_that_feed_themselves_give_the_same_tokens(model):
     for stop in (frozenset(), {7}):
         want = eng.generate(prompts, 2 * cfg.ctx_len, GREEDY, stop_ids=stop, speculative=False)
         assert fed.generate(prompts, 2 * cfg.ctx_len, GREEDY, stop_ids=stop, speculative=False) == want
+
+
+def test_cpu_logits_equal_the_model_and_blas_threads_are_restored(model):
+    """The backend's folded, stacked weights give the model's own logits (float64), for a long prefill
+    (BLAS on its threads), a verify pass and a plain step; the caller's BLAS thread count is left as it was."""
+    from nanoeuler.infer import cpu
+
+    params, cfg = model
+    be = cpu.CpuBackend(params, cfg, threads=2)
+    before = cpu.blas_threads(3)
+    try:
+        monkey_macs, cpu.THREADED_MACS = cpu.THREADED_MACS, 1  # every call counts as long here
+        ids = [5, 17, 42, 8, 1, 2, 3]
+        be.start(1)
+        got = be.prefill(0, ids[:4])[0]
+        want = transformer.logits(params, np.array([ids[:4]]), cfg)[0, -1]
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+        ver = be.verify(np.array(ids[4:]), 4)[0]  # head 0 at rows 4..6
+        np.testing.assert_allclose(ver, transformer.logits(params, np.array([ids]), cfg)[0, 4:], rtol=1e-9, atol=1e-9)
+        for k in range(1, cfg.mtp_heads):  # the draft heads too
+            want_k = transformer.logits(params, np.array([ids]), cfg, head=k)[0, 4:]
+            np.testing.assert_allclose(be.verify(np.array(ids[4:]), 4)[k], want_k, rtol=1e-9, atol=1e-9)
+        assert cpu.blas_threads(3) in (0, 3)  # 0: no OpenBLAS found, nothing to restore
+    finally:
+        cpu.THREADED_MACS = monkey_macs
+        cpu.blas_threads(before or 1)

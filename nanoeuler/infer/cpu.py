@@ -11,11 +11,14 @@ load (q/k/v into one matrix, gate/up into one, the K output heads into one), eac
 (slots, Hkv, ctx_len, D) per layer is allocated once per `start`. Rows of one call may sit at different
 positions of different slots (ragged batches); each attends to its own slot's keys up to its position.
 
+Each norm's gain is folded into the matrix that reads the norm ((xhat * g) @ w == xhat @ (g[:, None] * w)),
+which leaves a norm two NumPy calls on a row; a decode step of a small model is mostly such calls.
+
 Threads. A decode step is a chain of matrix-vector products that must stream every weight once: memory
 bound, and one core streams about as fast as two here, while handing each small product to a BLAS thread
-pool costs a wake-up per product (and, on a busy machine, a wait for a free core each time). So calls of
-up to FEW_ROWS rows run BLAS on one thread, and longer ones (prefill: compute bound matrix products) on
-`threads` (default: the usable cores). BENCHMARKS.md (CPU generation) has the measurements.
+pool costs a wake-up per product (and, on a busy machine, a wait for a free core each time). So BLAS runs
+on one thread, except for the big matrix products of a long prefill (compute bound), which get `threads`
+(default: the usable cores). BENCHMARKS.md (CPU generation) has the measurements.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from nanoeuler.infer.generate import sample_token
 from nanoeuler.model import layers
 from nanoeuler.model.transformer import head_weight_names
 
-FEW_ROWS = 16  # calls up to this many rows are memory bound: one BLAS thread (see the module docstring)
+THREADED_MACS = 1 << 26  # a call whose rows x dim x dim reach this runs BLAS on `threads` (a long prefill)
 PER_ROW = 3  # up to this many rows, one vector product a row beats OpenBLAS's small-M matrix product
 
 
@@ -95,10 +98,38 @@ def _mm(x, w):
     return x @ w
 
 
-def _rmsnorm(x, w, eps):
-    """`layers.rmsnorm_forward`'s output, without its backward cache (fewer NumPy calls a row)."""
-    ms = np.einsum("nc,nc->n", x, x)[:, None] * (1.0 / x.shape[-1])
-    return x * (1.0 / np.sqrt(ms + eps)) * w
+def _rmsnorm(x, eps):
+    """`layers.rmsnorm_forward`'s output before its gain (folded into the next matrix)."""
+    ms = np.einsum("nc,nc->n", x, x)[:, None]
+    return x / np.sqrt(ms * (1.0 / x.shape[-1]) + eps)
+
+
+def _silu_mul(g, u):
+    """silu(g) * u in the tanh form of `layers._sigmoid` (no overflow in either tail), in place."""
+    h = g * 0.5
+    t = np.tanh(h)
+    t += 1.0
+    t *= h
+    t *= u
+    return t
+
+
+def _fold(gain, w):
+    """(w's input scaled by gain): the (in, out) matrix w with row i times gain[i], contiguous."""
+    return np.ascontiguousarray(gain[:, None] * w)
+
+
+def _one_thread(method):
+    """Run a backend call with BLAS on one thread (its long prefills raise it), restoring the count after."""
+    def call(self, *args, **kwargs):
+        before = blas_threads(1)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if before:
+                blas_threads(before)
+    call.__name__, call.__doc__ = method.__name__, method.__doc__
+    return call
 
 
 class CpuBackend:
@@ -115,17 +146,16 @@ class CpuBackend:
         for i in range(cfg.n_layers):
             g = lambda n: p[f"layers.{i}.{n}"]  # noqa: E731
             self.layers.append(dict(
-                n1=g("input_layernorm.weight"), n2=g("post_attention_layernorm.weight"),
-                qkv_t=np.ascontiguousarray(np.concatenate(
+                qkv_t=_fold(g("input_layernorm.weight"), np.concatenate(
                     [g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight")]).T),
                 o_t=np.ascontiguousarray(g("self_attn.o_proj.weight").T),
-                gu_t=np.ascontiguousarray(np.concatenate([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]).T),
+                gu_t=_fold(g("post_attention_layernorm.weight"),
+                           np.concatenate([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]).T),
                 down_t=np.ascontiguousarray(g("mlp.down_proj.weight").T)))
-        self.norm = p["norm.weight"]
         names = head_weight_names(cfg)
         # head 0 alone for plain steps (a contiguous quarter of the heads' bytes); all K for verify passes
-        self.head0_t = np.ascontiguousarray(p[names[0]].T)  # (C, V)
-        self.heads_t = np.ascontiguousarray(np.concatenate([p[n] for n in names]).T)  # (C, K*V)
+        self.head0_t = _fold(p["norm.weight"], p[names[0]].T)  # (C, V)
+        self.heads_t = _fold(p["norm.weight"], np.concatenate([p[n] for n in names]).T)  # (C, K*V)
         cos, sin = layers.rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, np, self.dtype)
         self.cos, self.sin = cos, sin  # (ctx_len, D/2)
         self.k = self.v = None
@@ -178,43 +208,41 @@ class CpuBackend:
         return s
 
     def _rows(self, ids, slots, pos, slot=None):
-        """Feed rows: ids, slots, pos (N,) -> final normed states (N, C). Writes each row's k/v at (slot, pos).
-        `slot`: the slot of every row where they share one."""
+        """Feed rows: ids, slots, pos (N,) -> final normed states (N, C), before the output heads' (folded)
+        gain. Writes each row's k/v at (slot, pos). `slot`: the slot of every row where they share one."""
         cfg = self.cfg
         H, Hkv, D, F, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden, cfg.norm_eps
         HD, KD = H * D, Hkv * D
         N = ids.shape[0]
-        before = blas_threads(1 if N <= FEW_ROWS else self.threads)
-        try:
-            x = self.emb[ids]  # (N,C)
-            cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (N,1,D/2)
-            for li, w in enumerate(self.layers):
-                qkv = _mm(_rmsnorm(x, w["n1"], eps), w["qkv_t"])  # (N, HD+2KD)
-                q = self._rope(qkv[:, :HD].reshape(N, H, D), cos, sin)
-                self.k[li][slots, :, pos] = self._rope(qkv[:, HD:HD + KD].reshape(N, Hkv, D), cos, sin)
+        one = N == 1 and slot is not None
+        if N * cfg.dim * cfg.dim >= THREADED_MACS:
+            blas_threads(self.threads)
+        x = self.emb[ids]  # (N,C), a copy: updated in place below
+        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (N,1,D/2)
+        for li, w in enumerate(self.layers):
+            qkv = _mm(_rmsnorm(x, eps), w["qkv_t"])  # (N, HD+2KD)
+            qk = self._rope(qkv[:, :HD + KD].reshape(N, H + Hkv, D), cos, sin)  # q and k rotated at once
+            if one:  # plain indexing: a decode step's write is one row per key head
+                self.k[li][slot, :, pos[0]] = qk[0, H:]
+                self.v[li][slot, :, pos[0]] = qkv[0, HD + KD:].reshape(Hkv, D)
+            else:
+                self.k[li][slots, :, pos] = qk[:, H:]
                 self.v[li][slots, :, pos] = qkv[:, HD + KD:].reshape(N, Hkv, D)
-                x = x + _mm(self._attend(q, li, slots, pos, slot), w["o_t"])
-                gu = _mm(_rmsnorm(x, w["n2"], eps), w["gu_t"])
-                g = gu[:, :F]
-                x = x + _mm(g * layers._sigmoid(g) * gu[:, F:], w["down_t"])
-            return _rmsnorm(x, self.norm, eps)
-        finally:
-            if before:
-                blas_threads(before)
+            x += _mm(self._attend(qk[:, :H], li, slots, pos, slot), w["o_t"])
+            gu = _mm(_rmsnorm(x, eps), w["gu_t"])
+            x += _mm(_silu_mul(gu[:, :F], gu[:, F:]), w["down_t"])
+        blas_threads(1)
+        return _rmsnorm(x, eps)
 
     def _heads(self, xn, n_heads):
         """(N, C) -> (n_heads, N, V) logits of the first n_heads heads."""
         V = self.cfg.vocab_size
-        before = blas_threads(1)
-        try:
-            w = self.head0_t if n_heads == 1 else self.heads_t[:, :n_heads * V]
-            return _mm(xn, w).reshape(-1, n_heads, V).transpose(1, 0, 2)
-        finally:
-            if before:
-                blas_threads(before)
+        w = self.head0_t if n_heads == 1 else self.heads_t[:, :n_heads * V]
+        return _mm(xn, w).reshape(-1, n_heads, V).transpose(1, 0, 2)
 
     # ---- the backend interface ---------------------------------------------------------------------
 
+    @_one_thread
     def prefill(self, slot: int, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
         T = ids.shape[0]
@@ -223,6 +251,7 @@ class CpuBackend:
         xn = self._rows(ids, np.full(T, slot), pos, slot)
         return self._heads(xn[-1:], self.cfg.mtp_heads)[:, 0]  # (K, V)
 
+    @_one_thread
     def prefill_many(self, slots, prompts) -> np.ndarray:
         """`prefill` of several slots in one pass over all their rows: (len(slots), K, V)."""
         lens = [len(p) for p in prompts]
@@ -231,6 +260,7 @@ class CpuBackend:
         xn = self._rows(ids, np.repeat(np.asarray(slots), lens), pos, slots[0] if len(slots) == 1 else None)
         return self._heads(xn[np.cumsum(lens) - 1], self.cfg.mtp_heads).transpose(1, 0, 2)
 
+    @_one_thread
     def decode(self, tokens, pos, sampling, step, rngs, mask) -> np.ndarray:
         rows = np.flatnonzero(mask)
         out = np.asarray(tokens).copy()
@@ -240,12 +270,14 @@ class CpuBackend:
             out[b] = sample_token(logits[i], rngs[b], sampling.temperature, sampling.top_k, sampling.top_p)
         return out
 
+    @_one_thread
     def step_heads(self, token: int, pos: int) -> np.ndarray:
         """Feed one token of slot 0 at pos; every head's argmax there (K,): the next token and the drafts
         after it. A plain greedy step that also shows what the draft heads would have proposed."""
         xn = self._rows(np.array([token]), np.zeros(1, dtype=np.int64), np.array([pos]), 0)
         return self._heads(xn, self.cfg.mtp_heads)[:, 0].argmax(axis=-1)
 
+    @_one_thread
     def verify(self, tokens, pos: int) -> np.ndarray:
         t = len(tokens)
         xn = self._rows(np.asarray(tokens, dtype=np.int64), np.zeros(t, dtype=np.int64), pos + np.arange(t), 0)

@@ -122,9 +122,10 @@ class Engine:
 
     @classmethod
     def from_params(cls, params: dict, cfg, device: str = "cpu", dtype: str = "bf16",
-                    speculative: bool | None = None) -> "Engine":
-        """An engine for NumPy/CuPy `params`: NumPy on 'cpu' (the params' own float dtype), CUDA kernels on
-        'gpu' (`dtype` 'bf16' or 'fp32' weights)."""
+                    speculative: bool | None = None, threads: int | None = None) -> "Engine":
+        """An engine for NumPy/CuPy `params`: NumPy on 'cpu' (the params' own float dtype; `threads` for its
+        prefill's matrix products, default the usable cores), CUDA kernels on 'gpu' (`dtype` 'bf16' or
+        'fp32' weights)."""
         if device == "gpu":
             import cupy
 
@@ -136,7 +137,7 @@ class Engine:
         from nanoeuler.infer.cpu import CpuBackend
 
         params = {k: to_numpy(v) for k, v in params.items()}
-        return cls(CpuBackend(params, cfg), cfg, params, np, speculative)
+        return cls(CpuBackend(params, cfg, threads), cfg, params, np, speculative)
 
     # ---- batch: many prompts at once, plain decoding -----------------------------------------------
 

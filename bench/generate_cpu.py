@@ -49,11 +49,14 @@ from nanoeuler.model.layers import rope_tables  # noqa: E402
 GREEDY = Sampling(temperature=0.0)
 
 
-def interleaved(fns: dict, repeats: int) -> dict:
-    """Median seconds of each fn, run in turn: a warm-up round, then `repeats` rounds."""
+def interleaved(fns: dict, repeats: int, pause: float = 0.3) -> dict:
+    """Median seconds of each fn, run in turn: a warm-up round, then `repeats` rounds. A pause after each
+    run lets the thread pools of the one before stop spinning (OpenBLAS's workers spin for about 0.1 s
+    after a threaded product, on the cores the next run needs)."""
     times = defaultdict(list)
     for r in range(repeats + 1):
         for name, fn in fns.items():
+            time.sleep(pause)
             t0 = time.perf_counter()
             fn()
             if r:

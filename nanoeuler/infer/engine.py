@@ -522,5 +522,6 @@ def add_speculative_argument(parser) -> None:
     parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None,
                         help="self-speculative decoding: the MTP heads draft, one pass verifies (same greedy "
                              "output; same sampling distribution). Default: on for greedy decoding "
-                             "(--temperature 0) of one prompt, going on plainly when its first 16 passes "
-                             "keep too few drafts to pay; off for sampling")
+                             "(--temperature 0) of one prompt where it pays: on a GPU it goes on plainly when "
+                             "its first 16 passes keep too few drafts; on the CPU it verifies drafts only while "
+                             "the run measures that passes beat plain steps; off for sampling")

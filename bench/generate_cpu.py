@@ -50,12 +50,14 @@ GREEDY = Sampling(temperature=0.0)
 
 
 def interleaved(fns: dict, repeats: int, pause: float = 0.3) -> dict:
-    """Median seconds of each fn, run in turn: a warm-up round, then `repeats` rounds. A pause after each
-    run lets the thread pools of the one before stop spinning (OpenBLAS's workers spin for about 0.1 s
-    after a threaded product, on the cores the next run needs)."""
+    """Median seconds of each fn, run in turn: a warm-up round, then `repeats` rounds, each starting one
+    further down the list (no run always follows the same one). A pause before each run lets the thread
+    pools of the one before stop spinning (OpenBLAS's workers spin for about 0.1 s after a threaded
+    product, on the cores the next run needs)."""
     times = defaultdict(list)
+    order = list(fns.items())
     for r in range(repeats + 1):
-        for name, fn in fns.items():
+        for name, fn in order[r % len(order):] + order[:r % len(order)]:
             time.sleep(pause)
             t0 = time.perf_counter()
             fn()

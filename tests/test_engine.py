@@ -317,3 +317,43 @@ def test_cpu_logits_equal_the_model_and_blas_threads_are_restored(model):
     finally:
         cpu.THREADED_MACS = monkey_macs
         cpu.blas_threads(before or 1)
+
+
+def test_step_threads_follow_the_faster_measured_count():
+    """One-row steps run on the thread count measured faster; a try that loses waits twice as long."""
+    from nanoeuler.infer.cpu import StepThreads
+
+    def run(t, seconds, steps):
+        picked = []
+        for _ in range(steps):
+            n = t.pick()
+            picked.append(n)
+            t.record(seconds[n])
+        return picked
+
+    fast2 = StepThreads(2)
+    assert run(fast2, {1: 0.04, 2: 0.025}, 40)[-20:].count(2) >= 18  # two threads win and stay
+    busy = StepThreads(2)
+    picked = run(busy, {1: 0.04, 2: 0.4}, 200)
+    assert picked.count(2) <= 8 and busy.interval >= 64  # tries of the slow count back off
+    assert StepThreads(1).pick() == 1 and run(StepThreads(1), {1: 0.01}, 20) == [1] * 20
+
+
+def test_cpu_backend_keeps_float32_weights_in_float32():
+    """No float64 creeps in (a NumPy float64 scalar would turn a product into a float64 one, twice the bytes)."""
+    from nanoeuler.infer import cpu
+
+    params, cfg = _model(dtype=np.float32)
+    be = cpu.CpuBackend(params, cfg)
+    seen = []
+    real = cpu._mm
+    try:
+        cpu._mm = lambda x, w: seen.append((x.dtype, w.dtype)) or real(x, w)
+        be.start(1)
+        be.prefill(0, [1, 2, 3])
+        be.verify(np.array([4, 5, 6]), 3)
+        be.decode(np.array([7]), np.array([6]), GREEDY, 0, [None], np.ones(1, bool))
+    finally:
+        cpu._mm = real
+    assert set(seen) == {(np.dtype(np.float32), np.dtype(np.float32))}
+    assert be.k[0].dtype == np.float32

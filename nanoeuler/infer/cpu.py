@@ -15,16 +15,19 @@ Each norm's gain is folded into the matrix that reads the norm ((xhat * g) @ w =
 which leaves a norm two NumPy calls on a row; a decode step of a small model is mostly such calls.
 
 Threads. A decode step is a chain of matrix-vector products that must stream every weight once: memory
-bound, and one core streams about as fast as two here, while handing each small product to a BLAS thread
-pool costs a wake-up per product (and, on a busy machine, a wait for a free core each time). So BLAS runs
-on one thread, except for the big matrix products of a long prefill (compute bound), which get `threads`
+bound. On a quiet machine two cores stream faster than one; on a busy one a BLAS thread pool waits for a
+second free core at every product and a step runs several times slower. So one-row steps run on the
+thread count that this backend measures to be faster (`StepThreads`), other short calls (verify passes,
+batched steps) on one thread, and the big matrix products of a long prefill (compute bound) on `threads`
 (default: the usable cores). BENCHMARKS.md (CPU generation) has the measurements.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import os
+import time
 
 import numpy as np
 
@@ -119,10 +122,11 @@ def _fold(gain, w):
     return np.ascontiguousarray(gain[:, None] * w)
 
 
-def _one_thread(method):
-    """Run a backend call with BLAS on one thread (its long prefills raise it), restoring the count after."""
+def _step_blas(method):
+    """Run a backend call with BLAS on `self.step_threads` threads (its long prefills raise it), restoring
+    the caller's count after."""
     def call(self, *args, **kwargs):
-        before = blas_threads(1)
+        before = blas_threads(self.step_threads)
         try:
             return method(self, *args, **kwargs)
         finally:
@@ -130,6 +134,46 @@ def _one_thread(method):
                 blas_threads(before)
     call.__name__, call.__doc__ = method.__name__, method.__doc__
     return call
+
+
+class StepThreads:
+    """The BLAS thread count of one-row steps, chosen by timing them: streaming the weights on two cores
+    beats one on a quiet machine (BENCHMARKS.md), but on a busy one each product waits for a second free
+    core and a step runs several times slower. So steps run on the faster count measured so far; every
+    `interval` steps two steps try the other count (the first may wake the pool), and the second's time
+    decides. A try that loses doubles the interval (up to MAX_INTERVAL), so on a busy machine the tries
+    cost a few steps in a run, not a share of them.
+
+        >>> t = StepThreads(2); [t.pick() for _ in range(3)]
+        [1, 1, 1]
+    """
+
+    FIRST, MAX_INTERVAL = 4, 1024
+
+    def __init__(self, threads: int):
+        self.options = [1, threads] if threads > 1 else [1]
+        self.cur, self.mean = 0, None  # the chosen option and its running mean seconds a step
+        self.left = self.FIRST  # steps before the next try
+        self.interval = 16
+        self.trying = 0  # steps left of a try
+
+    def pick(self) -> int:
+        return self.options[1 - self.cur if self.trying else self.cur]
+
+    def record(self, seconds: float) -> None:
+        if self.trying:
+            self.trying -= 1
+            if self.trying == 0:
+                if self.mean is not None and seconds < self.mean:  # the other count wins
+                    self.cur, self.mean, self.interval = 1 - self.cur, seconds, 16
+                else:
+                    self.interval = min(2 * self.interval, self.MAX_INTERVAL)
+                self.left = self.interval
+            return
+        self.mean = seconds if self.mean is None else 0.75 * self.mean + 0.25 * seconds
+        self.left -= 1
+        if self.left <= 0 and len(self.options) > 1:
+            self.trying = 2
 
 
 class CpuBackend:
@@ -140,6 +184,8 @@ class CpuBackend:
         p = {k: np.asarray(v) for k, v in params.items()}
         self.cfg = cfg
         self.threads = max(1, int(threads or usable_cores()))
+        self.step_threads = 1  # BLAS threads of the call in progress (short calls: memory bound)
+        self.tuner = StepThreads(self.threads)  # ... and of one-row steps, chosen by timing them
         self.dtype = p["lm_head.weight"].dtype
         self.emb = p["embed_tokens.weight"]
         self.layers = []
@@ -182,7 +228,7 @@ class CpuBackend:
         N, H, D = q.shape
         Hkv, G = self.cfg.n_kv_heads, self.cfg.group
         S = int(pos.max()) + 1
-        q = q * (1.0 / np.sqrt(D))
+        q = q * (1.0 / math.sqrt(D))  # a Python float: a NumPy float64 scalar would make q float64
         if slot is None:
             # several slots: each row's keys gathered; einsum's own loops (a stack of tiny products)
             k, v = self.k[li][slots, :, :S], self.v[li][slots, :, :S]  # (N,Hkv,S,D)
@@ -193,6 +239,8 @@ class CpuBackend:
         # one slot (a decode step, a verify pass, a prefill): the cache's own rows, no copy; the
         # rows' query heads of one key head stacked into one (N*G, D) @ (D, S) product per key head
         k, v = self.k[li][slot, :, :S], self.v[li][slot, :, :S]  # (Hkv,S,D) views
+        if N >= 64:  # a long prefill: BLAS multiplies a contiguous copy of the keys faster than the view
+            k = np.ascontiguousarray(k)
         qh = q.reshape(N, Hkv, G, D).transpose(1, 0, 2, 3).reshape(Hkv, N * G, D)
         s = (qh @ k.transpose(0, 2, 1)).reshape(Hkv, N, G, S)
         if N > 1:  # a single row sits at S - 1 and sees every key
@@ -231,7 +279,7 @@ class CpuBackend:
             x += _mm(self._attend(qk[:, :H], li, slots, pos, slot), w["o_t"])
             gu = _mm(_rmsnorm(x, eps), w["gu_t"])
             x += _mm(_silu_mul(gu[:, :F], gu[:, F:]), w["down_t"])
-        blas_threads(1)
+        blas_threads(self.step_threads)
         return _rmsnorm(x, eps)
 
     def _heads(self, xn, n_heads):
@@ -242,7 +290,7 @@ class CpuBackend:
 
     # ---- the backend interface ---------------------------------------------------------------------
 
-    @_one_thread
+    @_step_blas
     def prefill(self, slot: int, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
         T = ids.shape[0]
@@ -251,7 +299,7 @@ class CpuBackend:
         xn = self._rows(ids, np.full(T, slot), pos, slot)
         return self._heads(xn[-1:], self.cfg.mtp_heads)[:, 0]  # (K, V)
 
-    @_one_thread
+    @_step_blas
     def prefill_many(self, slots, prompts) -> np.ndarray:
         """`prefill` of several slots in one pass over all their rows: (len(slots), K, V)."""
         lens = [len(p) for p in prompts]
@@ -260,8 +308,13 @@ class CpuBackend:
         xn = self._rows(ids, np.repeat(np.asarray(slots), lens), pos, slots[0] if len(slots) == 1 else None)
         return self._heads(xn[np.cumsum(lens) - 1], self.cfg.mtp_heads).transpose(1, 0, 2)
 
-    @_one_thread
     def decode(self, tokens, pos, sampling, step, rngs, mask) -> np.ndarray:
+        if np.count_nonzero(mask) == 1:
+            return self._tuned(self._decode, tokens, pos, sampling, step, rngs, mask)
+        return self._decode(tokens, pos, sampling, step, rngs, mask)
+
+    @_step_blas
+    def _decode(self, tokens, pos, sampling, step, rngs, mask) -> np.ndarray:
         rows = np.flatnonzero(mask)
         out = np.asarray(tokens).copy()
         xn = self._rows(np.asarray(tokens)[rows], rows, np.asarray(pos)[rows], int(rows[0]) if len(rows) == 1 else None)
@@ -270,18 +323,31 @@ class CpuBackend:
             out[b] = sample_token(logits[i], rngs[b], sampling.temperature, sampling.top_k, sampling.top_p)
         return out
 
-    @_one_thread
     def step_heads(self, token: int, pos: int) -> np.ndarray:
         """Feed one token of slot 0 at pos; every head's argmax there (K,): the next token and the drafts
         after it. A plain greedy step that also shows what the draft heads would have proposed."""
+        return self._tuned(self._step_heads, token, pos)
+
+    @_step_blas
+    def _step_heads(self, token: int, pos: int) -> np.ndarray:
         xn = self._rows(np.array([token]), np.zeros(1, dtype=np.int64), np.array([pos]), 0)
         return self._heads(xn, self.cfg.mtp_heads)[:, 0].argmax(axis=-1)
 
-    @_one_thread
+    @_step_blas
     def verify(self, tokens, pos: int) -> np.ndarray:
         t = len(tokens)
         xn = self._rows(np.asarray(tokens, dtype=np.int64), np.zeros(t, dtype=np.int64), pos + np.arange(t), 0)
         return self._heads(xn, self.cfg.mtp_heads)  # (K, t, V)
+
+    def _tuned(self, fn, *args):
+        """fn(*args), a one-row step, on the thread count `self.tuner` picks, and its time recorded."""
+        self.step_threads = self.tuner.pick()
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.tuner.record(time.perf_counter() - t0)
+            self.step_threads = 1
 
     def verify_argmax(self, tokens, pos: int) -> np.ndarray:
         return self.verify(tokens, pos).argmax(axis=-1)  # (K, t)

@@ -357,3 +357,16 @@ def test_cpu_backend_keeps_float32_weights_in_float32():
         cpu._mm = real
     assert set(seen) == {(np.dtype(np.float32), np.dtype(np.float32))}
     assert be.k[0].dtype == np.float32
+
+
+def test_step_threads_try_the_other_count_when_a_step_turns_slow():
+    from nanoeuler.infer.cpu import StepThreads
+
+    t = StepThreads(2)
+    t.cur, t.mean, t.left = 1, 0.02, 500  # two threads chosen on a quiet machine, the next try far off
+    assert t.pick() == 2
+    t.record(0.2)  # the machine got busy
+    assert t.pick() == 1 and t.trying == 2
+    t.record(0.04)
+    t.record(0.04)
+    assert t.pick() == 1  # one thread measured faster than two threads' mean now

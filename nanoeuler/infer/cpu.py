@@ -140,9 +140,10 @@ class StepThreads:
     """The BLAS thread count of one-row steps, chosen by timing them: streaming the weights on two cores
     beats one on a quiet machine (BENCHMARKS.md), but on a busy one each product waits for a second free
     core and a step runs several times slower. So steps run on the faster count measured so far; every
-    `interval` steps two steps try the other count (the first may wake the pool), and the second's time
-    decides. A try that loses doubles the interval (up to MAX_INTERVAL), so on a busy machine the tries
-    cost a few steps in a run, not a share of them.
+    `interval` steps, and at once after a step twice as slow as the running mean (the load changed), two
+    steps try the other count (the first may wake the pool) and the second's time decides. A try that
+    loses doubles the interval (up to MAX_INTERVAL), so on a busy machine the tries cost a few steps in a
+    run, not a share of them.
 
         >>> t = StepThreads(2); [t.pick() for _ in range(3)]
         [1, 1, 1]
@@ -170,9 +171,10 @@ class StepThreads:
                     self.interval = min(2 * self.interval, self.MAX_INTERVAL)
                 self.left = self.interval
             return
+        slow = self.mean is not None and seconds > 2 * self.mean  # the load changed: try the other now
         self.mean = seconds if self.mean is None else 0.75 * self.mean + 0.25 * seconds
         self.left -= 1
-        if self.left <= 0 and len(self.options) > 1:
+        if (self.left <= 0 or slow) and len(self.options) > 1:
             self.trying = 2
 
 

@@ -35,7 +35,7 @@ from nanoeuler.infer.generate import sample_token
 from nanoeuler.model import layers
 from nanoeuler.model.transformer import head_weight_names
 
-THREADED_MACS = 1 << 26  # a call whose rows x dim x dim reach this runs BLAS on `threads` (a long prefill)
+THREADED_MACS = 1 << 23  # a call whose rows x dim x dim reach this runs BLAS on `threads` (a prefill)
 PER_ROW = 3  # up to this many rows, one vector product a row beats OpenBLAS's small-M matrix product
 
 
@@ -140,7 +140,7 @@ class StepThreads:
     """The BLAS thread count of one-row steps, chosen by timing them: streaming the weights on two cores
     beats one on a quiet machine (BENCHMARKS.md), but on a busy one each product waits for a second free
     core and a step runs several times slower. So steps run on the faster count measured so far; every
-    `interval` steps, and at once after a step twice as slow as the running mean (the load changed), two
+    `interval` steps, and at once after two steps twice as slow as the running mean (the load changed), two
     steps try the other count (the first may wake the pool) and the second's time decides. A try that
     loses doubles the interval (up to MAX_INTERVAL), so on a busy machine the tries cost a few steps in a
     run, not a share of them.
@@ -157,6 +157,7 @@ class StepThreads:
         self.left = self.FIRST  # steps before the next try
         self.interval = 16
         self.trying = 0  # steps left of a try
+        self.slow = 0  # steps in a row twice as slow as the mean
 
     def pick(self) -> int:
         return self.options[1 - self.cur if self.trying else self.cur]
@@ -171,11 +172,12 @@ class StepThreads:
                     self.interval = min(2 * self.interval, self.MAX_INTERVAL)
                 self.left = self.interval
             return
-        slow = self.mean is not None and seconds > 2 * self.mean  # the load changed: try the other now
+        # two steps in a row twice as slow as the mean: the load changed (one alone may be a preemption)
+        self.slow = self.slow + 1 if self.mean is not None and seconds > 2 * self.mean else 0
         self.mean = seconds if self.mean is None else 0.75 * self.mean + 0.25 * seconds
         self.left -= 1
-        if (self.left <= 0 or slow) and len(self.options) > 1:
-            self.trying = 2
+        if (self.left <= 0 or self.slow >= 2) and len(self.options) > 1:
+            self.trying, self.slow = 2, 0
 
 
 class CpuBackend:

@@ -36,6 +36,7 @@ from nanoeuler.model import layers
 from nanoeuler.model.transformer import head_weight_names
 
 THREADED_MACS = 1 << 23  # a call whose rows x dim x dim reach this runs BLAS on `threads` (a prefill)
+STEP_THREADS_BYTES = 64 << 20  # a step streaming fewer weight bytes stays on one thread (`StepThreads`)
 PER_ROW = 3  # up to this many rows, one vector product a row beats OpenBLAS's small-M matrix product
 
 
@@ -189,7 +190,6 @@ class CpuBackend:
         self.cfg = cfg
         self.threads = max(1, int(threads or usable_cores()))
         self.step_threads = 1  # BLAS threads of the call in progress (short calls: memory bound)
-        self.tuner = StepThreads(self.threads)  # ... and of one-row steps, chosen by timing them
         self.dtype = p["lm_head.weight"].dtype
         self.emb = p["embed_tokens.weight"]
         self.layers = []
@@ -209,6 +209,10 @@ class CpuBackend:
         cos, sin = layers.rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, np, self.dtype)
         self.cos, self.sin = cos, sin  # (ctx_len, D/2)
         self.k = self.v = None
+        # one-row steps on a thread count chosen by timing them, where a step's weights are too big for the
+        # caches (a small model's step is mostly Python: threads would only add hand-offs)
+        step_bytes = sum(w.nbytes for lay in self.layers for w in lay.values()) + self.head0_t.nbytes
+        self.tuner = StepThreads(self.threads if step_bytes >= STEP_THREADS_BYTES else 1)
 
     def start(self, batch: int, seeds=None) -> None:
         cfg = self.cfg

@@ -123,8 +123,8 @@ class Engine:
     @classmethod
     def from_params(cls, params: dict, cfg, device: str = "cpu", dtype: str = "bf16",
                     speculative: bool | None = None, threads: int | None = None) -> "Engine":
-        """An engine for NumPy/CuPy `params`: NumPy on 'cpu' (the params' own float dtype; `threads` for its
-        prefill's matrix products, default the usable cores), CUDA kernels on 'gpu' (`dtype` 'bf16' or
+        """An engine for NumPy/CuPy `params`: NumPy on 'cpu' (the params' own float dtype; `threads` for BLAS,
+        default the usable cores: `cpu.CpuBackend`), CUDA kernels on 'gpu' (`dtype` 'bf16' or
         'fp32' weights)."""
         if device == "gpu":
             import cupy

@@ -223,8 +223,8 @@ def add_sampling_arguments(parser) -> None:
 
 def add_threads_argument(parser) -> None:
     parser.add_argument("--threads", type=int, metavar="N",
-                        help="CPU threads of the NumPy engine's long prefills (a decode step streams the weights "
-                             "on one thread: memory bound); default: the usable cores")
+                        help="CPU threads of the NumPy engine: its prefills use them, its one-row decode steps "
+                             "use them or one, whichever it measures faster; default: the usable cores")
 
 
 def sampling_from(args, eval_section: dict) -> tuple[Sampling, int]:

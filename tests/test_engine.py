@@ -335,7 +335,7 @@ def test_step_threads_follow_the_faster_measured_count():
     assert run(fast2, {1: 0.04, 2: 0.025}, 40)[-20:].count(2) >= 18  # two threads win and stay
     busy = StepThreads(2)
     picked = run(busy, {1: 0.04, 2: 0.4}, 200)
-    assert picked.count(2) <= 8 and busy.interval >= 64  # tries of the slow count back off
+    assert picked.count(2) <= 4 and busy.interval >= 256  # tries of the slow count back off
     assert StepThreads(1).pick() == 1 and run(StepThreads(1), {1: 0.01}, 20) == [1] * 20
 
 
@@ -368,7 +368,9 @@ def test_step_threads_try_the_other_count_when_a_step_turns_slow():
     t.record(0.2)  # one slow step: a preemption, perhaps
     assert t.pick() == 2
     t.record(0.2)  # two: the machine got busy
-    assert t.pick() == 1 and t.trying == 2
+    assert t.pick() == 1 and t.trying
     t.record(0.04)
-    t.record(0.04)
-    assert t.pick() == 1  # one thread measured faster than two threads' mean now
+    assert t.pick() == 1 and not t.trying  # one thread measured faster than two threads' mean now
+    t.record(0.2)
+    t.record(0.2)
+    assert t.pick() == 1  # on one thread, slow steps do not make two threads try

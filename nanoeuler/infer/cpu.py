@@ -140,24 +140,24 @@ def _step_blas(method):
 class StepThreads:
     """The BLAS thread count of one-row steps, chosen by timing them: streaming the weights on two cores
     beats one on a quiet machine (BENCHMARKS.md), but on a busy one each product waits for a second free
-    core and a step runs several times slower. So steps run on the faster count measured so far; every
-    `interval` steps, and at once after two steps twice as slow as the running mean (the load changed), two
-    steps try the other count (the first may wake the pool) and the second's time decides. A try that
-    loses doubles the interval (up to MAX_INTERVAL), so on a busy machine the tries cost a few steps in a
-    run, not a share of them.
+    core and a step runs several times slower. So steps run on the count measured faster; every `interval`
+    steps one step tries the other count, which takes over only if clearly faster (WIN). A try that loses
+    makes the next one wait four times longer (up to MAX_INTERVAL steps), so on a busy machine the tries
+    cost a few steps in a run, not a share of them. On several threads, two steps in a row twice as slow
+    as the running mean (the machine got busy) make one thread try at once.
 
         >>> t = StepThreads(2); [t.pick() for _ in range(3)]
         [1, 1, 1]
     """
 
-    FIRST, MAX_INTERVAL = 4, 1024
+    FIRST, WIN, MAX_INTERVAL = 4, 0.9, 1024
 
     def __init__(self, threads: int):
         self.options = [1, threads] if threads > 1 else [1]
         self.cur, self.mean = 0, None  # the chosen option and its running mean seconds a step
         self.left = self.FIRST  # steps before the next try
         self.interval = 16
-        self.trying = 0  # steps left of a try
+        self.trying = False
         self.slow = 0  # steps in a row twice as slow as the mean
 
     def pick(self) -> int:
@@ -165,20 +165,19 @@ class StepThreads:
 
     def record(self, seconds: float) -> None:
         if self.trying:
-            self.trying -= 1
-            if self.trying == 0:
-                if self.mean is not None and seconds < self.mean:  # the other count wins
-                    self.cur, self.mean, self.interval = 1 - self.cur, seconds, 16
-                else:
-                    self.interval = min(2 * self.interval, self.MAX_INTERVAL)
-                self.left = self.interval
+            self.trying = False
+            if seconds < self.WIN * self.mean:  # the other count wins
+                self.cur, self.mean, self.interval = 1 - self.cur, seconds, 32
+            else:
+                self.interval = min(4 * self.interval, self.MAX_INTERVAL)
+            self.left = self.interval
             return
-        # two steps in a row twice as slow as the mean: the load changed (one alone may be a preemption)
-        self.slow = self.slow + 1 if self.mean is not None and seconds > 2 * self.mean else 0
+        threaded = self.options[self.cur] > 1
+        self.slow = self.slow + 1 if threaded and self.mean is not None and seconds > 2 * self.mean else 0
         self.mean = seconds if self.mean is None else 0.75 * self.mean + 0.25 * seconds
         self.left -= 1
         if (self.left <= 0 or self.slow >= 2) and len(self.options) > 1:
-            self.trying, self.slow = 2, 0
+            self.trying, self.slow = True, 0
 
 
 class CpuBackend:

@@ -1,29 +1,45 @@
-"""Generation speed on the CPU: our NumPy decode engine against PyTorch eager with a KV cache, same model.
+"""Generation speed on the CPU: our NumPy decode engine against PyTorch eager with a KV cache, same weights,
+with the memory-bandwidth bound of a decode step measured in the same run.
 
-    python bench/generate_cpu.py --ckpt results/base.bin --threads 2      # the `small` model, trained
-    python bench/generate_cpu.py                                          # random `small` weights
+    python bench/generate_cpu.py                                  # `small` and the 116M `gpu` preset, random
+    python bench/generate_cpu.py --presets small --ckpt small.bin # a trained model file
+    python bench/generate_cpu.py --profile                        # + where one decode step's time goes
+    LLAMA_BENCH=~/llama.cpp/build/bin/llama-bench python bench/generate_cpu.py --gguf gpu=m-f32.gguf
 
-Batch 1, a 16-token prompt, greedy, as many new tokens as fit the context (112 for the `small` preset's 128),
-so neither side slides its window. The PyTorch peer is the identical architecture written in torch (stacked
-q/k/v and gate/up weights, RMSNorm, RoPE, grouped-query attention over a preallocated cache, SwiGLU, the
-output head) run eagerly under inference_mode with torch.set_num_threads(threads); it must produce our
-greedy tokens. Rows: ours plain, ours speculative (acceptance per draft head), torch eager. Medians of
---repeats runs after a warm-up; the load average is printed, since the machine may be shared.
+For each model: batch 1, greedy, a 16-token prompt and --new-tokens new ones (capped by the context, so
+nobody slides a window), and a --prefill-token prompt (capped at the context) fed at once. The runs are
+interleaved (one of each in turn, --repeats rounds after a warm-up round) and the medians compared, so a
+shared machine's load hits every row alike; the load average is printed.
+
+Rows: ours plain; ours by default (greedy: speculation only where the run measures that it pays,
+`engine._adaptive`); ours with speculation forced on; PyTorch eager, the identical architecture in torch
+(stacked q/k/v and gate/up weights, RMSNorm, RoPE, grouped-query attention over a preallocated cache,
+SwiGLU, head 0) under inference_mode with torch.set_num_threads(--threads), which must produce our tokens;
+llama.cpp's llama-bench where LLAMA_BENCH (or --llama-bench) names it and --gguf gives the model converted
+to GGUF (BENCHMARKS.md says how to build and convert).
+
+The bound: a plain step must read every weight it uses once (the stacked layer matrices and head 0). The
+same one-row products over exactly those matrices, with nothing else, give the machine's GEMV bandwidth and
+the step time it implies; "of bound" is ours plain against it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from nanoeuler.infer import cpu as cpu_mod  # noqa: E402
 from nanoeuler.infer.engine import Engine  # noqa: E402
 from nanoeuler.infer.generate import Sampling  # noqa: E402
 from nanoeuler.model import transformer  # noqa: E402
@@ -33,18 +49,25 @@ from nanoeuler.model.layers import rope_tables  # noqa: E402
 GREEDY = Sampling(temperature=0.0)
 
 
-def median_time(fn, repeats):
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+def interleaved(fns: dict, repeats: int, pause: float = 0.3) -> dict:
+    """Median seconds of each fn, run in turn: a warm-up round, then `repeats` rounds, each starting one
+    further down the list (no run always follows the same one). A pause before each run lets the thread
+    pools of the one before stop spinning (OpenBLAS's workers spin for about 0.1 s after a threaded
+    product, on the cores the next run needs)."""
+    times = defaultdict(list)
+    order = list(fns.items())
+    for r in range(repeats + 1):
+        for name, fn in order[r % len(order):] + order[:r % len(order)]:
+            time.sleep(pause)
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
-def torch_decoder(params, cfg):
-    """greedy(prompt, n) -> ids: the model in torch, eager, with a preallocated KV cache."""
+def torch_model(params, cfg):
+    """(greedy(prompt, n) -> ids, prefill(prompt) -> None): the model in torch, eager, preallocated KV cache."""
     import torch
 
     T = lambda a: torch.tensor(np.asarray(a, dtype=np.float32))  # noqa: E731
@@ -82,10 +105,10 @@ def torch_decoder(params, cfg):
             kc[li, :, start:start + t] = rope(qkv[:, H * D:(H + Hkv) * D].view(t, Hkv, D), c, s).transpose(0, 1)
             vc[li, :, start:start + t] = qkv[:, (H + Hkv) * D:].view(t, Hkv, D).transpose(0, 1)
             k, v = kc[li, :, :start + t], vc[li, :, :start + t]  # (Hkv, S, D)
-            qg = q.transpose(0, 1).reshape(Hkv, G * t, D) / D ** 0.5
-            sc = (qg @ k.transpose(1, 2)).view(Hkv, G, t, start + t).masked_fill(~mask, float("-inf"))
-            a = (sc.softmax(-1).view(Hkv, G * t, start + t) @ v).view(H, t, D).transpose(0, 1).reshape(t, H * D)
-            x = x + a @ wo.T
+            qg = q.view(t, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, t * G, D) / D ** 0.5
+            sc = (qg @ k.transpose(1, 2)).view(Hkv, t, G, start + t).masked_fill(~mask[:, None], float("-inf"))
+            a = (sc.softmax(-1).view(Hkv, t * G, start + t) @ v).view(Hkv, t, G, D).permute(1, 0, 2, 3)
+            x = x + a.reshape(t, H * D) @ wo.T
             gu = rms(x, n2) @ wgu.T
             x = x + (torch.nn.functional.silu(gu[:, :F]) * gu[:, F:]) @ wd.T
         return rms(x[-1:], norm) @ head.T
@@ -103,16 +126,206 @@ def torch_decoder(params, cfg):
                 pos += 1
             return out
 
-    return greedy
+    def prefill(prompt):
+        with torch.inference_mode():
+            forward(torch.tensor(prompt), 0)
+
+    return greedy, prefill
+
+
+def gemv_sweep(be, threads=1):
+    """fn() doing the one-row products of a plain step over its weights and nothing else, BLAS on `threads`
+    threads; their bytes."""
+    mats = [w[k] for w in be.layers for k in ("qkv_t", "o_t", "gu_t", "down_t")] + [be.head0_t]
+    xs = [np.ones(m.shape[0], dtype=m.dtype) for m in mats]
+
+    def sweep():
+        before = cpu_mod.blas_threads(threads)
+        for x, m in zip(xs, mats):
+            x @ m
+        if before:
+            cpu_mod.blas_threads(before)
+
+    return sweep, sum(m.nbytes for m in mats)
+
+
+def profile_step(eng, prompt, steps: int) -> list[tuple[str, float]]:
+    """Milliseconds per decode step by kernel: the backend's functions wrapped with timers for `steps` plain
+    steps (the wrappers add a few microseconds a call, counted under 'Python and the rest')."""
+    be = eng.backend
+    names = {}
+    for w in be.layers:
+        names.update({id(w["qkv_t"]): "GEMV q/k/v", id(w["o_t"]): "GEMV o_proj", id(w["gu_t"]): "GEMV gate/up",
+                      id(w["down_t"]): "GEMV down"})
+    names[id(be.head0_t)] = "GEMV head 0"
+    acc = defaultdict(float)
+
+    def timed(fn, label):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[label(*a) if callable(label) else label] += time.perf_counter() - t0
+        return run
+
+    saved = dict(mm=cpu_mod._mm, rms=cpu_mod._rmsnorm, sample=cpu_mod.sample_token)
+    cls = type(be)
+    saved_cls = dict(attend=cls._attend, rope=cls._rope)
+    cpu_mod._mm = timed(saved["mm"], lambda x, w: names.get(id(w), "GEMV other"))
+    cpu_mod._rmsnorm = timed(saved["rms"], "RMSNorm")
+    cpu_mod.sample_token = timed(saved["sample"], "sampling (argmax)")
+    cls._attend = timed(saved_cls["attend"], "attention over the cache")
+    cls._rope = staticmethod(timed(saved_cls["rope"], "RoPE"))
+    try:
+        be.start(1)
+        tok = int(be.prefill(0, prompt)[0].argmax())
+        acc.clear()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            tok = int(be.decode(np.array([tok]), np.array([len(prompt) + i]), GREEDY, i, [None], np.ones(1, bool))[0])
+        total = time.perf_counter() - t0
+    finally:
+        cpu_mod._mm, cpu_mod._rmsnorm, cpu_mod.sample_token = saved["mm"], saved["rms"], saved["sample"]
+        cls._attend, cls._rope = saved_cls["attend"], staticmethod(saved_cls["rope"])
+    rows = sorted(((k, v * 1e3 / steps) for k, v in acc.items()), key=lambda kv: -kv[1])
+    rest = total - sum(acc.values())
+    return rows + [("Python and the rest (residual adds, SwiGLU, cache writes, embedding)", rest * 1e3 / steps),
+                   ("total", total * 1e3 / steps)]
+
+
+def llama_bench(exe: str, gguf: str, threads: int, prefill: int, new: int) -> dict:
+    """{'decode': tok/s, 'prefill': tok/s} from llama.cpp's llama-bench (JSON output), or {} if it fails."""
+    cmd = [exe, "-m", gguf, "-t", str(threads), "-p", str(prefill), "-n", str(new), "-r", "3", "-o", "json"]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+        out = {}
+        for row in json.loads(res.stdout):
+            out["prefill" if row.get("n_prompt") else "decode"] = float(row["avg_ts"])
+        return out
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+        print(f"llama-bench failed ({' '.join(cmd)}): {exc}", file=sys.stderr)
+        return {}
+
+
+def bench_model(name, params, cfg, args, prompt_text_ids=None):
+    import torch
+
+    new = min(args.new_tokens, cfg.ctx_len - args.prompt_len)
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, args.prompt_len)]
+    if prompt_text_ids:
+        prompt = (prompt_text_ids * args.prompt_len)[:args.prompt_len]
+    long = [int(t) for t in rng.integers(0, cfg.vocab_size, min(args.prefill_tokens, cfg.ctx_len))]
+
+    eng = Engine.from_params(params, cfg, "cpu", threads=args.threads)
+    be = eng.backend
+    t_greedy, t_prefill = torch_model(params, cfg)
+    ours = list(eng.stream(prompt, new, GREEDY, speculative=False))
+    same = ours == t_greedy(prompt, new)
+    sweep, nbytes = gemv_sweep(be)
+    sweep_mt, _ = gemv_sweep(be, args.threads)
+
+    stats = {}
+
+    def run_spec(key, spec):
+        def fn():
+            eng.stats = type(eng.stats)()
+            list(eng.stream(prompt, new, GREEDY, speculative=spec))
+            stats[key] = eng.stats
+        return fn
+
+    def ours_prefill():
+        be.start(1)
+        be.prefill(0, long)
+
+    load0 = os.getloadavg()[0]
+    def torch_on(threads, fn, *a):
+        def run():
+            torch.set_num_threads(threads)
+            fn(*a)
+        return run
+
+    one = args.threads != 1  # PyTorch on one thread too: on a loaded machine its pool waits for cores
+    t = interleaved({
+        "plain": lambda: list(eng.stream(prompt, new, GREEDY, speculative=False)),
+        "default": run_spec("default", None),
+        "spec": run_spec("spec", True),
+        "torch": torch_on(args.threads, t_greedy, prompt, new),
+        **({"torch1": torch_on(1, t_greedy, prompt, new)} if one else {}),
+        "gemv": sweep,
+        **({"gemv_mt": sweep_mt} if one else {}),
+        "prefill": ours_prefill,
+        "torch_prefill": torch_on(args.threads, t_prefill, long),
+    }, args.repeats)
+    torch.set_num_threads(args.threads)
+    load1 = os.getloadavg()[0]
+    best = min(t["gemv"], t.get("gemv_mt", np.inf))
+    bound = 1.0 / best  # steps a second if a step were its weights' GEMVs alone, on the faster thread count
+
+    def note(st):
+        return (f"{st.tokens_per_pass():.2f} tok/pass, {st.passes} passes, {st.plain} plain steps; heads "
+                + " ".join(f"{a:.2f}" for a in st.acceptance()))
+
+    dec = [("ours plain (NumPy float32)", new / t["plain"], ""),
+           ("ours default (adaptive speculation)", new / t["default"], note(stats["default"])),
+           ("ours speculative, forced", new / t["spec"], note(stats["spec"])),
+           (f"PyTorch {torch.__version__} eager, KV cache", new / t["torch"], f"{args.threads} threads")]
+    if one:
+        dec.append(("PyTorch eager, KV cache, 1 thread", new / t["torch1"], ""))
+    pre = [("ours (NumPy float32)", len(long) / t["prefill"]), ("PyTorch eager", len(long) / t["torch_prefill"])]
+    gguf = dict(g.split("=", 1) for g in args.gguf).get(name)
+    exe = args.llama_bench or os.environ.get("LLAMA_BENCH")
+    if exe and gguf:
+        lb = llama_bench(exe, gguf, args.threads, len(long), new)
+        if "decode" in lb:
+            dec.append((f"llama.cpp llama-bench ({Path(gguf).name})", lb["decode"], "its own timing, not interleaved"))
+        if "prefill" in lb:
+            pre.append((f"llama.cpp llama-bench ({Path(gguf).name})", lb["prefill"]))
+
+    print(f"\n### {name}: {cfg.n_params():,} parameters ({args.ckpt or 'random weights'}), float32, "
+          f"{args.threads} threads, load average {load0:.2f} -> {load1:.2f}")
+    mt = f", {nbytes / t['gemv_mt'] / 1e9:.1f} GB/s on {args.threads}" if one else ""
+    print(f"GEMV bandwidth (the plain step's {len(be.layers) * 4 + 1} weight matrices, {nbytes / 1e6:.0f} MB, "
+          f"one-row products alone): {nbytes / t['gemv'] / 1e9:.1f} GB/s on one thread{mt} -> bound "
+          f"{bound:,.1f} tokens/s")
+    print(f"\nDecode: 16-token prompt, {new} new tokens greedy, median of {args.repeats} interleaved")
+    print("| run | tokens/s | ms/token | vs PyTorch (its faster row) | of bound | notes |")
+    print("|---|---:|---:|---:|---:|---|")
+    peer = new / min(t["torch"], t.get("torch1", np.inf))
+    for label, tps, n in dec:
+        print(f"| {label} | {tps:,.1f} | {1e3 / tps:.2f} | {tps / peer:.2f}x | {tps / bound:.0%} | {n} |")
+    print(f"greedy tokens, ours vs PyTorch: {'identical' if same else 'DIFFERENT'}")
+    print(f"\nPrefill: {len(long)}-token prompt, median of {args.repeats} interleaved")
+    print("| run | tokens/s | ms | vs PyTorch |")
+    print("|---|---:|---:|---:|")
+    peer = len(long) / t["torch_prefill"]
+    for label, tps in pre:
+        print(f"| {label} | {tps:,.0f} | {len(long) / tps * 1e3:,.1f} | {tps / peer:.2f}x |")
+    if args.profile:
+        print(f"\nOne plain decode step by kernel (ms, mean of {args.profile_steps} steps; load "
+              f"{os.getloadavg()[0]:.2f})")
+        print("| kernel | ms/step |")
+        print("|---|---:|")
+        for label, ms in profile_step(eng, prompt, args.profile_steps):
+            print(f"| {label} | {ms:.3f} |")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ckpt", help="model file (default: random weights of the `small` preset)")
+    ap.add_argument("--presets", default="small,gpu", help="model presets, comma-separated (random weights)")
+    ap.add_argument("--ckpt", help="a model file instead of random weights (with one preset's name ignored)")
     ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--new-tokens", type=int, default=0, help="0: as many as fit the context")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (NumPy's BLAS: set OMP_NUM_THREADS)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="decode tokens (capped by the context)")
+    ap.add_argument("--prefill-tokens", type=int, default=512, help="prefill prompt (capped by the context)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=cpu_mod.usable_cores(),
+                    help="threads of ours (prefill) and of torch (default: the usable cores)")
+    ap.add_argument("--profile", action="store_true", help="also time one decode step kernel by kernel")
+    ap.add_argument("--profile-steps", type=int, default=16)
+    ap.add_argument("--llama-bench", help="llama.cpp's llama-bench executable (default: $LLAMA_BENCH)")
+    ap.add_argument("--gguf", action="append", default=[], metavar="PRESET=FILE",
+                    help="the preset's weights as GGUF for llama-bench (repeatable)")
     args = ap.parse_args(argv)
 
     import torch
@@ -120,47 +333,21 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from nanoeuler import checkpoint
 
+    print(f"CPU: {os.cpu_count()} cores visible, {cpu_mod.usable_cores()} usable; NumPy {np.__version__}; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     if args.ckpt:
         params, cfg, meta = checkpoint.load_model(args.ckpt)
-    else:
-        cfg = ModelConfig.named("small")
-        params = transformer.init_params(cfg, seed=0)
-    n = args.new_tokens or cfg.ctx_len - args.prompt_len
-    prompt = [int(t) for t in np.random.default_rng(0).integers(0, cfg.vocab_size, args.prompt_len)]
-    if args.ckpt and meta.get("tokenizer"):
-        from nanoeuler.tokenizer.bpe import Tokenizer
+        ids = None
+        if meta.get("tokenizer"):
+            from nanoeuler.tokenizer.bpe import Tokenizer
 
-        ids = Tokenizer.from_json(meta["tokenizer"]).encode(
-            "The Python standard library is very extensive, offering a wide range of facilities.")
-        prompt = (ids * 4)[:args.prompt_len]
-
-    eng = Engine.from_params(params, cfg, "cpu")
-    greedy_t = torch_decoder(params, cfg)
-    ours = list(eng.stream(prompt, n, GREEDY, speculative=False))
-    theirs = greedy_t(prompt, n)
-    rows = []
-    load0 = os.getloadavg()[0]
-    t = median_time(lambda: list(eng.stream(prompt, n, GREEDY, speculative=False)), args.repeats)
-    rows.append(("ours plain (NumPy float32)", n / t, ""))
-    eng.stats = type(eng.stats)()
-    t = median_time(lambda: list(eng.stream(prompt, n, GREEDY, speculative=True)), args.repeats)
-    st = eng.stats
-    rows.append(("ours speculative (NumPy float32)", n / t,
-                 f"{st.tokens_per_pass():.2f} tok/pass; heads " + " ".join(f"{a:.2f}" for a in st.acceptance())))
-    t = median_time(lambda: greedy_t(prompt, n), args.repeats)
-    rows.append((f"PyTorch {torch.__version__} eager, KV cache", n / t, f"{args.threads} threads"))
-    load1 = os.getloadavg()[0]
-
-    first_diff = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    print(f"\nCPU ({os.cpu_count()} cores visible), model {cfg.n_params():,} parameters "
-          f"({'trained: ' + args.ckpt if args.ckpt else 'random'}), batch 1, {args.prompt_len}-token prompt, "
-          f"{n} new tokens greedy, median of {args.repeats}; load average {load0:.2f} -> {load1:.2f}")
-    print("| run | tokens/s | ms/token | vs PyTorch | notes |")
-    print("|---|---:|---:|---:|---|")
-    peer = rows[-1][1]
-    for name, tps, note in rows:
-        print(f"| {name} | {tps:,.0f} | {1e3 / tps:.3f} | {tps / peer:.2f}x | {note} |")
-    print("greedy tokens, ours vs PyTorch: " + ("identical" if first_diff is None else f"first differ at {first_diff}"))
+            ids = Tokenizer.from_json(meta["tokenizer"]).encode(
+                "The Python standard library is very extensive, offering a wide range of facilities.")
+        bench_model(Path(args.ckpt).stem, params, cfg, args, ids)
+        return 0
+    for name in args.presets.split(","):
+        cfg = ModelConfig.named(name)
+        bench_model(name, transformer.init_params(cfg, seed=0), cfg, args)
     return 0
 
 

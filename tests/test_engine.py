@@ -92,6 +92,9 @@ def test_speculative_greedy_accepts_every_draft_when_the_heads_agree():
     out = list(eng.stream([1, 2], 13, GREEDY, speculative=True))
     assert out == [out[0]] * 13
     assert eng.stats.acceptance() == [1.0, 1.0, 1.0] and eng.stats.tokens_per_pass() == 4.0
+    eng.stats = type(eng.stats)()  # by default on the CPU: drafts this good are verified after the shadow steps
+    assert list(eng.stream([1, 2], 40, GREEDY)) == [out[0]] * 40
+    assert eng.stats.passes > 0 and eng.stats.tokens_per_pass() == 4.0
 
 
 def test_accept_or_resample_gives_the_target_distribution():
@@ -223,9 +226,9 @@ class _FeedsItself:
 
 @pytest.mark.parametrize("cost,probed", [(100.0, True), (0.0, False)])
 def test_default_speculation_goes_on_plainly_where_it_does_not_pay(model, monkeypatch, cost, probed):
-    """On by default (not asked for), a greedy stream whose first PROBE_PASSES passes keep fewer tokens a
-    pass than the backend's verify_cost goes on plainly; the tokens are plain greedy's either way, also
-    through the self-feeding calls (a switch from greedy_passes to greedy_steps mid-stream)."""
+    """On by default (not asked for), a greedy stream on a backend with self-feeding passes (the GPU's) whose
+    first PROBE_PASSES passes keep fewer tokens a pass than the backend's verify_cost goes on plainly; the
+    tokens are plain greedy's either way (a switch from greedy_passes to greedy_steps mid-stream)."""
     from nanoeuler.infer import engine as engine_mod
 
     params, cfg = model
@@ -233,15 +236,46 @@ def test_default_speculation_goes_on_plainly_where_it_does_not_pay(model, monkey
     monkeypatch.setattr(type(base.backend), "verify_cost", cost)
     p, n = [5, 17, 42, 8], cfg.ctx_len + 20  # across a refill
     want = list(base.stream(p, n, GREEDY, speculative=False))
-    for eng in (Engine.from_params(params, cfg, "cpu"), Engine(_FeedsItself(base.backend, cfg), cfg)):
-        assert list(eng.stream(p, n, GREEDY)) == want
-        assert (eng.stats.passes == engine_mod.PROBE_PASSES) == probed
+    eng = Engine(_FeedsItself(base.backend, cfg), cfg)
+    assert list(eng.stream(p, n, GREEDY)) == want
+    assert (eng.stats.passes == engine_mod.PROBE_PASSES) == probed
+    eng.stats = type(eng.stats)()
+    assert list(eng.stream(p, n, GREEDY, speculative=True)) == want  # asked for: no probe
+    assert eng.stats.passes > engine_mod.PROBE_PASSES
+    eng.stats = type(eng.stats)()
+    assert eng.generate([p], n, GREEDY) == [want]
+    assert (eng.stats.passes == engine_mod.PROBE_PASSES) == probed
+
+
+@pytest.mark.parametrize("cost", [100.0, 0.0])
+def test_default_speculation_on_the_cpu_verifies_only_where_the_heads_would_pay(model, monkeypatch, cost):
+    """On the NumPy backend a default-on greedy stream starts plainly and checks the draft heads on a few
+    steps (`step_heads`): with passes priced out (cost 100) it never verifies; priced free, it does. The
+    tokens are plain greedy's either way, across a context refill and with a stop id."""
+    params, cfg = model
+    eng = Engine.from_params(params, cfg, "cpu")
+    monkeypatch.setattr(type(eng.backend), "verify_cost", cost)
+    for p, n in (([5, 17, 42, 8], cfg.ctx_len + 20), ([1], 3), (list(range(30, 50)), 2 * cfg.ctx_len)):
         eng.stats = type(eng.stats)()
-        assert list(eng.stream(p, n, GREEDY, speculative=True)) == want  # asked for: no probe
-        assert eng.stats.passes > engine_mod.PROBE_PASSES
-        eng.stats = type(eng.stats)()
-        assert eng.generate([p], n, GREEDY) == [want]
-        assert (eng.stats.passes == engine_mod.PROBE_PASSES) == probed
+        assert list(eng.stream(p, n, GREEDY)) == list(eng.stream(p, n, GREEDY, speculative=False))
+    assert (eng.stats.passes > 0) == (cost == 0.0)
+    stop = list(eng.stream([5, 17], 9, GREEDY, speculative=False))[-1]
+    assert list(eng.stream([5, 17], 40, GREEDY, {stop})) == list(eng.stream([5, 17], 40, GREEDY, {stop}, speculative=False))
+
+
+def test_default_speculation_on_the_cpu_never_verifies_drafts_that_are_never_right():
+    """Draft heads that never agree with the text (an untrained model's): no verify pass at all, whatever
+    the timing, since 1 + 0 kept drafts a pass never beats a pass's cost."""
+    params, cfg = _model(K=4, seed=11)
+    for k in range(1, 4):  # a draft head that always proposes a token head 0 never picks
+        w = np.zeros_like(params["lm_head.weight"])
+        w[cfg.vocab_size - 1] = 1.0
+        params[f"mtp_heads.{k}.weight"] = w
+        params["lm_head.weight"][cfg.vocab_size - 1] = -1e3 * np.abs(params["lm_head.weight"]).max()
+    eng = Engine.from_params(params, cfg, "cpu")
+    out = list(eng.stream([3, 1, 4], 2 * cfg.ctx_len, GREEDY))
+    assert out == Generator(params, cfg).generate([3, 1, 4], 2 * cfg.ctx_len, GREEDY)
+    assert eng.stats.passes == 0 and eng.stats.plain > len(out) // 2
 
 
 def test_steps_that_feed_themselves_give_the_same_tokens(model):
@@ -257,3 +291,86 @@ def test_steps_that_feed_themselves_give_the_same_tokens(model):
     for stop in (frozenset(), {7}):
         want = eng.generate(prompts, 2 * cfg.ctx_len, GREEDY, stop_ids=stop, speculative=False)
         assert fed.generate(prompts, 2 * cfg.ctx_len, GREEDY, stop_ids=stop, speculative=False) == want
+
+
+def test_cpu_logits_equal_the_model_and_blas_threads_are_restored(model):
+    """The backend's folded, stacked weights give the model's own logits (float64), for a long prefill
+    (BLAS on its threads), a verify pass and a plain step; the caller's BLAS thread count is left as it was."""
+    from nanoeuler.infer import cpu
+
+    params, cfg = model
+    be = cpu.CpuBackend(params, cfg, threads=2)
+    before = cpu.blas_threads(3)
+    try:
+        monkey_macs, cpu.THREADED_MACS = cpu.THREADED_MACS, 1  # every call counts as long here
+        ids = [5, 17, 42, 8, 1, 2, 3]
+        be.start(1)
+        got = be.prefill(0, ids[:4])[0]
+        want = transformer.logits(params, np.array([ids[:4]]), cfg)[0, -1]
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9)
+        ver = be.verify(np.array(ids[4:]), 4)[0]  # head 0 at rows 4..6
+        np.testing.assert_allclose(ver, transformer.logits(params, np.array([ids]), cfg)[0, 4:], rtol=1e-9, atol=1e-9)
+        for k in range(1, cfg.mtp_heads):  # the draft heads too
+            want_k = transformer.logits(params, np.array([ids]), cfg, head=k)[0, 4:]
+            np.testing.assert_allclose(be.verify(np.array(ids[4:]), 4)[k], want_k, rtol=1e-9, atol=1e-9)
+        assert cpu.blas_threads(3) in (0, 3)  # 0: no OpenBLAS found, nothing to restore
+    finally:
+        cpu.THREADED_MACS = monkey_macs
+        cpu.blas_threads(before or 1)
+
+
+def test_step_threads_follow_the_faster_measured_count():
+    """One-row steps run on the thread count measured faster; a try that loses waits twice as long."""
+    from nanoeuler.infer.cpu import StepThreads
+
+    def run(t, seconds, steps):
+        picked = []
+        for _ in range(steps):
+            n = t.pick()
+            picked.append(n)
+            t.record(seconds[n])
+        return picked
+
+    fast2 = StepThreads(2)
+    assert run(fast2, {1: 0.04, 2: 0.025}, 40)[-20:].count(2) >= 18  # two threads win and stay
+    busy = StepThreads(2)
+    picked = run(busy, {1: 0.04, 2: 0.4}, 200)
+    assert picked.count(2) <= 4 and busy.interval >= 256  # tries of the slow count back off
+    assert StepThreads(1).pick() == 1 and run(StepThreads(1), {1: 0.01}, 20) == [1] * 20
+
+
+def test_cpu_backend_keeps_float32_weights_in_float32():
+    """No float64 creeps in (a NumPy float64 scalar would turn a product into a float64 one, twice the bytes)."""
+    from nanoeuler.infer import cpu
+
+    params, cfg = _model(dtype=np.float32)
+    be = cpu.CpuBackend(params, cfg)
+    seen = []
+    real = cpu._mm
+    try:
+        cpu._mm = lambda x, w: seen.append((x.dtype, w.dtype)) or real(x, w)
+        be.start(1)
+        be.prefill(0, [1, 2, 3])
+        be.verify(np.array([4, 5, 6]), 3)
+        be.decode(np.array([7]), np.array([6]), GREEDY, 0, [None], np.ones(1, bool))
+    finally:
+        cpu._mm = real
+    assert set(seen) == {(np.dtype(np.float32), np.dtype(np.float32))}
+    assert be.k[0].dtype == np.float32
+
+
+def test_step_threads_try_the_other_count_when_a_step_turns_slow():
+    from nanoeuler.infer.cpu import StepThreads
+
+    t = StepThreads(2)
+    t.cur, t.mean, t.left = 1, 0.02, 500  # two threads chosen on a quiet machine, the next try far off
+    assert t.pick() == 2
+    t.record(0.2)  # one slow step: a preemption, perhaps
+    assert t.pick() == 2
+    t.record(0.2)  # two: the machine got busy
+    assert t.pick() == 1 and t.trying
+    t.record(0.04)
+    assert t.pick() == 1 and not t.trying  # one thread measured faster than two threads' mean now
+    t.record(0.2)
+    t.record(0.2)
+    assert t.pick() == 1  # on one thread, slow steps do not make two threads try

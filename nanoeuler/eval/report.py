@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from nanoeuler.infer.engine import add_speculative_argument
 
     add_speculative_argument(parser)
+    from nanoeuler.infer.generate import add_threads_argument
+
+    add_threads_argument(parser)
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -84,15 +87,15 @@ def _load_models(args: argparse.Namespace, device: str, gpu_memory="auto") -> tu
     checked to carry the tokenizer of the model it was tuned from; the base tokenizer last."""
     from nanoeuler.infer.generate import load
 
-    spec = getattr(args, "speculative", None)
-    base, base_tok, base_meta = load(args.base, device, spec, gpu_memory, "evaluate")
-    chat, chat_tok, chat_meta = load(args.chat, device, spec, gpu_memory, "evaluate")
+    spec, threads = getattr(args, "speculative", None), getattr(args, "threads", None)
+    base, base_tok, base_meta = load(args.base, device, spec, gpu_memory, "evaluate", threads)
+    chat, chat_tok, chat_meta = load(args.chat, device, spec, gpu_memory, "evaluate", threads)
     if base_tok.sha256 != chat_tok.sha256:
         raise UserError(f"{args.chat} and {args.base} carry different tokenizers; the chat model must be "
                         "fine-tuned from this base model")
     models = [("base", base, base_meta, args.base), ("chat", chat, chat_meta, args.chat)]
     if args.dpo:
-        dpo, dpo_tok, dpo_meta = load(args.dpo, device, None, gpu_memory, "evaluate")
+        dpo, dpo_tok, dpo_meta = load(args.dpo, device, None, gpu_memory, "evaluate", threads)
         if dpo_tok.sha256 != chat_tok.sha256:
             raise UserError(f"{args.dpo} and {args.chat} carry different tokenizers; the DPO model must be "
                             "tuned from this chat model")

@@ -25,9 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_argument(parser)
     parser.add_argument("--ckpt", required=True, metavar="BIN", help="chat model file, e.g. results/chat.bin")
     from nanoeuler.infer.engine import add_speculative_argument
-    from nanoeuler.infer.generate import add_sampling_arguments
+    from nanoeuler.infer.generate import add_sampling_arguments, add_threads_argument
 
     add_sampling_arguments(parser)
+    add_threads_argument(parser)
     add_speculative_argument(parser)
 
 
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     conf = sections(args, "device", "gpu_memory", "eval")
     sampling, max_new = sampling_from(args, conf["eval"])
-    gen, tok, _ = load(args.ckpt, args.device or conf["device"], args.speculative, conf["gpu_memory"], "chat")
+    gen, tok, _ = load(args.ckpt, args.device or conf["device"], args.speculative, conf["gpu_memory"], "chat", args.threads)
     print(f"nanoeuler chat: {args.ckpt} ({gen.cfg.n_params():,} parameters, {gen.cfg.ctx_len}-token context). "
           "One instruction per line; Ctrl-D or /quit to leave.", file=sys.stderr, flush=True)
 

@@ -1,18 +1,33 @@
 """The decode engine's NumPy backend: the model's arithmetic on rows of (slot, position), with a
 preallocated cache.
 
-    >>> be = CpuBackend(params, cfg)          # params: NumPy float32 (or float64 for exact checks)   # doctest: +SKIP
+    >>> be = CpuBackend(params, cfg, threads=2)   # params: NumPy float32 (or float64 for exact checks)   # doctest: +SKIP
     >>> be.start(batch=2, seeds=[0, 1]); be.prefill(0, [5, 17, 42]).shape                          # doctest: +SKIP
     (4, 512)
 
 Same layers as `transformer.forward_step` (`model.layers` is the reference): the weights are stacked once at
-load (q/k/v into one matrix, gate/up into one, the K output heads into one), the RoPE angles of every
-position are tabulated once, and the cache (slots, Hkv, ctx_len, D) per layer is allocated once per
-`start`; a decode step allocates only NumPy's temporaries. Rows of one call may sit at different
+load (q/k/v into one matrix, gate/up into one, the K output heads into one), each stored as the contiguous
+(in, out) matrix that `x @ w` streams, the RoPE angles of every position are tabulated once, and the cache
+(slots, Hkv, ctx_len, D) per layer is allocated once per `start`. Rows of one call may sit at different
 positions of different slots (ragged batches); each attends to its own slot's keys up to its position.
+
+Each norm's gain is folded into the matrix that reads the norm ((xhat * g) @ w == xhat @ (g[:, None] * w)),
+which leaves a norm two NumPy calls on a row; a decode step of a small model is mostly such calls.
+
+Threads. A decode step is a chain of matrix-vector products that must stream every weight once: memory
+bound. On a quiet machine two cores stream faster than one; on a busy one a BLAS thread pool waits for a
+second free core at every product and a step runs several times slower. So one-row steps run on the
+thread count that this backend measures to be faster (`StepThreads`), other short calls (verify passes,
+batched steps) on one thread, and the big matrix products of a long prefill (compute bound) on `threads`
+(default: the usable cores). BENCHMARKS.md (CPU generation) has the measurements.
 """
 
 from __future__ import annotations
+
+import ctypes
+import math
+import os
+import time
 
 import numpy as np
 
@@ -20,43 +35,183 @@ from nanoeuler.infer.generate import sample_token
 from nanoeuler.model import layers
 from nanoeuler.model.transformer import head_weight_names
 
+THREADED_MACS = 1 << 23  # a call whose rows x dim x dim reach this runs BLAS on `threads` (a prefill)
+STEP_THREADS_BYTES = 64 << 20  # a step streaming fewer weight bytes stays on one thread (`StepThreads`)
+PER_ROW = 3  # up to this many rows, one vector product a row beats OpenBLAS's small-M matrix product
 
-FEW_ROWS = 32
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class _BlasThreads:
+    """Sets the thread count of the OpenBLAS that NumPy uses, through its C API (a no-op elsewhere).
+
+    NumPy has no call for it; the library is found among the process's mapped files (Linux), since
+    NumPy's wheels bundle OpenBLAS under a mangled name (symbols `scipy_openblas_*64_`)."""
+
+    _NAMES = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
+              "openblas_set_num_threads")
+
+    def __init__(self):
+        self._set = self._get = None
+        try:
+            with open("/proc/self/maps") as f:
+                paths = {line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line}
+        except OSError:
+            return
+        for path in sorted(paths):
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            for name in self._NAMES:
+                if hasattr(lib, name):
+                    self._set = getattr(lib, name)
+                    self._set.argtypes, self._set.restype = [ctypes.c_int], None
+                    getter = getattr(lib, name.replace("set_", "get_"), None)
+                    if getter is not None:
+                        getter.argtypes, getter.restype = [], ctypes.c_int
+                    self._get = getter
+                    return
+
+    def __call__(self, n: int) -> int:
+        """Set n threads; return the count before (0 where unknown)."""
+        if self._set is None:
+            return 0
+        before = self._get() if self._get is not None else 0
+        if before != n:
+            self._set(n)
+        return before
+
+
+blas_threads = _BlasThreads()
 
 
 def _mm(x, w):
-    """x (N, in) @ w (in, out). A few rows go one at a time: OpenBLAS runs a one-row product on one thread,
-    but hands a product of 2..32 rows to its thread pool, which costs far more than the arithmetic on a small
-    model (BENCHMARKS.md, CPU decode)."""
-    if 1 < x.shape[0] <= FEW_ROWS:
+    """x (N, in) @ w (in, out), w C-contiguous. One row is a vector product (BLAS's GEMV; a (1, in) matrix
+    would go to its slower matrix-matrix path); two or three rows one at a time; more, one matrix product."""
+    n = x.shape[0]
+    if n == 1:
+        return (x[0] @ w)[None]
+    if n <= PER_ROW:
         return np.stack([row @ w for row in x])
     return x @ w
 
 
+def _rmsnorm(x, eps):
+    """`layers.rmsnorm_forward`'s output before its gain (folded into the next matrix)."""
+    ms = np.einsum("nc,nc->n", x, x)[:, None]
+    return x / np.sqrt(ms * (1.0 / x.shape[-1]) + eps)
+
+
+def _silu_mul(g, u):
+    """silu(g) * u in the tanh form of `layers._sigmoid` (no overflow in either tail), in place."""
+    h = g * 0.5
+    t = np.tanh(h)
+    t += 1.0
+    t *= h
+    t *= u
+    return t
+
+
+def _fold(gain, w):
+    """(w's input scaled by gain): the (in, out) matrix w with row i times gain[i], contiguous."""
+    return np.ascontiguousarray(gain[:, None] * w)
+
+
+def _step_blas(method):
+    """Run a backend call with BLAS on `self.step_threads` threads (its long prefills raise it), restoring
+    the caller's count after."""
+    def call(self, *args, **kwargs):
+        before = blas_threads(self.step_threads)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if before:
+                blas_threads(before)
+    call.__name__, call.__doc__ = method.__name__, method.__doc__
+    return call
+
+
+class StepThreads:
+    """The BLAS thread count of one-row steps, chosen by timing them: streaming the weights on two cores
+    beats one on a quiet machine (BENCHMARKS.md), but on a busy one each product waits for a second free
+    core and a step runs several times slower. So steps run on the count measured faster; every `interval`
+    steps one step tries the other count, which takes over only if clearly faster (WIN). A try that loses
+    makes the next one wait four times longer (up to MAX_INTERVAL steps), so on a busy machine the tries
+    cost a few steps in a run, not a share of them. On several threads, two steps in a row twice as slow
+    as the running mean (the machine got busy) make one thread try at once.
+
+        >>> t = StepThreads(2); [t.pick() for _ in range(3)]
+        [1, 1, 1]
+    """
+
+    FIRST, WIN, MAX_INTERVAL = 4, 0.9, 1024
+
+    def __init__(self, threads: int):
+        self.options = [1, threads] if threads > 1 else [1]
+        self.cur, self.mean = 0, None  # the chosen option and its running mean seconds a step
+        self.left = self.FIRST  # steps before the next try
+        self.interval = 16
+        self.trying = False
+        self.slow = 0  # steps in a row twice as slow as the mean
+
+    def pick(self) -> int:
+        return self.options[1 - self.cur if self.trying else self.cur]
+
+    def record(self, seconds: float) -> None:
+        if self.trying:
+            self.trying = False
+            if seconds < self.WIN * self.mean:  # the other count wins
+                self.cur, self.mean, self.interval = 1 - self.cur, seconds, 32
+            else:
+                self.interval = min(4 * self.interval, self.MAX_INTERVAL)
+            self.left = self.interval
+            return
+        threaded = self.options[self.cur] > 1
+        self.slow = self.slow + 1 if threaded and self.mean is not None and seconds > 2 * self.mean else 0
+        self.mean = seconds if self.mean is None else 0.75 * self.mean + 0.25 * seconds
+        self.left -= 1
+        if (self.left <= 0 or self.slow >= 2) and len(self.options) > 1:
+            self.trying, self.slow = True, 0
+
+
 class CpuBackend:
-    # a verify pass's time in decode steps (`small`, 2 threads: 3.0 tokens a pass ran 1.15x plain; BENCHMARKS.md)
+    # a verify pass's time in decode steps, before a run has measured its own (engine.py's adaptive rule)
     verify_cost = 2.6
 
-    def __init__(self, params: dict, cfg):
+    def __init__(self, params: dict, cfg, threads: int | None = None):
         p = {k: np.asarray(v) for k, v in params.items()}
         self.cfg = cfg
+        self.threads = max(1, int(threads or usable_cores()))
+        self.step_threads = 1  # BLAS threads of the call in progress (short calls: memory bound)
         self.dtype = p["lm_head.weight"].dtype
         self.emb = p["embed_tokens.weight"]
         self.layers = []
         for i in range(cfg.n_layers):
             g = lambda n: p[f"layers.{i}.{n}"]  # noqa: E731
             self.layers.append(dict(
-                n1=g("input_layernorm.weight"), n2=g("post_attention_layernorm.weight"),
-                qkv_t=np.ascontiguousarray(np.concatenate(
+                qkv_t=_fold(g("input_layernorm.weight"), np.concatenate(
                     [g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight")]).T),
                 o_t=np.ascontiguousarray(g("self_attn.o_proj.weight").T),
-                gu_t=np.ascontiguousarray(np.concatenate([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]).T),
+                gu_t=_fold(g("post_attention_layernorm.weight"),
+                           np.concatenate([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]).T),
                 down_t=np.ascontiguousarray(g("mlp.down_proj.weight").T)))
-        self.norm = p["norm.weight"]
-        self.heads_t = np.ascontiguousarray(np.concatenate([p[n] for n in head_weight_names(cfg)]).T)  # (C, K*V)
+        names = head_weight_names(cfg)
+        # head 0 alone for plain steps (a contiguous quarter of the heads' bytes); all K for verify passes
+        self.head0_t = _fold(p["norm.weight"], p[names[0]].T)  # (C, V)
+        self.heads_t = _fold(p["norm.weight"], np.concatenate([p[n] for n in names]).T)  # (C, K*V)
         cos, sin = layers.rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, np, self.dtype)
         self.cos, self.sin = cos, sin  # (ctx_len, D/2)
         self.k = self.v = None
+        # one-row steps on a thread count chosen by timing them, where a step's weights are too big for the
+        # caches (a small model's step is mostly Python: threads would only add hand-offs)
+        step_bytes = sum(w.nbytes for lay in self.layers for w in lay.values()) + self.head0_t.nbytes
+        self.tuner = StepThreads(self.threads if step_bytes >= STEP_THREADS_BYTES else 1)
 
     def start(self, batch: int, seeds=None) -> None:
         cfg = self.cfg
@@ -67,89 +222,139 @@ class CpuBackend:
 
     # ---- the forward over rows ---------------------------------------------------------------------
 
-    def _rope(self, x, cos, sin):
+    @staticmethod
+    def _rope(x, cos, sin):
         """x (N, heads, D); cos/sin (N, 1, D/2)."""
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-    def _attend(self, q, li, slots, pos):
-        """q (N,H,D) of rows at (slot, pos) -> (N, H*D), over keys 0..pos of each row's slot."""
-        cfg = self.cfg
+    def _attend(self, q, li, slots, pos, slot):
+        """q (N,H,D) of rows at (slot, pos) -> (N, H*D), over keys 0..pos of each row's slot. `slot`: the
+        one slot of all rows, or None (rows of several slots)."""
         N, H, D = q.shape
-        Hkv, G = cfg.n_kv_heads, cfg.group
+        Hkv, G = self.cfg.n_kv_heads, self.cfg.group
         S = int(pos.max()) + 1
-        k = self.k[li][slots, :, :S]  # (N,Hkv,S,D)
-        v = self.v[li][slots, :, :S]
-        qg = (q * (1.0 / np.sqrt(D))).reshape(N, Hkv, G, D)
-        # einsum's own loops, not BLAS: a stack of (G, D) @ (D, S) products is too small for a thread pool
-        s = np.einsum("nhgd,nhsd->nhgs", qg, k)  # (N,Hkv,G,S)
-        if S > 1:
-            hidden = np.arange(S)[None, :] > pos[:, None]  # (N,S)
-            s[np.broadcast_to(hidden[:, None, None, :], s.shape)] = -np.inf
+        q = q * (1.0 / math.sqrt(D))  # a Python float: a NumPy float64 scalar would make q float64
+        if slot is None:
+            # several slots: each row's keys gathered; einsum's own loops (a stack of tiny products)
+            k, v = self.k[li][slots, :, :S], self.v[li][slots, :, :S]  # (N,Hkv,S,D)
+            s = np.einsum("nhgd,nhsd->nhgs", q.reshape(N, Hkv, G, D), k)  # (N,Hkv,G,S)
+            if S > 1:
+                s += np.where(np.arange(S)[None, :] > pos[:, None], -np.inf, 0.0).astype(s.dtype)[:, None, None]
+            return np.einsum("nhgs,nhsd->nhgd", self._softmax(s), v).reshape(N, H * D)
+        # one slot (a decode step, a verify pass, a prefill): the cache's own rows, no copy; the
+        # rows' query heads of one key head stacked into one (N*G, D) @ (D, S) product per key head
+        k, v = self.k[li][slot, :, :S], self.v[li][slot, :, :S]  # (Hkv,S,D) views
+        if N >= 64:  # a long prefill: BLAS multiplies a contiguous copy of the keys faster than the view
+            k = np.ascontiguousarray(k)
+        qh = q.reshape(N, Hkv, G, D).transpose(1, 0, 2, 3).reshape(Hkv, N * G, D)
+        s = (qh @ k.transpose(0, 2, 1)).reshape(Hkv, N, G, S)
+        if N > 1:  # a single row sits at S - 1 and sees every key
+            s += np.where(np.arange(S)[None, :] > pos[:, None], -np.inf, 0.0).astype(s.dtype)[None, :, None]
+        o = self._softmax(s).reshape(Hkv, N * G, S) @ v  # (Hkv, N*G, D)
+        return o.reshape(Hkv, N, G, D).transpose(1, 0, 2, 3).reshape(N, H * D)
+
+    @staticmethod
+    def _softmax(s):
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)
-        return np.einsum("nhgs,nhsd->nhgd", s, v).reshape(N, H * D)
+        return s
 
-    def _rows(self, ids, slots, pos):
-        """Feed rows: ids, slots, pos (N,) -> final normed states (N, C). Writes each row's k/v at (slot, pos)."""
+    def _rows(self, ids, slots, pos, slot=None):
+        """Feed rows: ids, slots, pos (N,) -> final normed states (N, C), before the output heads' (folded)
+        gain. Writes each row's k/v at (slot, pos). `slot`: the slot of every row where they share one."""
         cfg = self.cfg
-        H, Hkv, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
+        H, Hkv, D, F, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden, cfg.norm_eps
         HD, KD = H * D, Hkv * D
         N = ids.shape[0]
-        x = self.emb[ids]  # (N,C)
+        one = N == 1 and slot is not None
+        if N * cfg.dim * cfg.dim >= THREADED_MACS:
+            blas_threads(self.threads)
+        x = self.emb[ids]  # (N,C), a copy: updated in place below
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (N,1,D/2)
         for li, w in enumerate(self.layers):
-            h, _ = layers.rmsnorm_forward(x, w["n1"], cfg.norm_eps)
-            qkv = _mm(h, w["qkv_t"])  # (N, HD+2KD)
-            q = self._rope(qkv[:, :HD].reshape(N, H, D), cos, sin)
-            self.k[li][slots, :, pos] = self._rope(qkv[:, HD:HD + KD].reshape(N, Hkv, D), cos, sin)
-            self.v[li][slots, :, pos] = qkv[:, HD + KD:].reshape(N, Hkv, D)
-            x = x + _mm(self._attend(q, li, slots, pos), w["o_t"])
-            h2, _ = layers.rmsnorm_forward(x, w["n2"], cfg.norm_eps)
-            gu = _mm(h2, w["gu_t"])
-            m, _ = layers.swiglu_forward(gu[:, :F], gu[:, F:])
-            x = x + _mm(m, w["down_t"])
-        xn, _ = layers.rmsnorm_forward(x, self.norm, cfg.norm_eps)
-        return xn
+            qkv = _mm(_rmsnorm(x, eps), w["qkv_t"])  # (N, HD+2KD)
+            qk = self._rope(qkv[:, :HD + KD].reshape(N, H + Hkv, D), cos, sin)  # q and k rotated at once
+            if one:  # plain indexing: a decode step's write is one row per key head
+                self.k[li][slot, :, pos[0]] = qk[0, H:]
+                self.v[li][slot, :, pos[0]] = qkv[0, HD + KD:].reshape(Hkv, D)
+            else:
+                self.k[li][slots, :, pos] = qk[:, H:]
+                self.v[li][slots, :, pos] = qkv[:, HD + KD:].reshape(N, Hkv, D)
+            x += _mm(self._attend(qk[:, :H], li, slots, pos, slot), w["o_t"])
+            gu = _mm(_rmsnorm(x, eps), w["gu_t"])
+            x += _mm(_silu_mul(gu[:, :F], gu[:, F:]), w["down_t"])
+        blas_threads(self.step_threads)
+        return _rmsnorm(x, eps)
 
     def _heads(self, xn, n_heads):
         """(N, C) -> (n_heads, N, V) logits of the first n_heads heads."""
         V = self.cfg.vocab_size
-        return _mm(xn, self.heads_t[:, :n_heads * V]).reshape(-1, n_heads, V).transpose(1, 0, 2)
+        w = self.head0_t if n_heads == 1 else self.heads_t[:, :n_heads * V]
+        return _mm(xn, w).reshape(-1, n_heads, V).transpose(1, 0, 2)
 
     # ---- the backend interface ---------------------------------------------------------------------
 
+    @_step_blas
     def prefill(self, slot: int, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
         T = ids.shape[0]
         pos = np.arange(T)
         # causal attention over the prompt: row t sees keys 0..t, all written before attention reads them
-        xn = self._rows(ids, np.full(T, slot), pos)
+        xn = self._rows(ids, np.full(T, slot), pos, slot)
         return self._heads(xn[-1:], self.cfg.mtp_heads)[:, 0]  # (K, V)
 
+    @_step_blas
     def prefill_many(self, slots, prompts) -> np.ndarray:
         """`prefill` of several slots in one pass over all their rows: (len(slots), K, V)."""
         lens = [len(p) for p in prompts]
         ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
         pos = np.concatenate([np.arange(n) for n in lens])
-        xn = self._rows(ids, np.repeat(np.asarray(slots), lens), pos)
+        xn = self._rows(ids, np.repeat(np.asarray(slots), lens), pos, slots[0] if len(slots) == 1 else None)
         return self._heads(xn[np.cumsum(lens) - 1], self.cfg.mtp_heads).transpose(1, 0, 2)
 
     def decode(self, tokens, pos, sampling, step, rngs, mask) -> np.ndarray:
+        if np.count_nonzero(mask) == 1:
+            return self._tuned(self._decode, tokens, pos, sampling, step, rngs, mask)
+        return self._decode(tokens, pos, sampling, step, rngs, mask)
+
+    @_step_blas
+    def _decode(self, tokens, pos, sampling, step, rngs, mask) -> np.ndarray:
         rows = np.flatnonzero(mask)
         out = np.asarray(tokens).copy()
-        xn = self._rows(np.asarray(tokens)[rows], rows, np.asarray(pos)[rows])
+        xn = self._rows(np.asarray(tokens)[rows], rows, np.asarray(pos)[rows], int(rows[0]) if len(rows) == 1 else None)
         logits = self._heads(xn, 1)[0]  # (n, V)
         for i, b in enumerate(rows):
             out[b] = sample_token(logits[i], rngs[b], sampling.temperature, sampling.top_k, sampling.top_p)
         return out
 
+    def step_heads(self, token: int, pos: int) -> np.ndarray:
+        """Feed one token of slot 0 at pos; every head's argmax there (K,): the next token and the drafts
+        after it. A plain greedy step that also shows what the draft heads would have proposed."""
+        return self._tuned(self._step_heads, token, pos)
+
+    @_step_blas
+    def _step_heads(self, token: int, pos: int) -> np.ndarray:
+        xn = self._rows(np.array([token]), np.zeros(1, dtype=np.int64), np.array([pos]), 0)
+        return self._heads(xn, self.cfg.mtp_heads)[:, 0].argmax(axis=-1)
+
+    @_step_blas
     def verify(self, tokens, pos: int) -> np.ndarray:
         t = len(tokens)
-        xn = self._rows(np.asarray(tokens, dtype=np.int64), np.zeros(t, dtype=np.int64), pos + np.arange(t))
+        xn = self._rows(np.asarray(tokens, dtype=np.int64), np.zeros(t, dtype=np.int64), pos + np.arange(t), 0)
         return self._heads(xn, self.cfg.mtp_heads)  # (K, t, V)
+
+    def _tuned(self, fn, *args):
+        """fn(*args), a one-row step, on the thread count `self.tuner` picks, and its time recorded."""
+        self.step_threads = self.tuner.pick()
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.tuner.record(time.perf_counter() - t0)
+            self.step_threads = 1
 
     def verify_argmax(self, tokens, pos: int) -> np.ndarray:
         return self.verify(tokens, pos).argmax(axis=-1)  # (K, t)

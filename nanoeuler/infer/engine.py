@@ -39,13 +39,25 @@ max(0, p - q) renormalised (and after K-1 acceptances from head 0's last row), w
 token's distribution exactly plain sampling's (`accept_or_resample`).
 
 A pass pays when it keeps more tokens than it costs decode steps (the backend's `verify_cost`, measured:
-BENCHMARKS.md). Where speculation is on by default rather than asked for, greedy streams that keep fewer
-over their first PROBE_PASSES passes go on plainly: the same tokens either way.
+BENCHMARKS.md). Where speculation is on by default rather than asked for, a greedy stream decides as it
+goes, the same tokens either way:
+
+- on a backend with self-feeding passes (the GPU's), a stream whose first PROBE_PASSES passes keep fewer
+  tokens a pass than `verify_cost` goes on plainly;
+- on a backend with `step_heads` (the CPU's), a stream starts plainly and speculates only where this run's
+  own measurements say a pass pays (`_adaptive`): its first SHADOW_STEPS plain steps also compute the draft
+  heads (`step_heads`, one vector product more a step), which shows how many drafts a pass would have kept
+  there; it speculates when that estimate, 1 + the mean kept drafts, exceeds the cost of a pass in plain
+  steps (this run's measured pass time over its measured step time; `verify_cost` before a pass was timed).
+  While speculating it judges every WINDOW_PASSES passes by the tokens they kept, and goes back to plain
+  steps when they kept fewer a pass than the measured cost; after RECHECK_TOKENS plain tokens it looks
+  again. Untrained heads thus cost a few percent on a few steps, never the verify passes themselves.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -53,7 +65,10 @@ import numpy as np
 
 from nanoeuler.infer.generate import Sampling, sample_token, sampling_probs
 
-PROBE_PASSES = 16  # verify passes before a default-on greedy stream checks that speculation pays
+PROBE_PASSES = 16  # verify passes before a default-on greedy stream checks that speculation pays (GPU)
+SHADOW_STEPS = 8  # plain steps whose draft heads are checked before a stream judges speculation (CPU)
+WINDOW_PASSES = 8  # verify passes between two judgements of a speculating stream (CPU)
+RECHECK_TOKENS = 128  # plain tokens before a stream that judged speculation not to pay looks again (CPU)
 
 
 @dataclass
@@ -64,6 +79,7 @@ class SpecStats:
     tokens: int = 0
     offered: list[int] = field(default_factory=list)  # drafts of head k+1 that were checked
     accepted: list[int] = field(default_factory=list)
+    plain: int = 0  # tokens of speculative streams that came from plain steps (the adaptive rule's)
 
     def tokens_per_pass(self) -> float:
         return self.tokens / self.passes if self.passes else 0.0
@@ -106,9 +122,10 @@ class Engine:
 
     @classmethod
     def from_params(cls, params: dict, cfg, device: str = "cpu", dtype: str = "bf16",
-                    speculative: bool | None = None) -> "Engine":
-        """An engine for NumPy/CuPy `params`: NumPy on 'cpu' (the params' own float dtype), CUDA kernels on
-        'gpu' (`dtype` 'bf16' or 'fp32' weights)."""
+                    speculative: bool | None = None, threads: int | None = None) -> "Engine":
+        """An engine for NumPy/CuPy `params`: NumPy on 'cpu' (the params' own float dtype; `threads` for BLAS,
+        default the usable cores: `cpu.CpuBackend`), CUDA kernels on 'gpu' (`dtype` 'bf16' or
+        'fp32' weights)."""
         if device == "gpu":
             import cupy
 
@@ -120,7 +137,7 @@ class Engine:
         from nanoeuler.infer.cpu import CpuBackend
 
         params = {k: to_numpy(v) for k, v in params.items()}
-        return cls(CpuBackend(params, cfg), cfg, params, np, speculative)
+        return cls(CpuBackend(params, cfg, threads), cfg, params, np, speculative)
 
     # ---- batch: many prompts at once, plain decoding -----------------------------------------------
 
@@ -240,6 +257,11 @@ class Engine:
             yield from self._single(prompt, max_new_tokens, sampling, stop_ids)
             return
         asked = speculative if speculative is not None else self.speculative
+        be = self.backend
+        if (asked is None and sampling.temperature <= 0 and hasattr(be, "step_heads")
+                and not hasattr(be, "greedy_passes")):
+            yield from self._adaptive(prompt, max_new_tokens, sampling, stop_ids)
+            return
         yield from self._speculative(prompt, max_new_tokens, sampling, stop_ids, probe=asked is None)
 
     def _single(self, prompt, max_new, sampling, stop_ids) -> Iterator[int]:
@@ -366,6 +388,91 @@ class Engine:
                 yield from self._plain(hist, sure, n, max_new, sampling, stop_ids, rng)
                 return
 
+    def _adaptive(self, prompt, max_new, sampling, stop_ids) -> Iterator[int]:
+        """Greedy decoding of one prompt that speculates only where this run measures that it pays (the
+        module docstring's rule for a backend with `step_heads`; the tokens are plain greedy's)."""
+        be, cfg = self.backend, self.cfg
+        K, ctx = cfg.mtp_heads, cfg.ctx_len
+        if K == 1:  # no draft heads
+            yield from self._single(prompt, max_new, sampling, stop_ids)
+            return
+        hist = self._check_prompt(prompt)
+        be.start(1, [sampling.seed])
+        st = self.stats
+        if len(st.offered) != K - 1:
+            st.offered, st.accepted = [0] * (K - 1), [0] * (K - 1)
+        heads = be.prefill(0, hist)
+        sure, drafts = int(np.argmax(heads[0])), [int(np.argmax(h)) for h in heads[1:]]
+        mask, rngs = np.ones(1, dtype=bool), [None]
+        spec = False  # verifying drafts, else plain steps
+        shadowing = True  # plain steps compute every head and record the drafts
+        shadow = []  # (position fed, drafts made there) of such steps
+        plain_left = 0  # plain tokens before the next shadow steps
+        t_step = t_pass = None  # this run's seconds per plain step, per verify pass (running means)
+        w_passes = w_tokens = 0  # the current window of passes
+        n = 0
+        while True:
+            yield sure
+            n += 1
+            hist.append(sure)
+            if sure in stop_ids or n == max_new:
+                return
+            pos = len(hist) - 1  # where `sure` will be fed
+            if pos >= ctx:  # the cache is full: refill it from the recent tokens
+                hist = hist[-max(1, ctx // 2):]
+                heads = be.prefill(0, hist)
+                sure, drafts = int(np.argmax(heads[0])), [int(np.argmax(h)) for h in heads[1:]]
+                shadow = []
+                continue
+            if spec and pos + K <= ctx:
+                block = np.array([sure] + drafts)
+                t0 = time.perf_counter()
+                ids = be.verify_argmax(block, pos)  # (K, K): head, row
+                t_pass = _mean(t_pass, time.perf_counter() - t0)
+                a = 0
+                while a < K - 1 and ids[0, a] == block[a + 1]:
+                    a += 1
+                st.passes += 1
+                st.tokens += a + 1
+                for j in range(K - 1):  # draft j is checked when all before it were kept
+                    st.offered[j] += j <= a
+                    st.accepted[j] += j < a
+                w_passes, w_tokens = w_passes + 1, w_tokens + a + 1
+                for d in block[1:a + 1]:
+                    yield int(d)
+                    n += 1
+                    hist.append(int(d))
+                    if int(d) in stop_ids or n == max_new:
+                        return
+                sure, drafts = int(ids[0, a]), [int(i) for i in ids[1:, a]]
+                if w_passes == WINDOW_PASSES:  # judge the window: do its passes beat plain steps?
+                    if w_tokens < w_passes * _cost(be, t_pass, t_step):
+                        spec, plain_left = False, RECHECK_TOKENS
+                    w_passes = w_tokens = 0
+                continue
+            st.plain += 1
+            t0 = time.perf_counter()
+            if spec or shadowing:  # (spec: a plain step near the context's end keeps the drafts)
+                ids = be.step_heads(sure, pos)
+                sure, drafts = int(ids[0]), [int(i) for i in ids[1:]]
+                if shadowing and len(shadow) < SHADOW_STEPS:
+                    shadow.append((pos, drafts))
+            else:
+                sure = int(be.decode([sure], [pos], sampling, n - 1, rngs, mask)[0])
+                plain_left -= 1
+                shadowing = plain_left <= 0
+            t_step = _mean(t_step, time.perf_counter() - t0)
+            # once the tokens after the last recorded step are known (K - 1 steps later, computing heads
+            # meanwhile so that the drafts are at hand), check each record's drafts as a pass would have
+            if shadowing and len(shadow) == SHADOW_STEPS and len(hist) >= shadow[-1][0] + K:
+                known = hist + [sure]
+                kept = sum(_kept(known, p, d) for p, d in shadow) / len(shadow)
+                shadowing, shadow = False, []
+                if 1 + kept > _cost(be, t_pass, t_step):
+                    spec, w_passes, w_tokens = True, 0, 0
+                else:
+                    plain_left = RECHECK_TOKENS
+
     def _after_prefill(self, heads_logits, rng, sampling):
         """(sure token from head 0, drafts from heads 1.., their distributions) from (K, V) logits."""
         sure = self._first(heads_logits[0], rng, sampling)
@@ -393,10 +500,28 @@ class Engine:
         return ids
 
 
+def _mean(old: float | None, new: float) -> float:
+    """A running mean that follows the machine's speed as it changes (a shared machine's load)."""
+    return new if old is None else 0.75 * old + 0.25 * new
+
+
+def _cost(be, t_pass: float | None, t_step: float | None) -> float:
+    """A verify pass's time in plain steps: this run's measurement, else the backend's figure."""
+    return t_pass / t_step if t_pass is not None and t_step else be.verify_cost
+
+
+def _kept(hist: list[int], pos: int, drafts: list[int]) -> int:
+    """How many drafts made at position pos (for pos+2, pos+3, ...) a verify pass would have kept."""
+    a = 0
+    while a < len(drafts) and pos + 2 + a < len(hist) and hist[pos + 2 + a] == drafts[a]:
+        a += 1
+    return a
+
 
 def add_speculative_argument(parser) -> None:
     parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None,
                         help="self-speculative decoding: the MTP heads draft, one pass verifies (same greedy "
                              "output; same sampling distribution). Default: on for greedy decoding "
-                             "(--temperature 0) of one prompt, going on plainly when its first 16 passes "
-                             "keep too few drafts to pay; off for sampling")
+                             "(--temperature 0) of one prompt where it pays: on a GPU it goes on plainly when "
+                             "its first 16 passes keep too few drafts; on the CPU it verifies drafts only while "
+                             "the run measures that passes beat plain steps; off for sampling")

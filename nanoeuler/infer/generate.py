@@ -179,10 +179,12 @@ class Generator:
         return list(self.stream(prompt_ids, max_new_tokens, sampling, stop_ids))
 
 
-def load(path, device: str = "auto", speculative: bool | None = None, gpu_memory="auto", stage: str = "sample"):
+def load(path, device: str = "auto", speculative: bool | None = None, gpu_memory="auto", stage: str = "sample",
+         threads: int | None = None):
     """(decode `Engine` on `device`, Tokenizer, metadata) from a model file that carries its tokenizer.
     On the GPU the engine runs bf16 weights (the float32 ones stay in `engine.params`), and `gpu_memory`
-    (the config key) caps the rows it decodes at once (`Engine.max_batch`, `memory.decode_batch`)."""
+    (the config key) caps the rows it decodes at once (`Engine.max_batch`, `memory.decode_batch`); on the
+    CPU it uses up to `threads` BLAS threads (default: the usable cores; `--threads`)."""
     from nanoeuler import checkpoint, memory
     from nanoeuler.backend import resolve_device
     from nanoeuler.errors import UserError
@@ -201,7 +203,7 @@ def load(path, device: str = "auto", speculative: bool | None = None, gpu_memory
     xp = np if device == "cpu" else __import__("cupy")
     meter = memory.PeakMeter(xp)
     budget = memory.Budget.on_device(gpu_memory, xp)  # before this model's weights take their share
-    engine = Engine.from_params(params, cfg, device, speculative=speculative)
+    engine = Engine.from_params(params, cfg, device, speculative=speculative, threads=threads)
     engine.budget, engine.meter = budget, meter
     engine.max_batch = memory.decode_batch(stage, budget, cfg, DECODE_ROWS_MOST)
     return engine, tok, meta
@@ -217,6 +219,12 @@ def add_sampling_arguments(parser) -> None:
     parser.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (0 = all)")
     parser.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling mass (1 = all)")
     parser.add_argument("--seed", type=int, help="random seed of the sampler")
+
+
+def add_threads_argument(parser) -> None:
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="CPU threads of the NumPy engine: its prefills use them, its one-row decode steps "
+                             "use them or one, whichever it measures faster; default: the usable cores")
 
 
 def sampling_from(args, eval_section: dict) -> tuple[Sampling, int]:

@@ -24,9 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt", required=True, metavar="BIN", help="model file, e.g. results/base.bin")
     parser.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
     from nanoeuler.infer.engine import add_speculative_argument
-    from nanoeuler.infer.generate import add_sampling_arguments
+    from nanoeuler.infer.generate import add_sampling_arguments, add_threads_argument
 
     add_sampling_arguments(parser)
+    add_threads_argument(parser)
     add_speculative_argument(parser)
 
 
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     check_text(args.prompt, "--prompt")
     conf = sections(args, "device", "gpu_memory", "eval")
     sampling, max_new = sampling_from(args, conf["eval"])
-    gen, tok, _ = load(args.ckpt, args.device or conf["device"], args.speculative, conf["gpu_memory"], "sample")
+    gen, tok, _ = load(args.ckpt, args.device or conf["device"], args.speculative, conf["gpu_memory"], "sample", args.threads)
     ids = tok.encode(args.prompt) if args.prompt else [tok.eot_id]
     ids, dropped = fit_prompt(ids, gen.cfg.ctx_len, min(max_new, gen.cfg.ctx_len // 4))
     if dropped:

@@ -86,9 +86,9 @@ class Backend:
 
     @classmethod
     def load(cls, path, device: str = "auto", name: str | None = None, slots: int = 8,
-             gpu_memory="auto") -> "Backend":
+             gpu_memory="auto", threads: int | None = None) -> "Backend":
         """`slots` at most as many as the GPU's memory holds caches for (`gpu_memory`, `memory.decode_batch`)."""
-        engine, tok, _ = load(path, device, gpu_memory=gpu_memory, stage="serve")
+        engine, tok, _ = load(path, device, gpu_memory=gpu_memory, stage="serve", threads=threads)
         if engine.max_batch is not None and slots > engine.max_batch:
             print(f"nanoeuler serve: max_batch {engine.max_batch} (not {slots}): the KV caches of that many streams "
                   f"fit {engine.budget.total / 1e9:.1f} GB ({engine.budget.source})", file=sys.stderr, flush=True)

@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     add_device_argument(parser)
     parser.add_argument("--ckpt", required=True, metavar="BIN", help="chat model file, e.g. results/chat.bin")
+    from nanoeuler.infer.generate import add_threads_argument
+
+    add_threads_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000; 0 = any free)")
     parser.add_argument("--model-name", metavar="NAME", help="the model's id in the API (default: the file's stem)")
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     conf = sections(args, "device", "gpu_memory")
     backend = Backend.load(args.ckpt, args.device or conf["device"], args.model_name, slots=args.max_batch,
-                           gpu_memory=conf["gpu_memory"])
+                           gpu_memory=conf["gpu_memory"], threads=args.threads)
     config = ServeConfig(max_tokens=args.max_tokens, max_batch=backend.capacity or args.max_batch,
                          max_queue=args.max_queue, api_key=args.api_key or None,
                          client_timeout_s=args.client_timeout)

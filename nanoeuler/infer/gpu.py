@@ -547,6 +547,19 @@ class GpuBackend:
         self._run(B, 1, "argmax" if greedy else "sample")
         return self._fetch(r, B)
 
+    def decode_logits(self, tokens, pos, mask):
+        """`decode`'s forward without the choice: head-0 logits of the rows in `mask`, (n, V) float32, left on
+        the device (the server's log-probabilities and grammar masks reduce them there)."""
+        cp, B, V = self.cp, len(tokens), self.cfg.vocab_size
+        r = self._buffers(B)
+        h = r.ctl_host
+        h[:B], h[B:2 * B], h[2 * B:3 * B] = tokens, r.slots, pos
+        self._run(B, 1, "logits")  # no rule: the forward and head 0 only
+        with self.stream:
+            out = r.logits.reshape(-1)[:B * V].reshape(B, V)[cp.asarray(np.flatnonzero(mask))]
+        self.stream.synchronize()
+        return out
+
     def greedy_steps(self, tokens, pos, n: int):
         """Greedy decoding of every slot of the batch, from tokens fed at positions pos (one each): yields
         the next ids (one per slot) n times. The step's graph feeds itself (argmax_chain), so the host

@@ -231,3 +231,38 @@ def test_tokenize_detokenize_and_metrics(server, tok, client):
     assert values["nanoeuler_inter_token_latency_seconds_count"] >= 4
     assert values["nanoeuler_prefix_cache_hits_total"] >= 1 and values["nanoeuler_prefix_cache_tokens_total"] >= 8
     assert values["nanoeuler_queue_depth"] == 0 and 'nanoeuler_generations_total{outcome="finished"}' in values
+
+
+def test_speculative_decoding_reports_target_logprobs_and_keeps_to_the_grammar(exact_model, tok):
+    """Greedy speculation with a grammar gives the plain masked argmax of the reference, token for token; every
+    token's log-probability is the float64 reference's; sampled answers follow the grammar."""
+    from nanoeuler.infer.guided import speculative_logprobs
+    from nanoeuler.serve.structured import Grammars
+
+    make, ref = exact_model
+    engine = make(1).engine
+    grammars = Grammars(tok)
+    schema = {"type": "object", "properties": {"w": {"enum": ["Paris", "Blue", "red"]}, "n": {"type": "integer",
+              "minimum": 0, "maximum": 999}}, "required": ["w", "n"], "additionalProperties": False}
+    prompt = tok.encode("It was the")
+    plain = list(engine.stream(prompt, 20, Sampling(temperature=0), speculative=True))
+    spec = list(speculative_logprobs(engine, prompt, 20, Sampling(temperature=0), top=2))
+    assert [t for t, _, _ in spec] == plain
+    assert np.allclose([lp for _, lp, _ in spec], reference_logprobs(ref, prompt, plain), rtol=0, atol=1e-10)
+    assert all(alts[0][0] == t for t, _, alts in spec)
+
+    guide, masked = grammars.guide(schema), grammars.guide(schema)
+    want = []  # the reference: head 0's float64 argmax among the tokens the grammar allows
+    while not masked.stopped:
+        z = np.asarray(ref._prefill(prompt + want)[1])
+        want.append(int(np.argmax(np.where(masked.allowed(), z, -np.inf))))
+        masked.consume(want[-1])
+    engine.stats.offered = []
+    got = list(speculative_logprobs(engine, prompt, 40, Sampling(temperature=0), guide=guide))
+    assert [t for t, _, _ in got] == want and guide.stopped
+    assert sum(engine.stats.offered) > sum(engine.stats.accepted)  # drafts were refused on the way
+    assert np.allclose([lp for _, lp, _ in got], reference_logprobs(ref, prompt, want), rtol=0, atol=1e-10)
+    for seed in range(3):
+        guide = grammars.guide(schema)
+        got = [t for t, _, _ in speculative_logprobs(engine, prompt, 40, Sampling(1.0, 0, 1.0, seed), guide=guide)]
+        assert guide.stopped and set(json.loads(tok.decode(got).replace("</s>", ""))) == {"w", "n"}

@@ -20,11 +20,11 @@ convert it with llama.cpp's own script, then serve it with as many parallel slot
 
     nanoeuler export-hf --ckpt results/chat.bin --out hf/chat          # LlamaForCausalLM, no MTP heads
     python llama.cpp/convert_hf_to_gguf.py hf/chat --outtype bf16 --outfile chat-bf16.gguf
-    llama-server -m chat-bf16.gguf -ngl 99 --parallel 64 --ctx-size $((64 * 1024)) --cont-batching \\
+    llama-server -m chat-bf16.gguf -ngl 99 --parallel 64 --ctx-size $((64 * 512)) --cont-batching \\
         --port 8081 --metrics
     python bench/serve_load_gpu.py --url http://127.0.0.1:8081 --ckpt results/chat.bin
 
-(`--ctx-size` is shared by the slots: 64 x the model's 1024 positions. llama-server takes `max_tokens`,
+(`--ctx-size` is shared by the slots: 64 x the 116M model's 512 positions. llama-server takes `max_tokens`,
 `ignore_eos` and `stream_options` on /v1/completions; its prompt is our rendered template, tokenized by
 its copy of our tokenizer.) Both servers then answer the same prompts with the same number of tokens.
 """

@@ -58,7 +58,12 @@ def main() -> int:
     ap.add_argument("--prefix", type=int, default=400, help="shared prompt tokens")
     ap.add_argument("--suffix", type=int, default=16, help="each request's own tokens")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--few-rows", type=int, help="infer.cpu.FEW_ROWS: products of 2..N rows go one row at a time")
     args = ap.parse_args()
+    if args.few_rows is not None:
+        from nanoeuler.infer import cpu
+
+        cpu.FEW_ROWS = args.few_rows
     rng = np.random.default_rng(0)
     plain, reuse = backend(args.preset, 0), backend(args.preset, 8)
     V = plain.cfg.vocab_size - 2
@@ -70,7 +75,8 @@ def main() -> int:
     with_ = [ttft(reuse, p) for p in prompts[1:]]
     a, b = statistics.median(without), statistics.median(with_)
     print(f"{args.preset} (dim {plain.cfg.dim}, {plain.cfg.n_layers} layers), {args.prefix} shared + {args.suffix} "
-          f"own tokens, BLAS threads {os.environ['OPENBLAS_NUM_THREADS']}, median of {args.repeats}")
+          f"own tokens, BLAS threads {os.environ['OPENBLAS_NUM_THREADS']}, median of {args.repeats}"
+          + (f", FEW_ROWS {args.few_rows}" if args.few_rows is not None else ""))
     print(f"time to first token without reuse  {a * 1e3:8.1f} ms")
     print(f"time to first token with reuse     {b * 1e3:8.1f} ms   ({reuse.prefixes.tokens // args.repeats} "
           f"positions copied per request)")

@@ -42,7 +42,10 @@ class Grammars:
         problem = LLMatcher.validate_grammar(grammar, self.tokenizer)  # '' when it is usable
         if problem:
             raise ApiError(f"response_format: the schema cannot be used: {problem}", "response_format")
-        return Guide(LLMatcher(self.tokenizer, grammar), self.vocab)
+        matcher = LLMatcher(self.tokenizer, grammar)
+        if matcher.is_error():  # some problems show only once the grammar meets the vocabulary
+            raise ApiError(f"response_format: the schema cannot be used: {matcher.get_error()}", "response_format")
+        return Guide(matcher, self.vocab)
 
 
 class Guide:

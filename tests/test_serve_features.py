@@ -159,7 +159,8 @@ def test_logprobs_of_chat_and_completions(client, tok):
     lp = c.choices[0].logprobs
     assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == 4
     # keyed by text, two alternatives that decode alike (pieces of one character) are one entry
-    assert all(1 <= len(top) <= 2 and max(top.values()) >= chosen for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert all(1 <= len(top) <= 2 and max(top.values()) >= chosen
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
     plain = client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": FRANCE}],
                                            temperature=0)

@@ -12,9 +12,10 @@
 A request is checked (`protocol`), made into prompt ids on a worker thread (tokenizing a long prompt
 takes a while), queued (`scheduler`; 429 when full) and answered as its tokens arrive. Its text is
 decoded incrementally, so a character split over tokens is sent whole, and cut at the first stop
-string; `</s>` and `<|endoftext|>` end an answer and are not sent. The `n` choices of a request are queued
-together (all or none) and decode as rows of the same batches, choice i sampling with seed + i. `usage.completion_tokens` counts
-every token generated, the end marker included. A client that goes away cancels its generation.
+string; `</s>` and `<|endoftext|>` end an answer and are not sent. `usage.completion_tokens` counts
+every token generated, the end marker included. A client that goes away cancels its generation. The `n`
+choices of a request are queued together (all or none) and decode as rows of the same batches, choice i
+sampling with seed + i.
 
 Hostile or broken clients harm only their own request: a POST must say `Content-Type: application/json`
 (415 otherwise, so a page on another site cannot send one without the browser asking first); its body is
@@ -433,7 +434,8 @@ class _Shape:
     """The OpenAI response objects of one request: chat (`chat.completion`) or text (`text_completion`)."""
 
     def __init__(self, kind: str, backend: Backend, prompt_tokens: int, top: int | None):
-        self.kind, self.model, self.tok, self.prompt_tokens, self.top = kind, backend.name, backend.tok, prompt_tokens, top
+        self.kind, self.model, self.tok = kind, backend.name, backend.tok
+        self.prompt_tokens, self.top = prompt_tokens, top  # top: alternatives per token; None: no logprobs
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self._offsets: dict[int, int] = {}  # a completion choice's text sent so far, in characters
         self.created = int(time.time())

@@ -34,17 +34,16 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from collections import OrderedDict
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from nanoeuler.backend import to_numpy
-from nanoeuler.infer.logprobs import token_logprobs
-
 from nanoeuler.errors import UserError
 from nanoeuler.infer.generate import Sampling, load, sample_token
+from nanoeuler.infer.logprobs import token_logprobs
 
 __all__ = ["Backend", "PrefixCache", "Sampling", "TokenStream"]
 
@@ -97,7 +96,8 @@ class Backend:
         be = getattr(engine, "backend", None)
         self._slots = _slots(be, engine.cfg, slots) if all(
             hasattr(be, m) for m in ("start", "prefill", "decode")) else None
-        if self._slots and prefix_cache > 0 and all(hasattr(be, m) for m in ("prefill_from", "read_rows", "write_rows")):
+        reuses = all(hasattr(be, m) for m in ("prefill_from", "read_rows", "write_rows"))  # the CPU engine's
+        if self._slots and prefix_cache > 0 and reuses:
             self._slots.prefixes = PrefixCache(be, prefix_cache)
         self.capacity = slots if self._slots else None
 
@@ -213,10 +213,10 @@ class _Slots:
         """Fill the slot with the stream's history (after the rows of a cached prefix, if any); its next token
         comes from the last position's logits."""
         reused = self.prefixes.reuse(s.slot, s.history) if self.prefixes else 0
-        logits = (self.be.prefill_from(s.slot, s.history, reused) if reused else self.be.prefill(s.slot, s.history))[0]
+        heads = self.be.prefill_from(s.slot, s.history, reused) if reused else self.be.prefill(s.slot, s.history)
         if self.prefixes:
             self.prefixes.keep(s.slot, s.history, reused)
-        s.pending = self._choose([s], logits[None])[0]
+        s.pending = self._choose([s], heads[:1])[0]
         s.pos = len(s.history)
 
     def _choose(self, streams: list[TokenStream], logits) -> list[int]:

@@ -11,7 +11,8 @@ Fields of the OpenAI API that change nothing here (`user`, `logit_bias`, penalti
 and ignored. `n` choices (at most MAX_N) are answered together; `logprobs` (with chat's `top_logprobs`, at
 most MAX_TOP_LOGPROBS alternatives; completions' `logprobs`, at most 5) asks for log-probabilities;
 `response_format` is "text", "json_object" or "json_schema" (read into the JSON schema the answer must
-follow: any object for "json_object"). One extension: `ignore_eos` (as in vLLM) generates past the end marker. Sampling defaults are OpenAI's: temperature 1, top_p 1, a fresh seed per request.
+follow: any object for "json_object"). One extension: `ignore_eos` (as in vLLM) generates past the end
+marker. Sampling defaults are OpenAI's: temperature 1, top_p 1, a fresh seed per request.
 Sampling values pass the sampler's own check (`infer.generate.checked_sampling`, shared with the commands):
 a seed is in [0, 2**63), and a temperature under 1e-6 is greedy, as 0 is.
 

@@ -6,6 +6,9 @@ engine's batched tokens/s beside each level.
     python bench/serve_load_gpu.py --url http://127.0.0.1:8081 --ckpt results/chat.bin   # another server (llama-server)
     python bench/serve_load_gpu.py --device cpu --levels 1,2 --requests 1 --max-tokens 8  # a smoke run, no GPU
 
+Needs the `serve` extra and `httpx2` (the clients) where it runs; CuPy for `--device gpu`. One command on a
+GPU machine, from the repository's root: `python bench/serve_load_gpu.py --ckpt results/chat.bin`.
+
 For each level L: L clients each send --requests streamed /v1/completions requests back to back (the chat
 template already applied to one of eight questions, so every server sees the same prompt; greedy,
 `ignore_eos`, --max-tokens tokens each, `stream_options.include_usage`). A request counts as a failure unless

@@ -5,7 +5,7 @@ read from the tokenizer exported in Hugging Face's format (`tokenizer.hf`). The 
 tokenizer (about a second for a large vocabulary); each request gets its own `Guide`:
 
     >>> grammars = Grammars(tok)                                                    # doctest: +SKIP
-    >>> guide = grammars.guide({"type": "integer"})
+    >>> guide = grammars.guide({"type": "integer"})                                # doctest: +SKIP
     >>> allowed = guide.allowed()          # (V,) bool: digits and "-" here          # doctest: +SKIP
     >>> guide.consume(tok.encode("4")[0]); guide.stopped                           # doctest: +SKIP
 

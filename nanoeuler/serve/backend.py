@@ -302,7 +302,7 @@ class PrefixCache:
     its logits): a copy, where computing them would cost a forward pass over every one.
 
         >>> cache = PrefixCache(cpu_backend, entries=8)                        # doctest: +SKIP
-        >>> n = cache.reuse(slot, ids)   # rows 0..n-1 of the slot now hold ids[:n]'s    # doctest: +SKIP
+        >>> n = cache.reuse(slot, ids)   # the slot's rows 0..n-1 now hold ids[:n]  # doctest: +SKIP
     """
 
     def __init__(self, be, entries: int = 8, min_tokens: int = 8):

@@ -267,3 +267,35 @@ def test_speculative_decoding_reports_target_logprobs_and_keeps_to_the_grammar(e
         guide = grammars.guide(schema)
         got = [t for t, _, _ in speculative_logprobs(engine, prompt, 40, Sampling(1.0, 0, 1.0, seed), guide=guide)]
         assert guide.stopped and set(json.loads(tok.decode(got).replace("</s>", ""))) == {"w", "n"}
+
+
+SCHEMA_WORDS = ["type", "object", "string", "integer", "array", "items", "properties", "required", "enum",
+                "minimum", "maxLength", "pattern", "$ref", "anyOf", "additionalProperties", "format"]
+
+
+def _schemas():
+    from hypothesis import strategies as st
+
+    leaf = st.one_of(st.sampled_from(SCHEMA_WORDS), st.integers(-3, 3), st.booleans(), st.none(), st.text(max_size=4))
+    return st.recursive(leaf, lambda inner: st.lists(inner, max_size=3)
+                        | st.dictionaries(st.sampled_from(SCHEMA_WORDS), inner, max_size=3), max_leaves=10)
+
+
+def test_random_response_formats_are_answered_or_refused_never_a_500(server):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    kinds = st.sampled_from(["json_schema", "json_object", "text"])
+    shaped = st.fixed_dictionaries({"type": kinds, "json_schema": st.fixed_dictionaries({"schema": _schemas()})})
+    formats = st.one_of(_schemas(), shaped)
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(fmt=formats)
+    def check(fmt):
+        body = {"prompt": "It", "max_tokens": 3, "response_format": fmt, "logprobs": 1}
+        r = httpx.post(server[0] + "/v1/completions", json=body, timeout=60)
+        assert r.status_code in (200, 400), r.text
+        if r.status_code == 400:
+            assert r.json()["error"]["param"] == "response_format"
+
+    check()

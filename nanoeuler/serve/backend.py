@@ -96,7 +96,7 @@ class Backend:
         be = getattr(engine, "backend", None)
         self._slots = _slots(be, engine.cfg, slots) if all(
             hasattr(be, m) for m in ("start", "prefill", "decode")) else None
-        reuses = all(hasattr(be, m) for m in ("prefill_from", "read_rows", "write_rows"))  # the CPU engine's
+        reuses = all(hasattr(be, m) for m in ("prefill_from", "read_rows", "write_rows"))
         if self._slots and prefix_cache > 0 and reuses:
             self._slots.prefixes = PrefixCache(be, prefix_cache)
         self.capacity = slots if self._slots else None

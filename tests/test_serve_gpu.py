@@ -26,6 +26,8 @@ def _run(backend, specs):
         for i, t in zip(live, backend.step([streams[i] for i in live])):
             assert not isinstance(t, Exception), t
             got[i].append(t)
+    for s in streams:
+        s.close()  # its slot goes back
     return got, streams
 
 

@@ -98,7 +98,11 @@ def test_stop_strings_cut_streamed_text_as_they_cut_the_whole_text(text, stops, 
     ({"stop": ["a", 1]}, "stop[1]"),
     ({"stream": "yes"}, "stream"),
     ({"ignore_eos": 1}, "ignore_eos"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
+    ({"n": 0}, "n"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"model": 5}, "model"),
 ])
 def test_bad_chat_fields_are_named(body, param):

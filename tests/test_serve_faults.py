@@ -159,7 +159,7 @@ JSON = st.recursive(st.one_of(st.none(), st.booleans(), NUMBERS, st.text(max_siz
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
                     max_leaves=8)
 FIELDS = ["max_completion_tokens", "n", "stop", "stream", "stream_options", "ignore_eos", "model", "prompt",
-          "messages", "logit_bias", "user"]
+          "messages", "logit_bias", "user", "logprobs", "top_logprobs", "response_format"]
 VALID = {"messages": [{"role": "user", "content": "hi"}], "prompt": "It", "max_tokens": 2}
 BODIES = st.one_of(
     JSON,

@@ -358,3 +358,28 @@ class CpuBackend:
 
     def verify_argmax(self, tokens, pos: int) -> np.ndarray:
         return self.verify(tokens, pos).argmax(axis=-1)  # (K, t)
+
+    # ---- optional calls of the server: logits for log-probabilities and grammars, cached prefixes --------
+
+    def decode_logits(self, tokens, pos, mask) -> np.ndarray:
+        """`decode`'s forward without the choice: head-0 logits of the rows in `mask`, (n, V)."""
+        rows = np.flatnonzero(mask)
+        xn = self._rows(np.asarray(tokens)[rows], rows, np.asarray(pos)[rows])
+        return self._heads(xn, 1)[0]
+
+    def prefill_from(self, slot: int, ids, start: int) -> np.ndarray:
+        """`prefill` of a slot whose cache already holds ids[:start]: only ids[start:] are fed. (K, V)."""
+        ids = np.asarray(ids, dtype=np.int64)[start:]
+        pos = start + np.arange(ids.shape[0])
+        xn = self._rows(ids, np.full(ids.shape[0], slot), pos)
+        return self._heads(xn[-1:], self.cfg.mtp_heads)[:, 0]
+
+    def read_rows(self, slot: int, n: int) -> list:
+        """A copy of the first `n` positions of a slot's cache (every layer's keys and values)."""
+        return [(k[slot, :, :n].copy(), v[slot, :, :n].copy()) for k, v in zip(self.k, self.v)]
+
+    def write_rows(self, slot: int, rows: list, n: int) -> None:
+        """Put the first `n` positions of `read_rows`' copy into a slot's cache."""
+        for (k, v), (rk, rv) in zip(zip(self.k, self.v), rows):
+            k[slot, :, :n] = rk[:, :n]
+            v[slot, :, :n] = rv[:, :n]

@@ -547,6 +547,53 @@ class GpuBackend:
         self._run(B, 1, "argmax" if greedy else "sample")
         return self._fetch(r, B)
 
+    def decode_logits(self, tokens, pos, mask):
+        """`decode`'s forward without the choice: head-0 logits of the rows in `mask`, (n, V) float32, left on
+        the device (the server's log-probabilities and grammar masks reduce them there)."""
+        cp, B, V = self.cp, len(tokens), self.cfg.vocab_size
+        r = self._buffers(B)
+        h = r.ctl_host
+        h[:B], h[B:2 * B], h[2 * B:3 * B] = tokens, r.slots, pos
+        self._run(B, 1, "logits")  # no rule: the forward and head 0 only
+        with self.stream:
+            out = r.logits.reshape(-1)[:B * V].reshape(B, V)[cp.asarray(np.flatnonzero(mask))]
+        self.stream.synchronize()
+        return out
+
+    def prefill_from(self, slot: int, ids, start: int) -> np.ndarray:
+        """`prefill` of a slot whose cache already holds ids[:start] (`write_rows`): only ids[start:] are fed, at
+        their positions, as one `prefill_many` chunk (attending to the slot's cache; padded with copies of the
+        last row, which rewrite its cache row with the same values). (K, V)."""
+        cfg = self.cfg
+        ids = np.asarray(ids, np.int32)
+        T = len(ids) - start
+        P = T if T <= GEMV_MAX_ROWS else 1 << (T - 1).bit_length()
+        pad = lambda a: np.concatenate([a, np.full(P - T, a[-1], np.int32)])  # noqa: E731
+        meta = np.concatenate([pad(ids[start:]), np.full(P, slot, np.int32),
+                               pad(np.arange(start, len(ids), dtype=np.int32))])
+
+        def queue(r):
+            self._embed(r, P)
+            self._layers(r, P, batched=P > GEMV_MAX_ROWS)
+
+        r = self._replay(("prefill_many", P), P, queue, meta)  # the same work as prefill_many's chunk of P rows
+        with self.stream:
+            self._head_logits(r.x[T - 1:T], r.dx[T - 1:T], r.logits, 1, cfg.mtp_heads * cfg.vocab_size, pdl=False)
+            logits = r.logits[0].get(stream=self.stream)
+        return logits.reshape(cfg.mtp_heads, cfg.vocab_size)
+
+    def read_rows(self, slot: int, n: int):
+        """A copy (on the device) of the first `n` positions of a slot's cache, every layer's keys and values."""
+        with self.stream:
+            return self.kc[:, slot, :, :n].copy(), self.vc[:, slot, :, :n].copy()
+
+    def write_rows(self, slot: int, rows, n: int) -> None:
+        """Put the first `n` positions of `read_rows`' copy into a slot's cache."""
+        k, v = rows
+        with self.stream:
+            self.kc[:, slot, :, :n] = k[:, :, :n]
+            self.vc[:, slot, :, :n] = v[:, :, :n]
+
     def greedy_steps(self, tokens, pos, n: int):
         """Greedy decoding of every slot of the batch, from tokens fed at positions pos (one each): yields
         the next ids (one per slot) n times. The step's graph feeds itself (argmax_chain), so the host

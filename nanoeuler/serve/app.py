@@ -5,12 +5,17 @@
     GET  /v1/models             the one model served, named after its file (chat.bin -> "chat")
     POST /v1/chat/completions   messages -> an answer (`stream`: server-sent events ending `data: [DONE]`)
     POST /v1/completions        prompt -> its continuation (the same options)
+    POST /tokenize              {"content": text, "with_pieces"?} -> {"tokens": [ids]} (llama.cpp's shapes)
+    POST /detokenize            {"tokens": [ids]} -> {"content": text}
+    GET  /metrics               the Prometheus text format (`metrics`)
 
 A request is checked (`protocol`), made into prompt ids on a worker thread (tokenizing a long prompt
 takes a while), queued (`scheduler`; 429 when full) and answered as its tokens arrive. Its text is
 decoded incrementally, so a character split over tokens is sent whole, and cut at the first stop
 string; `</s>` and `<|endoftext|>` end an answer and are not sent. `usage.completion_tokens` counts
-every token generated, the end marker included. A client that goes away cancels its generation.
+every token generated, the end marker included. A client that goes away cancels its generation. The `n`
+choices of a request are queued together (all or none) and decode as rows of the same batches, choice i
+sampling with seed + i.
 
 Hostile or broken clients harm only their own request: a POST must say `Content-Type: application/json`
 (415 otherwise, so a page on another site cannot send one without the browser asking first); its body is
@@ -34,10 +39,12 @@ from dataclasses import dataclass
 from importlib import resources
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanoeuler.infer.generate import SEED_LIMIT
 from nanoeuler.serve.backend import Backend, Sampling
+from nanoeuler.serve.metrics import CONTENT_TYPE, Metrics
 from nanoeuler.serve.prompts import PromptError, StopText, chat_prompt
 from nanoeuler.serve.protocol import ApiError, Options, parse_chat, parse_completion, parse_json
 from nanoeuler.serve.scheduler import Job, QueueFull, Scheduler
@@ -59,6 +66,8 @@ class ServeConfig:
 
 def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI:
     scheduler = Scheduler(backend, config.max_batch, config.max_queue)
+    scheduler.metrics = metrics = Metrics(scheduler, backend)
+    grammars = _Grammars(backend.tok)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -67,8 +76,8 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI
         await asyncio.to_thread(scheduler.stop)
 
     app = FastAPI(title="nanoeuler", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.scheduler, app.state.config = scheduler, config
-    app.add_middleware(_RequestIds)
+    app.state.scheduler, app.state.config, app.state.metrics = scheduler, config, metrics
+    app.add_middleware(_RequestIds, on_status=metrics.answered)
     page = resources.files("nanoeuler.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
     _add_error_handlers(app)
 
@@ -97,7 +106,7 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI
             ids, _ = await asyncio.to_thread(chat_prompt, backend.tok, list(req.messages), backend.ctx_len, room)
         except PromptError as exc:
             raise ApiError(str(exc), "messages", code=exc.code) from None
-        return await _answer(request, "chat", ids, max_new, req.options, backend, scheduler)
+        return await _answer(request, "chat", ids, max_new, req.options, backend, scheduler, grammars)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -105,9 +114,69 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI
         req = parse_completion(await _read_json(request, config))
         max_new = _max_new_tokens(req.options, backend, config)
         ids = await asyncio.to_thread(_completion_ids, req.prompt, backend)
-        return await _answer(request, "text", ids, max_new, req.options, backend, scheduler)
+        return await _answer(request, "text", ids, max_new, req.options, backend, scheduler, grammars)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        _authorize(request, config)
+        body = await _read_json(request, config)
+        text = body.get("content")
+        if not isinstance(text, str):
+            raise ApiError("content: expected a string", "content")
+        pieces = body.get("with_pieces", False)
+        if not isinstance(pieces, bool):
+            raise ApiError("with_pieces: expected a boolean", "with_pieces")
+        ids = await asyncio.to_thread(backend.tok.encode, text)
+        if not pieces:
+            return {"tokens": ids}
+        return {"tokens": [{"id": t, "piece": _piece(backend.tok.decode_bytes([t]))} for t in ids]}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        _authorize(request, config)
+        ids = (await _read_json(request, config)).get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ApiError("tokens: expected an array of token ids", "tokens")
+        for i, t in enumerate(ids):
+            if not 0 <= t < backend.tok.vocab_size:
+                raise ApiError(f"tokens[{i}]: token id {t} is outside [0, {backend.tok.vocab_size})", "tokens")
+        return {"content": backend.tok.decode_bytes(ids).decode("utf-8", errors="replace")}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request):
+        _authorize(request, config)
+        return Response(metrics.text(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _piece(raw: bytes):
+    """A token's text as llama.cpp's /tokenize gives it: a string, or its bytes when they are no UTF-8 text."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+class _Grammars:
+    """`structured.Grammars` of the model's tokenizer, built on the first request that needs one."""
+
+    def __init__(self, tok):
+        self.tok, self._grammars, self._lock = tok, None, asyncio.Lock()
+
+    async def guides(self, schema: dict, n: int) -> list:
+        async with self._lock:
+            if self._grammars is None:
+                try:
+                    from nanoeuler.serve.structured import Grammars
+                except ImportError:
+                    raise ApiError("response_format: this server has no grammar engine (install the 'serve' extra: "
+                                   "llguidance)", "response_format") from None
+                self._grammars = await asyncio.to_thread(Grammars, self.tok)
+        try:
+            return await asyncio.to_thread(lambda: [self._grammars.guide(schema) for _ in range(n)])
+        except ValueError as exc:
+            raise ApiError(f"response_format: the schema cannot be used: {exc}", "response_format") from None
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -131,8 +200,8 @@ class _RequestIds:
     """ASGI middleware: an id for every request, sent back as `X-Request-Id`; what escapes the routes is
     logged with its traceback under that id and answered 500 (a response already started is cut short)."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, on_status=None):
+        self.app, self.on_status = app, on_status  # on_status(code): told of every answer's status
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -145,6 +214,8 @@ class _RequestIds:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                if self.on_status is not None:
+                    self.on_status(message["status"])
                 message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
             await send(message)
 
@@ -228,7 +299,8 @@ def _completion_ids(prompt, backend: Backend) -> list[int]:
 
 
 class _Text:
-    """A job's answer as text pieces: decoded incrementally, cut at stop strings, then `finish_reason`."""
+    """A job's answer as (text piece, the (index, id) of the tokens it came from): decoded incrementally, cut at stop
+    strings, then `finish_reason`. The end marker sends no text and no token."""
 
     def __init__(self, job: Job, backend: Backend, stops):
         self.job, self.backend, self.stops = job, backend, stops
@@ -237,74 +309,120 @@ class _Text:
     async def pieces(self):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         cut = StopText(self.stops)
+        index, held = -1, []  # the tokens of text not yet sent (a character split over tokens)
         async for token in self.job.tokens():
+            index += 1
             if token in self.backend.stop_ids:
                 if self.job.stop_at_end:
                     self.finish_reason = "stop"
                     break
                 continue  # ignore_eos: the marker is generated, not sent
+            held.append((index, token))
             piece = cut.feed(decoder.decode(self.backend.tok.decode_bytes([token])))
             if piece:
-                yield piece
+                yield piece, held
+                held = []
             if cut.stopped:
                 self.finish_reason = "stop"
                 self.job.cancel()
                 return
+        else:  # no end marker: a grammar that is complete stops the answer too
+            guide = self.job.stream_options.get("guide")
+            if guide is not None and guide.stopped:
+                self.finish_reason = "stop"
         tail = cut.feed(decoder.decode(b"", final=True))
         tail += "" if cut.stopped else cut.flush()
         if cut.stopped:
             self.finish_reason = "stop"
-        if tail:
-            yield tail
+        if tail or held:
+            yield tail, held
 
 
-async def _answer(request, kind, ids, max_new, options: Options, backend, scheduler: Scheduler):
-    """Queue the job and answer it: a JSON body, or server-sent events when `stream` is set."""
+async def _answer(request, kind, ids, max_new, options: Options, backend, scheduler: Scheduler, grammars):
+    """Queue the request's `n` jobs and answer them: a JSON body, or server-sent events when `stream` is set."""
     seed = options.seed if options.seed is not None else secrets.randbits(63)
-    sampling = Sampling(temperature=options.temperature, top_k=0, top_p=options.top_p, seed=seed)
+    if options.n > scheduler.max_batch + scheduler.max_queue:
+        raise ApiError(f"n: {options.n} choices are more than this server holds at once "
+                       f"({scheduler.max_batch} answered + {scheduler.max_queue} waiting)", "n")
+    guides = await grammars.guides(options.schema, options.n) if options.schema is not None else [None] * options.n
+    specs = [(ids, max_new, Sampling(options.temperature, 0, options.top_p, (seed + i) % SEED_LIMIT),
+              not options.ignore_eos, {"logprobs": options.logprobs, "guide": guides[i]}) for i in range(options.n)]
     try:
-        job = scheduler.submit(ids, max_new, sampling, stop_at_end=not options.ignore_eos)
+        jobs = scheduler.submit_many(specs)
     except QueueFull as exc:
         raise ApiError(f"the server is busy ({exc}); retry later", status=429, type="rate_limit_error",
                        code="rate_limit_exceeded") from None
-    text = _Text(job, backend, options.stop)
-    shape = _Shape(kind, backend.name, len(ids))
+    scheduler.metrics.prompt_tokens.inc(len(ids) * len(jobs))
+    texts = [_Text(job, backend, options.stop) for job in jobs]
+    shape = _Shape(kind, backend, len(ids), options.logprobs)
     if options.stream:
-        events = _events(job, text, shape, options.include_usage, request.state.request_id)
+        events = _events(jobs, texts, shape, options.include_usage, request.state.request_id)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, jobs))
+
+    async def whole(text: _Text) -> list:
+        return [item async for item in text.pieces()]
+
     try:
-        content = "".join([piece async for piece in text.pieces()])
+        answers = await asyncio.gather(*(whole(t) for t in texts))
     except Exception as exc:
         raise _server_error(request.state.request_id, "generation", exc) from None
     finally:
         watcher.cancel()
-        job.cancel()
-    return shape.whole(content, text.finish_reason, job.generated)
+        for job in jobs:
+            job.cancel()
+    choices = [shape.choice(i, text, parts) for i, (text, parts) in enumerate(zip(texts, answers))]
+    return shape.whole(choices, sum(job.generated for job in jobs))
 
 
-async def _cancel_on_disconnect(request: Request, job: Job) -> None:
-    """Cancel `job` when its client goes away (the body is read, so the next message is the disconnect)."""
+async def _cancel_on_disconnect(request: Request, jobs: list[Job]) -> None:
+    """Cancel `jobs` when their client goes away (the body is read, so the next message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.cancel()
+    for job in jobs:
+        job.cancel()
 
 
-async def _events(job: Job, text: _Text, shape: "_Shape", include_usage: bool, rid: str):
-    """Server-sent events; leaving early (the client went away: Starlette cancels us) cancels the job."""
+async def _events(jobs: list[Job], texts: list[_Text], shape: "_Shape", include_usage: bool, rid: str):
+    """Server-sent events, the choices' pieces as they come (each chunk names its choice's `index`); leaving
+    early (the client went away: Starlette cancels us) cancels the jobs."""
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, text: _Text) -> None:
+        try:
+            async for piece, held in text.pieces():
+                await arrived.put((i, piece, held))
+            await arrived.put((i, None, None))
+        except Exception as exc:
+            await arrived.put((i, exc, None))
+
+    pumps = []
     try:
         if shape.kind == "chat":  # the role comes first, as OpenAI sends it
-            yield _event(shape.chunk("", None, first=True))
-        async for piece in text.pieces():
-            yield _event(shape.chunk(piece, None))
-        yield _event(shape.chunk("", text.finish_reason))
+            for i in range(len(jobs)):
+                yield _event(shape.chunk(i, "", None, first=True))
+        pumps = [asyncio.create_task(pump(i, text)) for i, text in enumerate(texts)]
+        left = len(jobs)
+        while left:
+            i, piece, held = await arrived.get()
+            if isinstance(piece, Exception):
+                raise piece
+            if piece is None:
+                left -= 1
+                yield _event(shape.chunk(i, "", texts[i].finish_reason))
+            else:
+                yield _event(shape.chunk(i, piece, None, shape.logprobs(jobs[i], held)))
         if include_usage:
-            yield _event({**shape.chunk("", None), "choices": [], "usage": shape.usage(job.generated)})
+            yield _event({**shape.chunk(0, "", None), "choices": [],
+                          "usage": shape.usage(sum(job.generated for job in jobs))})
     except Exception as exc:
         yield _event(_server_error(rid, "generation", exc).body())
     finally:
-        job.cancel()
+        for task in pumps:
+            task.cancel()
+        for job in jobs:
+            job.cancel()
     yield "data: [DONE]\n\n"
 
 
@@ -315,29 +433,57 @@ def _event(obj: dict) -> str:
 class _Shape:
     """The OpenAI response objects of one request: chat (`chat.completion`) or text (`text_completion`)."""
 
-    def __init__(self, kind: str, model: str, prompt_tokens: int):
-        self.kind, self.model, self.prompt_tokens = kind, model, prompt_tokens
+    def __init__(self, kind: str, backend: Backend, prompt_tokens: int, top: int | None):
+        self.kind, self.model, self.tok = kind, backend.name, backend.tok
+        self.prompt_tokens, self.top = prompt_tokens, top  # top: alternatives per token; None: no logprobs
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self._offsets: dict[int, int] = {}  # a completion choice's text sent so far, in characters
         self.created = int(time.time())
 
     def usage(self, completion_tokens: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens}
 
-    def _wrap(self, obj_suffix: str, choice: dict) -> dict:
+    def _wrap(self, obj_suffix: str, choices: list[dict]) -> dict:
         obj = ("chat.completion" if self.kind == "chat" else "text_completion") + obj_suffix
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def whole(self, content: str, finish_reason: str, completion_tokens: int) -> dict:
+    def choice(self, index: int, text: _Text, parts: list) -> dict:
+        content = "".join(piece for piece, _ in parts)
+        logprobs = self.logprobs(text.job, [t for _, held in parts for t in held])
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._wrap("", choice), "usage": self.usage(completion_tokens)}
+            return {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
+                    "finish_reason": text.finish_reason}
+        return {"index": index, "text": content, "logprobs": logprobs, "finish_reason": text.finish_reason}
 
-    def chunk(self, piece: str, finish_reason: str | None, first: bool = False) -> dict:
+    def whole(self, choices: list[dict], completion_tokens: int) -> dict:
+        return {**self._wrap("", choices), "usage": self.usage(completion_tokens)}
+
+    def chunk(self, index: int, piece: str, finish_reason: str | None, logprobs: dict | None = None,
+              first: bool = False) -> dict:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
-            return self._wrap(".chunk", {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason})
-        return self._wrap("", {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason})
+            return self._wrap(".chunk", [{"index": index, "delta": delta, "logprobs": logprobs,
+                                          "finish_reason": finish_reason}])
+        return self._wrap("", [{"index": index, "text": piece, "logprobs": logprobs, "finish_reason": finish_reason}])
+
+    def logprobs(self, job: Job, held: list[tuple[int, int]]) -> dict | None:
+        """The `logprobs` object of the tokens `held` ((index, id) of the job's tokens); None when not asked."""
+        if self.top is None:
+            return None
+        records = [(t, *job.stream.records[i]) for i, t in held]
+        if self.kind == "chat":
+            return {"content": [{**self._token(t, lp), "top_logprobs": [self._token(a, alp) for a, alp in alts]}
+                                for t, lp, alts in records], "refusal": None}
+        texts = [self._token(t, lp)["token"] for t, lp, _ in records]
+        offsets = []  # where each token's text starts in the choice's text (counted on from earlier chunks)
+        for text in texts:
+            offsets.append(self._offsets.get(id(job), 0))
+            self._offsets[id(job)] = offsets[-1] + len(text)
+        return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in records],
+                "top_logprobs": [{self._token(a, 0)["token"]: alp for a, alp in alts} for _, _, alts in records],
+                "text_offset": offsets}
+
+    def _token(self, t: int, logprob: float) -> dict:
+        raw = self.tok.decode_bytes([t])
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}

@@ -8,7 +8,11 @@ Every check names the field it rejects, as the OpenAI API does:
     nanoeuler.serve.protocol.ApiError: temperature: expected a number, got a string
 
 Fields of the OpenAI API that change nothing here (`user`, `logit_bias`, penalties, ...) are accepted
-and ignored; `n` must be 1. One extension: `ignore_eos` (as in vLLM) generates past the end marker. Sampling defaults are OpenAI's: temperature 1, top_p 1, a fresh seed per request.
+and ignored. `n` choices (at most MAX_N) are answered together; `logprobs` (with chat's `top_logprobs`, at
+most MAX_TOP_LOGPROBS alternatives; completions' `logprobs`, at most 5) asks for log-probabilities;
+`response_format` is "text", "json_object" or "json_schema" (read into the JSON schema the answer must
+follow: any object for "json_object"). One extension: `ignore_eos` (as in vLLM) generates past the end
+marker. Sampling defaults are OpenAI's: temperature 1, top_p 1, a fresh seed per request.
 Sampling values pass the sampler's own check (`infer.generate.checked_sampling`, shared with the commands):
 a seed is in [0, 2**63), and a temperature under 1e-6 is greedy, as 0 is.
 
@@ -20,12 +24,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nanoeuler.infer.generate import SamplingError, checked_sampling
 from nanoeuler.serve.prompts import ROLES
 
 MAX_STOPS = 4
+MAX_N = 16  # choices of one request
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
 MAX_DIGITS = 100  # an integer longer than this is no token id, seed or count: refused before int() works on it
 
 
@@ -54,6 +60,9 @@ class Options:
     stream: bool
     include_usage: bool
     ignore_eos: bool  # an extension (vLLM's name): go on past the end marker, for fixed-length load tests
+    n: int = 1
+    logprobs: int | None = None  # alternatives per token; None: no log-probabilities
+    schema: dict | None = None  # the JSON schema of `response_format`; None: free text
 
 
 @dataclass(frozen=True)
@@ -154,8 +163,7 @@ def parse_options(body: dict, max_tokens_key: str = "max_tokens") -> Options:
     model = body.get("model")
     if model is not None:
         _text(model, "model")
-    if _number(body, "n", 1, 1, integer=True) != 1:
-        raise ApiError("n: only n = 1 is supported", "n")
+    n = _number(body, "n", 1, 1, MAX_N, integer=True)
     stream, ignore_eos = _flag(body, "stream"), _flag(body, "ignore_eos")
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict) or not isinstance(stream_options.get("include_usage", False), bool):
@@ -176,7 +184,40 @@ def parse_options(body: dict, max_tokens_key: str = "max_tokens") -> Options:
         stream=stream,
         include_usage=bool(stream_options.get("include_usage", False)),
         ignore_eos=ignore_eos,
+        n=n,
+        schema=_response_format(body.get("response_format")),
     )
+
+
+def _response_format(value) -> dict | None:
+    """The JSON schema that `response_format` asks for, or None for free text."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError("response_format.json_schema.schema: expected a JSON schema object",
+                           "response_format")
+        return schema
+    raise ApiError("response_format: expected {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                   "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                   "response_format")
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs` (a boolean) and `top_logprobs` (alternatives per token)."""
+    top = _number(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+    if not _flag(body, "logprobs"):
+        if top is not None:
+            raise ApiError("top_logprobs: needs \"logprobs\": true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def _content(value, name: str) -> str:
@@ -208,7 +249,8 @@ def parse_chat(body: dict) -> ChatRequest:
                            f"messages[{i}].role")
         out.append((role, _content(m.get("content"), f"messages[{i}].content")))
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return ChatRequest(tuple(out), parse_options(body, key))
+    options = parse_options(body, key)
+    return ChatRequest(tuple(out), replace(options, logprobs=_chat_logprobs(body)))
 
 
 def parse_completion(body: dict) -> CompletionRequest:
@@ -222,4 +264,5 @@ def parse_completion(body: dict) -> CompletionRequest:
         prompt = tuple(prompt)
     else:
         prompt = _text(prompt, "prompt")
-    return CompletionRequest(prompt, parse_options(body))
+    options = parse_options(body)  # completions' `logprobs` is the count of alternatives itself
+    return CompletionRequest(prompt, replace(options, logprobs=_number(body, "logprobs", None, 0, 5, integer=True)))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 
 from nanoeuler.serve.backend import Backend, Sampling, TokenStream
@@ -35,9 +36,12 @@ class QueueFull(Exception):
 class Job:
     """One request as the worker sees it; `tokens()` is read on the event loop that submitted it."""
 
-    def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_at_end: bool = True):
+    def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_at_end: bool = True,
+                 **stream_options):
         self.prompt_ids, self.max_new_tokens, self.sampling = prompt_ids, max_new_tokens, sampling
         self.stop_at_end = stop_at_end
+        self.stream_options = stream_options  # `Backend.open`'s logprobs and guide, when asked for
+        self.last_token_at = time.monotonic()  # submitted, then each token: for the latency metrics
         self.stream: TokenStream | None = None  # opened by the worker, closed by `Scheduler._finish`
         self.generated = 0
         self.outcome: str | None = None  # finished, cancelled or failed, once the worker is done with it
@@ -69,7 +73,7 @@ class Job:
 class Scheduler:
     """The bounded queue and the worker thread that decodes up to `max_batch` jobs together."""
 
-    def __init__(self, backend: Backend, max_batch: int = 8, max_queue: int = 64):
+    def __init__(self, backend: Backend, max_batch: int = 8, max_queue: int = 64, metrics=None):
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         if getattr(backend, "capacity", None) is not None and max_batch > backend.capacity:
@@ -81,6 +85,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._in_flight = 0  # waiting + being decoded
         self.counts = {"finished": 0, "cancelled": 0, "failed": 0, "rejected": 0, "tokens": 0}
+        self.metrics = metrics  # `metrics.Metrics`: told of each token's latency
 
     def start(self) -> "Scheduler":
         self._thread = threading.Thread(target=self._run, name="nanoeuler-generate", daemon=True)
@@ -94,20 +99,27 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join()
 
-    def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_at_end: bool = True) -> Job:
-        """Queue a job (called on the event loop; takes a lock for microseconds, never waits on the model)."""
-        job = Job(prompt_ids, max_new_tokens, sampling, stop_at_end)
+    def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_at_end: bool = True,
+               **stream_options) -> Job:
+        """Queue a job (called on the event loop; takes a lock for microseconds, never waits on the model).
+        `stream_options`: `Backend.open`'s `logprobs` and `guide`."""
+        return self.submit_many([(prompt_ids, max_new_tokens, sampling, stop_at_end, stream_options)])[0]
+
+    def submit_many(self, specs: list[tuple]) -> list[Job]:
+        """Queue several jobs at once, all or none (the choices of one request): each spec is `submit`'s
+        (prompt_ids, max_new_tokens, sampling, stop_at_end, stream_options)."""
+        jobs = [Job(ids, n, sampling, stop, **opts) for ids, n, sampling, stop, opts in specs]
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the server is shutting down")
-            if self._in_flight >= self.max_batch + self.max_queue:
+            if self._in_flight + len(jobs) > self.max_batch + self.max_queue:
                 self.counts["rejected"] += 1
                 raise QueueFull(f"{self._in_flight} requests are being answered or waiting (the limit is "
                                 f"{self.max_batch} at once + {self.max_queue} waiting)")
-            self._waiting.append(job)
-            self._in_flight += 1
+            self._waiting.extend(jobs)
+            self._in_flight += len(jobs)
             self._cond.notify()
-        return job
+        return jobs
 
     def stats(self) -> dict:
         with self._cond:
@@ -159,7 +171,8 @@ class Scheduler:
         for job in active:
             if job.stream is None and not job.cancelled.is_set():
                 try:
-                    job.stream = self.backend.open(job.prompt_ids, job.max_new_tokens, job.sampling, job.stop_at_end)
+                    job.stream = self.backend.open(job.prompt_ids, job.max_new_tokens, job.sampling, job.stop_at_end,
+                                                   **{k: v for k, v in job.stream_options.items() if v is not None})
                 except Exception as exc:
                     self._finish(job, "failed", exc)
                     continue
@@ -172,11 +185,15 @@ class Scheduler:
         if not live:
             return live
         tokens = self.backend.step([job.stream for job in live])
+        now = time.monotonic()
         running = []
         for job, token in zip(live, tokens):
             if isinstance(token, Exception):  # this job's own failure; the others go on
                 self._finish(job, "failed", token)
                 continue
+            if self.metrics is not None:
+                self.metrics.token_latency(now - job.last_token_at, first=job.generated == 0)
+            job.last_token_at = now
             job.generated += 1
             job.put(token)
             if job.stream.done:

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests generated together (default: 8)")
     parser.add_argument("--max-queue", type=int, default=64, metavar="N",
                         help="requests waiting beyond those; more are answered 429 (default: 64)")
+    parser.add_argument("--prefix-cache", type=int, default=8, metavar="N",
+                        help="recent prompts whose cache rows a prompt sharing their beginning copies instead of "
+                             "computing (0: off; default: 8)")
     parser.add_argument("--client-timeout", type=float, default=30.0, metavar="S",
                         help="seconds a client may stall: sending a request's headers, its body, or taking "
                              "an answer (default: 30)")
@@ -57,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Numbers in range before anything is loaded; each problem is one line."""
-    bounds = {"port": (0, 65535), "max_tokens": (1, None), "max_batch": (1, MAX_BATCH), "max_queue": (0, None)}
+    bounds = {"port": (0, 65535), "max_tokens": (1, None), "max_batch": (1, MAX_BATCH), "max_queue": (0, None),
+              "prefix_cache": (0, 1024)}
     for name, (lo, hi) in bounds.items():
         value = getattr(args, name)
         if value < lo or (hi is not None and value > hi):
@@ -158,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     conf = sections(args, "device", "gpu_memory")
     backend = Backend.load(args.ckpt, args.device or conf["device"], args.model_name, slots=args.max_batch,
-                           gpu_memory=conf["gpu_memory"], threads=args.threads)
+                           gpu_memory=conf["gpu_memory"], threads=args.threads, prefix_cache=args.prefix_cache)
     config = ServeConfig(max_tokens=args.max_tokens, max_batch=backend.capacity or args.max_batch,
                          max_queue=args.max_queue, api_key=args.api_key or None,
                          client_timeout_s=args.client_timeout)

@@ -1,0 +1,85 @@
+"""`GET /metrics`: the server's counters in the Prometheus text format (`prometheus-client`).
+
+    nanoeuler_requests_total{status}                    HTTP answers by status code
+    nanoeuler_generations_total{outcome}                jobs finished, cancelled, failed; requests rejected (429)
+    nanoeuler_prompt_tokens_total                       prompt tokens of accepted requests (each choice counts)
+    nanoeuler_generation_tokens_total                   tokens generated
+    nanoeuler_queue_depth, nanoeuler_active_jobs        jobs waiting for a slot, jobs being decoded
+    nanoeuler_time_to_first_token_seconds               histogram: submitted -> first token (queue included)
+    nanoeuler_inter_token_latency_seconds               histogram: between a job's consecutive tokens
+    nanoeuler_prefix_cache_hits_total, nanoeuler_prefix_cache_tokens_total   prompts that reused cached rows,
+                                                        and the positions they did not compute
+    nanoeuler_spec_drafts_offered_total{head}, nanoeuler_spec_drafts_accepted_total{head}
+                                                        speculative decoding's drafts per MTP head
+    nanoeuler_spec_acceptance_ratio{head}               accepted / offered
+
+Each app has its own registry, so two servers in one process (the tests) count apart.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# seconds: a CPU prefill of a long prompt takes seconds, a GPU decode step milliseconds
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    """The registry of one app; `token_latency` is called by the scheduler's worker, `answered` per request."""
+
+    def __init__(self, scheduler, backend):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("nanoeuler_requests", "HTTP answers by status code", ["status"],
+                                registry=self.registry)
+        self.prompt_tokens = Counter("nanoeuler_prompt_tokens", "prompt tokens of accepted requests",
+                                     registry=self.registry)
+        self.ttft = Histogram("nanoeuler_time_to_first_token_seconds", "submitted to first token",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("nanoeuler_inter_token_latency_seconds", "between consecutive tokens of a job",
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.registry.register(_Live(scheduler, backend))
+
+    def token_latency(self, seconds: float, first: bool) -> None:
+        (self.ttft if first else self.itl).observe(seconds)
+
+    def answered(self, status: int) -> None:
+        self.requests.labels(status=str(status)).inc()
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Live:
+    """The counts kept elsewhere (the scheduler's, the prefix cache's, the engine's), read at each scrape."""
+
+    def __init__(self, scheduler, backend):
+        self.scheduler, self.backend = scheduler, backend
+
+    def collect(self):
+        stats = self.scheduler.stats()
+        outcomes = CounterMetricFamily("nanoeuler_generations", "jobs by outcome (rejected: 429)", labels=["outcome"])
+        for outcome in ("finished", "cancelled", "failed", "rejected"):
+            outcomes.add_metric([outcome], stats[outcome])
+        yield outcomes
+        yield CounterMetricFamily("nanoeuler_generation_tokens", "tokens generated", value=stats["tokens"])
+        yield GaugeMetricFamily("nanoeuler_queue_depth", "jobs waiting for a slot", value=stats["waiting"])
+        yield GaugeMetricFamily("nanoeuler_active_jobs", "jobs being decoded", value=stats["active"])
+        prefixes = getattr(self.backend, "prefixes", None)
+        yield CounterMetricFamily("nanoeuler_prefix_cache_hits", "prompts that reused a cached prefix",
+                                  value=prefixes.hits if prefixes else 0)
+        yield CounterMetricFamily("nanoeuler_prefix_cache_tokens", "prompt positions copied, not computed",
+                                  value=prefixes.tokens if prefixes else 0)
+        spec = getattr(getattr(self.backend, "engine", None), "stats", None)
+        offered = CounterMetricFamily("nanoeuler_spec_drafts_offered", "drafts checked, per MTP head", labels=["head"])
+        accepted = CounterMetricFamily("nanoeuler_spec_drafts_accepted", "drafts kept, per MTP head", labels=["head"])
+        ratio = GaugeMetricFamily("nanoeuler_spec_acceptance_ratio", "drafts kept / checked, per MTP head",
+                                  labels=["head"])
+        if spec is not None:
+            for k, (o, a) in enumerate(zip(spec.offered, spec.accepted)):
+                offered.add_metric([str(k + 1)], o)
+                accepted.add_metric([str(k + 1)], a)
+                ratio.add_metric([str(k + 1)], a / o if o else 0.0)
+        yield from (offered, accepted, ratio)

@@ -153,7 +153,10 @@ def test_logprobs_of_chat_and_completions(client, tok):
     streamed = list(client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": FRANCE}],
                                                    temperature=0, logprobs=True, stream=True))
     tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert [(t.token, t.logprob) for t in tokens] == [(t.token, t.logprob) for t in content]
+    # the same tokens; their float32 log-probs may differ in the last bits (the second request reuses the
+    # first's prompt rows, so its products run on other row counts)
+    assert [t.token for t in tokens] == [t.token for t in content]
+    assert np.allclose([t.logprob for t in tokens], [t.logprob for t in content], rtol=1e-5, atol=1e-6)
     c = client.completions.create(model="serve_chat", prompt="It was", max_tokens=4, temperature=1.0, seed=2,
                                   logprobs=2)
     lp = c.choices[0].logprobs

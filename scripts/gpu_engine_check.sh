@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The bf16 engine's step variants on a GPU machine, in one go: the bf16 self-test rows and GPU tests
 # (accumulation, checkpointing, the DPO head, engine_bytes), then step times and memory at the `gpu`
-# preset (scripts/engine_steps_bench.py). Logs to $LOG_DIR (default: $TMPDIR/nanoeuler-engine-check).
+# preset (bench/engine_steps_gpu.py). Logs to $LOG_DIR (default: $TMPDIR/nanoeuler-engine-check).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,7 +15,7 @@ $PY -m pytest -q -p no:cacheprovider -m gpu -s tests/test_gpu_bf16_steps.py ${TE
     | tee "$LOG_DIR/steps.log" || fail=1
 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_bf16.py ${BF16_K:+-k "$BF16_K"} 2>&1 \
     | tee "$LOG_DIR/bf16.log" || fail=1
-$PY scripts/engine_steps_bench.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG_DIR/bench.log" || fail=1
+$PY bench/engine_steps_gpu.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG_DIR/bench.log" || fail=1
 echo
 echo "=== summary"
 grep -hE "passed|failed" "$LOG_DIR/steps.log" "$LOG_DIR/bf16.log" | tail -2

@@ -87,6 +87,32 @@ class SpecStats:
     def acceptance(self) -> list[float]:
         return [a / o if o else 0.0 for a, o in zip(self.accepted, self.offered)]
 
+    def for_heads(self, K: int) -> None:
+        """Per-draft-head counters for a model of K heads (kept across streams of the same model)."""
+        if len(self.offered) != K - 1:
+            self.offered, self.accepted = [0] * (K - 1), [0] * (K - 1)
+
+    def count_pass(self, a: int, K: int) -> None:
+        """A verify pass that kept `a` of its K - 1 drafts (and emitted a + 1 tokens)."""
+        self.passes += 1
+        self.tokens += a + 1
+        for j in range(K - 1):  # draft j is checked when all before it were kept
+            self.offered[j] += j <= a
+            self.accepted[j] += j < a
+
+
+def greedy_kept(ids: np.ndarray, block: np.ndarray) -> int:
+    """The drafts a greedy verify pass keeps: block (K,) is the sure token and K - 1 drafts, ids (K, K) each
+    head's argmax by row; draft a + 1 stands while head 0's argmax at row a equals it.
+
+        >>> greedy_kept(np.array([[5, 6, 9], [0, 0, 0], [0, 0, 0]]), np.array([4, 5, 6]))
+        2
+    """
+    a = 0
+    while a < len(block) - 1 and ids[0, a] == block[a + 1]:
+        a += 1
+    return a
+
 
 def accept_or_resample(p: np.ndarray, q: np.ndarray, draft: int, u: float, rng) -> tuple[bool, int]:
     """One speculative-sampling decision: (accepted?, token). p, q: target and draft distributions.
@@ -316,8 +342,7 @@ class Engine:
         greedy = sampling.temperature <= 0
         be.start(1, [sampling.seed])
         st = self.stats
-        if len(st.offered) != K - 1:
-            st.offered, st.accepted = [0] * (K - 1), [0] * (K - 1)
+        st.for_heads(K)
         sure, drafts, qs = self._after_prefill(be.prefill(0, hist), rng, sampling)
         n = 0
         chain = getattr(be, "greedy_passes", None) if greedy else None
@@ -353,9 +378,7 @@ class Engine:
                 nxt, new_drafts, new_qs = int(ids[0]), [int(i) for i in ids[1:]], None
             elif greedy:
                 ids = be.verify_argmax(block, pos)  # (K, K): head, row
-                a = 0
-                while a < K - 1 and ids[0, a] == block[a + 1]:
-                    a += 1
+                a = greedy_kept(ids, block)
                 nxt, new_drafts, new_qs = int(ids[0, a]), [int(i) for i in ids[1:, a]], None
             else:
                 logits = be.verify(block, pos)  # (K, K, V)
@@ -369,13 +392,9 @@ class Engine:
                 if nxt is None:
                     nxt = sample_token(logits[0, K - 1], rng, sampling.temperature, sampling.top_k, sampling.top_p)
                 _, new_drafts, new_qs = self._drafts(logits[1:, a], rng, sampling)
-            st.passes += 1
-            st.tokens += a + 1
+            st.count_pass(a, K)
             kept_passes += 1
             kept_tokens += a + 1
-            for j in range(K - 1):  # draft j is checked when all before it were kept
-                st.offered[j] += j <= a
-                st.accepted[j] += j < a
             for d in block[1:a + 1]:
                 yield int(d)
                 n += 1
@@ -399,8 +418,7 @@ class Engine:
         hist = self._check_prompt(prompt)
         be.start(1, [sampling.seed])
         st = self.stats
-        if len(st.offered) != K - 1:
-            st.offered, st.accepted = [0] * (K - 1), [0] * (K - 1)
+        st.for_heads(K)
         heads = be.prefill(0, hist)
         sure, drafts = int(np.argmax(heads[0])), [int(np.argmax(h)) for h in heads[1:]]
         mask, rngs = np.ones(1, dtype=bool), [None]
@@ -429,14 +447,8 @@ class Engine:
                 t0 = time.perf_counter()
                 ids = be.verify_argmax(block, pos)  # (K, K): head, row
                 t_pass = _mean(t_pass, time.perf_counter() - t0)
-                a = 0
-                while a < K - 1 and ids[0, a] == block[a + 1]:
-                    a += 1
-                st.passes += 1
-                st.tokens += a + 1
-                for j in range(K - 1):  # draft j is checked when all before it were kept
-                    st.offered[j] += j <= a
-                    st.accepted[j] += j < a
+                a = greedy_kept(ids, block)
+                st.count_pass(a, K)
                 w_passes, w_tokens = w_passes + 1, w_tokens + a + 1
                 for d in block[1:a + 1]:
                     yield int(d)

@@ -37,8 +37,7 @@ def speculative_logprobs(engine, prompt, max_new_tokens: int, sampling: Sampling
     K, ctx = cfg.mtp_heads, cfg.ctx_len
     if max_new_tokens <= 0:
         return
-    if len(st.offered) < K - 1:
-        st.offered, st.accepted = [0] * (K - 1), [0] * (K - 1)
+    st.for_heads(K)
     rng = np.random.default_rng(sampling.seed)
     hist = engine._check_prompt(prompt)
     be.start(1, [sampling.seed])
@@ -85,17 +84,14 @@ def speculative_logprobs(engine, prompt, max_new_tokens: int, sampling: Sampling
             else:
                 p = sampling_probs(_masked(logits[0, j], guide), sampling.temperature, sampling.top_k, sampling.top_p)
                 ok, t = accept_or_resample(p, qs[j], x, rng.random(), rng)
-            st.offered[j] += 1
             if not ok:
                 nxt = _taken(logits[0, j], t, top, guide)
                 break
-            st.accepted[j] += 1
             kept.append(_taken(logits[0, j], x, top, guide))
         a = len(kept)
         if nxt is None:
             nxt = choose(logits[0, K - 1])
-        st.passes += 1
-        st.tokens += a + 1
+        st.count_pass(a, K)
         drafts, qs = drafts_from(logits[1:, a])
         for token in kept:
             yield token

@@ -76,3 +76,18 @@ def live_server(model_path, **config):
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def run_streams(backend, specs):
+    """Open every (prompt, n, sampling, options) on a server `Backend` at once and step them to the end:
+    (their token lists, the streams). Each stream is closed at the end, so its slot goes back."""
+    streams = [backend.open(p, n, s, stop_at_end=False, **o) for p, n, s, o in specs]
+    got = [[] for _ in streams]
+    while any(not s.done for s in streams):
+        live = [i for i, s in enumerate(streams) if not s.done]
+        for i, t in zip(live, backend.step([streams[i] for i in live])):
+            assert not isinstance(t, Exception), t
+            got[i].append(t)
+    for s in streams:
+        s.close()
+    return got, streams

@@ -12,7 +12,7 @@ httpx = pytest.importorskip("httpx2")
 
 from nanoeuler.infer.generate import Generator, Sampling  # noqa: E402
 from nanoeuler.infer.logprobs import log_softmax  # noqa: E402
-from serve_fixtures import LEARNED, chat_model, live_server  # noqa: E402
+from serve_fixtures import LEARNED, chat_model, live_server, run_streams  # noqa: E402
 from train_fixtures import make_tokenizer  # noqa: E402
 
 FRANCE, COLOR = list(LEARNED)
@@ -42,20 +42,6 @@ def exact_model(tok):
         return Backend(Engine.from_params(params, cfg, "cpu"), tok, "exact", slots, prefix_cache)
 
     return backend, Generator(params, cfg)
-
-
-def run_streams(backend, specs):
-    """Open every (prompt, n, sampling, options) at once and step them to the end: their token lists."""
-    streams = [backend.open(p, n, s, stop_at_end=False, **o) for p, n, s, o in specs]
-    got = [[] for _ in streams]
-    while any(not s.done for s in streams):
-        live = [i for i, s in enumerate(streams) if not s.done]
-        for i, t in zip(live, backend.step([streams[i] for i in live])):
-            assert not isinstance(t, Exception), t
-            got[i].append(t)
-    for s in streams:
-        s.close()
-    return got, streams
 
 
 def reference_logprobs(ref, prompt, tokens):

@@ -10,25 +10,13 @@ from nanoeuler.infer.engine import Engine
 from nanoeuler.infer.generate import Sampling
 from nanoeuler.model import transformer
 from nanoeuler.model.config import ModelConfig
+from serve_fixtures import run_streams
 
 pytestmark = pytest.mark.gpu
 
 
 class _Tok:
     end_id, eot_id = 298, 299
-
-
-def _run(backend, specs):
-    streams = [backend.open(p, n, s, stop_at_end=False, **o) for p, n, s, o in specs]
-    got = [[] for _ in streams]
-    while any(not s.done for s in streams):
-        live = [i for i, s in enumerate(streams) if not s.done]
-        for i, t in zip(live, backend.step([streams[i] for i in live])):
-            assert not isinstance(t, Exception), t
-            got[i].append(t)
-    for s in streams:
-        s.close()  # its slot goes back
-    return got, streams
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +40,8 @@ def test_gpu_logprobs_match_the_numpy_backend(model, dtype, tol):
     params, cfg = model
     specs = [([1, 2, 3], 10, Sampling(temperature=0), {"logprobs": 2}), ([5, 6], 8, Sampling(temperature=0), {}),
              ([9], 6, Sampling(temperature=0), {"logprobs": 0})]
-    cpu_tokens, cpu_streams = _run(Backend(Engine.from_params(params, cfg, "cpu"), _Tok(), "m", 3, 0), specs)
-    gpu_tokens, gpu_streams = _run(Backend(Engine.from_params(params, cfg, "gpu", dtype=dtype), _Tok(), "m", 3, 0),
+    cpu_tokens, cpu_streams = run_streams(Backend(Engine.from_params(params, cfg, "cpu"), _Tok(), "m", 3, 0), specs)
+    gpu_tokens, gpu_streams = run_streams(Backend(Engine.from_params(params, cfg, "gpu", dtype=dtype), _Tok(), "m", 3, 0),
                                    specs)
     assert gpu_tokens == cpu_tokens
     for c, g in zip(cpu_streams, gpu_streams):
@@ -74,5 +62,5 @@ def test_gpu_prefix_reuse_answers_as_a_whole_prefill(model, dtype):
     outs = []
     for cache in (0, 8):
         backend = Backend(Engine.from_params(params, cfg, "gpu", dtype=dtype), _Tok(), "m", 1, cache)
-        outs.append([_run(backend, [spec])[0][0] for spec in specs])
+        outs.append([run_streams(backend, [spec])[0][0] for spec in specs])
     assert outs[1] == outs[0] and backend.prefixes.hits == 2 and backend.prefixes.tokens == 2 * len(head)

@@ -4,7 +4,6 @@ and the state a checkpoint keeps under Muon, warmup-stable-decay, per-group lear
 output projections."""
 
 import math
-import threading
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from nanoeuler.model.config import ModelConfig
 from nanoeuler.optim import (GROUPS, AdamW, Muon, lr_at, muon_scale, newton_schulz, param_group)
 from nanoeuler.train.config import PretrainConfig
 from nanoeuler.train.stepper import make_stepper
+from train_fixtures import step_in_threads, thread_mean_hooks
 
 CFG = ModelConfig(vocab_size=40, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=8, mtp_heads=2)
 
@@ -156,24 +156,9 @@ def test_muon_under_a_data_parallel_hook_updates_every_rank_alike():
     settings = _settings(optimizer="muon")
     reference = make_stepper(settings, CFG, _params(), np)
     reference.step(halves, lr=1e-2)
-    barrier, slots = threading.Barrier(2), [None, None]
-
-    def hook_of(rank):
-        def hook(grads):
-            slots[rank] = grads
-            barrier.wait()
-            total = {n: slots[0][n] + slots[1][n] for n in grads}
-            barrier.wait()
-            for n in grads:
-                grads[n][...] = total[n] * 0.5
-        return hook
-
-    ranks = [make_stepper(settings, CFG, _params(), np, grad_hook=hook_of(r)) for r in range(2)]
-    threads = [threading.Thread(target=lambda r=r: ranks[r].step([halves[r]], lr=1e-2)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    hooks = thread_mean_hooks(2)
+    ranks = [make_stepper(settings, CFG, _params(), np, grad_hook=hooks[r]) for r in range(2)]
+    step_in_threads(ranks, halves, lr=1e-2)
     for n, p in reference.params().items():
         np.testing.assert_array_equal(ranks[0].params()[n], ranks[1].params()[n])
         np.testing.assert_allclose(ranks[0].params()[n], p, rtol=1e-10, atol=1e-13)

@@ -1,7 +1,6 @@
 """The training seam on the CPU: a stage's own loss, a gradient hook between backward and update
 (a two-rank all-reduce double), gradient accumulation, non-finite steps and the state a checkpoint keeps."""
 
-import threading
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from nanoeuler.model.config import ModelConfig
 from nanoeuler.optim import AdamW, clip_grad_norm
 from nanoeuler.train.config import PretrainConfig, SftConfig
 from nanoeuler.train.stepper import NonFinite, XpStepper, make_stepper
+from train_fixtures import step_in_threads, thread_mean_hooks
 
 CFG = ModelConfig(vocab_size=40, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=8, mtp_heads=2)
 
@@ -88,29 +88,9 @@ def test_grad_hook_runs_between_backward_and_clipping_as_an_all_reduce():
     reference = make_stepper(_settings(), CFG, _params(), np)
     ref_loss, ref_norm = reference.step(halves, lr=1e-2)  # accumulation: the mean of the halves' gradients
 
-    barrier, slots = threading.Barrier(2), [None, None]
-
-    def all_reduce_mean(rank):
-        def hook(grads):
-            slots[rank] = grads
-            barrier.wait()
-            total = {n: slots[0][n] + slots[1][n] for n in grads}
-            barrier.wait()
-            for n in grads:
-                grads[n][...] = total[n] * (1.0 / 2)
-        return hook
-
-    ranks = [make_stepper(_settings(), CFG, _params(), np, grad_hook=all_reduce_mean(r)) for r in range(2)]
-    norms = [None, None]
-
-    def run(r):
-        norms[r] = ranks[r].step([halves[r]], lr=1e-2)[1]
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    hooks = thread_mean_hooks(2)
+    ranks = [make_stepper(_settings(), CFG, _params(), np, grad_hook=hooks[r]) for r in range(2)]
+    norms = [norm for _, norm in step_in_threads(ranks, halves, lr=1e-2)]
     assert norms[0] == norms[1] == pytest.approx(ref_norm, rel=1e-12)
     for n, p in reference.params().items():
         for rank in ranks:

@@ -4,6 +4,7 @@ Alpaca records, a config file and a trained-for-nothing model. Everything is tin
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -87,3 +88,36 @@ def save_random_model(path: Path, tok, model: dict | None = None, seed: int = 0)
     params = init_params(cfg, seed)
     checkpoint.save_model(path, params, cfg, step=0, tokenizer_json=tok.to_json())
     return params, cfg
+
+
+def thread_mean_hooks(n: int) -> list:
+    """Gradient hooks for n steppers stepping in n threads: each averages every rank's gradients in place
+    (a thread barrier stands in for NCCL's all-reduce)."""
+    barrier, slots = threading.Barrier(n), [None] * n
+
+    def hook_of(rank):
+        def hook(grads):
+            slots[rank] = grads
+            barrier.wait()
+            total = {k: sum((s[k] for s in slots[1:]), slots[0][k]) for k in grads}  # rank 0's first
+            barrier.wait()
+            for k in grads:
+                grads[k][...] = total[k] * (1.0 / n)
+        return hook
+
+    return [hook_of(r) for r in range(n)]
+
+
+def step_in_threads(steppers, batches, lr: float) -> list:
+    """Each stepper's step on its own batch, all at once in threads: their (loss, gradient norm)."""
+    out = [None] * len(steppers)
+
+    def run(r):
+        out[r] = steppers[r].step([batches[r]], lr=lr)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(steppers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out

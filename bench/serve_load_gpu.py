@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import subprocess
 import sys
 import tempfile

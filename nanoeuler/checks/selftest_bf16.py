@@ -364,8 +364,6 @@ def case_bf16_seq_logp(rng, shape):
     """shape (B, T, K, V, R): DPO's sequence log-prob head on its own. Pass 1 over row chunks of R
     (each row's log-prob of its head-0 target and logsumexp), the pair loss and dloss/dlogp (a padding
     pair of weight 0 included), pass 2 (the logits' gradient in place), against model.dpo in float64."""
-    import cupy
-
     from nanoeuler.model import dpo
 
     B, T, K, V, R = shape
@@ -586,14 +584,18 @@ def case_engine(rng, shape):
     upd = np.concatenate([(new[n].get().astype(np.float64) - p64[n]).ravel() for n in names])
     upd_ref = np.concatenate([(ref_p[n] - p64[n]).ravel() for n in names])
     rows.append(("engine clip+adamw update", upd, upd_ref, 1e-4))
-    pb = eng.Pb.get()
-    img = np.concatenate([from_bf16(pb[eng.offsets[n]:eng.offsets[n] + ref_p[n].size]) for n in names])
-    # the GEMM image of the matrices that read a norm carries the norm's (updated) gain
-    img_ref = [ref_p[n] * ref_p[eng.gain_of[n]] if n in eng.gain_of else ref_p[n] for n in names]
-    rows.append(("engine bf16 weight image (gains folded)", img, np.concatenate([r.ravel() for r in img_ref]),
-                 TOL_BF16))
+    rows.append(_image_row("engine bf16 weight image (gains folded)", eng, ref_p, names))
     del eng
     return rows
+
+
+def _image_row(label, eng, ref_p, names):
+    """The engine's bf16 GEMM image against the reference weights: the matrices that read a norm carry
+    the norm's (updated) gain."""
+    pb = eng.Pb.get()
+    img = np.concatenate([from_bf16(pb[eng.offsets[n]:eng.offsets[n] + ref_p[n].size]) for n in names])
+    img_ref = [ref_p[n] * ref_p[eng.gain_of[n]] if n in eng.gain_of else ref_p[n] for n in names]
+    return label, img, np.concatenate([r.ravel() for r in img_ref]), TOL_BF16
 
 
 def newton_schulz_bf16(g, steps):
@@ -688,11 +690,7 @@ def case_engine_muon(rng, shape):
         rows.append((f"engine newton-schulz, {L} x {sh.name.split('.')[1]} {sh.rows}x{sh.cols}", got, ref, 3e-2))
     ref_p = refs["float64"]
     names = list(params)
-    pb = eng.Pb.get()
-    img = np.concatenate([from_bf16(pb[eng.offsets[n]:eng.offsets[n] + ref_p[n].size]) for n in names])
-    img_ref = [ref_p[n] * ref_p[eng.gain_of[n]] if n in eng.gain_of else ref_p[n] for n in names]
-    rows.append(("engine muon bf16 weight image (gains folded)", img, np.concatenate([r.ravel() for r in img_ref]),
-                 TOL_BF16))
+    rows.append(_image_row("engine muon bf16 weight image (gains folded)", eng, ref_p, names))
     del eng
     return rows
 

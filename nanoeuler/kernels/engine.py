@@ -725,7 +725,7 @@ class Engine:
         self.muon_shapes = []
         if self.optimizer != "muon":
             return
-        cfg, L = self.cfg, self.cfg.n_layers
+        L = self.cfg.n_layers
         vb = self.Vo.view(BF16_STORAGE)
         gains = {"self_attn": "input_layernorm", "mlp": "post_attention_layernorm"}
         for name in HIDDEN_MATRICES:

@@ -22,7 +22,8 @@
 #   bash scripts/device_full_run.sh shards         # on a fresh machine: the shards from .carry/corpus + tokenizer
 #   MEMCAP=11e9 WORK=DIR bash scripts/device_full_run.sh capped SECONDS   # the whole DAG (DPO overlay
 #                                                  # included) as on a card of MEMCAP bytes: the portable
-#                                                  # kernels, CuPy's pool capped, `start` + `wait` in one
+#                                                  # kernels (KERNELS=auto: the Hopper ones), CuPy's pool
+#                                                  # capped, `start` + `wait` in one
 #   bash scripts/device_full_run.sh compare        # bench/train_gpu.py at B32xT512: Hopper path, portable
 #                                                  # path and torch.compile in one run
 #
@@ -253,7 +254,8 @@ YAML
 }
 
 capped() {  # the whole DAG from an empty results/ as on a card of $GB12 bytes less its context
-    export CUPY_GPU_MEMORY_LIMIT=$(printf '%.0f' "$GB12") NANOEULER_KERNELS=portable  # CuPy reads an integer
+    # CuPy reads an integer; KERNELS=auto for a Hopper card (the 80 GB row), portable is the sm_89 path
+    export CUPY_GPU_MEMORY_LIMIT=$(printf '%.0f' "$GB12") NANOEULER_KERNELS=${KERNELS:-portable}
     CONFIGS="config/config.yaml config/mirror.yaml config/mirror-dpo.yaml"
     TARGETS="results/chat.bin results/samples.md results/dpo.bin"
     start

@@ -79,12 +79,14 @@ def gpu_samples(path: Path) -> list[tuple[float, float]]:
 def own_memory(log: Path) -> tuple[str, str, str]:
     """(measured peak, predicted peak, how the batch was cut) from a stage's log: the lines
     `nanoeuler <stage>: device memory peak 9.1 GB measured, 9.4 GB predicted (0.97)` and
-    `nanoeuler <stage>: batch 32 as 4 micro-batches of 8 to fit 11.0 GB` (`-` where absent)."""
+    `nanoeuler <stage>: batch 32 as 4 micro-batches of 8 to fit 11.0 GB` (`-` where absent); an uncut
+    stage's batch is the peak line's tail (`...predicted (1.0); micro-batch 32`)."""
     measured = predicted = cut = "-"
     for line in log.read_text(errors="replace").splitlines() if log.exists() else []:
-        m = re.search(r"device memory peak ([\d.]+ GB) measured, ([\d.]+ GB) predicted", line)
+        m = re.search(r"device memory peak ([\d.]+ GB) measured, ([\d.]+ GB) predicted \([\d.]+\)(?:; (.*))?", line)
         if m:
-            measured, predicted = m.groups()
+            measured, predicted = m.group(1), m.group(2)
+            cut = m.group(3) if m.group(3) and cut == "-" else cut
         m = re.search(r": (batch .* to fit [\d.]+ GB)", line)
         if m:
             cut = m.group(1)

@@ -180,6 +180,42 @@ def test_json_schema_answers_parse_and_validate(client, schema):
         jsonschema.validate(json.loads(choice.message.content), schema)
 
 
+def test_a_schema_is_compiled_once_and_its_cached_grammar_answers_alike(client, server, tok):
+    """The second request with a schema (here 3 choices each) compiles nothing: its guides are copies of the
+    cached matcher, whose answers still validate and are those of the first request's fresh one (same seed)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from nanoeuler.serve.structured import Grammars
+
+    grammars = server[1].state.grammars
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "w": {"enum": ["x", "yy"]}}, "required": ["n", "w"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "cached", "schema": schema}}
+
+    def ask():
+        r = client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": COLOR}], n=3,
+                                           seed=5, temperature=1.0, max_tokens=48, response_format=fmt)
+        return [c.message.content for c in r.choices]
+
+    before = grammars.compiles
+    first = ask()
+    assert grammars.compiles == before + 1  # one compile for all three choices
+    second = ask()
+    assert grammars.compiles == before + 1 and second == first
+    for text in second:
+        jsonschema.validate(json.loads(text), schema)
+
+    small = Grammars(tok, cache_size=2)  # least recently used out
+    a, b, c = ({"type": "integer"}, {"type": "boolean"}, {"enum": ["z"]})
+    for s in (a, b, a, c, a, b):
+        small.guide(s)
+    assert small.compiles == 4  # a, b, c, then b again (pushed out by c); a stayed in use
+    reordered = {"type": "object", "properties": {"w": schema["properties"]["w"], "n": schema["properties"]["n"]}}
+    small.guide(reordered)
+    small.guide({"properties": reordered["properties"], "type": "object"})
+    assert small.compiles == 6  # field order is part of the grammar: no sorting of keys
+
+
 def test_json_object_answers_are_objects_and_bad_formats_are_400(client, server):
     r = client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": FRANCE}], n=3,
                                        seed=1, temperature=0.7, max_tokens=48,

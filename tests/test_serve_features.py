@@ -290,6 +290,7 @@ def test_tokenize_detokenize_and_metrics(server, tok, client):
     assert values["nanoeuler_inter_token_latency_seconds_count"] >= 4
     assert values["nanoeuler_prefix_cache_hits_total"] >= 1 and values["nanoeuler_prefix_cache_tokens_total"] >= 8
     assert values["nanoeuler_queue_depth"] == 0 and 'nanoeuler_generations_total{outcome="finished"}' in values
+    assert values["process_resident_memory_bytes"] > 10 * 2**20  # the soak test's flat-memory reading
 
 
 def test_a_speculating_server_answers_as_a_plain_one_and_reports_acceptance_per_head(tmp_path_factory, client):

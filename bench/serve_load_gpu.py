@@ -5,6 +5,8 @@ engine's batched tokens/s beside each level.
     python bench/serve_load_gpu.py --ckpt results/chat.bin --levels 1,8 --requests 2 --max-tokens 64
     python bench/serve_load_gpu.py --url http://127.0.0.1:8081 --ckpt results/chat.bin   # another server (llama-server)
     python bench/serve_load_gpu.py --device cpu --levels 1,2 --requests 1 --max-tokens 8  # a smoke run, no GPU
+    python bench/serve_load_gpu.py --preset gpu --prefix 400 --soak 240     # the 116M model, random weights
+    python bench/serve_load_gpu.py --preset gpu --save-model gpu.bin        # only write that model file
 
 Needs the `serve` extra and `httpx2` (the clients) where it runs; CuPy for `--device gpu`. One command on a
 GPU machine, from the repository's root: `python bench/serve_load_gpu.py --ckpt results/chat.bin`.
@@ -17,6 +19,15 @@ Per level it prints: generated tokens/s (all clients), time to first token p50/p
 p50/p99 (between a stream's consecutive text chunks), failures, and the peer: the same model in this
 process (`Engine.generate`, L prompts decoded as one batch, no server; measured in a child process
 before the server starts, so the server's memory sizing sees an empty GPU).
+
+Without --ckpt the model has random weights: the `small` preset, or with `--preset gpu` the full run's 116M
+model with a 4096-token BPE learned on the shipped Alpaca sample and this repository's documents (tokens/s do
+not depend on training; every answer has --max-tokens tokens, `ignore_eos`). `--prefix N`: time to first
+token of requests (token ids, one new token) whose N-token prefix is cached against ones whose prefix is new,
+one request at a time, median of --prefix-repeats each. `--soak S`: the top level's clients go on for S
+seconds while /metrics is read every 10 s (the server's resident memory and CuPy pool): the samples, their
+first-to-last change, and the soak's failures. `--speculative` starts the server with it (greedy requests
+speculate; with random weights no draft is kept, so it only shows the cost).
 
 Comparing with llama.cpp's llama-server (not built here): export the model to Hugging Face format and
 convert it with llama.cpp's own script, then serve it with as many parallel slots as the top level:
@@ -52,6 +63,21 @@ import numpy as np  # noqa: E402
 from serve_load import QUESTIONS, small_model  # noqa: E402
 
 
+def gpu_model(path: Path) -> None:
+    """A random-weight model of the `gpu` preset (116M parameters) with a 4096-token BPE tokenizer."""
+    from nanoeuler import checkpoint
+    from nanoeuler.model.config import ModelConfig
+    from nanoeuler.model.transformer import init_params
+    from nanoeuler.tokenizer.bpe import train_bpe
+
+    records = json.loads((ROOT / "data/sample/alpaca_data.json").read_text())
+    texts = [r["instruction"] + "\n" + r["input"] + "\n" + r["output"] for r in records]
+    texts += [f.read_text() for f in [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]]
+    tok = train_bpe("\n\n".join(texts), 4096)
+    cfg = ModelConfig.from_section({"preset": "gpu"}, tok.vocab_size)
+    checkpoint.save_model(path, init_params(cfg, 0), cfg, step=0, tokenizer_json=tok.to_json())
+
+
 def prompt_texts(n: int) -> list[str]:
     from nanoeuler.train.template import render_prompt
 
@@ -77,7 +103,7 @@ def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str]:
 
     cmd = [sys.executable, "-m", "nanoeuler", "serve", "--ckpt", str(ckpt), "--device", args.device, "--port", "0",
            "--max-batch", str(max(args.levels)), "--max-queue", str(4 * max(args.levels)),
-           "--max-tokens", str(args.max_tokens), "--log-level", "warning"]
+           "--max-tokens", str(args.max_tokens), "--log-level", "warning"] + (["--speculative"] if args.speculative else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     while True:
         line = proc.stderr.readline()
@@ -120,6 +146,51 @@ async def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
             "gaps": list(np.diff(arrivals))}
 
 
+async def prefix_ttft(url: str, args, vocab: int) -> tuple[float, float]:
+    """Median time to first token (ms) of one-token answers whose --prefix tokens are new, and cached."""
+    import httpx2
+
+    rng = np.random.default_rng(0)
+    ids = lambda n: [int(t) for t in rng.integers(10, vocab - 10, n)]  # noqa: E731
+    async with httpx2.AsyncClient(timeout=600) as client:
+        async def one(prompt):
+            t0 = time.perf_counter()
+            r = await client.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+            r.raise_for_status()
+            return (time.perf_counter() - t0) * 1e3
+
+        fresh = [await one(ids(args.prefix) + ids(16)) for _ in range(args.prefix_repeats)]
+        shared = ids(args.prefix)
+        await one(shared + ids(16))  # puts the prefix in the cache
+        cached = [await one(shared + ids(16)) for _ in range(args.prefix_repeats)]
+    return float(np.median(fresh)), float(np.median(cached))
+
+
+async def soak(url: str, args) -> dict:
+    """The top level's clients for --soak seconds, /metrics read every 10 s: (seconds, RSS, pool) samples."""
+    import httpx2
+
+    clients, stop = max(args.levels), time.perf_counter() + args.soak
+    prompts, samples, results = prompt_texts(clients), [], []
+    async with httpx2.AsyncClient(timeout=600, limits=httpx2.Limits(max_connections=clients + 4)) as client:
+        async def one_client(i):
+            while time.perf_counter() < stop:
+                results.append(await one_request(client, url, prompts[i], args.max_tokens))
+
+        async def sampler():
+            t0 = time.perf_counter()
+            while time.perf_counter() < stop:
+                text = (await client.get(url + "/metrics")).text
+                values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+                samples.append((time.perf_counter() - t0, float(values.get("process_resident_memory_bytes", "nan")),
+                                float(values.get('nanoeuler_gpu_pool_bytes{kind="held"}', "nan"))))
+                await asyncio.sleep(10)
+
+        await asyncio.gather(sampler(), *(one_client(i) for i in range(clients)))
+    return {"samples": samples, "requests": len(results), "failures": sum(not r["ok"] for r in results),
+            "tokens": sum(r.get("tokens", 0) for r in results if r["ok"])}
+
+
 async def level(url: str, clients: int, args) -> dict:
     import httpx2
 
@@ -148,16 +219,26 @@ def main() -> int:
     ap.add_argument("--levels", default="1,8,32,64", help="concurrent clients, comma-separated")
     ap.add_argument("--requests", type=int, default=4, help="requests per client at each level")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per answer")
+    ap.add_argument("--preset", default="small", choices=["small", "gpu"], help="the random model without --ckpt")
+    ap.add_argument("--save-model", type=Path, metavar="BIN", help="write that random model there and stop")
+    ap.add_argument("--prefix", type=int, default=0, help="tokens of a shared prefix to time (0: none)")
+    ap.add_argument("--prefix-repeats", type=int, default=5)
+    ap.add_argument("--soak", type=float, default=0, help="seconds of the top level after the levels (0: none)")
+    ap.add_argument("--speculative", action="store_true", help="start the server with --speculative")
     ap.add_argument("--peer-rows", type=int, help=argparse.SUPPRESS)  # the child that measures the peer
     args = ap.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
+    make = gpu_model if args.preset == "gpu" else small_model
+    if args.save_model:
+        make(args.save_model)
+        return 0
     if args.peer_rows:
         print(json.dumps(peer(args.ckpt, args.device, args.peer_rows, args.max_tokens)))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         if args.ckpt is None:
-            args.ckpt = Path(tmp) / "small.bin"
-            small_model(args.ckpt)
+            args.ckpt = Path(tmp) / f"{args.preset}.bin"
+            make(args.ckpt)
         peers = {}
         for rows in args.levels:
             out = subprocess.run([sys.executable, __file__, "--ckpt", str(args.ckpt), "--device", args.device,
@@ -168,6 +249,12 @@ def main() -> int:
         try:
             asyncio.run(level(url, 1, argparse.Namespace(**{**vars(args), "requests": 1})))  # warm-up
             rows = [asyncio.run(level(url, clients, args)) for clients in args.levels]
+            if args.prefix:
+                from nanoeuler import checkpoint
+
+                vocab = checkpoint.load_model(args.ckpt)[1].vocab_size
+                fresh, cached = asyncio.run(prefix_ttft(url, args, vocab))
+            soaked = asyncio.run(soak(url, args)) if args.soak else None
         finally:
             if proc is not None:
                 proc.terminate()
@@ -181,7 +268,20 @@ def main() -> int:
         print(f"{r['clients']:>7} {r['requests']:>8} {r['failures']:>8} {r['tokens_per_s']:>9.1f} "
               f"{r['ttft_p50']:>7.1f}ms {r['ttft_p99']:>7.1f}ms {r['itl_p50']:>6.2f}ms {r['itl_p99']:>6.2f}ms "
               f"{p:>10.1f} {r['tokens_per_s'] / p:>5.2f}x")
-    return 0 if not any(r["failures"] for r in rows) else 1
+    if args.prefix:
+        print(f"prefix reuse, {args.prefix} shared tokens + 16: TTFT {fresh:.1f} ms new, {cached:.1f} ms cached "
+              f"({cached / fresh:.2f}x)")
+    if soaked:
+        s = soaked["samples"]
+        print(f"soak, {max(args.levels)} clients for {args.soak:g} s: {soaked['requests']} requests, "
+              f"{soaked['failures']} failures, {soaked['tokens'] / args.soak:.1f} tokens/s")
+        for t, rss, pool in s:
+            print(f"  {t:6.0f} s  RSS {rss / 2**20:8.1f} MiB  GPU pool {pool / 2**20:8.1f} MiB")
+        if len(s) > 1:
+            print(f"  change first -> last: RSS {(s[-1][1] - s[0][1]) / 2**20:+.1f} MiB, "
+                  f"GPU pool {(s[-1][2] - s[0][2]) / 2**20:+.1f} MiB")
+    failed = any(r["failures"] for r in rows) or (soaked and soaked["failures"])
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -25,15 +25,16 @@ def chat_model(tmp_path_factory) -> str:
     return str(path)
 
 
-def train_chat_model(path, steps: int = 100):
-    """Fine-tune the tiny model on LEARNED (full batch, AdamW) and save it with its tokenizer."""
+def train_chat_model(path, steps: int = 100, mtp_heads: int | None = None):
+    """Fine-tune the tiny model (with `mtp_heads` output heads: default the tiny config's) on LEARNED (full
+    batch, AdamW) and save it with its tokenizer."""
     from nanoeuler import checkpoint
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.model.transformer import init_params, loss_and_grads
     from nanoeuler.optim import AdamW
 
     tok = make_tokenizer()
-    cfg = ModelConfig.from_section(TINY_MODEL, tok.vocab_size)
+    cfg = ModelConfig.from_section({**TINY_MODEL, **({"mtp_heads": mtp_heads} if mtp_heads else {})}, tok.vocab_size)
     params = init_params(cfg, 0)
     examples = [encode_example(tok, {"instruction": q, "input": "", "output": a}) for q, a in LEARNED.items()]
     inputs, targets = sft_batch(examples, cfg.mtp_heads, tok.eot_id)
@@ -48,7 +49,7 @@ def train_chat_model(path, steps: int = 100):
 @contextlib.contextmanager
 def live_server(model_path, **config):
     """Serve `model_path` on 127.0.0.1 (a free port) in a thread; yields (base URL, app). `config`: ServeConfig's
-    fields, and `shutdown_grace_s` and `send_buffer` (SO_SNDBUF of the connections)."""
+    fields, and `shutdown_grace_s`, `send_buffer` (SO_SNDBUF of the connections) and `speculative` (the backend's)."""
     import uvicorn
 
     from nanoeuler.serve.app import ServeConfig, create_app
@@ -57,7 +58,9 @@ def live_server(model_path, **config):
 
     grace = config.pop("shutdown_grace_s", 10.0)
     send_buffer = config.pop("send_buffer", None)  # bytes: small, an unread answer fills it in moments
-    backend = Backend.load(model_path, "cpu", slots=config.get("max_batch", ServeConfig.max_batch))
+    speculative = config.pop("speculative", False)
+    backend = Backend.load(model_path, "cpu", slots=config.get("max_batch", ServeConfig.max_batch),
+                           speculative=speculative)
     app = create_app(backend, ServeConfig(**config))
     sock = listen("127.0.0.1", 0)
     if send_buffer:
@@ -85,9 +88,9 @@ def run_streams(backend, specs):
     got = [[] for _ in streams]
     while any(not s.done for s in streams):
         live = [i for i, s in enumerate(streams) if not s.done]
-        for i, t in zip(live, backend.step([streams[i] for i in live])):
-            assert not isinstance(t, Exception), t
-            got[i].append(t)
+        for i, new in zip(live, backend.step([streams[i] for i in live])):
+            assert not isinstance(new, Exception), new
+            got[i] += new
     for s in streams:
         s.close()
     return got, streams

@@ -144,7 +144,7 @@ class ScriptedBackend:
         self.steps.append(len(streams))
         if any(s.max_new_tokens == 13 for s in streams):
             raise RuntimeError("the engine broke")
-        return [s.advance() for s in streams]
+        return [[s.advance()] for s in streams]
 
 
 def test_scheduler_batches_limits_the_queue_cancels_and_survives_a_failure():
@@ -202,8 +202,8 @@ def test_streams_joining_and_leaving_the_batch_equal_one_at_a_time(tok, tmp_path
             i, (prompt, n, sampling) = waiting.pop(0)
             active.append((i, backend.open(prompt, n, sampling, stop_at_end=False)))
             got[i] = []
-        for (i, stream), t in zip(active, backend.step([s for _, s in active])):
-            got[i].append(t)
+        for (i, stream), new in zip(active, backend.step([s for _, s in active])):
+            got[i] += new
         for i, stream in [a for a in active if a[1].done]:
             stream.close()
         active = [a for a in active if not a[1].done]

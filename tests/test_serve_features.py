@@ -12,7 +12,8 @@ httpx = pytest.importorskip("httpx2")
 
 from nanoeuler.infer.generate import Generator, Sampling  # noqa: E402
 from nanoeuler.infer.logprobs import log_softmax  # noqa: E402
-from serve_fixtures import LEARNED, chat_model, live_server, run_streams  # noqa: E402
+from nanoeuler.train.template import render_prompt  # noqa: E402
+from serve_fixtures import LEARNED, chat_model, live_server, run_streams, train_chat_model  # noqa: E402
 from train_fixtures import make_tokenizer  # noqa: E402
 
 FRANCE, COLOR = list(LEARNED)
@@ -91,6 +92,38 @@ def test_a_grammar_masks_every_step_and_ends_the_stream(exact_model, tok):
     got, streams = run_streams(backend, specs)
     for tokens, s in zip(got, streams):
         assert s.guide.stopped and json.loads(tok.decode(tokens).replace("</s>", "")) in ({"ok": True}, {"ok": False})
+
+
+def test_batched_speculation_is_plain_greedy_and_counts_each_heads_drafts(tok, tmp_path):
+    """Greedy streams that speculate in the batch (three heads: two drafts a pass) give the float64 reference's
+    greedy tokens, beside sampled and log-probability streams in the same steps and across two context refills;
+    a step hands out several tokens where drafts were kept, and SpecStats counts each head's drafts."""
+    from nanoeuler import checkpoint
+    from nanoeuler.infer.engine import Engine
+    from nanoeuler.serve.backend import Backend
+
+    train_chat_model(tmp_path / "k3.bin", mtp_heads=3)  # trained heads: their drafts are often right
+    params, cfg = checkpoint.load_model(tmp_path / "k3.bin")[:2]
+    params = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}  # no near-ties in rounding
+    ref = Generator(params, cfg)
+    france, color = (tok.encode(render_prompt(q)) for q in LEARNED)
+    greedy, hot = Sampling(temperature=0), Sampling(temperature=0.9, top_k=0, top_p=0.95, seed=4)
+    specs = [(france, 12, greedy, {}), (color, 2 * cfg.ctx_len + 5, greedy, {}), (france, 10, hot, {}),
+             (color, 9, greedy, {"logprobs": 1})]
+    backend = Backend(Engine.from_params(params, cfg, "cpu"), tok, "k3", 4, 8, speculative=True)
+    assert backend.speculative
+    steps, step = [], backend.step
+    backend.step = lambda streams: steps.append(len(streams)) or step(streams)
+    got, streams = run_streams(backend, specs)
+    for (prompt, n, sampling, _), tokens in zip(specs, got):
+        assert tokens == ref.generate(prompt, n, sampling)
+    assert len(streams[3].records) == 9  # log-probabilities: a plain stream, one record a token
+    st = backend.engine.stats
+    assert len(steps) < 2 * cfg.ctx_len + 5  # the longest answer took fewer steps than tokens
+    assert st.offered[0] == st.passes and st.offered[1] == st.accepted[0]  # draft 2 is checked after draft 1 stood
+    assert st.accepted[0] > 0 and st.accepted[1] > 0 and st.tokens == st.passes + sum(st.accepted)
+    plain = Backend(Engine.from_params(params, cfg, "cpu"), tok, "k3", 4, 8)
+    assert run_streams(plain, specs)[0] == got and plain.engine.stats.passes == 0
 
 
 # ---- the live server ----------------------------------------------------------------------------------
@@ -180,6 +213,42 @@ def test_json_schema_answers_parse_and_validate(client, schema):
         jsonschema.validate(json.loads(choice.message.content), schema)
 
 
+def test_a_schema_is_compiled_once_and_its_cached_grammar_answers_alike(client, server, tok):
+    """The second request with a schema (here 3 choices each) compiles nothing: its guides are copies of the
+    cached matcher, whose answers still validate and are those of the first request's fresh one (same seed)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from nanoeuler.serve.structured import Grammars
+
+    grammars = server[1].state.grammars
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "w": {"enum": ["x", "yy"]}}, "required": ["n", "w"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "cached", "schema": schema}}
+
+    def ask():
+        r = client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": COLOR}], n=3,
+                                           seed=5, temperature=1.0, max_tokens=48, response_format=fmt)
+        return [c.message.content for c in r.choices]
+
+    before = grammars.compiles
+    first = ask()
+    assert grammars.compiles == before + 1  # one compile for all three choices
+    second = ask()
+    assert grammars.compiles == before + 1 and second == first
+    for text in second:
+        jsonschema.validate(json.loads(text), schema)
+
+    small = Grammars(tok, cache_size=2)  # least recently used out
+    a, b, c = ({"type": "integer"}, {"type": "boolean"}, {"enum": ["z"]})
+    for s in (a, b, a, c, a, b):
+        small.guide(s)
+    assert small.compiles == 4  # a, b, c, then b again (pushed out by c); a stayed in use
+    reordered = {"type": "object", "properties": {"w": schema["properties"]["w"], "n": schema["properties"]["n"]}}
+    small.guide(reordered)
+    small.guide({"properties": reordered["properties"], "type": "object"})
+    assert small.compiles == 6  # field order is part of the grammar: no sorting of keys
+
+
 def test_json_object_answers_are_objects_and_bad_formats_are_400(client, server):
     r = client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": FRANCE}], n=3,
                                        seed=1, temperature=0.7, max_tokens=48,
@@ -221,6 +290,29 @@ def test_tokenize_detokenize_and_metrics(server, tok, client):
     assert values["nanoeuler_inter_token_latency_seconds_count"] >= 4
     assert values["nanoeuler_prefix_cache_hits_total"] >= 1 and values["nanoeuler_prefix_cache_tokens_total"] >= 8
     assert values["nanoeuler_queue_depth"] == 0 and 'nanoeuler_generations_total{outcome="finished"}' in values
+    assert values["process_resident_memory_bytes"] > 10 * 2**20  # the soak test's flat-memory reading
+
+
+def test_a_speculating_server_answers_as_a_plain_one_and_reports_acceptance_per_head(tmp_path_factory, client):
+    """`--speculative`: the greedy answers are the plain server's; /metrics gives each draft head's real counts."""
+    questions = [FRANCE, COLOR, FRANCE]
+    plain = [client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": q}],
+                                            temperature=0, max_tokens=20).choices[0].message.content
+             for q in questions]
+    with live_server(chat_model(tmp_path_factory), max_tokens=48, speculative=True) as (url, app):
+        spec = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for q, want in zip(questions, plain):
+            r = spec.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": q}],
+                                             temperature=0, max_tokens=20, stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in r if c.choices) == want
+        text = httpx.get(url + "/metrics").text
+        stats = app.state.scheduler.backend.engine.stats
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert stats.passes > 0 and stats.accepted[0] > 0
+    assert values['nanoeuler_spec_drafts_offered_total{head="1"}'] == stats.offered[0] == stats.passes
+    assert values['nanoeuler_spec_drafts_accepted_total{head="1"}'] == stats.accepted[0]
+    assert values['nanoeuler_spec_acceptance_ratio{head="1"}'] == pytest.approx(stats.accepted[0] / stats.offered[0])
 
 
 def test_speculative_decoding_reports_target_logprobs_and_keeps_to_the_grammar(exact_model, tok):

@@ -64,3 +64,19 @@ def test_gpu_prefix_reuse_answers_as_a_whole_prefill(model, dtype):
         backend = Backend(Engine.from_params(params, cfg, "gpu", dtype=dtype), _Tok(), "m", 1, cache)
         outs.append([run_streams(backend, [spec])[0][0] for spec in specs])
     assert outs[1] == outs[0] and backend.prefixes.hits == 2 and backend.prefixes.tokens == 2 * len(head)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gpu_batched_speculation_answers_as_the_numpy_backend(model, dtype):
+    """`GpuBackend.verify_argmax_many` (blocks of several slots in one pass, on the GEMV path for 2 streams and
+    on cuBLAS for 5) under the server's speculation: the NumPy backend's greedy tokens, and its pass counts."""
+    from nanoeuler.serve.backend import Backend
+
+    params, cfg = model
+    for n in (2, 5):
+        specs = [([1 + i, 2, 3], 20 + 30 * (i == 0), Sampling(temperature=0), {}) for i in range(n)]
+        backends = [Backend(Engine.from_params(params, cfg, dev, **kw), _Tok(), "m", n, 0, speculative=True)
+                    for dev, kw in (("cpu", {}), ("gpu", {"dtype": dtype}))]
+        (cpu_tokens, _), (gpu_tokens, _) = (run_streams(b, specs) for b in backends)
+        assert gpu_tokens == cpu_tokens
+        assert backends[1].engine.stats.offered == backends[0].engine.stats.offered > [0] * (cfg.mtp_heads - 1)

@@ -359,6 +359,16 @@ class CpuBackend:
     def verify_argmax(self, tokens, pos: int) -> np.ndarray:
         return self.verify(tokens, pos).argmax(axis=-1)  # (K, t)
 
+    @_step_blas
+    def verify_argmax_many(self, slots, blocks, pos) -> np.ndarray:
+        """`verify_argmax` of several slots in one pass (the server's batched speculation): blocks (n, t), row i
+        fed to slots[i] at pos[i]..pos[i]+t-1 -> (n, K, t) argmax ids."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        n, t = blocks.shape
+        at = (np.asarray(pos, dtype=np.int64)[:, None] + np.arange(t)).reshape(-1)
+        xn = self._rows(blocks.reshape(-1), np.repeat(np.asarray(slots), t), at, int(slots[0]) if n == 1 else None)
+        return self._heads(xn, self.cfg.mtp_heads).argmax(axis=-1).reshape(-1, n, t).transpose(1, 0, 2)
+
     # ---- optional calls of the server: logits for log-probabilities and grammars, cached prefixes --------
 
     def decode_logits(self, tokens, pos, mask) -> np.ndarray:

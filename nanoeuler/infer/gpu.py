@@ -657,6 +657,18 @@ class GpuBackend:
         r = self._run(t, K, "argmax", meta)
         return self._fetch(r, t * K).reshape(t, K).T  # (K, t)
 
+    def verify_argmax_many(self, slots, blocks, pos) -> np.ndarray:
+        """`verify_argmax` of several slots in one pass (the server's batched speculation): blocks (n, t), row i
+        fed to slots[i] at pos[i]..pos[i]+t-1 -> (n, K, t) argmax ids. One forward of n * t rows, as
+        `prefill_many`'s rows of several slots (each attends to its own slot up to its position)."""
+        blocks = np.asarray(blocks, np.int32)
+        n, t = blocks.shape
+        K = self.cfg.mtp_heads
+        meta = np.concatenate([blocks.reshape(-1), np.repeat(np.asarray(slots, np.int32), t),
+                               (np.asarray(pos, np.int32)[:, None] + np.arange(t, dtype=np.int32)).reshape(-1)])
+        r = self._run(n * t, K, "argmax", meta)
+        return self._fetch(r, n * t * K).reshape(n, t, K).transpose(0, 2, 1)
+
     def verify(self, tokens, pos: int) -> np.ndarray:
         t = len(tokens)
         cfg = self.cfg

@@ -76,7 +76,7 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI
         await asyncio.to_thread(scheduler.stop)
 
     app = FastAPI(title="nanoeuler", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.scheduler, app.state.config, app.state.metrics = scheduler, config, metrics
+    app.state.scheduler, app.state.config, app.state.metrics, app.state.grammars = scheduler, config, metrics, grammars
     app.add_middleware(_RequestIds, on_status=metrics.answered)
     page = resources.files("nanoeuler.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
     _add_error_handlers(app)
@@ -163,6 +163,11 @@ class _Grammars:
 
     def __init__(self, tok):
         self.tok, self._grammars, self._lock = tok, None, asyncio.Lock()
+
+    @property
+    def compiles(self) -> int:
+        """Schemas compiled so far (the others came from `Grammars`' cache)."""
+        return self._grammars.compiles if self._grammars is not None else 0
 
     async def guides(self, schema: dict, n: int) -> list:
         async with self._lock:

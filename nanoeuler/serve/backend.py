@@ -1,7 +1,7 @@
 """The model behind the server: the one adapter between the HTTP layer and the generation engine.
 
 The server asks three things of an engine: the tokenizer, a token stream per request (`open`), and a
-batch step that advances many streams by one token each (`step`). Only this module knows which engine
+batch step that advances many streams by one token each, or by more where speculation kept drafts (`step`). Only this module knows which engine
 answers; `infer.generate.load` decides, and two kinds are handled:
 
 - a generator with a `stream(prompt, n, sampling, stop_ids)` iterator and nothing shared between
@@ -19,15 +19,22 @@ tokens it refuses are masked before sampling); such streams are decoded through 
 Prompts that share a prefix with a recent one (a system prompt, the chat template's head) copy that
 prefix's cache rows instead of computing them again (`PrefixCache`, where the engine can).
 
+With `speculative`, greedy streams (without log-probabilities or a grammar) decode by self-speculation in
+the batch: each keeps the drafts of its MTP heads, and one `verify_argmax_many` call checks every such
+stream's block [next token, drafts] at once (`engine.greedy_kept`, the engine's rule for one prompt), so a
+step hands such a stream 1 to K tokens, token for token plain greedy's. The passes are counted per draft
+head in the engine's `SpecStats` (`/metrics`). Sampled streams, and streams within K positions of the
+context's end, decode plainly.
+
 A stream's failure is its own: `step` gives the exception in that stream's place (the stream is done,
 its slot goes back when it is closed) and the other streams go on as if it had never been there.
 
     >>> backend = Backend.load("results/chat.bin", device="cpu")
     >>> a = backend.open(backend.tok.encode("Once"), max_new_tokens=2, sampling=Sampling(temperature=0))
     >>> b = backend.open(backend.tok.encode("It was"), max_new_tokens=1, sampling=Sampling(temperature=0))
-    >>> ids = backend.step([a, b])   # one token id for each stream
-    >>> a.done, b.done               # b has reached its one token
-    (False, True)
+    >>> ids = backend.step([a, b])   # the new token ids of each stream
+    >>> [len(t) for t in ids], a.done, b.done   # b has reached its one token
+    ([1, 1], False, True)
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import numpy as np
 
 from nanoeuler.backend import to_numpy
 from nanoeuler.errors import UserError
+from nanoeuler.infer.engine import greedy_kept
 from nanoeuler.infer.generate import Sampling, load, sample_token
 from nanoeuler.infer.logprobs import token_logprobs
 
@@ -62,6 +70,7 @@ class TokenStream:
         self.slot: int | None = None  # the cache slot on a slot engine, and its state:
         self.history: list[int] = []  # the tokens in the slot (prompt, then answer)
         self.pending: int | None = None  # the next token, chosen and not yet handed out
+        self.drafts: list[int] | None = None  # the draft heads' tokens after `pending` (a speculating stream)
         self.pos = 0  # where `pending` will be fed
         self.sampling: Sampling | None = None
         self.release = None
@@ -88,14 +97,18 @@ class TokenStream:
 
 class Backend:
     """A chat model file, loaded once: its tokenizer, context length and token streams.
-    `slots`: most streams open at once on a slot engine (the scheduler's `max_batch`)."""
+    `slots`: most streams open at once on a slot engine (the scheduler's `max_batch`). `speculative`: greedy
+    streams speculate where the engine verifies blocks of several slots at once (`verify_argmax_many`)."""
 
-    def __init__(self, engine, tok, name: str, slots: int = 8, prefix_cache: int = 8):
+    def __init__(self, engine, tok, name: str, slots: int = 8, prefix_cache: int = 8, speculative: bool = False):
         self.engine, self.tok, self.name = engine, tok, name
         self.stop_ids = frozenset({tok.end_id, tok.eot_id})
         be = getattr(engine, "backend", None)
         self._slots = _slots(be, engine.cfg, slots) if all(
             hasattr(be, m) for m in ("start", "prefill", "decode")) else None
+        if self._slots and speculative and engine.cfg.mtp_heads > 1 and hasattr(be, "verify_argmax_many"):
+            self._slots.stats = engine.stats
+            engine.stats.for_heads(engine.cfg.mtp_heads)
         reuses = all(hasattr(be, m) for m in ("prefill_from", "read_rows", "write_rows"))
         if self._slots and prefix_cache > 0 and reuses:
             self._slots.prefixes = PrefixCache(be, prefix_cache)
@@ -103,14 +116,15 @@ class Backend:
 
     @classmethod
     def load(cls, path, device: str = "auto", name: str | None = None, slots: int = 8,
-             gpu_memory="auto", threads: int | None = None, prefix_cache: int = 8) -> "Backend":
+             gpu_memory="auto", threads: int | None = None, prefix_cache: int = 8,
+             speculative: bool = False) -> "Backend":
         """`slots` at most as many as the GPU's memory holds caches for (`gpu_memory`, `memory.decode_batch`)."""
         engine, tok, _ = load(path, device, gpu_memory=gpu_memory, stage="serve", threads=threads)
         if engine.max_batch is not None and slots > engine.max_batch:
             print(f"nanoeuler serve: max_batch {engine.max_batch} (not {slots}): the KV caches of that many streams "
                   f"fit {engine.budget.total / 1e9:.1f} GB ({engine.budget.source})", file=sys.stderr, flush=True)
             slots = engine.max_batch
-        return cls(engine, tok, name or Path(path).stem, slots, prefix_cache)
+        return cls(engine, tok, name or Path(path).stem, slots, prefix_cache, speculative)
 
     @property
     def cfg(self):
@@ -120,6 +134,11 @@ class Backend:
     def free_slots(self) -> int | None:
         """Cache slots no stream holds (None on an engine without slots); `capacity` when idle."""
         return len(self._slots.free) if self._slots else None
+
+    @property
+    def speculative(self) -> bool:
+        """Whether greedy streams speculate (asked for, and the engine can verify several slots at once)."""
+        return bool(self._slots and self._slots.stats is not None)
 
     @property
     def prefixes(self) -> "PrefixCache | None":
@@ -145,11 +164,11 @@ class Backend:
         self._slots.take(stream, prompt_ids, sampling)
         return stream
 
-    def step(self, streams: list[TokenStream]) -> list[int | Exception]:
-        """The batch entry: the next token of every stream (none of them may be `done`), or in its place the
-        exception that ended that stream alone."""
+    def step(self, streams: list[TokenStream]) -> list[list[int] | Exception]:
+        """The batch entry: the new tokens of every stream (none of them may be `done`; one token, or up to K
+        when a speculative pass kept drafts), or in their place the exception that ended that stream alone."""
         if self._slots is None:
-            return [_own(s, s.advance) for s in streams]
+            return [_own(s, lambda s=s: [s.advance()]) for s in streams]
         return self._slots.step(streams)
 
 
@@ -188,6 +207,7 @@ class _Slots:
         self.pos = np.zeros(n, dtype=np.int64)
         self.decodes = 0
         self.prefixes: PrefixCache | None = None
+        self.stats = None  # the engine's SpecStats where greedy streams speculate
         be.start(n, self.seeds)
 
     def take(self, stream: TokenStream, prompt_ids: list[int], sampling: Sampling) -> None:
@@ -218,6 +238,8 @@ class _Slots:
             self.prefixes.keep(s.slot, s.history, reused)
         s.pending = self._choose([s], heads[:1])[0]
         s.pos = len(s.history)
+        speculates = self.stats is not None and s.sampling.temperature <= 0 and not _needs_logits(s)
+        s.drafts = [int(np.argmax(to_numpy(h))) for h in heads[1:]] if speculates else None
 
     def _choose(self, streams: list[TokenStream], logits) -> list[int]:
         """The next token of each stream from its row of head-0 logits: sampled from its own seed stream,
@@ -241,35 +263,60 @@ class _Slots:
                 streams[i].records.append((lp, alts[:streams[i].logprobs]))
         return out
 
-    def step(self, streams: list[TokenStream]) -> list[int | Exception]:
+    def step(self, streams: list[TokenStream]) -> list[list[int] | Exception]:
         """`Backend.step` on slots: prefill the new streams, hand out every pending token, decode the next ones
-        (one call per sampling setting). A stream's own failure takes its token's place in `out`."""
+        (one call per sampling setting), then verify the speculating streams' drafts (one call for all; the
+        drafts kept are handed out too). A stream's own failure takes its tokens' place in `out`."""
         out = {id(s): _own(s, lambda s=s: self._prefill(s)) for s in streams if s.pending is None}
         feed = []
         for s in streams:
             if isinstance(out.get(id(s)), Exception):
                 continue
-            t = out[id(s)] = s.record(s.pending)
+            t = s.record(s.pending)
+            out[id(s)] = [t]
             s.history.append(t)
             if s.done:
                 continue
             if s.pos >= self.cfg.ctx_len:  # the slot is full: refill it from the newest tokens
                 s.history = s.history[-max(1, self.cfg.ctx_len // 2):]
                 refilled = _own(s, lambda s=s: self._prefill(s))
-                out[id(s)] = refilled if isinstance(refilled, Exception) else t
+                if isinstance(refilled, Exception):
+                    out[id(s)] = refilled
             else:
                 feed.append(s)
         groups: dict[tuple, list[TokenStream]] = {}
-        for s in feed:
-            key = (s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, _needs_logits(s))
+        for s in feed:  # the verifying group last: plain decodes then see its streams' rows as they stand
+            verifies = s.drafts is not None and s.pos + self.cfg.mtp_heads <= self.cfg.ctx_len
+            key = (verifies, s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, _needs_logits(s))
             groups.setdefault(key, []).append(s)
-        for group in groups.values():
+        for key in sorted(groups, key=lambda k: k[0]):
+            group = groups[key]
             try:
-                self._decode(feed, group)
+                if key[0]:
+                    self._verify(group, out)
+                else:
+                    self._decode(feed, group)
             except Exception as exc:  # the group shares its sampling setting: what failed is theirs
                 for s in group:
                     s.done, out[id(s)] = True, exc
         return [out[id(s)] for s in streams]
+
+    def _verify(self, group: list[TokenStream], out: dict) -> None:
+        """One speculative pass of every stream in `group`: its block [pending, drafts...] fed at its position;
+        the drafts head 0 agrees with are handed out now (after the token this step gave), the token after the
+        last of them is the next pending one, and the draft heads there its next drafts."""
+        K = self.cfg.mtp_heads
+        blocks = np.array([[s.pending] + s.drafts for s in group], dtype=np.int64)
+        ids = self.be.verify_argmax_many([s.slot for s in group], blocks, [s.pos for s in group])  # (n, K, K)
+        for s, block, got in zip(group, blocks, ids):
+            a = greedy_kept(got, block)
+            self.stats.count_pass(a, K)
+            s.pending, s.drafts, s.pos = int(got[0, a]), [int(i) for i in got[1:, a]], s.pos + a + 1
+            for d in block[1:a + 1]:
+                if s.done:  # a stop id or the last token among the kept drafts
+                    break
+                out[id(s)].append(s.record(int(d)))
+                s.history.append(int(d))
 
     def _decode(self, feed: list[TokenStream], group: list[TokenStream]) -> None:
         """One decode call for `group`. An engine may compute the rows outside the mask too, writing their
@@ -288,8 +335,8 @@ class _Slots:
         else:
             nxt = self.be.decode(self.tokens.copy(), pos, group[0].sampling, self.decodes, self.rngs, mask)
         self.decodes += 1
-        for s in group:
-            s.pending, s.pos = int(nxt[s.slot]), s.pos + 1
+        for s in group:  # (a speculating stream stepped plainly near the context's end has no drafts until a refill)
+            s.pending, s.pos, s.drafts = int(nxt[s.slot]), s.pos + 1, None
 
 
 def _needs_logits(s: TokenStream) -> bool:

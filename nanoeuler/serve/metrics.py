@@ -12,13 +12,17 @@
     nanoeuler_spec_drafts_offered_total{head}, nanoeuler_spec_drafts_accepted_total{head}
                                                         speculative decoding's drafts per MTP head
     nanoeuler_spec_acceptance_ratio{head}               accepted / offered
+    nanoeuler_gpu_pool_bytes{kind}                      CuPy's memory pool: bytes in use, bytes held (GPU only)
+    process_resident_memory_bytes, ...                  the process's own (`prometheus_client`'s, on Linux)
 
 Each app has its own registry, so two servers in one process (the tests) count apart.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import sys
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -41,6 +45,7 @@ class Metrics:
         self.itl = Histogram("nanoeuler_inter_token_latency_seconds", "between consecutive tokens of a job",
                              buckets=ITL_BUCKETS, registry=self.registry)
         self.registry.register(_Live(scheduler, backend))
+        ProcessCollector(registry=self.registry)  # resident memory, CPU time: a soak test's flat-memory check
 
     def token_latency(self, seconds: float, first: bool) -> None:
         (self.ttft if first else self.itl).observe(seconds)
@@ -83,3 +88,10 @@ class _Live:
                 accepted.add_metric([str(k + 1)], a)
                 ratio.add_metric([str(k + 1)], a / o if o else 0.0)
         yield from (offered, accepted, ratio)
+        cupy = sys.modules.get("cupy")  # loaded by the GPU engine only; never imported here
+        if cupy is not None:
+            pool = cupy.get_default_memory_pool()
+            gpu = GaugeMetricFamily("nanoeuler_gpu_pool_bytes", "CuPy's memory pool", labels=["kind"])
+            gpu.add_metric(["used"], pool.used_bytes())
+            gpu.add_metric(["held"], pool.total_bytes())
+            yield gpu

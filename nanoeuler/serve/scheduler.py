@@ -3,8 +3,8 @@
 The HTTP handlers run on an asyncio event loop; generation runs on one worker thread that owns the
 model (one thread, because the model and its device are not shared between threads). A request
 becomes a `Job` in a bounded waiting queue (full: `QueueFull`, answered 429); the worker takes up to
-`max_batch` jobs at a time and advances all of them by one token per `Backend.step`, so a long answer
-does not hold up a short one. Tokens go back to the handler's event loop through
+`max_batch` jobs at a time and advances all of them by one token per `Backend.step` (a speculating
+stream by up to K), so a long answer does not hold up a short one. Tokens go back to the handler's event loop through
 `call_soon_threadsafe`, so the loop never waits on the model. A job whose client has gone (or whose
 stop string has appeared) is cancelled: the worker drops it before its next token.
 
@@ -166,7 +166,7 @@ class Scheduler:
             self._finish(job, "cancelled", RuntimeError("the server is shutting down"))
 
     def _step(self, active: list[Job]) -> list[Job]:
-        """Drop cancelled jobs, advance the others by one token each; returns the jobs still running."""
+        """Drop cancelled jobs, advance the others by a step's tokens each; returns the jobs still running."""
         live = []
         for job in active:
             if job.stream is None and not job.cancelled.is_set():
@@ -184,22 +184,24 @@ class Scheduler:
                 live.append(job)
         if not live:
             return live
-        tokens = self.backend.step([job.stream for job in live])
+        news = self.backend.step([job.stream for job in live])
         now = time.monotonic()
-        running = []
-        for job, token in zip(live, tokens):
-            if isinstance(token, Exception):  # this job's own failure; the others go on
-                self._finish(job, "failed", token)
+        running, generated = [], 0
+        for job, tokens in zip(live, news):
+            if isinstance(tokens, Exception):  # this job's own failure; the others go on
+                self._finish(job, "failed", tokens)
                 continue
-            if self.metrics is not None:
-                self.metrics.token_latency(now - job.last_token_at, first=job.generated == 0)
-            job.last_token_at = now
-            job.generated += 1
-            job.put(token)
+            for token in tokens:  # several where a speculative pass kept drafts: they arrive together
+                if self.metrics is not None:
+                    self.metrics.token_latency(now - job.last_token_at, first=job.generated == 0)
+                job.last_token_at = now
+                job.generated += 1
+                job.put(token)
+            generated += len(tokens)
             if job.stream.done:
                 self._finish(job, "finished")
             else:
                 running.append(job)
         with self._cond:
-            self.counts["tokens"] += len(live) - sum(isinstance(t, Exception) for t in tokens)
+            self.counts["tokens"] += generated
         return running

@@ -50,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache", type=int, default=8, metavar="N",
                         help="recent prompts whose cache rows a prompt sharing their beginning copies instead of "
                              "computing (0: off; default: 8)")
+    parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=False,
+                        help="greedy requests (temperature 0, no logprobs or response_format) decode by "
+                             "self-speculation in the batch: the MTP heads draft, one pass verifies every such "
+                             "stream's drafts; the same tokens, more of them per step where the heads are "
+                             "trained (acceptance per head: /metrics). Default: off")
     parser.add_argument("--client-timeout", type=float, default=30.0, metavar="S",
                         help="seconds a client may stall: sending a request's headers, its body, or taking "
                              "an answer (default: 30)")
@@ -162,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     conf = sections(args, "device", "gpu_memory")
     backend = Backend.load(args.ckpt, args.device or conf["device"], args.model_name, slots=args.max_batch,
-                           gpu_memory=conf["gpu_memory"], threads=args.threads, prefix_cache=args.prefix_cache)
+                           gpu_memory=conf["gpu_memory"], threads=args.threads, prefix_cache=args.prefix_cache,
+                           speculative=args.speculative)
     config = ServeConfig(max_tokens=args.max_tokens, max_batch=backend.capacity or args.max_batch,
                          max_queue=args.max_queue, api_key=args.api_key or None,
                          client_timeout_s=args.client_timeout)

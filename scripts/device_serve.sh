@@ -7,8 +7,10 @@
 #   bash scripts/device_serve.sh load      # GPU: `nanoeuler serve` on the 116M model in bf16 at 1, 8, 32 and 64
 #                                          # streaming clients, the in-process engine beside each, prefix reuse
 #                                          # with a 400-token prefix, a soak at 32 streams (SOAK s, default 240)
-#   bash scripts/device_serve.sh llama     # GPU: build llama.cpp's llama-server (CUDA, sm_90), convert the same
-#                                          # model to GGUF bf16, serve it, the same clients against it
+#   bash scripts/device_serve.sh llama     # GPU: build llama.cpp's llama-server (CUDA, sm_90) unless `build` did,
+#                                          # convert the same model to GGUF bf16, serve it, the same clients
+#   bash scripts/device_serve.sh build     # GPU: only the build (start it in the background during a soak, whose
+#                                          # figures are memory, not speed; `llama` in the next call waits for it)
 #
 # carry: .carry/serve (ignored, as all of .carry/ is; 32 MB: whl 7, conv 20, llama.tar.xz 4.5). Without CKPT
 # the model is the `gpu` preset with random weights and a 4096-token BPE (bench/serve_load_gpu.py
@@ -116,8 +118,8 @@ load() {
     echo "load: $(( $(date +%s) - t0 )) s in all (model file, CuPy's kernel compile, peers, levels, prefix, soak)"
 }
 
-build_llama() {  # llama-server with CUDA for sm_90 in $WORK/llama.cpp/build; the build's seconds in $OUT
-    rm -rf "$WORK/llama.cpp" && mkdir -p "$WORK"
+build_llama() {  # llama-server with CUDA for sm_90 in $WORK/llama.cpp/build; logs and seconds in $WORK
+    rm -rf "$WORK/llama.cpp" "$WORK/llama_build_seconds" && mkdir -p "$WORK"
     xz -dc "$CARRY/llama.tar.xz" | tar -C "$WORK" -xf -
     local t0
     t0=$(date +%s)
@@ -128,18 +130,23 @@ build_llama() {  # llama-server with CUDA for sm_90 in $WORK/llama.cpp/build; th
         -DGGML_CUDA_FA_ALL_QUANTS=OFF -DGGML_CUDA_NCCL=OFF -DGGML_CUDA_COMPRESSION_MODE=none -DGGML_CCACHE=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF ${CONFIGURE_ONLY:+-DGGML_NATIVE=OFF} \
-        > "$OUT/llama_cmake.log" 2>&1 || { tail -30 "$OUT/llama_cmake.log"; return 1; }
+        > "$WORK/llama_cmake.log" 2>&1 || { tail -30 "$WORK/llama_cmake.log"; return 1; }
     echo "llama.cpp configured in $(( $(date +%s) - t0 )) s"
     [ -n "${CONFIGURE_ONLY:-}" ] && return 0
-    cmake --build "$WORK/llama.cpp/build" --target llama-server -j "${JOBS:-16}" > "$OUT/llama_build.log" 2>&1 \
-        || { tail -30 "$OUT/llama_build.log"; return 1; }
-    echo "$(( $(date +%s) - t0 ))" > "$OUT/llama_build_seconds"
-    echo "llama-server built in $(cat "$OUT/llama_build_seconds") s"
+    cmake --build "$WORK/llama.cpp/build" --target llama-server -j "${JOBS:-16}" > "$WORK/llama_build.log" 2>&1 \
+        || { tail -30 "$WORK/llama_build.log"; return 1; }
+    echo "$(( $(date +%s) - t0 ))" > "$WORK/llama_build_seconds"
+    echo "llama-server built in $(cat "$WORK/llama_build_seconds") s"
+}
+
+wait_build() {  # a `build` started earlier in the background: until its binary or its failure
+    while pgrep -f "device_serve.sh build" > /dev/null && [ ! -f "$WORK/llama_build_seconds" ]; do sleep 5; done
 }
 
 llama() {
     install conv
-    build_llama
+    wait_build
+    [ -f "$WORK/llama_build_seconds" ] || build_llama
     [ -n "${CONFIGURE_ONLY:-}" ] && return 0
     local ckpt ctx server
     ckpt=$(model)
@@ -161,12 +168,13 @@ llama() {
     done
     $PY "$REPO/bench/serve_load_gpu.py" --url http://127.0.0.1:8081 --ckpt "$ckpt" --levels "$LEVELS" \
         --requests "$REQUESTS" --max-tokens "$MAX_TOKENS" 2>&1 | tee "$OUT/llama.txt"
-    echo "llama-server build: $(cat "$OUT/llama_build_seconds") s on $(nproc) cores"
+    echo "llama-server build: $(cat "$WORK/llama_build_seconds") s on $(nproc) cores"
 }
 
 case "${1:-}" in
     prepare) prepare ;;
     load) load ;;
     llama) llama ;;
-    *) echo "usage: $0 prepare|load|llama" >&2; exit 2 ;;
+    build) install conv > /dev/null; build_llama ;;
+    *) echo "usage: $0 prepare|load|build|llama" >&2; exit 2 ;;
 esac

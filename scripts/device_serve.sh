@@ -35,7 +35,7 @@ PLATFORMS=(--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --p
 # what the server needs beyond the image (FastAPI, uvicorn, llguidance and what they import; httpx2 for the
 # clients; regex for our tokenizer), at the versions of this environment
 SERVE_WHEELS="fastapi starlette uvicorn click h11 pydantic pydantic_core annotated-types typing-inspection
-              annotated-doc anyio typing_extensions opentelemetry-api llguidance httpx2 httpcore2 regex"
+              annotated-doc anyio typing_extensions opentelemetry-api truststore idna llguidance httpx2 httpcore2 regex"
 # llama.cpp's convert_hf_to_gguf.py reads the tokenizer through transformers and imports sentencepiece
 CONV_WHEELS="transformers tokenizers huggingface_hub safetensors sentencepiece tqdm"
 

@@ -111,7 +111,7 @@ class _Rows:
 
 
 class GpuBackend:
-    # a verify pass's time in decode steps (H100, the 116M model: 330 against 236 us; BENCHMARKS.md)
+    # a verify pass's time in decode steps (measured on an H100: docs/decode-kernels-log.md)
     verify_cost = 1.4
 
     def __init__(self, params: dict, cfg, dtype: str = "bf16", pdl: bool | None = None):

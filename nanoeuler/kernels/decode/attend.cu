@@ -26,7 +26,7 @@ __device__ void attend(const float* __restrict__ q, const W* __restrict__ kc, co
 // keys; the groups of the block take keys gi, gi + groups, ... and keep, per query head, a running max, sum
 // and output piece (an online softmax), requesting KV_AHEAD keys' rows before using any. The groups' partial
 // results meet in shared memory at the end: G * groups * (D + 2) floats. Needs 32 % P == 0 and G <= KV_MAXG
-// (gpu.py checks; other shapes take attend_act).
+// (plan.choose_variants checks; other shapes take attend_act).
 template <typename W, typename O>
 __device__ void attend_kv(const float* __restrict__ q, const W* __restrict__ kc, const W* __restrict__ vc,
                           const int* __restrict__ meta, O* __restrict__ out, int M, int H, int Hkv, int D, int L) {

@@ -9,9 +9,8 @@
 
 // ---- attention and the o projection in one kernel: x += W_o att (+ dx, folded in) ---------------------
 // A one-row step's layer is three kernels: qkv (gemv_rope), attend_o, swiglu_down; the two branches join the
-// residual stream by atomicAdd, so that no kernel waits for a whole product before the next step. (A few
-// rows take five, the products with more rows to a weight read: gemv_rope, attend, gemv_add (o),
-// gemv_swiglu, gemv_add (down); they measured faster there.)
+// residual stream by atomicAdd, so that no kernel waits for a whole product before the next step (a few
+// rows take five kernels instead: docs/decode-kernels-log.md).
 // grid (M H, splits): block (m H + h, s) attends row m with head h (attend_row, into shared
 // memory), then adds its head's share of the o projection to the rows n of x in split s of C / splits:
 // W_o[n, hD:(h+1)D] . att.
@@ -99,10 +98,10 @@ __device__ void attend_o(const float* __restrict__ q, const W* __restrict__ kc, 
 // groups meet by shuffles, the warps in shared memory, the 8 blocks' partial results through distributed
 // shared memory (one cluster barrier), and each block then adds its split of the o projection to x, as
 // attend_o does. Up to alone_keys keys every block attends over all of them and the cluster exchanges
-// nothing (its barriers cost more than so few keys). Keys that earlier steps wrote (all but the row's own
+// nothing (its barriers would cost more than the split saves). Keys that earlier steps wrote (all but the row's own
 // position) are requested before the wait, with the block's W_o pieces. Needs D % Vec == 0, D / Vec <= 32.
 // Clusters need compute capability 9.0: below it the kernel compiles without them (so that the file builds
-// for every GPU) and the host never launches it (gpu.py's attend_cluster).
+// for every GPU) and the host never launches it (plan.choose_variants' attend_cluster).
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 #define CLUSTER_DIMS __cluster_dims__(1, OSPLIT, 1)
 #else

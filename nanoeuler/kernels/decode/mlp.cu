@@ -7,8 +7,8 @@
 #include "decode.cuh"
 
 // ---- the MLP in one kernel: dx += W_down (silu(W_gate n(x)) * W_up n(x)) -------------------------------
-// grid (ceil(F / MLP_FC), row groups of R), MLP_FC warps (R = 1, the one-row step, instantiated: the
-// registers of more rows leave no room for the next kernel's blocks): warp w computes f = f0 + w of the
+// grid (ceil(F / MLP_FC), row groups of R), MLP_FC warps (R = 1, the one-row step, is the one instantiated:
+// docs/decode-kernels-log.md): warp w computes f = f0 + w of the
 // gate/up product (the GEMV pieces: its rows requested before the wait, the norm in the prologue); the
 // block's MLP_FC values of h = silu(g) u go to shared memory; then each thread adds W_down[n, f0:f0+MLP_FC]
 // . h to dx[m, n] for its rows n (atomicAdd: the F / MLP_FC blocks meet in dx, which starts at zero:
@@ -75,7 +75,7 @@ __device__ void swiglu_down(const W* __restrict__ wgu, const W* __restrict__ wd,
 }
 
 // ---- entry points -------------------------------------------------------------------------------------
-// at most 64 registers: 2 blocks a multiprocessor (rows of one keep it nearly free of spills)
+// at most 64 registers: 2 blocks a multiprocessor, room for the next kernel's
 extern "C" __global__ void __launch_bounds__(32 * MLP_FC, 2) swiglu_down_u4_r1_bf16(const bf16* wgu,
     const bf16* wd, const float* x, const float* gain, float* dx, int M, int F, int C, float eps) {
     swiglu_down<bf16, 4, 1>(wgu, wd, x, gain, dx, M, F, C, eps);

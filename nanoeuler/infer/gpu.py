@@ -250,8 +250,8 @@ class GpuBackend:
     def _layer_one_row(self, r: _Rows, li: int, w: dict) -> None:
         """`transformer._block_forward` of one row in three kernels. The stream is x + dx: dx holds the
         layer before's MLP branch, which this layer's attention kernel folds into x."""
-        cfg, C, H, Hkv, D, L = self.cfg, self.cfg.dim, self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim, \
-            self.cfg.ctx_len
+        cfg = self.cfg
+        C, H, Hkv, D, L = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ctx_len
         self._qkv_rope(r, li, w, 1)  # q = rope(q(h)), k = rope(k(h)), v(h) into the cache; h = norm1(x + dx)
         if self.variants.attend_cluster:  # x += dx + o(attention(q, cache)); dx = 0
             attend_o.attend_o_cluster(self.go, r.q, self.kc[li], self.vc[li], r.meta, w["o"], r.x, r.dx, 1, H, Hkv,

@@ -38,7 +38,7 @@ lint: $(VENV)/.installed
 
 # Every .cu file must compile; CI has nvcc but no GPU.
 compile-kernels:
-	@for f in nanoeuler/kernels/*.cu nanoeuler/kernels/bf16/*.cu; do [ -e "$$f" ] || continue; \
+	@for f in nanoeuler/kernels/*.cu nanoeuler/kernels/bf16/*.cu nanoeuler/kernels/decode/*.cu; do [ -e "$$f" ] || continue; \
 	  echo "nvcc $$f"; nvcc -arch=sm_90 -std=c++17 -c -o /dev/null "$$f" || exit 1; done
 
 # On a GPU machine: gpu tests, kernel self-tests, GPU gradient check, a short 116M run.

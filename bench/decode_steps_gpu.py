@@ -107,12 +107,13 @@ def main(argv=None) -> int:
                 v.startswith("alone") and v[5:].isdigit()):
             raise SystemExit(f"unknown variant {v!r}")
         be = GpuBackend(params, cfg, dtype=args.dtype, pdl=False if v == "nopdl" else None)
-        be.attend_kv = be.attend_kv and v != "blockattn"
-        be.tensor_cores = v != "ffma"
-        be.attend_cluster = be.attend_cluster and v != "nocluster"
-        be.fuse_argmax = v != "separgmax"
+        var = be.variants
+        var.attend_kv = var.attend_kv and v != "blockattn"
+        var.tensor_cores = v != "ffma"
+        var.attend_cluster = var.attend_cluster and v != "nocluster"
+        var.fuse_argmax = v != "separgmax"
         if v.startswith("alone"):
-            be.alone_keys = int(v[5:])
+            var.alone_keys = int(v[5:])
         for label, rows, heads, one in passes:
             be.start(1 if one else rows, list(range(1 if one else rows)))
             for pos in positions:

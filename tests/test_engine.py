@@ -163,39 +163,6 @@ def test_sample_command_speculative_prints_the_same_greedy_text(tmp_path):
     assert spec.stdout == plain.stdout and plain.stdout.startswith("It was")
 
 
-def test_every_decode_kernel_the_gpu_backend_launches_is_defined():
-    import re
-
-    from nanoeuler.infer import gpu
-    from nanoeuler.kernels import KERNEL_DIR
-
-    text = (KERNEL_DIR / "decode.cu").read_text()
-    stems = set(re.findall(r'extern "C" __global__ void (?:CLUSTER_DIMS )?(?:__launch_bounds__\([^)]*\) )?'
-                           r'(\w+)_##NAME\(', text))
-    # the GEMV family: GEMV_KERNELS(W, NAME, U) defines <stem>_u<U>_<NAME>
-    units = re.findall(r"^\s*GEMV_KERNELS\(W, NAME, (\d+)\)", text, flags=re.M)
-    gemv = re.findall(r'extern "C" __global__ void (?:GEMV_BOUNDS |__launch_bounds__\([^)]*\) )?(\w+)_u##U##_##NAME\(',
-                      text)
-    gemv += [f"gemv_{s}" for s in re.findall(r"^\s*GEMV_KERNEL\(W, NAME, U, (\w+), EPI_\w+\)", text, flags=re.M)]
-    stems |= {f"{s}_u{u}" for s in gemv for u in units}
-    # SWIGLU_DOWN(W, NAME, U, R) inside GEMV_KERNELS defines swiglu_down_u<U>_r<R>_<NAME>
-    rows = re.findall(r"^\s*SWIGLU_DOWN\(W, NAME, U, (\d+)\)", text, flags=re.M)
-    stems |= {f"swiglu_down_u{u}_r{r}" for u in units for r in rows}
-    suffixes = set(re.findall(r"^DECODE_KERNELS\(\w+, (\w+)\)", text, flags=re.M))
-    plain = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', text))
-    # TGEMV_KERNELS(CH) defines tgemv_<stem>_c<CH> (bf16 only)
-    # and TGEMV_PAIRED(CH) the paired ones (swiglu, rope)
-    macros = dict(re.findall(r"^#define (TGEMV_\w+)\(CH\)((?:.*\\\n)*.*)$", text, flags=re.M))
-    defined = set()
-    for macro, body in macros.items():
-        tc = [f"tgemv_{s}" for s in re.findall(r"TGEMV_KERNEL\(CH, (\w+), EPI_\w+\)", body)]
-        tc += re.findall(r"(tgemv_\w+?)_c##CH\(", body)
-        defined |= {f"{s}_c{c}" for s in tc for c in re.findall(rf"^{macro}\((\d+)\)", text, flags=re.M)}
-    assert set(gpu.TC_KERNELS) <= defined
-    assert set(gpu.KERNELS) <= stems and suffixes == {"bf16", "f32"}
-    assert {"argmax_rows", "sample_rows"} <= plain
-
-
 class _FeedsItself:
     """The NumPy backend with the GPU backend's self-feeding calls (`greedy_steps`, `greedy_passes`), done
     one step at a time: the engine's bookkeeping around them (context ends, refills, stop ids) is the same."""

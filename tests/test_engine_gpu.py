@@ -105,9 +105,9 @@ def test_one_row_attention_over_a_cluster_matches_numpy(model, dtype, tol):
     params, cfg = model
     cpu = Engine.from_params(params, cfg, "cpu").backend
     split, whole = GpuBackend(params, cfg, dtype), GpuBackend(params, cfg, dtype)
-    whole.attend_cluster = False
-    split.alone_keys = 2  # the blocks exchange their partial results from 3 keys on
-    if not split.attend_cluster:
+    whole.variants.attend_cluster = False
+    split.variants.alone_keys = 2  # the blocks exchange their partial results from 3 keys on
+    if not split.variants.attend_cluster:
         pytest.skip("thread block clusters need compute capability 9.0")
     ids = np.random.default_rng(9).integers(0, cfg.vocab_size, cfg.ctx_len)
     for be in (cpu, split, whole):
@@ -148,7 +148,7 @@ def test_tensor_core_gemv_matches_the_float_gemv():
     params = transformer.init_params(cfg, seed=5, dtype=np.float64)
     cpu = Engine.from_params(params, cfg, "cpu").backend
     tc, ffma = GpuBackend(params, cfg, "bf16"), GpuBackend(params, cfg, "bf16")
-    ffma.tensor_cores = False
+    ffma.variants.tensor_cores = False
     rng = np.random.default_rng(8)
     ids = rng.integers(0, cfg.vocab_size, 12)
     for be in (cpu, tc, ffma):
@@ -188,18 +188,18 @@ def test_programmatic_dependent_launch_changes_nothing(model):
 def test_sampling_kernel_draws_from_sampling_probs(model):
     import cupy as cp
 
-    from nanoeuler.kernels import kernel
+    from nanoeuler.kernels.decode import Launch, sampling
 
     V, R = 50, 20000
     z = np.random.default_rng(1).normal(size=V).astype(np.float32) * 2
     logits = cp.asarray(np.tile(z, (R, 1)))
-    fn = kernel("decode", "sample_rows")
+    go = Launch("fp32")
     for T, k, p in ((1.0, 0, 1.0), (0.7, 10, 1.0), (1.3, 0, 0.8), (1.0, 20, 0.9)):
         ctl = np.array([k, 7, 0, 0], np.int32)
         ctl[2:] = np.array([T, p], np.float32).view(np.int32)
         out = cp.zeros(R, cp.int32)
         seeds = cp.arange(R, dtype=cp.uint64) * 0x9E3779B97F4A7C15
-        fn((R,), (1024,), (logits, np.int32(V), np.int64(V), cp.asarray(ctl), seeds, out))
+        sampling.sample_rows(go, logits, V, V, cp.asarray(ctl), seeds, out, R)
         freq = np.bincount(out.get(), minlength=V) / R
         want = sampling_probs(z, T, k, p)
         assert np.all(freq[want == 0] == 0)

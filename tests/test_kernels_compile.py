@@ -35,9 +35,13 @@ def test_cu_file_compiles(path, arch, tmp_path):
     assert out.returncode == 0, out.stderr
 
 
+# an entry point: extern "C" __global__ void, launch bounds or a macro of attributes (GEMV_BOUNDS), the name
+_EXTERN = re.compile(r'extern "C" __global__ void (?:(?:__launch_bounds__\([^)]*\)|[A-Z][A-Z_]+) )*(\w+)\(')
+
+
 def _extern_kernels(path: Path) -> set[str]:
     text = path.read_text()
-    names = set(re.findall(r'extern "C" __global__ void(?: __launch_bounds__\([^)]*\))? (\w+)\(', text))
+    names = set(_EXTERN.findall(text))
     # macro-generated families: FLASH_KERNELS(D, ...) defines flash_{fwd,bwd_dkdv,bwd_dq}_d{D}
     for d in re.findall(r"^FLASH_KERNELS\((\d+),", text, flags=re.M):
         names |= {f"flash_fwd_d{d}", f"flash_bwd_dkdv_d{d}", f"flash_bwd_dq_d{d}"}
@@ -97,3 +101,29 @@ def test_loader_inlines_each_included_header_once():
         body = (KERNEL_DIR / "bf16" / header).read_text().split("#include \"common.cuh\"\n", 1)[1]
         assert text.count(body.strip()[:200]) == 1, header
     assert source("attention") == (KERNEL_DIR / "attention.cu").read_text().rstrip("\n") + "\n"
+
+
+def test_every_decode_kernel_is_defined_and_launched():
+    """decode.FAMILIES is exactly what each family's file defines, every name written out where grep finds
+    it; every name a launcher of kernels/decode/ forms (`go.launch(f"gemv_{epi}_u{...}_{go.suffix}", ...)`)
+    is in the table, and every kernel of the table has a launcher."""
+    from nanoeuler.kernels.decode import FAMILIES
+
+    folder = KERNEL_DIR / "decode"
+    assert {p.stem for p in folder.glob("*.cu")} == set(FAMILIES)
+    for family, names in FAMILIES.items():
+        text = (folder / f"{family}.cu").read_text()
+        assert _extern_kernels(folder / f"{family}.cu") == set(names), family
+        assert all(f" {name}(" in text for name in names), family
+    every = {name for names in FAMILIES.values() for name in names}
+    templates = []
+    for py in folder.glob("*.py"):
+        templates += re.findall(r'go\.launch\(f?"([^"]+)"', py.read_text())
+    assert len(templates) >= 15
+    launched = set()
+    for template in templates:  # each {...} of an f-string stands for one part: store2, u8, bf16, ...
+        pattern = re.compile(re.sub(r"\\\{[^}]*\\\}", "[a-z0-9]+", re.escape(template)) + "$")
+        hits = {n for n in every if pattern.match(n)}
+        assert hits, template
+        launched |= hits
+    assert launched == every, every - launched

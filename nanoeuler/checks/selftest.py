@@ -295,10 +295,12 @@ CASES = [
 
 
 def all_cases():
-    """The float32 cases, then the bf16 engine's (tolerance per row: 1e-2 for bf16 results)."""
+    """The float32 cases, then the bf16 engine's (tolerance per row: 1e-2 for bf16 results), then the
+    decode engine's (`selftest_decode`: a case per kernel family)."""
     from nanoeuler.checks.selftest_bf16 import CASES_BF16
+    from nanoeuler.checks.selftest_decode import CASES_DECODE
 
-    return CASES + CASES_BF16
+    return CASES + CASES_BF16 + CASES_DECODE
 
 
 def run_cases(seed: int, only: str | None = None, out=sys.stderr) -> list[Row]:

@@ -3,29 +3,30 @@
     >>> be = GpuBackend(params, cfg, dtype="bf16")     # params: NumPy or CuPy float32        # doctest: +SKIP
     >>> be.start(1, seeds=[0]); be.prefill(0, ids)       # (K, V) logits of the prompt's last row   # doctest: +SKIP
 
-The model runs over rows (token, cache slot, position) with the kernels of `kernels/decode.cu`; see
-`engine.py` for the interface. Three ways through a layer, the same arithmetic:
+The model runs over rows (token, cache slot, position); see `engine.py` for the interface. This module
+holds the buffers, the graphs and that interface; the kernels are `kernels/decode/`'s, each family with
+its named launchers, and `kernels/decode/plan.py` chooses the variants (`self.variants`). A layer reads
+like `transformer._block_forward`, one of three ways, the same arithmetic:
 
-  * one row (batch-1 steps): three kernels, the qkv GEMV (the RMSNorm in its prologue, RoPE and the cache
-    write in its epilogue), attention with the o projection (`attend_o_cluster`: the 8 blocks of a head,
-    a thread block cluster, each attend over an eighth of the keys, exchange their partial softmax
-    through distributed shared memory and add their eighth of W_o's rows to x; up to ALONE_KEYS keys
-    each attends over all of them; below compute capability 9.0 `attend_o`, every block over all keys),
-    and the MLP (`swiglu_down`: gate/up, silu(g) * u, and each block's
-    share of the down projection added to dx, which the next layer folds into x). The branches join by
-    atomicAdd, so float sums may differ in the last bits from run to run. Head 0 and the argmax are one
-    kernel (`head_argmax`).
-  * 2 to 16 rows (verify passes, small batches, short prefills): five kernels, qkv, attention, o (+= x),
-    gate/up (-> silu(g) * u), down (+= x); with bf16 weights the products run on the tensor cores
-    (`tgemv_*`: mma.sync, x split into bf16 hi + lo, so the activations keep about 16 bits), else as
-    float GEMVs. Such products are bound by the weight bandwidth and a step by its kernel boundaries, so
-    every kernel requests its weights (into registers, or shared memory by cp.async) before it waits for
-    the one before it: on compute capability 9.0 each is launched with programmatic dependent launch
-    (`launch.py`) and may start while that one still runs.
-  * many rows (prefill, wide batches): cuBLAS GEMMs (bf16 operands, float32 accumulation, through ctypes so
-    that they can be captured) between elementwise kernels; a prefill's attention is the training engine's
-    tensor-core FlashAttention (bf16, head size 32 or 64) over the prompt, a wide batch's a block per
-    (row, key/value head) (`attend_kv_act`: the query heads that share the key/value head read it once).
+  * one row (batch-1 steps, `_layer_one_row`): three kernels, the qkv GEMV (the RMSNorm in its prologue,
+    RoPE and the cache write in its epilogue), attention with the o projection (`attend_o.attend_o_cluster`:
+    the 8 blocks of a head, a thread block cluster, each attend over an eighth of the keys and add their
+    eighth of W_o's rows to x; below compute capability 9.0 `attend_o`, every block over all keys), and
+    the MLP (`mlp.swiglu_down`: gate/up, silu(g) * u, and each block's share of the down projection added
+    to dx, which the next layer folds into x). The branches join by atomicAdd, so float sums may differ
+    in the last bits from run to run. Head 0 and the argmax are one kernel (`gemv.head_argmax`).
+  * 2 to 16 rows (verify passes, small batches, short prefills, `_layer_few_rows`): five kernels, qkv,
+    attention, o (+= x), gate/up (-> silu(g) * u), down (+= x); with bf16 weights the products run on the
+    tensor cores (`tgemv`: mma.sync, x split into bf16 hi + lo, so the activations keep about 16 bits), else
+    as float GEMVs (`gemv`). Such products are bound by the weight bandwidth and a step by its kernel
+    boundaries, so every kernel requests its weights before it waits for the one before it: on compute
+    capability 9.0 each is launched with programmatic dependent launch (`launch.py`) and may start while
+    that one still runs.
+  * many rows (prefill, wide batches, `_layer_many_rows`): cuBLAS GEMMs (bf16 operands, float32
+    accumulation, through ctypes so that they can be captured) between row kernels (`elementwise`); a
+    prefill's attention is the training engine's tensor-core FlashAttention (bf16, head size 32 or 64)
+    over the prompt, a wide batch's a block per (row, key/value head) (`attend.attend_kv_act`: the query
+    heads that share the key/value head read it once).
 
 A decode step (embedding, every layer, the final norm and head, the choice of the next token) is recorded
 once per (rows, heads, rule) as a CUDA graph and replayed; per step the host copies in one small array
@@ -46,24 +47,10 @@ import warnings
 
 import numpy as np
 
+from nanoeuler.kernels.decode import Launch, attend, attend_o, elementwise, gemv, mlp, plan, sampling, tgemv
+from nanoeuler.kernels.decode.plan import CHAIN_AHEAD, CHAIN_CAP, GEMV_MAX_ROWS
 from nanoeuler.model.layers import rope_tables
 from nanoeuler.model.transformer import head_weight_names
-
-# decode.cu's kernels per weight storage (`<stem>_bf16`, `<stem>_f32`; the GEMVs also per U), and its two others
-GEMV_STEMS = ("gemv_store", "gemv_store2", "gemv_add", "gemv_swiglu", "gemv_rope", "head_argmax")
-KERNELS = ("embed", "rope_cache", "attend", "attend_o", "attend_o_cluster", "attend_act", "attend_kv_act",
-           "rmsnorm_act", "swiglu_act") + tuple(f"{e}_u{u}" for e in GEMV_STEMS for u in (4, 8)) \
-    + tuple(f"swiglu_down_u{u}_r1" for u in (4, 8))
-# the tensor-core GEMVs of a few rows (bf16 only, no storage suffix): tgemv_<epilogue>_c<chunks a warp>
-TC_KERNELS = tuple(f"tgemv_{e}_c{c}" for e in ("store", "add") for c in (4, 8)) + ("tgemv_swiglu_c4", "tgemv_rope_c4")
-GEMV_MAX_ROWS = 16  # decode batches above this many rows take the cuBLAS path
-GEMV_ROWS, GEMV_WARPS, MLP_FC, TC_WARPS = 4, 8, 16, 8  # as decode.cu
-OSPLIT = 8  # attend_o's row splits, at most; attend_o_cluster's cluster (as decode.cu's OC_SPLIT)
-OC_WARPS = 8
-ALONE_KEYS = 96  # up to this many keys each block of the cluster attends over all of them (measured: BENCHMARKS.md)
-ATTEND_THREADS = 512
-KV_WARPS, KV_MAXG = 8, 4  # attend_kv's warps a block, and query heads a key/value head at most (as decode.cu)
-CHAIN_AHEAD, CHAIN_CAP = 3, 8  # greedy steps queued ahead of the host; the ring of their ids on the GPU
 
 
 def to_bf16(a):
@@ -124,7 +111,7 @@ class _Rows:
 
 
 class GpuBackend:
-    # a verify pass's time in decode steps (H100, the 116M model: 330 against 236 us; BENCHMARKS.md)
+    # a verify pass's time in decode steps (measured on an H100: docs/decode-kernels-log.md)
     verify_cost = 1.4
 
     def __init__(self, params: dict, cfg, dtype: str = "bf16", pdl: bool | None = None):
@@ -133,55 +120,28 @@ class GpuBackend:
         import cupy as cp
 
         from nanoeuler.infer.launch import pdl_launcher
-        from nanoeuler.kernels import has_sm90a, kernel
-        from nanoeuler.kernels.bf16.plan import MMA_HEAD_DIMS
 
-        if dtype not in ("bf16", "fp32"):
-            raise ValueError(f"dtype must be bf16 or fp32, got {dtype!r}")
-        if cfg.vocab_size > 1024 * 64:  # sample_rows keeps SAMPLE_PER_THREAD = 64 logits per thread
-            raise ValueError(f"the GPU sampler handles vocabularies of up to 65536 tokens, not {cfg.vocab_size}")
-        if cfg.dim % OSPLIT:  # attend_o's row splits (OSPLIT or a power of two below)
-            raise ValueError(f"the GPU decode engine needs a width divisible by {OSPLIT}, not {cfg.dim}")
         self.cp, self.cfg, self.dtype = cp, cfg, dtype
-        # the kernel paths; each switch is a variant of bench/decode_steps_gpu.py (BENCHMARKS.md has the figures)
-        vec = 8 if dtype == "bf16" else 4  # weights or cache values a 16-byte load
-        self.tensor_cores = True  # 2 to 16 rows of bf16 weights: tgemv (mma.sync); off: the float GEMV
-        # one row: attention split over a cluster of 8 blocks (a key's 16-byte pieces on at most a warp's lanes;
-        # clusters need compute capability 9.0), each alone up to alone_keys keys; else attend_o
-        self.attend_cluster = cfg.head_dim % vec == 0 and cfg.head_dim // vec <= 32 and \
-            int(cp.cuda.Device().compute_capability) >= 90
-        self.alone_keys = ALONE_KEYS
-        self.fuse_argmax = True  # one row's greedy id in the head's own kernel (head_argmax)
-        # wide batches: attend_kv_act, a block per (row, key/value head) (its lane groups of D / vec lanes
-        # must divide the warp); else attend_act, a block per (row, head)
-        self.attend_kv = cfg.head_dim % vec == 0 and 32 % (cfg.head_dim // vec) == 0 \
-            and cfg.n_heads // cfg.n_kv_heads <= KV_MAXG
-        self._kv_groups = KV_WARPS * 32 // max(1, cfg.head_dim // vec)  # attend_kv_act's lane groups a block
+        self.variants = plan.choose_variants(cfg, dtype, int(cp.cuda.Device().compute_capability))
         self.wt = cp.uint16 if dtype == "bf16" else cp.float32
-        suffix = "bf16" if dtype == "bf16" else "f32"
-        self.k = {n: kernel("decode", f"{n}_{suffix}") for n in KERNELS}
-        if dtype == "bf16":
-            self.k.update({n: kernel("decode", n) for n in TC_KERNELS})
-        self.k["argmax_rows"] = kernel("decode", "argmax_rows")
-        self.k["sample_rows"] = kernel("decode", "sample_rows")
-        self.k["argmax_chain"] = kernel("decode", "argmax_chain")
-        self.k["accept_chain"] = kernel("decode", "accept_chain")
+        self.stream = cp.cuda.Stream(non_blocking=True)
         if pdl is None:
             pdl = os.environ.get("NANOEULER_PDL", "1") != "0"
-        self.pdl = pdl_launcher() if pdl else None
+        self.go = Launch(dtype, self.stream, pdl_launcher() if pdl else None)
+        self.go.load()
         if self.pdl is not None:  # one launch to see that the driver takes it
             try:
                 probe = cp.zeros(2, cp.int32)
-                self.pdl(self.k["argmax_rows"], (1,), (32,), (probe.view(cp.float32), np.int32(1), np.int64(1), probe))
+                sampling.argmax_rows(self.go, probe.view(cp.float32), 1, 1, probe, 1)
                 cp.cuda.Device().synchronize()
             except Exception as exc:  # noqa: BLE001
                 warnings.warn(f"programmatic dependent launch failed ({exc}); launching the ordinary way")
-                self.pdl = None
-        self._flash = None  # the prefill's attention: bf16 operands and a head size the tensor-core kernels have
-        if dtype == "bf16" and cfg.head_dim in MMA_HEAD_DIMS:
+                self.go.pdl = None
+        self._flash = None  # a long prefill's attention: the training engine's tensor-core kernels
+        if self.variants.flash:
             from nanoeuler.kernels.bf16 import flash
 
-            self._flash = flash.flash_kernels("wg" if cfg.head_dim == 64 and has_sm90a() else "ldm", cfg.head_dim)
+            self._flash = flash.flash_kernels(self.variants.flash, cfg.head_dim)
         W = (lambda a: to_bf16(cp.asarray(a, dtype=cp.float32))) if dtype == "bf16" else \
             (lambda a: cp.ascontiguousarray(cp.asarray(a, dtype=cp.float32)))
         g32 = lambda a: cp.ascontiguousarray(cp.asarray(a, dtype=cp.float32))  # noqa: E731
@@ -202,7 +162,6 @@ class GpuBackend:
         cos, sin = rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, np, np.float32)  # as the reference
         self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
         self.heads = W(cp.concatenate([cp.asarray(p[h], dtype=cp.float32) for h in head_weight_names(cfg)]))
-        self.stream = cp.cuda.Stream(non_blocking=True)
         self._n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
         self._gemm = None
         self._rows: dict[int, _Rows] = {}
@@ -211,6 +170,11 @@ class GpuBackend:
         self.seeds = None
         self.use_graphs = True
         self._landed = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(CHAIN_CAP)]  # per record
+
+    @property
+    def pdl(self):
+        """The PDL launcher the kernels go through, or None (ordinary launches)."""
+        return self.go.pdl
 
     # ---- buffers ------------------------------------------------------------------------------------
 
@@ -239,198 +203,134 @@ class GpuBackend:
             self._gemm = Gemm(self.stream)
         return self._gemm
 
-    # ---- the forward over rows ------------------------------------------------------------------------
-
-    def _launch(self, name: str, grid, block, args, shared_mem: int = 0, pdl: bool = True) -> None:
-        """Launch decode.cu's kernel `name` on the backend's stream (with PDL where the backend has it)."""
-        if self.pdl is not None and pdl:
-            self.pdl(self.k[name], grid, block, args, shared_mem=shared_mem, stream=self.stream)
-        else:
-            self.k[name](grid, block, args, shared_mem=shared_mem, stream=self.stream)
-
-    def _u(self, K: int) -> int:
-        """16-byte pieces per lane and weight row in flight in a GEMV over rows of K."""
-        return 4 if -(-K // (32 * (8 if self.dtype == "bf16" else 4))) <= 4 else 8
-
-    def _tc(self, M: int, K: int, paired: bool = False) -> int:
-        """Chunks a warp (4 or 8; 4 only for the `paired` epilogues, swiglu and rope) of the tensor-core GEMV
-        for M rows of K, or 0 where it does not apply."""
-        if self.dtype != "bf16" or not self.tensor_cores or not 2 <= M <= 16 or K % 32:
-            return 0
-        per_warp = -(-K // (32 * TC_WARPS))
-        return 4 if per_warp <= 4 else 8 if per_warp <= 8 and not paired else 0
-
-    def _gemv(self, epi: str, w, x, x2, gain, y, M: int, N: int, K: int, pdl: bool = True) -> None:
-        """y = W (norm(x + x2)) over M rows (x2 and gain may be None), `epi` as decode.cu: store, store2, add,
-        swiglu (N = outputs, or pairs of outputs for store2). 2 to 16 rows of bf16 weights take the
-        tensor-core GEMV (store2 as store)."""
-        null = np.uint64(0)
-        ch = self._tc(M, K, paired=epi == "swiglu")
-        if ch:
-            if epi == "store2":
-                epi, N = "store", 2 * N
-            self._launch(f"tgemv_{epi}_c{ch}", (-(-N // 8),), (32 * TC_WARPS,),
-                         (w, x, null if x2 is None else x2, null if gain is None else gain, y, np.int32(M),
-                          np.int32(N), np.int32(K), np.float32(self.cfg.norm_eps)), pdl=pdl)
-            return
-        grid = (-(-N // GEMV_WARPS), -(-M // GEMV_ROWS))
-        self._launch(f"gemv_{epi}_u{self._u(K)}", grid, (32 * GEMV_WARPS,),
-                     (w, x, null if x2 is None else x2, null if gain is None else gain, y, np.int32(M), np.int32(N),
-                      np.int32(K), np.float32(self.cfg.norm_eps)),
-                     shared_mem=4 * min(M, GEMV_ROWS) * K, pdl=pdl)
-
-    def _qkv_rope(self, r: _Rows, w, li: int, M: int) -> None:
-        """q, k, v of the norm of x + dx over M rows with RoPE, k and v into the cache (the qkv GEMV's RoPE
-        epilogue)."""
-        cfg, i32 = self.cfg, np.int32
-        H, Hkv, D, C = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
-        pairs = (H + 2 * Hkv) * (D // 2)
-        ch = self._tc(M, C, paired=True) if D % 16 == 0 else 0  # a block's 8 pairs in one head
-        if ch:
-            self._launch(f"tgemv_rope_c{ch}", (-(-pairs // 8),), (32 * TC_WARPS,),
-                         (w["qkv"], r.x, r.dx, w["n1"], r.q, self.kc[li], self.vc[li], r.meta, self.cos, self.sin,
-                          i32(M), i32(H), i32(Hkv), i32(D), i32(cfg.ctx_len), i32(C), np.float32(cfg.norm_eps)))
-            return
-        self._launch(f"gemv_rope_u{self._u(C)}", (-(-pairs // GEMV_WARPS), -(-M // GEMV_ROWS)), (32 * GEMV_WARPS,),
-                     (w["qkv"], r.x, r.dx, w["n1"], r.q, self.kc[li], self.vc[li], r.meta, self.cos, self.sin,
-                      i32(M), i32(H), i32(Hkv), i32(D), i32(cfg.ctx_len), i32(C), np.float32(cfg.norm_eps)),
-                     shared_mem=4 * min(M, GEMV_ROWS) * C)
-
-    def _attend_o(self, r: _Rows, w, li: int, M: int) -> None:
-        """x += dx + W_o attention(q over the cache); dx = 0 (attend_o_cluster, or attend_o)."""
-        cfg, i32 = self.cfg, np.int32
-        if self.attend_cluster:  # the keys split over a cluster of OSPLIT blocks, each a split of W_o's rows
-            self._launch("attend_o_cluster", (M * cfg.n_heads, OSPLIT), (32 * OC_WARPS,),
-                         (r.q, self.kc[li], self.vc[li], r.meta, w["o"], r.x, r.dx, i32(M), i32(cfg.n_heads),
-                          i32(cfg.n_kv_heads), i32(cfg.head_dim), i32(cfg.ctx_len), i32(cfg.dim), i32(self.alone_keys)))
-            return
-        # row splits: up to OSPLIT while the blocks (one a multiprocessor) fit the GPU at once
-        splits = OSPLIT
-        while splits > 1 and splits * M * cfg.n_heads > self._n_sm:
-            splits //= 2
-        self._launch("attend_o", (M * cfg.n_heads, splits), (ATTEND_THREADS,),
-                     (r.q, self.kc[li], self.vc[li], r.meta, w["o"], r.x, r.dx, i32(M), i32(cfg.n_heads),
-                      i32(cfg.n_kv_heads), i32(cfg.head_dim), i32(cfg.ctx_len), i32(cfg.dim)),
-                     shared_mem=self._attend_smem() + 4 * cfg.head_dim)
-
-    def _swiglu_down(self, r: _Rows, w) -> None:
-        """dx += W_down (silu(W_gate norm(x)) * W_up norm(x)) of one row (swiglu_down)."""
-        cfg = self.cfg
-        self._launch(f"swiglu_down_u{self._u(cfg.dim)}_r1", (-(-cfg.hidden // MLP_FC), 1), (32 * MLP_FC,),
-                     (w["gu"], w["down"], r.x, w["n2"], r.dx, np.int32(1), np.int32(cfg.hidden), np.int32(cfg.dim),
-                      np.float32(cfg.norm_eps)),
-                     shared_mem=4 * (-(-cfg.dim // 4) * 4)  # x, then W_down's rows past the block's threads
-                     + max(0, cfg.dim - 32 * MLP_FC) * MLP_FC * np.dtype(self.wt).itemsize)
-
-    def _attention(self, name: str, r: _Rows, li, out, M):
-        """out (M, H D): attention of the rows' q over the cache, float (`attend`) or W (`attend_act`, the
-        batched path's GEMM operand)."""
-        cfg = self.cfg
-        args = (r.q, self.kc[li], self.vc[li], r.meta, out, np.int32(M), np.int32(cfg.n_heads),
-                np.int32(cfg.n_kv_heads), np.int32(cfg.head_dim), np.int32(cfg.ctx_len))
-        if self.attend_kv and M > GEMV_MAX_ROWS:
-            # a block per (row, key/value head): the heads that share it read its rows once; measured slower
-            # than a block per head up to 16 rows (too few blocks), faster from 64 (BENCHMARKS.md)
-            G = cfg.n_heads // cfg.n_kv_heads
-            self._launch(name.replace("attend", "attend_kv"), (M, cfg.n_kv_heads), (32 * KV_WARPS,), args,
-                         shared_mem=4 * G * self._kv_groups * (cfg.head_dim + 2))
-        else:
-            self._launch(name, (M, cfg.n_heads), (ATTEND_THREADS,), args, shared_mem=self._attend_smem())
-
-    def _attend_smem(self) -> int:
-        """decode.cu's attend_row: the scores, then the partial outputs in two rounds."""
-        vec = 8 if self.dtype == "bf16" else 4
-        return 4 * (self.cfg.ctx_len + ATTEND_THREADS * (vec + 1))
-
-    def _layers(self, r: _Rows, M: int, batched: bool, prefill: bool = False):
-        """Every layer over M rows: r.x holds the embeddings in, the residual stream out. `prefill`: the rows
-        are positions 0..M-1 of one slot (the batched path then attends with the FlashAttention)."""
-        from nanoeuler.kernels.cublas import Matrix
-
-        cfg = self.cfg
-        C, H, Hkv, D, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
-        HD = H * D
-        i32, f32 = np.int32, np.float32
-        x = r.x[:M]
-        flash_ops = r.flash_operands(self.cp, cfg, self.wt) if prefill and batched and self._flash else None
-        null = np.uint64(0)
-        for li, w in enumerate(self.layers):
-            if not batched and M == 1:  # x + dx out (dx: the last layer's MLP branch)
-                self._qkv_rope(r, w, li, M)
-                self._attend_o(r, w, li, M)
-                self._swiglu_down(r, w)
-                continue
-            if not batched:  # dx stays zero
-                self._qkv_rope(r, w, li, M)
-                self._attention("attend", r, li, r.att, M)
-                self._gemv("add", w["o"], r.att, None, None, x, M, C, HD)
-                self._gemv("swiglu", w["gu"], x, None, w["n2"], r.m, M, F, C)
-                self._gemv("add", w["down"], r.m, None, None, x, M, C, F)
-                continue
-            gemm = self.gemm()
-            self._launch("rmsnorm_act", (M,), (256,), (x, w["n1"], r.act, i32(C), f32(cfg.norm_eps)))
-            gemm(Matrix(r.qkv[:M]), Matrix(r.act2(M, C)), Matrix(w["qkv"]), tb=True)
-            qh, kh, vh = flash_ops[:3] if flash_ops else (null, null, null)
-            self._launch("rope_cache", (M,), (256,), (r.qkv, r.meta, r.q, self.kc[li], self.vc[li], self.cos,
-                                                      self.sin, qh, kh, vh, i32(M), i32(H), i32(Hkv), i32(D),
-                                                      i32(cfg.ctx_len)))
-            if flash_ops:
-                from nanoeuler.kernels.bf16 import flash
-
-                flash.flash_fwd(self._flash, *flash_ops[:3], r.act, flash_ops[3])
-            else:
-                self._attention("attend_act", r, li, r.act, M)
-            gemm(Matrix(x), Matrix(r.act2(M, HD)), Matrix(w["o"]), tb=True, beta=1.0)
-            self._launch("rmsnorm_act", (M,), (256,), (x, w["n2"], r.act, i32(C), f32(cfg.norm_eps)))
-            gemm(Matrix(r.gu[:M]), Matrix(r.act2(M, C)), Matrix(w["gu"]), tb=True)
-            self._launch("swiglu_act", (M,), (256,), (r.gu, r.act, i32(F)))
-            gemm(Matrix(x), Matrix(r.act2(M, F)), Matrix(w["down"]), tb=True, beta=1.0)
-
-    def _head_logits(self, x, dx, logits, M: int, n: int, pdl: bool = True) -> None:
-        """The first n rows of the stacked heads (n / V heads) on the final norm of M rows of x + dx, packed
-        (M, n); two rows a warp (each x value read feeds two weights) where n is even."""
-        if n % 2 == 0:
-            self._gemv("store2", self.heads, x, dx, self.norm, logits, M, n // 2, self.cfg.dim, pdl=pdl)
-        else:
-            self._gemv("store", self.heads, x, dx, self.norm, logits, M, n, self.cfg.dim, pdl=pdl)
-
-    def _embed(self, r: _Rows, M: int) -> None:
-        self._launch("embed", (M,), (256,), (r.meta, self.emb, r.x, r.dx, np.int32(M), np.int32(self.cfg.dim)))
+    # ---- the forward over rows: each line a named launcher of kernels/decode/ --------------------------
 
     def _step(self, r: _Rows, M: int, n_heads: int, rule: str):
         """Queue one forward of M rows (ids/slots/positions in r.meta) and the choice of the next ids."""
-        cfg, V = self.cfg, self.cfg.vocab_size
+        cfg, go, V = self.cfg, self.go, self.cfg.vocab_size
         self._embed(r, M)
         self._layers(r, M, batched=M > GEMV_MAX_ROWS)
         if M > GEMV_MAX_ROWS:  # many rows: the heads as a GEMM on the final norm
             from nanoeuler.kernels.cublas import Matrix
 
             n = n_heads * V
-            self._launch("rmsnorm_act", (M,), (256,), (r.x, self.norm, r.act, np.int32(cfg.dim),
-                                                       np.float32(cfg.norm_eps)))
+            elementwise.rmsnorm_act(go, r.x, self.norm, r.act, M, cfg.dim, cfg.norm_eps)
             self.gemm()(Matrix(r.logits.reshape(-1)[:M * n].reshape(M, n)), Matrix(r.act2(M, cfg.dim)),
                         Matrix(self.heads[:n]), tb=True)
-        elif M == 1 and n_heads == 1 and rule in ("argmax", "chain") and V % 2 == 0 and self.fuse_argmax:
+        elif M == 1 and n_heads == 1 and rule in ("argmax", "chain") and V % 2 == 0 and self.variants.fuse_argmax:
             # one row's next id: head 0 and its argmax in one kernel (the logits are not kept)
-            self._launch(f"head_argmax_u{self._u(cfg.dim)}", (-(-V // 2 // GEMV_WARPS),), (32 * GEMV_WARPS,),
-                         (self.heads, r.x, r.dx, self.norm, np.int32(V // 2), np.int32(cfg.dim),
-                          np.float32(cfg.norm_eps), r.best, r.arrive, r.out, r.ctl, r.hist, np.int32(CHAIN_CAP),
-                          np.int32(cfg.ctx_len), np.int32(rule == "chain")), shared_mem=4 * cfg.dim)
+            gemv.head_argmax(go, self.heads, r.x, r.dx, self.norm, V, cfg.dim, cfg.norm_eps, r.best, r.arrive, r.out,
+                             r.ctl, r.hist, CHAIN_CAP, cfg.ctx_len, rule == "chain")
             return
         else:
             self._head_logits(r.x, r.dx, r.logits, M, n_heads * V)
         # the GEMV wrote the logits packed: (M, n_heads, V)
         if rule == "argmax":
-            self._launch("argmax_rows", (M * n_heads,), (1024,), (r.logits, np.int32(V), np.int64(V), r.out))
+            sampling.argmax_rows(go, r.logits, V, V, r.out, M * n_heads)
         elif rule == "chain":  # the argmax feeds the next step (greedy_steps)
-            self._launch("argmax_chain", (M,), (1024,), (r.logits, np.int32(V), r.out, r.ctl, r.hist,
-                                                         np.int32(CHAIN_CAP), np.int32(cfg.ctx_len), r.arrive))
+            sampling.argmax_chain(go, r.logits, V, r.out, r.ctl, r.hist, CHAIN_CAP, cfg.ctx_len, r.arrive, M)
         elif rule == "accept":  # M = K rows of one slot: the next verify pass's block (greedy_passes)
-            self._launch("argmax_rows", (M * n_heads,), (1024,), (r.logits, np.int32(V), np.int64(V), r.out))
-            self._launch("accept_chain", (1,), (32,), (r.out, r.ctl, r.hist, np.int32(CHAIN_CAP), np.int32(M)))
+            sampling.argmax_rows(go, r.logits, V, V, r.out, M * n_heads)
+            sampling.accept_chain(go, r.out, r.ctl, r.hist, CHAIN_CAP, M)
         elif rule == "sample":
-            self._launch("sample_rows", (M,), (1024,), (r.logits, np.int32(V), np.int64(n_heads * V), r.samp,
-                                                       self.seeds, r.out))
+            sampling.sample_rows(go, r.logits, V, n_heads * V, r.samp, self.seeds, r.out, M)
+
+    def _layers(self, r: _Rows, M: int, batched: bool, prefill: bool = False):
+        """Every layer over M rows: r.x holds the embeddings in, the residual stream out. `prefill`: the rows
+        are positions 0..M-1 of one slot (the batched path then attends with the FlashAttention)."""
+        flash_ops = r.flash_operands(self.cp, self.cfg, self.wt) if prefill and batched and self._flash else None
+        for li, w in enumerate(self.layers):
+            if batched:
+                self._layer_many_rows(r, li, w, M, flash_ops)
+            elif M == 1:
+                self._layer_one_row(r, li, w)
+            else:
+                self._layer_few_rows(r, li, w, M)
+
+    def _layer_one_row(self, r: _Rows, li: int, w: dict) -> None:
+        """`transformer._block_forward` of one row in three kernels. The stream is x + dx: dx holds the
+        layer before's MLP branch, which this layer's attention kernel folds into x."""
+        cfg = self.cfg
+        C, H, Hkv, D, L = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ctx_len
+        self._qkv_rope(r, li, w, 1)  # q = rope(q(h)), k = rope(k(h)), v(h) into the cache; h = norm1(x + dx)
+        if self.variants.attend_cluster:  # x += dx + o(attention(q, cache)); dx = 0
+            attend_o.attend_o_cluster(self.go, r.q, self.kc[li], self.vc[li], r.meta, w["o"], r.x, r.dx, 1, H, Hkv,
+                                      D, L, C, self.variants.alone_keys)
+        else:
+            attend_o.attend_o(self.go, r.q, self.kc[li], self.vc[li], r.meta, w["o"], r.x, r.dx, 1, H, Hkv, D, L, C,
+                              self._n_sm)
+        mlp.swiglu_down(self.go, w["gu"], w["down"], r.x, w["n2"], r.dx, cfg.hidden, C, cfg.norm_eps)  # dx = mlp(x)
+
+    def _layer_few_rows(self, r: _Rows, li: int, w: dict, M: int) -> None:
+        """`transformer._block_forward` of 2 to 16 rows in five kernels (dx stays zero)."""
+        cfg, x = self.cfg, r.x[:M]
+        C, H, Hkv, D, F = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
+        self._qkv_rope(r, li, w, M)  # q = rope(q(h)), k = rope(k(h)), v(h) into the cache; h = norm1(x)
+        attend.attend(self.go, r.q, self.kc[li], self.vc[li], r.meta, r.att, M, H, Hkv, D, cfg.ctx_len)  # a
+        self._product("add", w["o"], r.att, None, None, x, M, C, H * D)  # x += o(a)
+        self._product("swiglu", w["gu"], x, None, w["n2"], r.m, M, F, C)  # m = silu(gate(h2)) * up(h2); h2 = norm2(x)
+        self._product("add", w["down"], r.m, None, None, x, M, C, F)  # x += down(m)
+
+    def _layer_many_rows(self, r: _Rows, li: int, w: dict, M: int, flash_ops) -> None:
+        """`transformer._block_forward` of many rows: cuBLAS GEMMs between row kernels."""
+        from nanoeuler.kernels.cublas import Matrix
+
+        cfg, go, gemm, x = self.cfg, self.go, self.gemm(), r.x[:M]
+        C, H, Hkv, D, F, L, eps = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden, cfg.ctx_len, \
+            cfg.norm_eps
+        elementwise.rmsnorm_act(go, x, w["n1"], r.act, M, C, eps)  # h = norm1(x)
+        gemm(Matrix(r.qkv[:M]), Matrix(r.act2(M, C)), Matrix(w["qkv"]), tb=True)  # q, k, v = qkv(h)
+        qh, kh, vh = flash_ops[:3] if flash_ops else (None, None, None)
+        elementwise.rope_cache(go, r.qkv, r.meta, r.q, self.kc[li], self.vc[li], self.cos, self.sin, qh, kh, vh, M,
+                               H, Hkv, D, L)  # q, k = rope(q), rope(k); k, v into the cache
+        if flash_ops:  # a = attention(q, k, v): a prefill over its own rows
+            from nanoeuler.kernels.bf16 import flash
+
+            flash.flash_fwd(self._flash, *flash_ops[:3], r.act, flash_ops[3])
+        elif self.variants.attend_kv:  # a = attention(q, cache)
+            attend.attend_kv_act(go, r.q, self.kc[li], self.vc[li], r.meta, r.act, M, H, Hkv, D, L)
+        else:
+            attend.attend_act(go, r.q, self.kc[li], self.vc[li], r.meta, r.act, M, H, Hkv, D, L)
+        gemm(Matrix(x), Matrix(r.act2(M, H * D)), Matrix(w["o"]), tb=True, beta=1.0)  # x += o(a)
+        elementwise.rmsnorm_act(go, x, w["n2"], r.act, M, C, eps)  # h2 = norm2(x)
+        gemm(Matrix(r.gu[:M]), Matrix(r.act2(M, C)), Matrix(w["gu"]), tb=True)  # gate, up = gu(h2)
+        elementwise.swiglu_act(go, r.gu, r.act, M, F)  # m = silu(gate) * up
+        gemm(Matrix(x), Matrix(r.act2(M, F)), Matrix(w["down"]), tb=True, beta=1.0)  # x += down(m)
+
+    def _qkv_rope(self, r: _Rows, li: int, w: dict, M: int) -> None:
+        """q, k, v of norm1(x + dx) over M rows, q and k rotated, k and v into the cache: the qkv product
+        with RoPE in its epilogue, on the tensor cores where a block's 8 pairs lie in one head."""
+        cfg = self.cfg
+        H, Hkv, D, C = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
+        ch = plan.tc_chunks(M, C, self.dtype, self.variants.tensor_cores, paired=True) if D % 16 == 0 else 0
+        args = (w["qkv"], r.x, r.dx, w["n1"], r.q, self.kc[li], self.vc[li], r.meta, self.cos, self.sin, M, H, Hkv,
+                D, cfg.ctx_len, C, cfg.norm_eps)
+        if ch:
+            tgemv.tgemv_rope(self.go, ch, *args)
+        else:
+            gemv.gemv_rope(self.go, *args)
+
+    def _product(self, epi: str, w, x, x2, gain, y, M: int, N: int, K: int, pdl: bool = True) -> None:
+        """y = W norm(x + x2) over M rows (x2 and gain may be None), `epi`: store, store2, add, swiglu (as
+        gemv.gemv). 2 to 16 rows of bf16 weights take the tensor-core GEMV (store2 as store)."""
+        ch = plan.tc_chunks(M, K, self.dtype, self.variants.tensor_cores, paired=epi == "swiglu")
+        if ch:
+            if epi == "store2":
+                epi, N = "store", 2 * N
+            tgemv.tgemv(self.go, epi, ch, w, x, x2, gain, y, M, N, K, self.cfg.norm_eps, pdl=pdl)
+        else:
+            gemv.gemv(self.go, epi, w, x, x2, gain, y, M, N, K, self.cfg.norm_eps, pdl=pdl)
+
+    def _head_logits(self, x, dx, logits, M: int, n: int, pdl: bool = True) -> None:
+        """The first n rows of the stacked heads (n / V heads) on the final norm of M rows of x + dx, packed
+        (M, n); two rows a warp (each x value read feeds two weights) where n is even."""
+        if n % 2 == 0:
+            self._product("store2", self.heads, x, dx, self.norm, logits, M, n // 2, self.cfg.dim, pdl=pdl)
+        else:
+            self._product("store", self.heads, x, dx, self.norm, logits, M, n, self.cfg.dim, pdl=pdl)
+
+    def _embed(self, r: _Rows, M: int) -> None:
+        elementwise.embed(self.go, r.meta, self.emb, r.x, r.dx, M, self.cfg.dim)
 
     def _run(self, M: int, n_heads: int, rule: str, meta: np.ndarray | None = None) -> _Rows:
         """A decode step or verify pass of M rows (`_step`); see `_replay`."""

@@ -4,8 +4,8 @@
     >>> launch(fn, (96,), (256,), (w, x, np.int32(768)), shared_mem=0, stream=stream)          # doctest: +SKIP
 
 A kernel launched this way may start while the kernel before it on the stream still runs; it waits for that
-one inside, at `griddepcontrol.wait` (decode.cu's pdl_wait), after requesting what does not depend on it,
-such as its weights. On a chain of small kernels this hides each kernel's start and its first memory
+one inside, at `griddepcontrol.wait` (kernels/decode/decode.cuh's pdl_wait), after requesting what does not
+depend on it, such as its weights. On a chain of small kernels this hides each kernel's start and its first memory
 latency behind the one before. CuPy's own launch has no way to set launch attributes, hence ctypes; stream
 capture records such launches as graph edges of the same kind. Needs compute capability 9.0 or later.
 """

@@ -2,7 +2,7 @@
 
 `*.cu` here are the float32 kernels that `kernels.ops` wraps behind the layers' own names and
 signatures (`dispatch.ops_for(cupy)` hands it to the model); `bf16/` holds the bf16 engine's kernel
-families and their launchers. Each file's header names its NumPy reference; `nanoeuler selftest` checks
+families and their launchers, `decode/` the decode engine's. Each file's header names its NumPy reference; `nanoeuler selftest` checks
 every kernel against it. CuPy is imported only when a kernel is first asked for, so a CPU-only install
 never needs it. A module is compiled once per process and device (NVRTC; CuPy also caches binaries on
 disk) from its text with the headers it includes inlined (`source`). On a compute-capability-9.0 GPU
@@ -57,18 +57,19 @@ def source(name: str) -> str:
     return expand(path) + "\n"
 
 
-def module(name: str):
-    """The compiled RawModule of `<name>.cu` (headers inlined: `source`) for the current device."""
+def module(name: str, options: tuple = ()):
+    """The compiled RawModule of `<name>.cu` (headers inlined: `source`) for the current device, with
+    extra compiler `options` (the decode kernels' -D shape constants)."""
     import cupy
 
     dev = cupy.cuda.Device().id
-    key = (name, dev)
+    key = (name, dev, options)
     mod = _MODULES.get(key)
     if mod is None:
         code = source(name)
         # CuPy appends its own -arch=sm_90; NVRTC then builds for the sm_90a named here
         extra = ("-arch=sm_90a",) if has_sm90a() else ()
-        mod = cupy.RawModule(code=code, options=COMPILE_OPTIONS + extra)
+        mod = cupy.RawModule(code=code, options=COMPILE_OPTIONS + tuple(options) + extra)
         _MODULES[key] = mod
     return mod
 
@@ -80,14 +81,14 @@ def has_sm90a() -> bool:
     return cupy.cuda.Device().compute_capability == "90"
 
 
-def kernel(file: str, name: str):
+def kernel(file: str, name: str, options: tuple = ()):
     """The kernel `name` of `<file>.cu` (`file` relative to this folder, e.g. "bf16/norms")."""
     import cupy
 
-    key = (file, name, cupy.cuda.Device().id)
+    key = (file, name, cupy.cuda.Device().id, options)
     fn = _FUNCTIONS.get(key)
     if fn is None:
-        fn = _FUNCTIONS[key] = module(file).get_function(name)
+        fn = _FUNCTIONS[key] = module(file, options).get_function(name)
     return fn
 
 

@@ -132,7 +132,7 @@ class GpuBackend:
         environment sets NANOEULER_PDL=0)."""
         import cupy as cp
 
-        from nanoeuler.infer.launch import pdl_launcher
+        from nanoeuler.kernels.pdl import pdl_launcher
         from nanoeuler.kernels import has_sm90a, kernel
         from nanoeuler.kernels.bf16.plan import MMA_HEAD_DIMS
 

@@ -8,7 +8,7 @@ divergence stop, metrics, progress bar): the loss (`model.dpo.dpo_head_loss`, a 
 normed state), a batch source (`PairBatches`: P pairs as 2P rows, with their reference log-probabilities
 from `nanoeuler ref-logps`), and the held-out scoring. The loss is a `model.dpo.DpoHead`: the fp32 xp path
 (CPU, or CuPy on the GPU) calls it as a head loss, and with `dpo.precision: bf16` the GPU engine runs it
-as its sequence log-probability head (`kernels/engine.py`, head "dpo").
+as its sequence log-probability head (`kernels/bf16/engine.py`, head "dpo").
 
 A few pairs (`dpo.val_pairs`, at most a fifth, drawn by seed) are held out; every `eval_every` steps the
 log gets their DPO loss, reward accuracy (the share with a positive margin), mean margin

@@ -20,7 +20,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")
 
-from nanoeuler.infer.generate import Sampling  # noqa: E402
+from nanoeuler.infer.sampling import Sampling  # noqa: E402
 from nanoeuler.serve.prompts import PromptError, StopText, chat_prompt, chat_turns  # noqa: E402
 from nanoeuler.serve.protocol import ApiError, parse_chat, parse_completion, parse_json  # noqa: E402
 from nanoeuler.serve.scheduler import QueueFull, Scheduler  # noqa: E402

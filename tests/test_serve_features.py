@@ -10,8 +10,9 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")
 
-from nanoeuler.infer.generate import Generator, Sampling  # noqa: E402
+from nanoeuler.infer.generate import Generator  # noqa: E402
 from nanoeuler.infer.logprobs import log_softmax  # noqa: E402
+from nanoeuler.infer.sampling import Sampling  # noqa: E402
 from serve_fixtures import LEARNED, chat_model, live_server, run_streams  # noqa: E402
 from train_fixtures import make_tokenizer  # noqa: E402
 
@@ -27,7 +28,7 @@ def tok():
 def exact_model(tok):
     """A server backend over the tiny model in float64 with sharp heads (no near-ties), made by
     `backend(slots, prefix_cache)`, and the reference Generator over the same weights."""
-    from nanoeuler.infer.engine import Engine
+    from nanoeuler.infer.engine import DecodeEngine
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.model.transformer import head_weight_names, init_params
     from nanoeuler.serve.backend import Backend
@@ -39,7 +40,7 @@ def exact_model(tok):
         params[name] = params[name] * 20.0
 
     def backend(slots, prefix_cache=8):
-        return Backend(Engine.from_params(params, cfg, "cpu"), tok, "exact", slots, prefix_cache)
+        return Backend(DecodeEngine.from_params(params, cfg, "cpu"), tok, "exact", slots, prefix_cache)
 
     return backend, Generator(params, cfg)
 

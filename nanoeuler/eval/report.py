@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from nanoeuler.infer.engine import add_speculative_argument
 
     add_speculative_argument(parser)
-    from nanoeuler.infer.generate import add_threads_argument
+    from nanoeuler.infer.engine import add_threads_argument
 
     add_threads_argument(parser)
 
@@ -85,7 +85,7 @@ DEFINITIONS = {
 def _load_models(args: argparse.Namespace, device: str, gpu_memory="auto") -> tuple[list[tuple], object]:
     """[(name, generation engine, metadata, path)] of base, chat and (with --dpo) the DPO model, each
     checked to carry the tokenizer of the model it was tuned from; the base tokenizer last."""
-    from nanoeuler.infer.generate import load
+    from nanoeuler.infer.engine import load
 
     spec, threads = getattr(args, "speculative", None), getattr(args, "threads", None)
     base, base_tok, base_meta = load(args.base, device, spec, gpu_memory, "evaluate", threads)
@@ -190,7 +190,7 @@ def _training_runs(args: argparse.Namespace) -> list[tuple[str, list]]:
 def run(args: argparse.Namespace) -> int:
     from nanoeuler.eval.plots import plot_losses
     from nanoeuler.files import check_outputs
-    from nanoeuler.infer.generate import Sampling
+    from nanoeuler.infer.sampling import Sampling
     from nanoeuler.train.loader import ShardSplit, read_manifest
 
     check_outputs(samples=args.samples, metrics=args.metrics, plot=args.plot)

@@ -524,7 +524,7 @@ def case_bf16_gemm_batched(rng, shape):
 
 
 def _engine_problem(rng, cfg, B, T):
-    from nanoeuler.checks.gradcheck import random_problem
+    from nanoeuler.checks.problem import random_problem
 
     params, inputs, targets = random_problem(cfg, int(rng.integers(2**31)), batch=B, T=T)
     # gradcheck's weights are of order one; scale the matrices like a trained model's so that bf16

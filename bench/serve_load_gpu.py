@@ -53,7 +53,7 @@ from serve_load import QUESTIONS, small_model  # noqa: E402
 
 
 def prompt_texts(n: int) -> list[str]:
-    from nanoeuler.train.template import render_prompt
+    from nanoeuler.data.template import render_prompt
 
     return [render_prompt(QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
 

@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def answer(gen, tok, instruction: str, max_new: int, sampling, write) -> list[int]:
     """Generate one answer, passing text pieces to `write` as they decode; returns the answer's ids."""
+    from nanoeuler.data.template import render_prompt
     from nanoeuler.infer.generate import decode_stream, fit_prompt
-    from nanoeuler.train.template import render_prompt
 
     ids = tok.encode(render_prompt(instruction))
     ids, dropped = fit_prompt(ids, gen.cfg.ctx_len, min(max_new, gen.cfg.ctx_len // 4))

@@ -97,12 +97,12 @@ def pair_metrics(logps: np.ndarray, ref: np.ndarray, beta: float, eps: float) ->
 def run(args: argparse.Namespace) -> int:
     from nanoeuler import memory
     from nanoeuler.backend import get_xp
-    from nanoeuler.eval.plots import plot_losses
     from nanoeuler.files import check_outputs
     from nanoeuler.train import loop, rundir
     from nanoeuler.train.config import TrainConfig
     from nanoeuler.train.pairs import (encode_pairs, file_sha256, load_chat_model, read_pairs, sequence_logps,
                                        split_pairs)
+    from nanoeuler.train.plots import plot_losses
     from nanoeuler.train.reflogps import load_reference, reference_meta
 
     check_outputs(out=args.out)  # refused now, not after the training

@@ -1,7 +1,7 @@
 """The layer functions on the GPU: the names, signatures and semantics of `nanoeuler.model.layers`,
 with fused CUDA kernels (the `.cu` files beside this one) where they pay off.
 
-`nanoeuler.dispatch.ops_for(cupy)` returns this module, so `transformer.py` runs on these without
+`nanoeuler.model.dispatch.ops_for(cupy)` returns this module, so `transformer.py` runs on these without
 knowing. Matrix products stay cuBLAS GEMMs through CuPy (`linear_*` are the layers' own functions).
 The kernels are float32; any other dtype (a float64 check on the GPU, say) and any shape a kernel
 does not cover falls back to the xp-generic layer, which stays the reference for every kernel here.

@@ -110,10 +110,12 @@ def main(argv=None) -> int:
             times.append((time.perf_counter() - t) / 10)
         out[f"prefill{T}_ms"] = 1e3 * statistics.median(times)
     # the outputs: greedy plain and speculative continuations of three prompts
-    Sampling = getattr(engine_mod, "Sampling", None)
-    if Sampling is None:
+    try:  # either side of the A/B: Sampling and the engine's class moved and were renamed
+        from nanoeuler.infer.sampling import Sampling
+    except ImportError:
         from nanoeuler.infer.generate import Sampling
-    eng = engine_mod.Engine(be, cfg)
+    eng = getattr(engine_mod, "DecodeEngine", None) or engine_mod.Engine
+    eng = eng(be, cfg)
     prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (5, 16, 40)]
     greedy = Sampling(temperature=0.0)
     out["greedy"] = [list(map(int, s)) for s in eng.generate(prompts, args.tokens, greedy, speculative=False)]

@@ -3,7 +3,7 @@
     python bench/gemm_gpu.py                      # the `gpu` preset at B16xT1024
     python bench/gemm_gpu.py --rows 16x512,64x512 --no-torch
 
-Each product of `nanoeuler.kernels.engine.Engine.forward_backward` runs at its own shape and operand
+Each product of `nanoeuler.kernels.bf16.engine.TrainEngine.forward_backward` runs at its own shape and operand
 layout through the engine's cuBLAS wrapper (`cublas.Gemm`: bf16 operands, float32 accumulation, the output
 bf16 or float32 as in the step, beta = 1 where the step accumulates), 3 times, then 20 timed samples
 of 10 back-to-back calls between CUDA events; medians. `count` is how often the step runs it, so

@@ -40,8 +40,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nanoeuler.infer import cpu as cpu_mod  # noqa: E402
-from nanoeuler.infer.engine import Engine  # noqa: E402
-from nanoeuler.infer.generate import Sampling  # noqa: E402
+from nanoeuler.infer.engine import DecodeEngine  # noqa: E402
+from nanoeuler.infer.sampling import Sampling  # noqa: E402
 from nanoeuler.model import transformer  # noqa: E402
 from nanoeuler.model.config import ModelConfig  # noqa: E402
 from nanoeuler.model.layers import rope_tables  # noqa: E402
@@ -218,7 +218,7 @@ def bench_model(name, params, cfg, args, prompt_text_ids=None):
         prompt = (prompt_text_ids * args.prompt_len)[:args.prompt_len]
     long = [int(t) for t in rng.integers(0, cfg.vocab_size, min(args.prefill_tokens, cfg.ctx_len))]
 
-    eng = Engine.from_params(params, cfg, "cpu", threads=args.threads)
+    eng = DecodeEngine.from_params(params, cfg, "cpu", threads=args.threads)
     be = eng.backend
     t_greedy, t_prefill = torch_model(params, cfg)
     ours = list(eng.stream(prompt, new, GREEDY, speculative=False))

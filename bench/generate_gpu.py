@@ -26,8 +26,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from nanoeuler.infer.engine import Engine  # noqa: E402
-from nanoeuler.infer.generate import Generator, Sampling  # noqa: E402
+from nanoeuler.infer.engine import DecodeEngine  # noqa: E402
+from nanoeuler.infer.generate import Generator  # noqa: E402
+from nanoeuler.infer.sampling import Sampling  # noqa: E402
 from nanoeuler.model import transformer  # noqa: E402
 from nanoeuler.model.config import ModelConfig  # noqa: E402
 
@@ -86,7 +87,7 @@ def read_text(path: str, limit: int = 2_000_000) -> str:
 
 
 def ours(params, cfg, prompt, args, rows):
-    eng = Engine.from_params(params, cfg, "gpu", dtype="bf16")
+    eng = DecodeEngine.from_params(params, cfg, "gpu", dtype="bf16")
     n = args.new_tokens
     for name, spec in (("ours plain (bf16)", False), ("ours speculative (bf16)", True)):
         eng.stats = type(eng.stats)()
@@ -276,7 +277,7 @@ def agreement(params, cfg, prompt, steps):
     want = ref.generate(prompt, steps, GREEDY)
     out = {}
     for dtype in ("fp32", "bf16"):
-        got = Engine.from_params(params, cfg, "gpu", dtype=dtype).generate([prompt], steps, GREEDY,
+        got = DecodeEngine.from_params(params, cfg, "gpu", dtype=dtype).generate([prompt], steps, GREEDY,
                                                                       speculative=False)[0]
         out[dtype] = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     return out
@@ -325,7 +326,7 @@ def main(argv=None) -> int:
     prompts = prompts_from(tok, cfg, args.batch, args.prompt_len, rng, text)
     prompt = prompts[0]
     if args.steps_only:
-        eng = Engine.from_params(params, cfg, "gpu", dtype="bf16")
+        eng = DecodeEngine.from_params(params, cfg, "gpu", dtype="bf16")
         eng.generate(prompts[:args.steps_batch], args.steps_only, GREEDY, speculative=False)
         return 0
     rows: list = []

@@ -30,7 +30,7 @@ def backend(preset: str, prefix_cache: int):
     """A one-slot server backend over a random-weight model of `preset`, its context at least 512."""
     import dataclasses
 
-    from nanoeuler.infer.engine import Engine
+    from nanoeuler.infer.engine import DecodeEngine
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.model.transformer import init_params
     from nanoeuler.serve.backend import Backend
@@ -38,11 +38,11 @@ def backend(preset: str, prefix_cache: int):
     cfg = ModelConfig.named(preset)
     cfg = dataclasses.replace(cfg, ctx_len=max(cfg.ctx_len, 512))
     tok = type("Tok", (), {"end_id": cfg.vocab_size - 1, "eot_id": cfg.vocab_size - 2})()
-    return Backend(Engine.from_params(init_params(cfg, 0), cfg, "cpu"), tok, preset, 1, prefix_cache)
+    return Backend(DecodeEngine.from_params(init_params(cfg, 0), cfg, "cpu"), tok, preset, 1, prefix_cache)
 
 
 def ttft(be, prompt) -> float:
-    from nanoeuler.infer.generate import Sampling
+    from nanoeuler.infer.sampling import Sampling
 
     t0 = time.perf_counter()
     stream = be.open(prompt, 1, Sampling(temperature=0), stop_at_end=False)

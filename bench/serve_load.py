@@ -5,7 +5,7 @@
 
 Starts `nanoeuler serve` as a subprocess (a random-weight `small` model with a BPE tokenizer learned
 on data/sample/ unless --ckpt is given), then:
-1. the peer: the same model in this process, the engine that `infer.generate.load` gives, greedy on one
+1. the peer: the same model in this process, the engine that `infer.engine.load` gives, greedy on one
    prompt at a time: the tokens/s a single user gets without any server;
 2. references: each client's prompt answered once by the server, one request at a time;
 3. the load: `--clients` concurrent clients, each sending `--requests` streamed chat requests back to
@@ -68,7 +68,8 @@ def prompts(n: int) -> list[str]:
 
 def peer_tokens_per_s(ckpt: Path, questions: list[str], max_tokens: int) -> float:
     """Greedy decoding in this process, one prompt after another (median of the per-prompt rates)."""
-    from nanoeuler.infer.generate import Sampling, load
+    from nanoeuler.infer.engine import load
+    from nanoeuler.infer.sampling import Sampling
     from nanoeuler.serve.prompts import chat_prompt
 
     gen, tok, _ = load(ckpt, "cpu")

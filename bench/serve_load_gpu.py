@@ -17,7 +17,7 @@ template already applied to one of eight questions, so every server sees the sam
 its stream is whole (one id, a finish_reason, `data: [DONE]`) and its usage says --max-tokens tokens.
 Per level it prints: generated tokens/s (all clients), time to first token p50/p99, inter-token latency
 p50/p99 (between a stream's consecutive text chunks), failures, and the peer: the same model in this
-process (`Engine.generate`, L prompts decoded as one batch, no server; measured in a child process
+process (`DecodeEngine.generate`, L prompts decoded as one batch, no server; measured in a child process
 before the server starts, so the server's memory sizing sees an empty GPU).
 
 Without --ckpt the model has random weights: the `small` preset, or with `--preset gpu` the full run's 116M
@@ -79,14 +79,15 @@ def gpu_model(path: Path) -> None:
 
 
 def prompt_texts(n: int) -> list[str]:
-    from nanoeuler.train.template import render_prompt
+    from nanoeuler.data.template import render_prompt
 
     return [render_prompt(QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
 
 
 def peer(ckpt: Path, device: str, rows: int, max_tokens: int) -> float:
     """Batched greedy decoding of `rows` prompts in this process: generated tokens/s (best of two runs)."""
-    from nanoeuler.infer.generate import Sampling, load
+    from nanoeuler.infer.engine import load
+    from nanoeuler.infer.sampling import Sampling
 
     engine, tok, _ = load(ckpt, device)
     ids = [tok.encode(t) for t in prompt_texts(rows)]

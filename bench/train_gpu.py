@@ -8,7 +8,7 @@ Modes (all in one process, on the same device, one after another, each on fresh 
   torch-eager    PyTorch, bf16 autocast, eager
   torch-compile  the same module under torch.compile (compile time reported, not timed)
   ours-fp32      nanoeuler's float32 GPU path: transformer.loss_and_grads + clip_grad_norm + fused AdamW kernel
-  ours-bf16      nanoeuler.kernels.engine: bf16 GEMMs (fp32 accumulate), fp32 master weights and AdamW state
+  ours-bf16      nanoeuler.kernels.bf16.engine: bf16 GEMMs (fp32 accumulate), fp32 master weights and AdamW state
 
 The PyTorch model is ours written in torch: token embedding; pre-norm blocks of RMSNorm (computed in fp32),
 q/k/v from one stacked projection, half-split RoPE, causal GQA through scaled_dot_product_attention with
@@ -337,7 +337,7 @@ def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log, timed):
 
 
 def engine_options(mode: str) -> dict:
-    """`Engine` keyword arguments of a mode `ours-bf16[-flag...]`, each flag an attention variant (wg, ldm,
+    """`TrainEngine` keyword arguments of a mode `ours-bf16[-flag...]`, each flag an attention variant (wg, ldm,
     mma; fa32 for the float32 FlashAttention), `eager` (no CUDA graph), `norope` (RoPE and the attention
     layouts after the qkv GEMM, not inside it), `nofuse` (that, and the SwiGLU forward and backward
     after their GEMMs too) or `muon` (Muon on the hidden matrices instead of AdamW).
@@ -365,11 +365,11 @@ def engine_options(mode: str) -> dict:
 def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, timed, **options):
     import cupy
 
-    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.kernels.bf16.engine import TrainEngine
 
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
-    eng = Engine(cfg, params_np, batch=B, seq=T, lr=3e-4, **options)
+    eng = TrainEngine(cfg, params_np, batch=B, seq=T, lr=3e-4, **options)
     data = [(cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32)) for i, t in _windows(cfg, B, T, 2)]
 
     def step(s):
@@ -401,10 +401,10 @@ def profile_engine(cfg, params_np, B, T, log, **options):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.kernels.bf16.engine import TrainEngine
 
     torch.zeros(1, device="cuda")
-    eng = Engine(cfg, params_np, batch=B, seq=T, lr=3e-4, **options)
+    eng = TrainEngine(cfg, params_np, batch=B, seq=T, lr=3e-4, **options)
     ids, tg = [(cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32)) for i, t in _windows(cfg, B, T, 3, 1)][0]
     for _ in range(3):
         eng.step(ids, tg)
@@ -443,7 +443,7 @@ def agree(cfg, params_np, B, T, steps, log):
     """Train the same init on the same fixed sequence of batches with fp32 and with the bf16 engine."""
     import cupy
 
-    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.kernels.bf16.engine import TrainEngine
     from nanoeuler.model import transformer
     from nanoeuler.optim import AdamW, clip_grad_norm, lr_at
 
@@ -490,7 +490,7 @@ def agree(cfg, params_np, B, T, steps, log):
     log(f"  fp32 {steps} steps in {time.perf_counter() - t0:.1f} s")
     del params, opt
     cupy.get_default_memory_pool().free_all_blocks()
-    eng = Engine(cfg, params_np, batch=B, seq=T, lr=6e-4)
+    eng = TrainEngine(cfg, params_np, batch=B, seq=T, lr=6e-4)
     gpu_data = [(cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32)) for i, t in data]
     dev_losses = []
     t0 = time.perf_counter()

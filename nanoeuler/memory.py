@@ -152,7 +152,7 @@ def score_chunk_rows(cfg) -> int:
 
 def engine_parts(cfg, batch: int, seq: int, kernels: str = "portable", sm90a: bool = False,
                  checkpoint: bool = False, accum: bool = False, head: str = "ce") -> dict:
-    """Named byte counts of the bf16 engine's buffers (`kernels.engine.Engine`, all allocated at its start),
+    """Named byte counts of the bf16 engine's buffers (`kernels.bf16.engine.TrainEngine`, all allocated at its start),
     from `bf16.plan.engine_bytes` for the variants the kernel path takes on this card (`sm90a`)."""
     from nanoeuler.kernels.bf16 import plan
 

@@ -18,7 +18,7 @@ import math
 
 
 from nanoeuler.backend import array_module
-from nanoeuler.dispatch import fused_adamw
+from nanoeuler.model.dispatch import fused_adamw
 
 
 def default_no_decay(name: str, shape) -> bool:

@@ -115,7 +115,7 @@ BLOCKER = textwrap.dedent("""
 """)
 
 # Modules that exist only for the GPU and import CuPy at the top (reached through ops_for(cupy)).
-GPU_ONLY = {"nanoeuler.kernels.ops", "nanoeuler.kernels.engine", "nanoeuler.kernels.cublas"}
+GPU_ONLY = {"nanoeuler.kernels.ops", "nanoeuler.kernels.bf16.engine", "nanoeuler.kernels.cublas"}
 
 
 def test_no_module_imports_cupy_on_a_cpu_install():

@@ -6,9 +6,10 @@ import sys
 import pytest
 
 from nanoeuler import checkpoint
+from nanoeuler.data.template import render_prompt
 from nanoeuler.infer.chat import answer
-from nanoeuler.infer.generate import Generator, Sampling, decode_stream
-from nanoeuler.train.template import render_prompt
+from nanoeuler.infer.generate import Generator, decode_stream
+from nanoeuler.infer.sampling import Sampling
 from train_fixtures import make_tokenizer, save_random_model
 
 

@@ -6,15 +6,15 @@ import math
 import numpy as np
 import pytest
 
-from nanoeuler.checks import gradcheck
+from nanoeuler.checks import gradcheck, problem
 from nanoeuler.model import dpo, transformer
 from nanoeuler.model.config import ModelConfig
 
 
-def pair_problem(seed=0, pairs=3, T=7, cfg=gradcheck.CHECK_CONFIG):
+def pair_problem(seed=0, pairs=3, T=7, cfg=problem.CHECK_CONFIG):
     """(params, inputs (2P,T), targets (2P,T,K), ref (2P,)): a shared prompt per pair, then responses of
     different lengths; only head 0 has targets, and one rejected response is a single token."""
-    params, _, _ = gradcheck.random_problem(cfg, seed=seed, batch=2 * pairs, T=T)
+    params, _, _ = problem.random_problem(cfg, seed=seed, batch=2 * pairs, T=T)
     rng = np.random.default_rng(seed + 10)
     seqs = rng.integers(0, cfg.vocab_size, size=(2 * pairs, T + 1))
     targets = np.full((2 * pairs, T, cfg.mtp_heads), -1)
@@ -42,7 +42,7 @@ def reference_loss(params, inputs, targets, ref, cfg, beta, eps):
 
 @pytest.mark.parametrize("beta,eps", [(0.1, 0.0), (2.0, 0.2)])
 def test_loss_matches_full_logits_and_gradients_match_finite_differences(beta, eps):
-    cfg = gradcheck.CHECK_CONFIG
+    cfg = problem.CHECK_CONFIG
     params, inputs, targets, ref = pair_problem(seed=1)
     loss, grads = transformer.loss_and_grads(params, inputs, targets, cfg,
                                              head_loss=dpo.dpo_head_loss(ref, beta=beta, label_smoothing=eps))
@@ -118,7 +118,7 @@ def test_pair_loss_at_zero_margin_and_extremes():
 def test_bad_reference_shape_is_refused():
     params, inputs, targets, ref = pair_problem(seed=2, pairs=2)
     with pytest.raises(ValueError, match="reference"):
-        transformer.loss_and_grads(params, inputs, targets, gradcheck.CHECK_CONFIG,
+        transformer.loss_and_grads(params, inputs, targets, problem.CHECK_CONFIG,
                                    head_loss=dpo.dpo_head_loss(ref[:3], beta=0.1))
 
 
@@ -126,7 +126,7 @@ def test_bad_reference_shape_is_refused():
 def test_gpu_gradients_match_cpu():
     import cupy as cp
 
-    cfg = gradcheck.CHECK_CONFIG
+    cfg = problem.CHECK_CONFIG
     params, inputs, targets, ref = pair_problem(seed=3, pairs=3)
     fn = dpo.dpo_head_loss(ref, beta=0.5, label_smoothing=0.1)
     loss, grads = transformer.loss_and_grads(params, inputs, targets, cfg, head_loss=fn)

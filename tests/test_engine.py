@@ -6,8 +6,9 @@ import itertools
 import numpy as np
 import pytest
 
-from nanoeuler.infer.engine import Engine, accept_or_resample
-from nanoeuler.infer.generate import Generator, Sampling, sampling_probs
+from nanoeuler.infer.engine import DecodeEngine, sampled_kept
+from nanoeuler.infer.generate import Generator
+from nanoeuler.infer.sampling import Sampling, accept_or_resample, sampling_probs
 from nanoeuler.model import transformer
 from nanoeuler.model.config import ModelConfig
 
@@ -29,7 +30,7 @@ def model():
 
 def test_greedy_equals_the_reference_generator_across_a_context_slide(model):
     params, cfg = model
-    ref, eng = Generator(params, cfg), Engine.from_params(params, cfg, "cpu")
+    ref, eng = Generator(params, cfg), DecodeEngine.from_params(params, cfg, "cpu")
     for prompt, n in (([5, 17, 42, 8], 3 * cfg.ctx_len), (list(range(1, cfg.ctx_len + 5)), 40)):
         assert eng.generate([prompt], n, GREEDY, speculative=False)[0] == ref.generate(prompt, n, GREEDY)
 
@@ -37,13 +38,13 @@ def test_greedy_equals_the_reference_generator_across_a_context_slide(model):
 def test_sampling_draws_the_reference_generators_tokens(model):
     params, cfg = model
     s = Sampling(temperature=1.0, top_k=20, top_p=0.9, seed=7)
-    ref, eng = Generator(params, cfg), Engine.from_params(params, cfg, "cpu")
+    ref, eng = Generator(params, cfg), DecodeEngine.from_params(params, cfg, "cpu")
     assert list(eng.stream([3, 4], 50, s)) == ref.generate([3, 4], 50, s)
 
 
 def test_batched_ragged_prompts_equal_one_at_a_time(model):
     params, cfg = model
-    eng, ref = Engine.from_params(params, cfg, "cpu"), Generator(params, cfg)
+    eng, ref = DecodeEngine.from_params(params, cfg, "cpu"), Generator(params, cfg)
     prompts = [[1, 2, 3], [9], list(range(10, 30)), [4, 4, 4, 4, 4]]
     s = Sampling(temperature=0.9, top_k=0, top_p=1.0, seed=2)
     got = eng.generate(prompts, 30, s, stop_ids={7})
@@ -53,7 +54,7 @@ def test_batched_ragged_prompts_equal_one_at_a_time(model):
 
 def test_prefill_many_equals_one_prefill_a_slot(model):
     params, cfg = model
-    be = Engine.from_params(params, cfg, "cpu").backend
+    be = DecodeEngine.from_params(params, cfg, "cpu").backend
     prompts = [[1, 2, 3], [9], list(range(10, 30)), [4] * 5]
     be.start(4)
     want = [be.prefill(b, p) for b, p in enumerate(prompts)]
@@ -71,7 +72,7 @@ def test_prefill_many_equals_one_prefill_a_slot(model):
 def test_speculative_greedy_is_token_identical_and_drafts_get_accepted(model):
     params, cfg = model
     # a model whose draft heads are its head 0 shifted: half the drafts are right
-    eng = Engine.from_params(params, cfg, "cpu")
+    eng = DecodeEngine.from_params(params, cfg, "cpu")
     ref = Generator(params, cfg)
     for prompt in ([5, 17, 42, 8], [1], list(range(30, 50))):
         n = 2 * cfg.ctx_len + 3
@@ -88,7 +89,7 @@ def test_speculative_greedy_accepts_every_draft_when_the_heads_agree():
     for k in range(1, 4):
         params[f"mtp_heads.{k}.weight"] = params["lm_head.weight"]
     params["embed_tokens.weight"] = params["embed_tokens.weight"] * 0  # no input dependence: constant logits
-    eng = Engine.from_params(params, cfg, "cpu")
+    eng = DecodeEngine.from_params(params, cfg, "cpu")
     out = list(eng.stream([1, 2], 13, GREEDY, speculative=True))
     assert out == [out[0]] * 13
     assert eng.stats.acceptance() == [1.0, 1.0, 1.0] and eng.stats.tokens_per_pass() == 4.0
@@ -106,6 +107,27 @@ def test_accept_or_resample_gives_the_target_distribution():
         d = rng.choice(3, p=q)
         counts[accept_or_resample(p, q, d, rng.random(), rng)[1]] += 1
     np.testing.assert_allclose(counts / n, p, atol=0.01)
+
+
+
+def test_sampled_kept_keeps_drafts_drawn_from_the_target_and_stops_at_an_impossible_one():
+    """A draft drawn from head 0's own distribution (q = p) always stands, and the token after the last row is
+    drawn from it; a draft head 0 gives probability 0 falls, and its replacement comes from p - q."""
+    rng = np.random.default_rng(1)
+    s = Sampling(temperature=1.0, top_k=0, top_p=1.0)
+    target = rng.standard_normal((4, 6))  # head 0's logits at 4 rows, 6 tokens
+    ps = [sampling_probs(z, 1.0) for z in target]
+    for seed in range(20):
+        draws = np.random.default_rng(seed)
+        block = np.array([0] + [int(draws.choice(6, p=p)) for p in ps[:3]])
+        assert sampled_kept(target, block, ps[:3], draws, s)[0] == 3
+    banned = target.copy()
+    banned[1, 2] = -np.inf  # head 0 never picks token 2 after row 1
+    q = np.eye(6)[2]  # the draft head was sure of token 2
+    for seed in range(20):
+        a, tok = sampled_kept(banned, np.array([0, int(np.argmax(ps[0])), 2, 0]), [ps[0], q, ps[2]],
+                              np.random.default_rng(seed), s)
+        assert a == 1 and tok != 2
 
 
 def _sequence_probs(params, cfg, prompt, n, s):
@@ -130,7 +152,7 @@ def test_speculative_sampling_has_the_plain_output_distribution(top_k):
     s = Sampling(temperature=1.0, top_k=top_k, top_p=1.0)
     prompt, n = [1, 2, 3], 3
     exact = _sequence_probs(params, cfg, prompt, n, s)
-    eng = Engine.from_params(params, cfg, "cpu")
+    eng = DecodeEngine.from_params(params, cfg, "cpu")
     runs = 3000
     counts = dict.fromkeys(exact, 0)
     for seed in range(runs):
@@ -199,11 +221,11 @@ def test_default_speculation_goes_on_plainly_where_it_does_not_pay(model, monkey
     from nanoeuler.infer import engine as engine_mod
 
     params, cfg = model
-    base = Engine.from_params(params, cfg, "cpu")
+    base = DecodeEngine.from_params(params, cfg, "cpu")
     monkeypatch.setattr(type(base.backend), "verify_cost", cost)
     p, n = [5, 17, 42, 8], cfg.ctx_len + 20  # across a refill
     want = list(base.stream(p, n, GREEDY, speculative=False))
-    eng = Engine(_FeedsItself(base.backend, cfg), cfg)
+    eng = DecodeEngine(_FeedsItself(base.backend, cfg), cfg)
     assert list(eng.stream(p, n, GREEDY)) == want
     assert (eng.stats.passes == engine_mod.PROBE_PASSES) == probed
     eng.stats = type(eng.stats)()
@@ -220,7 +242,7 @@ def test_default_speculation_on_the_cpu_verifies_only_where_the_heads_would_pay(
     steps (`step_heads`): with passes priced out (cost 100) it never verifies; priced free, it does. The
     tokens are plain greedy's either way, across a context refill and with a stop id."""
     params, cfg = model
-    eng = Engine.from_params(params, cfg, "cpu")
+    eng = DecodeEngine.from_params(params, cfg, "cpu")
     monkeypatch.setattr(type(eng.backend), "verify_cost", cost)
     for p, n in (([5, 17, 42, 8], cfg.ctx_len + 20), ([1], 3), (list(range(30, 50)), 2 * cfg.ctx_len)):
         eng.stats = type(eng.stats)()
@@ -239,7 +261,7 @@ def test_default_speculation_on_the_cpu_never_verifies_drafts_that_are_never_rig
         w[cfg.vocab_size - 1] = 1.0
         params[f"mtp_heads.{k}.weight"] = w
         params["lm_head.weight"][cfg.vocab_size - 1] = -1e3 * np.abs(params["lm_head.weight"]).max()
-    eng = Engine.from_params(params, cfg, "cpu")
+    eng = DecodeEngine.from_params(params, cfg, "cpu")
     out = list(eng.stream([3, 1, 4], 2 * cfg.ctx_len, GREEDY))
     assert out == Generator(params, cfg).generate([3, 1, 4], 2 * cfg.ctx_len, GREEDY)
     assert eng.stats.passes == 0 and eng.stats.plain > len(out) // 2
@@ -247,8 +269,8 @@ def test_default_speculation_on_the_cpu_never_verifies_drafts_that_are_never_rig
 
 def test_steps_that_feed_themselves_give_the_same_tokens(model):
     params, cfg = model
-    eng = Engine.from_params(params, cfg, "cpu")
-    fed = Engine(_FeedsItself(eng.backend, cfg), cfg)
+    eng = DecodeEngine.from_params(params, cfg, "cpu")
+    fed = DecodeEngine(_FeedsItself(eng.backend, cfg), cfg)
     prompts = [[5, 17, 42, 8], [1], list(range(30, 50))]
     for p in prompts:
         for spec in (False, True):

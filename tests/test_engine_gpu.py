@@ -5,8 +5,9 @@ the cuBLAS (wide batch) path equal to the GEMV path, and the sampling kernel's d
 import numpy as np
 import pytest
 
-from nanoeuler.infer.engine import Engine
-from nanoeuler.infer.generate import Generator, Sampling, sampling_probs
+from nanoeuler.infer.engine import DecodeEngine
+from nanoeuler.infer.generate import Generator
+from nanoeuler.infer.sampling import Sampling, sampling_probs
 from nanoeuler.model import transformer
 from nanoeuler.model.config import ModelConfig
 
@@ -35,8 +36,8 @@ def _rel(a, b):
 @pytest.mark.parametrize("dtype,tol", [("fp32", 2e-5), ("bf16", 3e-2)])
 def test_prefill_and_verify_logits_match_numpy(model, dtype, tol):
     params, cfg = model
-    cpu = Engine.from_params(params, cfg, "cpu").backend
-    gpu = Engine.from_params(params, cfg, "gpu", dtype=dtype).backend
+    cpu = DecodeEngine.from_params(params, cfg, "cpu").backend
+    gpu = DecodeEngine.from_params(params, cfg, "gpu", dtype=dtype).backend
     rng = np.random.default_rng(0)
     for T in (5, 40):  # the GEMV path and the cuBLAS path
         ids = rng.integers(0, cfg.vocab_size, T)
@@ -58,7 +59,7 @@ def test_prefill_and_verify_logits_match_numpy(model, dtype, tol):
 def test_greedy_plain_speculative_and_batched(model, dtype):
     params, cfg = model
     ref = Generator(params, cfg)
-    eng = Engine.from_params(params, cfg, "gpu", dtype=dtype)
+    eng = DecodeEngine.from_params(params, cfg, "gpu", dtype=dtype)
     prompts = [[5, 17, 42, 8], [1], list(range(30, 60))]
     n = cfg.ctx_len + 20  # across a context slide
     want = [ref.generate(p, n, GREEDY) for p in prompts]
@@ -81,8 +82,8 @@ def test_prefill_many_matches_numpy_across_chunks(model, dtype, tol):
     """Ragged prompts of several slots in one go: 3 rows (the GEMV path) and 70 rows in two chunks of the
     context (48) through the cuBLAS path; the caches then serve a verify pass of each slot."""
     params, cfg = model
-    cpu = Engine.from_params(params, cfg, "cpu").backend
-    gpu = Engine.from_params(params, cfg, "gpu", dtype=dtype).backend
+    cpu = DecodeEngine.from_params(params, cfg, "cpu").backend
+    gpu = DecodeEngine.from_params(params, cfg, "gpu", dtype=dtype).backend
     rng = np.random.default_rng(4)
     for lens in ((1, 2), (5, 40, 1, 24)):
         prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in lens]
@@ -103,7 +104,7 @@ def test_one_row_attention_over_a_cluster_matches_numpy(model, dtype, tol):
     from nanoeuler.infer.gpu import GpuBackend
 
     params, cfg = model
-    cpu = Engine.from_params(params, cfg, "cpu").backend
+    cpu = DecodeEngine.from_params(params, cfg, "cpu").backend
     split, whole = GpuBackend(params, cfg, dtype), GpuBackend(params, cfg, dtype)
     whole.variants.attend_cluster = False
     split.variants.alone_keys = 2  # the blocks exchange their partial results from 3 keys on
@@ -146,7 +147,7 @@ def test_tensor_core_gemv_matches_the_float_gemv():
     cfg = ModelConfig(vocab_size=300, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=48, mtp_heads=4,
                       ffn_hidden=1536)
     params = transformer.init_params(cfg, seed=5, dtype=np.float64)
-    cpu = Engine.from_params(params, cfg, "cpu").backend
+    cpu = DecodeEngine.from_params(params, cfg, "cpu").backend
     tc, ffma = GpuBackend(params, cfg, "bf16"), GpuBackend(params, cfg, "bf16")
     ffma.variants.tensor_cores = False
     rng = np.random.default_rng(8)
@@ -181,8 +182,8 @@ def test_programmatic_dependent_launch_changes_nothing(model):
     for _ in range(3):  # eager, recorded, replayed
         np.testing.assert_allclose(on.verify(ids[:4], 21), off.verify(ids[:4], 21), rtol=1e-4, atol=1e-4)
     prompts = [list(ids[:3 + i % 7]) for i in range(20)]
-    assert (Engine(on, cfg).generate(prompts, 6, GREEDY, speculative=False)
-            == Engine(off, cfg).generate(prompts, 6, GREEDY, speculative=False))
+    assert (DecodeEngine(on, cfg).generate(prompts, 6, GREEDY, speculative=False)
+            == DecodeEngine(off, cfg).generate(prompts, 6, GREEDY, speculative=False))
 
 
 def test_sampling_kernel_draws_from_sampling_probs(model):

@@ -67,7 +67,7 @@ def test_variants_pick_the_fastest_that_applies_and_refuse_the_rest():
                         sm90a=True)
 
 
-@pytest.mark.parametrize("cfg", CFGS[:2], ids=["gpu", "small"])
+@pytest.mark.parametrize("cfg", CFGS[:2], ids=["gpu-preset", "small"])
 def test_engine_bytes_invariants(cfg):
     """What each option adds or saves: the accumulator is one more float32 gradient (and its loss);
     checkpointing keeps every layer's float32 input but one layer's activations; the activations grow

@@ -8,9 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from nanoeuler.eval.metrics import evaluate_windows
-from nanoeuler.eval.plots import plot_losses
 from nanoeuler.model import transformer
+from nanoeuler.train.metrics import evaluate_windows
+from nanoeuler.train.plots import plot_losses
 from train_fixtures import TEXT, make_tokenizer, save_random_model, write_config, write_shards
 
 PNG = b"\x89PNG\r\n\x1a\n"

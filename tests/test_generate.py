@@ -7,7 +7,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from nanoeuler.infer.generate import Generator, Sampling, fit_prompt, sample_token
+from nanoeuler.infer.generate import Generator, fit_prompt
+from nanoeuler.infer.sampling import Sampling, sample_token
 from nanoeuler.model import transformer
 from nanoeuler.model.config import ModelConfig
 from train_fixtures import make_tokenizer, save_random_model

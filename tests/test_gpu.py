@@ -47,7 +47,7 @@ def test_ops_for_cupy_is_the_kernel_namespace():
 
     from nanoeuler.kernels import ops
     from nanoeuler.model import layers
-    from nanoeuler.dispatch import ops_for
+    from nanoeuler.model.dispatch import ops_for
 
     assert ops_for(cupy) is ops
     public = {n for n in dir(layers) if n.endswith(("_forward", "_backward")) or n == "rope_tables"}

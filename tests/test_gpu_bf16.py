@@ -43,7 +43,7 @@ def test_engine_kernels_exist_in_their_family_files():
     launchers = "".join(p.read_text() for p in bf16.glob("*.py"))
     wanted = set(re.findall(r'kernel\("bf16/\w+", "(\w+)"\)', launchers))
     wanted |= {"rmsnorm_bwd_bf16", "rmsnorm_bwd_bf16_f32dy"}  # norms.rmsnorm_bwd names one by g's dtype
-    wanted |= set(re.findall(r'fused_gemm\("(\w+)"\)', (KERNEL_DIR / "engine.py").read_text()))  # gemm_tma.py
+    wanted |= set(re.findall(r'fused_gemm\("(\w+)"\)', (bf16 / "engine.py").read_text()))  # gemm_tma.py
     assert len(wanted) >= 15
     assert wanted <= defined, wanted - defined
     flash_names = {n for n in defined if n.startswith("flash_")}
@@ -221,7 +221,7 @@ def test_engine_graph_replay_matches_kernel_by_kernel(hidden, optimizer):
     the batch and the learning rate of each step (AdamW's per-step values live on the device)."""
     import cupy
 
-    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.kernels.bf16.engine import TrainEngine
     from nanoeuler.model import transformer
     from nanoeuler.model.config import ModelConfig
 
@@ -233,7 +233,7 @@ def test_engine_graph_replay_matches_kernel_by_kernel(hidden, optimizer):
     lrs = [1e-3, 1e-2, 1e-4, 3e-3]  # a learning rate frozen into the graph at its capture (step 2) would show
     runs = {}
     for graph in (False, True):
-        eng = Engine(cfg, params, batch=4, seq=64, graph=graph, optimizer=optimizer)
+        eng = TrainEngine(cfg, params, batch=4, seq=64, graph=graph, optimizer=optimizer)
         losses = []
         for (x, y), lr in zip(batches, lrs):
             eng.step(cupy.asarray(x, dtype=np.int32), cupy.asarray(y, dtype=np.int32), lr=lr)
@@ -259,7 +259,7 @@ def test_engine_graph_replay_matches_kernel_by_kernel(hidden, optimizer):
 def test_engine_doctests():
     import doctest
 
-    from nanoeuler.kernels import engine
+    from nanoeuler.kernels.bf16 import engine
 
     assert doctest.testmod(engine).failed == 0
 

@@ -112,7 +112,7 @@ def test_accumulation_equals_one_step_of_the_concatenated_batch_per_figure():
 def test_checkpointing_gives_the_same_loss_and_gradients(hidden):
     """Recomputing each layer in the backward runs the same kernels on the same values: the loss and every
     gradient are bit-identical, except the embedding's (its backward adds with atomics in any order)."""
-    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.kernels.bf16.engine import TrainEngine
     from nanoeuler.model import transformer
 
     cfg = _cfg(n_layers=3, ffn_hidden=hidden)
@@ -121,7 +121,7 @@ def test_checkpointing_gives_the_same_loss_and_gradients(hidden):
     x, y = rng.integers(0, 256, (4, 64)).astype(np.int32), rng.integers(-1, 256, (4, 64, 2)).astype(np.int32)
     out = {}
     for ckpt in (False, True):
-        eng = Engine(cfg, params, batch=4, seq=64, checkpoint=ckpt)
+        eng = TrainEngine(cfg, params, batch=4, seq=64, checkpoint=ckpt)
         eng.forward_backward(x, y)
         out[ckpt] = eng.last_loss(), {n: g.get() for n, g in eng.grads().items()}, eng.nbytes()
     assert out[True][0] == out[False][0]
@@ -140,11 +140,11 @@ def test_checkpointing_gives_the_same_loss_and_gradients(hidden):
 @pytest.mark.parametrize("hidden", [0, 384], ids=["F341", "F384"])
 def test_engine_bytes_is_what_the_engine_allocates(opts, hidden):
     from nanoeuler.kernels.bf16.plan import engine_bytes
-    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.kernels.bf16.engine import TrainEngine
     from nanoeuler.model import transformer
 
     cfg = _cfg(n_layers=3, ffn_hidden=hidden)
-    eng = Engine(cfg, transformer.init_params(cfg, seed=0), batch=4, seq=64, **opts)
+    eng = TrainEngine(cfg, transformer.init_params(cfg, seed=0), batch=4, seq=64, **opts)
     plan = engine_bytes(cfg, 4, 64, attention=eng.attention, fuse_swiglu=eng.fuse_swiglu, fuse_rope=eng.fuse_rope,
                         accum=eng.accum, checkpoint=eng.checkpoint, head=eng.head)
     assert sum(plan.values()) == eng.nbytes(), plan
@@ -223,7 +223,7 @@ def test_dpo_held_out_metrics_agree_with_the_fp32_path():
     agree with `train.pairs.sequence_logps` in fp32 on the same pairs and weights."""
     import cupy
 
-    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.kernels.bf16.engine import TrainEngine
     from nanoeuler.model import dpo, transformer
     from nanoeuler.train.dpo import pair_metrics
 
@@ -238,7 +238,7 @@ def test_dpo_held_out_metrics_agree_with_the_fp32_path():
     tok, _ = dpo.token_logps(lg.reshape(-1, cfg.vocab_size)[idx], tgt)
     fp32 = cupy.asnumpy(dpo.sequence_logps(tok, seq, 2 * P)).astype(np.float64)
     ref = fp32 + rng.standard_normal(2 * P) * 20  # margins well away from zero
-    eng = Engine(cfg, params, batch=2 * P, seq=T, head="dpo", dpo_beta=0.1)
+    eng = TrainEngine(cfg, params, batch=2 * P, seq=T, head="dpo", dpo_beta=0.1)
     eng.forward_backward(x.astype(np.int32), y.astype(np.int32), ref, np.full(P, 1.0 / P))
     bf16 = eng.last_logps()[0].astype(np.float64)
     two = lambda v: np.stack([v[:P], v[P:]], axis=1)  # noqa: E731

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from nanoeuler.model import layers as L
-from nanoeuler.dispatch import ops_for
+from nanoeuler.model.dispatch import ops_for
 
 RNG = np.random.default_rng(1234)
 

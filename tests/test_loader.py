@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from nanoeuler.errors import UserError
-from nanoeuler.eval.metrics import bits_per_byte
 from nanoeuler.train.loader import RandomWindows, ShardSplit, fixed_windows, read_manifest, split_window
+from nanoeuler.train.metrics import bits_per_byte
 
 
 def write_counting_shards(d, sizes, val_sizes=(500,)):

@@ -343,7 +343,8 @@ def test_hellaswag_scored_an_item_a_forward_picks_as_the_whole_batch(tmp_path, t
 
 
 def test_more_prompts_than_the_cache_holds_run_in_groups_with_the_same_tokens(tmp_path, tok):
-    from nanoeuler.infer.generate import Sampling, load
+    from nanoeuler.infer.engine import load
+    from nanoeuler.infer.sampling import Sampling
 
     save_random_model(tmp_path / "m.bin", tok)
     gen, _, _ = load(tmp_path / "m.bin", "cpu")

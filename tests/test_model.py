@@ -10,7 +10,7 @@ import pytest
 
 from nanoeuler.config import validate
 from nanoeuler.errors import UserError
-from nanoeuler.checks import gradcheck
+from nanoeuler.checks import gradcheck, problem
 from nanoeuler.model import transformer
 from nanoeuler.model.config import ModelConfig
 
@@ -150,7 +150,7 @@ def test_a_head_without_targets_is_left_out_of_the_mean():
 
 def test_whole_model_against_finite_differences():
     errors = gradcheck.check(samples=6, seed=7, out=io.StringIO())
-    assert set(errors) == set(gradcheck.CHECK_CONFIG.param_shapes())
+    assert set(errors) == set(problem.CHECK_CONFIG.param_shapes())
     assert max(errors.values()) <= 1e-6
 
 
@@ -209,7 +209,7 @@ def test_gradcheck_cli_passes_and_reports_every_tensor():
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
-    for name in gradcheck.CHECK_CONFIG.param_shapes():
+    for name in problem.CHECK_CONFIG.param_shapes():
         assert any(line.startswith(name + " ") for line in lines), name
     assert lines[-1].startswith("max relative error: ")
     assert float(lines[-1].split(": ")[1]) <= 1e-6

@@ -348,8 +348,8 @@ def test_the_tiny_configs_chat_prompts_fit_its_context():
     import pyarrow.parquet as pq
 
     from nanoeuler.config import load_config
+    from nanoeuler.data.template import render_prompt
     from nanoeuler.tokenizer.bpe import train_bpe
-    from nanoeuler.train.template import render_prompt
 
     cfg = load_config(REPO / "config" / "tiny.yaml")
     sample = REPO / "data" / "sample"

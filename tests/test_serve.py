@@ -20,13 +20,13 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")
 
-from nanoeuler.infer.generate import Sampling  # noqa: E402
+from nanoeuler.data.template import render_prompt  # noqa: E402
+from nanoeuler.infer.sampling import Sampling  # noqa: E402
 from nanoeuler.serve.prompts import PromptError, StopText, chat_prompt, chat_turns  # noqa: E402
 from nanoeuler.serve.protocol import ApiError, parse_chat, parse_completion, parse_json  # noqa: E402
 from nanoeuler.serve.scheduler import QueueFull, Scheduler  # noqa: E402
 from nanoeuler.serve.server import exposure_warning  # noqa: E402
 from nanoeuler.train.sft import encode_example  # noqa: E402
-from nanoeuler.train.template import render_prompt  # noqa: E402
 from serve_fixtures import LEARNED, chat_model, live_server  # noqa: E402
 from train_fixtures import make_tokenizer  # noqa: E402
 

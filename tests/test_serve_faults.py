@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx2")
 
 from nanoeuler.cli import main as cli_main  # noqa: E402
 from nanoeuler.errors import UserError  # noqa: E402
-from nanoeuler.infer.generate import Sampling, SamplingError, checked_sampling  # noqa: E402
+from nanoeuler.infer.sampling import Sampling, SamplingError, checked_sampling  # noqa: E402
 from nanoeuler.serve.backend import Backend  # noqa: E402
 from nanoeuler.serve.protocol import ApiError, parse_json  # noqa: E402
 from serve_fixtures import chat_model, live_server  # noqa: E402
@@ -68,7 +68,7 @@ def broken_sampler(monkeypatch):
     """Sampling at temperature BROKEN raises, at the prefill and in a decode step alike."""
     import nanoeuler.infer.cpu
     import nanoeuler.serve.backend
-    from nanoeuler.infer.generate import sample_token
+    from nanoeuler.infer.sampling import sample_token
 
     def sample(logits, rng, temperature, top_k=0, top_p=1.0):
         if temperature == BROKEN:
@@ -126,7 +126,7 @@ def test_serve_refuses_bad_numbers_in_one_line(args, flag, capsys, tmp_path):
 
 
 def test_slots_that_cannot_fit_in_memory_are_one_line_before_any_allocation(model_path):
-    from nanoeuler.infer.generate import load
+    from nanoeuler.infer.engine import load
 
     engine, tok, _ = load(model_path, "cpu")
     with pytest.raises(UserError, match=r"^--max-batch 1000000000: the caches of 1000000000 generation slots"):

@@ -10,9 +10,10 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")
 
-from nanoeuler.infer.generate import Generator, Sampling  # noqa: E402
+from nanoeuler.infer.generate import Generator  # noqa: E402
 from nanoeuler.infer.logprobs import log_softmax  # noqa: E402
-from nanoeuler.train.template import render_prompt  # noqa: E402
+from nanoeuler.data.template import render_prompt  # noqa: E402
+from nanoeuler.infer.sampling import Sampling  # noqa: E402
 from serve_fixtures import LEARNED, chat_model, live_server, run_streams, train_chat_model  # noqa: E402
 from train_fixtures import make_tokenizer  # noqa: E402
 
@@ -28,7 +29,7 @@ def tok():
 def exact_model(tok):
     """A server backend over the tiny model in float64 with sharp heads (no near-ties), made by
     `backend(slots, prefix_cache)`, and the reference Generator over the same weights."""
-    from nanoeuler.infer.engine import Engine
+    from nanoeuler.infer.engine import DecodeEngine
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.model.transformer import head_weight_names, init_params
     from nanoeuler.serve.backend import Backend
@@ -40,7 +41,7 @@ def exact_model(tok):
         params[name] = params[name] * 20.0
 
     def backend(slots, prefix_cache=8):
-        return Backend(Engine.from_params(params, cfg, "cpu"), tok, "exact", slots, prefix_cache)
+        return Backend(DecodeEngine.from_params(params, cfg, "cpu"), tok, "exact", slots, prefix_cache)
 
     return backend, Generator(params, cfg)
 
@@ -99,7 +100,7 @@ def test_batched_speculation_is_plain_greedy_and_counts_each_heads_drafts(tok, t
     greedy tokens, beside sampled and log-probability streams in the same steps and across two context refills;
     a step hands out several tokens where drafts were kept, and SpecStats counts each head's drafts."""
     from nanoeuler import checkpoint
-    from nanoeuler.infer.engine import Engine
+    from nanoeuler.infer.engine import DecodeEngine
     from nanoeuler.serve.backend import Backend
 
     train_chat_model(tmp_path / "k3.bin", mtp_heads=3)  # trained heads: their drafts are often right
@@ -110,7 +111,7 @@ def test_batched_speculation_is_plain_greedy_and_counts_each_heads_drafts(tok, t
     greedy, hot = Sampling(temperature=0), Sampling(temperature=0.9, top_k=0, top_p=0.95, seed=4)
     specs = [(france, 12, greedy, {}), (color, 2 * cfg.ctx_len + 5, greedy, {}), (france, 10, hot, {}),
              (color, 9, greedy, {"logprobs": 1})]
-    backend = Backend(Engine.from_params(params, cfg, "cpu"), tok, "k3", 4, 8, speculative=True)
+    backend = Backend(DecodeEngine.from_params(params, cfg, "cpu"), tok, "k3", 4, 8, speculative=True)
     assert backend.speculative
     steps, step = [], backend.step
     backend.step = lambda streams: steps.append(len(streams)) or step(streams)
@@ -122,7 +123,7 @@ def test_batched_speculation_is_plain_greedy_and_counts_each_heads_drafts(tok, t
     assert len(steps) < 2 * cfg.ctx_len + 5  # the longest answer took fewer steps than tokens
     assert st.offered[0] == st.passes and st.offered[1] == st.accepted[0]  # draft 2 is checked after draft 1 stood
     assert st.accepted[0] > 0 and st.accepted[1] > 0 and st.tokens == st.passes + sum(st.accepted)
-    plain = Backend(Engine.from_params(params, cfg, "cpu"), tok, "k3", 4, 8)
+    plain = Backend(DecodeEngine.from_params(params, cfg, "cpu"), tok, "k3", 4, 8)
     assert run_streams(plain, specs)[0] == got and plain.engine.stats.passes == 0
 
 

@@ -6,8 +6,8 @@ backend's, greedy, with streams of other settings in the same batch; prompts tha
 import numpy as np
 import pytest
 
-from nanoeuler.infer.engine import Engine
-from nanoeuler.infer.generate import Sampling
+from nanoeuler.infer.engine import DecodeEngine
+from nanoeuler.infer.sampling import Sampling
 from nanoeuler.model import transformer
 from nanoeuler.model.config import ModelConfig
 from serve_fixtures import run_streams
@@ -40,9 +40,10 @@ def test_gpu_logprobs_match_the_numpy_backend(model, dtype, tol):
     params, cfg = model
     specs = [([1, 2, 3], 10, Sampling(temperature=0), {"logprobs": 2}), ([5, 6], 8, Sampling(temperature=0), {}),
              ([9], 6, Sampling(temperature=0), {"logprobs": 0})]
-    cpu_tokens, cpu_streams = run_streams(Backend(Engine.from_params(params, cfg, "cpu"), _Tok(), "m", 3, 0), specs)
-    gpu_tokens, gpu_streams = run_streams(Backend(Engine.from_params(params, cfg, "gpu", dtype=dtype), _Tok(), "m", 3, 0),
-                                   specs)
+    cpu = Backend(DecodeEngine.from_params(params, cfg, "cpu"), _Tok(), "m", 3, 0)
+    gpu = Backend(DecodeEngine.from_params(params, cfg, "gpu", dtype=dtype), _Tok(), "m", 3, 0)
+    cpu_tokens, cpu_streams = run_streams(cpu, specs)
+    gpu_tokens, gpu_streams = run_streams(gpu, specs)
     assert gpu_tokens == cpu_tokens
     for c, g in zip(cpu_streams, gpu_streams):
         assert len(g.records) == len(c.records)
@@ -61,7 +62,7 @@ def test_gpu_prefix_reuse_answers_as_a_whole_prefill(model, dtype):
              (head + list(range(100, 130)), 8, Sampling(temperature=0), {})]
     outs = []
     for cache in (0, 8):
-        backend = Backend(Engine.from_params(params, cfg, "gpu", dtype=dtype), _Tok(), "m", 1, cache)
+        backend = Backend(DecodeEngine.from_params(params, cfg, "gpu", dtype=dtype), _Tok(), "m", 1, cache)
         outs.append([run_streams(backend, [spec])[0][0] for spec in specs])
     assert outs[1] == outs[0] and backend.prefixes.hits == 2 and backend.prefixes.tokens == 2 * len(head)
 
@@ -75,7 +76,7 @@ def test_gpu_batched_speculation_answers_as_the_numpy_backend(model, dtype):
     params, cfg = model
     for n in (2, 5):
         specs = [([1 + i, 2, 3], 20 + 30 * (i == 0), Sampling(temperature=0), {}) for i in range(n)]
-        backends = [Backend(Engine.from_params(params, cfg, dev, **kw), _Tok(), "m", n, 0, speculative=True)
+        backends = [Backend(DecodeEngine.from_params(params, cfg, dev, **kw), _Tok(), "m", n, 0, speculative=True)
                     for dev, kw in (("cpu", {}), ("gpu", {"dtype": dtype}))]
         (cpu_tokens, _), (gpu_tokens, _) = (run_streams(b, specs) for b in backends)
         assert gpu_tokens == cpu_tokens

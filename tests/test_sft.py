@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from nanoeuler import checkpoint
+from nanoeuler.data.template import render_prompt
 from nanoeuler.errors import UserError
 from nanoeuler.train.sft import EpochBatches, read_records
 from nanoeuler.train.sft import encode_example, fit_example, sft_batch
-from nanoeuler.train.template import render_prompt
 from train_fixtures import make_tokenizer, save_random_model, write_alpaca, write_config
 
 

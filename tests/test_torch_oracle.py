@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from nanoeuler.checks import gradcheck
+from nanoeuler.checks import problem
 from nanoeuler.model import transformer  # noqa: E402
 from nanoeuler.model.config import ModelConfig  # noqa: E402
 
@@ -82,8 +82,8 @@ def _compare(cfg, params, inputs, targets):
 
 
 def test_gradcheck_config_matches_torch():
-    cfg = gradcheck.CHECK_CONFIG
-    params, inputs, targets = gradcheck.random_problem(cfg, seed=3, batch=3, T=7)
+    cfg = problem.CHECK_CONFIG
+    params, inputs, targets = problem.random_problem(cfg, seed=3, batch=3, T=7)
     _compare(cfg, params, inputs, targets)
 
 
@@ -91,7 +91,7 @@ def test_wider_groups_and_an_empty_head_match_torch():
     # group 3, K = 4 with head 3 having no valid target (left out of the mean), default ffn width
     cfg = ModelConfig(vocab_size=37, dim=24, n_layers=3, n_heads=6, n_kv_heads=2, ctx_len=16,
                       mtp_heads=4, rope_theta=500.0, norm_eps=1e-6)
-    params, inputs, targets = gradcheck.random_problem(cfg, seed=5, batch=2, T=9)
+    params, inputs, targets = problem.random_problem(cfg, seed=5, batch=2, T=9)
     targets[..., 3] = -1
     _compare(cfg, params, inputs, targets)
     _, grads = transformer.loss_and_grads(params, inputs, targets, cfg)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from nanoeuler.train.template import PROMPT_NO_INPUT, PROMPT_WITH_INPUT
+from nanoeuler.data.template import PROMPT_NO_INPUT, PROMPT_WITH_INPUT
 
 TEXT = (PROMPT_WITH_INPUT + PROMPT_NO_INPUT) * 4 + (
     "It was the best of times, it was the worst of times. The sea was calm and the sky was blue. "

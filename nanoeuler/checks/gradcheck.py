@@ -1,9 +1,9 @@
 """`nanoeuler gradcheck`: every analytic gradient against finite differences, in float64.
 
-A small random model (K = 3 heads, 2 query heads per key/value head, T = 6 so RoPE and the causal mask
-matter, some targets -1) with weights of order one, so a wrong term in any backward shows up. For each
-tensor, `--samples` entries (always the one with the largest analytic gradient) are perturbed and the
-loss differentiated by the fourth-order central difference
+A small random model (`problem.random_problem`: K = 3 heads, 2 query heads per key/value head, T = 6
+so RoPE and the causal mask matter, some targets -1) with weights of order one, so a wrong term in any
+backward shows up. For each tensor, `--samples` entries (always the one with the largest analytic
+gradient) are perturbed and the loss differentiated by the fourth-order central difference
 
     g ~ (8 (L(w + h) - L(w - h)) - (L(w + 2h) - L(w - 2h))) / (12 h),   h = 3e-3,
 
@@ -23,37 +23,13 @@ import time
 import numpy as np
 
 from nanoeuler.backend import add_device_argument, get_xp, resolve_device, to_numpy
+from nanoeuler.checks.problem import CHECK_CONFIG, random_problem
 from nanoeuler.config import add_config_arguments, sections
 from nanoeuler.model import transformer
 from nanoeuler.model.config import ModelConfig
 
-CHECK_CONFIG = ModelConfig(vocab_size=13, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=8,
-                           ffn_hidden=24, mtp_heads=3, rope_theta=10000.0, norm_eps=1e-5)
 STEP = 3e-3
 DENOM_FLOOR = 1e-12
-
-
-def random_problem(cfg: ModelConfig = CHECK_CONFIG, seed: int = 0, batch: int = 2, T: int = 6):
-    """(params float64, inputs (B,T), targets (B,T,K)) with weights of order one and ~20% ignored targets."""
-    rng = np.random.default_rng(seed)
-    params = {}
-    for name, shape in cfg.param_shapes().items():
-        if name.endswith("norm.weight"):
-            params[name] = 1.0 + 0.3 * rng.standard_normal(shape)  # gains away from 1 so they matter
-        elif name == "embed_tokens.weight":
-            params[name] = rng.standard_normal(shape)
-        else:  # (out, in): unit-variance outputs for unit-variance inputs
-            params[name] = rng.standard_normal(shape) / np.sqrt(shape[1])
-    window = rng.integers(0, cfg.vocab_size, size=(batch, T + cfg.mtp_heads))
-    inputs = window[:, :T]
-    targets = np.stack([window[:, 1 + k:T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)
-    full = targets
-    targets = np.where(rng.random(targets.shape) < 0.2, -1, targets)
-    targets[0, 0, :] = -1  # a position with no target at all
-    for k in range(cfg.mtp_heads):  # but every head keeps some
-        if not (targets[..., k] >= 0).any():
-            targets[-1, -1, k] = full[-1, -1, k]
-    return params, inputs, targets
 
 
 def analytic_grads(params, batch, cfg: ModelConfig, xp=np):

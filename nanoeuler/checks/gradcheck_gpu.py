@@ -39,8 +39,8 @@ def compare(cfg: ModelConfig, batch: int, T: int, seed: int):
     """-> (loss rel err, [(tensor name, shape, rel err)]) for one random problem."""
     import cupy
 
+    from nanoeuler.checks.problem import random_problem
     from nanoeuler.model import transformer
-    from nanoeuler.checks.gradcheck import random_problem
 
     params, inputs, targets = random_problem(cfg, seed, batch=batch, T=T)
     ref_params = {n: np.asarray(p, dtype=np.float32).astype(np.float64) for n, p in params.items()}

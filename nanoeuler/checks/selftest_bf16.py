@@ -524,7 +524,7 @@ def case_bf16_gemm_batched(rng, shape):
 
 
 def _engine_problem(rng, cfg, B, T):
-    from nanoeuler.checks.gradcheck import random_problem
+    from nanoeuler.checks.problem import random_problem
 
     params, inputs, targets = random_problem(cfg, int(rng.integers(2**31)), batch=B, T=T)
     # gradcheck's weights are of order one; scale the matrices like a trained model's so that bf16
@@ -540,7 +540,7 @@ def case_engine(rng, shape):
     import cupy
 
     from nanoeuler.kernels import has_sm90a
-    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.kernels.bf16.engine import TrainEngine
     from nanoeuler.model import transformer
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.optim import AdamW, clip_grad_norm
@@ -557,7 +557,8 @@ def case_engine(rng, shape):
     params, inputs, targets = _engine_problem(rng, cfg, B, T)
     # output-head chunks of 48 rows: several per step, the last one short, so the weight gradients'
     # accumulation over chunks (and dxn's over heads) is checked
-    eng = Engine(cfg, params, batch=B, seq=T, max_norm=0.5, attention=attention, chunk_bytes=2 * cfg.vocab_size * 48)
+    eng = TrainEngine(cfg, params, batch=B, seq=T, max_norm=0.5, attention=attention,
+                      chunk_bytes=2 * cfg.vocab_size * 48)
     if which == "d384" and not (eng.fuse_swiglu and eng.fuse_rope):
         raise RuntimeError("the d384 engine case is meant to run the fused SwiGLU and RoPE kernels, and does not")
     for _ in range(2):  # twice: a gradient that accumulated instead of being overwritten would double
@@ -629,7 +630,7 @@ def case_engine_muon(rng, shape):
     import cupy
 
     from nanoeuler.kernels import has_sm90a
-    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.kernels.bf16.engine import TrainEngine
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.optim import Muon, clip_grad_norm, group_lr_scale, newton_schulz, param_group
 
@@ -642,7 +643,7 @@ def case_engine_muon(rng, shape):
         cfg = ModelConfig(vocab_size=1024, dim=384, n_layers=3, n_heads=6, n_kv_heads=2, ctx_len=256, mtp_heads=4)
     params, inputs, targets = _engine_problem(rng, cfg, B, T)
     scale = group_lr_scale(params, {"hidden": 3.0, "embed": 2.0})
-    eng = Engine(cfg, params, batch=B, seq=T, max_norm=0.5, attention=attention, optimizer="muon", lr_scale=scale)
+    eng = TrainEngine(cfg, params, batch=B, seq=T, max_norm=0.5, attention=attention, optimizer="muon", lr_scale=scale)
     p64 = {n: p.astype(np.float64) for n, p in params.items()}
     refs = {"float64": {n: p.copy() for n, p in p64.items()}, "bf16": {n: p.copy() for n, p in p64.items()}}
     opts = {k: Muon(ref_p, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, lr_scale=scale,
@@ -701,7 +702,7 @@ def case_engine_dpo(rng, shape):
     heads' zero) vs float64 `loss_and_grads(..., head_loss=dpo_head_loss(...))`, responses masked as
     `train.pairs.pair_batch` masks them."""
     from nanoeuler.kernels import has_sm90a
-    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.kernels.bf16.engine import TrainEngine
     from nanoeuler.model import dpo, transformer
     from nanoeuler.model.config import ModelConfig
 
@@ -725,8 +726,8 @@ def case_engine_dpo(rng, shape):
     tok, _ = dpo.token_logps(transformer.logits(p64, inputs, cfg).reshape(B * T, -1)[idx], tgt)
     ref = dpo.sequence_logps(tok, seq, B) + rng.standard_normal(B) * 10.0
     beta, eps = 0.1, 0.1
-    eng = Engine(cfg, params, batch=B, seq=T, attention=attention, chunk_bytes=2 * cfg.vocab_size * 48,
-                 head="dpo", dpo_beta=beta, dpo_label_smoothing=eps, checkpoint=checkpoint)
+    eng = TrainEngine(cfg, params, batch=B, seq=T, attention=attention, chunk_bytes=2 * cfg.vocab_size * 48,
+                      head="dpo", dpo_beta=beta, dpo_label_smoothing=eps, checkpoint=checkpoint)
     weights = np.full(P, 1.0 / P)
     for _ in range(2):
         eng.forward_backward(_g(inputs, np.int32), _g(targets, np.int32), ref, weights)

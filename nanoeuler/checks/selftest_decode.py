@@ -352,7 +352,7 @@ def case_decode_sampling(rng, shape):
     one row follow `sampling_probs` (temperature, top-k, top-p)."""
     import cupy
 
-    from nanoeuler.infer.generate import sampling_probs
+    from nanoeuler.infer.sampling import sampling_probs
     from nanoeuler.kernels.decode import Launch, sampling
 
     M, V = shape

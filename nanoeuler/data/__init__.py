@@ -6,4 +6,6 @@
     corpus.py     books + web             -> data/corpus/{train,val}.parquet (weighted mix, hash split)
 
 All downloads go through `download.fetch`, which caches raw files under `data/<stage>/raw/`.
+`template.py` holds the Alpaca prompt, the text form of a record that SFT, DPO's pairs, chat and the
+server share.
 """

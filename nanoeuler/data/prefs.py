@@ -152,7 +152,7 @@ PARSERS = {"hh": parse_hh, "ultrafeedback": parse_ultrafeedback, "sharegpt": par
 
 def to_pair(turns: list, chosen: str, rejected: str) -> dict:
     """Shared turns and two answers -> {prompt, chosen, rejected} in the Alpaca template."""
-    from nanoeuler.train.template import render_prompt
+    from nanoeuler.data.template import render_prompt
 
     turns = [(role, text.strip()) for role, text in turns]
     if not turns or turns[-1][0] != "user":

@@ -157,7 +157,7 @@ def plot_experiments(experiments: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from nanoeuler.eval.plots import save_figure, style_loss_axes
+    from nanoeuler.train.plots import save_figure, style_loss_axes
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4), squeeze=False)
     for ax, (i, title) in zip(axes[0], enumerate(("pretraining", "SFT"))):

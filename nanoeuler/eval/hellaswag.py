@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     from nanoeuler.data.common import atomic_path
     from nanoeuler.data.hellaswag import read_items
     from nanoeuler.files import check_outputs
-    from nanoeuler.infer.generate import load
+    from nanoeuler.infer.engine import load
 
     check_outputs(out=args.out)
     conf = sections(args, "device", "gpu_memory", "eval")

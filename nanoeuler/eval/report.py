@@ -4,7 +4,7 @@
         --shards results/shards/manifest.json --samples results/samples.md \\
         --metrics results/metrics.json --plot results/loss.png
 
-- `metrics.json`: val loss, head-0 cross-entropy and bits per byte (see `nanoeuler.eval.metrics`) of
+- `metrics.json`: val loss, head-0 cross-entropy and bits per byte (see `nanoeuler.train.metrics`) of
   the base and the chat model on the same fixed val windows, plus what training recorded, and the
   HellaSwag scores of `--hellaswag` (files of `nanoeuler hellaswag-eval`).
 - `samples.md`: base-model continuations of `eval.base_prompts` and chat answers to
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from nanoeuler.infer.engine import add_speculative_argument
 
     add_speculative_argument(parser)
-    from nanoeuler.infer.generate import add_threads_argument
+    from nanoeuler.infer.engine import add_threads_argument
 
     add_threads_argument(parser)
 
@@ -85,7 +85,7 @@ DEFINITIONS = {
 def _load_models(args: argparse.Namespace, device: str, gpu_memory="auto") -> tuple[list[tuple], object]:
     """[(name, generation engine, metadata, path)] of base, chat and (with --dpo) the DPO model, each
     checked to carry the tokenizer of the model it was tuned from; the base tokenizer last."""
-    from nanoeuler.infer.generate import load
+    from nanoeuler.infer.engine import load
 
     spec, threads = getattr(args, "speculative", None), getattr(args, "threads", None)
     base, base_tok, base_meta = load(args.base, device, spec, gpu_memory, "evaluate", threads)
@@ -121,8 +121,8 @@ def _share_memory(engines) -> None:
 
 def _model_metrics(models, val_split, ev: dict) -> dict:
     """{model name: its validation metrics and what it was trained on}."""
-    from nanoeuler.eval.metrics import val_metrics
     from nanoeuler.train.loader import fixed_windows
+    from nanoeuler.train.metrics import val_metrics
 
     out = {}
     for name, gen, meta, path in models:
@@ -188,10 +188,10 @@ def _training_runs(args: argparse.Namespace) -> list[tuple[str, list]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nanoeuler.eval.plots import plot_losses
     from nanoeuler.files import check_outputs
-    from nanoeuler.infer.generate import Sampling
+    from nanoeuler.infer.sampling import Sampling
     from nanoeuler.train.loader import ShardSplit, read_manifest
+    from nanoeuler.train.plots import plot_losses
 
     check_outputs(samples=args.samples, metrics=args.metrics, plot=args.plot)
     conf = sections(args, "device", "gpu_memory", "eval")

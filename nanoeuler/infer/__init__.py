@@ -1,1 +1,2 @@
-"""Inference: KV-cache generation with temperature/top-k/top-p sampling, `sample` and `chat`."""
+"""Inference: the sampling rules (`sampling`), the reference generator (`generate`), the decode engine
+(`engine.DecodeEngine`) on its NumPy and CUDA backends (`cpu`, `gpu`), `sample` and `chat`."""

@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     add_device_argument(parser)
     parser.add_argument("--ckpt", required=True, metavar="BIN", help="chat model file, e.g. results/chat.bin")
-    from nanoeuler.infer.engine import add_speculative_argument
-    from nanoeuler.infer.generate import add_sampling_arguments, add_threads_argument
+    from nanoeuler.infer.engine import add_speculative_argument, add_threads_argument
+    from nanoeuler.infer.sampling import add_sampling_arguments
 
     add_sampling_arguments(parser)
     add_threads_argument(parser)
@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def answer(gen, tok, instruction: str, max_new: int, sampling, write) -> list[int]:
     """Generate one answer, passing text pieces to `write` as they decode; returns the answer's ids."""
+    from nanoeuler.data.template import render_prompt
     from nanoeuler.infer.generate import decode_stream, fit_prompt
-    from nanoeuler.train.template import render_prompt
 
     ids = tok.encode(render_prompt(instruction))
     ids, dropped = fit_prompt(ids, gen.cfg.ctx_len, min(max_new, gen.cfg.ctx_len // 4))
@@ -63,7 +63,8 @@ def answer(gen, tok, instruction: str, max_new: int, sampling, write) -> list[in
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from nanoeuler.infer.generate import load, sampling_from
+    from nanoeuler.infer.engine import load
+    from nanoeuler.infer.sampling import sampling_from
 
     conf = sections(args, "device", "gpu_memory", "eval")
     sampling, max_new = sampling_from(args, conf["eval"])

@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from nanoeuler.infer.generate import sample_token
+from nanoeuler.infer.sampling import sample_token
 from nanoeuler.model import layers
 from nanoeuler.model.transformer import head_weight_names
 

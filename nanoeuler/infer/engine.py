@@ -1,10 +1,11 @@
 """The decode engine: batched, cached, optionally self-speculative generation behind one interface.
 
-    >>> eng = Engine.from_params(params, cfg, device="cpu")                      # doctest: +SKIP
+    >>> eng = DecodeEngine.from_params(params, cfg, device="cpu")                # doctest: +SKIP
     >>> eng.generate([[5, 17, 42], [8]], 32, Sampling(temperature=0))          # doctest: +SKIP
     [[...32 ids...], [...32 ids...]]
     >>> for t in eng.stream([5, 17, 42], 32, Sampling(), speculative=True):    # doctest: +SKIP
     ...     print(t)
+    >>> eng, tok, meta = load("results/chat.bin", device="auto")               # doctest: +SKIP
 
 This module holds the host-side logic, written once: the context policy, stop ids, the batched loop over
 ragged prompts, and self-speculative decoding. The arithmetic lives in a backend with four calls
@@ -29,14 +30,14 @@ Context policy: the same as `generate.Generator` (the reference): when a slot's 
 refilled from the most recent `ctx_len // 2` tokens and generation goes on.
 
 Self-speculative decoding. Head 0 predicts token t+1 and head k predicts t+1+k from the same hidden
-state, so one forward gives a sure next token and K-1 drafts after it. A verify pass feeds
+state, so one forward gives a sure next token and K-1 drafts after it (a `Proposal`). A verify pass feeds
 [sure, draft_1, ..., draft_{K-1}] at once; head 0 at row j is the model's own prediction after row j.
-Greedy: draft j is kept while it equals the argmax at row j-1; the argmax after the last kept row is
-the next sure token, so the output is token for token the plain greedy one. Sampling: draft x drawn
-from the draft head's distribution q is kept with probability min(1, p(x)/q(x)), p being head 0's
-distribution at the row before it; at the first rejection the next token is drawn from
-max(0, p - q) renormalised (and after K-1 acceptances from head 0's last row), which makes each
-token's distribution exactly plain sampling's (`accept_or_resample`).
+Greedy (`greedy_verify`, `greedy_kept`): draft j is kept while it equals the argmax at row j-1; the argmax
+after the last kept row is the next sure token, so the output is token for token the plain greedy one.
+Sampling (`sampled_verify`, `sampled_kept`): draft x drawn from the draft head's distribution q is kept
+with probability min(1, p(x)/q(x)), p being head 0's distribution at the row before it; at the first
+rejection the next token is drawn from max(0, p - q) renormalised (and after K-1 acceptances from head
+0's last row), which makes each token's distribution exactly plain sampling's (`accept_or_resample`).
 
 A pass pays when it keeps more tokens than it costs decode steps (the backend's `verify_cost`, measured:
 BENCHMARKS.md). Where speculation is on by default rather than asked for, a greedy stream decides as it
@@ -59,11 +60,11 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from nanoeuler.infer.generate import Sampling, sample_token, sampling_probs
+from nanoeuler.infer.sampling import Sampling, accept_or_resample, sample_token, sampling_probs
 
 PROBE_PASSES = 16  # verify passes before a default-on greedy stream checks that speculation pays (GPU)
 SHADOW_STEPS = 8  # plain steps whose draft heads are checked before a stream judges speculation (CPU)
@@ -101,6 +102,8 @@ class SpecStats:
             self.accepted[j] += j < a
 
 
+# ---- the verify rules of self-speculative decoding ------------------------------------------------------
+
 def greedy_kept(ids: np.ndarray, block: np.ndarray) -> int:
     """The drafts a greedy verify pass keeps: block (K,) is the sure token and K - 1 drafts, ids (K, K) each
     head's argmax by row; draft a + 1 stands while head 0's argmax at row a equals it.
@@ -114,25 +117,130 @@ def greedy_kept(ids: np.ndarray, block: np.ndarray) -> int:
     return a
 
 
-def accept_or_resample(p: np.ndarray, q: np.ndarray, draft: int, u: float, rng) -> tuple[bool, int]:
-    """One speculative-sampling decision: (accepted?, token). p, q: target and draft distributions.
+class Proposal(NamedTuple):
+    """What one row of every head proposes: the next token (head 0's), the drafts after it (heads 1..),
+    and the distributions the drafts were drawn from (None when greedy)."""
 
-    Accept the draft with probability min(1, p/q); else draw from max(0, p - q) renormalised.
-        >>> accept_or_resample(np.array([.5, .5]), np.array([1., 0.]), 0, 0.7, None)
-        (False, 1)
+    sure: int
+    drafts: list[int]
+    qs: list[np.ndarray] | None
+
+
+def draft_tokens(logits, rng, sampling: Sampling) -> tuple[list[int], list[np.ndarray] | None]:
+    """(drafts, their distributions) from the draft heads' logits (K - 1, V): argmaxes when greedy, else
+    draws from each head's `sampling_probs`."""
+    if sampling.temperature <= 0:
+        return [int(np.argmax(z)) for z in logits], None
+    qs = [sampling_probs(z, sampling.temperature, sampling.top_k, sampling.top_p) for z in logits]
+    return [int(rng.choice(q.shape[0], p=q)) for q in qs], qs
+
+
+def propose(heads, rng, sampling: Sampling) -> Proposal:
+    """The `Proposal` of one row's logits, every head's (K, V): head 0 sampled as plain decoding samples."""
+    sure = sample_token(heads[0], rng, sampling.temperature, sampling.top_k, sampling.top_p)
+    return Proposal(sure, *draft_tokens(heads[1:], rng, sampling))
+
+
+def greedy_verify(be, block: np.ndarray, pos: int) -> tuple[int, Proposal]:
+    """A greedy verify pass of block (the sure token and K - 1 drafts) fed at pos: (drafts kept, the
+    proposal of the row after the last kept one)."""
+    ids = be.verify_argmax(block, pos)  # (K, K): head, row
+    a = greedy_kept(ids, block)
+    return a, Proposal(int(ids[0, a]), [int(i) for i in ids[1:, a]], None)
+
+
+def sampled_kept(target, block: np.ndarray, qs, rng, sampling: Sampling) -> tuple[int, int]:
+    """Speculative sampling over one pass: (drafts kept, the token after them). target: head 0's logits
+    (K, V) by row; draft j + 1 stands or falls by `accept_or_resample` against row j, and when all stand
+    the token after them is drawn from the last row.
+
+        >>> target = np.log([[1.0, 1e-12], [1e-12, 1.0], [0.5, 0.5]])   # head 0's logits by row
+        >>> q = np.array([1.0, 0.0])                                       # both drafts: token 0, for certain
+        >>> sampled_kept(target, np.array([7, 0, 0]), [q, q], np.random.default_rng(0), Sampling(1.0, 0, 1.0))
+        (1, 1)
     """
-    if u * q[draft] < p[draft]:
-        return True, draft
-    r = np.maximum(p - q, 0.0)
-    total = r.sum()
-    if total <= 0:  # p == q up to rounding: nothing to correct, the target itself is the residual
-        r, total = p, p.sum()
-    if rng is None:
-        return False, int(np.argmax(r))
-    return False, int(rng.choice(r.shape[0], p=r / total))
+    K = len(block)
+    for j in range(K - 1):
+        p = sampling_probs(target[j], sampling.temperature, sampling.top_k, sampling.top_p)
+        ok, tok = accept_or_resample(p, qs[j], int(block[j + 1]), rng.random(), rng)
+        if not ok:
+            return j, tok
+    return K - 1, sample_token(target[K - 1], rng, sampling.temperature, sampling.top_k, sampling.top_p)
 
 
-class Engine:
+def sampled_verify(be, block: np.ndarray, pos: int, qs, rng, sampling: Sampling) -> tuple[int, Proposal]:
+    """A sampled verify pass of block fed at pos (qs: the drafts' distributions): (drafts kept, the
+    proposal of the row after the last kept one, whose drafts come from the same pass)."""
+    logits = be.verify(block, pos)  # (K, K, V): head, row
+    a, nxt = sampled_kept(logits[0], block, qs, rng, sampling)
+    return a, Proposal(nxt, *draft_tokens(logits[1:, a], rng, sampling))
+
+
+class _Passes:
+    """The verify passes of one speculative stream: the backend's greedy passes that feed themselves where it
+    has them (the GPU's, queued ahead of the host), else `greedy_verify` or `sampled_verify`, one a pass."""
+
+    def __init__(self, be, sampling: Sampling, rng):
+        self.be, self.sampling, self.rng = be, sampling, rng
+        self.chain = getattr(be, "greedy_passes", None) if sampling.temperature <= 0 else None
+        self.ahead = None  # the chain's passes, while it runs
+        self.count = self.tokens = 0  # this stream's passes and the tokens they gave
+
+    def verify(self, cur: Proposal, pos: int) -> tuple[int, np.ndarray, Proposal]:
+        """One pass over cur's sure token and drafts fed at pos: (drafts kept, the block, the next proposal)."""
+        got = self._fed(cur, pos)
+        if got is not None:
+            a, block, nxt = got
+        else:
+            block = np.array([cur.sure] + cur.drafts)
+            a, nxt = (greedy_verify(self.be, block, pos) if self.sampling.temperature <= 0
+                      else sampled_verify(self.be, block, pos, cur.qs, self.rng, self.sampling))
+        self.count += 1
+        self.tokens += a + 1
+        return a, block, nxt
+
+    def _fed(self, cur: Proposal, pos: int):
+        """The chain's next pass as (kept, block, proposal), or None where there is no chain or it has ended."""
+        if self.chain is None:
+            return None
+        self.ahead = self.ahead or self.chain(cur.sure, cur.drafts, pos)
+        got = next(self.ahead, None)
+        if got is None:
+            self.ahead = None
+            return None
+        a, block, ids = got
+        return a, block, Proposal(int(ids[0]), [int(i) for i in ids[1:]], None)
+
+    def drop(self) -> None:
+        """Forget the chain's queued passes (they only wrote cache rows that later feeds overwrite)."""
+        self.ahead = None
+
+    def unpaid(self) -> bool:
+        """After PROBE_PASSES passes: did they keep fewer tokens a pass than a pass costs in plain steps?"""
+        return self.count == PROBE_PASSES and self.tokens < self.be.verify_cost * self.count
+
+
+class _Tally:
+    """A stream's emitted tokens: the history its cache holds and how many it has emitted."""
+
+    def __init__(self, hist: list[int], max_new: int, stop_ids):
+        self.hist, self.max_new, self.stop_ids, self.n = hist, max_new, stop_ids, 0
+
+    def ends(self, t: int) -> bool:
+        """Take emitted token t; True when it ends the stream (a stop id, or the last of max_new)."""
+        self.n += 1
+        self.hist.append(t)
+        return t in self.stop_ids or self.n == self.max_new
+
+    def refill(self, ctx: int) -> list[int]:
+        """Keep the most recent ctx // 2 tokens (the cache is full and is refilled from them)."""
+        self.hist = self.hist[-max(1, ctx // 2):]
+        return self.hist
+
+
+# ---- the engine ----------------------------------------------------------------------------------------
+
+class DecodeEngine:
     """Generation on one backend for one model (see the module docstring)."""
 
     def __init__(self, backend, cfg, params: dict | None = None, xp=np, speculative: bool | None = None):
@@ -142,13 +250,13 @@ class Engine:
         self.xp = xp
         self.speculative = speculative  # the default of `stream` and `generate`; None: `_use_speculation`
         self.stats = SpecStats()
-        # rows decoded at once at most (None: no cap), and the memory budget it came from (`generate.load`)
+        # rows decoded at once at most (None: no cap), and the memory budget it came from (`load`)
         self.max_batch: int | None = None
         self.budget = self.meter = None
 
     @classmethod
     def from_params(cls, params: dict, cfg, device: str = "cpu", dtype: str = "bf16",
-                    speculative: bool | None = None, threads: int | None = None) -> "Engine":
+                    speculative: bool | None = None, threads: int | None = None) -> "DecodeEngine":
         """An engine for NumPy/CuPy `params`: NumPy on 'cpu' (the params' own float dtype; `threads` for BLAS,
         default the usable cores: `cpu.CpuBackend`), CUDA kernels on 'gpu' (`dtype` 'bf16' or
         'fp32' weights)."""
@@ -333,79 +441,38 @@ class Engine:
             pos[0] += 1
 
     def _speculative(self, prompt, max_new, sampling, stop_ids, probe: bool = False):
-        """Self-speculative decoding of one prompt. `probe`: a greedy stream goes on plainly (`_plain`)
-        once its first PROBE_PASSES verify passes kept fewer tokens a pass than the backend's verify_cost."""
-        be, cfg = self.backend, self.cfg
-        K, ctx = cfg.mtp_heads, cfg.ctx_len
-        hist = self._check_prompt(prompt)
+        """Self-speculative decoding of one prompt: emit the sure token, then refill a full cache, step one row
+        near the end of the context, or verify a block (`_Passes`) and emit the drafts it kept. `probe`: a
+        greedy stream goes on plainly (`_plain`) once its first PROBE_PASSES passes did not pay."""
+        be, K, ctx = self.backend, self.cfg.mtp_heads, self.cfg.ctx_len
+        out = _Tally(self._check_prompt(prompt), max_new, stop_ids)
         rng = np.random.default_rng(sampling.seed)
-        greedy = sampling.temperature <= 0
         be.start(1, [sampling.seed])
-        st = self.stats
-        st.for_heads(K)
-        sure, drafts, qs = self._after_prefill(be.prefill(0, hist), rng, sampling)
-        n = 0
-        chain = getattr(be, "greedy_passes", None) if greedy else None
-        passes = None  # its generator, while it runs
-        probe = probe and greedy
-        kept_passes = kept_tokens = 0  # this stream's
+        self.stats.for_heads(K)
+        passes = _Passes(be, sampling, rng)
+        cur = propose(be.prefill(0, out.hist), rng, sampling)
         while True:
-            # emit the sure token; then either slide, step plainly near the end of the context, or verify
-            yield sure
-            n += 1
-            hist.append(sure)
-            if sure in stop_ids or n == max_new:
+            yield cur.sure
+            if out.ends(cur.sure):
                 return
-            pos = len(hist) - 1  # where `sure` will be fed
-            if pos >= ctx:
-                hist = hist[-max(1, ctx // 2):]
-                sure, drafts, qs = self._after_prefill(be.prefill(0, hist), rng, sampling)
-                passes = None
-                continue
-            if pos + K > ctx or K == 1:
-                passes = None
-                logits = be.verify(np.array([sure]), pos)  # (K, 1, V)
-                sure, drafts, qs = self._after_prefill(logits[:, 0], rng, sampling)
-                continue
-            block = np.array([sure] + drafts)
-            got = None
-            if chain is not None:  # the backend's passes that feed themselves (the same rule, on the GPU)
-                passes = passes or chain(sure, drafts, pos)
-                got = next(passes, None)
-                passes = passes if got is not None else None
-            if got is not None:
-                a, block, ids = got
-                nxt, new_drafts, new_qs = int(ids[0]), [int(i) for i in ids[1:]], None
-            elif greedy:
-                ids = be.verify_argmax(block, pos)  # (K, K): head, row
-                a = greedy_kept(ids, block)
-                nxt, new_drafts, new_qs = int(ids[0, a]), [int(i) for i in ids[1:, a]], None
+            pos = len(out.hist) - 1  # where the sure token will be fed
+            if pos >= ctx:  # the cache is full: refill it from the recent tokens
+                cur = propose(be.prefill(0, out.refill(ctx)), rng, sampling)
+                passes.drop()
+            elif pos + K > ctx or K == 1:  # no room for a block: one row, whose heads still draft
+                cur = propose(be.verify(np.array([cur.sure]), pos)[:, 0], rng, sampling)
+                passes.drop()
             else:
-                logits = be.verify(block, pos)  # (K, K, V)
-                a, nxt = K - 1, None
-                for j in range(K - 1):
-                    p = sampling_probs(logits[0, j], sampling.temperature, sampling.top_k, sampling.top_p)
-                    ok, tok = accept_or_resample(p, qs[j], int(block[j + 1]), rng.random(), rng)
-                    if not ok:
-                        a, nxt = j, tok
-                        break
-                if nxt is None:
-                    nxt = sample_token(logits[0, K - 1], rng, sampling.temperature, sampling.top_k, sampling.top_p)
-                _, new_drafts, new_qs = self._drafts(logits[1:, a], rng, sampling)
-            st.count_pass(a, K)
-            kept_passes += 1
-            kept_tokens += a + 1
-            for d in block[1:a + 1]:
-                yield int(d)
-                n += 1
-                hist.append(int(d))
-                if int(d) in stop_ids or n == max_new:
+                a, block, cur = passes.verify(cur, pos)
+                self.stats.count_pass(a, K)
+                for d in block[1:a + 1]:
+                    yield int(d)
+                    if out.ends(int(d)):
+                        return
+                if probe and sampling.temperature <= 0 and passes.unpaid():
+                    passes.drop()
+                    yield from self._plain(out.hist, cur.sure, out.n, max_new, sampling, stop_ids, rng)
                     return
-            sure, drafts, qs = nxt, new_drafts, new_qs
-            if probe and kept_passes == PROBE_PASSES and kept_tokens < be.verify_cost * kept_passes:
-                passes = None  # (passes it queued ahead only wrote cache rows that later steps overwrite)
-                yield from self._plain(hist, sure, n, max_new, sampling, stop_ids, rng)
-                return
 
     def _adaptive(self, prompt, max_new, sampling, stop_ids) -> Iterator[int]:
         """Greedy decoding of one prompt that speculates only where this run measures that it pays (the
@@ -415,12 +482,11 @@ class Engine:
         if K == 1:  # no draft heads
             yield from self._single(prompt, max_new, sampling, stop_ids)
             return
-        hist = self._check_prompt(prompt)
+        out = _Tally(self._check_prompt(prompt), max_new, stop_ids)
         be.start(1, [sampling.seed])
         st = self.stats
         st.for_heads(K)
-        heads = be.prefill(0, hist)
-        sure, drafts = int(np.argmax(heads[0])), [int(np.argmax(h)) for h in heads[1:]]
+        cur = propose(be.prefill(0, out.hist), None, sampling)  # greedy: no draws
         mask, rngs = np.ones(1, dtype=bool), [None]
         spec = False  # verifying drafts, else plain steps
         shadowing = True  # plain steps compute every head and record the drafts
@@ -428,35 +494,26 @@ class Engine:
         plain_left = 0  # plain tokens before the next shadow steps
         t_step = t_pass = None  # this run's seconds per plain step, per verify pass (running means)
         w_passes = w_tokens = 0  # the current window of passes
-        n = 0
         while True:
-            yield sure
-            n += 1
-            hist.append(sure)
-            if sure in stop_ids or n == max_new:
+            yield cur.sure
+            if out.ends(cur.sure):
                 return
-            pos = len(hist) - 1  # where `sure` will be fed
+            pos = len(out.hist) - 1  # where the sure token will be fed
             if pos >= ctx:  # the cache is full: refill it from the recent tokens
-                hist = hist[-max(1, ctx // 2):]
-                heads = be.prefill(0, hist)
-                sure, drafts = int(np.argmax(heads[0])), [int(np.argmax(h)) for h in heads[1:]]
+                cur = propose(be.prefill(0, out.refill(ctx)), None, sampling)
                 shadow = []
                 continue
             if spec and pos + K <= ctx:
-                block = np.array([sure] + drafts)
+                block = np.array([cur.sure] + cur.drafts)
                 t0 = time.perf_counter()
-                ids = be.verify_argmax(block, pos)  # (K, K): head, row
+                a, cur = greedy_verify(be, block, pos)
                 t_pass = _mean(t_pass, time.perf_counter() - t0)
-                a = greedy_kept(ids, block)
                 st.count_pass(a, K)
                 w_passes, w_tokens = w_passes + 1, w_tokens + a + 1
                 for d in block[1:a + 1]:
                     yield int(d)
-                    n += 1
-                    hist.append(int(d))
-                    if int(d) in stop_ids or n == max_new:
+                    if out.ends(int(d)):
                         return
-                sure, drafts = int(ids[0, a]), [int(i) for i in ids[1:, a]]
                 if w_passes == WINDOW_PASSES:  # judge the window: do its passes beat plain steps?
                     if w_tokens < w_passes * _cost(be, t_pass, t_step):
                         spec, plain_left = False, RECHECK_TOKENS
@@ -465,38 +522,25 @@ class Engine:
             st.plain += 1
             t0 = time.perf_counter()
             if spec or shadowing:  # (spec: a plain step near the context's end keeps the drafts)
-                ids = be.step_heads(sure, pos)
-                sure, drafts = int(ids[0]), [int(i) for i in ids[1:]]
+                ids = be.step_heads(cur.sure, pos)
+                cur = Proposal(int(ids[0]), [int(i) for i in ids[1:]], None)
                 if shadowing and len(shadow) < SHADOW_STEPS:
-                    shadow.append((pos, drafts))
+                    shadow.append((pos, cur.drafts))
             else:
-                sure = int(be.decode([sure], [pos], sampling, n - 1, rngs, mask)[0])
+                cur = cur._replace(sure=int(be.decode([cur.sure], [pos], sampling, out.n - 1, rngs, mask)[0]))
                 plain_left -= 1
                 shadowing = plain_left <= 0
             t_step = _mean(t_step, time.perf_counter() - t0)
             # once the tokens after the last recorded step are known (K - 1 steps later, computing heads
             # meanwhile so that the drafts are at hand), check each record's drafts as a pass would have
-            if shadowing and len(shadow) == SHADOW_STEPS and len(hist) >= shadow[-1][0] + K:
-                known = hist + [sure]
+            if shadowing and len(shadow) == SHADOW_STEPS and len(out.hist) >= shadow[-1][0] + K:
+                known = out.hist + [cur.sure]
                 kept = sum(_kept(known, p, d) for p, d in shadow) / len(shadow)
                 shadowing, shadow = False, []
                 if 1 + kept > _cost(be, t_pass, t_step):
                     spec, w_passes, w_tokens = True, 0, 0
                 else:
                     plain_left = RECHECK_TOKENS
-
-    def _after_prefill(self, heads_logits, rng, sampling):
-        """(sure token from head 0, drafts from heads 1.., their distributions) from (K, V) logits."""
-        sure = self._first(heads_logits[0], rng, sampling)
-        _, drafts, qs = self._drafts(heads_logits[1:], rng, sampling)
-        return sure, drafts, qs
-
-    @staticmethod
-    def _drafts(logits, rng, sampling):
-        if sampling.temperature <= 0:
-            return None, [int(np.argmax(z)) for z in logits], None
-        qs = [sampling_probs(z, sampling.temperature, sampling.top_k, sampling.top_p) for z in logits]
-        return None, [int(rng.choice(q.shape[0], p=q)) for q in qs], qs
 
     @staticmethod
     def _first(logits, rng, sampling) -> int:
@@ -537,3 +581,43 @@ def add_speculative_argument(parser) -> None:
                              "(--temperature 0) of one prompt where it pays: on a GPU it goes on plainly when "
                              "its first 16 passes keep too few drafts; on the CPU it verifies drafts only while "
                              "the run measures that passes beat plain steps; off for sampling")
+
+
+def add_threads_argument(parser) -> None:
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="CPU threads of the NumPy engine: its prefills use them, its one-row decode steps "
+                             "use them or one, whichever it measures faster; default: the usable cores")
+
+
+# ---- an engine from a model file -------------------------------------------------------------------------
+
+DECODE_ROWS_MOST = 256  # generation slots at most, whatever the memory holds
+
+
+def load(path, device: str = "auto", speculative: bool | None = None, gpu_memory="auto", stage: str = "sample",
+         threads: int | None = None):
+    """(`DecodeEngine` on `device`, Tokenizer, metadata) from a model file that carries its tokenizer.
+    On the GPU the engine runs bf16 weights (the float32 ones stay in `engine.params`), and `gpu_memory`
+    (the config key) caps the rows it decodes at once (`DecodeEngine.max_batch`, `memory.decode_batch`); on
+    the CPU it uses up to `threads` BLAS threads (default: the usable cores; `--threads`)."""
+    from nanoeuler import checkpoint, memory
+    from nanoeuler.backend import resolve_device
+    from nanoeuler.errors import UserError
+    from nanoeuler.tokenizer.bpe import Tokenizer
+
+    params, cfg, meta = checkpoint.load_model(path)
+    if not meta.get("tokenizer"):
+        raise UserError(f"{path} carries no tokenizer (metadata 'tokenizer'); use a file written by "
+                        "pretrain or sft")
+    try:
+        tok = Tokenizer.from_json(meta["tokenizer"])
+    except UserError as exc:
+        raise UserError(f"{path}: its tokenizer is unreadable: {exc}") from None
+    device = resolve_device(device)
+    xp = np if device == "cpu" else __import__("cupy")
+    meter = memory.PeakMeter(xp)
+    budget = memory.Budget.on_device(gpu_memory, xp)  # before this model's weights take their share
+    engine = DecodeEngine.from_params(params, cfg, device, speculative=speculative, threads=threads)
+    engine.budget, engine.meter = budget, meter
+    engine.max_batch = memory.decode_batch(stage, budget, cfg, DECODE_ROWS_MOST)
+    return engine, tok, meta

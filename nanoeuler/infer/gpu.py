@@ -119,7 +119,7 @@ class GpuBackend:
         environment sets NANOEULER_PDL=0)."""
         import cupy as cp
 
-        from nanoeuler.infer.launch import pdl_launcher
+        from nanoeuler.kernels.pdl import pdl_launcher
 
         self.cp, self.cfg, self.dtype = cp, cfg, dtype
         self.variants = plan.choose_variants(cfg, dtype, int(cp.cuda.Device().compute_capability))

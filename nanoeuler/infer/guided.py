@@ -1,6 +1,6 @@
 """Self-speculative decoding of one prompt that reports log-probabilities and follows a grammar.
 
-`Engine.stream(..., speculative=True)` drafts with the MTP heads and verifies the drafts in one pass; this is
+`DecodeEngine.stream(..., speculative=True)` drafts with the MTP heads and verifies the drafts in one pass; this is
 the same rule (`accept_or_resample`) with two additions, for callers that need them:
 
 - `top`: each emitted token comes with its log-probability under the target distribution (head 0's
@@ -24,9 +24,8 @@ from typing import Iterator
 import numpy as np
 
 from nanoeuler.backend import to_numpy
-from nanoeuler.infer.engine import accept_or_resample
-from nanoeuler.infer.generate import Sampling, sample_token, sampling_probs
 from nanoeuler.infer.logprobs import token_logprobs
+from nanoeuler.infer.sampling import Sampling, accept_or_resample, sample_token, sampling_probs
 
 
 def speculative_logprobs(engine, prompt, max_new_tokens: int, sampling: Sampling, stop_ids=frozenset(),

@@ -4,7 +4,7 @@
 
 Generation stops at `<|endoftext|>` or `</s>` (neither is printed) or after --max-new-tokens.
 Unset sampling options come from the config's `eval` section (--config), else its defaults. They are checked
-as the server checks them (`generate.checked_sampling`): finite numbers, --seed in [0, 2**63), and a
+as the server checks them (`sampling.checked_sampling`): finite numbers, --seed in [0, 2**63), and a
 --temperature below 1e-6 is greedy, as 0 is; anything else is one line naming the option.
 """
 
@@ -23,8 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_argument(parser)
     parser.add_argument("--ckpt", required=True, metavar="BIN", help="model file, e.g. results/base.bin")
     parser.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
-    from nanoeuler.infer.engine import add_speculative_argument
-    from nanoeuler.infer.generate import add_sampling_arguments, add_threads_argument
+    from nanoeuler.infer.engine import add_speculative_argument, add_threads_argument
+    from nanoeuler.infer.sampling import add_sampling_arguments
 
     add_sampling_arguments(parser)
     add_threads_argument(parser)
@@ -34,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from itertools import takewhile
 
-    from nanoeuler.infer.generate import decode_stream, fit_prompt, load, sampling_from
+    from nanoeuler.infer.engine import load
+    from nanoeuler.infer.generate import decode_stream, fit_prompt
+    from nanoeuler.infer.sampling import sampling_from
 
     check_text(args.prompt, "--prompt")
     conf = sections(args, "device", "gpu_memory", "eval")

@@ -1,16 +1,17 @@
 """Hand-written CUDA kernels, loaded at run time with `cupy.RawModule`.
 
 `*.cu` here are the float32 kernels that `kernels.ops` wraps behind the layers' own names and
-signatures (`dispatch.ops_for(cupy)` hands it to the model); `bf16/` holds the bf16 engine's kernel
-families and their launchers, `decode/` the decode engine's. Each file's header names its NumPy reference; `nanoeuler selftest` checks
-every kernel against it. CuPy is imported only when a kernel is first asked for, so a CPU-only install
-never needs it. A module is compiled once per process and device (NVRTC; CuPy also caches binaries on
-disk) from its text with the headers it includes inlined (`source`). On a compute-capability-9.0 GPU
-(H100, H200) modules are built for sm_90a, whose warpgroup instructions sit behind
-`#if defined(__CUDA_ARCH_FEAT_SM90_ALL)`; `has_sm90a()` tells the host.
+signatures (`dispatch.ops_for(cupy)` hands it to the model); `bf16/` holds the bf16 training engine
+(`bf16/engine.py`), its kernel families and their launchers, `decode/` the decode engine's. Each file's
+header names its NumPy reference; `nanoeuler selftest` checks every kernel against it. CuPy is imported
+only when a kernel is first asked for, so a CPU-only install never needs it. A module is compiled once
+per process and device (NVRTC; CuPy also caches binaries on disk) from its text with the headers it
+includes inlined (`source`). On a compute-capability-9.0 GPU (H100, H200) modules are built for sm_90a,
+whose warpgroup instructions sit behind `#if defined(__CUDA_ARCH_FEAT_SM90_ALL)`; `has_sm90a()` tells the
+host.
 
     >>> fn = kernel("elementwise", "swiglu_fwd")        # doctest: +SKIP
-    >>> launch(fn, n, (g, u, h, np.int64(n)))           # doctest: +SKIP
+    >>> launch_per_item(fn, n, (g, u, h, np.int64(n)))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ KERNEL_PATHS = ("auto", "portable")
 
 
 def kernel_path_options(path: str = "auto") -> dict:
-    """The bf16 `Engine`'s keyword arguments for a kernel path (config key `<stage>.kernels`; the
+    """The bf16 `TrainEngine`'s keyword arguments for a kernel path (config key `<stage>.kernels`; the
     environment variable NANOEULER_KERNELS, when set, wins).
 
     "auto" takes the fastest kernels the GPU runs: on Hopper (sm_90a) the warpgroup (wgmma) attention
@@ -125,7 +126,7 @@ def kernel_path_options(path: str = "auto") -> dict:
     return {} if choice == "auto" else {"attention": "ldm", "fuse_swiglu": False, "fuse_rope": False}
 
 
-def launch(fn, n: int, args: tuple, threads: int = 256) -> None:
+def launch_per_item(fn, n: int, args: tuple, threads: int = 256) -> None:
     """Run `fn` with one thread per item of `n` (a 1-D grid of `threads`-wide blocks)."""
     if n <= 0:
         return

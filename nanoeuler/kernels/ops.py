@@ -1,7 +1,7 @@
 """The layer functions on the GPU: the names, signatures and semantics of `nanoeuler.model.layers`,
 with fused CUDA kernels (the `.cu` files beside this one) where they pay off.
 
-`nanoeuler.dispatch.ops_for(cupy)` returns this module, so `transformer.py` runs on these without
+`nanoeuler.model.dispatch.ops_for(cupy)` returns this module, so `transformer.py` runs on these without
 knowing. Matrix products stay cuBLAS GEMMs through CuPy (`linear_*` are the layers' own functions).
 The kernels are float32; any other dtype (a float64 check on the GPU, say) and any shape a kernel
 does not cover falls back to the xp-generic layer, which stays the reference for every kernel here.
@@ -21,7 +21,7 @@ import math
 import cupy as cp
 import numpy as np
 
-from nanoeuler.kernels import kernel, launch
+from nanoeuler.kernels import kernel, launch_per_item
 from nanoeuler.model import layers
 
 F32 = np.dtype(np.float32)
@@ -122,9 +122,9 @@ def _rope(x, cos, sin, sign):
     sin = cp.ascontiguousarray(sin)
     y = cp.empty((B, H, T, D), dtype=F32)
     pairs = B * H * T * (D // 2)
-    launch(kernel("elementwise", "rope_rotate"), pairs,
-           (x, _i64(strides[0]), _i64(strides[1]), _i64(strides[2]), cos, sin, y,
-            _i32(H), _i32(T), _i32(D), np.float32(sign), _i64(pairs)))
+    launch_per_item(kernel("elementwise", "rope_rotate"), pairs,
+                    (x, _i64(strides[0]), _i64(strides[1]), _i64(strides[2]), cos, sin, y,
+                     _i32(H), _i32(T), _i32(D), np.float32(sign), _i64(pairs)))
     return y
 
 
@@ -258,7 +258,8 @@ def swiglu_forward(g, u):
     g, gld = _rows(g)
     u, uld = _rows(u)
     h = cp.empty(g.shape, dtype=F32)
-    launch(kernel("elementwise", "swiglu_fwd"), h.size, (g, _i64(gld), u, _i64(uld), h, _i32(F), _i64(h.size)))
+    launch_per_item(kernel("elementwise", "swiglu_fwd"), h.size,
+                    (g, _i64(gld), u, _i64(uld), h, _i32(F), _i64(h.size)))
     return h, _GluCache(g, gld, u, uld, g.shape)
 
 
@@ -271,8 +272,8 @@ def swiglu_backward(dh, cache):
     dg = cp.empty(shape, dtype=F32)
     du = cp.empty(shape, dtype=F32)
     n = dg.size
-    launch(kernel("elementwise", "swiglu_bwd"), n,
-           (dh, g, _i64(cache.gld), u, _i64(cache.uld), dg, du, _i32(shape[-1]), _i64(n)))
+    launch_per_item(kernel("elementwise", "swiglu_bwd"), n,
+                    (dh, g, _i64(cache.gld), u, _i64(cache.uld), dg, du, _i32(shape[-1]), _i64(n)))
     return dg, du
 
 
@@ -289,7 +290,7 @@ def embedding_backward(dx, ids, vocab):
     ids64 = cp.ascontiguousarray(cp.asarray(ids), dtype=np.int64).reshape(-1)
     dw = cp.zeros((vocab, C), dtype=F32)
     n = dx2.size
-    launch(kernel("elementwise", "embedding_bwd"), n, (dx2, ids64, dw, _i32(C), _i64(n)))
+    launch_per_item(kernel("elementwise", "embedding_bwd"), n, (dx2, ids64, dw, _i32(C), _i64(n)))
     return dw
 
 
@@ -346,8 +347,8 @@ def cross_entropy_backward(dloss_sum, cache):
     logits = cp.ascontiguousarray(cache.logits)
     N, V = logits.shape
     grad = cp.empty((N, V), dtype=F32)
-    launch(kernel("cross_entropy", "ce_bwd"), N * V,
-           (logits, cache.targets, cache.lse, grad, np.float32(float(dloss_sum)), _i32(V), _i64(N * V)))
+    launch_per_item(kernel("cross_entropy", "ce_bwd"), N * V,
+                    (logits, cache.targets, cache.lse, grad, np.float32(float(dloss_sum)), _i32(V), _i64(N * V)))
     return grad
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from nanoeuler.backend import array_module
 from nanoeuler.model.config import ModelConfig
-from nanoeuler.dispatch import ops_for
+from nanoeuler.model.dispatch import ops_for
 
 INIT_STD = 0.02
 

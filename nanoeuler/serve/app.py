@@ -42,7 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanoeuler.infer.generate import SEED_LIMIT
+from nanoeuler.infer.sampling import SEED_LIMIT
 from nanoeuler.serve.backend import Backend, Sampling
 from nanoeuler.serve.metrics import CONTENT_TYPE, Metrics
 from nanoeuler.serve.prompts import PromptError, StopText, chat_prompt

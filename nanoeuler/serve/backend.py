@@ -1,8 +1,8 @@
 """The model behind the server: the one adapter between the HTTP layer and the generation engine.
 
 The server asks three things of an engine: the tokenizer, a token stream per request (`open`), and a
-batch step that advances many streams by one token each, or by more where speculation kept drafts (`step`). Only this module knows which engine
-answers; `infer.generate.load` decides, and two kinds are handled:
+batch step that advances many streams by one token each, or by more where speculation kept drafts (`step`).
+Only this module knows which engine answers; `infer.engine.load` decides, and two kinds are handled:
 
 - a generator with a `stream(prompt, n, sampling, stop_ids)` iterator and nothing shared between
   streams (the reference `Generator`, one sequence per forward pass): a step advances the streams one
@@ -49,9 +49,9 @@ import numpy as np
 
 from nanoeuler.backend import to_numpy
 from nanoeuler.errors import UserError
-from nanoeuler.infer.engine import greedy_kept
-from nanoeuler.infer.generate import Sampling, load, sample_token
+from nanoeuler.infer.engine import greedy_kept, load
 from nanoeuler.infer.logprobs import token_logprobs
+from nanoeuler.infer.sampling import Sampling, sample_token
 
 __all__ = ["Backend", "PrefixCache", "Sampling", "TokenStream"]
 

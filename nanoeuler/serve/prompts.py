@@ -14,7 +14,7 @@ are dropped whole; a last turn that alone does not fit is an error.
 
 from __future__ import annotations
 
-from nanoeuler.train.template import render_prompt
+from nanoeuler.data.template import render_prompt
 
 ROLES = ("system", "developer", "user", "assistant")
 

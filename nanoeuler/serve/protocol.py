@@ -13,7 +13,7 @@ most MAX_TOP_LOGPROBS alternatives; completions' `logprobs`, at most 5) asks for
 `response_format` is "text", "json_object" or "json_schema" (read into the JSON schema the answer must
 follow: any object for "json_object"). One extension: `ignore_eos` (as in vLLM) generates past the end
 marker. Sampling defaults are OpenAI's: temperature 1, top_p 1, a fresh seed per request.
-Sampling values pass the sampler's own check (`infer.generate.checked_sampling`, shared with the commands):
+Sampling values pass the sampler's own check (`infer.sampling.checked_sampling`, shared with the commands):
 a seed is in [0, 2**63), and a temperature under 1e-6 is greedy, as 0 is.
 
 A body is parsed as strict JSON: NaN and Infinity, numbers that overflow a float, integers of more than
@@ -26,7 +26,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 
-from nanoeuler.infer.generate import SamplingError, checked_sampling
+from nanoeuler.infer.sampling import SamplingError, checked_sampling
 from nanoeuler.serve.prompts import ROLES
 
 MAX_STOPS = 4

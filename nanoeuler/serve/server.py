@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     add_device_argument(parser)
     parser.add_argument("--ckpt", required=True, metavar="BIN", help="chat model file, e.g. results/chat.bin")
-    from nanoeuler.infer.generate import add_threads_argument
+    from nanoeuler.infer.engine import add_threads_argument
 
     add_threads_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")

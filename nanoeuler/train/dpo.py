@@ -8,7 +8,7 @@ divergence stop, metrics, progress bar): the loss (`model.dpo.dpo_head_loss`, a 
 normed state), a batch source (`PairBatches`: P pairs as 2P rows, with their reference log-probabilities
 from `nanoeuler ref-logps`), and the held-out scoring. The loss is a `model.dpo.DpoHead`: the fp32 xp path
 (CPU, or CuPy on the GPU) calls it as a head loss, and with `dpo.precision: bf16` the GPU engine runs it
-as its sequence log-probability head (`kernels/engine.py`, head "dpo").
+as its sequence log-probability head (`kernels/bf16/engine.py`, head "dpo").
 
 A few pairs (`dpo.val_pairs`, at most a fifth, drawn by seed) are held out; every `eval_every` steps the
 log gets their DPO loss, reward accuracy (the share with a positive margin), mean margin
@@ -97,12 +97,12 @@ def pair_metrics(logps: np.ndarray, ref: np.ndarray, beta: float, eps: float) ->
 def run(args: argparse.Namespace) -> int:
     from nanoeuler import memory
     from nanoeuler.backend import get_xp
-    from nanoeuler.eval.plots import plot_losses
     from nanoeuler.files import check_outputs
     from nanoeuler.train import loop, rundir
     from nanoeuler.train.config import TrainConfig
     from nanoeuler.train.pairs import (encode_pairs, file_sha256, load_chat_model, read_pairs, sequence_logps,
                                        split_pairs)
+    from nanoeuler.train.plots import plot_losses
     from nanoeuler.train.reflogps import load_reference, reference_meta
 
     check_outputs(out=args.out)  # refused now, not after the training

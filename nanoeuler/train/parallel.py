@@ -163,11 +163,11 @@ def launch_or_setup(stage: str, args, section: dict, device: str):
     before the first CuPy array: it picks the rank's GPU."""
     gpus = gpus_wanted(args, section)
     if gpus > 1 and world_from_env() is None:
-        return launch(stage, args.argv, gpus, device), None
+        return run_ranks(stage, args.argv, gpus, device), None
     return None, setup(stage, gpus, device)
 
 
-def launch(stage: str, argv: list[str], gpus: int, device: str, poll: float = 0.2) -> int:
+def run_ranks(stage: str, argv: list[str], gpus: int, device: str, poll: float = 0.2) -> int:
     """Run `nanoeuler <stage> <argv>` as `gpus` processes, one a GPU; the exit status of the run.
 
     Ranks above 0 keep their standard output to themselves (rank 0 prints the run's progress and summary)."""
@@ -186,7 +186,7 @@ def launch(stage: str, argv: list[str], gpus: int, device: str, poll: float = 0.
 
 
 def rank_env(rank: int, world: int, rendezvous: str, base=None) -> dict:
-    """The environment of rank `rank` of `world` started by `launch`: GPU `rank` of this host."""
+    """The environment of rank `rank` of `world` started by `run_ranks`: GPU `rank` of this host."""
     base = os.environ if base is None else base
     return {**base, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
             ENV_RENDEZVOUS: rendezvous, ENV_LAUNCHER: str(os.getpid())}

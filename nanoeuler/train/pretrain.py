@@ -51,13 +51,13 @@ def _inputs(args: argparse.Namespace, model_section: dict):
 def run(args: argparse.Namespace) -> int:
     from nanoeuler import memory
     from nanoeuler.backend import get_xp
-    from nanoeuler.eval.metrics import val_metrics
-    from nanoeuler.eval.plots import plot_losses
     from nanoeuler.files import check_outputs
     from nanoeuler.model.transformer import init_params
     from nanoeuler.train import loop, rundir
     from nanoeuler.train.config import PretrainConfig
     from nanoeuler.train.loader import RandomWindows, ShardSplit, fixed_windows
+    from nanoeuler.train.metrics import val_metrics
+    from nanoeuler.train.plots import plot_losses
 
     check_outputs(out=args.out)  # refused now, not after the training
     conf = sections(args, "device", "gpu_memory", "model", "pretrain")

@@ -3,7 +3,7 @@
     nanoeuler sft --config config/tiny.yaml --base results/base.bin \\
         --data data/alpaca/alpaca.jsonl --out results/chat.bin
 
-Each record is rendered with the Alpaca template (`nanoeuler.train.template`), the response and
+Each record is rendered with the Alpaca template (`nanoeuler.data.template`), the response and
 `</s>` appended; prompt and padding targets are -1. Records longer than the context are truncated
 (`fit_example`: the response's tail goes first, then the prompt's start) or dropped
 (`sft.too_long`); both are counted in the log. A few records (`sft.val_examples`, at most a
@@ -27,8 +27,8 @@ import numpy as np
 
 from nanoeuler.backend import add_device_argument
 from nanoeuler.config import add_config_arguments, sections
+from nanoeuler.data.template import render_prompt
 from nanoeuler.errors import UserError
-from nanoeuler.train.template import render_prompt
 
 from nanoeuler.train import parallel
 
@@ -250,10 +250,10 @@ def _examples(data: str, tok, ctx_len: int, settings, verbose: bool):
 def run(args: argparse.Namespace) -> int:
     from nanoeuler import checkpoint, memory
     from nanoeuler.backend import get_xp
-    from nanoeuler.eval.plots import plot_losses
     from nanoeuler.files import DATA_JSONL, check_outputs, file_sha256
     from nanoeuler.train import loop, rundir
     from nanoeuler.train.config import SftConfig
+    from nanoeuler.train.plots import plot_losses
 
     check_outputs(out=args.out)  # refused now, not after the training
     conf = sections(args, "device", "gpu_memory", "sft")

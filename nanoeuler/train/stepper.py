@@ -110,7 +110,7 @@ class XpStepper:
 
 
 class EngineStepper:
-    """The bf16 engine's step (`nanoeuler.kernels.engine.Engine`), for micro-batches of at most (batch, ctx_len).
+    """The bf16 engine's step (`kernels.bf16.engine.TrainEngine`), for micro-batches of at most (batch, ctx_len).
 
     The engine is built for a fixed shape, so smaller batches (SFT: shorter sequences, an epoch's last
     batch) are padded at the end with ignored targets; causal attention keeps padding from touching the
@@ -228,14 +228,14 @@ def make_stepper(settings, cfg, params: dict, xp, *, stage: str = "train", head_
         raise UserError(f"{stage}.precision bf16 trains the multi-token cross-entropy or DPO only; "
                         "use precision fp32 for this stage's loss")
     from nanoeuler.kernels import kernel_path_options
-    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.kernels.bf16.engine import TrainEngine
 
     # DPO's batch_size counts pairs: two sequences each
     head = {} if dpo is None else dict(head="dpo", dpo_beta=dpo.beta, dpo_label_smoothing=dpo.label_smoothing)
-    engine = Engine(cfg, params, batch=settings.batch_size * (2 if dpo else 1), seq=cfg.ctx_len,
-                    betas=(settings.beta1, settings.beta2), eps=settings.eps, weight_decay=settings.weight_decay,
-                    max_norm=settings.grad_clip, accum=settings.grad_accum > 1, optimizer=settings.optimizer,
-                    muon_momentum=settings.muon_momentum, lr_scale=lr_scale,
-                    checkpoint=bool(getattr(settings, "checkpoint_activations", False)), **head,
-                    **kernel_path_options(settings.kernels))
+    engine = TrainEngine(cfg, params, batch=settings.batch_size * (2 if dpo else 1), seq=cfg.ctx_len,
+                         betas=(settings.beta1, settings.beta2), eps=settings.eps, weight_decay=settings.weight_decay,
+                         max_norm=settings.grad_clip, accum=settings.grad_accum > 1, optimizer=settings.optimizer,
+                         muon_momentum=settings.muon_momentum, lr_scale=lr_scale,
+                         checkpoint=bool(getattr(settings, "checkpoint_activations", False)), **head,
+                         **kernel_path_options(settings.kernels))
     return EngineStepper(engine, grad_hook=grad_hook, head=dpo)

@@ -1,4 +1,5 @@
-"""The bf16 engine's kernels: one `.cu` file per family, and beside it a `.py` file of named launchers.
+"""The bf16 training engine (`engine.TrainEngine`) and its kernels: one `.cu` file per family, and beside
+it a `.py` file of named launchers.
 
     >>> FAMILY_OF["rmsnorm_fwd_bf16"], FAMILY_OF["flash_fwd_wg_d64"]
     ('norms', 'flash_wg')

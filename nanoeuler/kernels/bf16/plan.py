@@ -264,7 +264,7 @@ TENSOR_MAP_BYTES = 128  # a TMA descriptor, kept on the device
 def engine_bytes(cfg, batch: int, seq: int, *, attention: str, fuse_swiglu: bool, fuse_rope: bool,
                  accum: bool = False, checkpoint: bool = False, head: str = "ce",
                  chunk_bytes: int | None = None) -> dict:
-    """Device bytes of every buffer `Engine.__init__` allocates, by group; their sum is `Engine.nbytes()`.
+    """Device bytes of every buffer `TrainEngine.__init__` allocates, by group; their sum is `TrainEngine.nbytes()`.
 
     The variants are resolved ones (`choose_variants`); `batch` counts sequences (DPO: twice the pairs).
     Groups: params / grads / moments (float32 master weights, gradients, both AdamW moments), image (the

@@ -52,7 +52,7 @@ def kernel_names(dtype: str) -> list[str]:
 
 class Launch:
     """Launches decode kernels on one stream: `launch(name, grid, block, args, shared_mem, pdl)`, with
-    programmatic dependent launch where `pdl` (an `infer.launch.PdlLauncher`) is given. The launchers
+    programmatic dependent launch where `pdl` (a `kernels.pdl.PdlLauncher`) is given. The launchers
     beside each family take one as their first argument; `dtype` names their kernels' storage."""
 
     def __init__(self, dtype: str, stream=None, pdl=None):

@@ -5,7 +5,7 @@
 // is float32 and activations between kernels are float32 (the GEMV kernels) or W (cuBLAS operands).
 //
 // Programmatic dependent launch (compute capability 9.0): the host launches these kernels so that each
-// may start while the one before it still runs (infer/launch.py). A kernel first does what depends on no
+// may start while the one before it still runs (kernels/pdl.py). A kernel first does what depends on no
 // earlier kernel (requesting its weights), then waits for the one before it to finish (pdl_wait) before
 // it reads or writes any activation, and only then lets the next one start (pdl_launch). Launched the
 // ordinary way, both are no-ops.

@@ -5,6 +5,9 @@
 - `val_bpb`: bits per UTF-8 byte = val_ce / ln 2 * (val split tokens / val split bytes), with the
   token and byte counts of the whole val split from the shard manifest. It does not depend on the
   vocabulary, so tokenizers of different sizes compare.
+
+Pretraining logs them as it trains and `nanoeuler evaluate` reports them for each model, so they live
+with training, below evaluation.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Loss curves as PNG (matplotlib, Agg backend: no display needed)."""
+"""Loss curves as PNG (matplotlib, Agg backend: no display needed): each training stage draws its run's,
+and the report and the comparison of experiments reuse the panels."""
 
 from __future__ import annotations
 

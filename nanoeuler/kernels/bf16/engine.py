@@ -1,9 +1,9 @@
 """The whole training step on the GPU in mixed precision: bf16 GEMM operands, float32 everything else.
 
-    >>> eng = Engine(cfg, params, batch=16, seq=512)            # params: NumPy or CuPy float32   # doctest: +SKIP
+    >>> eng = TrainEngine(cfg, params, batch=16, seq=512)       # params: NumPy or CuPy float32   # doctest: +SKIP
     >>> eng.step(inputs, targets, lr)   # forward, backward, clipping, AdamW; no host sync        # doctest: +SKIP
     >>> eng.last_loss()                 # reads the loss back (a sync; call it when logging)      # doctest: +SKIP
-    >>> eng = Engine(cfg, params, batch=4, seq=512, accum=True, checkpoint=True)                 # doctest: +SKIP
+    >>> eng = TrainEngine(cfg, params, batch=4, seq=512, accum=True, checkpoint=True)            # doctest: +SKIP
     >>> eng.step_accum([(x0, y0), (x1, y1)], lr)   # one update from two micro-batches            # doctest: +SKIP
 
 Options: `accum` (an accumulation buffer, so that `step_accum` makes one update from several micro-batches
@@ -74,7 +74,7 @@ def _group_scales(shapes: dict, lr_scale: dict | None) -> dict:
     return {g: (v.pop() if v else 1.0) for g, v in out.items()}
 
 
-class Engine:
+class TrainEngine:
     """One model's weights, optimizer state and activation buffers on the GPU, for a fixed (batch, seq)."""
 
     def __init__(self, cfg: ModelConfig, params: dict, *, batch: int, seq: int, lr: float = 3e-4,

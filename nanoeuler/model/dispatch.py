@@ -11,6 +11,9 @@ and the kernels of `nanoeuler.kernels` on CuPy ones. A replacement layer module 
 `nanoeuler.model.layers` with identical names, signatures and semantics (`linear_cross_entropy`
 included, the output head and its loss in one call, which a kernel module may fuse). So the model and
 the optimizer import nothing from the kernels, and a new GPU implementation is registered here.
+
+The kernels sit below the model (they import its layers as their reference), so this module reaches
+them by name, at run time and only for CuPy arrays: the one way up that docs/ARCHITECTURE.md allows.
 """
 
 from __future__ import annotations
@@ -48,6 +51,4 @@ def fused_adamw(params: dict):
     first = next(iter(params.values()), None)
     if first is None or isinstance(first, np.ndarray) or first.dtype != np.float32:
         return None
-    from nanoeuler.kernels import adamw
-
-    return adamw.step_tensor
+    return importlib.import_module("nanoeuler.kernels.adamw").step_tensor

@@ -1,5 +1,7 @@
-"""The Stanford Alpaca instruction prompt: the format SFT trains on (`train.sft`) and `nanoeuler chat` wraps
-every instruction in, so a chat model sees at inference exactly what it learned from.
+"""The Stanford Alpaca instruction prompt: the format SFT trains on (`train.sft`), the preference pairs'
+prompts are written in (`data.prefs`), and `nanoeuler chat` and the server wrap every instruction in, so a
+chat model sees at inference exactly what it learned from. It belongs to the data, as the Alpaca records'
+text form, so the stages that train on it and the ones that serve it share it from below.
 
     >>> render_prompt("Name a color.").splitlines()[-4:]
     ['### Instruction:', 'Name a color.', '', '### Response:']

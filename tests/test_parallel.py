@@ -260,7 +260,7 @@ def test_two_ranks_of_b_train_like_one_process_of_2b_and_rank_0_alone_writes(sha
         assert loss2 == pytest.approx(loss, rel=1e-10) and norm2 == pytest.approx(norm, rel=1e-10)
     a, _ = checkpoint.load(one / "ckpt_00000004.bin")
     b, meta = checkpoint.load(dirs[0] / "ckpt_00000004.bin")
-    assert set(a) == set(b) and meta["identity"]["world_size"] == 2
+    assert set(a) == set(b) and meta["identity"]["settings"]["batch_size"] == 4  # the global batch: 2 x 2
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=1e-10, atol=1e-14, err_msg=name)
 

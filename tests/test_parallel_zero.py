@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from nanoeuler import checkpoint
+from nanoeuler import checkpoint, memory
 from nanoeuler.config import validate
 from nanoeuler.model import transformer
 from nanoeuler.model.config import ModelConfig
@@ -158,6 +158,8 @@ def test_each_rank_keeps_about_a_quarter_of_the_optimizer_state():
     assert sum(held) == whole  # every moment on exactly one rank
     largest = max(int(np.prod(s)) for s in CFG.param_shapes().values()) * 2 * 4  # m and v, float32
     assert max(held) <= whole / n + largest
+    predicted = memory.xp_train_parts(CFG, 2, CFG.ctx_len, zero_world=n)["adamw"]
+    assert max(held) <= predicted < whole  # the memory model's share bounds every rank's
     assert isinstance(steppers[0].inner, ZeroStepper)
 
 

@@ -407,7 +407,12 @@ class DataParallel:
                                 "use precision fp32, or zero 0 with bf16")
             if self._then is not None:
                 raise UserError(f"{self.stage}.zero 1: this stage's own gradient hook needs every gradient; use zero 0")
+            whole = optimizer_bytes(stepper)
             stepper = ZeroStepper(stepper, self.comm, plan_shards(stepper.cfg.param_shapes(), self.size))
+            if self.is_root:
+                print(f"nanoeuler {self.stage}: ZeRO-1 over {self.size} ranks: rank 0 keeps "
+                      f"{optimizer_bytes(stepper) / 2**20:.1f} MiB of optimizer state ({whole / 2**20:.1f} MiB "
+                      "unsharded)", file=sys.stderr, flush=True)
         return ParallelStepper(stepper, self)
 
     def broadcast_int(self, value: int) -> int:
@@ -667,6 +672,11 @@ class ZeroStepper:
     def load_state_tensors(self, tensors: dict, t: int) -> None:
         """This rank's part of a full optimizer state (a checkpoint of any number of ranks)."""
         self.inner.load_state_tensors(tensors, t)
+
+
+def zero_world(dp: "DataParallel | None") -> int:
+    """The ranks that share the optimizer state (`memory.plan_training`'s zero_world): 1 without ZeRO."""
+    return dp.size if dp is not None and dp.zero else 1
 
 
 def optimizer_bytes(stepper) -> int:

@@ -1,7 +1,7 @@
-"""Data-parallel training on the GPUs of one host: one process a GPU, gradients averaged by NCCL.
+"""Data-parallel training: one process a GPU, on one host or several, gradients averaged by NCCL.
 
     nanoeuler pretrain --gpus 4 ...      # starts 4 processes itself (RANK/WORLD_SIZE/LOCAL_RANK set)
-    srun -n 4 nanoeuler pretrain ...     # or under a launcher that sets them (SLURM_PROCID/...)
+    srun -n 16 nanoeuler pretrain ...    # or under a launcher that sets them (SLURM_PROCID/...), any nodes
 
 Every rank builds the same model from the same seed and draws the same seeded stream of training
 windows; rank r keeps windows r, r+N, ... of each step's N*B, so N GPUs with batch B train on exactly
@@ -10,12 +10,16 @@ averages the gradients over the ranks (NCCL all-reduce, in place: one call on th
 gradient buffer), and the loss is averaged too, so every rank computes the same norm and the same
 update and logs the loss of the whole batch. Rank 0 alone reads and writes the run directory
 (checkpoints, metrics, the final model, the progress bar); the others load the checkpoint it chose.
+With `zero: 1` (ZeRO stage 1, `ZeroStepper`) each rank keeps the optimizer state of its share of the
+tensors only: the gradients are reduce-scattered, each rank updates its share, the parameters are
+all-gathered.
 
-Rank 0 makes the NCCL unique id and passes it to the others through a file (`NANOEULER_RENDEZVOUS`,
-set by `--gpus`; under SLURM or a RANK/WORLD_SIZE launcher a name in the temporary folder is derived
-from the job). A dead rank stops the run: the launcher of `--gpus` notices a child's exit and stops the
-others; under another launcher each rank's watchdog aborts the communicator when a step makes no
-progress for `NANOEULER_NCCL_TIMEOUT` seconds (default 900) or NCCL reports an error.
+Rank 0 makes the NCCL unique id and passes it to the others: through a file (`NANOEULER_RENDEZVOUS`, set
+by `--gpus`; across nodes, a path on a shared filesystem) or over TCP from rank 0's host
+(MASTER_ADDR/MASTER_PORT, or NANOEULER_RENDEZVOUS=tcp://HOST:PORT). A dead rank stops the run: the
+launcher of `--gpus` notices a child's exit and stops the others; under another launcher each rank's
+watchdog aborts the communicator when a step makes no progress for `NANOEULER_NCCL_TIMEOUT` seconds
+(default 900) or NCCL reports an error.
 
     >>> world_from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
     World(rank=1, size=2, local_rank=1)
@@ -29,6 +33,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -92,41 +97,119 @@ def _int_var(env, name: str) -> int:
         raise UserError(f"environment variable {name}={env[name]!r} is not an integer") from None
 
 
-def rendezvous_path(env=None) -> Path:
-    """The file that carries the NCCL id: `NANOEULER_RENDEZVOUS`, else one named after the SLURM step
-    or the MASTER_ADDR/MASTER_PORT pair, in the temporary folder (one host)."""
+@dataclass(frozen=True)
+class TcpRendezvous:
+    """Rank 0's NCCL id served over TCP at host:port (the first node's address: every node reaches it)."""
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+
+def rendezvous_path(env=None) -> Path | TcpRendezvous:
+    """Where the NCCL id travels: `NANOEULER_RENDEZVOUS` (a file every rank reaches, on a shared filesystem
+    across nodes, or tcp://HOST:PORT), else a TCP store at MASTER_ADDR:MASTER_PORT (several nodes), else a
+    file named after the SLURM step in the temporary folder (one host).
+
+        >>> rendezvous_path({"MASTER_ADDR": "node01", "MASTER_PORT": "29500"})
+        TcpRendezvous(host='node01', port=29500)
+    """
     env = os.environ if env is None else env
-    if env.get(ENV_RENDEZVOUS):
-        return Path(env[ENV_RENDEZVOUS])
-    tmp = Path(tempfile.gettempdir())
+    value = env.get(ENV_RENDEZVOUS)
+    if value and value.startswith("tcp://"):
+        host, _, port = value[len("tcp://"):].rpartition(":")
+        return TcpRendezvous(host or "127.0.0.1", _port(port, f"{ENV_RENDEZVOUS}={value!r}"))
+    if value:
+        return Path(value)
+    if env.get("MASTER_PORT"):
+        return TcpRendezvous(env.get("MASTER_ADDR") or "127.0.0.1", _port(env["MASTER_PORT"], "MASTER_PORT"))
     if "SLURM_JOB_ID" in env:
+        tmp = Path(tempfile.gettempdir())
         return tmp / f"nanoeuler-nccl-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}.id"
-    if "MASTER_PORT" in env:
-        return tmp / f"nanoeuler-nccl-{env.get('MASTER_ADDR', 'localhost')}-{env['MASTER_PORT']}.id"
     raise UserError(f"set {ENV_RENDEZVOUS} to a file path every rank can reach (it carries the NCCL id), "
-                    "or start the run with --gpus N")
+                    "or MASTER_ADDR/MASTER_PORT to rank 0's host and a free port, or start the run with --gpus N")
 
 
-def exchange_id(world: World, path: Path, make_id: Callable[[], bytes | tuple], timeout: float) -> bytes | tuple:
-    """Rank 0 writes `make_id()` to `path` (atomically); the others wait up to `timeout` s to read it.
-    The id is bytes (CuPy >= 13) or a tuple of ints (older CuPy); every rank gets the same type back."""
-    path = Path(path)
+def _port(text: str, what: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise UserError(f"{what}: the port must be a number in 1..65535")
+    return port
+
+
+def _id_record(uid: bytes | tuple) -> str:
+    return json.dumps({"hex": uid.hex()} if isinstance(uid, bytes) else {"ints": list(uid)})
+
+
+def _id_from_record(text: str) -> bytes | tuple:
+    record = json.loads(text)
+    return bytes.fromhex(record["hex"]) if "hex" in record else tuple(record["ints"])
+
+
+def exchange_id(world: World, where: Path | TcpRendezvous, make_id: Callable[[], bytes | tuple],
+                timeout: float) -> bytes | tuple:
+    """Rank 0 makes the id with `make_id()` and hands it on; the others wait up to `timeout` s for it.
+    Through a file (written atomically), or over TCP (rank 0 serves it until every other rank has it). The id is bytes (CuPy >= 13) or a tuple of ints (older CuPy); every rank
+    gets the same type back."""
     if world.is_root:
         uid = make_id()
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"hex": uid.hex()} if isinstance(uid, bytes) else {"ints": list(uid)}))
-        os.replace(tmp, path)
+        if isinstance(where, TcpRendezvous):
+            _serve_id(where, _id_record(uid).encode(), world.size - 1, timeout)
+        else:
+            where = Path(where)
+            tmp = where.with_name(where.name + f".{os.getpid()}.tmp")
+            tmp.write_text(_id_record(uid))
+            os.replace(tmp, where)
         return uid
     deadline = time.monotonic() + timeout
     while True:
         try:
-            record = json.loads(path.read_text())
-            return bytes.fromhex(record["hex"]) if "hex" in record else tuple(record["ints"])
-        except (FileNotFoundError, json.JSONDecodeError):
+            text = _fetch_id(where) if isinstance(where, TcpRendezvous) else Path(where).read_text()
+            return _id_from_record(text)
+        except (OSError, ValueError, KeyError):  # not there yet (or half sent): wait
             if time.monotonic() > deadline:
-                raise UserError(f"rank {world.rank}: rank 0's NCCL id did not appear in {path} within {timeout:.0f} s "
+                raise UserError(f"rank {world.rank}: rank 0's NCCL id did not appear in {where} within {timeout:.0f} s "
                                 f"(are all {world.size} ranks running?)") from None
             time.sleep(0.05)
+
+
+def _serve_id(where: TcpRendezvous, record: bytes, ranks: int, timeout: float) -> None:
+    """Send `record` to each of `ranks` connections on every interface at where.port; return once all have
+    it (they need nothing else from rank 0 to build their communicator), or fail after `timeout` s."""
+    try:
+        server = socket.create_server(("", where.port))
+    except OSError as exc:
+        raise UserError(f"rank 0: cannot listen on port {where.port} for the rendezvous ({exc.strerror}); "
+                        "choose another MASTER_PORT") from None
+    server.settimeout(0.2)
+    deadline, sent = time.monotonic() + timeout, 0
+    with server:
+        while sent < ranks:
+            if time.monotonic() > deadline:
+                raise UserError(f"rank 0: {sent} of the other {ranks} ranks fetched the NCCL id from {where} "
+                                f"within {timeout:.0f} s (are they running, and can they reach this host?)")
+            try:
+                conn, _ = server.accept()
+            except (socket.timeout, BlockingIOError):
+                continue
+            with conn:
+                try:
+                    conn.sendall(record)
+                    sent += 1
+                except OSError:  # that rank retries
+                    pass
+
+
+def _fetch_id(where: TcpRendezvous) -> str:
+    with socket.create_connection((where.host, where.port), timeout=10) as conn:
+        chunks = []
+        while chunk := conn.recv(4096):
+            chunks.append(chunk)
+    return b"".join(chunks).decode()
 
 
 def timeout_from_env(env=None) -> float:
@@ -714,7 +797,7 @@ def setup(stage: str, gpus: int, device: str, env=None, zero: int = 0) -> DataPa
     path = rendezvous_path(env)
     uid = exchange_id(world, path, nccl.get_unique_id, timeout)
     comm = NcclComm(world, uid)  # returns once every rank has joined
-    if world.is_root and ENV_RENDEZVOUS not in env:
+    if world.is_root and ENV_RENDEZVOUS not in env and isinstance(path, Path):
         path.unlink(missing_ok=True)  # a derived name: leave nothing for a later job to misread
     launcher = int(env[ENV_LAUNCHER]) if env.get(ENV_LAUNCHER) else None
     dp = DataParallel(comm, stage, timeout=timeout, launcher_pid=launcher, zero=zero)

@@ -113,11 +113,34 @@ def _head_loss_bytes(cfg, N: int) -> int:
     return F32 * (4 * N * C + V * C + 2 * N) + 8 * N + LOGITS_CHUNK
 
 
-def xp_train_parts(cfg, rows: int, seq: int, *, micro_batches: int = 1, checkpoint: bool = False) -> dict:
-    """Named byte counts of one float32 training step (`XpStepper`) on micro-batches of rows x seq."""
+def zero_share(cfg, world: int) -> int:
+    """Parameters whose optimizer state one rank of ZeRO-1 keeps, at most (`train.parallel.plan_shards`
+    cuts whole tensors: a rank's run exceeds n/world by at most the largest tensor).
+
+        >>> from nanoeuler.model.config import ModelConfig
+        >>> cfg = ModelConfig.named("gpu")
+        >>> zero_share(cfg, 1) == cfg.n_params(), round(zero_share(cfg, 4) / cfg.n_params(), 3)
+        (True, 0.277)
+    """
+    n = cfg.n_params()
+    if world <= 1:
+        return n
+    largest = max(math.prod(s) for s in cfg.param_shapes().values())
+    return min(n, -(-n // world) + largest)
+
+
+def xp_train_parts(cfg, rows: int, seq: int, *, micro_batches: int = 1, checkpoint: bool = False,
+                   zero_world: int = 1) -> dict:
+    """Named byte counts of one float32 training step (`XpStepper`) on micro-batches of rows x seq.
+    `zero_world` > 1: one rank of ZeRO-1 over that many ranks (`train.parallel.ZeroStepper`): the moments
+    of its share, beside a flat buffer of every rank's run (the gradients going in, the parameters out)."""
     n, L, N = cfg.n_params(), cfg.n_layers, rows * seq
     layer = layer_cache_bytes(cfg, rows, seq)
     parts = {"params": F32 * n, "grads": F32 * n, "adamw": 2 * F32 * n}
+    if zero_world > 1:
+        share = zero_share(cfg, zero_world)
+        parts["adamw"] = 2 * F32 * share
+        parts["zero_buffers"] = F32 * (zero_world + 1) * share
     if micro_batches > 1:  # the running sum beside the next micro-batch's gradients
         parts["grad_sum"] = F32 * n
     # with checkpointing each block keeps only its input; the one being differentiated is recomputed
@@ -311,24 +334,28 @@ def kernel_path(settings) -> str:
 
 
 def train_parts(cfg, settings, rows: int, seq: int, *, micro_batches: int = 1, head: str = "mtp",
-                sm90a: bool = False) -> dict:
-    """One training step's named byte counts for a `train.config.TrainConfig` (precision, checkpointing)."""
+                sm90a: bool = False, zero_world: int = 1) -> dict:
+    """One training step's named byte counts for a `train.config.TrainConfig` (precision, checkpointing;
+    `zero_world`: the ranks of a ZeRO-1 run, on the fp32 path)."""
     if settings.precision == "bf16":
         return engine_parts(cfg, rows, seq, kernel_path(settings), sm90a, settings.checkpoint_activations,
                             accum=micro_batches > 1, head="dpo" if head == "dpo" else "ce")
-    parts = xp_train_parts(cfg, rows, seq, micro_batches=micro_batches, checkpoint=settings.checkpoint_activations)
+    parts = xp_train_parts(cfg, rows, seq, micro_batches=micro_batches, checkpoint=settings.checkpoint_activations,
+                           zero_world=zero_world)
     if head == "dpo":
         parts["temporaries"] = max(parts["temporaries"], _dpo_head_bytes(cfg, rows * seq))
     return parts
 
 
 def resident_parts(cfg, settings, rows: int, seq: int, *, micro_batches: int = 1, head: str = "mtp",
-                   sm90a: bool = False) -> dict:
+                   sm90a: bool = False, zero_world: int = 1) -> dict:
     """What stays on the device between steps, beside which evaluation runs: the engine's buffers, or the
     float32 parameters and AdamW's moments."""
     if settings.precision == "bf16":
         return train_parts(cfg, settings, rows, seq, micro_batches=micro_batches, head=head, sm90a=sm90a)
-    return {"params": F32 * cfg.n_params(), "adamw": 2 * F32 * cfg.n_params()}
+    share = zero_share(cfg, zero_world)
+    return {"params": F32 * cfg.n_params(), "adamw": 2 * F32 * share,
+            **({"zero_buffers": F32 * (zero_world + 1) * share} if zero_world > 1 else {})}
 
 
 @dataclass(frozen=True)
@@ -339,10 +366,11 @@ class TrainPlan:
 
 
 def plan_training(stage: str, cfg, settings, budget: Budget | None, *, eval_items: int, eval_kind: str = "loss",
-                  rows_per_item: int = 1, unit: str = "", head: str = "mtp", sm90a: bool = False) -> TrainPlan:
+                  rows_per_item: int = 1, unit: str = "", head: str = "mtp", sm90a: bool = False,
+                  zero_world: int = 1) -> TrainPlan:
     """Micro-batch and evaluation chunk of a training stage inside `budget` (None: as configured), and the
     predicted peak; prints the one line of `say_fit` when it splits. Sequences are counted at the whole
-    context, the longest a batch holds."""
+    context, the longest a batch holds. `zero_world`: the ranks of a ZeRO-1 run (1: none)."""
     T, B, accum = cfg.ctx_len, settings.batch_size, settings.grad_accum
     if budget is None:  # the CPU: as configured
         return TrainPlan(B, eval_items, 0.0)
@@ -350,11 +378,11 @@ def plan_training(stage: str, cfg, settings, budget: Budget | None, *, eval_item
 
     def step(m):
         return train_parts(cfg, settings, m * rows_per_item, T, micro_batches=accum * -(-B // m), head=head,
-                           sm90a=sm90a)
+                           sm90a=sm90a, zero_world=zero_world)
 
     micro = fit_rows(stage, B, budget, step, what, _hint(stage, settings))
     resident = resident_parts(cfg, settings, micro * rows_per_item, T, micro_batches=accum * -(-B // micro),
-                              head=head, sm90a=sm90a)
+                              head=head, sm90a=sm90a, zero_world=zero_world)
     items, forward = eval_items_for(stage, budget, cfg, T, eval_items, eval_kind, resident, rows_per_item,
                                     _hint(stage, settings))
     say_fit(stage, B, micro, budget, unit)

@@ -12,6 +12,15 @@
 #   5. scaling: tokens/s of 1, 2, 4, 8 ranks (up to N) at B16xT512 and B32xT512 per GPU, and the efficiency
 #      against one GPU's plain engine,
 # then prints a summary table last. Logs go to $LOG_DIR (default $TMPDIR/nanoeuler-gpu-parallel).
+#
+#   bash scripts/gpu_parallel.sh zero      # ZeRO-1 instead (~4 min): on 2 and 4 GPUs (up to N), `nanoeuler
+#       pretrain` fp32 with zero 0 and zero 1 for $STEPS steps: every logged loss and norm and the final
+#       model equal bit for bit; a checkpoint of 2 ranks resumed on 4; rank 0's optimizer state and the
+#       measured peak of the 116M model at fp32, zero 0 against zero 1
+#   bash scripts/gpu_parallel.sh twonode   # two "nodes" on this host (~4 min): N ranks in two launcher groups
+#       of N/2, started as srun would (RANK/WORLD_SIZE/LOCAL_RANK, the id over TCP at MASTER_ADDR:MASTER_PORT),
+#       NCCL kept off NVLink and shared memory (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1): N x B against 1 x N*B
+#       (fp32, bf16), and the all-reduce of the 116M gradients over sockets against NVLink
 # Exit status: non-zero when any check failed.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -27,8 +36,149 @@ unset CUPY_TF32
 [ "$N" -ge 1 ] || { echo "no GPU found"; exit 1; }
 echo "=== $N GPU(s): $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | xargs)"
 
+MODE=${1:-all}
 names=() results=()
 record() { names+=("$1"); if [ "$2" -eq 0 ]; then results+=("ok${3:+: $3}"); else results+=("FAIL${3:+: $3}"); fi; }
+summary() {
+    echo
+    printf '%-44s %s\n' "check" "result"
+    local fail=0 i
+    for i in "${!names[@]}"; do
+        printf '%-44s %s\n' "${names[$i]}" "${results[$i]}"
+        case ${results[$i]} in FAIL*) fail=1 ;; esac
+    done
+    rm -rf "$WORK"
+    exit $fail
+}
+make_shards() {
+    PYTHONPATH=$PWD/tests:$PYTHONPATH $PY - "$WORK" <<'EOF' || exit 1
+import sys
+from pathlib import Path
+from train_fixtures import make_tokenizer, write_shards
+work = Path(sys.argv[1])
+tok = make_tokenizer()
+tok.save(work / "tok.json")
+write_shards(work / "shards", tok, n_train=400_000, n_val=20_000, shard_tokens=100_000)
+EOF
+}
+conf() {  # conf FILE PRECISION BATCH [STEPS [EXTRA]]
+    cat > "$1" <<EOF
+device: gpu
+model: {dim: 256, n_layers: 2, n_heads: 4, n_kv_heads: 2, ctx_len: 128, mtp_heads: 2}
+pretrain: {precision: $2, batch_size: $3, steps: ${4:-$STEPS}, lr: 1.0e-3, warmup_steps: 10, log_every: 1,
+           eval_every: 100000, checkpoint_every: 25, keep_checkpoints: 20, val_tokens: 1024${5:+, $5}}
+EOF
+}
+pretrain() {  # pretrain CONFIG RUN_DIR [ARGS...]
+    local c=$1 d=$2; shift 2
+    $PY -m nanoeuler pretrain --config "$c" --shards "$WORK/shards/manifest.json" --tokenizer "$WORK/tok.json" \
+        --out "$d/base.bin" --run-dir "$d" --no-progress "$@"
+}
+compare_runs() {  # compare_runs RUN_A RUN_B LIMIT|exact [BASELINE_B]: every logged step's loss (exact: and norm,
+    # and the final models; where they differ, pass only if two plain runs A and BASELINE_B differ too, by as much)
+    $PY - "$@" <<'EOF'
+import json, sys
+import numpy as np
+from nanoeuler import checkpoint
+a, b, how = sys.argv[1:4]
+base = sys.argv[4] if len(sys.argv) > 4 else None
+
+def logged(d):
+    return [json.loads(l) for l in open(f"{d}/metrics.jsonl") if '"loss"' in l]
+
+def rel(la, lb):
+    assert len(la) == len(lb) > 0, (len(la), len(lb))
+    return max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(la, lb))
+
+la, lb = logged(a), logged(b)
+if how != "exact":
+    r = rel(la, lb)
+    print(f"max rel loss diff {r:.3g} over {len(la)} steps (limit {float(how):g})")
+    sys.exit(0 if r <= float(how) else 1)
+same = [(x["loss"], x["grad_norm"]) == (y["loss"], y["grad_norm"]) for x, y in zip(la, lb)]
+ta, tb = (checkpoint.load(f"{d}/base.bin")[0] for d in (a, b))
+diff = [n for n in ta if not np.array_equal(ta[n], tb[n])]
+line = f"{sum(same)} of {len(la)} steps equal (loss, norm), {len(ta) - len(diff)} of {len(ta)} final tensors"
+if all(same) and not diff:
+    print(line + ": bit for bit")
+    sys.exit(0)
+r, r0 = rel(la, lb), rel(la, logged(base)) if base else float("inf")
+print(f"{line}; max rel loss diff {r:.3g}, two plain runs {r0:.3g}")
+sys.exit(0 if base and r0 > 0 and r <= 2 * r0 else 1)  # the GPU path itself is not bit-reproducible here
+EOF
+}
+
+# ---- ZeRO-1: bit for bit against the unsharded run, resume on another world, optimizer memory ----
+if [ "$MODE" = zero ]; then
+    make_shards
+    B=8
+    for n in $(printf '%s\n' 2 4 | awk -v n="$N" '$1 <= n'); do
+        for z in 0 1; do
+            conf "$WORK/z$z-$n.yaml" fp32 $B "$STEPS" "zero: $z"
+            pretrain "$WORK/z$z-$n.yaml" "$WORK/z$z-$n" --gpus "$n" > "$LOG_DIR/zero$z-$n.log" 2>&1
+        done
+        pretrain "$WORK/z0-$n.yaml" "$WORK/again-$n" --gpus "$n" > "$LOG_DIR/zero0-again-$n.log" 2>&1
+        out=$(compare_runs "$WORK/z0-$n" "$WORK/z1-$n" exact "$WORK/again-$n"); rc=$?
+        record "zero 1 vs 0, $n GPUs x B$B, fp32" "$rc" "$out"
+    done
+    if [ "$N" -ge 4 ]; then  # 2 ranks x 2B to step 25, then 4 ranks x B from its checkpoint: the global batch stays
+        conf "$WORK/r2.yaml" fp32 $((2 * B)) "$STEPS" "zero: 1"; conf "$WORK/r4.yaml" fp32 $B "$STEPS" "zero: 1"
+        pretrain "$WORK/r2.yaml" "$WORK/r" --gpus 2 > "$LOG_DIR/resume2.log" 2>&1
+        pretrain "$WORK/r2.yaml" "$WORK/whole2" --gpus 2 > "$LOG_DIR/whole2.log" 2>&1
+        find "$WORK/r" -name 'ckpt_*.bin' ! -name 'ckpt_00000025.bin' -delete; rm -f "$WORK/r/base.bin"
+        pretrain "$WORK/r4.yaml" "$WORK/r" --gpus 4 > "$LOG_DIR/resume4.log" 2>&1; rc=$?
+        grep -q "resuming from step 25" "$LOG_DIR/resume4.log" || rc=1
+        out=$(compare_runs "$WORK/whole2" "$WORK/r" 1e-5) || rc=1
+        record "zero: 2 ranks' checkpoint resumed on 4" "$rc" \
+            "$(grep -o 'resuming from step [0-9]*' "$LOG_DIR/resume4.log"); $out"
+    fi
+    n=$(( N >= 4 ? 4 : N ))
+    for z in 0 1; do  # the 116M model at fp32, B4 x T512: what rank 0 holds and the measured peak
+        cat > "$WORK/m$z.yaml" <<EOF
+device: gpu
+model: {preset: gpu}
+pretrain: {precision: fp32, batch_size: 4, steps: 10, log_every: 5, eval_every: 100000, checkpoint_every: 100000,
+           val_tokens: 2048, zero: $z}
+EOF
+        pretrain "$WORK/m$z.yaml" "$WORK/m$z" --gpus "$n" > "$LOG_DIR/mem$z.log" 2>&1; rc=$?
+        record "116M fp32 B4, $n GPUs, zero $z: rank 0" "$rc" \
+            "$(grep -o 'keeps.*unsharded)' "$LOG_DIR/mem$z.log") $(grep -o 'device memory peak.*' "$LOG_DIR/mem$z.log")"
+    done
+    summary
+fi
+
+# ---- two "nodes" on this host: NCCL over its network transport ----
+if [ "$MODE" = twonode ]; then
+    [ "$N" -ge 2 ] || { echo "twonode needs 2 GPUs or more"; exit 1; }
+    make_shards
+    B=8
+    port=$((20000 + RANDOM % 20000))
+    groups() {  # groups CONFIG RUN_DIR: ranks 0..N/2-1 and N/2..N-1, two groups started as srun starts tasks
+        local pids=() r rc=0
+        for r in $(seq 0 $((N - 1))); do
+            RANK=$r WORLD_SIZE=$N LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+                NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 pretrain "$1" "$2" > "$LOG_DIR/node$((2 * r / N))-rank$r.log" 2>&1 &
+            pids+=($!)
+        done
+        for r in "${pids[@]}"; do wait "$r" || rc=1; done
+        port=$((port + 1))
+        return $rc
+    }
+    for prec in fp32 bf16; do
+        conf "$WORK/one-$prec.yaml" "$prec" $((N * B)); conf "$WORK/dp-$prec.yaml" "$prec" $B
+        pretrain "$WORK/one-$prec.yaml" "$WORK/one-$prec" > "$LOG_DIR/one-$prec.log" 2>&1; rc=$?
+        groups "$WORK/dp-$prec.yaml" "$WORK/dp-$prec" || rc=1
+        limit=$([ $prec = fp32 ] && echo 1e-5 || echo 2e-2)
+        out=$(compare_runs "$WORK/one-$prec" "$WORK/dp-$prec" $limit) || rc=1
+        record "2 nodes: $N x B$B vs 1 x B$((N * B)), $prec" "$rc" "$out"
+    done
+    $PY bench/parallel_gpu.py --ranks "$N" allreduce 2>&1 | tee "$LOG_DIR/allreduce-nvlink.log"
+    record "all-reduce 116M, $N GPUs, NVLink" "${PIPESTATUS[0]}" "$(grep -o 'median.*' "$LOG_DIR/allreduce-nvlink.log")"
+    NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 $PY bench/parallel_gpu.py --ranks "$N" allreduce 2>&1 \
+        | tee "$LOG_DIR/allreduce-net.log"
+    record "all-reduce 116M, $N GPUs, sockets" "${PIPESTATUS[0]}" "$(grep -o 'median.*' "$LOG_DIR/allreduce-net.log")"
+    summary
+fi
 
 # ---- 1, 2: the world-1 identity and the all-reduce ----
 $PY bench/parallel_gpu.py --ranks 1 identity 2>&1 | tee "$LOG_DIR/identity.log"
@@ -40,28 +190,7 @@ for n in $(printf '%s\n' 1 "$N" | sort -un); do
 done
 
 # ---- 3: N ranks x B against 1 x N*B through `nanoeuler pretrain` ----
-PYTHONPATH=$PWD/tests:$PYTHONPATH $PY - "$WORK" <<'EOF' || exit 1
-import sys
-from pathlib import Path
-from train_fixtures import make_tokenizer, write_shards
-work = Path(sys.argv[1])
-tok = make_tokenizer()
-tok.save(work / "tok.json")
-write_shards(work / "shards", tok, n_train=400_000, n_val=20_000, shard_tokens=100_000)
-EOF
-conf() {  # conf FILE PRECISION BATCH [STEPS]
-    cat > "$1" <<EOF
-device: gpu
-model: {dim: 256, n_layers: 2, n_heads: 4, n_kv_heads: 2, ctx_len: 128, mtp_heads: 2}
-pretrain: {precision: $2, batch_size: $3, steps: ${4:-$STEPS}, lr: 1.0e-3, warmup_steps: 10, log_every: 1,
-           eval_every: 100000, checkpoint_every: 25, keep_checkpoints: 20, val_tokens: 1024}
-EOF
-}
-pretrain() {  # pretrain CONFIG RUN_DIR [ARGS...]
-    local c=$1 d=$2; shift 2
-    $PY -m nanoeuler pretrain --config "$c" --shards "$WORK/shards/manifest.json" --tokenizer "$WORK/tok.json" \
-        --out "$d/base.bin" --run-dir "$d" --no-progress "$@"
-}
+make_shards
 B=8
 for prec in fp32 bf16; do
     conf "$WORK/one-$prec.yaml" "$prec" $((N * B)); conf "$WORK/dp-$prec.yaml" "$prec" $B
@@ -126,12 +255,4 @@ for r in rows:
           f"{x:>7.2f} {x / r['world']:>10.1%}")
 EOF
 
-echo
-printf '%-40s %s\n' "check" "result"
-fail=0
-for i in "${!names[@]}"; do
-    printf '%-40s %s\n' "${names[$i]}" "${results[$i]}"
-    case ${results[$i]} in FAIL*) fail=1 ;; esac
-done
-rm -rf "$WORK"
-exit $fail
+summary

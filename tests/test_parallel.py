@@ -5,6 +5,7 @@ double of NCCL), rank 0 alone writing, resume on every rank, and dead ranks."""
 import multiprocessing as mp
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -57,9 +58,60 @@ def test_a_bad_world_is_one_clear_error(env, words):
 def test_the_rendezvous_file_is_set_or_derived_from_the_job(tmp_path):
     assert rendezvous_path({parallel.ENV_RENDEZVOUS: str(tmp_path / "id")}) == tmp_path / "id"
     assert rendezvous_path({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3"}).name == "nanoeuler-nccl-77.3.id"
-    assert rendezvous_path({"MASTER_PORT": "29500"}).name == "nanoeuler-nccl-localhost-29500.id"
+    assert rendezvous_path({"MASTER_PORT": "29500"}) == parallel.TcpRendezvous("127.0.0.1", 29500)
+    assert rendezvous_path({parallel.ENV_RENDEZVOUS: "tcp://node07:6000", "MASTER_PORT": "1"}) == \
+        parallel.TcpRendezvous("node07", 6000)
     with pytest.raises(UserError, match="NANOEULER_RENDEZVOUS"):
         rendezvous_path({})
+    with pytest.raises(UserError, match="MASTER_PORT: the port must be a number in 1..65535"):
+        rendezvous_path({"MASTER_ADDR": "node01", "MASTER_PORT": "http"})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_of_a_job(env, out):
+    """One SLURM task: its world and rendezvous from the environment, then rank 0's id."""
+    world = world_from_env(env)
+    uid = exchange_id(world, rendezvous_path(env), make_id=lambda: bytes(range(7, 135)), timeout=30)
+    out.put((world.rank, world.local_rank, uid))
+
+
+@pytest.mark.parametrize("how", ["tcp", "file"])
+def test_tasks_of_two_nodes_get_rank_0s_id_through_a_tcp_store_or_a_shared_file(tmp_path, how):
+    """Three processes as srun starts them on two nodes (tasks 0, 1 on the first, 2 on the second), the
+    others before rank 0: each reads its rank from SLURM's variables and receives rank 0's id."""
+    where = ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if how == "tcp"
+             else {parallel.ENV_RENDEZVOUS: str(tmp_path / "shared" / "nccl.id")})
+    (tmp_path / "shared").mkdir()
+    out = FORK.Queue()
+    tasks = [{"SLURM_JOB_ID": "9", "SLURM_PROCID": str(r), "SLURM_NTASKS": "3", "SLURM_LOCALID": str(local), **where}
+             for r, local in ((2, 0), (1, 1), (0, 0))]
+    procs = []
+    for env in tasks:
+        procs.append(FORK.Process(target=_rank_of_a_job, args=(env, out)))
+        procs[-1].start()
+        time.sleep(0.3)  # rank 0 comes last: the others retry until it serves
+    got = sorted(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert got == [(0, 0, bytes(range(7, 135))), (1, 1, bytes(range(7, 135))), (2, 0, bytes(range(7, 135)))]
+
+
+def test_a_tcp_rendezvous_names_its_address_when_rank_0_never_comes_or_its_port_is_taken():
+    port = _free_port()
+    where = parallel.TcpRendezvous("127.0.0.1", port)
+    with pytest.raises(UserError, match=rf"rank 1: rank 0's NCCL id did not appear in tcp://127.0.0.1:{port} "):
+        exchange_id(World(1, 2, 1), where, make_id=None, timeout=0.3)
+    with socket.create_server(("", port)):
+        with pytest.raises(UserError, match=f"rank 0: cannot listen on port {port} .* choose another MASTER_PORT"):
+            exchange_id(World(0, 2, 0), where, make_id=lambda: b"x", timeout=1)
+    with pytest.raises(UserError, match=rf"rank 0: 0 of the other 2 ranks fetched the NCCL id from tcp://"):
+        exchange_id(World(0, 3, 0), where, make_id=lambda: b"x", timeout=0.3)
 
 
 def test_rank_0_passes_the_nccl_id_to_the_others_through_the_file(tmp_path):
@@ -260,7 +312,7 @@ def test_two_ranks_of_b_train_like_one_process_of_2b_and_rank_0_alone_writes(sha
         assert loss2 == pytest.approx(loss, rel=1e-10) and norm2 == pytest.approx(norm, rel=1e-10)
     a, _ = checkpoint.load(one / "ckpt_00000004.bin")
     b, meta = checkpoint.load(dirs[0] / "ckpt_00000004.bin")
-    assert set(a) == set(b) and meta["identity"]["world_size"] == 2
+    assert set(a) == set(b) and meta["identity"]["settings"]["batch_size"] == 4  # the global batch: 2 x 2
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=1e-10, atol=1e-14, err_msg=name)
 

@@ -147,4 +147,8 @@ PRESETS: dict[str, dict] = {
     # ~116M parameters: the full GPU run.
     "gpu": dict(vocab_size=4096, dim=768, n_layers=16, n_heads=12, n_kv_heads=4, ctx_len=512,
                 ffn_hidden=0, mtp_heads=4, rope_theta=10000.0, norm_eps=1e-5),
+    # ~278M parameters: head size 64 (every attention kernel), 3 query heads per KV head as `gpu`, and
+    # widths that the fused GEMMs take (dim % 64, hidden 3072 % 128).
+    "gpu-270m": dict(vocab_size=4096, dim=1152, n_layers=18, n_heads=18, n_kv_heads=6, ctx_len=512,
+                     ffn_hidden=0, mtp_heads=4, rope_theta=10000.0, norm_eps=1e-5),
 }

@@ -34,8 +34,9 @@ from nanoeuler.train.stepper import NonFinite, make_stepper
 # step with less memory). (sft.val_examples is not one of them: the held-out records are not trained on.)
 COSMETIC_KEYS = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "val_tokens", "kernels",
                  "checkpoint_activations")
-# How many processes train: not a setting of the trajectory itself; the world size enters the identity.
-LAUNCH_KEYS = ("gpus",)
+# How many processes train, and whether they shard the optimizer state (ZeRO-1 computes the same update):
+# not settings of the trajectory itself; the global batch enters the identity (`run_identity`).
+LAUNCH_KEYS = ("gpus", "zero")
 
 
 class Batches(Protocol):
@@ -102,8 +103,11 @@ class Run:
 def run_identity(run: Run) -> dict:
     settings = {k: v for k, v in sorted(run.section.items()) if k not in COSMETIC_KEYS + LAUNCH_KEYS}
     ident = {"stage": run.stage, "settings": settings, "total_steps": run.total_steps, **run.identity}
-    if run.parallel is not None and run.parallel.size > 1:  # N ranks of batch B: a global batch of N*B
-        ident["world_size"] = run.parallel.size
+    world = 1 if run.parallel is None else run.parallel.size
+    if world > 1:  # N ranks of batch B train on the windows of one process of N*B: that is the batch
+        settings["batch_size"] = settings["batch_size"] * world
+        if run.stage != "pretrain":  # elsewhere each rank's mean counts alike: the world size weighs examples
+            ident["world_size"] = world
     return ident
 
 
@@ -288,6 +292,8 @@ def _train(run: Run) -> dict:
                     last = {**last, **val}
                 if root and (step % s.checkpoint_every == 0 or final):
                     last_ckpt = _save_checkpoint(run, stepper, step)
+                elif step % s.checkpoint_every == 0 or final:
+                    stepper.state_tensors()  # a sharded optimizer gathers its state: every rank joins rank 0's
                 t_since += time.perf_counter() - t0  # keep evaluation and checkpoints out of tokens/s
                 meter.sample()
                 if bar is not None:

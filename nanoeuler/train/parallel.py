@@ -1,7 +1,7 @@
-"""Data-parallel training on the GPUs of one host: one process a GPU, gradients averaged by NCCL.
+"""Data-parallel training: one process a GPU, on one host or several, gradients averaged by NCCL.
 
     nanoeuler pretrain --gpus 4 ...      # starts 4 processes itself (RANK/WORLD_SIZE/LOCAL_RANK set)
-    srun -n 4 nanoeuler pretrain ...     # or under a launcher that sets them (SLURM_PROCID/...)
+    srun -n 16 nanoeuler pretrain ...    # or under a launcher that sets them (SLURM_PROCID/...), any nodes
 
 Every rank builds the same model from the same seed and draws the same seeded stream of training
 windows; rank r keeps windows r, r+N, ... of each step's N*B, so N GPUs with batch B train on exactly
@@ -10,12 +10,16 @@ averages the gradients over the ranks (NCCL all-reduce, in place: one call on th
 gradient buffer), and the loss is averaged too, so every rank computes the same norm and the same
 update and logs the loss of the whole batch. Rank 0 alone reads and writes the run directory
 (checkpoints, metrics, the final model, the progress bar); the others load the checkpoint it chose.
+With `zero: 1` (ZeRO stage 1, `ZeroStepper`) each rank keeps the optimizer state of its share of the
+tensors only: the gradients are reduce-scattered, each rank updates its share, the parameters are
+all-gathered.
 
-Rank 0 makes the NCCL unique id and passes it to the others through a file (`NANOEULER_RENDEZVOUS`,
-set by `--gpus`; under SLURM or a RANK/WORLD_SIZE launcher a name in the temporary folder is derived
-from the job). A dead rank stops the run: the launcher of `--gpus` notices a child's exit and stops the
-others; under another launcher each rank's watchdog aborts the communicator when a step makes no
-progress for `NANOEULER_NCCL_TIMEOUT` seconds (default 900) or NCCL reports an error.
+Rank 0 makes the NCCL unique id and passes it to the others: through a file (`NANOEULER_RENDEZVOUS`, set
+by `--gpus`; across nodes, a path on a shared filesystem) or over TCP from rank 0's host
+(MASTER_ADDR/MASTER_PORT, or NANOEULER_RENDEZVOUS=tcp://HOST:PORT). A dead rank stops the run: the
+launcher of `--gpus` notices a child's exit and stops the others; under another launcher each rank's
+watchdog aborts the communicator when a step makes no progress for `NANOEULER_NCCL_TIMEOUT` seconds
+(default 900) or NCCL reports an error.
 
     >>> world_from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
     World(rank=1, size=2, local_rank=1)
@@ -29,6 +33,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -92,41 +97,119 @@ def _int_var(env, name: str) -> int:
         raise UserError(f"environment variable {name}={env[name]!r} is not an integer") from None
 
 
-def rendezvous_path(env=None) -> Path:
-    """The file that carries the NCCL id: `NANOEULER_RENDEZVOUS`, else one named after the SLURM step
-    or the MASTER_ADDR/MASTER_PORT pair, in the temporary folder (one host)."""
+@dataclass(frozen=True)
+class TcpRendezvous:
+    """Rank 0's NCCL id served over TCP at host:port (the first node's address: every node reaches it)."""
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+
+def rendezvous_path(env=None) -> Path | TcpRendezvous:
+    """Where the NCCL id travels: `NANOEULER_RENDEZVOUS` (a file every rank reaches, on a shared filesystem
+    across nodes, or tcp://HOST:PORT), else a TCP store at MASTER_ADDR:MASTER_PORT (several nodes), else a
+    file named after the SLURM step in the temporary folder (one host).
+
+        >>> rendezvous_path({"MASTER_ADDR": "node01", "MASTER_PORT": "29500"})
+        TcpRendezvous(host='node01', port=29500)
+    """
     env = os.environ if env is None else env
-    if env.get(ENV_RENDEZVOUS):
-        return Path(env[ENV_RENDEZVOUS])
-    tmp = Path(tempfile.gettempdir())
+    value = env.get(ENV_RENDEZVOUS)
+    if value and value.startswith("tcp://"):
+        host, _, port = value[len("tcp://"):].rpartition(":")
+        return TcpRendezvous(host or "127.0.0.1", _port(port, f"{ENV_RENDEZVOUS}={value!r}"))
+    if value:
+        return Path(value)
+    if env.get("MASTER_PORT"):
+        return TcpRendezvous(env.get("MASTER_ADDR") or "127.0.0.1", _port(env["MASTER_PORT"], "MASTER_PORT"))
     if "SLURM_JOB_ID" in env:
+        tmp = Path(tempfile.gettempdir())
         return tmp / f"nanoeuler-nccl-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}.id"
-    if "MASTER_PORT" in env:
-        return tmp / f"nanoeuler-nccl-{env.get('MASTER_ADDR', 'localhost')}-{env['MASTER_PORT']}.id"
     raise UserError(f"set {ENV_RENDEZVOUS} to a file path every rank can reach (it carries the NCCL id), "
-                    "or start the run with --gpus N")
+                    "or MASTER_ADDR/MASTER_PORT to rank 0's host and a free port, or start the run with --gpus N")
 
 
-def exchange_id(world: World, path: Path, make_id: Callable[[], bytes | tuple], timeout: float) -> bytes | tuple:
-    """Rank 0 writes `make_id()` to `path` (atomically); the others wait up to `timeout` s to read it.
-    The id is bytes (CuPy >= 13) or a tuple of ints (older CuPy); every rank gets the same type back."""
-    path = Path(path)
+def _port(text: str, what: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise UserError(f"{what}: the port must be a number in 1..65535")
+    return port
+
+
+def _id_record(uid: bytes | tuple) -> str:
+    return json.dumps({"hex": uid.hex()} if isinstance(uid, bytes) else {"ints": list(uid)})
+
+
+def _id_from_record(text: str) -> bytes | tuple:
+    record = json.loads(text)
+    return bytes.fromhex(record["hex"]) if "hex" in record else tuple(record["ints"])
+
+
+def exchange_id(world: World, where: Path | TcpRendezvous, make_id: Callable[[], bytes | tuple],
+                timeout: float) -> bytes | tuple:
+    """Rank 0 makes the id with `make_id()` and hands it on; the others wait up to `timeout` s for it.
+    Through a file (written atomically), or over TCP (rank 0 serves it until every other rank has it). The id is bytes (CuPy >= 13) or a tuple of ints (older CuPy); every rank
+    gets the same type back."""
     if world.is_root:
         uid = make_id()
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"hex": uid.hex()} if isinstance(uid, bytes) else {"ints": list(uid)}))
-        os.replace(tmp, path)
+        if isinstance(where, TcpRendezvous):
+            _serve_id(where, _id_record(uid).encode(), world.size - 1, timeout)
+        else:
+            where = Path(where)
+            tmp = where.with_name(where.name + f".{os.getpid()}.tmp")
+            tmp.write_text(_id_record(uid))
+            os.replace(tmp, where)
         return uid
     deadline = time.monotonic() + timeout
     while True:
         try:
-            record = json.loads(path.read_text())
-            return bytes.fromhex(record["hex"]) if "hex" in record else tuple(record["ints"])
-        except (FileNotFoundError, json.JSONDecodeError):
+            text = _fetch_id(where) if isinstance(where, TcpRendezvous) else Path(where).read_text()
+            return _id_from_record(text)
+        except (OSError, ValueError, KeyError):  # not there yet (or half sent): wait
             if time.monotonic() > deadline:
-                raise UserError(f"rank {world.rank}: rank 0's NCCL id did not appear in {path} within {timeout:.0f} s "
+                raise UserError(f"rank {world.rank}: rank 0's NCCL id did not appear in {where} within {timeout:.0f} s "
                                 f"(are all {world.size} ranks running?)") from None
             time.sleep(0.05)
+
+
+def _serve_id(where: TcpRendezvous, record: bytes, ranks: int, timeout: float) -> None:
+    """Send `record` to each of `ranks` connections on every interface at where.port; return once all have
+    it (they need nothing else from rank 0 to build their communicator), or fail after `timeout` s."""
+    try:
+        server = socket.create_server(("", where.port))
+    except OSError as exc:
+        raise UserError(f"rank 0: cannot listen on port {where.port} for the rendezvous ({exc.strerror}); "
+                        "choose another MASTER_PORT") from None
+    server.settimeout(0.2)
+    deadline, sent = time.monotonic() + timeout, 0
+    with server:
+        while sent < ranks:
+            if time.monotonic() > deadline:
+                raise UserError(f"rank 0: {sent} of the other {ranks} ranks fetched the NCCL id from {where} "
+                                f"within {timeout:.0f} s (are they running, and can they reach this host?)")
+            try:
+                conn, _ = server.accept()
+            except (socket.timeout, BlockingIOError):
+                continue
+            with conn:
+                try:
+                    conn.sendall(record)
+                    sent += 1
+                except OSError:  # that rank retries
+                    pass
+
+
+def _fetch_id(where: TcpRendezvous) -> str:
+    with socket.create_connection((where.host, where.port), timeout=10) as conn:
+        chunks = []
+        while chunk := conn.recv(4096):
+            chunks.append(chunk)
+    return b"".join(chunks).decode()
 
 
 def timeout_from_env(env=None) -> float:
@@ -148,6 +231,9 @@ def add_gpus_argument(parser) -> None:
     parser.add_argument("--gpus", type=int, metavar="N",
                         help="train data parallel on N GPUs of this host, one process each "
                              "(default: the stage's `gpus` key, itself default 1)")
+    parser.add_argument("--zero", type=int, choices=(0, 1), metavar="STAGE",
+                        help="1: ZeRO stage 1, each GPU keeps 1/N of the optimizer state "
+                             "(default: the stage's `zero` key, itself default 0)")
 
 
 def gpus_wanted(args, section: dict) -> int:
@@ -157,6 +243,10 @@ def gpus_wanted(args, section: dict) -> int:
     return gpus
 
 
+def zero_wanted(args, section: dict) -> int:
+    return args.zero if getattr(args, "zero", None) is not None else int(section.get("zero", 0))
+
+
 def launch_or_setup(stage: str, args, section: dict, device: str):
     """(exit status of the N rank processes this one started, None) when the stage asks for several GPUs and no
     launcher set a world; else (None, this rank's `DataParallel`, or None for a single process). Call it
@@ -164,7 +254,7 @@ def launch_or_setup(stage: str, args, section: dict, device: str):
     gpus = gpus_wanted(args, section)
     if gpus > 1 and world_from_env() is None:
         return run_ranks(stage, args.argv, gpus, device), None
-    return None, setup(stage, gpus, device)
+    return None, setup(stage, gpus, device, zero=zero_wanted(args, section))
 
 
 def run_ranks(stage: str, argv: list[str], gpus: int, device: str, poll: float = 0.2) -> int:
@@ -260,6 +350,12 @@ class Comm(Protocol):
     def broadcast_int(self, value: int) -> int:
         """Rank 0's `value` on every rank."""
 
+    def reduce_scatter_mean(self, src, dst) -> None:
+        """dst (src.size / size elements) becomes block `rank` of the mean over the ranks of src (ZeRO)."""
+
+    def all_gather(self, src, dst) -> None:
+        """dst (size * src.size elements) becomes every rank's src, in rank order (ZeRO)."""
+
     def check(self) -> None:
         """Raise if the transport reported an asynchronous error (a peer is gone)."""
 
@@ -310,6 +406,20 @@ class NcclComm:
         self.comm.bcast(buf.data.ptr, 1, self.nccl.NCCL_INT64, 0, cp.cuda.get_current_stream().ptr)
         return int(buf[0])
 
+    def reduce_scatter_mean(self, src, dst) -> None:
+        import cupy as cp
+
+        op = self.nccl.NCCL_SUM if self._avg is None else self._avg
+        self.comm.reduceScatter(src.data.ptr, dst.data.ptr, dst.size, self._dtype(dst), op,
+                                cp.cuda.get_current_stream().ptr)
+        if self._avg is None and self.size > 1:
+            dst *= 1.0 / self.size
+
+    def all_gather(self, src, dst) -> None:
+        import cupy as cp
+
+        self.comm.allGather(src.data.ptr, dst.data.ptr, src.size, self._dtype(src), cp.cuda.get_current_stream().ptr)
+
     def check(self) -> None:
         self.comm.check_async_error()
 
@@ -337,9 +447,12 @@ class DataParallel:
     """One rank's part of a data-parallel run: the hook that averages gradients, the stepper wrapper that
     averages the loss, rank 0's resume decision, and a watchdog that stops a rank whose peers are gone."""
 
-    def __init__(self, comm: Comm, stage: str, timeout: float = DEFAULT_TIMEOUT, launcher_pid: int | None = None):
+    def __init__(self, comm: Comm, stage: str, timeout: float = DEFAULT_TIMEOUT, launcher_pid: int | None = None,
+                 zero: int = 0):
         self.comm, self.stage, self.timeout, self.launcher_pid = comm, stage, float(timeout), launcher_pid
         self.rank, self.size = comm.rank, comm.size
+        self.zero = int(zero)  # 1: ZeRO stage 1 (`ZeroStepper`), each rank keeps a shard of the optimizer state
+        self._then = None  # the stage's own gradient hook, run after the average
         self._busy_since: float | None = None
         self._stopped = threading.Event()
         self._watchdog: threading.Thread | None = None
@@ -350,6 +463,8 @@ class DataParallel:
 
     def grad_hook(self, then: Callable[[dict], None] | None = None) -> Callable[[dict], None]:
         """A `grad_hook` that averages the gradients over the ranks, then runs `then` (if any) on the mean."""
+        self._then = then
+
         def hook(grads: dict) -> None:
             for a in gradient_buffers(grads):
                 if a.flags.c_contiguous:
@@ -366,6 +481,21 @@ class DataParallel:
         return hook
 
     def wrap(self, stepper) -> "ParallelStepper":
+        """The stepper of this rank: the loss averaged over the ranks, and with `zero` the optimizer sharded."""
+        if self.zero:
+            from nanoeuler.train.stepper import XpStepper
+
+            if not isinstance(stepper, XpStepper):
+                raise UserError(f"{self.stage}.zero 1 shards the optimizer of the fp32 path; "
+                                "use precision fp32, or zero 0 with bf16")
+            if self._then is not None:
+                raise UserError(f"{self.stage}.zero 1: this stage's own gradient hook needs every gradient; use zero 0")
+            whole = optimizer_bytes(stepper)
+            stepper = ZeroStepper(stepper, self.comm, plan_shards(stepper.cfg.param_shapes(), self.size))
+            if self.is_root:
+                print(f"nanoeuler {self.stage}: ZeRO-1 over {self.size} ranks: rank 0 keeps "
+                      f"{optimizer_bytes(stepper) / 2**20:.1f} MiB of optimizer state ({whole / 2**20:.1f} MiB "
+                      "unsharded)", file=sys.stderr, flush=True)
         return ParallelStepper(stepper, self)
 
     def broadcast_int(self, value: int) -> int:
@@ -463,9 +593,185 @@ class ParallelStepper:
         self.inner.load_state_tensors(tensors, t)
 
 
+# ---- ZeRO stage 1: each rank updates one shard of the parameters, and keeps only its optimizer state --
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Whole tensors, in the model's order, in `size` contiguous runs; run r is rank r's. A flat buffer of
+    size * span elements holds run r at r * span (runs padded to the longest, `span`), so one reduce-scatter
+    gives each rank the mean gradient of its tensors and one all-gather gives every rank all of them."""
+    owner: dict  # name -> rank
+    offset: dict  # name -> first element in the flat buffer
+    shapes: dict  # name -> shape
+    size: int
+    span: int
+
+    def mine(self, rank: int) -> list[str]:
+        return [n for n, r in self.owner.items() if r == rank]
+
+    def flat_view(self, flat, name):
+        o, shape = self.offset[name], self.shapes[name]
+        return flat[o:o + math.prod(shape)].reshape(shape)
+
+
+def plan_shards(shapes: dict, size: int) -> ShardPlan:
+    """Cut the tensors into `size` runs of about total/size elements: a tensor goes to the rank whose
+    share holds its middle element. Whole tensors keep each gradient's sum of squares (the clipping) and
+    Muon's matrices on one rank; a rank's run exceeds total/size by at most the largest tensor (half of
+    one at either end).
+
+        >>> plan = plan_shards({"a": (4, 2), "b": (3,), "c": (2, 2)}, 2)
+        >>> plan.owner, plan.offset, plan.span
+        ({'a': 0, 'b': 1, 'c': 1}, {'a': 0, 'b': 8, 'c': 11}, 8)
+    """
+    sizes = {n: math.prod(s) for n, s in shapes.items()}
+    total, start, owner = sum(sizes.values()), 0, {}
+    for n, k in sizes.items():
+        owner[n] = min(size - 1, int((start + k / 2) * size // max(total, 1)))
+        start += k
+    runs = [sum(sizes[n] for n in owner if owner[n] == r) for r in range(size)]
+    span = max(runs)
+    offset, at = {}, [r * span for r in range(size)]
+    for n in shapes:
+        offset[n] = at[owner[n]]
+        at[owner[n]] += sizes[n]
+    return ShardPlan(owner, offset, dict(shapes), size, span)
+
+
+def keep_only(opt, names: set) -> None:
+    """Drop the optimizer state of every tensor not in `names`: AdamW (and Muon's AdamW part) updates and
+    saves only the tensors it holds moments for, Muon only the hidden matrices it lists."""
+    from nanoeuler.optim import Muon
+
+    if isinstance(opt, Muon):
+        opt.hidden = [n for n in opt.hidden if n in names]
+        opt.m = {n: m for n, m in opt.m.items() if n in names}
+        opt = opt.adam
+    opt.m = {n: m for n, m in opt.m.items() if n in names}
+    opt.v = {n: v for n, v in opt.v.items() if n in names}
+
+
+class ZeroStepper:
+    """ZeRO stage 1 over an `XpStepper`: every rank holds all parameters and computes all gradients, but
+    keeps the optimizer state of its own tensors only (`plan_shards`), a 1/N share. A step:
+
+        gradients -> reduce-scatter (the mean of this rank's tensors) -> the global norm from every
+        tensor's sum of squares (all-gathered) -> clip and update this rank's tensors -> all-gather them
+
+    Every number is the one the unsharded data-parallel step computes (the same sums, the same clipping
+    factor, the optimizer on the same tensors), so the two runs agree bit for bit where the transport sums
+    alike. The checkpoint keeps the native format: `state_tensors` gathers the shards (a collective every
+    rank joins), and `load_state_tensors` takes this rank's tensors from full ones, so a run of N ranks
+    resumes on M."""
+
+    def __init__(self, inner, comm: Comm, plan: ShardPlan):
+        self.inner, self.comm, self.plan = inner, comm, plan
+        self.mine = plan.mine(comm.rank)
+        keep_only(inner.opt, set(self.mine))
+        xp, params = inner.xp, inner.params()
+        dtype = params[next(iter(params))].dtype
+        self.flat = xp.zeros(plan.size * plan.span, dtype=dtype)  # every rank's run: gradients in, tensors out
+        self.shard = xp.zeros(plan.span, dtype=dtype)  # this rank's run
+        self.index = {n: i for i, n in enumerate(plan.shapes)}
+        self.squares = xp.zeros(len(self.index), dtype=dtype)  # this rank's tensors' sums of squares
+        self.all_squares = xp.zeros(plan.size * len(self.index), dtype=dtype)
+
+    @property
+    def t(self) -> int:
+        return self.inner.t
+
+    def _local(self, name):
+        """This rank's tensor `name` as a view of `shard`."""
+        o, shape = self.plan.offset[name] - self.comm.rank * self.plan.span, self.plan.shapes[name]
+        return self.shard[o:o + math.prod(shape)].reshape(shape)
+
+    def step(self, batch, lr: float) -> tuple[float, float]:
+        inner, plan, comm = self.inner, self.plan, self.comm
+        loss, grads = inner.gradients(batch)
+        order = list(grads)  # clip_grad_norm adds the squares in this order
+        for n, g in grads.items():
+            plan.flat_view(self.flat, n)[...] = g
+        del grads
+        comm.reduce_scatter_mean(self.flat, self.shard)
+        mine = {n: self._local(n) for n in self.mine}
+        norm = self._clip(mine, order)
+        if math.isfinite(norm):  # the norm is global: every rank updates, or none does
+            inner.opt.step(inner.params(), mine, lr)
+            self._gather_params()
+        if not math.isfinite(loss):  # after the collectives, which every rank joins whatever its loss
+            raise NonFinite("loss", loss)
+        if not math.isfinite(norm):
+            raise NonFinite("gradient norm", norm)
+        return loss, norm
+
+    def _clip(self, mine: dict, order: list) -> float:
+        """`optim.clip_grad_norm` over all tensors, from this rank's: each tensor's sum of squares comes from
+        its owner, and they are added in the same order, so the norm and the factor are the unsharded ones."""
+        xp = self.inner.xp
+        self.squares[...] = 0
+        for n, g in mine.items():
+            self.squares[self.index[n]] = xp.vdot(g.ravel(), g.ravel())
+        self.comm.all_gather(self.squares, self.all_squares)
+        each = self.all_squares.reshape(self.plan.size, len(self.index))
+        norm = math.sqrt(float(sum(each[self.plan.owner[n], self.index[n]] for n in order)))
+        max_norm = self.inner.max_norm
+        if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for g in mine.values():
+                g *= scale
+        return norm
+
+    def _gather_params(self) -> None:
+        params = self.inner.params()
+        for n in self.mine:
+            self._local(n)[...] = params[n]
+        self.comm.all_gather(self.shard, self.flat)
+        for n, p in params.items():
+            if n not in self.mine:
+                p[...] = self.plan.flat_view(self.flat, n)
+
+    def params(self) -> dict:
+        return self.inner.params()
+
+    def state_tensors(self) -> dict:
+        """Every tensor's optimizer state on every rank, as the unsharded optimizer names it (NumPy copies:
+        the device keeps only its shard). A collective: every rank calls it."""
+        from nanoeuler.backend import to_numpy
+        from nanoeuler.optim import Muon, param_group
+
+        own, out = self.inner.opt.state_tensors(), {}
+        muon = isinstance(self.inner.opt, Muon)
+        for kind in ("m", "v"):
+            self.shard[...] = 0
+            for n in self.mine:
+                if f"{kind}.{n}" in own:
+                    self._local(n)[...] = own[f"{kind}.{n}"]
+            self.comm.all_gather(self.shard, self.flat)
+            for n in self.plan.shapes:
+                if kind == "m" or not (muon and param_group(n) == "hidden"):  # Muon's matrices: momentum only
+                    out[f"{kind}.{n}"] = to_numpy(self.plan.flat_view(self.flat, n)).copy()
+        return out
+
+    def load_state_tensors(self, tensors: dict, t: int) -> None:
+        """This rank's part of a full optimizer state (a checkpoint of any number of ranks)."""
+        self.inner.load_state_tensors(tensors, t)
+
+
+def zero_world(dp: "DataParallel | None") -> int:
+    """The ranks that share the optimizer state (`memory.plan_training`'s zero_world): 1 without ZeRO."""
+    return dp.size if dp is not None and dp.zero else 1
+
+
+def optimizer_bytes(stepper) -> int:
+    """Bytes of optimizer state this rank holds on the fp32 path (its moments; with ZeRO, its shard's)."""
+    while not hasattr(stepper, "opt"):  # through ParallelStepper and ZeroStepper to the XpStepper
+        stepper = stepper.inner
+    return sum(int(a.nbytes) for a in stepper.opt.state_tensors().values())
+
+
 # ---- a stage's entry -------------------------------------------------------------------------------
 
-def setup(stage: str, gpus: int, device: str, env=None) -> DataParallel | None:
+def setup(stage: str, gpus: int, device: str, env=None, zero: int = 0) -> DataParallel | None:
     """This process's rank of a data-parallel run on `gpus` GPUs (None: a plain single-process run).
 
     Picks the rank's GPU, builds the NCCL communicator and starts the watchdog. A launcher's world
@@ -491,9 +797,9 @@ def setup(stage: str, gpus: int, device: str, env=None) -> DataParallel | None:
     path = rendezvous_path(env)
     uid = exchange_id(world, path, nccl.get_unique_id, timeout)
     comm = NcclComm(world, uid)  # returns once every rank has joined
-    if world.is_root and ENV_RENDEZVOUS not in env:
+    if world.is_root and ENV_RENDEZVOUS not in env and isinstance(path, Path):
         path.unlink(missing_ok=True)  # a derived name: leave nothing for a later job to misread
     launcher = int(env[ENV_LAUNCHER]) if env.get(ENV_LAUNCHER) else None
-    dp = DataParallel(comm, stage, timeout=timeout, launcher_pid=launcher)
+    dp = DataParallel(comm, stage, timeout=timeout, launcher_pid=launcher, zero=zero)
     dp.start_watchdog()
     return dp

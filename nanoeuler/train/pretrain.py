@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     val = fixed_windows(val_split, T, K, settings.val_tokens)
     budget = memory.Budget.on_device(conf["gpu_memory"], xp)
     fit = memory.plan_training("pretrain", cfg, settings, budget, eval_items=settings.batch_size,
-                               sm90a=memory.on_sm90a(xp))
+                               sm90a=memory.on_sm90a(xp), zero_world=parallel.zero_world(dp))
 
     class _Batches:
         def batch(self, step, micro):

@@ -275,7 +275,8 @@ def run(args: argparse.Namespace) -> int:
 
     pad_id = tok.eot_id
     budget = memory.Budget.on_device(conf["gpu_memory"], xp)
-    fit = memory.plan_training("sft", cfg, settings, budget, eval_items=settings.batch_size, sm90a=memory.on_sm90a(xp))
+    fit = memory.plan_training("sft", cfg, settings, budget, eval_items=settings.batch_size, sm90a=memory.on_sm90a(xp),
+                               zero_world=parallel.zero_world(dp))
     batches = EpochBatches(examples, settings.batch_size, settings.grad_accum, settings.seed,
                            cfg.mtp_heads, pad_id, rank=0 if dp is None else dp.rank, world=1 if dp is None else dp.size)
 

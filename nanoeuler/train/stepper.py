@@ -74,7 +74,8 @@ class XpStepper:
     def t(self) -> int:
         return self.opt.t
 
-    def step(self, batch: Batch, lr: float) -> tuple[float, float]:
+    def gradients(self, batch: Batch) -> tuple[float, dict]:
+        """(loss, gradients) of the step's micro-batches, summed, before any hook, clipping or update."""
         xp = self.xp
         totals = transformer.step_totals([y for _, y in batch]) if len(batch) > 1 else None
         loss, grads = 0.0, None
@@ -89,6 +90,10 @@ class XpStepper:
                 for name in grads:
                     grads[name] += g[name]
             del g
+        return loss, grads
+
+    def step(self, batch: Batch, lr: float) -> tuple[float, float]:
+        loss, grads = self.gradients(batch)
         if self.grad_hook is not None:  # first: a data-parallel hook is a collective every rank must join
             self.grad_hook(grads)
         if not math.isfinite(loss):

@@ -1,0 +1,238 @@
+"""ZeRO stage 1 on the CPU: ranks are threads whose collectives (all-reduce, reduce-scatter, all-gather)
+meet at a barrier and add in rank order. The sharded run matches the unsharded data-parallel run bit for
+bit in float32 over 100 steps (AdamW and Muon, 2 and 4 ranks, clipping on), each rank keeps about 1/N of
+the optimizer state, and a checkpoint of N ranks resumes on M."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from nanoeuler import checkpoint, memory
+from nanoeuler.config import validate
+from nanoeuler.model import transformer
+from nanoeuler.model.config import ModelConfig
+from nanoeuler.train import loop
+from nanoeuler.train.config import TrainConfig
+from nanoeuler.train.parallel import DataParallel, ZeroStepper, optimizer_bytes, plan_shards
+from nanoeuler.train.stepper import make_stepper
+from test_parallel import _run, shards  # noqa: F401 (a fixture)
+
+CFG = ModelConfig(vocab_size=40, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=8, mtp_heads=2)
+
+
+class ThreadWorld:
+    """n ranks as threads of one process: each collective is an exchange at a barrier."""
+
+    def __init__(self, n: int):
+        self.n, self.barrier, self.slots = n, threading.Barrier(n, timeout=60), [None] * n
+
+    def exchange(self, rank: int, value) -> list:
+        self.slots[rank] = value
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before every rank has read them all
+        return got
+
+
+class ThreadComm:
+    """`parallel.Comm` over a `ThreadWorld`; sums go rank 0 first, then 1, 2, ..., times 1/n, in every
+    collective alike (as NCCL's ring does within one algorithm)."""
+
+    def __init__(self, world: ThreadWorld, rank: int):
+        self.world, self.rank, self.size = world, rank, world.n
+
+    def _mean(self, parts: list):
+        return sum(parts[1:], parts[0]) * (1.0 / self.size)
+
+    def all_reduce_mean(self, arrays: list) -> None:
+        for a in arrays:
+            a[...] = self._mean(self.world.exchange(self.rank, a.copy()))
+
+    def reduce_scatter_mean(self, src, dst) -> None:
+        k, r = dst.size, self.rank
+        dst[...] = self._mean([p[r * k:(r + 1) * k] for p in self.world.exchange(self.rank, src.copy())])
+
+    def all_gather(self, src, dst) -> None:
+        dst[...] = np.concatenate(self.world.exchange(self.rank, src.copy()))
+
+    def mean_scalar(self, value: float) -> float:
+        return float(self._mean(self.world.exchange(self.rank, float(value))))
+
+    def broadcast_int(self, value: int) -> int:
+        return self.world.exchange(self.rank, value)[0]
+
+    def check(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def in_threads(fn, world: ThreadWorld) -> list:
+    """fn(rank) for every rank of `world`, each in a thread; their results. A rank that fails breaks the
+    barrier (the others stop at once) and its exception is raised here."""
+    out, errors = [None] * world.n, []
+
+    def run(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 (raised below)
+            errors.append(exc)
+            world.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world.n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return out
+
+
+def settings(optimizer: str, batch: int) -> TrainConfig:
+    sec = validate({"pretrain": {"batch_size": batch, "optimizer": optimizer, "grad_clip": 0.5, "lr": 1e-2,
+                                 "muon_lr": 2e-2, "weight_decay": 0.1}})["pretrain"]
+    return TrainConfig.from_section(sec)
+
+
+def windows(step: int, n: int, b: int):
+    """The n*b windows of a step (the same on every rank, as the loader draws them); rank r takes r::n."""
+    rng = np.random.default_rng(1000 + step)
+    w = rng.integers(0, CFG.vocab_size, size=(n * b, CFG.ctx_len + CFG.mtp_heads))
+    y = np.stack([w[:, 1 + k:CFG.ctx_len + 1 + k] for k in range(CFG.mtp_heads)], axis=-1)
+    return w[:, :CFG.ctx_len], y
+
+
+def rank_stepper(rank: int, world: ThreadWorld, optimizer: str, batch: int, zero: int, params=None):
+    dp = DataParallel(ThreadComm(world, rank), "pretrain", zero=zero)
+    params = transformer.init_params(CFG, seed=0) if params is None else params
+    inner = make_stepper(settings(optimizer, batch), CFG, {n: p.copy() for n, p in params.items()}, np,
+                         grad_hook=dp.grad_hook())
+    return dp.wrap(inner)
+
+
+def train(stepper, rank: int, n: int, b: int, steps: range) -> list:
+    out = []
+    for s in steps:
+        x, y = windows(s, n, b)
+        out.append(stepper.step([(x[rank::n], y[rank::n])], lr=1e-2))
+    return out
+
+
+@pytest.mark.parametrize("optimizer, n", [("adamw", 2), ("adamw", 4), ("muon", 2), ("muon", 4)])
+def test_zero_1_matches_the_unsharded_run_bit_for_bit_over_100_steps(optimizer, n):
+    b, steps = 2, range(100)
+    results = {}
+    for zero in (0, 1):
+        world = ThreadWorld(n)
+
+        def rank_main(r):
+            stepper = rank_stepper(r, world, optimizer, b, zero)
+            log = train(stepper, r, n, b, steps)
+            return log, {k: v.copy() for k, v in stepper.params().items()}, stepper.state_tensors()
+
+        results[zero] = in_threads(rank_main, world)
+    (plain, zero) = results[0], results[1]
+    assert plain[0][1]["embed_tokens.weight"].dtype == np.float32
+    norms = [norm for _, norm in plain[0][0]]
+    assert min(norms) < 0.5 < max(norms)  # clipping acted on some steps and not on others
+    for r in range(n):
+        assert zero[r][0] == plain[0][0]  # every step's loss and gradient norm, to the last bit
+        for name, p in plain[0][1].items():
+            np.testing.assert_array_equal(zero[r][1][name], p, err_msg=f"rank {r} {name}")
+    assert zero[0][2].keys() == plain[0][2].keys()  # the gathered state is the unsharded optimizer's
+    for key, value in plain[0][2].items():
+        np.testing.assert_array_equal(zero[0][2][key], value, err_msg=key)
+
+
+def test_each_rank_keeps_about_a_quarter_of_the_optimizer_state():
+    world, n = ThreadWorld(4), 4
+    steppers = in_threads(lambda r: rank_stepper(r, world, "adamw", 2, zero=1), world)
+    whole = optimizer_bytes(rank_stepper(0, ThreadWorld(1), "adamw", 2, zero=0))
+    held = [optimizer_bytes(s) for s in steppers]
+    assert sum(held) == whole  # every moment on exactly one rank
+    largest = max(int(np.prod(s)) for s in CFG.param_shapes().values()) * 2 * 4  # m and v, float32
+    assert max(held) <= whole / n + largest
+    predicted = memory.xp_train_parts(CFG, 2, CFG.ctx_len, zero_world=n)["adamw"]
+    assert max(held) <= predicted < whole  # the memory model's share bounds every rank's
+    assert isinstance(steppers[0].inner, ZeroStepper)
+
+
+def test_the_shard_plan_keeps_tensors_whole_contiguous_and_balanced():
+    shapes = CFG.param_shapes()
+    sizes = {k: int(np.prod(s)) for k, s in shapes.items()}
+    for n in (1, 2, 3, 4, 7, 64):
+        plan = plan_shards(shapes, n)
+        owners = [plan.owner[k] for k in shapes]
+        assert owners == sorted(owners) and set(plan.owner) == set(shapes)  # contiguous runs, in order
+        ends = [plan.offset[k] + sizes[k] for k in shapes]
+        for k in shapes:  # inside its rank's run, never overlapping the next tensor
+            assert plan.owner[k] * plan.span <= plan.offset[k] and ends[list(shapes).index(k)] <= (plan.owner[k] + 1) * plan.span
+        assert len(set(plan.offset.values())) == len(shapes)
+        assert plan.span <= sum(sizes.values()) / n + max(sizes.values())  # a tensor spills half over each end
+
+
+def test_a_checkpoint_of_2_ranks_resumes_on_4_and_on_3():
+    """The state gathered from 2 sharded ranks at step 10 continues on 4 (and 3) sharded ranks exactly as
+    the unsharded runs of the same worlds do: the global batch of 12 stays, the shards are cut anew."""
+    def run(zero, first, second):
+        world = ThreadWorld(first)
+
+        def part1(r):
+            s = rank_stepper(r, world, "muon", 12 // first, zero)
+            train(s, r, first, 12 // first, range(10))
+            return {k: v.copy() for k, v in s.params().items()}, s.state_tensors(), s.t
+
+        params, state, t = in_threads(part1, world)[0]  # rank 0's, as the checkpoint keeps
+        world2 = ThreadWorld(second)
+
+        def part2(r):
+            s = rank_stepper(r, world2, "muon", 12 // second, zero, params=params)
+            s.load_state_tensors(state, t)
+            log = train(s, r, second, 12 // second, range(10, 20))
+            return log, {k: v.copy() for k, v in s.params().items()}
+
+        return in_threads(part2, world2)
+
+    for second in (4, 3):
+        plain, zero = run(0, 2, second), run(1, 2, second)
+        for r in range(second):
+            assert zero[r][0] == plain[0][0]
+            for name, p in plain[0][1].items():
+                np.testing.assert_array_equal(zero[r][1][name], p, err_msg=f"{second} ranks, rank {r}: {name}")
+
+
+def _loop_ranks(shards, run_dir, n, batch, zero):
+    world = ThreadWorld(n)
+
+    def rank_main(r):
+        dp = DataParallel(ThreadComm(world, r), "pretrain", zero=zero)
+        loop.train(_run(shards, run_dir, rank=r, world=n, batch=batch, dp=dp))
+
+    in_threads(rank_main, world)
+
+
+def test_the_training_loop_checkpoints_a_sharded_run_and_resumes_it_on_another_world(shards, tmp_path,  # noqa: F811
+                                                                                      capsys):
+    whole_dir, run_dir = tmp_path / "whole", tmp_path / "run"
+    _loop_ranks(shards, whole_dir, n=2, batch=2, zero=0)  # the unsharded run, 2 x 2
+    _loop_ranks(shards, run_dir, n=2, batch=2, zero=1)
+    ref, _ = checkpoint.load(whole_dir / "ckpt_00000004.bin")
+    got, meta = checkpoint.load(run_dir / "ckpt_00000004.bin")
+    assert got.keys() == ref.keys() and meta["identity"]["settings"]["batch_size"] == 4  # the global batch
+    for name in ref:  # the checkpoint of the sharded run is the native one, every moment gathered
+        np.testing.assert_array_equal(got[name], ref[name], err_msg=name)
+    (run_dir / "ckpt_00000004.bin").unlink()  # both ranks died after step 2's checkpoint
+    (run_dir / "final.bin").unlink()
+    capsys.readouterr()
+    _loop_ranks(shards, run_dir, n=4, batch=1, zero=1)  # 4 ranks of 1: the same global batch resumes
+    assert f"resuming from step 2 ({run_dir / 'ckpt_00000002.bin'})" in capsys.readouterr().err
+    resumed, _ = checkpoint.load(run_dir / "ckpt_00000004.bin")
+    assert not (run_dir / "previous").exists()
+    for name in ref:  # float64: the sums of 4 partial means differ from those of 2 by rounding only
+        np.testing.assert_allclose(resumed[name], ref[name], rtol=1e-10, atol=1e-13, err_msg=name)

@@ -439,11 +439,11 @@ class ParallelStepper:
     def t(self) -> int:
         return self.inner.t
 
-    def step(self, batch, lr: float) -> tuple[float, float]:
+    def step(self, batch, lr: float, head_weights=None) -> tuple[float, float]:
         with self.dp.busy():
             local_error = None
             try:
-                loss, norm = self.inner.step(batch, lr)
+                loss, norm = self.inner.step(batch, lr, head_weights=head_weights)
             except NonFinite as exc:
                 local_error, loss, norm = exc, (exc.value if exc.what == "loss" else 0.0), float("nan")
             loss = self.dp.comm.mean_scalar(float(loss))

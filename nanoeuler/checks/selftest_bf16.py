@@ -323,12 +323,15 @@ def case_bf16_qkv_rope_gemm(rng, shape):
 
 
 def case_bf16_ce_heads(rng, shape):
-    """shape (N, K, V): per-head scales, fused loss + bf16 dlogits, the loss reduction."""
+    """shape (N, K, V[, head weights]): per-head scales (the heads' loss weights read from the device), fused
+    loss + bf16 dlogits, the loss reduction."""
     import cupy
 
     from nanoeuler.model import layers
+    from nanoeuler.model.transformer import head_loss_scales
 
-    N, K, V = shape
+    N, K, V, *weights = shape
+    weights = weights[0] if weights else None
     z = bf16_round(_randn(rng, (N, K * V), 3.0))  # the logits are bf16 (the head GEMM's output)
     t = rng.integers(0, V, size=(N, K))
     t[rng.random((N, K)) < 0.25] = -1
@@ -337,7 +340,8 @@ def case_bf16_ce_heads(rng, shape):
         t[:, K - 1] = -1  # a head with no valid target: left out of the mean
     tg = _g(t, np.int32)
     scale = cupy.empty(K, dtype=np.float32)
-    _k("ce_head_scale")((1,), (1024,), (tg, scale, np.int64(N), np.int32(K)))
+    w = _g(np.ones(K) if weights is None else weights)
+    _k("ce_head_scale")((1,), (1024,), (tg, w, scale, np.int64(N), np.int32(K)))
     loss_rows = cupy.empty((N, K), dtype=np.float32)
     dlg = cupy.empty((N, K * V), dtype=np.uint16)
     for k in range(K):  # one launch per head, on that head's logits (N, V), as the engine does
@@ -346,12 +350,10 @@ def case_bf16_ce_heads(rng, shape):
         dlg[:, k * V:(k + 1) * V] = zk
     loss = cupy.empty(1, dtype=np.float32)
     _k("ce_loss_reduce")((1,), (1024,), (loss_rows, scale, loss, np.int64(N), np.int32(K)))
-    counts = (t >= 0).sum(axis=0)
-    active = int((counts > 0).sum())
-    sc = np.array([1.0 / (c * active) if c else 0.0 for c in counts])
+    sc = np.array(head_loss_scales([int(c) for c in (t >= 0).sum(axis=0)], weights))
     total, dref = 0.0, np.zeros((N, K * V))
     for k in range(K):
-        if counts[k] == 0:
+        if sc[k] == 0:  # no target, or a weight of 0: no loss, a zero gradient
             continue
         ls, nv, cache = layers.cross_entropy_forward(z[:, k * V:(k + 1) * V].copy(), t[:, k])
         total += float(ls) * sc[k]
@@ -589,6 +591,32 @@ def case_engine(rng, shape):
     return rows
 
 
+def case_engine_head_weights(rng, shape):
+    """shape (attention,): the engine's loss and every gradient with the output heads' loss weights of a
+    schedule (head 2 at 0: not trained, a zero gradient) vs float64 loss_and_grads with the same weights;
+    the step before ran with other weights, which the engine must not keep."""
+    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.model import transformer
+    from nanoeuler.model.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=128, mtp_heads=4)
+    params, inputs, targets = _engine_problem(rng, cfg, 2, 128)
+    weights = [1.0, 0.5, 0.0, 0.125]
+    eng = Engine(cfg, params, batch=2, seq=128, attention=shape[0])
+    for w in ([1.0, 1.0, 1.0, 1.0], weights):
+        eng.forward_backward(_g(inputs, np.int32), _g(targets, np.int32), head_weights=w)
+    p64 = {n: p.astype(np.float64) for n, p in params.items()}
+    loss_ref, g_ref = transformer.loss_and_grads(p64, inputs, targets, cfg, head_weights=weights)
+    got = {n: np.asarray(g.get(), dtype=np.float64) for n, g in eng.grads().items()}
+    loss_got, names = eng.last_loss(), list(params)
+    del eng
+    return [
+        ("engine loss, head weights 1 .5 0 .125", np.array([loss_got]), np.array([loss_ref]), TOL_BF16),
+        ("engine grads, head weights 1 .5 0 .125", np.concatenate([got[n].ravel() for n in names]),
+         np.concatenate([g_ref[n].ravel() for n in names]), TOL_BF16),
+        ("engine grad of a head of weight 0 is zero", got["mtp_heads.2.weight"], g_ref["mtp_heads.2.weight"], 0.0)]
+
+
 def _image_row(label, eng, ref_p, names):
     """The engine's bf16 GEMM image against the reference weights: the matrices that read a norm carry
     the norm's (updated) gain."""
@@ -794,6 +822,7 @@ CASES_BF16 = [
     (case_bf16_ce_heads, (70, 4, 4096), "N70 K4 V4096", {}),
     (case_bf16_ce_heads, (33, 2, 100), "N33 K2 V100", {}),
     (case_bf16_ce_heads, (33, 2, 101), "N33 K2 V101 (scalar path)", {}),
+    (case_bf16_ce_heads, (70, 4, 4096, (1.0, 0.5, 0.0, 0.25)), "N70 K4 V4096 head weights 1, .5, 0, .25", {}),
     (case_bf16_seq_logp, (6, 37, 4, 4096, 50), "B6 T37 K4 V4096 R50 (a padding pair)", {}),
     (case_bf16_seq_logp, (4, 20, 2, 101, 80), "B4 T20 K2 V101 R80 (scalar path, one chunk)", {}),
     (case_bf16_grad_accumulate, (1000,), "n1000", {}),
@@ -818,6 +847,7 @@ CASES_BF16 = [
     (case_engine, ("small", 2, 100, "ldm"), "small preset B2 T100 ldm-attn", {}),
     (case_engine, ("d64", 2, 200, "wg"), "2 layers D64 B2 T200 wg-attn", {}),
     (case_engine, ("d384", 2, 256, "wg"), "2 layers C384 F1024 B2 T256 wg-attn, fused SwiGLU and RoPE", {}),
+    (case_engine_head_weights, ("mma",), "head weights, 2 layers D64 B2 T128", {}),
     (case_engine_muon, ("small", 2, 100, "mma"), "Muon, small preset B2 T100", {}),
     (case_engine_muon, ("d384", 2, 256, "wg"), "Muon, 3 layers C384 F1024 B2 T256 wg-attn", {}),
     (case_engine_dpo, ("small", 2, 100, "mma", False), "DPO head, small preset 2 pairs T100", {}),

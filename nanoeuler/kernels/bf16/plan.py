@@ -303,7 +303,7 @@ def engine_bytes(cfg, batch: int, seq: int, *, attention: str, fuse_swiglu: bool
                + N * f4 + N * K * f4  # ids, targets
                + 2 * T * (D // 2) * f4)  # the RoPE tables
     if head == "ce":
-        scratch += N * K * f4 + K * f4  # per-row losses, head scale
+        scratch += N * K * f4 + 2 * K * f4  # per-row losses, head scale, head weights
     else:
         scratch += 2 * N * f4 + 2 * B * f4 + B * f4 + (B // 2) * f4  # tok, lse rows; logp, dlogp; ref; pair weights
     maps = 0

@@ -422,6 +422,53 @@ def case_bf16_grad_accumulate(rng, shape):
                                                                   TOL_FP32)]
 
 
+def case_bf16_sumsq(rng, shape):
+    """shape (n,): the gradient norm's sum of squares against float64, and twice over: the same bits (its
+    blocks' partial sums are added in a fixed order; float atomics would add them as the blocks finish)."""
+    import cupy
+
+    from nanoeuler.kernels.bf16 import optim
+
+    g = _randn(rng, shape[0])
+    g_dev, outs = _g(g), []
+    for _ in range(2):
+        sq = cupy.zeros(1, dtype=np.float32)
+        optim.sumsq(g_dev, sq)
+        outs.append(sq.get())
+    return [("sumsq", outs[0], np.array([g @ g]), TOL_FP32),
+            ("sumsq twice: bit-identical", outs[1], outs[0].astype(np.float64), 0.0)]
+
+
+def case_bf16_muon_momentum(rng, shape):
+    """shape (layers, rows, cols, gap): Muon's clipped Nesterov momentum over every layer's matrix (layers
+    rows x cols + gap apart), its bf16 copy and each matrix's sum of squares, against float64; run twice
+    from the same state, the sums are the same bits (a fixed order, not atomics)."""
+    import cupy
+
+    from nanoeuler.kernels.bf16 import optim
+
+    L, rows, cols, gap = shape
+    n, stride = rows * cols, rows * cols + gap
+    g, m0 = _randn(rng, L * stride), _randn(rng, L * stride, 0.1)
+    norm2, max_norm, mu = float(g @ g), 0.5 * math.sqrt(float(g @ g)), 0.95
+    c = max_norm / (math.sqrt(norm2) + 1e-6)
+    outs = []
+    for _ in range(2):
+        m, x = _g(m0), cupy.zeros(2 * L * stride, dtype=np.uint16)
+        ss = cupy.zeros(L, dtype=np.float32)
+        optim.muon_momentum(_g(g), m, x, n, stride, 2 * stride, L, ss, _g(np.array([norm2])), max_norm, mu)
+        outs.append((m.get(), x.get(), ss.get()))
+    m_ref = mu * m0 + c * g
+    u = c * g + mu * m_ref
+    keep = np.concatenate([np.arange(layer * stride, layer * stride + n) for layer in range(L)])
+    x_got = np.concatenate([from_bf16(outs[0][1][2 * layer * stride:][:n]) for layer in range(L)])
+    ss_ref = np.array([u[layer * stride:][:n] @ u[layer * stride:][:n] for layer in range(L)])
+    return [("muon_momentum m", outs[0][0][keep], m_ref[keep], TOL_FP32),
+            ("muon_momentum bf16 u", x_got, u[keep], TOL_BF16),
+            ("muon_momentum sums of squares", outs[0][2], ss_ref, TOL_FP32),
+            ("muon_momentum sums twice: bit-identical", outs[1][2], outs[0][2].astype(np.float64), 0.0)]
+
+
 def case_bf16_flash(rng, shape):
     """shape (B, H, Hkv, T, D, variant): tensor-core causal GQA attention forward and backward on bf16
     operands, against the float64 layer on the same (bf16-valued) inputs. The backward's output is the
@@ -827,6 +874,10 @@ CASES_BF16 = [
     (case_bf16_seq_logp, (4, 20, 2, 101, 80), "B4 T20 K2 V101 R80 (scalar path, one chunk)", {}),
     (case_bf16_grad_accumulate, (1000,), "n1000", {}),
     (case_bf16_grad_accumulate, (12345,), "n12345 (a scalar tail)", {}),
+    (case_bf16_sumsq, (3_000_001,), "n3000001 (4096 blocks)", {}),
+    (case_bf16_sumsq, (1000,), "n1000 (4 blocks)", {}),
+    (case_bf16_muon_momentum, (3, 96, 160, 64), "3 layers 96x160, 64 apart", {}),
+    (case_bf16_muon_momentum, (16, 768, 768, 0), "16 layers 768x768 (the gpu preset's q)", {}),
     (case_bf16_flash, (2, 12, 4, 100, 64, "mma"), "B2 H12/4 T100 D64", {}),
     (case_bf16_flash, (1, 4, 4, 129, 64, "mma"), "B1 H4/4 T129 D64", {}),
     (case_bf16_flash, (2, 4, 2, 37, 32, "mma"), "B2 H4/2 T37 D32", {}),

@@ -22,14 +22,44 @@ extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __rest
         y[i] = f2bf(x[i] * gain_at(gain, C, i));
 }
 
-// acc[0] += sum g^2 (acc zeroed by the caller). blockDim 256.
-extern "C" __global__ void __launch_bounds__(256) sumsq(const float* __restrict__ g, long long n, float* __restrict__ acc) {
+// A sum over the blocks of a grid in a fixed order, where float atomics would add in the order the blocks
+// happen to finish, which varies from run to run: two data-parallel ranks given the same gradients would
+// then compute norms that differ in the last bit and drift apart. Each block of row blockIdx.y of the
+// grid writes its sum s (held by every thread) to part[y * gridDim.x + x]; the last of the row's blocks to
+// arrive (an integer counter, count[y]) adds the row's partials up in block order, out[y] += that, and
+// sets the counter back to 0 for the next launch. part and count are the launcher's scratch.
+__device__ __forceinline__ void ordered_sum(float s, float* __restrict__ part, unsigned* __restrict__ count,
+                                            float* __restrict__ out, float* red) {
+    __shared__ bool last;
+    const unsigned nb = gridDim.x, row = blockIdx.y;
+    if (threadIdx.x == 0) {
+        part[row * nb + blockIdx.x] = s;
+        __threadfence();  // the partial is visible before the counter says so
+        last = atomicAdd(count + row, 1u) == nb - 1;
+    }
+    __syncthreads();
+    if (!last) return;  // (the whole block returns: `last` is shared)
+    __threadfence();
+    const volatile float* p = part + row * nb;  // volatile: read from L2, not a stale L1 line
+    float t = 0.f;
+    for (unsigned i = threadIdx.x; i < nb; i += blockDim.x) t += p[i];
+    t = block_sum(t, red);
+    if (threadIdx.x == 0) {
+        out[row] += t;
+        count[row] = 0u;
+    }
+}
+
+// acc[0] += sum g^2 (acc zeroed by the caller), in a fixed order (ordered_sum). blockDim 256.
+extern "C" __global__ void __launch_bounds__(256) sumsq(const float* __restrict__ g, long long n,
+                                                        float* __restrict__ acc, float* __restrict__ part,
+                                                        unsigned* __restrict__ count) {
     __shared__ float red[32];
     float s = 0.f;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         s = fmaf(g[i], g[i], s);
     s = block_sum(s, red);
-    if (threadIdx.x == 0) atomicAdd(acc, s);
+    ordered_sum(s, part, count, acc, red);
 }
 
 // AdamW over a flat range, with global-norm clipping read from the device (no host round trip):
@@ -104,10 +134,12 @@ extern "C" __global__ void __launch_bounds__(256) grad_accumulate(const float* _
 // l * xstride in the bf16 Newton-Schulz operand x.
 
 // Clip g as adamw_clip_bf16 does (c from sumsq_acc), then Nesterov momentum:
-//   m = mu m + c g ; u = c g + mu m ; x = bf16(u) ; ss[l] += sum u^2   (ss zeroed by the caller)
+//   m = mu m + c g ; u = c g + mu m ; x = bf16(u) ; ss[l] += sum u^2   (ss zeroed by the caller; the sum
+//   in a fixed order, ordered_sum, so that every rank scales u alike)
 extern "C" __global__ void __launch_bounds__(256) muon_momentum(
     const float* __restrict__ g, float* __restrict__ m, bf16* __restrict__ x, long long n, long long stride,
-    long long xstride, float* __restrict__ ss, const float* __restrict__ sumsq_acc, float max_norm, float mu) {
+    long long xstride, float* __restrict__ ss, const float* __restrict__ sumsq_acc, float max_norm, float mu,
+    float* __restrict__ part, unsigned* __restrict__ count) {
     __shared__ float red[32];
     const float norm = sqrtf(sumsq_acc[0]);
     const float c = (max_norm > 0.f && norm > max_norm && norm <= 3.0e38f) ? max_norm / (norm + 1e-6f) : 1.f;
@@ -121,7 +153,7 @@ extern "C" __global__ void __launch_bounds__(256) muon_momentum(
         s = fmaf(u, u, s);
     }
     s = block_sum(s, red);
-    if (threadIdx.x == 0) atomicAdd(ss + l, s);
+    ordered_sum(s, part, count, ss, red);
 }
 
 // x = bf16(x / (sqrt(ss[l]) + 1e-7)): each matrix scaled to Frobenius norm 1, so that its singular values

@@ -469,6 +469,21 @@ def case_bf16_muon_momentum(rng, shape):
             ("muon_momentum sums twice: bit-identical", outs[1][2], outs[0][2].astype(np.float64), 0.0)]
 
 
+def case_bf16_muon_poly_init(rng, shape):
+    """shape (m, count): b = cb a + ca I for count packed m x m bf16 matrices (16-byte accesses when
+    m % 8 == 0, one value at a time otherwise)."""
+    import cupy
+
+    from nanoeuler.kernels.bf16 import optim
+
+    m, count = shape
+    a_dev, a = _dev_bf16(_randn(rng, (count, m, m)))
+    b = cupy.full(count * m * m, 0xFFFF, dtype=np.uint16)  # NaN: every value must be written
+    optim.muon_poly_init(a_dev, b, m, count, 3.4445, -4.775)
+    ref = -4.775 * a + 3.4445 * np.eye(m)
+    return [("muon_poly_init", from_bf16(b.get()).reshape(count, m, m), ref, TOL_BF16)]
+
+
 def case_bf16_flash(rng, shape):
     """shape (B, H, Hkv, T, D, variant): tensor-core causal GQA attention forward and backward on bf16
     operands, against the float64 layer on the same (bf16-valued) inputs. The backward's output is the
@@ -878,6 +893,8 @@ CASES_BF16 = [
     (case_bf16_sumsq, (1000,), "n1000 (4 blocks)", {}),
     (case_bf16_muon_momentum, (3, 96, 160, 64), "3 layers 96x160, 64 apart", {}),
     (case_bf16_muon_momentum, (16, 768, 768, 0), "16 layers 768x768 (the gpu preset's q)", {}),
+    (case_bf16_muon_poly_init, (96, 3), "m96 x3", {}),
+    (case_bf16_muon_poly_init, (37, 2), "m37 x2 (one value at a time)", {}),
     (case_bf16_flash, (2, 12, 4, 100, 64, "mma"), "B2 H12/4 T100 D64", {}),
     (case_bf16_flash, (1, 4, 4, 129, 64, "mma"), "B1 H4/4 T129 D64", {}),
     (case_bf16_flash, (2, 4, 2, 37, 32, "mma"), "B2 H4/2 T37 D32", {}),

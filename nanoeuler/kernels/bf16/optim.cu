@@ -187,12 +187,31 @@ extern "C" __global__ void __launch_bounds__(256) muon_update(
 
 // The Newton-Schulz step's polynomial before its product: b = cb * a + ca * I for `count` m x m bf16
 // matrices (packed), so that the step's two remaining products (b += cc * a a, then x' = b x) need no
-// copy of x for its linear term.
+// copy of x for its linear term. Grid (blocks over one matrix, count): blockIdx.y is the matrix, so the
+// row and column come from 32-bit arithmetic (m < 65536), once per 8 values (16-byte accesses) when
+// m % 8 == 0, the engine's shapes; one value at a time otherwise. It runs 5 times a step for each of the
+// 7 shapes, over every layer's m x m matrix: 64-bit divisions per value made it compute-bound.
+__device__ __forceinline__ float poly_one(float a, unsigned r, unsigned c, float ca, float cb) {
+    return fmaf(cb, a, r == c ? ca : 0.f);
+}
+
 extern "C" __global__ void __launch_bounds__(256) muon_poly_init(const bf16* __restrict__ a, bf16* __restrict__ b,
                                                                  long long m, long long count, float ca, float cb) {
-    const long long n = m * m * count;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const long long e = i % (m * m);
-        b[i] = f2bf(fmaf(cb, bf2f(a[i]), e / m == e % m ? ca : 0.f));
+    const unsigned mu = (unsigned)m, mm = mu * mu, stride = gridDim.x * blockDim.x;
+    a += (long long)blockIdx.y * mm, b += (long long)blockIdx.y * mm;
+    if ((mu & 7u) == 0u) {
+        const uint4* a8 = reinterpret_cast<const uint4*>(a);
+        uint4* b8 = reinterpret_cast<uint4*>(b);
+        for (unsigned j = blockIdx.x * blockDim.x + threadIdx.x; j < mm / 8u; j += stride) {
+            const unsigned r = (8u * j) / mu, c = 8u * j - r * mu;  // values (r, c .. c+7)
+            const uint4 v = a8[j];
+            b8[j] = make_uint4(pack2(poly_one(lo_bf(v.x), r, c, ca, cb), poly_one(hi_bf(v.x), r, c + 1, ca, cb)),
+                               pack2(poly_one(lo_bf(v.y), r, c + 2, ca, cb), poly_one(hi_bf(v.y), r, c + 3, ca, cb)),
+                               pack2(poly_one(lo_bf(v.z), r, c + 4, ca, cb), poly_one(hi_bf(v.z), r, c + 5, ca, cb)),
+                               pack2(poly_one(lo_bf(v.w), r, c + 6, ca, cb), poly_one(hi_bf(v.w), r, c + 7, ca, cb)));
+        }
+        return;
     }
+    for (unsigned e = blockIdx.x * blockDim.x + threadIdx.x; e < mm; e += stride)
+        b[e] = f2bf(poly_one(bf2f(a[e]), e / mu, e % mu, ca, cb));
 }

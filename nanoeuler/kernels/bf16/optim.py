@@ -95,5 +95,6 @@ def muon_update(p, o, pb, n: int, stride: int, ostride: int, layers: int, hyper,
 
 def muon_poly_init(a, b, m: int, count: int, ca: float, cb: float) -> None:
     """b = cb * a + ca * I for `count` packed m x m bf16 matrices (a Newton-Schulz step's linear terms)."""
-    n = m * m * count
-    kernel("bf16/optim", "muon_poly_init")(grid_1d(n), (256,), (a, b, i64(m), i64(count), f32(ca), f32(cb)))
+    per_thread = 8 if m % 8 == 0 else 1  # 16-byte accesses where rows allow
+    kernel("bf16/optim", "muon_poly_init")(_layer_grid(m * m // per_thread, count), (256,), (
+        a, b, i64(m), i64(count), f32(ca), f32(cb)))

@@ -4,14 +4,22 @@
         adamw_6e-4 adamw_1.2e-3 muon_6e-3          # each recipe a full `nanoeuler pretrain`, one after another
     python bench/time_to_quality.py report runs/ --plot docs/time_to_quality.png
 
-A recipe is named `<optimizer>_<lr>[_<steps>]`; RECIPES says what each optimizer's recipe changes in
-the schema's pretraining defaults (on config/config.yaml's model and tokenizer: the bf16 engine, the full
-`gpu` model, B32 x T512, val bits/byte every `--eval-every` steps). `adamw_<lr>` is the schema's default
-recipe (AdamW, warmup + cosine) at peak lr `<lr>`; `muon_<lr>` is the new one (Muon on the hidden
+A recipe is named `<optimizer>_<lr>[_<steps>][+<extra>...]`; RECIPES says what each optimizer's recipe
+changes in the schema's pretraining defaults (on config/config.yaml's model and tokenizer: the bf16 engine,
+the full `gpu` model, B32 x T512, val bits/byte every `--eval-every` steps). `adamw_<lr>` is the schema's
+default recipe (AdamW, warmup + cosine) at peak lr `<lr>`; `muon_<lr>` is the new one (Muon on the hidden
 matrices at muon_lr `<lr>`, AdamW on the rest at `--adam-lr`, warmup-stable-decay, zero-initialised
-output projections). `<steps>` overrides `--steps`.
+output projections). `<steps>` overrides `--steps`. EXTRAS are keys laid on top: `+mtp` fades the MTP
+heads' loss weights from [1, .5, .25, .125] to [1, 0, 0, 0] over the run (as the GPT-2 speedrun's
+records do), so `muon_2e-3+mtp` is the best Muon of the first sweep with that schedule.
 
-`report` takes the tuned baseline (the AdamW run with the lowest val bits/byte) and, for every run: its
+The recipes to try next, three to a device call (`scripts/device_ttq.sh sweep`, ~2 minutes each on an
+H200): `muon_1e-3 muon_1.4e-3 muon_2e-3+mtp` (muon_lr below the first sweep's lowest and best, 2e-3; the
+heads' schedule on that best).
+
+`report` takes the tuned baseline (the AdamW run with the lowest val bits/byte; or, for a folder of new
+recipes only, `--baseline BPB,STEP,SECONDS`: the best val bits/byte of an earlier sweep's tuned AdamW run,
+the step it reached it at and its training seconds to it) and, for every run: its
 best val bits/byte within the baseline's token budget, the tokens and the training seconds it needed to
 reach the baseline's best (the first evaluation at or below it), and the step time (median of the logged
 intervals: tokens / (tokens/s), evaluation and checkpoints excluded, as the training loop measures them).
@@ -37,17 +45,26 @@ RECIPES = {
                                  "schedule": "wsd", "cooldown_frac": 0.4, "warmup_steps": 100,
                                  "zero_init_out": True},
 }
+# keys over a recipe's, named after a `+` (the gpu preset's 4 output heads)
+EXTRAS = {
+    "mtp": {"mtp_weights": [1.0, 0.5, 0.25, 0.125], "mtp_weights_end": [1.0, 0.0, 0.0, 0.0]},
+}
 
 
 def recipe_keys(name: str, steps: int, adam_lr: float) -> dict:
-    """The pretraining keys of a recipe name `<optimizer>_<lr>[_<steps>]`.
+    """The pretraining keys of a recipe name `<optimizer>_<lr>[_<steps>][+<extra>...]`.
 
         >>> recipe_keys("adamw_1.2e-3", 3000, 6e-4)["lr"], recipe_keys("muon_6e-3_1800", 3000, 1e-3)["steps"]
         (0.0012, 1800)
+        >>> recipe_keys("muon_2e-3+mtp", 3000, 6e-4)["mtp_weights_end"]
+        [1.0, 0.0, 0.0, 0.0]
     """
-    opt, lr, *tail = name.split("_")
+    base, *extras = name.split("+")
+    opt, lr, *tail = base.split("_")
     keys = RECIPES[opt](float(lr), adam_lr)
     keys["steps"] = int(tail[0]) if tail else steps
+    for extra in extras:
+        keys.update(EXTRAS[extra])
     return keys
 
 
@@ -118,11 +135,20 @@ def reach(run: dict, target: float):
 def report(args) -> int:
     runs = [load_run(p) for p in sorted(Path(args.runs).iterdir()) if (p / "run" / "metrics.jsonl").exists()]
     base = [r for r in runs if r["keys"]["optimizer"] == "adamw"]
-    tuned = min(base, key=lambda r: min(b for _, b in r["val"]))
-    target = min(b for _, b in tuned["val"])
-    t_step, t_tokens, t_secs = reach(tuned, target)
-    budget = tuned["steps"]
-    print(f"tuned baseline: {tuned['name']}, best val bits/byte {target:.4f} at step {t_step} "
+    if args.baseline:  # an earlier sweep's tuned AdamW: its best, the step it reached it at, seconds to it
+        target, t_step, t_secs = (float(v) for v in args.baseline.split(","))
+        name, t_step, budget = "given", int(t_step), int(t_step)
+        t_tokens = t_step * (runs[0]["tokens_per_step"] if runs else 32 * 512)
+    elif base:
+        tuned = min(base, key=lambda r: min(b for _, b in r["val"]))
+        target = min(b for _, b in tuned["val"])
+        t_step, t_tokens, t_secs = reach(tuned, target)
+        name, budget = tuned["name"], tuned["steps"]
+    else:
+        print(f"no AdamW run in {args.runs} to take as the baseline: give --baseline BPB,STEP,SECONDS",
+              file=sys.stderr)
+        return 1
+    print(f"tuned baseline: {name}, best val bits/byte {target:.4f} at step {t_step} "
           f"({t_tokens / 1e6:.1f}M tokens, {t_secs:.0f} s of training)\n")
     print("| recipe | steps | step (ms) | best val bpb within the baseline's budget | tokens to reach "
           f"{target:.4f} | x baseline | training s to reach | x baseline |")
@@ -175,11 +201,14 @@ def main() -> int:
     r.add_argument("--out", required=True)
     r.add_argument("--steps", type=int, default=3000)
     r.add_argument("--eval-every", type=int, default=250)
-    r.add_argument("--adam-lr", type=float, default=1.2e-3, help="the muon recipes' AdamW lr (embedding, heads, gains)")
+    r.add_argument("--adam-lr", type=float, default=6e-4,
+                   help="the muon recipes' AdamW lr (embedding, heads, gains; config/config.yaml's)")
     r.add_argument("recipes", nargs="+")
     q = sub.add_parser("report")
     q.add_argument("runs")
     q.add_argument("--plot")
+    q.add_argument("--baseline", help="BPB,STEP,SECONDS of an earlier sweep's tuned AdamW run "
+                                      "(BENCHMARKS.md: 1.2380,3000,85)")
     args = p.parse_args()
     return run(args) if args.cmd == "run" else report(args)
 

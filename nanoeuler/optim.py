@@ -1,5 +1,5 @@
-"""AdamW and Muon with decoupled weight decay, global-norm gradient clipping, and the learning-rate
-schedules (warmup, then cosine or warmup-stable-decay).
+"""AdamW and Muon with decoupled weight decay, global-norm gradient clipping, the learning-rate
+schedules (warmup, then cosine or warmup-stable-decay) and the output heads' loss-weight schedule.
 
 Works on NumPy or CuPy arrays alike (the state lives where the parameters live) and updates in place.
 
@@ -277,3 +277,17 @@ def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, total_s
     decay_steps = max(1, total_steps - warmup_steps)
     progress = (step - warmup_steps) / decay_steps
     return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def head_weights_at(step: int, total_steps: int, start, end=None) -> list[float]:
+    """The output heads' loss weights at 0-based `step`: a straight line from `start` (step 0) to `end`
+    (the last step, total_steps - 1; None: `start` throughout), weight by weight.
+
+        >>> head_weights_at(5, 11, [1.0, 0.5, 0.25, 0.125], [1.0, 0.0, 0.0, 0.0])
+        [1.0, 0.25, 0.125, 0.0625]
+    """
+    end = start if end is None else end
+    if len(end) != len(start):
+        raise ValueError(f"{len(start)} starting head weights but {len(end)} final ones")
+    frac = min(1.0, max(0.0, step / max(1, total_steps - 1)))
+    return [float(a) + (float(b) - float(a)) * frac for a, b in zip(start, end)]

@@ -91,6 +91,6 @@ def test_engine_bytes_invariants(cfg):
     assert all(double[k] == base[k] for k in ("params", "grads", "moments", "image", "wdt"))
     dpo = engine_bytes(cfg, 8, 128, head="dpo", **kw)
     K = cfg.mtp_heads
-    assert dpo["scratch"] - base["scratch"] == (2 * N + 3 * 8 + 4) * 4 - (N * K + K) * 4
+    assert dpo["scratch"] - base["scratch"] == (2 * N + 3 * 8 + 4) * 4 - (N * K + 2 * K) * 4
     with pytest.raises(ValueError):
         engine_bytes(cfg, 8, 128, head="mse", **kw)

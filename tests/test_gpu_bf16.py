@@ -256,6 +256,73 @@ def test_engine_graph_replay_matches_kernel_by_kernel(hidden, optimizer):
 
 
 @pytest.mark.gpu
+def test_engine_head_weights_reach_the_captured_step():
+    """The output heads' loss weights are read from the device each step: along a schedule that fades heads
+    1 and 2 out, the graph-replayed steps' losses equal the kernel-by-kernel ones, each is the float64
+    weighted loss of the weights the step started from, and after the last step (weights 1, 0, 0) heads 1
+    and 2 have zero gradients (weights frozen at the capture, step 2's, would train them)."""
+    import cupy
+
+    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.model import transformer
+    from nanoeuler.model.config import ModelConfig
+    from nanoeuler.optim import head_weights_at
+
+    cfg = ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=64, mtp_heads=3)
+    params = transformer.init_params(cfg, seed=0)
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 256, (4, 64)), rng.integers(-1, 256, (4, 64, 3))) for _ in range(5)]
+    weights = [head_weights_at(s, 5, [1.0, 0.5, 0.25], [1.0, 0.0, 0.0]) for s in range(5)]
+    runs = {}
+    for graph in (False, True):
+        eng = Engine(cfg, params, batch=4, seq=64, graph=graph)
+        losses = []
+        for (x, y), w in zip(batches, weights):
+            before = {n: p.get().astype(np.float64) for n, p in eng.params().items()}
+            eng.step(cupy.asarray(x, dtype=np.int32), cupy.asarray(y, dtype=np.int32), lr=1e-3, head_weights=w)
+            losses.append(eng.last_loss())
+            ref = transformer.forward_loss(before, x, y, cfg, head_weights=w)[0]
+            assert losses[-1] == pytest.approx(ref, rel=1e-2)
+        assert (eng._graph is not None) == graph
+        grads = eng.grads()
+        assert not grads["mtp_heads.1.weight"].any() and not grads["mtp_heads.2.weight"].any()
+        assert grads["lm_head.weight"].any()
+        runs[graph] = losses
+    np.testing.assert_allclose(runs[True], runs[False], rtol=5e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_engine_update_from_equal_gradients_is_bit_identical(optimizer):
+    """Two engines with the same weights given the same gradients, as every data-parallel rank is after the
+    all-reduce, make the same updates to the last bit, step after step: the gradient norm (clipping is on
+    here) and Muon's matrix norms add their partial sums in a fixed order, where float atomics would add
+    them in the order the blocks finish."""
+    import cupy
+
+    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.model import transformer
+    from nanoeuler.model.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=512, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ctx_len=64, mtp_heads=2)
+    params = transformer.init_params(cfg, seed=0)
+    rng = np.random.default_rng(1)
+    engines = [Engine(cfg, params, batch=2, seq=64, optimizer=optimizer) for _ in range(2)]
+    for _ in range(3):
+        grads = {n: (0.01 * rng.standard_normal(p.shape)).astype(np.float32) for n, p in params.items()}
+        for eng in engines:
+            for n, view in eng.grads().items():
+                view[...] = cupy.asarray(grads[n])
+            eng.recompute_grad_norm()
+            eng.optimizer_step(1e-2)
+        cupy.cuda.get_current_stream().synchronize()
+        a, b = engines
+        assert a.grad_norm() > 1.0  # clipped: the norm's last bit reaches every weight
+        for buf in ("sq", "P", "Pb", "Mo", "Vo"):
+            assert cupy.array_equal(getattr(a, buf), getattr(b, buf)), buf
+
+
+@pytest.mark.gpu
 def test_engine_doctests():
     import doctest
 

@@ -352,7 +352,7 @@ class Inner:
     def __init__(self, result):
         self.result = result
 
-    def step(self, batch, lr):
+    def step(self, batch, lr, head_weights=None):
         if isinstance(self.result, Exception):
             raise self.result
         return self.result
@@ -413,7 +413,7 @@ def test_a_rank_whose_peer_died_aborts_with_a_clear_message():
             def abort(self): print("communicator aborted", file=sys.stderr, flush=True)
         class Inner:
             t = 0
-            def step(self, batch, lr): return 1.0, 1.0
+            def step(self, batch, lr, head_weights=None): return 1.0, 1.0
         dp = DataParallel(Stuck(), "pretrain", timeout=0.3)
         dp.start_watchdog(period=0.05)
         dp.wrap(Inner()).step([], 1e-3)

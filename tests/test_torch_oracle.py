@@ -24,18 +24,22 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def torch_loss(P, ids, targets, cfg):
+def torch_loss(P, ids, targets, cfg, head_weights=None):
     """The reference: an independent PyTorch rendering of the architecture (repeat_interleave for GQA,
-    rotate_half RoPE, F.scaled_dot_product-free explicit softmax, F.cross_entropy with ignore_index)."""
+    rotate_half RoPE, F.scaled_dot_product-free explicit softmax, F.cross_entropy with ignore_index);
+    with head weights, the heads' weighted mean (over the heads with a target)."""
     B, T = ids.shape
     xn = torch_final_state(P, ids, cfg)
     heads = ["lm_head.weight"] + [f"mtp_heads.{k}.weight" for k in range(1, cfg.mtp_heads)]
-    losses = []
+    weights = [1.0] * cfg.mtp_heads if head_weights is None else head_weights
+    losses, kept = [], []
     for k, name in enumerate(heads):
         tk = targets[:, :, k].reshape(-1)
         if (tk >= 0).any():
             losses.append(F.cross_entropy((xn @ P[name].T).reshape(B * T, -1), tk, ignore_index=-1))
-    return torch.stack(losses).mean()
+            kept.append(weights[k])
+    w = torch.tensor(kept, dtype=losses[0].dtype)
+    return (torch.stack(losses) * w).sum() / w.sum()
 
 
 def torch_final_state(P, ids, cfg):
@@ -68,11 +72,11 @@ def torch_final_state(P, ids, cfg):
     return _rms(x, P["norm.weight"], cfg.norm_eps)
 
 
-def _compare(cfg, params, inputs, targets):
+def _compare(cfg, params, inputs, targets, head_weights=None):
     P = {n: torch.tensor(p, dtype=torch.float64, requires_grad=True) for n, p in params.items()}
-    ref = torch_loss(P, torch.tensor(inputs), torch.tensor(targets), cfg)
+    ref = torch_loss(P, torch.tensor(inputs), torch.tensor(targets), cfg, head_weights)
     ref.backward()
-    loss, grads = transformer.loss_and_grads(params, inputs, targets, cfg)
+    loss, grads = transformer.loss_and_grads(params, inputs, targets, cfg, head_weights=head_weights)
     assert abs(loss - ref.item()) <= 1e-10 * abs(ref.item())
     for name in params:
         want = P[name].grad.numpy() if P[name].grad is not None else np.zeros_like(params[name])
@@ -96,6 +100,16 @@ def test_wider_groups_and_an_empty_head_match_torch():
     _compare(cfg, params, inputs, targets)
     _, grads = transformer.loss_and_grads(params, inputs, targets, cfg)
     assert not grads["mtp_heads.3.weight"].any()
+
+
+@pytest.mark.parametrize("head_weights", [[1.0, 0.5, 0.25, 0.125], [1.0, 0.0, 0.4, 2.0]])
+def test_head_weights_match_torch(head_weights):
+    """The MTP heads' weighted loss (a schedule's start; a head of weight 0, whose gradient torch leaves
+    zero); head 3 has no target, so its weight is left out of the mean."""
+    cfg = ModelConfig(vocab_size=37, dim=24, n_layers=2, n_heads=6, n_kv_heads=2, ctx_len=16, mtp_heads=4)
+    params, inputs, targets = gradcheck.random_problem(cfg, seed=7, batch=2, T=9)
+    targets[..., 3] = -1
+    _compare(cfg, params, inputs, targets, head_weights)
 
 
 def test_default_init_matches_torch():

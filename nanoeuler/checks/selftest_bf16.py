@@ -323,12 +323,15 @@ def case_bf16_qkv_rope_gemm(rng, shape):
 
 
 def case_bf16_ce_heads(rng, shape):
-    """shape (N, K, V): per-head scales, fused loss + bf16 dlogits, the loss reduction."""
+    """shape (N, K, V[, head weights]): per-head scales (the heads' loss weights read from the device), fused
+    loss + bf16 dlogits, the loss reduction."""
     import cupy
 
     from nanoeuler.model import layers
+    from nanoeuler.model.transformer import head_loss_scales
 
-    N, K, V = shape
+    N, K, V, *weights = shape
+    weights = weights[0] if weights else None
     z = bf16_round(_randn(rng, (N, K * V), 3.0))  # the logits are bf16 (the head GEMM's output)
     t = rng.integers(0, V, size=(N, K))
     t[rng.random((N, K)) < 0.25] = -1
@@ -337,7 +340,8 @@ def case_bf16_ce_heads(rng, shape):
         t[:, K - 1] = -1  # a head with no valid target: left out of the mean
     tg = _g(t, np.int32)
     scale = cupy.empty(K, dtype=np.float32)
-    _k("ce_head_scale")((1,), (1024,), (tg, scale, np.int64(N), np.int32(K)))
+    w = _g(np.ones(K) if weights is None else weights)
+    _k("ce_head_scale")((1,), (1024,), (tg, w, scale, np.int64(N), np.int32(K)))
     loss_rows = cupy.empty((N, K), dtype=np.float32)
     dlg = cupy.empty((N, K * V), dtype=np.uint16)
     for k in range(K):  # one launch per head, on that head's logits (N, V), as the engine does
@@ -346,12 +350,10 @@ def case_bf16_ce_heads(rng, shape):
         dlg[:, k * V:(k + 1) * V] = zk
     loss = cupy.empty(1, dtype=np.float32)
     _k("ce_loss_reduce")((1,), (1024,), (loss_rows, scale, loss, np.int64(N), np.int32(K)))
-    counts = (t >= 0).sum(axis=0)
-    active = int((counts > 0).sum())
-    sc = np.array([1.0 / (c * active) if c else 0.0 for c in counts])
+    sc = np.array(head_loss_scales([int(c) for c in (t >= 0).sum(axis=0)], weights))
     total, dref = 0.0, np.zeros((N, K * V))
     for k in range(K):
-        if counts[k] == 0:
+        if sc[k] == 0:  # no target, or a weight of 0: no loss, a zero gradient
             continue
         ls, nv, cache = layers.cross_entropy_forward(z[:, k * V:(k + 1) * V].copy(), t[:, k])
         total += float(ls) * sc[k]
@@ -418,6 +420,68 @@ def case_bf16_grad_accumulate(rng, shape):
                                                                   loss_acc))
     return [("grad_accumulate sum", acc, acc0 + g, TOL_FP32), ("grad_accumulate loss", loss_acc, np.array([3.75]),
                                                                   TOL_FP32)]
+
+
+def case_bf16_sumsq(rng, shape):
+    """shape (n,): the gradient norm's sum of squares against float64, and twice over: the same bits (its
+    blocks' partial sums are added in a fixed order; float atomics would add them as the blocks finish)."""
+    import cupy
+
+    from nanoeuler.kernels.bf16 import optim
+
+    g = _randn(rng, shape[0])
+    g_dev, outs = _g(g), []
+    for _ in range(2):
+        sq = cupy.zeros(1, dtype=np.float32)
+        optim.sumsq(g_dev, sq)
+        outs.append(sq.get())
+    return [("sumsq", outs[0], np.array([g @ g]), TOL_FP32),
+            ("sumsq twice: bit-identical", outs[1], outs[0].astype(np.float64), 0.0)]
+
+
+def case_bf16_muon_momentum(rng, shape):
+    """shape (layers, rows, cols, gap): Muon's clipped Nesterov momentum over every layer's matrix (layers
+    rows x cols + gap apart), its bf16 copy and each matrix's sum of squares, against float64; run twice
+    from the same state, the sums are the same bits (a fixed order, not atomics)."""
+    import cupy
+
+    from nanoeuler.kernels.bf16 import optim
+
+    L, rows, cols, gap = shape
+    n, stride = rows * cols, rows * cols + gap
+    g, m0 = _randn(rng, L * stride), _randn(rng, L * stride, 0.1)
+    norm2, max_norm, mu = float(g @ g), 0.5 * math.sqrt(float(g @ g)), 0.95
+    c = max_norm / (math.sqrt(norm2) + 1e-6)
+    outs = []
+    for _ in range(2):
+        m, x = _g(m0), cupy.zeros(2 * L * stride, dtype=np.uint16)
+        ss = cupy.zeros(L, dtype=np.float32)
+        optim.muon_momentum(_g(g), m, x, n, stride, 2 * stride, L, ss, _g(np.array([norm2])), max_norm, mu)
+        outs.append((m.get(), x.get(), ss.get()))
+    m_ref = mu * m0 + c * g
+    u = c * g + mu * m_ref
+    keep = np.concatenate([np.arange(layer * stride, layer * stride + n) for layer in range(L)])
+    x_got = np.concatenate([from_bf16(outs[0][1][2 * layer * stride:][:n]) for layer in range(L)])
+    ss_ref = np.array([u[layer * stride:][:n] @ u[layer * stride:][:n] for layer in range(L)])
+    return [("muon_momentum m", outs[0][0][keep], m_ref[keep], TOL_FP32),
+            ("muon_momentum bf16 u", x_got, u[keep], TOL_BF16),
+            ("muon_momentum sums of squares", outs[0][2], ss_ref, TOL_FP32),
+            ("muon_momentum sums twice: bit-identical", outs[1][2], outs[0][2].astype(np.float64), 0.0)]
+
+
+def case_bf16_muon_poly_init(rng, shape):
+    """shape (m, count): b = cb a + ca I for count packed m x m bf16 matrices (16-byte accesses when
+    m % 8 == 0, one value at a time otherwise)."""
+    import cupy
+
+    from nanoeuler.kernels.bf16 import optim
+
+    m, count = shape
+    a_dev, a = _dev_bf16(_randn(rng, (count, m, m)))
+    b = cupy.full(count * m * m, 0xFFFF, dtype=np.uint16)  # NaN: every value must be written
+    optim.muon_poly_init(a_dev, b, m, count, 3.4445, -4.775)
+    ref = -4.775 * a + 3.4445 * np.eye(m)
+    return [("muon_poly_init", from_bf16(b.get()).reshape(count, m, m), ref, TOL_BF16)]
 
 
 def case_bf16_flash(rng, shape):
@@ -588,6 +652,32 @@ def case_engine(rng, shape):
     rows.append(_image_row("engine bf16 weight image (gains folded)", eng, ref_p, names))
     del eng
     return rows
+
+
+def case_engine_head_weights(rng, shape):
+    """shape (attention,): the engine's loss and every gradient with the output heads' loss weights of a
+    schedule (head 2 at 0: not trained, a zero gradient) vs float64 loss_and_grads with the same weights;
+    the step before ran with other weights, which the engine must not keep."""
+    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.model import transformer
+    from nanoeuler.model.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=128, mtp_heads=4)
+    params, inputs, targets = _engine_problem(rng, cfg, 2, 128)
+    weights = [1.0, 0.5, 0.0, 0.125]
+    eng = Engine(cfg, params, batch=2, seq=128, attention=shape[0])
+    for w in ([1.0, 1.0, 1.0, 1.0], weights):
+        eng.forward_backward(_g(inputs, np.int32), _g(targets, np.int32), head_weights=w)
+    p64 = {n: p.astype(np.float64) for n, p in params.items()}
+    loss_ref, g_ref = transformer.loss_and_grads(p64, inputs, targets, cfg, head_weights=weights)
+    got = {n: np.asarray(g.get(), dtype=np.float64) for n, g in eng.grads().items()}
+    loss_got, names = eng.last_loss(), list(params)
+    del eng
+    return [
+        ("engine loss, head weights 1 .5 0 .125", np.array([loss_got]), np.array([loss_ref]), TOL_BF16),
+        ("engine grads, head weights 1 .5 0 .125", np.concatenate([got[n].ravel() for n in names]),
+         np.concatenate([g_ref[n].ravel() for n in names]), TOL_BF16),
+        ("engine grad of a head of weight 0 is zero", got["mtp_heads.2.weight"], g_ref["mtp_heads.2.weight"], 0.0)]
 
 
 def _image_row(label, eng, ref_p, names):
@@ -795,10 +885,17 @@ CASES_BF16 = [
     (case_bf16_ce_heads, (70, 4, 4096), "N70 K4 V4096", {}),
     (case_bf16_ce_heads, (33, 2, 100), "N33 K2 V100", {}),
     (case_bf16_ce_heads, (33, 2, 101), "N33 K2 V101 (scalar path)", {}),
+    (case_bf16_ce_heads, (70, 4, 4096, (1.0, 0.5, 0.0, 0.25)), "N70 K4 V4096 head weights 1, .5, 0, .25", {}),
     (case_bf16_seq_logp, (6, 37, 4, 4096, 50), "B6 T37 K4 V4096 R50 (a padding pair)", {}),
     (case_bf16_seq_logp, (4, 20, 2, 101, 80), "B4 T20 K2 V101 R80 (scalar path, one chunk)", {}),
     (case_bf16_grad_accumulate, (1000,), "n1000", {}),
     (case_bf16_grad_accumulate, (12345,), "n12345 (a scalar tail)", {}),
+    (case_bf16_sumsq, (3_000_001,), "n3000001 (4096 blocks)", {}),
+    (case_bf16_sumsq, (1000,), "n1000 (4 blocks)", {}),
+    (case_bf16_muon_momentum, (3, 96, 160, 64), "3 layers 96x160, 64 apart", {}),
+    (case_bf16_muon_momentum, (16, 768, 768, 0), "16 layers 768x768 (the gpu preset's q)", {}),
+    (case_bf16_muon_poly_init, (96, 3), "m96 x3", {}),
+    (case_bf16_muon_poly_init, (37, 2), "m37 x2 (one value at a time)", {}),
     (case_bf16_flash, (2, 12, 4, 100, 64, "mma"), "B2 H12/4 T100 D64", {}),
     (case_bf16_flash, (1, 4, 4, 129, 64, "mma"), "B1 H4/4 T129 D64", {}),
     (case_bf16_flash, (2, 4, 2, 37, 32, "mma"), "B2 H4/2 T37 D32", {}),
@@ -819,6 +916,7 @@ CASES_BF16 = [
     (case_engine, ("small", 2, 100, "ldm"), "small preset B2 T100 ldm-attn", {}),
     (case_engine, ("d64", 2, 200, "wg"), "2 layers D64 B2 T200 wg-attn", {}),
     (case_engine, ("d384", 2, 256, "wg"), "2 layers C384 F1024 B2 T256 wg-attn, fused SwiGLU and RoPE", {}),
+    (case_engine_head_weights, ("mma",), "head weights, 2 layers D64 B2 T128", {}),
     (case_engine_muon, ("small", 2, 100, "mma"), "Muon, small preset B2 T100", {}),
     (case_engine_muon, ("d384", 2, 256, "wg"), "Muon, 3 layers C384 F1024 B2 T256 wg-attn", {}),
     (case_engine_dpo, ("small", 2, 100, "mma", False), "DPO head, small preset 2 pairs T100", {}),

@@ -6,11 +6,13 @@ An embedding, `n_layers` pre-norm blocks, a final RMSNorm and K untied heads (he
     x = x + down_proj(silu(gate_proj(h)) * up_proj(h)),                       h = rmsnorm(x)
 
 The loss averages, over the heads with a valid target (-1 is ignored), each head's mean cross-entropy; a
-head without one is left out and gets a zero gradient. Parameters are a dict named as in HF Llama; the
-array module and dtype come from them, and every layer is reached through `dispatch.ops_for(xp)`, so
-the GPU runs its kernels without a change here. `init_params(cfg, seed)`: matrices ~ normal(0, 0.02),
-`o_proj`/`down_proj` ~ normal(0, 0.02 / sqrt(2 n_layers)) so the stream's variance does not grow with
-depth, gains ones; drawn in float64 in canonical order and rounded, so float64 and float32 inits agree.
+head without one is left out and gets a zero gradient. With head weights w the average is weighted:
+sum_k w_k CE_k / sum_k w_k over those heads (`head_loss_scales`), so a head of weight 0 is not trained.
+Parameters are a dict named as in HF Llama; the array module and dtype come from them, and every layer
+is reached through `dispatch.ops_for(xp)`, so the GPU runs its kernels without a change here.
+`init_params(cfg, seed)`: matrices ~ normal(0, 0.02), `o_proj`/`down_proj` ~ normal(0, 0.02 /
+sqrt(2 n_layers)) so the stream's variance does not grow with depth, gains ones; drawn in float64 in
+canonical order and rounded, so float64 and float32 inits agree.
 """
 
 from __future__ import annotations
@@ -214,10 +216,29 @@ def step_totals(targets_list) -> Totals:
     return Totals(tuple(int(c) for c in counts), sum(int(y.shape[0]) for y in targets_list))
 
 
-def mtp_cross_entropy(xn, params, targets, cfg: ModelConfig, totals: Totals | None = None):
+def head_loss_scales(counts, head_weights=None) -> list[float]:
+    """d(loss)/d(head k's summed cross-entropy) for heads of `counts` valid targets: w_k / (n_k * W), W the
+    sum of the weights of the heads with a target (0 for a head without one; all 0 if W is). No weights:
+    all 1, so the loss is the plain mean of the heads' mean cross-entropies.
+
+        >>> head_loss_scales([4, 2, 0]), head_loss_scales([4, 2, 0], [1.0, 0.5, 0.25])
+        ([0.125, 0.25, 0.0], [0.16666666666666666, 0.16666666666666666, 0.0])
+    """
+    weights = [1.0] * len(counts) if head_weights is None else [float(w) for w in head_weights]
+    if len(weights) != len(counts):
+        raise ValueError(f"{len(weights)} head weights for {len(counts)} output heads")
+    total = sum(w for w, c in zip(weights, counts) if c > 0)
+    return [w / (c * total) if c > 0 and w > 0 else 0.0 for w, c in zip(weights, counts)]
+
+
+def mtp_cross_entropy(xn, params, targets, cfg: ModelConfig, totals: Totals | None = None, head_weights=None):
     """The pretraining loss on the final normed state: mean over the heads with a valid target of each
-    head's mean cross-entropy. xn (B,T,C), targets (B,T,K) -> (loss, dxn (B,T,C), {head weight: grad}).
-    With `totals` (of the whole step) the means divide by its counts: this micro-batch's share.
+    head's mean cross-entropy, weighted by `head_weights` (K values >= 0; None: all 1). xn (B,T,C),
+    targets (B,T,K) -> (loss, dxn (B,T,C), {head weight: grad}). With `totals` (of the whole step) the
+    means divide by its counts: this micro-batch's share.
+
+    A head of weight 0 is skipped (zero gradient) but stays in the model: speculative decoding drafts
+    with the MTP heads (`infer/engine.py`), so a schedule that fades them out of the loss keeps them.
 
     This is the default `head_loss` of `loss_and_grads`; a stage with another objective (DPO) passes its
     own function of the same signature.
@@ -228,16 +249,15 @@ def mtp_cross_entropy(xn, params, targets, cfg: ModelConfig, totals: Totals | No
     N = B * T
     xn2 = xn.reshape(N, C)  # (N,C)
     counts = [int(c) for c in (targets >= 0).reshape(N, cfg.mtp_heads).sum(axis=0)]
-    whole = counts if totals is None else list(totals.counts)
-    active = sum(1 for c in whole if c > 0)
+    scales = head_loss_scales(counts if totals is None else list(totals.counts), head_weights)
     grads: dict = {}
     dxn2 = xp.zeros_like(xn2)
     loss = 0.0
     for k, name in enumerate(head_weight_names(cfg)):
-        if counts[k] == 0:
+        if counts[k] == 0 or scales[k] == 0:
             grads[name] = xp.zeros_like(params[name])
             continue
-        dloss_sum = 1.0 / (whole[k] * active)  # d(loss)/d(this head's summed cross-entropy)
+        dloss_sum = scales[k]  # d(loss)/d(this head's summed cross-entropy)
         loss_sum, _, dx_k, grads[name] = ops.linear_cross_entropy(
             xn2, params[name], targets[:, :, k].reshape(N), dloss_sum)  # logits (N,V) live only inside
         loss += float(loss_sum) * dloss_sum
@@ -247,17 +267,20 @@ def mtp_cross_entropy(xn, params, targets, cfg: ModelConfig, totals: Totals | No
 
 
 def loss_and_grads(params, inputs, targets, cfg: ModelConfig, head_loss=mtp_cross_entropy,
-                   totals: Totals | None = None, checkpoint: bool = False):
+                   totals: Totals | None = None, checkpoint: bool = False, head_weights=None):
     """inputs (B,T) int, targets (B,T,K) int (-1 ignored) -> (loss: float, grads: dict like params).
 
     `head_loss(xn, params, targets, cfg) -> (loss, dxn, head_grads)` turns the final normed state
     (B,T,C) into the loss; heads it leaves out of `head_grads` get zero gradients. `totals`: this is one
-    micro-batch of a step of these totals, handed on to `head_loss` as `totals=`. `checkpoint`: keep only
-    each block's input and recompute its forward in the backward (the same loss and gradients).
+    micro-batch of a step of these totals, handed on to `head_loss` as `totals=`; `head_weights` (the
+    output heads' loss weights this step) likewise. `checkpoint`: keep only each block's input and
+    recompute its forward in the backward (the same loss and gradients).
     """
     xp, ops, ids, targets = _batch_on_device(params, inputs, targets, cfg)
     xn, trunk = _trunk_forward(params, ids, cfg, ops, xp, keep="inputs" if checkpoint else "all")
     share = {} if totals is None else {"totals": totals}  # a head loss without micro-batches needs no totals
+    if head_weights is not None:  # nor one of a single head (DPO's) any weights
+        share["head_weights"] = head_weights
     loss, dxn, grads = head_loss(xn, params, targets, cfg, **share)
     del xn
     for name in head_weight_names(cfg):
@@ -267,19 +290,23 @@ def loss_and_grads(params, inputs, targets, cfg: ModelConfig, head_loss=mtp_cros
     return loss, {name: grads[name] for name in params}
 
 
-def forward_loss(params, inputs, targets, cfg: ModelConfig):
-    """The loss without a backward (evaluation) -> (loss: float, head_losses: list[float], head 0 first)."""
+def forward_loss(params, inputs, targets, cfg: ModelConfig, head_weights=None):
+    """The loss without a backward (evaluation) -> (loss: float, head_losses: list[float], head 0 first).
+    `head_weights`: the loss as `mtp_cross_entropy` weights it (None: the plain mean over the heads)."""
     xp, ops, ids, targets = _batch_on_device(params, inputs, targets, cfg)
     N = ids.size
     xn, _ = _trunk_forward(params, ids, cfg, ops, xp, keep="none")
     xn2 = xn.reshape(N, cfg.dim)
-    head_losses, active = [], []
+    head_losses, sums, counts = [], [], []
     for k, name in enumerate(head_weight_names(cfg)):
         loss_sum, n_valid, _, _ = ops.linear_cross_entropy(xn2, params[name], targets[:, :, k].reshape(N))
         head_losses.append(float(loss_sum) / n_valid if n_valid else 0.0)
-        if n_valid:
-            active.append(head_losses[-1])
-    loss = sum(active) / len(active) if active else 0.0
+        sums.append(float(loss_sum))
+        counts.append(int(n_valid))
+    if head_weights is None:
+        active = [h for h, c in zip(head_losses, counts) if c]
+        return (sum(active) / len(active) if active else 0.0), head_losses
+    loss = sum(s * scale for s, scale in zip(sums, head_loss_scales(counts, head_weights)))
     return loss, head_losses
 
 

@@ -43,6 +43,8 @@ class TrainConfig:
     schedule: str = "cosine"  # "cosine" | "wsd" (optim.lr_at)
     cooldown_frac: float = 0.2  # wsd: the last fraction of the steps, a linear decay
     lr_scale: dict = dataclasses.field(default_factory=dict)  # {group: multiple of the scheduled lr}
+    mtp_weights: list | None = None  # the output heads' loss weights at the first step (None: all 1)
+    mtp_weights_end: list | None = None  # at the last step, reached linearly (None: mtp_weights throughout)
 
     def group_lr_scale(self, names) -> dict:
         """{name: multiple of the scheduled lr}: `lr_scale` by group, and under Muon the hidden matrices'
@@ -60,6 +62,30 @@ class TrainConfig:
         if self.optimizer == "muon":
             scales["hidden"] = scales.get("hidden", 1.0) * self.muon_lr / self.lr
         return group_lr_scale(names, scales)
+
+    def head_weight_schedule(self, heads: int, stage: str):
+        """fn(step, total_steps) -> the `heads` output heads' loss weights at 0-based step
+        (`optim.head_weights_at`), or None when neither mtp_weights key is set (the plain mean of the heads).
+        A list of another length, or one with no positive weight, is an error naming its key.
+
+            >>> from nanoeuler.config import validate
+            >>> s = TrainConfig.from_section(validate({"pretrain": {"mtp_weights_end": [1, 0]}})["pretrain"])
+            >>> s.head_weight_schedule(2, "pretrain")(50, 101)
+            [1.0, 0.5]
+        """
+        from nanoeuler.errors import UserError
+        from nanoeuler.optim import head_weights_at
+
+        if self.mtp_weights is None and self.mtp_weights_end is None:
+            return None
+        start = [1.0] * heads if self.mtp_weights is None else list(self.mtp_weights)
+        for key, weights in (("mtp_weights", start), ("mtp_weights_end", self.mtp_weights_end or start)):
+            if len(weights) != heads:
+                raise UserError(f"{stage}.{key} has {len(weights)} weights, but the model has {heads} output "
+                                "heads (model.mtp_heads)")
+            if not any(w > 0 for w in weights):
+                raise UserError(f"{stage}.{key} must give at least one output head a positive weight")
+        return lambda step, total_steps: head_weights_at(step, total_steps, start, self.mtp_weights_end)
 
     @classmethod
     def from_section(cls, section: dict):

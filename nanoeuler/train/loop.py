@@ -9,8 +9,9 @@ settings (`run_identity`); else the run dir belongs to another model or run, and
 `previous/` with a notice. One that does not load is renamed `*.corrupt` and the one before it is tried. A checkpoint holds the
 parameters, the optimizer state and the data source's state, so a resumed CPU run repeats the losses
 of an uninterrupted one bit for bit; metrics logged after its step are logged again. Step s counts
-finished updates (1-based) and trains at `lr_at(s - 1)`. A non-finite loss or gradient norm stops the
-run naming the step, before any checkpoint of that state is written.
+finished updates (1-based) and trains at `lr_at(s - 1)` (and with the heads' loss weights of step s - 1).
+A non-finite loss or gradient norm stops the run naming the step, before any checkpoint of that state
+is written.
 """
 
 from __future__ import annotations
@@ -258,6 +259,7 @@ def _train(run: Run) -> dict:
         rundir.remove_stale_temporaries(run.run_dir)
     log = rundir.MetricsLog(run.run_dir / "metrics.jsonl")
     meter = PeakMeter(run.xp)
+    head_weights = s.head_weight_schedule(run.cfg.mtp_heads, run.stage)  # None: the heads' plain mean
     stepper, start = _start(run)
     if root:
         log.truncate_after(start)
@@ -272,8 +274,9 @@ def _train(run: Run) -> dict:
                 lr = lr_at(step0, max_lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps,
                            total_steps=run.total_steps, schedule=s.schedule, cooldown_frac=s.cooldown_frac)
                 batch = run.micro_batches(step0)
+                heads = head_weights(step0, run.total_steps) if head_weights else None
                 try:
-                    loss, norm = stepper.step(batch, lr)
+                    loss, norm = stepper.step(batch, lr, head_weights=heads)
                 except NonFinite as exc:
                     _stop_nonfinite(run, exc.what, exc.value, step)
                 tokens_since += world * sum(x.size for x, _ in batch)  # each rank as many (SFT: about)

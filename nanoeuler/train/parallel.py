@@ -569,11 +569,11 @@ class ParallelStepper:
     def t(self) -> int:
         return self.inner.t
 
-    def step(self, batch, lr: float) -> tuple[float, float]:
+    def step(self, batch, lr: float, head_weights=None) -> tuple[float, float]:
         with self.dp.busy():
             local_error = None
             try:
-                loss, norm = self.inner.step(batch, lr)
+                loss, norm = self.inner.step(batch, lr, head_weights=head_weights)
             except NonFinite as exc:
                 local_error, loss, norm = exc, (exc.value if exc.what == "loss" else 0.0), float("nan")
             loss = self.dp.comm.mean_scalar(float(loss))
@@ -685,9 +685,9 @@ class ZeroStepper:
         o, shape = self.plan.offset[name] - self.comm.rank * self.plan.span, self.plan.shapes[name]
         return self.shard[o:o + math.prod(shape)].reshape(shape)
 
-    def step(self, batch, lr: float) -> tuple[float, float]:
+    def step(self, batch, lr: float, head_weights=None) -> tuple[float, float]:
         inner, plan, comm = self.inner, self.plan, self.comm
-        loss, grads = inner.gradients(batch)
+        loss, grads = inner.gradients(batch, head_weights)
         order = list(grads)  # clip_grad_norm adds the squares in this order
         for n, g in grads.items():
             plan.flat_view(self.flat, n)[...] = g

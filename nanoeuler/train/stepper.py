@@ -2,6 +2,7 @@
 
     >>> stepper = make_stepper(settings, cfg, params, np)             # doctest: +SKIP
     >>> loss, grad_norm = stepper.step([(inputs, targets)], lr=3e-4)    # one (x, y) per grad_accum
+    >>> stepper.step(batch, lr=3e-4, head_weights=[1.0, 0.5])       # the output heads' loss weights
     >>> stepper.params(), stepper.state_tensors(), stepper.t            # what a checkpoint keeps
 
 `XpStepper` runs `transformer.loss_and_grads` on NumPy or CuPy, sums the gradients of the
@@ -43,8 +44,9 @@ class NonFinite(Exception):
 class Stepper(Protocol):
     t: int  # optimizer updates done (AdamW's bias correction counts them)
 
-    def step(self, batch: Batch, lr: float) -> tuple[float, float]:
-        """One update from the summed gradients of the micro-batches -> (mean loss, norm before clipping)."""
+    def step(self, batch: Batch, lr: float, head_weights=None) -> tuple[float, float]:
+        """One update from the summed gradients of the micro-batches -> (mean loss, norm before clipping).
+        head_weights: the output heads' loss weights this step (None: all 1; `mtp_cross_entropy`)."""
 
     def params(self) -> dict:
         """The live parameters on the device (views: copy before keeping)."""
@@ -74,7 +76,7 @@ class XpStepper:
     def t(self) -> int:
         return self.opt.t
 
-    def gradients(self, batch: Batch) -> tuple[float, dict]:
+    def gradients(self, batch: Batch, head_weights=None) -> tuple[float, dict]:
         """(loss, gradients) of the step's micro-batches, summed, before any hook, clipping or update."""
         xp = self.xp
         totals = transformer.step_totals([y for _, y in batch]) if len(batch) > 1 else None
@@ -82,7 +84,7 @@ class XpStepper:
         for x, y in batch:
             micro_loss, g = transformer.loss_and_grads(self._params, xp.asarray(x), xp.asarray(y), self.cfg,
                                                        head_loss=self.head_loss, totals=totals,
-                                                       checkpoint=self.checkpoint)
+                                                       checkpoint=self.checkpoint, head_weights=head_weights)
             loss += micro_loss
             if grads is None:
                 grads = g
@@ -92,8 +94,8 @@ class XpStepper:
             del g
         return loss, grads
 
-    def step(self, batch: Batch, lr: float) -> tuple[float, float]:
-        loss, grads = self.gradients(batch)
+    def step(self, batch: Batch, lr: float, head_weights=None) -> tuple[float, float]:
+        loss, grads = self.gradients(batch, head_weights)
         if self.grad_hook is not None:  # first: a data-parallel hook is a collective every rank must join
             self.grad_hook(grads)
         if not math.isfinite(loss):
@@ -168,23 +170,23 @@ class EngineStepper:
             out.append((x[order], y[order], refs, np.r_[np.full(p, weight), np.zeros(half - p)].astype(np.float32)))
         return out
 
-    def step(self, batch: Batch, lr: float) -> tuple[float, float]:
+    def step(self, batch: Batch, lr: float, head_weights=None) -> tuple[float, float]:
         eng = self.engine
         micro = self._micro_batches(batch)
         in_graph = self.grad_hook is None or eng.collective is self.grad_hook
         if len(micro) == 1 and in_graph:
-            eng.step(*micro[0][:2], lr, *micro[0][2:])
+            eng.step(*micro[0][:2], lr, *micro[0][2:], head_weights=head_weights)
         elif len(micro) == 1:
-            eng.forward_backward(*micro[0])
+            eng.forward_backward(*micro[0], head_weights=head_weights)
             self.grad_hook(eng.grads())
             eng.recompute_grad_norm()
             eng.optimizer_step(lr)
         elif eng.Gacc is None:
             raise ValueError(f"this engine takes one micro-batch a step (built without accum), got {len(micro)}")
         elif in_graph:
-            eng.step_accum(micro, lr)
+            eng.step_accum(micro, lr, head_weights=head_weights)
         else:
-            eng.accumulate(micro)
+            eng.accumulate(micro, head_weights=head_weights)
             self.grad_hook(eng.grads(accumulated=True))
             eng.update(lr)
         loss, norm = eng.last_loss(), eng.grad_norm()

@@ -246,6 +246,8 @@ class TrainEngine:
         if self.head == "ce":
             self.loss_rows, self.head_scale = e((N, K)), e(K)
             self._scale_host = np.zeros(K, dtype=f32)  # the step's scale, when `accumulate` sets it
+            # the heads' loss weights this step: on the device, copied in like AdamW's values (`_set_hyper`)
+            self.head_w, self._head_w_host = cp.ones(K, dtype=f32), np.ones(K, dtype=f32)
         else:  # each row's log-prob of its target and logsumexp, each sequence's log-prob, dloss/dlogp
             self.tok, self.lse_rows = e(N), e(N)
             self.logp, self.dlogp = e(B), e(B)
@@ -392,9 +394,10 @@ class TrainEngine:
             yield
         caller.wait_event(self.stream.record())
 
-    def forward_backward(self, inputs, targets, ref=None, pair_weight=None) -> None:
+    def forward_backward(self, inputs, targets, ref=None, pair_weight=None, head_weights=None) -> None:
         """Loss into `self.loss`, gradients into `self.G`, sum of squared gradients into `self.sq`."""
         self._load_batch(inputs, targets, ref, pair_weight)
+        self._set_head_weights(head_weights)
         with self._on_stream():
             self._forward_backward()
             self._logps = []
@@ -427,14 +430,17 @@ class TrainEngine:
         with self._on_stream():
             self._adamw()
 
-    def step(self, inputs, targets, lr: float | None = None, ref=None, pair_weight=None) -> None:
-        """One training step (forward, backward, clipping, AdamW), queued without a host sync.
+    def step(self, inputs, targets, lr: float | None = None, ref=None, pair_weight=None,
+             head_weights=None) -> None:
+        """One training step (forward, backward, clipping, AdamW), queued without a host sync. head_weights:
+        the output heads' loss weights (`transformer.mtp_cross_entropy`; None: all 1).
 
         The first step runs kernel by kernel; it compiles the kernels and lets cuBLAS choose its
         algorithms. The second is captured into a CUDA graph (`graph=True`), and from then on a step is
         the copy of the batch and of AdamW's per-step values into the engine's buffers, and one launch of
         that graph: the GPU runs the step's ~500 kernels back to back, without a launch gap between them."""
         self._load_batch(inputs, targets, ref, pair_weight)
+        self._set_head_weights(head_weights)
         self._set_hyper(self.lr if lr is None else float(lr))
         with self._on_stream():
             if self._graph is None and self.graph and self._eager_steps:
@@ -447,13 +453,13 @@ class TrainEngine:
             self._logps = []
             self._keep_logps()
 
-    def step_accum(self, micro, lr: float | None = None) -> None:
+    def step_accum(self, micro, lr: float | None = None, head_weights=None) -> None:
         """One update from several micro-batches (`accumulate`, then `update`): what `step` makes of their
         concatenation. Each phase is a CUDA graph from its second use, as `step` is."""
-        self.accumulate(micro)
+        self.accumulate(micro, head_weights)
         self.update(lr)
 
-    def accumulate(self, micro) -> None:
+    def accumulate(self, micro, head_weights=None) -> None:
         """The forward and backward of each micro-batch, gradients summed into `Gacc`, losses into `loss_acc`.
 
         micro: [(inputs, targets)], with the DPO head [(inputs, targets, ref, pair_weight)] (the pair weights
@@ -461,6 +467,7 @@ class TrainEngine:
         targets together (host arrays: counted here), as `mtp_cross_entropy` of the concatenated batch has it."""
         if self.Gacc is None:
             raise ValueError("this engine was built without accum=True")
+        self._set_head_weights(head_weights)
         if self.head == "ce":
             self._set_scale([mb[1] for mb in micro])
         with self._on_stream():
@@ -480,12 +487,13 @@ class TrainEngine:
             self._run("update", self._update_body)
 
     def _set_scale(self, targets) -> None:
-        """head_scale[k] = 1 / (valid targets of head k * heads with any) over all the micro-batches, in
-        float32 as `ce_head_scale` computes it, queued like AdamW's values."""
-        K = self.cfg.mtp_heads
+        """head_scale[k] = w[k] / (valid targets of head k * the sum of w over the heads with any) over all
+        the micro-batches (w: the step's head weights), in float32 as `ce_head_scale` computes it, queued
+        like AdamW's values."""
+        K, w = self.cfg.mtp_heads, self._head_w_host
         counts = sum(np.count_nonzero(np.asarray(y).reshape(-1, K) >= 0, axis=0) for y in targets)
-        active = np.float32(np.count_nonzero(counts))
-        self._scale_host[:] = [np.float32(1) / (np.float32(c) * active) if c else 0 for c in counts]
+        total = np.float32(sum((w[k] for k in range(K) if counts[k]), np.float32(0)))
+        self._scale_host[:] = [w[k] / (np.float32(c) * total) if c and w[k] > 0 else 0 for k, c in enumerate(counts)]
         cp.cuda.runtime.memcpyAsync(self.head_scale.data.ptr, self._scale_host.ctypes.data, self._scale_host.nbytes,
                                     cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
 
@@ -534,6 +542,21 @@ class TrainEngine:
             self.graph = False
             return None
 
+    def _set_head_weights(self, head_weights) -> None:
+        """Queue the output heads' loss weights of this step (None: all 1) for `ce_head_scale`, as `_set_hyper`
+        queues AdamW's values: the captured step reads them from the device."""
+        if self.head != "ce":
+            if head_weights is not None:
+                raise ValueError("head weights are for the cross-entropy head")
+            return
+        K = self.cfg.mtp_heads
+        w = np.ones(K) if head_weights is None else np.asarray(head_weights, dtype=np.float64)
+        if w.shape != (K,) or not np.all(w >= 0):
+            raise ValueError(f"head weights must be {K} values >= 0, got {head_weights!r}")
+        self._head_w_host[:] = w
+        cp.cuda.runtime.memcpyAsync(self.head_w.data.ptr, self._head_w_host.ctypes.data, self._head_w_host.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
+
     def _set_hyper(self, lr: float) -> None:
         """Count the step and queue each lr group's values for it (AdamW: step size, 1/sqrt(1 - b2^t),
         decay factor; Muon: lr, -, decay factor) on the current stream; the copy from pageable memory is
@@ -558,7 +581,7 @@ class TrainEngine:
         cp.cuda.runtime.memsetAsync(self.demb.data.ptr, 0, self.demb.nbytes, stream)
         cp.cuda.runtime.memsetAsync(self.sq.data.ptr, 0, 4, stream)
         if self.head == "ce" and not accumulating:
-            heads.ce_head_scale(self.tg, self.head_scale)
+            heads.ce_head_scale(self.tg, self.head_w, self.head_scale)
         embed.embed_fwd(self.ids, self.emb, self.xs[0])
         for i in range(L):
             self.block_forward(i)

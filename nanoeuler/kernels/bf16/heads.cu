@@ -3,9 +3,11 @@
 
 #include "common.cuh"
 
-// Per head k: scale[k] = 1 / (n_valid_k * active) where active = heads with any valid target (0 if none).
-// targets (N, K) int32, -1 ignored. One block of 1024 threads.
-extern "C" __global__ void __launch_bounds__(1024) ce_head_scale(const int* __restrict__ targets, float* __restrict__ scale,
+// Per head k: scale[k] = w[k] / (n_valid_k * W) where W = the sum of w over the heads with any valid target
+// (0 for a head without one, or of weight 0). w: the heads' loss weights this step, read from the device so
+// that a captured step sees each step's. targets (N, K) int32, -1 ignored. One block of 1024 threads.
+extern "C" __global__ void __launch_bounds__(1024) ce_head_scale(const int* __restrict__ targets,
+                                                                 const float* __restrict__ w, float* __restrict__ scale,
                                                                  long long N, int K) {
     __shared__ float red[32];
     __shared__ float cnt[16];
@@ -17,9 +19,9 @@ extern "C" __global__ void __launch_bounds__(1024) ce_head_scale(const int* __re
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        int active = 0;
-        for (int k = 0; k < K; ++k) active += cnt[k] > 0.f;
-        for (int k = 0; k < K; ++k) scale[k] = cnt[k] > 0.f ? 1.f / (cnt[k] * (float)active) : 0.f;
+        float total = 0.f;
+        for (int k = 0; k < K; ++k) total += cnt[k] > 0.f ? w[k] : 0.f;
+        for (int k = 0; k < K; ++k) scale[k] = cnt[k] > 0.f && w[k] > 0.f ? w[k] / (cnt[k] * total) : 0.f;
     }
 }
 

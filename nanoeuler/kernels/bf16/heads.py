@@ -10,10 +10,11 @@ from nanoeuler.kernels import kernel
 i32, i64 = np.int32, np.int64
 
 
-def ce_head_scale(targets, scale) -> None:
-    """scale[k] = 1 / (valid targets of head k * heads with any), targets (N, K) int32, -1 ignored."""
+def ce_head_scale(targets, weights, scale) -> None:
+    """scale[k] = w[k] / (valid targets of head k * the sum of w over the heads with any), targets (N, K)
+    int32 (-1 ignored), weights (K,) float32 on the device (`transformer.head_loss_scales`)."""
     N, K = targets.shape
-    kernel("bf16/heads", "ce_head_scale")((1,), (1024,), (targets, scale, i64(N), i32(K)))
+    kernel("bf16/heads", "ce_head_scale")((1,), (1024,), (targets, weights, scale, i64(N), i32(K)))
 
 
 def ce_heads(logits, targets, scale, loss_rows, head: int) -> None:

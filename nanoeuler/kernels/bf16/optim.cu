@@ -22,14 +22,44 @@ extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, bf16* __rest
         y[i] = f2bf(x[i] * gain_at(gain, C, i));
 }
 
-// acc[0] += sum g^2 (acc zeroed by the caller). blockDim 256.
-extern "C" __global__ void __launch_bounds__(256) sumsq(const float* __restrict__ g, long long n, float* __restrict__ acc) {
+// A sum over the blocks of a grid in a fixed order, where float atomics would add in the order the blocks
+// happen to finish, which varies from run to run: two data-parallel ranks given the same gradients would
+// then compute norms that differ in the last bit and drift apart. Each block of row blockIdx.y of the
+// grid writes its sum s (held by every thread) to part[y * gridDim.x + x]; the last of the row's blocks to
+// arrive (an integer counter, count[y]) adds the row's partials up in block order, out[y] += that, and
+// sets the counter back to 0 for the next launch. part and count are the launcher's scratch.
+__device__ __forceinline__ void ordered_sum(float s, float* __restrict__ part, unsigned* __restrict__ count,
+                                            float* __restrict__ out, float* red) {
+    __shared__ bool last;
+    const unsigned nb = gridDim.x, row = blockIdx.y;
+    if (threadIdx.x == 0) {
+        part[row * nb + blockIdx.x] = s;
+        __threadfence();  // the partial is visible before the counter says so
+        last = atomicAdd(count + row, 1u) == nb - 1;
+    }
+    __syncthreads();
+    if (!last) return;  // (the whole block returns: `last` is shared)
+    __threadfence();
+    const volatile float* p = part + row * nb;  // volatile: read from L2, not a stale L1 line
+    float t = 0.f;
+    for (unsigned i = threadIdx.x; i < nb; i += blockDim.x) t += p[i];
+    t = block_sum(t, red);
+    if (threadIdx.x == 0) {
+        out[row] += t;
+        count[row] = 0u;
+    }
+}
+
+// acc[0] += sum g^2 (acc zeroed by the caller), in a fixed order (ordered_sum). blockDim 256.
+extern "C" __global__ void __launch_bounds__(256) sumsq(const float* __restrict__ g, long long n,
+                                                        float* __restrict__ acc, float* __restrict__ part,
+                                                        unsigned* __restrict__ count) {
     __shared__ float red[32];
     float s = 0.f;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         s = fmaf(g[i], g[i], s);
     s = block_sum(s, red);
-    if (threadIdx.x == 0) atomicAdd(acc, s);
+    ordered_sum(s, part, count, acc, red);
 }
 
 // AdamW over a flat range, with global-norm clipping read from the device (no host round trip):
@@ -104,10 +134,12 @@ extern "C" __global__ void __launch_bounds__(256) grad_accumulate(const float* _
 // l * xstride in the bf16 Newton-Schulz operand x.
 
 // Clip g as adamw_clip_bf16 does (c from sumsq_acc), then Nesterov momentum:
-//   m = mu m + c g ; u = c g + mu m ; x = bf16(u) ; ss[l] += sum u^2   (ss zeroed by the caller)
+//   m = mu m + c g ; u = c g + mu m ; x = bf16(u) ; ss[l] += sum u^2   (ss zeroed by the caller; the sum
+//   in a fixed order, ordered_sum, so that every rank scales u alike)
 extern "C" __global__ void __launch_bounds__(256) muon_momentum(
     const float* __restrict__ g, float* __restrict__ m, bf16* __restrict__ x, long long n, long long stride,
-    long long xstride, float* __restrict__ ss, const float* __restrict__ sumsq_acc, float max_norm, float mu) {
+    long long xstride, float* __restrict__ ss, const float* __restrict__ sumsq_acc, float max_norm, float mu,
+    float* __restrict__ part, unsigned* __restrict__ count) {
     __shared__ float red[32];
     const float norm = sqrtf(sumsq_acc[0]);
     const float c = (max_norm > 0.f && norm > max_norm && norm <= 3.0e38f) ? max_norm / (norm + 1e-6f) : 1.f;
@@ -121,7 +153,7 @@ extern "C" __global__ void __launch_bounds__(256) muon_momentum(
         s = fmaf(u, u, s);
     }
     s = block_sum(s, red);
-    if (threadIdx.x == 0) atomicAdd(ss + l, s);
+    ordered_sum(s, part, count, ss, red);
 }
 
 // x = bf16(x / (sqrt(ss[l]) + 1e-7)): each matrix scaled to Frobenius norm 1, so that its singular values
@@ -155,12 +187,31 @@ extern "C" __global__ void __launch_bounds__(256) muon_update(
 
 // The Newton-Schulz step's polynomial before its product: b = cb * a + ca * I for `count` m x m bf16
 // matrices (packed), so that the step's two remaining products (b += cc * a a, then x' = b x) need no
-// copy of x for its linear term.
+// copy of x for its linear term. Grid (blocks over one matrix, count): blockIdx.y is the matrix, so the
+// row and column come from 32-bit arithmetic (m < 65536), once per 8 values (16-byte accesses) when
+// m % 8 == 0, the engine's shapes; one value at a time otherwise. It runs 5 times a step for each of the
+// 7 shapes, over every layer's m x m matrix: 64-bit divisions per value made it compute-bound.
+__device__ __forceinline__ float poly_one(float a, unsigned r, unsigned c, float ca, float cb) {
+    return fmaf(cb, a, r == c ? ca : 0.f);
+}
+
 extern "C" __global__ void __launch_bounds__(256) muon_poly_init(const bf16* __restrict__ a, bf16* __restrict__ b,
                                                                  long long m, long long count, float ca, float cb) {
-    const long long n = m * m * count;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const long long e = i % (m * m);
-        b[i] = f2bf(fmaf(cb, bf2f(a[i]), e / m == e % m ? ca : 0.f));
+    const unsigned mu = (unsigned)m, mm = mu * mu, stride = gridDim.x * blockDim.x;
+    a += (long long)blockIdx.y * mm, b += (long long)blockIdx.y * mm;
+    if ((mu & 7u) == 0u) {
+        const uint4* a8 = reinterpret_cast<const uint4*>(a);
+        uint4* b8 = reinterpret_cast<uint4*>(b);
+        for (unsigned j = blockIdx.x * blockDim.x + threadIdx.x; j < mm / 8u; j += stride) {
+            const unsigned r = (8u * j) / mu, c = 8u * j - r * mu;  // values (r, c .. c+7)
+            const uint4 v = a8[j];
+            b8[j] = make_uint4(pack2(poly_one(lo_bf(v.x), r, c, ca, cb), poly_one(hi_bf(v.x), r, c + 1, ca, cb)),
+                               pack2(poly_one(lo_bf(v.y), r, c + 2, ca, cb), poly_one(hi_bf(v.y), r, c + 3, ca, cb)),
+                               pack2(poly_one(lo_bf(v.z), r, c + 4, ca, cb), poly_one(hi_bf(v.z), r, c + 5, ca, cb)),
+                               pack2(poly_one(lo_bf(v.w), r, c + 6, ca, cb), poly_one(hi_bf(v.w), r, c + 7, ca, cb)));
+        }
+        return;
     }
+    for (unsigned e = blockIdx.x * blockDim.x + threadIdx.x; e < mm; e += stride)
+        b[e] = f2bf(poly_one(bf2f(a[e]), e / mu, e % mu, ca, cb));
 }

@@ -1,5 +1,9 @@
 """Launchers of optim.cu: the gradient norm's sum of squares, AdamW with clipping read from the device,
-and the bf16 GEMM image of the master weights (norm gains folded in)."""
+the bf16 GEMM image of the master weights (norm gains folded in), and Muon's kernels.
+
+The sums of squares (the gradient norm, each Muon matrix's norm) add their blocks' partial sums in a
+fixed order, so that equal gradients give equal norms to the last bit, on every data-parallel rank and in
+every run; the partials live in a scratch buffer per accumulator (`_scratch`)."""
 
 from __future__ import annotations
 
@@ -10,11 +14,32 @@ from nanoeuler.kernels.bf16 import grid_1d
 
 i32, i64, f32 = np.int32, np.int64, np.float32
 
+PARTS = 4096  # the most blocks an ordered sum adds up (its grid's size)
+_SCRATCH: dict = {}  # {(device, accumulator address): partial sums, arrival counters}
+
+
+def _scratch(acc, blocks: int) -> tuple:
+    """(partial sums, arrival counters) of the ordered sums into `acc`, PARTS of each, for a grid of
+    `blocks` blocks. One buffer per accumulator, zeroed on its first use (the kernels leave the counters
+    at zero), so sums into different accumulators, on different streams say, never share one. The first
+    use must not fall inside a CUDA graph's capture: the engine runs each of its steps kernel by kernel
+    once before it captures it. Kept for the process's life: a captured graph may still point at it."""
+    import cupy
+
+    if blocks > PARTS:
+        raise ValueError(f"an ordered sum over {blocks} blocks; at most {PARTS}")
+    key = (acc.device.id, acc.data.ptr)
+    if key not in _SCRATCH:
+        buf = cupy.zeros(2 * PARTS, dtype=np.float32)
+        _SCRATCH[key] = buf[:PARTS], buf[PARTS:].view(np.uint32)
+    return _SCRATCH[key]
+
 
 def sumsq(g, sq) -> None:
-    """sq[0] += sum of g^2 (g flat float32)."""
+    """sq[0] += sum of g^2 (g flat float32), the same bits for the same g whatever the blocks' order."""
     n = g.size
-    kernel("bf16/optim", "sumsq")((min(4096, -(-n // 256)),), (256,), (g, i64(n), sq))
+    grid = min(PARTS, -(-n // 256))
+    kernel("bf16/optim", "sumsq")((grid,), (256,), (g, i64(n), sq, *_scratch(sq, grid)))
 
 
 def f32_to_bf16(x, y, gain, cols: int) -> None:
@@ -47,9 +72,11 @@ def _layer_grid(n: int, layers: int) -> tuple:
 def muon_momentum(g, m, x, n: int, stride: int, xstride: int, layers: int, ss, sq, max_norm: float,
                   mu: float) -> None:
     """For each layer l: the clipped gradient's Nesterov momentum u (m updated in place) into the bf16
-    matrix x[l*xstride:], and ss[l] += sum u^2. g, m: float32 from the layer-0 matrix, layers `stride` apart."""
-    kernel("bf16/optim", "muon_momentum")(_layer_grid(n, layers), (256,), (
-        g, m, x, i64(n), i64(stride), i64(xstride), ss, sq, f32(max_norm), f32(mu)))
+    matrix x[l*xstride:], and ss[l] += sum u^2 (in a fixed order). g, m: float32 from the layer-0 matrix,
+    layers `stride` apart."""
+    grid = _layer_grid(n, layers)
+    kernel("bf16/optim", "muon_momentum")(grid, (256,), (
+        g, m, x, i64(n), i64(stride), i64(xstride), ss, sq, f32(max_norm), f32(mu), *_scratch(ss, grid[0] * layers)))
 
 
 def muon_normalize(x, n: int, xstride: int, layers: int, ss) -> None:
@@ -68,5 +95,6 @@ def muon_update(p, o, pb, n: int, stride: int, ostride: int, layers: int, hyper,
 
 def muon_poly_init(a, b, m: int, count: int, ca: float, cb: float) -> None:
     """b = cb * a + ca * I for `count` packed m x m bf16 matrices (a Newton-Schulz step's linear terms)."""
-    n = m * m * count
-    kernel("bf16/optim", "muon_poly_init")(grid_1d(n), (256,), (a, b, i64(m), i64(count), f32(ca), f32(cb)))
+    per_thread = 8 if m % 8 == 0 else 1  # 16-byte accesses where rows allow
+    kernel("bf16/optim", "muon_poly_init")(_layer_grid(m * m // per_thread, count), (256,), (
+        a, b, i64(m), i64(count), f32(ca), f32(cb)))

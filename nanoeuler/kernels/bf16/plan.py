@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nanoeuler.optim import default_no_decay, param_group
+from nanoeuler.optim import GROUPS, default_no_decay, param_group
 
 BF16_STORAGE = np.uint16  # bf16 values travel as raw 16-bit words; the kernels convert them
 ALIGN = 64  # elements: every tensor of the flat buffers starts 256-byte aligned (float32)
@@ -299,11 +299,11 @@ def engine_bytes(cfg, batch: int, seq: int, *, attention: str, fuse_swiglu: bool
                + (B * H * T * D + 2 * B * Hkv * T * D) * f4 * (attention == "fp32")  # float32 attention's out, dk, dv
                + N * C * bf + N * H * D * qb + B * H * T * f4  # dh, da, delta
                + N * C * f4 + N * C * bf + N * C * bf + N * f4 + N * C * f4  # dx, dxb, xn, rstdf, dxn
-               + FOLD_SPLITS * C * f4 + 3 * f4 + 2 * f4  # gpart, AdamW's values, loss, sq
+               + FOLD_SPLITS * C * f4 + 3 * len(GROUPS) * f4 + 2 * f4  # gpart, each lr group's values, loss, sq
                + N * f4 + N * K * f4  # ids, targets
                + 2 * T * (D // 2) * f4)  # the RoPE tables
     if head == "ce":
-        scratch += N * K * f4 + K * f4  # per-row losses, head scale
+        scratch += N * K * f4 + 2 * K * f4  # per-row losses, head scale, head weights
     else:
         scratch += 2 * N * f4 + 2 * B * f4 + B * f4 + (B // 2) * f4  # tok, lse rows; logp, dlogp; ref; pair weights
     maps = 0

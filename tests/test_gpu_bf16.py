@@ -263,7 +263,7 @@ def test_engine_head_weights_reach_the_captured_step():
     and 2 have zero gradients (weights frozen at the capture, step 2's, would train them)."""
     import cupy
 
-    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.kernels.bf16.engine import TrainEngine
     from nanoeuler.model import transformer
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.optim import head_weights_at
@@ -275,7 +275,7 @@ def test_engine_head_weights_reach_the_captured_step():
     weights = [head_weights_at(s, 5, [1.0, 0.5, 0.25], [1.0, 0.0, 0.0]) for s in range(5)]
     runs = {}
     for graph in (False, True):
-        eng = Engine(cfg, params, batch=4, seq=64, graph=graph)
+        eng = TrainEngine(cfg, params, batch=4, seq=64, graph=graph)
         losses = []
         for (x, y), w in zip(batches, weights):
             before = {n: p.get().astype(np.float64) for n, p in eng.params().items()}
@@ -300,14 +300,14 @@ def test_engine_update_from_equal_gradients_is_bit_identical(optimizer):
     them in the order the blocks finish."""
     import cupy
 
-    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.kernels.bf16.engine import TrainEngine
     from nanoeuler.model import transformer
     from nanoeuler.model.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=512, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ctx_len=64, mtp_heads=2)
     params = transformer.init_params(cfg, seed=0)
     rng = np.random.default_rng(1)
-    engines = [Engine(cfg, params, batch=2, seq=64, optimizer=optimizer) for _ in range(2)]
+    engines = [TrainEngine(cfg, params, batch=2, seq=64, optimizer=optimizer) for _ in range(2)]
     for _ in range(3):
         grads = {n: (0.01 * rng.standard_normal(p.shape)).astype(np.float32) for n, p in params.items()}
         for eng in engines:

@@ -5,7 +5,7 @@ training loop that applies it step by step."""
 import numpy as np
 import pytest
 
-from nanoeuler.checks import gradcheck
+from nanoeuler.checks import problem
 from nanoeuler.config import validate
 from nanoeuler.errors import UserError
 from nanoeuler.model import transformer
@@ -15,7 +15,7 @@ from nanoeuler.train import loop
 from nanoeuler.train.config import PretrainConfig
 from nanoeuler.train.stepper import make_stepper
 
-CFG = gradcheck.CHECK_CONFIG  # K = 3 heads
+CFG = problem.CHECK_CONFIG  # K = 3 heads
 
 
 def _fd(params, batch, name, index, weights, h=3e-3):
@@ -35,7 +35,7 @@ def _fd(params, batch, name, index, weights, h=3e-3):
 
 @pytest.mark.parametrize("weights", [[1.0, 0.5, 0.25], [0.2, 0.0, 3.0]])
 def test_weighted_loss_gradients_match_finite_differences(weights):
-    params, inputs, targets = gradcheck.random_problem(CFG, seed=4)
+    params, inputs, targets = problem.random_problem(CFG, seed=4)
     loss, grads = transformer.loss_and_grads(params, inputs, targets, CFG, head_weights=weights)
     assert loss == pytest.approx(transformer.forward_loss(params, inputs, targets, CFG, head_weights=weights)[0],
                                  rel=1e-12)
@@ -52,7 +52,7 @@ def test_weighted_loss_gradients_match_finite_differences(weights):
 def test_weights_of_one_are_the_plain_mean_and_scale_free():
     """All-ones weights give the unweighted loss and gradients bit for bit; weights only count relative to
     each other (times 3: the same loss)."""
-    params, inputs, targets = gradcheck.random_problem(CFG, seed=1)
+    params, inputs, targets = problem.random_problem(CFG, seed=1)
     plain = transformer.loss_and_grads(params, inputs, targets, CFG)
     ones = transformer.loss_and_grads(params, inputs, targets, CFG, head_weights=[1.0, 1.0, 1.0])
     assert plain[0] == ones[0] and all(np.array_equal(plain[1][n], ones[1][n]) for n in params)
@@ -64,7 +64,7 @@ def test_weights_of_one_are_the_plain_mean_and_scale_free():
 def test_a_head_of_weight_zero_is_not_trained():
     """Weight 0: a zero gradient for the head, nothing from it in the trunk, and the loss the weighted mean
     of the others' mean cross-entropies (forward_loss's per-head values)."""
-    params, inputs, targets = gradcheck.random_problem(CFG, seed=2)
+    params, inputs, targets = problem.random_problem(CFG, seed=2)
     loss, grads = transformer.loss_and_grads(params, inputs, targets, CFG, head_weights=[2.0, 0.0, 1.0])
     assert not grads["mtp_heads.1.weight"].any() and grads["mtp_heads.2.weight"].any()
     _, heads = transformer.forward_loss(params, inputs, targets, CFG)
@@ -81,7 +81,7 @@ def test_a_head_of_weight_zero_is_not_trained():
 
 
 def test_micro_batches_step_as_the_whole_batch_with_weights():
-    params, inputs, targets = gradcheck.random_problem(CFG, seed=5, batch=4)
+    params, inputs, targets = problem.random_problem(CFG, seed=5, batch=4)
     w = [1.0, 0.3, 0.0]
     whole = transformer.loss_and_grads(params, inputs, targets, CFG, head_weights=w)
     totals = transformer.step_totals([targets[:1], targets[1:]])

@@ -107,7 +107,7 @@ def test_head_weights_match_torch(head_weights):
     """The MTP heads' weighted loss (a schedule's start; a head of weight 0, whose gradient torch leaves
     zero); head 3 has no target, so its weight is left out of the mean."""
     cfg = ModelConfig(vocab_size=37, dim=24, n_layers=2, n_heads=6, n_kv_heads=2, ctx_len=16, mtp_heads=4)
-    params, inputs, targets = gradcheck.random_problem(cfg, seed=7, batch=2, T=9)
+    params, inputs, targets = problem.random_problem(cfg, seed=7, batch=2, T=9)
     targets[..., 3] = -1
     _compare(cfg, params, inputs, targets, head_weights)
 

@@ -658,14 +658,14 @@ def case_engine_head_weights(rng, shape):
     """shape (attention,): the engine's loss and every gradient with the output heads' loss weights of a
     schedule (head 2 at 0: not trained, a zero gradient) vs float64 loss_and_grads with the same weights;
     the step before ran with other weights, which the engine must not keep."""
-    from nanoeuler.kernels.engine import Engine
+    from nanoeuler.kernels.bf16.engine import TrainEngine
     from nanoeuler.model import transformer
     from nanoeuler.model.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=128, mtp_heads=4)
     params, inputs, targets = _engine_problem(rng, cfg, 2, 128)
     weights = [1.0, 0.5, 0.0, 0.125]
-    eng = Engine(cfg, params, batch=2, seq=128, attention=shape[0])
+    eng = TrainEngine(cfg, params, batch=2, seq=128, attention=shape[0])
     for w in ([1.0, 1.0, 1.0, 1.0], weights):
         eng.forward_backward(_g(inputs, np.int32), _g(targets, np.int32), head_weights=w)
     p64 = {n: p.astype(np.float64) for n, p in params.items()}

@@ -103,6 +103,7 @@ class Backend:
     def __init__(self, engine, tok, name: str, slots: int = 8, prefix_cache: int = 8, speculative: bool = False):
         self.engine, self.tok, self.name = engine, tok, name
         self.stop_ids = frozenset({tok.end_id, tok.eot_id})
+        self.token_bytes = _TokenBytes(tok)  # a token's bytes, looked up once (a stream asks for each token's)
         be = getattr(engine, "backend", None)
         self._slots = _slots(be, engine.cfg, slots) if all(
             hasattr(be, m) for m in ("start", "prefill", "decode")) else None
@@ -170,6 +171,18 @@ class Backend:
         if self._slots is None:
             return [_own(s, lambda s=s: [s.advance()]) for s in streams]
         return self._slots.step(streams)
+
+
+class _TokenBytes(dict):
+    """token id -> its bytes (`tok.decode_bytes([id])`), each decoded the first time it is asked for."""
+
+    def __init__(self, tok):
+        super().__init__()
+        self.tok = tok
+
+    def __missing__(self, token: int) -> bytes:
+        raw = self[token] = self.tok.decode_bytes([token])
+        return raw
 
 
 def _own(stream: TokenStream, work):

@@ -171,7 +171,10 @@ def tokenizer():
 
 def hot_spots(prof: cProfile.Profile, top: int) -> str:
     out = io.StringIO()
-    stats = pstats.Stats(prof, stream=out)
+    try:
+        stats = pstats.Stats(prof, stream=out)
+    except TypeError:  # it saw no calls
+        return "(no calls)\n"
     stats.sort_stats("tottime").print_stats(top)
     text = out.getvalue()
     return text[text.find("   ncalls"):] if "   ncalls" in text else text
@@ -276,10 +279,13 @@ async def level(host, port, clients: int, args) -> dict:
             "gap_p50": float(np.percentile(gaps, 50)), "gap_p99": float(np.percentile(gaps, 99))}
 
 
-async def first_token(host, port, args) -> tuple[float, float]:
-    """Median ms to a one-token answer, one request at a time: streamed (to its first read), and whole."""
+async def first_token(host, port, args) -> tuple[float, float, float, float]:
+    """Ms to a one-token answer, one request at a time: streamed (to its first read) and whole, the median and
+    the least of each; and the server process's CPU ms per request (unlike the times, not lengthened by
+    other work on a busy machine)."""
     conn = Connection(host, port)
     body = json.dumps({"prompt": PROMPT, "max_tokens": 1, "temperature": 0}).encode()
+    before = await get_json(host, port, "GET", "/bench/stats")
     try:
         streamed, whole = [], []
         for _ in range(args.ttft_repeats):
@@ -290,13 +296,19 @@ async def first_token(host, port, args) -> tuple[float, float]:
             whole.append(time.perf_counter() - t0)
     finally:
         conn.close()
-    return float(np.median(streamed)) * 1e3, float(np.median(whole)) * 1e3
+    after = await get_json(host, port, "GET", "/bench/stats")
+    cpu = (after["process_cpu"] - before["process_cpu"]) / (2 * args.ttft_repeats)  # the stats requests' too
+    return float(np.median(streamed)) * 1e3, float(np.median(whole)) * 1e3, min(streamed + whole) * 1e3, cpu * 1e3
 
 
-async def profiled(host, port, clients: int, args) -> dict:
+async def profiled(host, port, clients: int, args) -> tuple[dict, dict]:
+    """cProfile of the server at `clients` streams, then during the one-token answers."""
     await get_json(host, port, "POST", "/bench/profile/on")
     await level(host, port, clients, args)
-    return await get_json(host, port, "POST", "/bench/profile/off")
+    load = await get_json(host, port, "POST", "/bench/profile/off")
+    await get_json(host, port, "POST", "/bench/profile/on")
+    await first_token(host, port, args)
+    return load, await get_json(host, port, "POST", "/bench/profile/off")
 
 
 def main() -> int:
@@ -325,7 +337,8 @@ def main() -> int:
         proc.kill()
         raise SystemExit(f"the server did not start: {line}{proc.stderr.read()}")
     host, port = found.group(1), int(found.group(2))
-    threading.Thread(target=proc.stderr.read, daemon=True).start()  # a full pipe must not stall the server
+    # the server's log (warnings only) passes through: a full pipe must not stall it
+    threading.Thread(target=lambda: sys.stderr.writelines(proc.stderr), daemon=True).start()
     try:
         asyncio.run(level(host, port, 1, argparse.Namespace(**{**vars(args), "requests": 1})))  # warm-up
         rows = [asyncio.run(level(host, port, c, args)) for c in levels]
@@ -347,10 +360,11 @@ def main() -> int:
     prompt_tokens = len(tokenizer().encode(PROMPT))
     print(f"one-token answer ({prompt_tokens} prompt tokens, {prompt_tokens * args.prefill_us / 1e3:.2f} ms of fake "
           f"prefill): time to first token {ttft[0]:.2f} ms streamed, {ttft[1]:.2f} ms whole (median of "
-          f"{args.ttft_repeats})")
+          f"{args.ttft_repeats}; least {ttft[2]:.2f} ms); server CPU {ttft[3]:.2f} ms a request")
     if prof:
-        print(f"\nprofile at {max(levels)} clients: the event loop's thread\n{prof['loop']}")
-        print(f"the scheduler's thread\n{prof['worker']}")
+        print(f"\nprofile at {max(levels)} clients: the event loop's thread\n{prof[0]['loop']}")
+        print(f"the scheduler's thread\n{prof[0]['worker']}")
+        print(f"profile of the one-token answers: the event loop's thread\n{prof[1]['loop']}")
     return 1 if any(r["failures"] for r in rows) else 0
 
 

@@ -374,6 +374,8 @@ async def _answer(request, kind, ids, max_new, options: Options, backend, schedu
     guides = await grammars.guides(options.schema, options.n) if options.schema is not None else [None] * options.n
     specs = [(ids, max_new, Sampling(options.temperature, 0, options.top_p, (seed + i) % SEED_LIMIT),
               not options.ignore_eos, {"logprobs": options.logprobs, "guide": guides[i]}) for i in range(options.n)]
+    # made before the jobs are queued: the worker wakes to them, and once it holds the GIL the loop's work waits
+    shape = _Shape(kind, backend, len(ids), options.logprobs)
     try:
         jobs = scheduler.submit_many(specs)
     except QueueFull as exc:
@@ -381,7 +383,6 @@ async def _answer(request, kind, ids, max_new, options: Options, backend, schedu
                        code="rate_limit_exceeded") from None
     scheduler.metrics.prompt_tokens.inc(len(ids) * len(jobs))
     texts = [_Text(job, backend, options.stop) for job in jobs]
-    shape = _Shape(kind, backend, len(ids), options.logprobs)
     if options.stream:
         events = _events(jobs, texts, shape, options.include_usage, request.state.request_id)
         return StreamingResponse(events, media_type="text/event-stream",

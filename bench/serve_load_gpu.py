@@ -147,8 +147,23 @@ async def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
             "gaps": list(np.diff(arrivals))}
 
 
-async def prefix_ttft(url: str, args, vocab: int) -> tuple[float, float]:
-    """Median time to first token (ms) of one-token answers whose --prefix tokens are new, and cached."""
+async def server_ttft(client, url: str) -> tuple[float, float] | None:
+    """The server's own count and sum of seconds to first token (its /metrics: submitted to first token,
+    no HTTP), or None for a server without them (llama-server)."""
+    r = await client.get(url + "/metrics")
+    if r.status_code != 200:
+        return None
+    values = dict(line.rsplit(" ", 1) for line in r.text.splitlines() if " " in line and not line.startswith("#"))
+    name = "nanoeuler_time_to_first_token_seconds"
+    if f"{name}_count" not in values:
+        return None
+    return float(values[f"{name}_count"]), float(values[f"{name}_sum"])
+
+
+async def prefix_ttft(url: str, args, vocab: int) -> tuple[float, float, tuple | None]:
+    """Median time to first token (ms) of one-token answers whose --prefix tokens are new, and cached; and
+    the server's own mean of each (ms, from its /metrics; None where it has none), which tells what the
+    HTTP round trip and the client add."""
     import httpx2
 
     rng = np.random.default_rng(0)
@@ -160,11 +175,17 @@ async def prefix_ttft(url: str, args, vocab: int) -> tuple[float, float]:
             r.raise_for_status()
             return (time.perf_counter() - t0) * 1e3
 
+        m0 = await server_ttft(client, url)
         fresh = [await one(ids(args.prefix) + ids(16)) for _ in range(args.prefix_repeats)]
+        m1 = await server_ttft(client, url)
         shared = ids(args.prefix)
         await one(shared + ids(16))  # puts the prefix in the cache
+        m2 = await server_ttft(client, url)
         cached = [await one(shared + ids(16)) for _ in range(args.prefix_repeats)]
-    return float(np.median(fresh)), float(np.median(cached))
+        m3 = await server_ttft(client, url)
+    mean = lambda a, b: (b[1] - a[1]) / max(b[0] - a[0], 1) * 1e3  # noqa: E731
+    own = (mean(m0, m1), mean(m2, m3)) if None not in (m0, m1, m2, m3) else None
+    return float(np.median(fresh)), float(np.median(cached)), own
 
 
 async def soak(url: str, args) -> dict:
@@ -254,7 +275,7 @@ def main() -> int:
                 from nanoeuler import checkpoint
 
                 vocab = checkpoint.load_model(args.ckpt)[1].vocab_size
-                fresh, cached = asyncio.run(prefix_ttft(url, args, vocab))
+                fresh, cached, own = asyncio.run(prefix_ttft(url, args, vocab))
             soaked = asyncio.run(soak(url, args)) if args.soak else None
         finally:
             if proc is not None:
@@ -272,6 +293,9 @@ def main() -> int:
     if args.prefix:
         print(f"prefix reuse, {args.prefix} shared tokens + 16: TTFT {fresh:.1f} ms new, {cached:.1f} ms cached "
               f"({cached / fresh:.2f}x)")
+        if own:
+            print(f"  the server's own (its /metrics, submitted to first token): {own[0]:.2f} ms new, "
+                  f"{own[1]:.2f} ms cached ({own[1] / max(own[0], 1e-9):.2f}x); the rest is HTTP and the client")
     if soaked:
         s = soaked["samples"]
         print(f"soak, {max(args.levels)} clients for {args.soak:g} s: {soaked['requests']} requests, "

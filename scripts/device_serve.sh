@@ -159,11 +159,11 @@ llama() {
     server=$WORK/llama.cpp/build/bin/llama-server
     "$server" -m "$WORK/model-bf16.gguf" -ngl 99 --parallel "$top" --ctx-size $((top * ctx)) --cont-batching \
         --host 127.0.0.1 --port 8081 --metrics > "$OUT/llama_server.log" 2>&1 &
-    local pid=$!
-    trap 'kill $pid 2>/dev/null || true' EXIT
+    LLAMA_PID=$!  # global: the EXIT trap runs after this function has returned, when a local is gone (set -u)
+    trap 'kill "$LLAMA_PID" 2>/dev/null || true' EXIT
     for _ in $(seq 120); do
         curl -sf http://127.0.0.1:8081/health > /dev/null && break
-        kill -0 $pid 2>/dev/null || { tail -20 "$OUT/llama_server.log"; return 1; }
+        kill -0 "$LLAMA_PID" 2>/dev/null || { tail -20 "$OUT/llama_server.log"; return 1; }
         sleep 1
     done
     $PY "$REPO/bench/serve_load_gpu.py" --url http://127.0.0.1:8081 --ckpt "$ckpt" --levels "$LEVELS" \

@@ -34,7 +34,7 @@ import logging
 import secrets
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
 
@@ -50,6 +50,7 @@ from nanoeuler.serve.protocol import ApiError, Options, parse_chat, parse_comple
 from nanoeuler.serve.scheduler import Job, QueueFull, Scheduler
 
 log = logging.getLogger("nanoeuler.serve")
+INLINE_CHARS = 2048  # prompts up to this long are tokenized on the event loop (`_tokenized`)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,8 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI
         max_new = _max_new_tokens(req.options, backend, config)
         room = min(max_new, backend.ctx_len // 4)
         try:
-            ids, _ = await asyncio.to_thread(chat_prompt, backend.tok, list(req.messages), backend.ctx_len, room)
+            ids, _ = await _tokenized(sum(len(text) for _, text in req.messages), chat_prompt, backend.tok,
+                                      list(req.messages), backend.ctx_len, room)
         except PromptError as exc:
             raise ApiError(str(exc), "messages", code=exc.code) from None
         return await _answer(request, "chat", ids, max_new, req.options, backend, scheduler, grammars)
@@ -113,7 +115,8 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI
         _authorize(request, config)
         req = parse_completion(await _read_json(request, config))
         max_new = _max_new_tokens(req.options, backend, config)
-        ids = await asyncio.to_thread(_completion_ids, req.prompt, backend)
+        ids = await _tokenized(len(req.prompt) if isinstance(req.prompt, str) else 0, _completion_ids, req.prompt,
+                               backend)
         return await _answer(request, "text", ids, max_new, req.options, backend, scheduler, grammars)
 
     @app.post("/tokenize")
@@ -126,7 +129,7 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI
         pieces = body.get("with_pieces", False)
         if not isinstance(pieces, bool):
             raise ApiError("with_pieces: expected a boolean", "with_pieces")
-        ids = await asyncio.to_thread(backend.tok.encode, text)
+        ids = await _tokenized(len(text), backend.tok.encode, text)
         if not pieces:
             return {"tokens": ids}
         return {"tokens": [{"id": t, "piece": _piece(backend.tok.decode_bytes([t]))} for t in ids]}
@@ -148,6 +151,15 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI
         return Response(metrics.text(), media_type=CONTENT_TYPE)
 
     return app
+
+
+async def _tokenized(chars: int, encode, *args):
+    """encode(*args) for a prompt of `chars` characters: on the event loop when it is short (a hop to a thread
+    and back costs more than encoding a few hundred characters), else on a worker thread (a long prompt takes
+    a while, and the loop must go on streaming meanwhile)."""
+    if chars <= INLINE_CHARS:
+        return encode(*args)
+    return await asyncio.to_thread(encode, *args)
 
 
 def _piece(raw: bytes):
@@ -311,26 +323,36 @@ class _Text:
         self.job, self.backend, self.stops = job, backend, stops
         self.finish_reason = "length"
 
-    async def pieces(self):
+    async def batches(self):
+        """Lists of (piece, held): the pieces of all the tokens that had arrived when read (one token's piece
+        each, or none while a character is split over tokens)."""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        cut = StopText(self.stops)
+        cut, token_bytes, stop_ids = StopText(self.stops), self.backend.token_bytes, self.backend.stop_ids
         index, held = -1, []  # the tokens of text not yet sent (a character split over tokens)
-        async for token in self.job.tokens():
-            index += 1
-            if token in self.backend.stop_ids:
-                if self.job.stop_at_end:
+        async for tokens in self.job.batches():
+            out, ended = [], False
+            for token in tokens:
+                index += 1
+                if token in stop_ids:
+                    if self.job.stop_at_end:
+                        self.finish_reason, ended = "stop", True
+                        break
+                    continue  # ignore_eos: the marker is generated, not sent
+                held.append((index, token))
+                piece = cut.feed(decoder.decode(token_bytes[token]))
+                if piece:
+                    out.append((piece, held))
+                    held = []
+                if cut.stopped:
                     self.finish_reason = "stop"
-                    break
-                continue  # ignore_eos: the marker is generated, not sent
-            held.append((index, token))
-            piece = cut.feed(decoder.decode(self.backend.tok.decode_bytes([token])))
-            if piece:
-                yield piece, held
-                held = []
-            if cut.stopped:
-                self.finish_reason = "stop"
-                self.job.cancel()
-                return
+                    self.job.cancel()
+                    if out:
+                        yield out
+                    return
+            if out:
+                yield out
+            if ended:
+                break
         else:  # no end marker: a grammar that is complete stops the answer too
             guide = self.job.stream_options.get("guide")
             if guide is not None and guide.stopped:
@@ -340,7 +362,7 @@ class _Text:
         if cut.stopped:
             self.finish_reason = "stop"
         if tail or held:
-            yield tail, held
+            yield [(tail, held)]
 
 
 async def _answer(request, kind, ids, max_new, options: Options, backend, scheduler: Scheduler, grammars):
@@ -352,6 +374,8 @@ async def _answer(request, kind, ids, max_new, options: Options, backend, schedu
     guides = await grammars.guides(options.schema, options.n) if options.schema is not None else [None] * options.n
     specs = [(ids, max_new, Sampling(options.temperature, 0, options.top_p, (seed + i) % SEED_LIMIT),
               not options.ignore_eos, {"logprobs": options.logprobs, "guide": guides[i]}) for i in range(options.n)]
+    # made before the jobs are queued: the worker wakes to them, and once it holds the GIL the loop's work waits
+    shape = _Shape(kind, backend, len(ids), options.logprobs)
     try:
         jobs = scheduler.submit_many(specs)
     except QueueFull as exc:
@@ -359,7 +383,6 @@ async def _answer(request, kind, ids, max_new, options: Options, backend, schedu
                        code="rate_limit_exceeded") from None
     scheduler.metrics.prompt_tokens.inc(len(ids) * len(jobs))
     texts = [_Text(job, backend, options.stop) for job in jobs]
-    shape = _Shape(kind, backend, len(ids), options.logprobs)
     if options.stream:
         events = _events(jobs, texts, shape, options.include_usage, request.state.request_id)
         return StreamingResponse(events, media_type="text/event-stream",
@@ -367,7 +390,7 @@ async def _answer(request, kind, ids, max_new, options: Options, backend, schedu
     watcher = asyncio.create_task(_cancel_on_disconnect(request, jobs))
 
     async def whole(text: _Text) -> list:
-        return [item async for item in text.pieces()]
+        return [part async for parts in text.batches() for part in parts]
 
     try:
         answers = await asyncio.gather(*(whole(t) for t in texts))
@@ -390,45 +413,64 @@ async def _cancel_on_disconnect(request: Request, jobs: list[Job]) -> None:
 
 
 async def _events(jobs: list[Job], texts: list[_Text], shape: "_Shape", include_usage: bool, rid: str):
-    """Server-sent events, the choices' pieces as they come (each chunk names its choice's `index`); leaving
-    early (the client went away: Starlette cancels us) cancels the jobs."""
+    """Server-sent events, the choices' pieces as they come (each chunk names its choice's `index`); a write
+    holds every piece that had arrived, one `data:` event each (several when the client fell behind), and
+    the end (finish, usage, `[DONE]`) goes in one write. Leaving early (the client went away: Starlette
+    cancels us) cancels the jobs."""
+    tail, left = [], len(jobs)
+    try:
+        if shape.kind == "chat":  # the role comes first, as OpenAI sends it
+            yield "".join(_event(shape.chunk(i, "", None, first=True)) for i in range(len(jobs)))
+        async with aclosing(_arrivals(texts)) as arrivals:
+            async for i, parts in arrivals:
+                if parts is not None:
+                    yield "".join(shape.event(i, piece, None, shape.logprobs(jobs[i], held)) for piece, held in parts)
+                    continue
+                left -= 1
+                if left:
+                    yield shape.event(i, "", texts[i].finish_reason)
+                else:  # the last choice's finish goes with the end
+                    tail.append(shape.event(i, "", texts[i].finish_reason))
+        if include_usage:
+            tail.append(_event({**shape.chunk(0, "", None), "choices": [],
+                                "usage": shape.usage(sum(job.generated for job in jobs))}))
+    except Exception as exc:
+        tail.append(_event(_server_error(rid, "generation", exc).body()))
+    finally:
+        for job in jobs:
+            job.cancel()
+    yield "".join(tail) + "data: [DONE]\n\n"
+
+
+async def _arrivals(texts: list[_Text]):
+    """(choice index, its pieces as they come), and (index, None) at its end; the choices' in arrival order."""
+    if len(texts) == 1:  # one choice: nothing to merge
+        async for parts in texts[0].batches():
+            yield 0, parts
+        yield 0, None
+        return
     arrived: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, text: _Text) -> None:
         try:
-            async for piece, held in text.pieces():
-                await arrived.put((i, piece, held))
-            await arrived.put((i, None, None))
+            async for parts in text.batches():
+                arrived.put_nowait((i, parts))
+            arrived.put_nowait((i, None))
         except Exception as exc:
-            await arrived.put((i, exc, None))
+            arrived.put_nowait((i, exc))
 
-    pumps = []
+    pumps = [asyncio.create_task(pump(i, text)) for i, text in enumerate(texts)]
     try:
-        if shape.kind == "chat":  # the role comes first, as OpenAI sends it
-            for i in range(len(jobs)):
-                yield _event(shape.chunk(i, "", None, first=True))
-        pumps = [asyncio.create_task(pump(i, text)) for i, text in enumerate(texts)]
-        left = len(jobs)
+        left = len(texts)
         while left:
-            i, piece, held = await arrived.get()
-            if isinstance(piece, Exception):
-                raise piece
-            if piece is None:
-                left -= 1
-                yield _event(shape.chunk(i, "", texts[i].finish_reason))
-            else:
-                yield _event(shape.chunk(i, piece, None, shape.logprobs(jobs[i], held)))
-        if include_usage:
-            yield _event({**shape.chunk(0, "", None), "choices": [],
-                          "usage": shape.usage(sum(job.generated for job in jobs))})
-    except Exception as exc:
-        yield _event(_server_error(rid, "generation", exc).body())
+            i, parts = await arrived.get()
+            if isinstance(parts, Exception):
+                raise parts
+            left -= parts is None
+            yield i, parts
     finally:
         for task in pumps:
             task.cancel()
-        for job in jobs:
-            job.cancel()
-    yield "data: [DONE]\n\n"
 
 
 def _event(obj: dict) -> str:
@@ -439,11 +481,14 @@ class _Shape:
     """The OpenAI response objects of one request: chat (`chat.completion`) or text (`text_completion`)."""
 
     def __init__(self, kind: str, backend: Backend, prompt_tokens: int, top: int | None):
-        self.kind, self.model, self.tok = kind, backend.name, backend.tok
+        self.kind, self.model, self.token_bytes = kind, backend.name, backend.token_bytes
         self.prompt_tokens, self.top = prompt_tokens, top  # top: alternatives per token; None: no logprobs
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self._offsets: dict[int, int] = {}  # a completion choice's text sent so far, in characters
         self.created = int(time.time())
+        # `event`'s start of every chunk: json.dumps of `chunk`'s object up to its choice's index
+        self._head = "data: " + json.dumps(self._wrap(".chunk" if kind == "chat" else "", []), ensure_ascii=False)[
+            :-len("[]}")] + '[{"index": '
 
     def usage(self, completion_tokens: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
@@ -472,6 +517,18 @@ class _Shape:
                                           "finish_reason": finish_reason}])
         return self._wrap("", [{"index": index, "text": piece, "logprobs": logprobs, "finish_reason": finish_reason}])
 
+    def event(self, index: int, piece: str, finish_reason: str | None, logprobs: dict | None = None) -> str:
+        """`_event(self.chunk(...))`, the same text, built from `_head` and the piece's JSON string alone: a
+        stream sends one per token, and encoding the whole object costs several times more."""
+        if logprobs is not None:
+            return _event(self.chunk(index, piece, finish_reason, logprobs))
+        text = json.dumps(piece, ensure_ascii=False)
+        finish = "null" if finish_reason is None else json.dumps(finish_reason)
+        if self.kind == "chat":
+            delta = f'{{"content": {text}}}' if piece else "{}"
+            return f'{self._head}{index}, "delta": {delta}, "logprobs": null, "finish_reason": {finish}}}]}}\n\n'
+        return f'{self._head}{index}, "text": {text}, "logprobs": null, "finish_reason": {finish}}}]}}\n\n'
+
     def logprobs(self, job: Job, held: list[tuple[int, int]]) -> dict | None:
         """The `logprobs` object of the tokens `held` ((index, id) of the job's tokens); None when not asked."""
         if self.top is None:
@@ -490,5 +547,5 @@ class _Shape:
                 "text_offset": offsets}
 
     def _token(self, t: int, logprob: float) -> dict:
-        raw = self.tok.decode_bytes([t])
+        raw = self.token_bytes[t]
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}

@@ -8,9 +8,11 @@ Only this module knows which engine answers; `infer.engine.load` decides, and tw
   streams (the reference `Generator`, one sequence per forward pass): a step advances the streams one
   after another;
 - a decode engine whose `backend` holds cache slots (`start(batch, seeds)`, `prefill(slot, ids)`,
-  `decode(tokens, pos, sampling, step, rngs, mask)`): each stream owns a slot from open to close, its
-  prompt is prefilled into it, and a step feeds every stream's last token in one `decode` per distinct
-  sampling setting (continuous batching: requests join and leave between steps).
+  `decode(tokens, pos, sampling, step, rngs, mask)`): each stream owns a slot from open to close (the
+  lowest free one), its prompt is prefilled into it (the prompts of streams that join at the same step
+  together, `prefill_many`, where the engine has it), and a step feeds every stream's last token in one
+  `decode` per distinct sampling setting (continuous batching: requests join and leave between steps),
+  over the slots up to the highest one fed, rounded up to a power of two.
 
 Beyond the next token, a stream on a slot engine may ask for its log-probabilities (`logprobs`: the chosen
 token's and its best alternatives', `infer.logprobs`) and follow a grammar (`guide`, `structured.Guide`: the
@@ -39,6 +41,7 @@ its slot goes back when it is closed) and the other streams go on as if it had n
 
 from __future__ import annotations
 
+import heapq
 import os
 import sys
 from collections import OrderedDict
@@ -103,6 +106,7 @@ class Backend:
     def __init__(self, engine, tok, name: str, slots: int = 8, prefix_cache: int = 8, speculative: bool = False):
         self.engine, self.tok, self.name = engine, tok, name
         self.stop_ids = frozenset({tok.end_id, tok.eot_id})
+        self.token_bytes = _TokenBytes(tok)  # a token's bytes, looked up once (a stream asks for each token's)
         be = getattr(engine, "backend", None)
         self._slots = _slots(be, engine.cfg, slots) if all(
             hasattr(be, m) for m in ("start", "prefill", "decode")) else None
@@ -172,6 +176,18 @@ class Backend:
         return self._slots.step(streams)
 
 
+class _TokenBytes(dict):
+    """token id -> its bytes (`tok.decode_bytes([id])`), each decoded the first time it is asked for."""
+
+    def __init__(self, tok):
+        super().__init__()
+        self.tok = tok
+
+    def __missing__(self, token: int) -> bytes:
+        raw = self[token] = self.tok.decode_bytes([token])
+        return raw
+
+
 def _own(stream: TokenStream, work):
     """work()'s result, or the exception it raised, which ends `stream` (and only it)."""
     try:
@@ -200,7 +216,7 @@ class _Slots:
 
     def __init__(self, be, cfg, n: int):
         self.be, self.cfg, self.n = be, cfg, n
-        self.free = list(range(n - 1, -1, -1))
+        self.free = list(range(n))  # a heap: a new stream takes the lowest free slot (`_decode`'s rows)
         self.seeds = [0] * n
         self.rngs = [np.random.default_rng(0) for _ in range(n)]
         self.tokens = np.zeros(n, dtype=np.int64)
@@ -214,26 +230,44 @@ class _Slots:
         if not self.free:
             raise RuntimeError(f"all {self.n} generation slots are taken")
         rng = np.random.default_rng(sampling.seed)  # first: a seed it refuses must not hold a slot
-        slot = self.free.pop()
+        slot = heapq.heappop(self.free)
         try:
             self.seeds[slot] = sampling.seed
             self.be.start(self.n, self.seeds)  # same shape: the caches stay, the slot's sampler is reseeded
         except BaseException:
             self.seeds[slot] = 0
-            self.free.append(slot)
+            heapq.heappush(self.free, slot)
             raise
         self.rngs[slot] = rng
         stream.slot, stream.sampling, stream.release = slot, sampling, self._give_back
         stream.history = list(prompt_ids[-self.cfg.ctx_len:])
 
     def _give_back(self, stream: TokenStream) -> None:
-        self.free.append(stream.slot)
+        heapq.heappush(self.free, stream.slot)
 
-    def _prefill(self, s: TokenStream) -> None:
-        """Fill the slot with the stream's history (after the rows of a cached prefix, if any); its next token
-        comes from the last position's logits."""
-        reused = self.prefixes.reuse(s.slot, s.history) if self.prefixes else 0
-        heads = self.be.prefill_from(s.slot, s.history, reused) if reused else self.be.prefill(s.slot, s.history)
+    def _prefill_new(self, news: list[TokenStream]) -> dict:
+        """Prefill the streams new to the batch: {id(stream): None, or the exception that ended it}. Those
+        without a cached prefix go through the engine together (`prefill_many`: one pass and one wait, where
+        each alone is one of each: requests arrive in bunches); if that fails, each is tried alone, so a
+        failure stays its own stream's."""
+        together = [s for s in news if not (self.prefixes and self.prefixes.match(s.history))]
+        done = {}
+        if len(together) > 1 and hasattr(self.be, "prefill_many"):
+            try:
+                heads = self.be.prefill_many([s.slot for s in together], [s.history for s in together])
+            except Exception:
+                heads = ()
+            done = {id(s): _own(s, lambda s=s, h=h: self._prefill(s, h)) for s, h in zip(together, heads)}
+        return {id(s): done[id(s)] if id(s) in done else _own(s, lambda s=s: self._prefill(s)) for s in news}
+
+    def _prefill(self, s: TokenStream, heads=None) -> None:
+        """Fill the slot with the stream's history (after the rows of a cached prefix, if any), or take `heads`,
+        its logits from a prefill already done (`_prefill_new`); its next token comes from the last position's
+        logits."""
+        reused = 0
+        if heads is None:
+            reused = self.prefixes.reuse(s.slot, s.history) if self.prefixes else 0
+            heads = self.be.prefill_from(s.slot, s.history, reused) if reused else self.be.prefill(s.slot, s.history)
         if self.prefixes:
             self.prefixes.keep(s.slot, s.history, reused)
         s.pending = self._choose([s], heads[:1])[0]
@@ -267,7 +301,7 @@ class _Slots:
         """`Backend.step` on slots: prefill the new streams, hand out every pending token, decode the next ones
         (one call per sampling setting), then verify the speculating streams' drafts (one call for all; the
         drafts kept are handed out too). A stream's own failure takes its tokens' place in `out`."""
-        out = {id(s): _own(s, lambda s=s: self._prefill(s)) for s in streams if s.pending is None}
+        out = self._prefill_new([s for s in streams if s.pending is None])
         feed = []
         for s in streams:
             if isinstance(out.get(id(s)), Exception):
@@ -319,21 +353,25 @@ class _Slots:
                 s.history.append(int(d))
 
     def _decode(self, feed: list[TokenStream], group: list[TokenStream]) -> None:
-        """One decode call for `group`. An engine may compute the rows outside the mask too, writing their
-        keys/values: so every fed slot carries its true (token, position), where it writes what it will
-        write when fed, and every other row the last position, which a slot writes before it reads."""
+        """One decode call for `group`, over the slots 0..B-1 only: B the power of two (at most n) that holds
+        every fed slot, since an engine may compute every row it is given (a GPU step of 64 rows costs
+        several times one of 1, and streams hold the lowest slots). So every fed slot carries its true
+        (token, position), where it writes what it will write when fed, and every other row the last
+        position, which a slot writes before it reads."""
         self.tokens[:], self.pos[:] = 0, self.cfg.ctx_len - 1  # rows not fed: a position no slot has read yet
+        top = 0
         for s in feed:
             self.tokens[s.slot], self.pos[s.slot] = s.pending, s.pos
-        mask = np.zeros(self.n, dtype=bool)
+            top = max(top, s.slot)
+        B = min(self.n, 1 << top.bit_length())  # powers of two: few shapes (a GPU engine records one per shape)
+        mask = np.zeros(B, dtype=bool)
         mask[[s.slot for s in group]] = True
-        pos = np.minimum(self.pos, self.cfg.ctx_len - 1)
+        tokens, pos = self.tokens[:B].copy(), np.minimum(self.pos[:B], self.cfg.ctx_len - 1)
         if _needs_logits(group[0]):  # rows come back in slot order
             group = sorted(group, key=lambda s: s.slot)
-            nxt = dict(zip((s.slot for s in group),
-                           self._choose(group, self.be.decode_logits(self.tokens.copy(), pos, mask))))
+            nxt = dict(zip((s.slot for s in group), self._choose(group, self.be.decode_logits(tokens, pos, mask))))
         else:
-            nxt = self.be.decode(self.tokens.copy(), pos, group[0].sampling, self.decodes, self.rngs, mask)
+            nxt = self.be.decode(tokens, pos, group[0].sampling, self.decodes, self.rngs, mask)
         self.decodes += 1
         for s in group:  # (a speculating stream stepped plainly near the context's end has no drafts until a refill)
             s.pending, s.pos, s.drafts = int(nxt[s.slot]), s.pos + 1, None
@@ -357,15 +395,24 @@ class PrefixCache:
         self.entries: OrderedDict[tuple, list] = OrderedDict()  # oldest use first
         self.hits = self.tokens = 0  # prompts that reused rows, and the rows reused
 
-    def reuse(self, slot: int, ids: list[int]) -> int:
-        """Copy the longest cached prefix of `ids` into `slot`; the number of positions copied (0: none)."""
+    def _longest(self, ids: list[int]) -> tuple[tuple | None, int]:
+        """The cached prompt sharing the longest prefix with `ids`, and the positions `reuse` would copy."""
         best, n = None, 0
         for key in self.entries:
             m = _common(key, ids)
             if m > n:
                 best, n = key, m
         n = min(n, len(ids) - 1)
-        if n < self.min_tokens:
+        return (best, n) if n >= self.min_tokens else (None, 0)
+
+    def match(self, ids: list[int]) -> int:
+        """The number of positions `reuse` would copy for `ids` (0: none), copying nothing."""
+        return self._longest(ids)[1]
+
+    def reuse(self, slot: int, ids: list[int]) -> int:
+        """Copy the longest cached prefix of `ids` into `slot`; the number of positions copied (0: none)."""
+        best, n = self._longest(ids)
+        if not n:
             return 0
         self.entries.move_to_end(best)
         self.be.write_rows(slot, self.entries[best], n)

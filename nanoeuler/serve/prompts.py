@@ -90,6 +90,8 @@ class StopText:
 
     def feed(self, piece: str) -> str:
         """The text that is safe to send now."""
+        if not self.stops:  # nothing to hold back (a stream calls this per token)
+            return piece
         text = self.held + piece
         hit, pending = self._first_hit(text), self._pending_start(text)
         if hit is not None and (pending is None or hit <= pending):

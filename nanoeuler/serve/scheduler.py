@@ -4,9 +4,12 @@ The HTTP handlers run on an asyncio event loop; generation runs on one worker th
 model (one thread, because the model and its device are not shared between threads). A request
 becomes a `Job` in a bounded waiting queue (full: `QueueFull`, answered 429); the worker takes up to
 `max_batch` jobs at a time and advances all of them by one token per `Backend.step` (a speculating
-stream by up to K), so a long answer does not hold up a short one. Tokens go back to the handler's event loop through
-`call_soon_threadsafe`, so the loop never waits on the model. A job whose client has gone (or whose
-stop string has appeared) is cancelled: the worker drops it before its next token.
+stream by up to K), so a long answer does not hold up a short one. A step's tokens go back to the handlers'
+event loop together, in one `call_soon_threadsafe` per step (not per token: each call writes to the loop's
+wake-up pipe, and the worker and the loop share one GIL), so the loop never waits on the model. A handler
+reads all that has arrived for its job at once (`Job.batches`), so a stream that fell behind catches up in
+one write. A job whose client has gone (or whose stop string has appeared) is cancelled: the worker drops
+it before its next token.
 
 A job's failure is its own: a stream that fails alone (`Backend.step` gives its exception) ends only its
 job; a step that raises ends the jobs in it, never the worker. Every way out of the batch goes through
@@ -14,7 +17,7 @@ job; a step that raises ends the jobs in it, never the worker. Every way out of 
 
     >>> scheduler = Scheduler(backend, max_batch=8, max_queue=64).start()
     >>> job = scheduler.submit(prompt_ids, max_new_tokens=16, sampling=Sampling(temperature=0))
-    >>> async for token in job.tokens(): ...     # inside the event loop
+    >>> async for token in job.tokens(): ...     # inside the event loop (or `job.batches()`: lists of them)
 """
 
 from __future__ import annotations
@@ -47,27 +50,45 @@ class Job:
         self.outcome: str | None = None  # finished, cancelled or failed, once the worker is done with it
         self.cancelled = threading.Event()
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._items: deque = deque()  # arrived on the loop, not yet read: token ids, then the end or an exception
+        self._wake: asyncio.Future | None = None  # set while `batches` waits for more
 
     def cancel(self) -> None:
         self.cancelled.set()
 
-    def put(self, item) -> None:
-        """From the worker thread: a token id, an exception, or the end."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.cancel()
+    def _arrive(self, items: list) -> None:
+        """On the event loop: items the worker sent (`Scheduler._flush`)."""
+        self._items.extend(items)
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def batches(self):
+        """The job's token ids as they are generated, in lists of all that had arrived when read; raises what
+        generation raised (after the tokens before it)."""
+        while True:
+            if not self._items:
+                self._wake = self._loop.create_future()
+                try:
+                    await self._wake
+                finally:
+                    self._wake = None
+            batch = []
+            while self._items:
+                item = self._items.popleft()
+                if item is _END or isinstance(item, BaseException):
+                    if batch:
+                        yield batch
+                    if item is _END:
+                        return
+                    raise item
+                batch.append(item)
+            yield batch
 
     async def tokens(self):
-        """The job's token ids as they are generated; raises what generation raised."""
-        while True:
-            item = await self._queue.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        """The job's token ids one at a time (`batches`, flattened)."""
+        async for batch in self.batches():
+            for token in batch:
+                yield token
 
 
 class Scheduler:
@@ -85,7 +106,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._in_flight = 0  # waiting + being decoded
         self.counts = {"finished": 0, "cancelled": 0, "failed": 0, "rejected": 0, "tokens": 0}
-        self.metrics = metrics  # `metrics.Metrics`: told of each token's latency
+        self.metrics = metrics  # `metrics.Metrics`: told of each step's token latencies
+        self._outbox: dict = {}  # the worker's items not yet sent: {job: [items]}, sent by `_flush`
 
     def start(self) -> "Scheduler":
         self._thread = threading.Thread(target=self._run, name="nanoeuler-generate", daemon=True)
@@ -133,9 +155,10 @@ class Scheduler:
                 self._cond.wait()
             if self._stopping:
                 for job in self._waiting:
-                    job.put(RuntimeError("the server is shutting down"))
+                    self._send(job, RuntimeError("the server is shutting down"))
                 self._in_flight -= len(self._waiting)
                 self._waiting.clear()
+                self._flush()
                 return False
             while self._waiting and len(active) < self.max_batch:
                 active.append(self._waiting.popleft())  # streams are opened by the next step
@@ -150,7 +173,24 @@ class Scheduler:
             with self._cond:  # counted before the handler hears of it, so /health agrees with the answer
                 self.counts[outcome] += 1
                 self._in_flight -= 1
-            job.put(item)
+            self._send(job, item)
+
+    def _send(self, job: Job, item) -> None:
+        """Queue an item for the job's handler (a token id, an exception, or the end); `_flush` sends them."""
+        self._outbox.setdefault(job, []).append(item)
+
+    def _flush(self) -> None:
+        """Send the queued items: one call per event loop, however many jobs and tokens."""
+        by_loop: dict = {}
+        for job, items in self._outbox.items():
+            by_loop.setdefault(job._loop, []).append((job, items))
+        self._outbox = {}
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                for job, _ in batch:
+                    job.cancel()
 
     def _run(self) -> None:
         active: list[Job] = []
@@ -162,8 +202,10 @@ class Scheduler:
                     if job.outcome is None:
                         self._finish(job, "failed", exc)
                 active = []
+            self._flush()
         for job in active:
             self._finish(job, "cancelled", RuntimeError("the server is shutting down"))
+        self._flush()
 
     def _step(self, active: list[Job]) -> list[Job]:
         """Drop cancelled jobs, advance the others by a step's tokens each; returns the jobs still running."""
@@ -186,22 +228,30 @@ class Scheduler:
             return live
         news = self.backend.step([job.stream for job in live])
         now = time.monotonic()
-        running, generated = [], 0
+        running, generated, firsts, gaps = [], 0, [], []
         for job, tokens in zip(live, news):
             if isinstance(tokens, Exception):  # this job's own failure; the others go on
                 self._finish(job, "failed", tokens)
                 continue
-            for token in tokens:  # several where a speculative pass kept drafts: they arrive together
-                if self.metrics is not None:
-                    self.metrics.token_latency(now - job.last_token_at, first=job.generated == 0)
+            if tokens:  # several where a speculative pass kept drafts: they arrive together
+                (gaps if job.generated else firsts).append(now - job.last_token_at)
+                gaps += [0.0] * (len(tokens) - 1)
                 job.last_token_at = now
-                job.generated += 1
-                job.put(token)
+                job.generated += len(tokens)
+                self._outbox.setdefault(job, []).extend(tokens)
             generated += len(tokens)
             if job.stream.done:
                 self._finish(job, "finished")
             else:
                 running.append(job)
+        if self.metrics is not None:
+            self.metrics.token_latencies(firsts, gaps)
         with self._cond:
             self.counts["tokens"] += generated
         return running
+
+
+def _deliver(batch: list) -> None:
+    """On an event loop: hand each job the items the worker sent it."""
+    for job, items in batch:
+        job._arrive(items)

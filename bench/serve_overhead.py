@@ -1,0 +1,372 @@
+"""The server's own cost per step and per request, on the CPU: the real app in front of a fake engine.
+
+    python bench/serve_overhead.py                            # 1, 8, 32 and 64 streaming clients, 0.7 ms steps
+    python bench/serve_overhead.py --levels 32 --profile      # and where the server's time goes (cProfile)
+    python bench/serve_overhead.py --step-ms 0.25 --levels 1  # a one-row GPU step
+
+The engine is the GPU's stand-in: a slot backend (`start`, `prefill`, `decode`, prefix rows) whose decode
+step sleeps --step-ms (a sleep lets go of the GIL, as a CUDA wait does) and returns a token per row, and
+whose prefill sleeps --prefill-us per prompt token. Everything else is what `nanoeuler serve` runs: the
+`Backend` adapter, the scheduler's worker thread, the FastAPI app and uvicorn, in a child process on
+loopback (a 512-token BPE, so detokenizing is real). So what the fake does not sleep is the server's cost.
+
+For each level, L clients each send --requests streamed /v1/completions requests back to back (`ignore_eos`,
+--max-tokens tokens, usage asked for) through a lean HTTP/1.1 client (a keep-alive connection each, chunked
+bodies read by hand, no JSON parsed but the last chunk's usage), so the client costs little beside the server.
+Per level it prints: tokens/s, and that against the ideal (every step fully used: rows / step time, the fake's
+measured sleep); the scheduler thread's host ms per step (time between the fake's calls, not in them) and its
+CPU ms per step (the rest of host time is waiting for the GIL); p50/p99 of the time between a stream's reads;
+failures. Then the time to first token of one-token answers, one request at a time (streamed and not), and
+with --profile a cProfile of the event loop's thread and of the scheduler's thread at the top level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import pstats
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+PROMPT = "Below is an instruction that describes a task.\n\n### Instruction:\nName a color.\n\n### Response:\n"
+
+
+# ---- the server side (the child process) ---------------------------------------------------------------
+
+
+class FakeSlots:
+    """A slot engine that spends fixed times sleeping instead of computing: `decode` --step-ms per call, a
+    prefill --prefill-us per token fed. Row r's token at position p is a function of (r, p); never an end id."""
+
+    def __init__(self, cfg, step_s: float, prefill_s_per_token: float, tok):
+        self.cfg, self.step_s, self.prefill_s = cfg, step_s, prefill_s_per_token
+        self.vocab = tok.vocab_size
+        self.ok = np.array([t for t in range(self.vocab) if t not in (tok.end_id, tok.eot_id) and _text(tok, t)])
+        self.steps = self.rows = 0
+        self.cpu = 0.0  # the calling thread's CPU seconds, read at each decode (the scheduler's thread)
+        self.first = self.last = None  # monotonic time of the first decode call, and of the end of the last
+        self.profile = None  # a cProfile.Profile the scheduler's thread runs while set (`profiling`)
+        self._running = None
+        # what one sleep of step_s takes on this machine with no other thread about (an oversleep is the
+        # machine's, not the server's): the median of 200
+        self.sleep_s = float(np.median([self._timed_sleep(step_s) for _ in range(200)]))
+
+    @staticmethod
+    def _timed_sleep(seconds: float) -> float:
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        return time.monotonic() - t0
+
+    def _logits(self, row: int, pos: int) -> np.ndarray:
+        out = np.zeros((self.cfg.mtp_heads, self.vocab), np.float32)
+        out[:, self.ok[(row * 31 + pos * 7) % len(self.ok)]] = 1.0
+        return out
+
+    def start(self, batch: int, seeds=None) -> None:
+        pass
+
+    def prefill(self, slot: int, ids) -> np.ndarray:
+        time.sleep(self.prefill_s * len(ids))
+        return self._logits(slot, len(ids))
+
+    def prefill_from(self, slot: int, ids, start: int) -> np.ndarray:
+        time.sleep(self.prefill_s * (len(ids) - start))
+        return self._logits(slot, len(ids))
+
+    def read_rows(self, slot: int, n: int):
+        return n
+
+    def write_rows(self, slot: int, rows, n: int) -> None:
+        pass
+
+    def decode(self, tokens, pos, sampling, step, rngs, mask) -> np.ndarray:
+        now, cpu = time.monotonic(), time.thread_time()
+        if self._running is not self.profile:  # switched on or off since the last step: this thread follows
+            if self._running is not None:
+                self._running.disable()
+            if self.profile is not None:
+                self.profile.enable()
+            self._running = self.profile
+        if self.first is None:
+            self.first = now
+        self.cpu += cpu - getattr(self, "_cpu_mark", cpu)
+        time.sleep(self.step_s)
+        self.steps += 1
+        self.rows += int(np.count_nonzero(mask))
+        self.last, self._cpu_mark = time.monotonic(), time.thread_time()
+        return self.ok[(np.arange(len(tokens)) * 31 + (np.asarray(pos) + 1) * 7) % len(self.ok)]
+
+    def decode_logits(self, tokens, pos, mask):
+        raise NotImplementedError("the fake engine does not give logits")
+
+
+def _text(tok, t: int) -> bool:
+    """Whether token t is text on its own (so each token is one chunk of the stream)."""
+    try:
+        return bool(tok.decode_bytes([t]).decode("utf-8").strip())
+    except UnicodeDecodeError:
+        return False
+
+
+def serve(args) -> None:
+    """The child: `nanoeuler serve`'s app on the fake engine, with two routes of its own for the bench."""
+    import uvicorn
+
+    from nanoeuler.infer.engine import Engine
+    from nanoeuler.model.config import ModelConfig
+    from nanoeuler.serve.app import ServeConfig, create_app
+    from nanoeuler.serve.backend import Backend
+    from nanoeuler.serve.server import listen, uvicorn_config
+
+    tok = tokenizer()
+    cfg = ModelConfig.from_section({"preset": "gpu"}, tok.vocab_size)
+    fake = FakeSlots(cfg, args.step_ms / 1e3, args.prefill_us / 1e6, tok)
+    backend = Backend(Engine(fake, cfg), tok, "fake", slots=args.max_batch, prefix_cache=8)
+    app = create_app(backend, ServeConfig(max_tokens=max(args.max_tokens, 1), max_batch=args.max_batch,
+                                          max_queue=4 * args.max_batch))
+    loop_profile = []
+
+    @app.get("/bench/stats")
+    async def stats():
+        return {"steps": fake.steps, "rows": fake.rows, "cpu": fake.cpu, "first": fake.first,
+                "last": fake.last, "sleep_s": fake.sleep_s, "loop_cpu": time.thread_time(),
+                "process_cpu": time.process_time()}
+
+    @app.post("/bench/profile/{what}")
+    async def profile(what: str):
+        if what == "on":
+            loop_profile[:] = [cProfile.Profile()]
+            fake.profile = cProfile.Profile()
+            loop_profile[0].enable()
+            return {}
+        loop_profile[0].disable()
+        worker, fake.profile = fake.profile, None
+        await asyncio.sleep(0.05)  # the worker's next step stops its profiler (or it is idle: nothing runs)
+        return {"loop": hot_spots(loop_profile[0], args.top), "worker": hot_spots(worker, args.top)}
+
+    sock = listen("127.0.0.1", 0)
+    print(f"listening at http://127.0.0.1:{sock.getsockname()[1]}/", file=sys.stderr, flush=True)
+    uvicorn.Server(uvicorn_config(app, 30.0, 5.0, log_level="warning")).run(sockets=[sock])
+
+
+def tokenizer():
+    """A 512-token BPE learned on the shipped Alpaca sample (as bench/serve_load.py's model has)."""
+    from nanoeuler.tokenizer.bpe import train_bpe
+
+    records = json.loads((ROOT / "data/sample/alpaca_data.json").read_text())
+    return train_bpe("\n\n".join(r["instruction"] + "\n" + r["input"] + "\n" + r["output"] for r in records), 512)
+
+
+def hot_spots(prof: cProfile.Profile, top: int) -> str:
+    out = io.StringIO()
+    try:
+        stats = pstats.Stats(prof, stream=out)
+    except TypeError:  # it saw no calls
+        return "(no calls)\n"
+    stats.sort_stats("tottime").print_stats(top)
+    text = out.getvalue()
+    return text[text.find("   ncalls"):] if "   ncalls" in text else text
+
+
+# ---- the clients --------------------------------------------------------------------------------------
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection: a request, then its (chunked or sized) body as it arrives."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port, self.reader, self.writer = host, port, None, None
+
+    async def request(self, method: str, path: str, body: bytes = b""):
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        self.writer.write(f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        head = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+        status = int(head.split(" ", 2)[1])
+        if "transfer-encoding: chunked" in head:
+            return status, self._chunks()
+        size = int(re.search(r"content-length: (\d+)", head).group(1))
+        return status, _one(await self.reader.readexactly(size))
+
+    async def _chunks(self):
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            data = await self.reader.readexactly(size + 2)
+            if size == 0:
+                return
+            yield data[:-2]
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def _one(data: bytes):
+    yield data
+
+
+async def stream_request(conn: Connection, max_tokens: int) -> dict:
+    body = json.dumps({"prompt": PROMPT, "stream": True, "temperature": 0, "max_tokens": max_tokens,
+                       "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
+    t0 = time.perf_counter()
+    status, chunks = await conn.request("POST", "/v1/completions", body)
+    reads, tail, events = [], b"", 0
+    async for data in chunks:
+        reads.append(time.perf_counter())
+        events += data.count(b"data: ")
+        tail = (tail + data)[-4096:]
+    done = tail.endswith(b"data: [DONE]\n\n")
+    last = [e for e in tail.split(b"\n\n") if e.startswith(b"data: {")]
+    usage = json.loads(last[-1][6:]).get("usage") if last and done else None
+    tokens = (usage or {}).get("completion_tokens", 0)
+    # the events: a chunk per piece of text (a token here), the finish chunk, the usage chunk, [DONE]
+    ok = status == 200 and done and tokens == max_tokens and events == max_tokens + 3
+    return {"ok": ok, "tokens": tokens, "ttft": reads[0] - t0 if reads else float("nan"), "gaps": np.diff(reads)}
+
+
+async def get_json(host, port, method: str, path: str) -> dict:
+    """One request on a connection of its own (an idle one is closed by the server after its timeout)."""
+    conn = Connection(host, port)
+    try:
+        _, chunks = await conn.request(method, path)
+        return json.loads(b"".join([c async for c in chunks]))
+    finally:
+        conn.close()
+
+
+async def level(host, port, clients: int, args) -> dict:
+    conns = [Connection(host, port) for _ in range(clients)]
+    try:
+        before = await get_json(host, port, "GET", "/bench/stats")
+
+        async def one_client(conn):
+            return [await stream_request(conn, args.max_tokens) for _ in range(args.requests)]
+
+        t0 = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(one_client(c) for c in conns)) for r in rs]
+        wall = time.perf_counter() - t0
+        after = await get_json(host, port, "GET", "/bench/stats")
+    finally:
+        for c in conns:
+            c.close()
+    ok = [r for r in results if r["ok"]]
+    gaps = np.concatenate([r["gaps"] for r in ok]) * 1e3 if ok else np.zeros(1)
+    steps = after["steps"] - before["steps"]
+    span = after["last"] - (before["last"] if before["last"] is not None else after["first"])
+    step_wall = span / max(steps, 1)
+    # what a server that cost nothing would take per step: the fake's sleep (as long as one takes here)
+    engine = after["sleep_s"]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"clients": clients, "failures": len(results) - len(ok), "tokens_per_s": tokens / wall,
+            "ideal": clients / engine, "step_ms": step_wall * 1e3, "host_ms": (step_wall - engine) * 1e3,
+            "cpu_ms": (after["cpu"] - before["cpu"]) / max(steps, 1) * 1e3,
+            "loop_cpu_ms": (after["loop_cpu"] - before["loop_cpu"]) / max(steps, 1) * 1e3,
+            "rows": (after["rows"] - before["rows"]) / max(steps, 1), "sleep_ms": engine * 1e3,
+            "ttft_p50": float(np.median([r["ttft"] for r in ok])) * 1e3 if ok else float("nan"),
+            "gap_p50": float(np.percentile(gaps, 50)), "gap_p99": float(np.percentile(gaps, 99))}
+
+
+async def first_token(host, port, args) -> tuple[float, float, float, float]:
+    """Ms to a one-token answer, one request at a time: streamed (to its first read) and whole, the median and
+    the least of each; and the server process's CPU ms per request (unlike the times, not lengthened by
+    other work on a busy machine)."""
+    conn = Connection(host, port)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 1, "temperature": 0}).encode()
+    before = await get_json(host, port, "GET", "/bench/stats")
+    try:
+        streamed, whole = [], []
+        for _ in range(args.ttft_repeats):
+            streamed.append((await stream_request(conn, 1))["ttft"])
+            t0 = time.perf_counter()
+            _, chunks = await conn.request("POST", "/v1/completions", body)
+            [c async for c in chunks]
+            whole.append(time.perf_counter() - t0)
+    finally:
+        conn.close()
+    after = await get_json(host, port, "GET", "/bench/stats")
+    cpu = (after["process_cpu"] - before["process_cpu"]) / (2 * args.ttft_repeats)  # the stats requests' too
+    return float(np.median(streamed)) * 1e3, float(np.median(whole)) * 1e3, min(streamed + whole) * 1e3, cpu * 1e3
+
+
+async def profiled(host, port, clients: int, args) -> tuple[dict, dict]:
+    """cProfile of the server at `clients` streams, then during the one-token answers."""
+    await get_json(host, port, "POST", "/bench/profile/on")
+    await level(host, port, clients, args)
+    load = await get_json(host, port, "POST", "/bench/profile/off")
+    await get_json(host, port, "POST", "/bench/profile/on")
+    await first_token(host, port, args)
+    return load, await get_json(host, port, "POST", "/bench/profile/off")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--levels", default="1,8,32,64", help="concurrent clients, comma-separated")
+    ap.add_argument("--requests", type=int, default=3, help="requests per client at each level")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens per answer")
+    ap.add_argument("--step-ms", type=float, default=0.7, help="the fake engine's decode step")
+    ap.add_argument("--prefill-us", type=float, default=2.0, help="the fake engine's prefill, per prompt token")
+    ap.add_argument("--ttft-repeats", type=int, default=30)
+    ap.add_argument("--profile", action="store_true", help="profile the server at the top level (a run of its own)")
+    ap.add_argument("--top", type=int, default=25, help="functions per profile")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
+    ap.add_argument("--max-batch", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    if args.serve:
+        serve(args)
+        return 0
+    cmd = [sys.executable, __file__, "--serve", "--max-batch", str(max(levels)), "--step-ms", str(args.step_ms),
+           "--prefill-us", str(args.prefill_us), "--max-tokens", str(args.max_tokens), "--top", str(args.top)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    line = proc.stderr.readline()
+    found = re.search(r"http://([\d.]+):(\d+)/", line)
+    if not found:
+        proc.kill()
+        raise SystemExit(f"the server did not start: {line}{proc.stderr.read()}")
+    host, port = found.group(1), int(found.group(2))
+    # the server's log (warnings only) passes through: a full pipe must not stall it
+    threading.Thread(target=lambda: sys.stderr.writelines(proc.stderr), daemon=True).start()
+    try:
+        asyncio.run(level(host, port, 1, argparse.Namespace(**{**vars(args), "requests": 1})))  # warm-up
+        rows = [asyncio.run(level(host, port, c, args)) for c in levels]
+        ttft = asyncio.run(first_token(host, port, args))
+        prof = asyncio.run(profiled(host, port, max(levels), args)) if args.profile else None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    print(f"\nfake engine: {args.step_ms} ms a step ({rows[0]['sleep_ms']:.3f} ms as this machine sleeps), {args.prefill_us} us a prompt token; {args.requests} requests "
+          f"per client, {args.max_tokens} tokens each; max_batch {max(levels)}")
+    print(f"{'clients':>7} {'tokens/s':>9} {'ideal':>8} {'/ideal':>6} {'rows/step':>9} {'step ms':>8} {'host ms':>8} "
+          f"{'cpu ms':>7} {'loop cpu':>8} {'TTFT p50':>9} {'gap p50':>8} {'gap p99':>8} {'failures':>8}")
+    for r in rows:
+        print(f"{r['clients']:>7} {r['tokens_per_s']:>9.0f} {r['ideal']:>8.0f} {r['tokens_per_s'] / r['ideal']:>5.2f}x "
+              f"{r['rows']:>9.1f} {r['step_ms']:>8.3f} {r['host_ms']:>8.3f} {r['cpu_ms']:>7.3f} {r['loop_cpu_ms']:>8.3f} "
+              f"{r['ttft_p50']:>7.1f}ms {r['gap_p50']:>6.2f}ms {r['gap_p99']:>6.2f}ms {r['failures']:>8}")
+    print("(step ms: the scheduler thread's time per decode step; host ms: of that, outside the fake engine; cpu ms:"
+          " the scheduler thread's CPU per step; loop cpu: the event loop thread's CPU per step)")
+    prompt_tokens = len(tokenizer().encode(PROMPT))
+    print(f"one-token answer ({prompt_tokens} prompt tokens, {prompt_tokens * args.prefill_us / 1e3:.2f} ms of fake "
+          f"prefill): time to first token {ttft[0]:.2f} ms streamed, {ttft[1]:.2f} ms whole (median of "
+          f"{args.ttft_repeats}; least {ttft[2]:.2f} ms); server CPU {ttft[3]:.2f} ms a request")
+    if prof:
+        print(f"\nprofile at {max(levels)} clients: the event loop's thread\n{prof[0]['loop']}")
+        print(f"the scheduler's thread\n{prof[0]['worker']}")
+        print(f"profile of the one-token answers: the event loop's thread\n{prof[1]['loop']}")
+    return 1 if any(r["failures"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

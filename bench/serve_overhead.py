@@ -124,7 +124,7 @@ def serve(args) -> None:
     """The child: `nanoeuler serve`'s app on the fake engine, with two routes of its own for the bench."""
     import uvicorn
 
-    from nanoeuler.infer.engine import Engine
+    from nanoeuler.infer.engine import DecodeEngine
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.serve.app import ServeConfig, create_app
     from nanoeuler.serve.backend import Backend
@@ -133,7 +133,7 @@ def serve(args) -> None:
     tok = tokenizer()
     cfg = ModelConfig.from_section({"preset": "gpu"}, tok.vocab_size)
     fake = FakeSlots(cfg, args.step_ms / 1e3, args.prefill_us / 1e6, tok)
-    backend = Backend(Engine(fake, cfg), tok, "fake", slots=args.max_batch, prefix_cache=8)
+    backend = Backend(DecodeEngine(fake, cfg), tok, "fake", slots=args.max_batch, prefix_cache=8)
     app = create_app(backend, ServeConfig(max_tokens=max(args.max_tokens, 1), max_batch=args.max_batch,
                                           max_queue=4 * args.max_batch))
     loop_profile = []

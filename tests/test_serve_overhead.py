@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 pytest.importorskip("fastapi")
 prometheus_client = pytest.importorskip("prometheus_client")
 
-from nanoeuler.infer.generate import Sampling  # noqa: E402
+from nanoeuler.infer.sampling import Sampling  # noqa: E402
 from nanoeuler.serve.app import _event, _events, _Shape, _Text  # noqa: E402
 from nanoeuler.serve.backend import _TokenBytes  # noqa: E402
 from nanoeuler.serve.metrics import ITL_BUCKETS, _Histogram  # noqa: E402
@@ -161,7 +161,7 @@ def test_latency_histograms_read_as_prometheus_clients_own():
 def test_decode_steps_cover_the_slots_in_use_and_joining_prompts_are_prefilled_together(tok):
     """On 8 slots: one stream decodes 1 row, three decode 4 (the power of two holding slots 0-2), prefilled in
     one `prefill_many`; the tokens are those of each stream alone."""
-    from nanoeuler.infer.engine import Engine
+    from nanoeuler.infer.engine import DecodeEngine
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.model.transformer import head_weight_names, init_params
     from nanoeuler.serve.backend import Backend
@@ -171,7 +171,7 @@ def test_decode_steps_cover_the_slots_in_use_and_joining_prompts_are_prefilled_t
     params = init_params(cfg, 3, dtype=np.float64)
     for name in head_weight_names(cfg):
         params[name] = params[name] * 20.0  # sharp heads: no near-ties
-    backend = Backend(Engine.from_params(params, cfg, "cpu"), tok, "m", slots=8, prefix_cache=0)
+    backend = Backend(DecodeEngine.from_params(params, cfg, "cpu"), tok, "m", slots=8, prefix_cache=0)
     be, widths, prefills = backend.engine.backend, [], []
     decode, prefill_many = be.decode, be.prefill_many
     be.decode = lambda tokens, *a: (widths.append(len(tokens)), decode(tokens, *a))[1]

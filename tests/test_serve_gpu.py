@@ -33,6 +33,20 @@ def model():
     return params, cfg
 
 
+def _assert_near_greedy(params, cfg, specs, got, want, dtype):
+    """fp32: the NumPy backend's tokens exactly. bf16 may flip a near-tie (its KV cache and GEMV paths round
+    differently, e.g. several streams prefilled as one batch), after which the streams differ: every token it
+    picks must then be the float64 model's best next token, given the GPU's own prefix, within rounding."""
+    if dtype == "fp32":
+        assert got == want
+        return
+    for (prompt, *_), ids in zip(specs, got):
+        seq = np.asarray([list(prompt) + ids[:-1]])
+        logits = transformer.logits(params, seq, cfg)[0, len(prompt) - 1:]  # (len(ids), V)
+        picked = logits[np.arange(len(ids)), ids]
+        assert np.all(logits.max(-1) - picked <= 0.05 * np.abs(logits).max()), (prompt, ids)
+
+
 @pytest.mark.parametrize("dtype,tol", [("fp32", 1e-4), ("bf16", 5e-2)])
 def test_gpu_logprobs_match_the_numpy_backend(model, dtype, tol):
     from nanoeuler.serve.backend import Backend
@@ -44,8 +58,10 @@ def test_gpu_logprobs_match_the_numpy_backend(model, dtype, tol):
     gpu = Backend(DecodeEngine.from_params(params, cfg, "gpu", dtype=dtype), _Tok(), "m", 3, 0)
     cpu_tokens, cpu_streams = run_streams(cpu, specs)
     gpu_tokens, gpu_streams = run_streams(gpu, specs)
-    assert gpu_tokens == cpu_tokens
-    for c, g in zip(cpu_streams, gpu_streams):
+    _assert_near_greedy(params, cfg, specs, gpu_tokens, cpu_tokens, dtype)
+    for c, g, cids, gids in zip(cpu_streams, gpu_streams, cpu_tokens, gpu_tokens):
+        if cids != gids:  # a bf16 near-tie flipped: the records after it belong to another text
+            continue
         assert len(g.records) == len(c.records)
         for (clp, calts), (glp, galts) in zip(c.records, g.records):
             assert abs(glp - clp) <= tol * max(1.0, abs(clp))
@@ -79,5 +95,8 @@ def test_gpu_batched_speculation_answers_as_the_numpy_backend(model, dtype):
         backends = [Backend(DecodeEngine.from_params(params, cfg, dev, **kw), _Tok(), "m", n, 0, speculative=True)
                     for dev, kw in (("cpu", {}), ("gpu", {"dtype": dtype}))]
         (cpu_tokens, _), (gpu_tokens, _) = (run_streams(b, specs) for b in backends)
-        assert gpu_tokens == cpu_tokens
-        assert backends[1].engine.stats.offered == backends[0].engine.stats.offered > [0] * (cfg.mtp_heads - 1)
+        _assert_near_greedy(params, cfg, specs, gpu_tokens, cpu_tokens, dtype)
+        if dtype == "fp32":  # the same texts: the same drafts offered by each head
+            assert backends[1].engine.stats.offered == backends[0].engine.stats.offered > [0] * (cfg.mtp_heads - 1)
+        else:
+            assert backends[1].engine.stats.offered > [0] * (cfg.mtp_heads - 1)

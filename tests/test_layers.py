@@ -39,12 +39,6 @@ def randn(*shape):
     return RNG.standard_normal(shape)
 
 
-def test_docstring_examples():
-    import doctest
-
-    assert doctest.testmod(L).failed == 0
-
-
 def test_ops_for_numpy_is_the_reference():
     assert ops_for(np) is L
 

@@ -41,8 +41,8 @@ def test_gpu_logprobs_match_the_numpy_backend(model, dtype, tol):
     specs = [([1, 2, 3], 10, Sampling(temperature=0), {"logprobs": 2}), ([5, 6], 8, Sampling(temperature=0), {}),
              ([9], 6, Sampling(temperature=0), {"logprobs": 0})]
     cpu_tokens, cpu_streams = run_streams(Backend(Engine.from_params(params, cfg, "cpu"), _Tok(), "m", 3, 0), specs)
-    gpu_tokens, gpu_streams = run_streams(Backend(Engine.from_params(params, cfg, "gpu", dtype=dtype), _Tok(), "m", 3, 0),
-                                   specs)
+    gpu_engine = Engine.from_params(params, cfg, "gpu", dtype=dtype)
+    gpu_tokens, gpu_streams = run_streams(Backend(gpu_engine, _Tok(), "m", 3, 0), specs)
     assert gpu_tokens == cpu_tokens
     for c, g in zip(cpu_streams, gpu_streams):
         assert len(g.records) == len(c.records)

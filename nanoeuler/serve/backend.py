@@ -22,11 +22,12 @@ prefix's cache rows instead of computing them again (`PrefixCache`, where the en
 A stream's failure is its own: `step` gives the exception in that stream's place (the stream is done,
 its slot goes back when it is closed) and the other streams go on as if it had never been there.
 
-    >>> backend = Backend.load("results/chat.bin", device="cpu")                                            # doctest: +SKIP
-    >>> a = backend.open(backend.tok.encode("Once"), max_new_tokens=2, sampling=Sampling(temperature=0))    # doctest: +SKIP
-    >>> b = backend.open(backend.tok.encode("It was"), max_new_tokens=1, sampling=Sampling(temperature=0))  # doctest: +SKIP
-    >>> ids = backend.step([a, b])   # one token id for each stream                                         # doctest: +SKIP
-    >>> a.done, b.done               # b has reached its one token                                          # doctest: +SKIP
+    >>> backend = Backend.load("results/chat.bin", device="cpu")                      # doctest: +SKIP
+    >>> greedy = Sampling(temperature=0)                                              # doctest: +SKIP
+    >>> a = backend.open(backend.tok.encode("Once"), max_new_tokens=2, sampling=greedy)    # doctest: +SKIP
+    >>> b = backend.open(backend.tok.encode("It was"), max_new_tokens=1, sampling=greedy)  # doctest: +SKIP
+    >>> ids = backend.step([a, b])   # one token id for each stream                 # doctest: +SKIP
+    >>> a.done, b.done               # b has reached its one token                  # doctest: +SKIP
     (False, True)
 """
 

@@ -16,7 +16,7 @@ Rows: ours plain; ours by default (greedy: speculation only where the run measur
 (stacked q/k/v and gate/up weights, RMSNorm, RoPE, grouped-query attention over a preallocated cache,
 SwiGLU, head 0) under inference_mode with torch.set_num_threads(--threads), which must produce our tokens;
 llama.cpp's llama-bench where LLAMA_BENCH (or --llama-bench) names it and --gguf gives the model converted
-to GGUF (BENCHMARKS.md says how to build and convert).
+to GGUF (docs/benchmarks-log.md says how to build and convert).
 
 The bound: a plain step must read every weight it uses once (the stacked layer matrices and head 0). The
 same one-row products over exactly those matrices, with nothing else, give the machine's GEMV bandwidth and

@@ -58,7 +58,6 @@ def grow(docs: list[str], i: int, variant: int, seed: int) -> str:
 
 def make_data(mirror: Path, out: Path, gb: float, files: int, seed: int) -> None:
     """Write `files` parquet files of grown documents adding up to `gb` GB of text, streaming."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
     from tqdm import tqdm
 

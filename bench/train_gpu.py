@@ -104,7 +104,8 @@ class PowerSampler:
                 if (nvml.nvmlDeviceGetClockInfo(handle, self.SM_CLOCK, ctypes.byref(clock)) == 0
                         and nvml.nvmlDeviceGetPowerUsage(handle, ctypes.byref(mw)) == 0
                         and nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle, ctypes.byref(reasons)) == 0):
-                    self.samples.append((t, float(clock.value), mw.value / 1e3, bool(reasons.value & self.SW_POWER_CAP)))
+                    capped = bool(reasons.value & self.SW_POWER_CAP)
+                    self.samples.append((t, float(clock.value), mw.value / 1e3, capped))
                 self._stop.wait(self.period)
 
         self._thread = threading.Thread(target=sample, daemon=True)
@@ -148,7 +149,8 @@ class PowerSampler:
         inside = [s for s in self.samples if w.t1 is not None and w.t0 <= s[0] <= w.t1]
         if not inside:
             return None
-        return {"mhz": statistics.median(s[1] for s in inside), "watts": round(statistics.median(s[2] for s in inside), 2),
+        return {"mhz": statistics.median(s[1] for s in inside),
+                "watts": round(statistics.median(s[2] for s in inside), 2),
                 "capped": round(sum(s[3] for s in inside) / len(inside), 2), "samples": len(inside)}
 
 
@@ -160,7 +162,7 @@ def torch_model(cfg, params_np, device):
     import torch.nn.functional as F
     from torch import nn
 
-    C, H, Hkv, D, Fh, V, K = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden, cfg.vocab_size, cfg.mtp_heads
+    H, Hkv, D, Fh, V, K = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden, cfg.vocab_size, cfg.mtp_heads
 
     def P(name):
         return nn.Parameter(torch.tensor(np.asarray(params_np[name]), dtype=torch.float32, device=device))
@@ -177,7 +179,8 @@ def torch_model(cfg, params_np, device):
             super().__init__()
             p = f"layers.{i}."
             self.n1 = P(p + "input_layernorm.weight")
-            self.wqkv = nn.Parameter(torch.cat([P(p + "self_attn.q_proj.weight").data, P(p + "self_attn.k_proj.weight").data,
+            self.wqkv = nn.Parameter(torch.cat([P(p + "self_attn.q_proj.weight").data,
+                                                P(p + "self_attn.k_proj.weight").data,
                                                 P(p + "self_attn.v_proj.weight").data]))
             self.wo = P(p + "self_attn.o_proj.weight")
             self.n2 = P(p + "post_attention_layernorm.weight")
@@ -279,10 +282,8 @@ def torch_run(cfg, params_np, B, T, steps, warmup, compiled, log, timed):
     ms = [a.elapsed_time(b) for a, b in times]
     peak = torch.cuda.max_memory_allocated()
     reserved = torch.cuda.max_memory_reserved()
-    log(f"  warm-up {warm_s:.1f} s (compile included), last loss {float(loss):.4f}, reserved {reserved / 2**30:.2f} GiB")
-    del model, opt, fwd, batches
-    gc.collect()
-    torch.cuda.empty_cache()
+    log(f"  warm-up {warm_s:.1f} s (compile included), last loss {float(loss):.4f}, "
+        f"reserved {reserved / 2**30:.2f} GiB")
     return statistics.median(ms), peak, float(loss)
 
 
@@ -331,8 +332,6 @@ def ours_fp32_run(cfg, params_np, B, T, steps, warmup, log, timed):
             ms.append(t)
     peak = pool.total_bytes()
     log(f"  last loss {loss:.4f}; note: loss_and_grads reads the loss on the host every step")
-    del params, opt, data
-    pool.free_all_blocks()
     return statistics.median(ms), peak, float(loss)
 
 
@@ -390,8 +389,6 @@ def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, timed, **options):
     peak = pool.total_bytes()
     log(f"  last loss {loss:.4f}, engine buffers {eng.nbytes() / 2**30:.2f} GiB, "
         f"pool used {pool.used_bytes() / 2**30:.2f} / total {pool.total_bytes() / 2**30:.2f} GiB")
-    del eng, data
-    pool.free_all_blocks()
     return statistics.median(ms), peak, loss
 
 
@@ -405,7 +402,8 @@ def profile_engine(cfg, params_np, B, T, log, **options):
 
     torch.zeros(1, device="cuda")
     eng = TrainEngine(cfg, params_np, batch=B, seq=T, lr=3e-4, **options)
-    ids, tg = [(cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32)) for i, t in _windows(cfg, B, T, 3, 1)][0]
+    ids, tg = [(cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32))
+               for i, t in _windows(cfg, B, T, 3, 1)][0]
     for _ in range(3):
         eng.step(ids, tg)
     cupy.cuda.Stream.null.synchronize()
@@ -519,6 +517,17 @@ def clocks_columns(summary) -> str:
     return f"{summary['mhz']:>5.0f} {summary['watts']:>4.0f} {summary['capped']:>6.0%}"
 
 
+def release_gpu_memory() -> None:
+    """Give back the memory of the mode that just returned: its model, optimizer state and batches went
+    with its frame (its step closure too), the collector frees the cycles among them (torch.compile makes
+    some), then PyTorch's and CuPy's caches are emptied for the next mode."""
+    gc.collect()
+    if "torch" in sys.modules:
+        sys.modules["torch"].cuda.empty_cache()
+    if "cupy" in sys.modules:
+        sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
+
+
 def run_rows(cfg, params_np, rows, modes, args, power, log) -> list:
     """Each mode at each (B, T) row, one after another: a result dict per mode that ran (a failing mode is
     reported and skipped), its "span" the time of its timed steps (see PowerSampler)."""
@@ -548,6 +557,8 @@ def run_rows(cfg, params_np, rows, modes, args, power, log) -> list:
                 traceback.print_exc()
                 log(f"  {mode} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
+            finally:
+                release_gpu_memory()
             tps = B * T / ms * 1e3
             results.append(dict(mode=mode, B=B, T=T, ms=ms, tokens_s=tps, tflops=tps * fpt / 1e12,
                                 mfu=tps * fpt / PEAK_BF16, peak_gib=peak / 2**30, loss=loss, span=span,

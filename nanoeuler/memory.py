@@ -292,7 +292,8 @@ def split_rows(batch: list, rows: int) -> list:
 
 
 def say_fit(stage: str, rows: int, micro: int, budget: Budget | None, unit: str = "") -> None:
-    """The one line a stage prints when it splits its batches: `sft: batch 32 as 4 micro-batches of 8 to fit 11.0 GB`."""
+    """The one line a stage prints when it splits its batches:
+    `sft: batch 32 as 4 micro-batches of 8 to fit 11.0 GB`."""
     if budget is not None and micro < rows:
         n = -(-rows // micro)
         print(f"nanoeuler {stage}: batch {rows}{unit} as {n} micro-batches of {micro}{unit} to fit "
@@ -398,8 +399,9 @@ def _hint(stage: str, settings) -> str:
 def eval_items_for(stage: str, budget: Budget | None, cfg, seq: int, most: int, kind: str, resident: dict,
                    rows_per_item: int = 1, hint: str = "use a card with more memory or a shorter model.ctx_len"):
     """(items of one forward of `kind` beside `resident` inside `budget`, at most `most`; the prediction as a
-    function of the items and, optionally, their padded length). The one sizing of every evaluation and scoring chunk: a training stage's
-    held-out loss, pretraining's and `evaluate`'s validation windows, the pairs' log-probs, HellaSwag.
+    function of the items and, optionally, their padded length). The one sizing of every evaluation and
+    scoring chunk: a training stage's held-out loss, pretraining's and `evaluate`'s validation windows, the
+    pairs' log-probs, HellaSwag.
     One item that cannot fit is a UserError naming what it needs."""
     def forward(m, length: int = seq):  # `length`: a chunk's padded length, when shorter than `seq`
         return {**resident, **{f"eval_{k}": v for k, v in

@@ -5,7 +5,8 @@ Works on NumPy or CuPy arrays alike (the state lives where the parameters live) 
 
     >>> opt = AdamW(params, weight_decay=0.1)                               # doctest: +SKIP
     >>> norm = clip_grad_norm(grads, 1.0)                                   # doctest: +SKIP
-    >>> opt.step(params, grads, lr_at(step, max_lr=3e-4, min_lr=3e-5, warmup_steps=100, total_steps=5000))
+    >>> opt.step(params, grads, lr_at(step, max_lr=3e-4, min_lr=3e-5, warmup_steps=100,  # doctest: +SKIP
+    ...                               total_steps=5000))
     >>> opt = Muon(params, lr_scale=muon_lr_scale(params, muon_lr=6e-3, lr=6e-4))   # doctest: +SKIP
 
 Each parameter belongs to one group (`param_group`: embed, head, norm or hidden); a run gives each group

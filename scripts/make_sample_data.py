@@ -673,7 +673,7 @@ def preference_pairs(rng: random.Random) -> list[tuple[list[str], str, str]]:
         pairs.append(([f"How many words are in this sentence? {sentence}"], f"The sentence has {n} words.",
                        f"The sentence has {n + rng.choice([-2, -1, 1, 3])} words."))
     for (word, plural), (a, b) in zip(PLURALS[:6], ANTONYMS):  # two-turn dialogues
-        pairs.append(([f"Can you help me with some words?", "Of course. Which words?",
+        pairs.append((["Can you help me with some words?", "Of course. Which words?",
                        f"What is the opposite of '{a}'?"], f"The opposite of '{a}' is '{b}'.", rng.choice(_SHRUGS)))
     rng.shuffle(pairs)
     return pairs

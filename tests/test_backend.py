@@ -164,5 +164,6 @@ def test_selftest_without_a_gpu_is_one_clear_line():
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
-    assert lines[0].startswith("nanoeuler selftest: error: the kernel self-test needs a CUDA GPU but CuPy is not installed")
+    assert lines[0].startswith("nanoeuler selftest: error: "
+                               "the kernel self-test needs a CUDA GPU but CuPy is not installed")
     assert "pip install -e '.[gpu]'" in lines[0]

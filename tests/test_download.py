@@ -13,7 +13,6 @@ import json
 import http.server
 import threading
 import time
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq

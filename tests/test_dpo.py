@@ -145,7 +145,8 @@ def test_stages_on_the_gpu_track_the_cpu(setup):
         nanoeuler("dpo", "--config", conf, "--device", dev, "--ckpt", tmp / "chat.bin", "--prefs", prefs, "--ref", ref,
                   "--out", tmp / f"dpo_{dev}.bin", "--run-dir", tmp / f"run_{dev}", "--no-progress")
         with np.load(ref) as z:
-            runs[dev] = (z["logps"], [json.loads(s) for s in (tmp / f"run_{dev}" / "metrics.jsonl").read_text().splitlines()])
+            metrics = (tmp / f"run_{dev}" / "metrics.jsonl").read_text().splitlines()
+            runs[dev] = (z["logps"], [json.loads(s) for s in metrics])
     assert np.allclose(runs["gpu"][0], runs["cpu"][0], rtol=1e-5)
     for a, b in zip(runs["cpu"][1], runs["gpu"][1]):
         for key in ("loss", "val_loss", "margin", "chosen_logp"):

@@ -28,7 +28,8 @@ def setup(tmp_path_factory):
         for s in range(1, 21):
             f.write(json.dumps({"step": s, "loss": 6 - s / 10}) + "\n")
         f.write(json.dumps({"step": 20, "val_loss": 4.5}) + "\n")
-    conf = write_config(d / "c.yaml", eval={"base_prompts": ["It was", "```fence```"], "chat_prompts": ["Name a color."],
+    conf = write_config(d / "c.yaml", eval={"base_prompts": ["It was", "```fence```"],
+                                           "chat_prompts": ["Name a color."],
                                            "max_new_tokens": 6, "val_tokens": 500, "batch_size": 3})
     return d, tok, manifest, conf
 

@@ -5,8 +5,9 @@ is valid, so the stage gets as far as reading the faulty one. Each fault replace
 directory, a missing file, a symlink loop, a 2 GB sparse file (must be refused or read in part, never
 whole), /dev/zero (never ends), a FIFO with no writer (must not wait) or bytes of the wrong format.
 
-All cases run in one child process (startup paid once) under a 2 GB address-space limit (about 1.1 GB of it is taken by the imports) and a per-case
-alarm, so an unbounded read ends as a MemoryError and a wait on a FIFO as a hang: both fail their case.
+All cases run in one child process (startup paid once) under a 2 GB address-space limit (about 1.1 GB
+of it is taken by the imports) and a per-case alarm, so an unbounded read ends as a MemoryError and a
+wait on a FIFO as a hang: both fail their case.
 The child calls `nanoeuler.cli.main` as the command line would and reports exit status, stderr and time.
 """
 

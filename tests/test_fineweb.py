@@ -100,7 +100,8 @@ def test_sample_is_deterministic_and_seeded(tmp_path):
 
 
 def test_several_files_are_sampled_together(tmp_path):
-    rows = make_parquet(tmp_path / "a.parquet", n=80, seed=1) + make_parquet(tmp_path / "b.parquet", n=80, seed=2, start=80)
+    rows = (make_parquet(tmp_path / "a.parquet", n=80, seed=1)
+            + make_parquet(tmp_path / "b.parquet", n=80, seed=2, start=80))
     cfg = section(byte_budget=15_000)
     fineweb.sample([tmp_path / "a.parquet", tmp_path / "b.parquet"], cfg, tmp_path / "web.parquet")
     ids, _ = read_ids(tmp_path / "web.parquet")

@@ -24,13 +24,17 @@ def make(start: str, end: str, *, nl: str = "\n", bom: bool = False, title: str 
 
 VARIANTS = {
     "the": ("*** START OF THE PROJECT GUTENBERG EBOOK NIGHT ***", "*** END OF THE PROJECT GUTENBERG EBOOK NIGHT ***"),
-    "this": ("*** START OF THIS PROJECT GUTENBERG EBOOK NIGHT ***", "*** END OF THIS PROJECT GUTENBERG EBOOK NIGHT ***"),
+    "this": ("*** START OF THIS PROJECT GUTENBERG EBOOK NIGHT ***",
+             "*** END OF THIS PROJECT GUTENBERG EBOOK NIGHT ***"),
     "no-space": ("***START OF THE PROJECT GUTENBERG EBOOK NIGHT***", "***END OF THE PROJECT GUTENBERG EBOOK NIGHT***"),
     "trailing-spaces": ("*** START OF THE PROJECT GUTENBERG EBOOK NIGHT ***   ",
                         "*** END OF THE PROJECT GUTENBERG EBOOK NIGHT ***\t "),
-    "lower-case": ("*** Start of the Project Gutenberg eBook Night ***", "*** End of the Project Gutenberg eBook Night ***"),
-    "e-book": ("*** START OF THIS PROJECT GUTENBERG E-BOOK NIGHT ***", "*** END OF THIS PROJECT GUTENBERG E-BOOK NIGHT ***"),
-    "no-title-in-marker": ("*** START OF THE PROJECT GUTENBERG EBOOK ***", "*** END OF THE PROJECT GUTENBERG EBOOK ***"),
+    "lower-case": ("*** Start of the Project Gutenberg eBook Night ***",
+                   "*** End of the Project Gutenberg eBook Night ***"),
+    "e-book": ("*** START OF THIS PROJECT GUTENBERG E-BOOK NIGHT ***",
+               "*** END OF THIS PROJECT GUTENBERG E-BOOK NIGHT ***"),
+    "no-title-in-marker": ("*** START OF THE PROJECT GUTENBERG EBOOK ***",
+                           "*** END OF THE PROJECT GUTENBERG EBOOK ***"),
 }
 
 

@@ -76,7 +76,8 @@ def test_config_fields_and_tensor_names(tmp_path):
     tensors = load_file(tmp_path / "hf" / "model.safetensors")
     assert "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors
     assert not any("mtp" in n for n in tensors)
-    np.testing.assert_array_equal(tensors["model.layers.2.mlp.down_proj.weight"], params["layers.2.mlp.down_proj.weight"])
+    np.testing.assert_array_equal(tensors["model.layers.2.mlp.down_proj.weight"],
+                                  params["layers.2.mlp.down_proj.weight"])
     # re-export replaces the directory
     assert hf.export(tmp_path / "m.bin", tmp_path / "hf") == files
 

@@ -118,7 +118,8 @@ def test_stage_table_names_missing_outputs(tmp_path):
     (tmp_path / "benchmarks").mkdir()
     header = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"
     for rule, wall in (("prefs", 0.6), ("dpo", 16.3)):
-        (tmp_path / "benchmarks" / f"{rule}.tsv").write_text(header + f"{wall}\t0:00:01\t100\t0\t0\t0\t0\t0\t0\t{wall}\n")
+        row = f"{wall}\t0:00:01\t100\t0\t0\t0\t0\t0\t0\t{wall}\n"
+        (tmp_path / "benchmarks" / f"{rule}.tsv").write_text(header + row)
     (tmp_path / "data/prefs").mkdir(parents=True)
     (tmp_path / "data/prefs/prefs.jsonl").write_text("x" * 1500)
     (tmp_path / "logs").mkdir()

@@ -77,7 +77,8 @@ def test_config_sections_of_the_three_runs():
     assert ModelConfig.from_section(section("config.yaml"), 4096).n_params() == 116_417_280
     assert ModelConfig.from_section(section("small.yaml"), 512).n_params() == 1_049_216
     tiny = ModelConfig.from_section(section("tiny.yaml"), 300)
-    assert (tiny.dim, tiny.n_layers, tiny.n_heads, tiny.n_kv_heads, tiny.ctx_len, tiny.mtp_heads) == (64, 2, 4, 2, 256, 2)
+    shape = (tiny.dim, tiny.n_layers, tiny.n_heads, tiny.n_kv_heads, tiny.ctx_len, tiny.mtp_heads)
+    assert shape == (64, 2, 4, 2, 256, 2)
     assert tiny.vocab_size == 300  # always the tokenizer's
     with pytest.raises(UserError, match="model.dim"):
         validate({"model": {"dim": "wide"}})

@@ -19,7 +19,8 @@ def hh(*turns):
 
 
 def test_hh_multi_turn_becomes_instruction_and_history():
-    rec = {"chosen": hh("Hi", "Hello!", "Name a colour.", "Blue."), "rejected": hh("Hi", "Hello!", "Name a colour.", "No.")}
+    rec = {"chosen": hh("Hi", "Hello!", "Name a colour.", "Blue."),
+           "rejected": hh("Hi", "Hello!", "Name a colour.", "No.")}
     pair = prefs.to_pair(*prefs.parse_hh(rec))
     assert pair["prompt"].endswith("### Instruction:\nName a colour.\n\n### Input:\nHuman: Hi\nAssistant: Hello!"
                                    "\n\n### Response:\n")
@@ -38,7 +39,8 @@ def test_hh_answers_sharing_their_first_words_keep_them():
 
 
 def test_ultrafeedback_and_sharegpt_give_the_same_pair_as_hh():
-    hh_rec = {"chosen": hh("Hi", "Hello!", "Name a colour.", "Blue."), "rejected": hh("Hi", "Hello!", "Name a colour.", "No.")}
+    hh_rec = {"chosen": hh("Hi", "Hello!", "Name a colour.", "Blue."),
+              "rejected": hh("Hi", "Hello!", "Name a colour.", "No.")}
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
             {"role": "user", "content": "Name a colour."}]
     uf = {"prompt": "Name a colour.", "chosen": msgs + [{"role": "assistant", "content": "Blue."}],
@@ -66,8 +68,10 @@ def test_every_unusable_pair_is_counted_by_number():
 
 
 def test_malformed_records_are_all_named_in_one_error_or_skipped():
-    records = [{"chosen": hh("Q?", "Yes."), "rejected": hh("Q?", "No.")}, {"chosen": "x"}, [1], {"chosen": 1, "rejected": "y"}]
-    with pytest.raises(UserError, match=r"3 of 4 records are malformed .*#2 missing 'rejected'; #3 is a list.*#4 'chosen' is int"):
+    records = [{"chosen": hh("Q?", "Yes."), "rejected": hh("Q?", "No.")}, {"chosen": "x"}, [1],
+               {"chosen": 1, "rejected": "y"}]
+    with pytest.raises(UserError, match=r"3 of 4 records are malformed .*#2 missing 'rejected'; "
+                                        r"#3 is a list.*#4 'chosen' is int"):
         prefs.clean(records, "hh", source="f.jsonl")
     pairs, bad = prefs.clean(records, "hh", skip_bad=True)
     assert len(pairs) == 1 and bad["malformed"] == [2, 3, 4]
@@ -85,8 +89,9 @@ def test_no_usable_pair_is_an_error():
 def test_cli_on_the_sample_fixtures(tmp_path, fmt, name, written):
     params = {"prefs": {"format": fmt, "url": f"data/sample/prefs/{name}", "delay_s": 0}}
     out = tmp_path / "prefs.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "nanoeuler", "prefs", "--params", json.dumps(params), "--out", str(out),
-                           "--raw-dir", str(tmp_path / "raw"), "--source-root", str(ROOT)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "nanoeuler", "prefs", "--params", json.dumps(params),
+                           "--out", str(out), "--raw-dir", str(tmp_path / "raw"), "--source-root", str(ROOT)],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == written and all(set(r) == {"prompt", "chosen", "rejected"} for r in rows)

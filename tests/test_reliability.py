@@ -155,7 +155,8 @@ def test_os_errors_are_one_line_and_leave_no_output(tmp_path, capsys, monkeypatc
     out = tmp_path / "tok" / "tokenizer.json"
     assert main(["tokenizer", "--params", json.dumps({"tokenizer": {"vocab_size": 300}}),
                  "--corpus", str(corpus_file), "--out", str(out)]) == 1
-    assert capsys.readouterr().err.strip().splitlines()[-1] == f"nanoeuler tokenizer: error: {out}: No space left on device"
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"nanoeuler tokenizer: error: {out}: No space left on device"
     assert list(out.parent.iterdir()) == []  # no partial or temporary file
 
 
@@ -519,8 +520,9 @@ try:
     checkpoint.save({str(tmp_path / "ckpt.bin")!r}, {{"w": np.zeros(100_000, np.float32)}}, {{}})
 except OSError as exc:
     print("checkpoint:", cli.os_error(exc), file=sys.stderr)
-sys.exit(cli.main(["tokenize", "--tokenizer", {str(tmp_path / "tok.json")!r}, "--train", {str(tmp_path / "c.parquet")!r},
-                   "--val", {str(tmp_path / "c.parquet")!r}, "--out", {str(tmp_path / "shards" / "m.json")!r}]))
+sys.exit(cli.main(["tokenize", "--tokenizer", {str(tmp_path / "tok.json")!r},
+                   "--train", {str(tmp_path / "c.parquet")!r}, "--val", {str(tmp_path / "c.parquet")!r},
+                   "--out", {str(tmp_path / "shards" / "m.json")!r}]))
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     lines = r.stderr.strip().splitlines()
@@ -588,7 +590,8 @@ def test_compare_plot_is_written_as_named_and_leaves_no_temporary(tmp_path, caps
     (tmp_path / "results" / "metrics.json").write_text(json.dumps({"base": {"val_loss": 3.0}}))
     (tmp_path / "plots").mkdir()
     assert main(["compare", "", "--table", "t.md", "--plot", "plots"]) == 1
-    assert capsys.readouterr().err.strip() == "nanoeuler compare: error: --plot plots is a directory; name a file to write"
+    err = capsys.readouterr().err.strip()
+    assert err == "nanoeuler compare: error: --plot plots is a directory; name a file to write"
     assert sorted(os.listdir()) == ["plots", "results"] and os.listdir("plots") == []
     assert main(["compare", "", "--table", "t.md", "--plot", "plots/x.pdf"]) == 0
     assert (tmp_path / "plots" / "x.pdf").read_bytes().startswith(b"%PDF")

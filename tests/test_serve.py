@@ -122,7 +122,8 @@ def test_bodies_and_prompts_that_are_not_json_objects_or_text():
     assert parse_completion({"prompt": ["text"]}).prompt == "text"
     with pytest.raises(ApiError, match="prompt: expected a string, an array"):
         parse_completion({"prompt": [1, "x"]})
-    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 7}).options.max_tokens == 7
+    request = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 7}
+    assert parse_chat(request).options.max_tokens == 7
 
 
 class ScriptedBackend:

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from nanoeuler.checks import problem
+from nanoeuler.checks import problem  # noqa: E402
 from nanoeuler.model import transformer  # noqa: E402
 from nanoeuler.model.config import ModelConfig  # noqa: E402
 

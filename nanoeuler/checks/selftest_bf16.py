@@ -249,7 +249,8 @@ def case_bf16_swiglu_gemm(rng, shape):
     m = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
     fn = prepare_fused_gemm(_k("swiglu_bwd_gemm"))
     run_swiglu_bwd_gemm(fn, tile_map(dy_b, 128), tile_map(wdt.reshape(2 * F, C), 128), F, tile_map(gu_b, 64),
-                        tile_map(dgu, 64), tile_map(m, 64), N, C, F, cupy.cuda.Device().attributes["MultiProcessorCount"])
+                        tile_map(dgu, 64), tile_map(m, 64), N, C, F,
+                        cupy.cuda.Device().attributes["MultiProcessorCount"])
     hr, cr = layers.swiglu_forward(gu[:, :F], gu[:, F:])
     dgr, dur = layers.swiglu_backward(dy @ wd, cr)
     return [("bf16 wdt_image (Wd^T, rows permuted)", from_bf16(wdt[1].get())[wdt_image_rows(F)], wd.T, 0.0),
@@ -279,7 +280,8 @@ def case_bf16_swiglu_fwd_gemm(rng, shape):
     gu = cupy.full((N, 2 * F), 0xFFFF, dtype=np.uint16)  # NaN words
     m = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
     run_swiglu_fwd_gemm(prepare_fused_gemm(_k("swiglu_fwd_gemm")), tile_map(x_b, 128), gate_up_map(wgu),
-                        tile_map(gu, 64), tile_map(m, 64), N, C, F, cupy.cuda.Device().attributes["MultiProcessorCount"])
+                        tile_map(gu, 64), tile_map(m, 64), N, C, F,
+                        cupy.cuda.Device().attributes["MultiProcessorCount"])
     m_ref = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
     _k("swiglu_fwd_bf16")((-(-F // 2048), min(N, 4096)), (256,), (gu, m_ref, np.int32(F), np.int32(N)))
     gur = x @ w.T
@@ -521,7 +523,10 @@ def case_bf16_flash(rng, shape):
     out_r, cache = layers.attention_forward(q, k, v)
     dq_r, dk_r, dv_r = layers.attention_backward(d64.reshape(B, T, H, D).transpose(0, 2, 1, 3), cache)
     c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
-    to_rows = lambda x: x.transpose(0, 2, 1, 3).reshape(N, -1)  # (B, heads, T, D) -> (N, heads*D)
+
+    def to_rows(x):  # (B, heads, T, D) -> (N, heads*D)
+        return x.transpose(0, 2, 1, 3).reshape(N, -1)
+
     got = from_bf16(dqkv.get())
     s = np.einsum("bhtd,bhsd->bhts", q, np.repeat(k, H // Hkv, axis=1)) / math.sqrt(D)
     s = np.where(np.tril(np.ones((T, T), dtype=bool)), s, -np.inf)

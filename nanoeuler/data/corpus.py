@@ -34,11 +34,14 @@ _ROW_GROUP = 16384  # rows per parquet row group written: DuckDB buffers a whole
 def chunk_text(text: str, chunk_bytes: int) -> list[str]:
     """Cut `text` at blank lines into pieces of about `chunk_bytes` UTF-8 bytes (0: one piece).
 
-    A piece closes as soon as it reaches the size, so pieces are at least `chunk_bytes` long
-    except the last, and a paragraph is never split.
+    A piece closes as soon as its paragraphs, each counted with the blank line after it, reach the
+    size, so every piece but the last holds at least `chunk_bytes` of the text; a paragraph is never
+    split.
 
-    >>> chunk_text("aa\\n\\nbb\\n\\ncc", 4)
+    >>> chunk_text("aa\\n\\nbb\\n\\ncc", 6)    # "aa" and its blank line are 4 bytes, with "bb" 8
     ['aa\\n\\nbb', 'cc']
+    >>> chunk_text("aa\\n\\nbb\\n\\ncc", 4)
+    ['aa', 'bb', 'cc']
     """
     if chunk_bytes <= 0:
         return [text]

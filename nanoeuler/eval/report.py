@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hellaswag", nargs="*", default=[], metavar="JSON",
                         help="HellaSwag results of `nanoeuler hellaswag-eval`, one file per model")
     parser.add_argument("--dpo", metavar="BIN", help="results/dpo.bin: report the DPO model beside the chat model")
-    parser.add_argument("--pretrain-dir", metavar="DIR", help="pretraining run dir (default: 'pretrain' next to --base)")
+    parser.add_argument("--pretrain-dir", metavar="DIR",
+                        help="pretraining run dir (default: 'pretrain' next to --base)")
     parser.add_argument("--sft-dir", metavar="DIR", help="SFT run dir (default: 'sft' next to --chat)")
     from nanoeuler.infer.engine import add_speculative_argument
 

@@ -5,8 +5,9 @@
 Each line you type is one instruction: it is wrapped in the Alpaca template (single turn; earlier
 turns are not part of the context), the answer streams as it is generated and ends at `</s>`.
 Empty lines are ignored, a line that is not valid UTF-8 is refused with one line on stderr (the
-session goes on); Ctrl-D (end of input) or `/quit` leaves; Ctrl-C stops the answer being generated. A prompt longer than the context is left-truncated (its start is dropped) with a notice
-on stderr; an answer that fills the context goes on in a sliding window (see `infer.generate`).
+session goes on); Ctrl-D (end of input) or `/quit` leaves; Ctrl-C stops the answer being generated.
+A prompt longer than the context is left-truncated (its start is dropped) with a notice on stderr; an
+answer that fills the context goes on in a sliding window (see `infer.generate`).
 Turn n samples with seed + n, so a session is reproducible. Sampling options are checked as `sample` checks them.
 """
 
@@ -68,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
     conf = sections(args, "device", "gpu_memory", "eval")
     sampling, max_new = sampling_from(args, conf["eval"])
-    gen, tok, _ = load(args.ckpt, args.device or conf["device"], args.speculative, conf["gpu_memory"], "chat", args.threads)
+    gen, tok, _ = load(args.ckpt, args.device or conf["device"], args.speculative, conf["gpu_memory"], "chat",
+                       args.threads)
     print(f"nanoeuler chat: {args.ckpt} ({gen.cfg.n_params():,} parameters, {gen.cfg.ctx_len}-token context). "
           "One instruction per line; Ctrl-D or /quit to leave.", file=sys.stderr, flush=True)
 

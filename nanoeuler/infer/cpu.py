@@ -1,7 +1,7 @@
 """The decode engine's NumPy backend: the model's arithmetic on rows of (slot, position), with a
 preallocated cache.
 
-    >>> be = CpuBackend(params, cfg, threads=2)   # params: NumPy float32 (or float64 for exact checks)   # doctest: +SKIP
+    >>> be = CpuBackend(params, cfg, threads=2)   # params: NumPy float32 (float64: exact)       # doctest: +SKIP
     >>> be.start(batch=2, seeds=[0, 1]); be.prefill(0, [5, 17, 42]).shape                          # doctest: +SKIP
     (4, 512)
 

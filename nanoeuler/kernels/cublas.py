@@ -30,8 +30,7 @@ _OP_N, _OP_T = 0, 1
 
 # cuBLAS's workspace in bytes. With none, cuBLAS picks algorithms that need none, which rules out its
 # split-K products of the weight gradients (K = batch x seq) and the memsets and reduction kernels they
-# add (138 and 48 a step at B64xT512). H200 (BENCHMARKS run 16): the step is level at B64xT512 and
-# 1-1.6% faster at B16, with 30 MB less memory.
+# add: no slower, and less memory (docs/benchmarks-log.md, run 16).
 WORKSPACE = 0
 
 

@@ -96,9 +96,9 @@ def gate_up_map(w):
 
 
 def heads_map(x):
-    """The tensor map through which `qkv_rope_gemm` (kernels/bf16/gemm_tma.cu) stores into an attention operand `x` (B, heads,
-    T, 64) of bf16 words: 3-D, (64, T, B heads), a box (64, 64, 1) being 64 positions of one head of one
-    sequence (T % 64 == 0)."""
+    """The tensor map through which `qkv_rope_gemm` (kernels/bf16/gemm_tma.cu) stores into an attention
+    operand `x` (B, heads, T, 64) of bf16 words: 3-D, (64, T, B heads), a box (64, 64, 1) being 64
+    positions of one head of one sequence (T % 64 == 0)."""
     if x.ndim != 4 or x.shape[3] != 64 or x.dtype.itemsize != 2 or not x.flags.c_contiguous:
         raise ValueError(f"heads_map needs contiguous bf16 words (B, heads, T, 64), got {x.dtype} shape {x.shape}")
     B, heads, T, D = x.shape

@@ -31,11 +31,12 @@ context's end, decode plainly.
 A stream's failure is its own: `step` gives the exception in that stream's place (the stream is done,
 its slot goes back when it is closed) and the other streams go on as if it had never been there.
 
-    >>> backend = Backend.load("results/chat.bin", device="cpu")
-    >>> a = backend.open(backend.tok.encode("Once"), max_new_tokens=2, sampling=Sampling(temperature=0))
-    >>> b = backend.open(backend.tok.encode("It was"), max_new_tokens=1, sampling=Sampling(temperature=0))
-    >>> ids = backend.step([a, b])   # the new token ids of each stream
-    >>> [len(t) for t in ids], a.done, b.done   # b has reached its one token
+    >>> backend = Backend.load("results/chat.bin", device="cpu")                      # doctest: +SKIP
+    >>> greedy = Sampling(temperature=0)                                              # doctest: +SKIP
+    >>> a = backend.open(backend.tok.encode("Once"), max_new_tokens=2, sampling=greedy)    # doctest: +SKIP
+    >>> b = backend.open(backend.tok.encode("It was"), max_new_tokens=1, sampling=greedy)  # doctest: +SKIP
+    >>> ids = backend.step([a, b])   # the new token ids of each stream             # doctest: +SKIP
+    >>> [len(t) for t in ids], a.done, b.done   # b has reached its one token       # doctest: +SKIP
     ([1, 1], False, True)
 """
 

@@ -15,9 +15,9 @@ A job's failure is its own: a stream that fails alone (`Backend.step` gives its 
 job; a step that raises ends the jobs in it, never the worker. Every way out of the batch goes through
 `_finish`, which closes the job's stream (its cache slot goes back) and uncounts it.
 
-    >>> scheduler = Scheduler(backend, max_batch=8, max_queue=64).start()
-    >>> job = scheduler.submit(prompt_ids, max_new_tokens=16, sampling=Sampling(temperature=0))
-    >>> async for token in job.tokens(): ...     # inside the event loop (or `job.batches()`: lists of them)
+    >>> scheduler = Scheduler(backend, max_batch=8, max_queue=64).start()                        # doctest: +SKIP
+    >>> job = scheduler.submit(prompt_ids, max_new_tokens=16, sampling=Sampling(temperature=0))  # doctest: +SKIP
+    >>> async for token in job.tokens(): ...  # in the event loop (or `job.batches()`: lists)     # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ Each update is one `Stepper.step` (`train.stepper`: the xp layers or the bf16 en
 directory of rotating checkpoints `ckpt_{step:08d}.bin` and `metrics.jsonl`; a new start resumes from
 the newest checkpoint that loads, if it holds the same model config and tokenizer and the same
 settings (`run_identity`); else the run dir belongs to another model or run, and its files move to
-`previous/` with a notice. One that does not load is renamed `*.corrupt` and the one before it is tried. A checkpoint holds the
-parameters, the optimizer state and the data source's state, so a resumed CPU run repeats the losses
-of an uninterrupted one bit for bit; metrics logged after its step are logged again. Step s counts
-finished updates (1-based) and trains at `lr_at(s - 1)` (and with the heads' loss weights of step s - 1).
-A non-finite loss or gradient norm stops the run naming the step, before any checkpoint of that state
-is written.
+`previous/` with a notice. One that does not load is renamed `*.corrupt` and the one before it is tried.
+A checkpoint holds the parameters, the optimizer state and the data source's state, so a resumed CPU
+run repeats the losses of an uninterrupted one bit for bit; metrics logged after its step are logged
+again. Step s counts finished updates (1-based) and trains at `lr_at(s - 1)` (and with the heads' loss
+weights of step s - 1). A non-finite loss or gradient norm stops the run naming the step, before any
+checkpoint of that state is written.
 """
 
 from __future__ import annotations

@@ -160,7 +160,8 @@ class EpochBatches:
 
     def __init__(self, examples, batch_size: int, grad_accum: int, seed: int, K: int, pad_id: int,
                  rank: int = 0, world: int = 1):
-        self.examples, self.B, self.accum, self.seed, self.K, self.pad_id = examples, batch_size, grad_accum, seed, K, pad_id
+        self.examples, self.B, self.accum = examples, batch_size, grad_accum
+        self.seed, self.K, self.pad_id = seed, K, pad_id
         self.rank, self.world = rank, world
         if len(examples) < world:
             raise UserError(f"{len(examples)} training examples cannot feed {world} ranks")

@@ -1,9 +1,9 @@
 """One optimizer update behind one interface: micro-batches and a learning rate in, loss and gradient norm out.
 
     >>> stepper = make_stepper(settings, cfg, params, np)             # doctest: +SKIP
-    >>> loss, grad_norm = stepper.step([(inputs, targets)], lr=3e-4)    # one (x, y) per grad_accum
-    >>> stepper.step(batch, lr=3e-4, head_weights=[1.0, 0.5])       # the output heads' loss weights
-    >>> stepper.params(), stepper.state_tensors(), stepper.t            # what a checkpoint keeps
+    >>> loss, grad_norm = stepper.step([(inputs, targets)], lr=3e-4)    # one (x, y) per grad_accum  # doctest: +SKIP
+    >>> stepper.step(batch, lr=3e-4, head_weights=[1.0, 0.5])       # the heads' loss weights    # doctest: +SKIP
+    >>> stepper.params(), stepper.state_tensors(), stepper.t            # what a checkpoint keeps   # doctest: +SKIP
 
 `XpStepper` runs `transformer.loss_and_grads` on NumPy or CuPy, sums the gradients of the
 micro-batches (each normalised by the whole step's targets), clips their global norm and applies

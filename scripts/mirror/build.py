@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    manifest = {"books": write_books(root, out), "web": write_web(root, work, out), "alpaca": copy_demo_set(root, out, "alpaca_en_demo.json", "alpaca/alpaca_data.json"),
+    manifest = {"books": write_books(root, out), "web": write_web(root, work, out),
+                "alpaca": copy_demo_set(root, out, "alpaca_en_demo.json", "alpaca/alpaca_data.json"),
                 "prefs": copy_demo_set(root, out, "dpo_en_demo.json", "prefs/dpo_en_demo.json")}
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
     total = sum(b["bytes"] for b in manifest["books"]) + sum(w["bytes"] for w in manifest["web"])

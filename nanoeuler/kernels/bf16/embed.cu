@@ -3,8 +3,8 @@
 #include "common.cuh"
 
 // The embedding: a warp per row, 8 rows a block; 16-byte accesses when C % 4 == 0 (every tensor of the
-// engine's buffers starts 256-byte aligned). (One thread per value, each dividing a 64-bit index by C,
-// took 0.14 ms at B64xT512 for what is a 100 MB copy.)
+// engine's buffers starts 256-byte aligned). A row per warp needs no per-value index division
+// (docs/benchmarks-log.md, Kernel notes).
 
 // x (N, C) float32 = E[ids]; ids int32 (N,).
 extern "C" __global__ void __launch_bounds__(256) embed_fwd(const int* __restrict__ ids, const float* __restrict__ E,

@@ -22,9 +22,9 @@ __device__ __forceinline__ unsigned sw128(int row, int chunk) { return row * 128
 
 // cp.async of a 64-row tile (rows r0.., row stride ld) into the swizzled tile at shared address dst;
 // rows >= rmax become zeros. 128 threads: thread t copies chunk t % 8 of rows t / 8 + 16 j, j = 0 .. 3,
-// which all share one swizzle (row % 8), so the four copies differ only by constant offsets. Unrolled
-// and free of per-chunk index arithmetic: written as a loop over blockDim.x, the copies took a third
-// of the forward's instructions, in a kernel bound by instruction issue.
+// which all share one swizzle (row % 8), so the four copies differ only by constant offsets. Unrolled,
+// with no per-chunk index arithmetic: the attention kernels are bound by instruction issue
+// (docs/benchmarks-log.md, Kernel notes).
 __device__ __forceinline__ void cp_tile_sw(unsigned dst, const bf16* base, long long ld, int r0, int rmax) {
     const int row = threadIdx.x >> 3;
     const unsigned sa = dst + sw128(row, threadIdx.x & 7);
@@ -48,7 +48,8 @@ __device__ __forceinline__ unsigned wg_tiles() {
 }
 #endif
 
-// 5 blocks per multiprocessor (96 registers, a spill of a few bytes): 8% faster than 4 at B64xT512.
+// 5 blocks per multiprocessor: more warpgroups hide each one's wait for its own products
+// (docs/benchmarks-log.md, Kernel notes).
 extern "C" __global__ void __launch_bounds__(128, 5) flash_fwd_wg_d64(const bf16* __restrict__ q,
                                                                     const bf16* __restrict__ k,
                                                                     const bf16* __restrict__ v, bf16* __restrict__ o,
@@ -105,9 +106,8 @@ extern "C" __global__ void __launch_bounds__(128, 5) flash_fwd_wg_d64(const bf16
 // dk, dv for 64 keys of one (b, kv head), as flash_bwd_dkdv_mma_impl with whole 64-query passes: per
 // query tile S^T = K Q^T and dP^T = V dO^T (the block's K, V tiles and the Q, dO tiles, read [n][k]),
 // then dV += P^T dO and dK += dS^T Q (P^T, dS^T from registers; the same tiles read [k][n]). 3 blocks
-// per multiprocessor, where K and V in registers allowed 2. At 166 registers ptxas serializes the wgmma
-// (and spills 16 bytes); still faster than 2 blocks at 182 registers without either (0.188 against
-// 0.193 ms at B64xT512, level at B16xT1024).
+// per multiprocessor, which K and V in shared memory make room for; 3 beat 2 although ptxas then
+// serializes the wgmma (docs/benchmarks-log.md, Kernel notes).
 extern "C" __global__ void __launch_bounds__(128, 3) flash_bwd_dkdv_wg_d64(
     const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, const bf16* __restrict__ dO,
     const float* __restrict__ lse, const float* __restrict__ delta, bf16* __restrict__ dqkv,
@@ -210,10 +210,9 @@ extern "C" __global__ void __launch_bounds__(128, 4) flash_bwd_dq_wg_d64(
     cp_commit();
     const float lA = rowA < T ? lse[(long long)bh * T + rowA] * LOG2E : 0.f;  // base-2 units
     const float lB = rowB < T ? lse[(long long)bh * T + rowB] * LOG2E : 0.f;
-    // delta = rowsum(dO * O) of the block's rows, two threads a row, each 32 columns in 16-byte loads,
-    // into `delta` for the dk/dv kernel and into shared memory for the warps' own rows. (Loaded 4 bytes
-    // at a time in the mma layout, as the ldm kernel's dq_rows does, dO and O took a fifth of this
-    // kernel's time; this way the kernel is 5% faster.)
+    // delta = rowsum(dO * O) of the block's rows, two threads a row, each 32 columns in 16-byte loads
+    // (whole sectors, unlike loads in the mma layout), into `delta` for the dk/dv kernel and into shared
+    // memory for the warps' own rows (docs/benchmarks-log.md, Kernel notes).
     __shared__ float delta_s[FA_BR];
     {
         const int row = threadIdx.x >> 1, t = qb * FA_BR + row;

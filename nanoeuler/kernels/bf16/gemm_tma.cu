@@ -18,9 +18,8 @@
 //   It runs ahead into the next tile while the warpgroups finish the last one.
 // - warps 0-7, two warpgroups in ping-pong (sg_products): warpgroup w multiplies every other tile, all
 //   its 128 rows by its 128 columns (wgmma.m64n128k16 on each 64-row half, both operands from shared
-//   memory), then runs the epilogue while the other warpgroup multiplies the next tile. (An earlier
-//   ping-pong on 64-row tiles was slower than both warpgroups on one tile: one m64n128 product at a time
-//   did not keep the tensor cores busy, and every 64 rows loaded the weight tile again.)
+//   memory), then runs the epilogue while the other warpgroup multiplies the next tile. Whole 128-row
+//   tiles keep the tensor cores busy and load each weight tile once (docs/benchmarks-log.md, Kernel notes).
 // Operands: dy, and wdt, the fused kernel's image of Wd: transposed (F, C; k contiguous, as wgmma
 // reads shared memory untransposed) and its rows permuted by 128-row block (wdt_image): hidden column
 // j of a tile is row sg_row(j) of the staged tile, i.e. accumulator column n = sg_row(j). The wgmma C
@@ -251,8 +250,8 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
             tma_2d(gb + (2 + j) * BOX, gu_map, F + col0 + 64 * j, r, gubar + 8 * j);
         };
         float acc[2][16][4];
-        // three k steps before the end, the first half's quarters come in (waiting for the last tile's stores
-        // at the first k step stalled the products: 0.35 against 0.30 ms at B64xT512, before the ping-pong)
+        // three k steps before the end, the first half's quarters come in: late enough that the last tile's
+        // stores have left the boxes without stalling the products (docs/benchmarks-log.md, Kernel notes)
         sg_products(acc, k, n, KT, stages, full, empty, wg, t, [&] {
             if (t == 0) {
                 asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");  // the boxes are free
@@ -262,8 +261,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
         });
         // quarter (half, j): rows row0 + 64 half .., hidden columns col0 + 64 j ..; the second half's quarter
         // j comes into buffer j as soon as the first half's results have left it, while the warpgroup works
-        // on the other buffer (by halves, the second half's fetch waited for both boxes' stores and was not
-        // hidden at all: 0.267 against 0.253 ms at B64xT512)
+        // on the other buffer, so that fetch is hidden (docs/benchmarks-log.md, Kernel notes)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
@@ -334,9 +332,7 @@ extern "C" __global__ void __launch_bounds__(288, 1) swiglu_bwd_gemm(const void*
 // gu: m is bit-identical to the unfused path's, and to what the backward recomputes.
 // The outputs leave by TMA stores: a warpgroup writes its tile's gate, up and m into shared memory (64 x 64
 // boxes, two per output) and one of its threads hands the boxes to the TMA unit, which writes them to
-// memory. (Written with st.global from the registers instead, before the ping-pong, the epilogue took as
-// long as the products: every block reached it at the same moment, and the stores of all of them then
-// queued for memory while the tensor cores waited.)
+// memory while the warpgroup goes on (docs/benchmarks-log.md, Kernel notes).
 // Needs C % 64 == 0 and F % 64 == 0.
 
 extern "C" __global__ void __launch_bounds__(288, 1) swiglu_fwd_gemm(const void* __restrict__ x_map,

@@ -14,9 +14,8 @@
 //
 // Grids: x over (batch, head) pairs, y over the 64-row tiles, ordered so that the blocks with the most
 // work (the last query tiles; in dkdv the first key tiles) have the lowest y. The hardware starts
-// blocks in order of x, then y, so the longest start first and the short ones fill the tail: with the
-// tiles on x instead, long blocks of the last heads started last, and the multiprocessors sat idle
-// 10-17% of each kernel's time (ncu: SM active cycles against elapsed cycles).
+// blocks in order of x, then y, so the longest start first and the short ones fill the tail
+// (docs/benchmarks-log.md, Kernel notes).
 // Every block has 4 warps and owns 64 rows (queries, or keys in dkdv); each warp owns 16 of them and
 // keeps its operand fragments in registers. Tiles of the other side (64 rows) pass through shared
 // memory, once row-major (for products over d) and, where a product runs over the tile's rows, once
@@ -28,10 +27,9 @@
 #define FA_BR 64
 // The backward kernels take the other side's 64-row tile in passes of FA_*_PASS columns (64 or 32),
 // under launch bounds of FA_*_BLOCKS blocks per multiprocessor. S and dP of one pass live in
-// registers: passes of 32 halve them, which lets the dq kernel run 4 blocks (16 warps) per
-// multiprocessor instead of 3; dq is bound by latency, not arithmetic (ncu: issue slots 45% busy), and
-// runs 8-10% faster so. The dk/dv kernel gained nothing from it (2 -> 3 blocks, at the price of a
-// small spill) and keeps whole tiles. The -D options of NVRTC override these (bench sweeps).
+// registers: passes of 32 halve them, so the dq kernel, bound by latency, fits 4 blocks per
+// multiprocessor; the dk/dv kernel keeps whole tiles (docs/benchmarks-log.md, Kernel notes). The -D
+// options of NVRTC override these (bench sweeps).
 #ifndef FA_DQ_PASS
 #define FA_DQ_PASS 32
 #endif

@@ -347,8 +347,9 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    print(f"\nfake engine: {args.step_ms} ms a step ({rows[0]['sleep_ms']:.3f} ms as this machine sleeps), {args.prefill_us} us a prompt token; {args.requests} requests "
-          f"per client, {args.max_tokens} tokens each; max_batch {max(levels)}")
+    print(f"\nfake engine: {args.step_ms} ms a step ({rows[0]['sleep_ms']:.3f} ms as this machine sleeps), "
+          f"{args.prefill_us} us a prompt token; {args.requests} requests per client, {args.max_tokens} tokens each; "
+          f"max_batch {max(levels)}")
     print(f"{'clients':>7} {'tokens/s':>9} {'ideal':>8} {'/ideal':>6} {'rows/step':>9} {'step ms':>8} {'host ms':>8} "
           f"{'cpu ms':>7} {'loop cpu':>8} {'TTFT p50':>9} {'gap p50':>8} {'gap p99':>8} {'failures':>8}")
     for r in rows:

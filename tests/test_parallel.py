@@ -110,7 +110,7 @@ def test_a_tcp_rendezvous_names_its_address_when_rank_0_never_comes_or_its_port_
     with socket.create_server(("", port)):
         with pytest.raises(UserError, match=f"rank 0: cannot listen on port {port} .* choose another MASTER_PORT"):
             exchange_id(World(0, 2, 0), where, make_id=lambda: b"x", timeout=1)
-    with pytest.raises(UserError, match=rf"rank 0: 0 of the other 2 ranks fetched the NCCL id from tcp://"):
+    with pytest.raises(UserError, match=r"rank 0: 0 of the other 2 ranks fetched the NCCL id from tcp://"):
         exchange_id(World(0, 3, 0), where, make_id=lambda: b"x", timeout=0.3)
 
 

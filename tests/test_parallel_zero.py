@@ -207,12 +207,12 @@ def test_a_checkpoint_of_2_ranks_resumes_on_4_and_on_3():
                 np.testing.assert_array_equal(zero[r][1][name], p, err_msg=f"{second} ranks, rank {r}: {name}")
 
 
-def _loop_ranks(shards, run_dir, n, batch, zero):
+def _loop_ranks(manifest, run_dir, n, batch, zero):
     world = ThreadWorld(n)
 
     def rank_main(r):
         dp = DataParallel(ThreadComm(world, r), "pretrain", zero=zero)
-        loop.train(_run(shards, run_dir, rank=r, world=n, batch=batch, dp=dp))
+        loop.train(_run(manifest, run_dir, rank=r, world=n, batch=batch, dp=dp))
 
     in_threads(rank_main, world)
 

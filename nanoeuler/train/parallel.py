@@ -153,8 +153,8 @@ def _id_from_record(text: str) -> bytes | tuple:
 def exchange_id(world: World, where: Path | TcpRendezvous, make_id: Callable[[], bytes | tuple],
                 timeout: float) -> bytes | tuple:
     """Rank 0 makes the id with `make_id()` and hands it on; the others wait up to `timeout` s for it.
-    Through a file (written atomically), or over TCP (rank 0 serves it until every other rank has it). The id is bytes (CuPy >= 13) or a tuple of ints (older CuPy); every rank
-    gets the same type back."""
+    Through a file (written atomically), or over TCP (rank 0 serves it until every other rank has it).
+    The id is bytes (CuPy >= 13) or a tuple of ints (older CuPy); every rank gets the same type back."""
     if world.is_root:
         uid = make_id()
         if isinstance(where, TcpRendezvous):

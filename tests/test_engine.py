@@ -2,6 +2,7 @@
 self-speculative decoding (greedy token-identical; sampling with the exact output distribution)."""
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -374,3 +375,37 @@ def test_step_threads_try_the_other_count_when_a_step_turns_slow():
     t.record(0.2)
     t.record(0.2)
     assert t.pick() == 1  # on one thread, slow steps do not make two threads try
+
+
+def test_long_prefill_in_shares_equals_the_model(monkeypatch):
+    """A long one-slot call is fed in shares by `threads` workers (each its own thread), attention in causal
+    chunks: the logits equal the model's (float64), the cache equals the one row-at-a-time feeding writes,
+    for a prefill, a prefill after a cached prefix, and the steps after them."""
+    from nanoeuler.infer import cpu
+
+    cfg = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=300, mtp_heads=3)
+    params = transformer.init_params(cfg, seed=3, dtype=np.float64)
+    ids = [int(t) for t in np.random.default_rng(0).integers(0, 97, 290)]
+    want = [transformer.logits(params, np.array([ids]), cfg, head=k)[0] for k in range(3)]
+    monkeypatch.setattr(cpu, "THREADED_MACS", 1)  # this small model's prefill counts as long
+    ref = cpu.CpuBackend(params, cfg, threads=1)
+    ref.start(1)
+    for t in range(len(ids)):  # one row at a time: the decode path
+        ref.verify(np.array(ids[t:t + 1]), t)
+    for threads in (1, 2, 3):
+        be = cpu.CpuBackend(params, cfg, threads=threads)
+        workers = set()
+        feed = be._feed_share
+        be._feed_share = lambda *a: workers.add(threading.get_ident()) or feed(*a)
+        be.start(1)
+        for n in (cpu.LONG_ROWS, 150, 290):
+            got = be.prefill(0, ids[:n])
+            np.testing.assert_allclose(got, np.stack([w[n - 1] for w in want]), rtol=1e-9, atol=1e-9)
+        assert len(workers) == threads
+        for k, k_ref in zip(be.k + be.v, ref.k + ref.v):
+            np.testing.assert_allclose(k[:, :, :290], k_ref[:, :, :290], rtol=1e-9, atol=1e-12)
+        be.prefill(0, ids[:20])
+        got = be.prefill_from(0, ids, 20)  # rows 20.. attend to the cached 0..19 too
+        np.testing.assert_allclose(got[0], want[0][-1], rtol=1e-9, atol=1e-9)
+        step = be.verify(np.array(ids[286:290]), 286)[0]
+        np.testing.assert_allclose(step, want[0][286:290], rtol=1e-9, atol=1e-9)

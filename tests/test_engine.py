@@ -377,6 +377,28 @@ def test_step_threads_try_the_other_count_when_a_step_turns_slow():
     assert t.pick() == 1  # on one thread, slow steps do not make two threads try
 
 
+def test_default_speculation_on_random_heads_pays_for_no_pass():
+    """Untrained heads (random, seeded): the default stream runs exactly the plain run's forward passes, the
+    same rows in the same calls, and no verify pass; its only extra work is the probe, the draft heads of
+    SHADOW_STEPS + 1 recorded states every RECHECK_TOKENS tokens, in one product each."""
+    from nanoeuler.infer import engine as engine_mod
+
+    params, cfg = _model(K=4, seed=5)
+    eng = Engine.from_params(params, cfg, "cpu")
+    be = eng.backend
+    fed, drafts = [], []
+    rows, draft_ids = be._rows, be.draft_ids
+    be._rows = lambda ids, *a: fed.append(len(ids)) or rows(ids, *a)
+    be.draft_ids = lambda states: drafts.append(len(states)) or draft_ids(states)
+    p, n = [5, 17, 42, 8], 300  # across context refills (ctx_len 24)
+    plain = list(eng.stream(p, n, GREEDY, speculative=False))
+    plain_fed, fed[:] = fed[:], []
+    assert list(eng.stream(p, n, GREEDY)) == plain
+    assert fed == plain_fed and eng.stats.passes == 0
+    rounds = -(-n // engine_mod.RECHECK_TOKENS)
+    assert 0 < len(drafts) <= rounds and set(drafts) == {engine_mod.SHADOW_STEPS + 1}
+
+
 def test_long_prefill_in_shares_equals_the_model(monkeypatch):
     """A long one-slot call is fed in shares by `threads` workers (each its own thread), attention in causal
     chunks: the logits equal the model's (float64), the cache equals the one row-at-a-time feeding writes,

@@ -448,15 +448,23 @@ class CpuBackend:
             out[b] = sample_token(logits[i], rngs[b], sampling.temperature, sampling.top_k, sampling.top_p)
         return out
 
-    def step_heads(self, token: int, pos: int) -> np.ndarray:
-        """Feed one token of slot 0 at pos; every head's argmax there (K,): the next token and the drafts
-        after it. A plain greedy step that also shows what the draft heads would have proposed."""
-        return self._tuned(self._step_heads, token, pos)
+    def greedy_step(self, token: int, pos: int) -> tuple[int, np.ndarray]:
+        """Feed one token of slot 0 at pos: (head 0's argmax, the row's final state (C,)). A plain greedy
+        step whose state `draft_ids` can later turn into the drafts the other heads would have proposed."""
+        return self._tuned(self._greedy_step, token, pos)
 
     @_step_blas
-    def _step_heads(self, token: int, pos: int) -> np.ndarray:
+    def _greedy_step(self, token: int, pos: int) -> tuple[int, np.ndarray]:
         xn = self._rows(np.array([token]), np.zeros(1, dtype=np.int64), np.array([pos]), 0)
-        return self._heads(xn, self.cfg.mtp_heads)[:, 0].argmax(axis=-1)
+        return int(self._heads(xn, 1)[0, 0].argmax()), xn[0]
+
+    @_step_blas
+    def draft_ids(self, states) -> np.ndarray:
+        """The draft heads' (1..K-1) argmax at final states (n, C): (K - 1, n) ids, one matrix product for
+        all n rows (their weights read once, not once a step)."""
+        V, K = self.cfg.vocab_size, self.cfg.mtp_heads
+        states = np.asarray(states)
+        return _mm(states, self.heads_t[:, V:]).reshape(-1, K - 1, V).argmax(axis=-1).T
 
     @_step_blas
     def verify(self, tokens, pos: int) -> np.ndarray:

@@ -242,16 +242,10 @@ class CpuBackend:
 
     @staticmethod
     def _rope(x, cos, sin):
-        """x (N, heads, D); cos/sin (N, 1, D/2). Each half rotated into its place of one new array."""
+        """x (N, heads, D); cos/sin (N, 1, D/2)."""
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]
-        y = np.empty_like(x)
-        y1, y2 = y[..., :half], y[..., half:]
-        np.multiply(x1, cos, out=y1)
-        y1 -= x2 * sin
-        np.multiply(x2, cos, out=y2)
-        y2 += x1 * sin
-        return y
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
     def _attend(self, q, li, slots, pos, slot):
         """q (N,H,D) of rows at (slot, pos) -> (N, H*D), over keys 0..pos of each row's slot. `slot`: the

@@ -431,3 +431,28 @@ def test_long_prefill_in_shares_equals_the_model(monkeypatch):
         np.testing.assert_allclose(got[0], want[0][-1], rtol=1e-9, atol=1e-9)
         step = be.verify(np.array(ids[286:290]), 286)[0]
         np.testing.assert_allclose(step, want[0][286:290], rtol=1e-9, atol=1e-9)
+
+
+def test_long_prefill_a_failing_worker_raises_its_own_error(monkeypatch):
+    """A worker that fails breaks the others' wait: the call raises that worker's error (not a broken
+    barrier, not a hang), and the next call works."""
+    from nanoeuler.infer import cpu
+
+    params, cfg = _model(ctx=200)
+    monkeypatch.setattr(cpu, "THREADED_MACS", 1)
+    be = cpu.CpuBackend(params, cfg, threads=2)
+    be.start(1)
+    attend = be._attend_causal
+
+    def fails_off_main(*a):
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("a worker's failure")
+        return attend(*a)
+
+    be._attend_causal = fails_off_main
+    with pytest.raises(ValueError, match="a worker's failure"):
+        be.prefill(0, [t % cfg.vocab_size for t in range(150)])
+    be._attend_causal = attend
+    ids = [t % cfg.vocab_size for t in range(140)]  # two workers again
+    want = transformer.logits(params, np.array([ids]), cfg)[0, -1]
+    np.testing.assert_allclose(be.prefill(0, ids)[0], want, rtol=1e-9, atol=1e-9)

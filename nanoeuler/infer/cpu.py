@@ -341,7 +341,13 @@ class CpuBackend:
                 if self.pool is None:
                     self.pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="prefill")
                 futures = [self.pool.submit(self._feed_share, sh, ids, start, slot, barrier) for sh in shares[1:]]
-                parts = [self._feed_share(shares[0], ids, start, slot, barrier)] + [f.result() for f in futures]
+                try:
+                    mine = self._feed_share(shares[0], ids, start, slot, barrier)
+                except threading.BrokenBarrierError:
+                    for f in futures:  # a worker failed and broke the barrier: its own error, not this one
+                        f.result()
+                    raise
+                parts = [mine] + [f.result() for f in futures]
         finally:
             if before:
                 blas_threads(before)

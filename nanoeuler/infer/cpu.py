@@ -43,7 +43,8 @@ from nanoeuler.model.transformer import head_weight_names
 THREADED_MACS = 1 << 23  # a call whose rows x dim x dim reach this runs BLAS on `threads` (a prefill)
 STEP_THREADS_BYTES = 64 << 20  # a step streaming fewer weight bytes stays on one thread (`StepThreads`)
 PER_ROW = 3  # up to this many rows, one vector product a row beats OpenBLAS's small-M matrix product
-LONG_ROWS = 64  # one-slot calls of this many rows or more take `_rows_long`: a worker per LONG_ROWS rows
+LONG_ROWS = 64  # one-slot calls of this many rows or more take `_rows_long`
+WORKER_ROWS = 32  # ... on a worker per this many rows, up to `threads`
 ATT_ROWS = 64  # query rows whose scores over a prefill's keys are computed at once (they stay in cache)
 
 
@@ -329,7 +330,7 @@ class CpuBackend:
         keys to attend to (0 + 3 == 1 + 2)."""
         N = ids.shape[0]
         # workers only for enough work (a small model's prefill is a few milliseconds: waits would cost more)
-        W = max(1, min(self.threads, N // LONG_ROWS)) if N * self.cfg.dim ** 2 >= THREADED_MACS else 1
+        W = max(1, min(self.threads, N // WORKER_ROWS)) if N * self.cfg.dim ** 2 >= THREADED_MACS else 1
         edges = [N * i // (2 * W) for i in range(2 * W + 1)]
         shares = [[(edges[i], edges[i + 1]), (edges[2 * W - 1 - i], edges[2 * W - i])] for i in range(W)]
         barrier = threading.Barrier(W) if W > 1 else None

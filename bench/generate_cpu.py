@@ -3,7 +3,7 @@ with the memory-bandwidth bound of a decode step measured in the same run.
 
     python bench/generate_cpu.py                                  # `small` and the 116M `gpu` preset, random
     python bench/generate_cpu.py --presets small --ckpt small.bin # a trained model file
-    python bench/generate_cpu.py --profile                        # + where one decode step's time goes
+    python bench/generate_cpu.py --profile                        # + where a decode step's and a prefill's time goes
     LLAMA_BENCH=~/llama.cpp/build/bin/llama-bench python bench/generate_cpu.py --gguf gpu=m-f32.gguf
 
 For each model: batch 1, greedy, a 16-token prompt and --new-tokens new ones (capped by the context, so
@@ -18,6 +18,9 @@ SwiGLU, head 0) under inference_mode with torch.set_num_threads(--threads), whic
 llama.cpp's llama-bench where LLAMA_BENCH (or --llama-bench) names it and --gguf gives the model converted
 to GGUF (docs/benchmarks-log.md says how to build and convert).
 
+Prefill rows: ours on --threads workers and on one (`CpuBackend._rows_long`), PyTorch eager, llama.cpp; its
+GFLOP/s are the layers' matrix products (2 x their weights x tokens) over the call's whole time.
+
 The bound: a plain step must read every weight it uses once (the stacked layer matrices and head 0). The
 same one-row products over exactly those matrices, with nothing else, give the machine's GEMV bandwidth and
 the step time it implies; "of bound" is ours plain against it.
@@ -26,6 +29,7 @@ the step time it implies; "of bound" is ours plain against it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -149,15 +153,15 @@ def gemv_sweep(be, threads=1):
     return sweep, sum(m.nbytes for m in mats)
 
 
-def profile_step(eng, prompt, steps: int) -> list[tuple[str, float]]:
-    """Milliseconds per decode step by kernel: the backend's functions wrapped with timers for `steps` plain
-    steps (the wrappers add a few microseconds a call, counted under 'Python and the rest')."""
-    be = eng.backend
+@contextlib.contextmanager
+def kernel_timers(be):
+    """Seconds by kernel while inside: the backend's functions wrapped with timers (a few microseconds a
+    call, counted under the rest). Matrix products are named by weight, GEMV for one row, GEMM for more."""
     names = {}
     for w in be.layers:
-        names.update({id(w["qkv_t"]): "GEMV q/k/v", id(w["o_t"]): "GEMV o_proj", id(w["gu_t"]): "GEMV gate/up",
-                      id(w["down_t"]): "GEMV down"})
-    names[id(be.head0_t)] = "GEMV head 0"
+        names.update({id(w["qkv_t"]): "q/k/v", id(w["o_t"]): "o_proj", id(w["gu_t"]): "gate/up",
+                      id(w["down_t"]): "down"})
+    names[id(be.head0_t)] = "head 0"
     acc = defaultdict(float)
 
     def timed(fn, label):
@@ -169,15 +173,40 @@ def profile_step(eng, prompt, steps: int) -> list[tuple[str, float]]:
                 acc[label(*a) if callable(label) else label] += time.perf_counter() - t0
         return run
 
-    saved = dict(mm=cpu_mod._mm, rms=cpu_mod._rmsnorm, sample=cpu_mod.sample_token)
+    def mm_label(x, w):
+        return f"{'GEMV' if x.shape[0] == 1 else 'GEMM'} {names.get(id(w), 'output heads')}"
+
     cls = type(be)
-    saved_cls = dict(attend=cls._attend, rope=cls._rope)
-    cpu_mod._mm = timed(saved["mm"], lambda x, w: names.get(id(w), "GEMV other"))
+    saved = dict(mm=cpu_mod._mm, rms=cpu_mod._rmsnorm, silu=cpu_mod._silu_mul, sample=cpu_mod.sample_token)
+    saved_cls = dict(attend=cls._attend, causal=cls._attend_causal, rope=cls._rope)
+    cpu_mod._mm = timed(saved["mm"], mm_label)
     cpu_mod._rmsnorm = timed(saved["rms"], "RMSNorm")
+    cpu_mod._silu_mul = timed(saved["silu"], "SwiGLU")
     cpu_mod.sample_token = timed(saved["sample"], "sampling (argmax)")
     cls._attend = timed(saved_cls["attend"], "attention over the cache")
+    cls._attend_causal = timed(saved_cls["causal"], "causal attention (chunks)")
     cls._rope = staticmethod(timed(saved_cls["rope"], "RoPE"))
     try:
+        yield acc
+    finally:
+        cpu_mod._mm, cpu_mod._rmsnorm, cpu_mod._silu_mul = saved["mm"], saved["rms"], saved["silu"]
+        cpu_mod.sample_token = saved["sample"]
+        cls._attend, cls._attend_causal = saved_cls["attend"], saved_cls["causal"]
+        cls._rope = staticmethod(saved_cls["rope"])
+
+
+def by_kernel(acc, total, n) -> list[tuple[str, float]]:
+    """(kernel, ms per n) rows, largest first, then the rest and the total."""
+    rows = sorted(((k, v * 1e3 / n) for k, v in acc.items()), key=lambda kv: -kv[1])
+    rest = total - sum(acc.values())
+    return rows + [("Python and the rest (residual adds, cache writes, embedding)", rest * 1e3 / n),
+                   ("total", total * 1e3 / n)]
+
+
+def profile_step(eng, prompt, steps: int) -> list[tuple[str, float]]:
+    """Milliseconds per plain decode step by kernel, over `steps` steps after the prompt."""
+    be = eng.backend
+    with kernel_timers(be) as acc:
         be.start(1)
         tok = int(be.prefill(0, prompt)[0].argmax())
         acc.clear()
@@ -185,13 +214,38 @@ def profile_step(eng, prompt, steps: int) -> list[tuple[str, float]]:
         for i in range(steps):
             tok = int(be.decode(np.array([tok]), np.array([len(prompt) + i]), GREEDY, i, [None], np.ones(1, bool))[0])
         total = time.perf_counter() - t0
-    finally:
-        cpu_mod._mm, cpu_mod._rmsnorm, cpu_mod.sample_token = saved["mm"], saved["rms"], saved["sample"]
-        cls._attend, cls._rope = saved_cls["attend"], staticmethod(saved_cls["rope"])
-    rows = sorted(((k, v * 1e3 / steps) for k, v in acc.items()), key=lambda kv: -kv[1])
-    rest = total - sum(acc.values())
-    return rows + [("Python and the rest (residual adds, SwiGLU, cache writes, embedding)", rest * 1e3 / steps),
-                   ("total", total * 1e3 / steps)]
+    return by_kernel(acc, total, steps)
+
+
+def prefill_on(be, ids, threads: int):
+    """fn() prefilling ids into slot 0 with the backend's long calls on `threads` workers."""
+    def run():
+        saved, be.threads = be.threads, threads
+        try:
+            be.start(1)
+            be.prefill(0, ids)
+        finally:
+            be.threads = saved
+    return run
+
+
+def profile_prefill(be, ids) -> list[tuple[str, float]]:
+    """Milliseconds of one prefill by kernel, on one worker (one thread: the kernels' times add up to the
+    call's; on several workers each runs its share of the same kernels)."""
+    run = prefill_on(be, ids, 1)
+    run()  # warm-up
+    with kernel_timers(be) as acc:
+        t0 = time.perf_counter()
+        run()
+        total = time.perf_counter() - t0
+    return by_kernel(acc, total, 1)
+
+
+def gemm_flops(cfg, tokens: int) -> float:
+    """A prefill's matrix-product FLOPs: 2 x the layers' weights x tokens (the heads read one row only)."""
+    C, F, H, Hkv, D = cfg.dim, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    per_layer = C * (H + 2 * Hkv) * D + H * D * C + C * 2 * F + F * C
+    return 2.0 * cfg.n_layers * per_layer * tokens
 
 
 def llama_bench(exe: str, gguf: str, threads: int, prefill: int, new: int) -> dict:
@@ -235,10 +289,6 @@ def bench_model(name, params, cfg, args, prompt_text_ids=None):
             stats[key] = eng.stats
         return fn
 
-    def ours_prefill():
-        be.start(1)
-        be.prefill(0, long)
-
     load0 = os.getloadavg()[0]
     def torch_on(threads, fn, *a):
         def run():
@@ -255,7 +305,8 @@ def bench_model(name, params, cfg, args, prompt_text_ids=None):
         **({"torch1": torch_on(1, t_greedy, prompt, new)} if one else {}),
         "gemv": sweep,
         **({"gemv_mt": sweep_mt} if one else {}),
-        "prefill": ours_prefill,
+        "prefill": prefill_on(be, long, args.threads),
+        **({"prefill1": prefill_on(be, long, 1)} if one else {}),
         "torch_prefill": torch_on(args.threads, t_prefill, long),
     }, args.repeats)
     torch.set_num_threads(args.threads)
@@ -273,7 +324,10 @@ def bench_model(name, params, cfg, args, prompt_text_ids=None):
            (f"PyTorch {torch.__version__} eager, KV cache", new / t["torch"], f"{args.threads} threads")]
     if one:
         dec.append(("PyTorch eager, KV cache, 1 thread", new / t["torch1"], ""))
-    pre = [("ours (NumPy float32)", len(long) / t["prefill"]), ("PyTorch eager", len(long) / t["torch_prefill"])]
+    pre = [(f"ours (NumPy float32), --threads {args.threads}", len(long) / t["prefill"])]
+    if one:
+        pre.append(("ours, --threads 1", len(long) / t["prefill1"]))
+    pre.append(("PyTorch eager", len(long) / t["torch_prefill"]))
     gguf = dict(g.split("=", 1) for g in args.gguf).get(name)
     exe = args.llama_bench or os.environ.get("LLAMA_BENCH")
     if exe and gguf:
@@ -296,12 +350,15 @@ def bench_model(name, params, cfg, args, prompt_text_ids=None):
     for label, tps, n in dec:
         print(f"| {label} | {tps:,.1f} | {1e3 / tps:.2f} | {tps / peer:.2f}x | {tps / bound:.0%} | {n} |")
     print(f"greedy tokens, ours vs PyTorch: {'identical' if same else 'DIFFERENT'}")
-    print(f"\nPrefill: {len(long)}-token prompt, median of {args.repeats} interleaved")
-    print("| run | tokens/s | ms | vs PyTorch |")
-    print("|---|---:|---:|---:|")
+    flops = gemm_flops(cfg, len(long))
+    print(f"\nPrefill: {len(long)}-token prompt, median of {args.repeats} interleaved; GFLOP/s: the GEMMs' "
+          f"{flops / 1e9:.1f} GFLOP (2 x layer weights x tokens) over the whole call")
+    print("| run | tokens/s | ms | GFLOP/s | vs PyTorch |")
+    print("|---|---:|---:|---:|---:|")
     peer = len(long) / t["torch_prefill"]
     for label, tps in pre:
-        print(f"| {label} | {tps:,.0f} | {len(long) / tps * 1e3:,.1f} | {tps / peer:.2f}x |")
+        ms = len(long) / tps * 1e3
+        print(f"| {label} | {tps:,.0f} | {ms:,.1f} | {flops / ms / 1e6:,.0f} | {tps / peer:.2f}x |")
     if args.profile:
         print(f"\nOne plain decode step by kernel (ms, mean of {args.profile_steps} steps; load "
               f"{os.getloadavg()[0]:.2f})")
@@ -309,6 +366,13 @@ def bench_model(name, params, cfg, args, prompt_text_ids=None):
         print("|---|---:|")
         for label, ms in profile_step(eng, prompt, args.profile_steps):
             print(f"| {label} | {ms:.3f} |")
+        print(f"\nOne {len(long)}-token prefill by kernel, one worker (ms; load {os.getloadavg()[0]:.2f}; "
+              f"the GEMMs' {flops / 1e9:.1f} GFLOP)")
+        print("| kernel | ms | share |")
+        print("|---|---:|---:|")
+        rows = profile_prefill(be, long)
+        for label, ms in rows:
+            print(f"| {label} | {ms:.1f} | {ms / rows[-1][1]:.0%} |")
 
 
 def main(argv=None) -> int:
@@ -321,7 +385,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=cpu_mod.usable_cores(),
                     help="threads of ours (prefill) and of torch (default: the usable cores)")
-    ap.add_argument("--profile", action="store_true", help="also time one decode step kernel by kernel")
+    ap.add_argument("--profile", action="store_true",
+                    help="also time one decode step and one prefill kernel by kernel")
     ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--llama-bench", help="llama.cpp's llama-bench executable (default: $LLAMA_BENCH)")
     ap.add_argument("--gguf", action="append", default=[], metavar="PRESET=FILE",

@@ -2,6 +2,7 @@
 self-speculative decoding (greedy token-identical; sampling with the exact output distribution)."""
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -239,7 +240,7 @@ def test_default_speculation_goes_on_plainly_where_it_does_not_pay(model, monkey
 @pytest.mark.parametrize("cost", [100.0, 0.0])
 def test_default_speculation_on_the_cpu_verifies_only_where_the_heads_would_pay(model, monkeypatch, cost):
     """On the NumPy backend a default-on greedy stream starts plainly and checks the draft heads on a few
-    steps (`step_heads`): with passes priced out (cost 100) it never verifies; priced free, it does. The
+    steps (`greedy_step`, `draft_ids`): with passes priced out (cost 100) it never verifies; priced free, it does. The
     tokens are plain greedy's either way, across a context refill and with a stop id."""
     params, cfg = model
     eng = DecodeEngine.from_params(params, cfg, "cpu")
@@ -364,3 +365,84 @@ def test_step_threads_try_the_other_count_when_a_step_turns_slow():
     t.record(0.2)
     t.record(0.2)
     assert t.pick() == 1  # on one thread, slow steps do not make two threads try
+
+
+def test_default_speculation_on_random_heads_pays_for_no_pass():
+    """Untrained heads (random, seeded): the default stream runs exactly the plain run's forward passes, the
+    same rows in the same calls, and no verify pass; its only extra work is the probe, the draft heads of
+    SHADOW_STEPS + 1 recorded states every RECHECK_TOKENS tokens, in one product each."""
+    from nanoeuler.infer import engine as engine_mod
+
+    params, cfg = _model(K=4, seed=5)
+    eng = DecodeEngine.from_params(params, cfg, "cpu")
+    be = eng.backend
+    fed, drafts = [], []
+    rows, draft_ids = be._rows, be.draft_ids
+    be._rows = lambda ids, *a: fed.append(len(ids)) or rows(ids, *a)
+    be.draft_ids = lambda states: drafts.append(len(states)) or draft_ids(states)
+    p, n = [5, 17, 42, 8], 300  # across context refills (ctx_len 24)
+    plain = list(eng.stream(p, n, GREEDY, speculative=False))
+    plain_fed, fed[:] = fed[:], []
+    assert list(eng.stream(p, n, GREEDY)) == plain
+    assert fed == plain_fed and eng.stats.passes == 0
+    rounds = -(-n // engine_mod.RECHECK_TOKENS)
+    assert 0 < len(drafts) <= rounds and set(drafts) == {engine_mod.SHADOW_STEPS + 1}
+
+
+def test_long_prefill_in_shares_equals_the_model(monkeypatch):
+    """A long one-slot call is fed in shares by `threads` workers (each its own thread), attention in causal
+    chunks: the logits equal the model's (float64), the cache equals the one row-at-a-time feeding writes,
+    for a prefill, a prefill after a cached prefix, and the steps after them."""
+    from nanoeuler.infer import cpu
+
+    cfg = ModelConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=300, mtp_heads=3)
+    params = transformer.init_params(cfg, seed=3, dtype=np.float64)
+    ids = [int(t) for t in np.random.default_rng(0).integers(0, 97, 290)]
+    want = [transformer.logits(params, np.array([ids]), cfg, head=k)[0] for k in range(3)]
+    monkeypatch.setattr(cpu, "THREADED_MACS", 1)  # this small model's prefill counts as long
+    ref = cpu.CpuBackend(params, cfg, threads=1)
+    ref.start(1)
+    for t in range(len(ids)):  # one row at a time: the decode path
+        ref.verify(np.array(ids[t:t + 1]), t)
+    for threads in (1, 2, 3):
+        be = cpu.CpuBackend(params, cfg, threads=threads)
+        workers = set()
+        feed = be._feed_share
+        be._feed_share = lambda *a: workers.add(threading.get_ident()) or feed(*a)
+        be.start(1)
+        for n in (cpu.LONG_ROWS, 150, 290):
+            got = be.prefill(0, ids[:n])
+            np.testing.assert_allclose(got, np.stack([w[n - 1] for w in want]), rtol=1e-9, atol=1e-9)
+        assert len(workers) == threads
+        for k, k_ref in zip(be.k + be.v, ref.k + ref.v):
+            np.testing.assert_allclose(k[:, :, :290], k_ref[:, :, :290], rtol=1e-9, atol=1e-12)
+        be.prefill(0, ids[:20])
+        got = be.prefill_from(0, ids, 20)  # rows 20.. attend to the cached 0..19 too
+        np.testing.assert_allclose(got[0], want[0][-1], rtol=1e-9, atol=1e-9)
+        step = be.verify(np.array(ids[286:290]), 286)[0]
+        np.testing.assert_allclose(step, want[0][286:290], rtol=1e-9, atol=1e-9)
+
+
+def test_long_prefill_a_failing_worker_raises_its_own_error(monkeypatch):
+    """A worker that fails breaks the others' wait: the call raises that worker's error (not a broken
+    barrier, not a hang), and the next call works."""
+    from nanoeuler.infer import cpu
+
+    params, cfg = _model(ctx=200)
+    monkeypatch.setattr(cpu, "THREADED_MACS", 1)
+    be = cpu.CpuBackend(params, cfg, threads=2)
+    be.start(1)
+    attend = be._attend_causal
+
+    def fails_off_main(*a):
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("a worker's failure")
+        return attend(*a)
+
+    be._attend_causal = fails_off_main
+    with pytest.raises(ValueError, match="a worker's failure"):
+        be.prefill(0, [t % cfg.vocab_size for t in range(150)])
+    be._attend_causal = attend
+    ids = [t % cfg.vocab_size for t in range(140)]  # two workers again
+    want = transformer.logits(params, np.array([ids]), cfg)[0, -1]
+    np.testing.assert_allclose(be.prefill(0, ids)[0], want, rtol=1e-9, atol=1e-9)

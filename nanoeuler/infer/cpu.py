@@ -18,8 +18,11 @@ Threads. A decode step is a chain of matrix-vector products that must stream eve
 bound. On a quiet machine two cores stream faster than one; on a busy one a BLAS thread pool waits for a
 second free core at every product and a step runs several times slower. So one-row steps run on the
 thread count that this backend measures to be faster (`StepThreads`), other short calls (verify passes,
-batched steps) on one thread, and the big matrix products of a long prefill (compute bound) on `threads`
-(default: the usable cores). BENCHMARKS.md (CPU generation) has the measurements.
+batched steps) on one thread. A long prefill (compute bound) is split by rows among `threads` workers
+(default: the usable cores), each feeding its share through every layer with one-thread BLAS
+(`_rows_long`): the element-wise NumPy work runs on every core too, not only the matrix products, and
+causal attention is computed in chunks of query rows over the keys before them. BENCHMARKS.md (CPU
+generation) has the measurements.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -38,6 +43,9 @@ from nanoeuler.model.transformer import head_weight_names
 THREADED_MACS = 1 << 23  # a call whose rows x dim x dim reach this runs BLAS on `threads` (a prefill)
 STEP_THREADS_BYTES = 64 << 20  # a step streaming fewer weight bytes stays on one thread (`StepThreads`)
 PER_ROW = 3  # up to this many rows, one vector product a row beats OpenBLAS's small-M matrix product
+LONG_ROWS = 64  # one-slot calls of this many rows or more take `_rows_long`
+WORKER_ROWS = 32  # ... on a worker per this many rows, up to `threads`
+ATT_ROWS = 64  # query rows whose scores over a prefill's keys are computed at once (they stay in cache)
 
 
 def usable_cores() -> int:
@@ -104,18 +112,22 @@ def _mm(x, w):
 
 def _rmsnorm(x, eps):
     """`layers.rmsnorm_forward`'s output before its gain (folded into the next matrix)."""
-    ms = np.einsum("nc,nc->n", x, x)[:, None]
-    return x / np.sqrt(ms * (1.0 / x.shape[-1]) + eps)
+    r = np.einsum("nc,nc->n", x, x)
+    r *= 1.0 / x.shape[-1]
+    r += eps
+    np.sqrt(r, out=r)
+    return x / r[:, None]
 
 
 def _silu_mul(g, u):
-    """silu(g) * u in the tanh form of `layers._sigmoid` (no overflow in either tail), in place."""
-    h = g * 0.5
-    t = np.tanh(h)
+    """silu(g) * u in the tanh form of `layers._sigmoid` (no overflow in either tail), in place of g:
+    silu(g) = h * (1 + tanh(h)) with h = g / 2."""
+    g *= 0.5
+    t = np.tanh(g)
     t += 1.0
-    t *= h
-    t *= u
-    return t
+    g *= t
+    g *= u
+    return g
 
 
 def _fold(gain, w):
@@ -192,11 +204,14 @@ class CpuBackend:
         self.dtype = p["lm_head.weight"].dtype
         self.emb = p["embed_tokens.weight"]
         self.layers = []
+        # attention's 1/sqrt(D) folded into q's rows (a score is q . k; RoPE is linear, so before it is the same)
+        q_scale = 1.0 / math.sqrt(cfg.head_dim)
         for i in range(cfg.n_layers):
             g = lambda n: p[f"layers.{i}.{n}"]  # noqa: E731
             self.layers.append(dict(
                 qkv_t=_fold(g("input_layernorm.weight"), np.concatenate(
-                    [g("self_attn.q_proj.weight"), g("self_attn.k_proj.weight"), g("self_attn.v_proj.weight")]).T),
+                    [g("self_attn.q_proj.weight") * q_scale, g("self_attn.k_proj.weight"),
+                     g("self_attn.v_proj.weight")]).T),
                 o_t=np.ascontiguousarray(g("self_attn.o_proj.weight").T),
                 gu_t=_fold(g("post_attention_layernorm.weight"),
                            np.concatenate([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]).T),
@@ -207,6 +222,10 @@ class CpuBackend:
         self.heads_t = _fold(p["norm.weight"], np.concatenate([p[n] for n in names]).T)  # (C, K*V)
         cos, sin = layers.rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, np, self.dtype)
         self.cos, self.sin = cos, sin  # (ctx_len, D/2)
+        # -inf where key j of a chunk of query rows lies after row i (`_attend_causal`)
+        self.later = np.triu(np.full((ATT_ROWS, ATT_ROWS), -np.inf, dtype=self.dtype), 1)
+        self.ones = np.ones(cfg.ctx_len, dtype=self.dtype)
+        self.pool = None  # workers of long calls, made at the first (`_rows_long`)
         self.k = self.v = None
         # one-row steps on a thread count chosen by timing them, where a step's weights are too big for the
         # caches (a small model's step is mostly Python: threads would only add hand-offs)
@@ -235,7 +254,6 @@ class CpuBackend:
         N, H, D = q.shape
         Hkv, G = self.cfg.n_kv_heads, self.cfg.group
         S = int(pos.max()) + 1
-        q = q * (1.0 / math.sqrt(D))  # a Python float: a NumPy float64 scalar would make q float64
         if slot is None:
             # several slots: each row's keys gathered; einsum's own loops (a stack of tiny products)
             k, v = self.k[li][slots, :, :S], self.v[li][slots, :, :S]  # (N,Hkv,S,D)
@@ -246,8 +264,6 @@ class CpuBackend:
         # one slot (a decode step, a verify pass, a prefill): the cache's own rows, no copy; the
         # rows' query heads of one key head stacked into one (N*G, D) @ (D, S) product per key head
         k, v = self.k[li][slot, :, :S], self.v[li][slot, :, :S]  # (Hkv,S,D) views
-        if N >= 64:  # a long prefill: BLAS multiplies a contiguous copy of the keys faster than the view
-            k = np.ascontiguousarray(k)
         qh = q.reshape(N, Hkv, G, D).transpose(1, 0, 2, 3).reshape(Hkv, N * G, D)
         s = (qh @ k.transpose(0, 2, 1)).reshape(Hkv, N, G, S)
         if N > 1:  # a single row sits at S - 1 and sees every key
@@ -266,28 +282,131 @@ class CpuBackend:
         """Feed rows: ids, slots, pos (N,) -> final normed states (N, C), before the output heads' (folded)
         gain. Writes each row's k/v at (slot, pos). `slot`: the slot of every row where they share one."""
         cfg = self.cfg
-        H, Hkv, D, F, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden, cfg.norm_eps
-        HD, KD = H * D, Hkv * D
         N = ids.shape[0]
+        if slot is not None and N >= LONG_ROWS and np.array_equal(pos, pos[0] + np.arange(N)):
+            return _rmsnorm(self._rows_long(ids, int(pos[0]), slot), cfg.norm_eps)
         one = N == 1 and slot is not None
         if N * cfg.dim * cfg.dim >= THREADED_MACS:
             blas_threads(self.threads)
         x = self.emb[ids]  # (N,C), a copy: updated in place below
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # (N,1,D/2)
         for li, w in enumerate(self.layers):
-            qkv = _mm(_rmsnorm(x, eps), w["qkv_t"])  # (N, HD+2KD)
-            qk = self._rope(qkv[:, :HD + KD].reshape(N, H + Hkv, D), cos, sin)  # q and k rotated at once
+            q, k, v = self._qkv(w, x, cos, sin)
             if one:  # plain indexing: a decode step's write is one row per key head
-                self.k[li][slot, :, pos[0]] = qk[0, H:]
-                self.v[li][slot, :, pos[0]] = qkv[0, HD + KD:].reshape(Hkv, D)
+                self.k[li][slot, :, pos[0]] = k[0]
+                self.v[li][slot, :, pos[0]] = v[0]
             else:
-                self.k[li][slots, :, pos] = qk[:, H:]
-                self.v[li][slots, :, pos] = qkv[:, HD + KD:].reshape(N, Hkv, D)
-            x += _mm(self._attend(qk[:, :H], li, slots, pos, slot), w["o_t"])
-            gu = _mm(_rmsnorm(x, eps), w["gu_t"])
-            x += _mm(_silu_mul(gu[:, :F], gu[:, F:]), w["down_t"])
+                self.k[li][slots, :, pos] = k
+                self.v[li][slots, :, pos] = v
+            self._ffn(w, x, self._attend(q, li, slots, pos, slot))
         blas_threads(self.step_threads)
-        return _rmsnorm(x, eps)
+        return _rmsnorm(x, cfg.norm_eps)
+
+    def _qkv(self, w, x, cos, sin):
+        """A layer's rows x (N, C) -> q (N, H, D) and k (N, Hkv, D), rotated, and v (N, Hkv, D)."""
+        cfg = self.cfg
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        N = x.shape[0]
+        qkv = _mm(_rmsnorm(x, cfg.norm_eps), w["qkv_t"])  # (N, (H + 2 Hkv) D)
+        qk = self._rope(qkv[:, :(H + Hkv) * D].reshape(N, H + Hkv, D), cos, sin)  # q and k rotated at once
+        return qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D:].reshape(N, Hkv, D)
+
+    def _ffn(self, w, x, att):
+        """The rest of a layer, in place on x: the attention output's projection, then the MLP."""
+        x += _mm(att, w["o_t"])
+        gu = _mm(_rmsnorm(x, self.cfg.norm_eps), w["gu_t"])
+        F = self.cfg.hidden
+        x += _mm(_silu_mul(gu[:, :F], gu[:, F:]), w["down_t"])
+
+    # ---- long calls on one slot (a prefill): rows in shares, one worker a share -----------------------
+
+    def _rows_long(self, ids, start: int, slot: int):
+        """`_rows` of N rows at positions start..start+N-1 of one slot -> their states (N, C) before the
+        final norm. The rows are dealt into one share per worker (up to `threads`), each fed through every
+        layer by its own thread with one-thread BLAS, so that the matrix products and the element-wise NumPy
+        work (which runs without the GIL) both use every core. Rows meet only in the cache: a worker waits
+        for the others once a layer, after writing its keys and before attending to theirs. Each share is
+        two blocks of positions, block i and block 2W-1-i of 2W, so every share has as many rows and as many
+        keys to attend to (0 + 3 == 1 + 2)."""
+        N = ids.shape[0]
+        # workers only for enough work (a small model's prefill is a few milliseconds: waits would cost more)
+        W = max(1, min(self.threads, N // WORKER_ROWS)) if N * self.cfg.dim ** 2 >= THREADED_MACS else 1
+        edges = [N * i // (2 * W) for i in range(2 * W + 1)]
+        shares = [[(edges[i], edges[i + 1]), (edges[2 * W - 1 - i], edges[2 * W - i])] for i in range(W)]
+        barrier = threading.Barrier(W) if W > 1 else None
+        before = blas_threads(1)
+        try:
+            if W == 1:
+                parts = [self._feed_share(shares[0], ids, start, slot, None)]
+            else:
+                if self.pool is None:
+                    self.pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="prefill")
+                futures = [self.pool.submit(self._feed_share, sh, ids, start, slot, barrier) for sh in shares[1:]]
+                try:
+                    mine = self._feed_share(shares[0], ids, start, slot, barrier)
+                except threading.BrokenBarrierError:
+                    for f in futures:  # a worker failed and broke the barrier: its own error, not this one
+                        f.result()
+                    raise
+                parts = [mine] + [f.result() for f in futures]
+        finally:
+            if before:
+                blas_threads(before)
+        x = np.empty((N, self.cfg.dim), dtype=self.dtype)
+        for rows, xs in parts:
+            x[rows] = xs
+        return x
+
+    def _feed_share(self, share, ids, start, slot, barrier):
+        """One worker of `_rows_long`: its blocks [(a, b), ...] of rows through every layer -> (rows, states).
+        A failure breaks the barrier, so that the other workers stop rather than wait for this one."""
+        try:
+            rows = np.concatenate([np.arange(a, b) for a, b in share])
+            x = self.emb[ids[rows]]
+            cos, sin = self.cos[start + rows][:, None, :], self.sin[start + rows][:, None, :]
+            att = np.empty((rows.shape[0], self.cfg.n_heads * self.cfg.head_dim), dtype=self.dtype)
+            for li, w in enumerate(self.layers):
+                q, k, v = self._qkv(w, x, cos, sin)
+                i = 0
+                for a, b in share:
+                    self.k[li][slot, :, start + a:start + b] = k[i:i + b - a].transpose(1, 0, 2)
+                    self.v[li][slot, :, start + a:start + b] = v[i:i + b - a].transpose(1, 0, 2)
+                    i += b - a
+                if barrier is not None:
+                    barrier.wait()  # every worker's keys and values of this layer are in the cache
+                i = 0
+                for a, b in share:
+                    att[i:i + b - a] = self._attend_causal(q[i:i + b - a], li, slot, start + a)
+                    i += b - a
+                self._ffn(w, x, att)
+            return rows, x
+        except BaseException:
+            if barrier is not None:
+                barrier.abort()
+            raise
+
+    def _attend_causal(self, q, li, slot, p0):
+        """q (n, H, D) of rows at positions p0..p0+n-1 of one slot -> (n, H*D), each over keys 0..its
+        position, ATT_ROWS query rows at a time: a chunk's scores reach only its last row's position (half of
+        the full square's work over a prefill) and fit in a core's cache. The softmax's division is applied to
+        the (rows, D) output instead of the (rows, keys) probabilities."""
+        n = q.shape[0]
+        Hkv, G, D = self.cfg.n_kv_heads, self.cfg.group, self.cfg.head_dim
+        out = np.empty((n, Hkv, G, D), dtype=q.dtype)
+        for c in range(0, n, ATT_ROWS):
+            m = min(ATT_ROWS, n - c)
+            S = p0 + c + m  # keys 0..S-1; the chunk's rows sit at S-m..S-1
+            k, v = self.k[li][slot, :, :S], self.v[li][slot, :, :S]  # (Hkv, S, D) views
+            qh = q[c:c + m].reshape(m, Hkv, G, D).transpose(1, 0, 2, 3).reshape(Hkv, m * G, D)
+            s = (qh @ k.transpose(0, 2, 1)).reshape(Hkv, m, G, S)
+            s[..., S - m:] += self.later[:m, None, :m]
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            s = s.reshape(Hkv, m * G, S)
+            o = s @ v  # (Hkv, m*G, D)
+            o /= (s @ self.ones[:S])[..., None]  # row sums as a product: BLAS's, ~3x NumPy's sum here
+            out[c:c + m] = o.reshape(Hkv, m, G, D).transpose(1, 0, 2, 3)
+        return out.reshape(n, Hkv * G * D)
 
     def _heads(self, xn, n_heads):
         """(N, C) -> (n_heads, N, V) logits of the first n_heads heads."""
@@ -330,15 +449,23 @@ class CpuBackend:
             out[b] = sample_token(logits[i], rngs[b], sampling.temperature, sampling.top_k, sampling.top_p)
         return out
 
-    def step_heads(self, token: int, pos: int) -> np.ndarray:
-        """Feed one token of slot 0 at pos; every head's argmax there (K,): the next token and the drafts
-        after it. A plain greedy step that also shows what the draft heads would have proposed."""
-        return self._tuned(self._step_heads, token, pos)
+    def greedy_step(self, token: int, pos: int) -> tuple[int, np.ndarray]:
+        """Feed one token of slot 0 at pos: (head 0's argmax, the row's final state (C,)). A plain greedy
+        step whose state `draft_ids` can later turn into the drafts the other heads would have proposed."""
+        return self._tuned(self._greedy_step, token, pos)
 
     @_step_blas
-    def _step_heads(self, token: int, pos: int) -> np.ndarray:
+    def _greedy_step(self, token: int, pos: int) -> tuple[int, np.ndarray]:
         xn = self._rows(np.array([token]), np.zeros(1, dtype=np.int64), np.array([pos]), 0)
-        return self._heads(xn, self.cfg.mtp_heads)[:, 0].argmax(axis=-1)
+        return int(self._heads(xn, 1)[0, 0].argmax()), xn[0]
+
+    @_step_blas
+    def draft_ids(self, states) -> np.ndarray:
+        """The draft heads' (1..K-1) argmax at final states (n, C): (K - 1, n) ids, one matrix product for
+        all n rows (their weights read once, not once a step)."""
+        V, K = self.cfg.vocab_size, self.cfg.mtp_heads
+        states = np.asarray(states)
+        return _mm(states, self.heads_t[:, V:]).reshape(-1, K - 1, V).argmax(axis=-1).T
 
     @_step_blas
     def verify(self, tokens, pos: int) -> np.ndarray:
@@ -381,7 +508,7 @@ class CpuBackend:
         """`prefill` of a slot whose cache already holds ids[:start]: only ids[start:] are fed. (K, V)."""
         ids = np.asarray(ids, dtype=np.int64)[start:]
         pos = start + np.arange(ids.shape[0])
-        xn = self._rows(ids, np.full(ids.shape[0], slot), pos)
+        xn = self._rows(ids, np.full(ids.shape[0], slot), pos, slot)
         return self._heads(xn[-1:], self.cfg.mtp_heads)[:, 0]
 
     def read_rows(self, slot: int, n: int) -> list:

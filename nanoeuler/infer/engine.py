@@ -45,14 +45,16 @@ goes, the same tokens either way:
 
 - on a backend with self-feeding passes (the GPU's), a stream whose first PROBE_PASSES passes keep fewer
   tokens a pass than `verify_cost` goes on plainly;
-- on a backend with `step_heads` (the CPU's), a stream starts plainly and speculates only where this run's
-  own measurements say a pass pays (`_adaptive`): its first SHADOW_STEPS plain steps also compute the draft
-  heads (`step_heads`, one vector product more a step), which shows how many drafts a pass would have kept
-  there; it speculates when that estimate, 1 + the mean kept drafts, exceeds the cost of a pass in plain
-  steps (this run's measured pass time over its measured step time; `verify_cost` before a pass was timed).
-  While speculating it judges every WINDOW_PASSES passes by the tokens they kept, and goes back to plain
-  steps when they kept fewer a pass than the measured cost; after RECHECK_TOKENS plain tokens it looks
-  again. Untrained heads thus cost a few percent on a few steps, never the verify passes themselves.
+- on a backend with `greedy_step` (the CPU's), a stream starts plainly and speculates only where this run's
+  own measurements say a pass pays (`_adaptive`): its plain steps are plain decoding's steps that also
+  return their final state, and once the tokens after SHADOW_STEPS of them are known, the draft heads at
+  those states (`draft_ids`, one small matrix product) show how many drafts a pass would have kept there.
+  It speculates when that estimate, 1 + the mean kept drafts, exceeds the cost of a pass in plain steps
+  (this run's measured pass time over its measured step time; `verify_cost` before a pass was timed). It
+  goes back to plain steps when the first pass's measured cost prices the estimate out, or when a window of
+  WINDOW_PASSES passes kept fewer tokens a pass than the measured cost; after RECHECK_TOKENS plain tokens
+  it looks again. Untrained heads thus cost one product of SHADOW_STEPS + 1 rows every RECHECK_TOKENS
+  tokens, never a verify pass.
 """
 
 from __future__ import annotations
@@ -392,7 +394,7 @@ class DecodeEngine:
             return
         asked = speculative if speculative is not None else self.speculative
         be = self.backend
-        if (asked is None and sampling.temperature <= 0 and hasattr(be, "step_heads")
+        if (asked is None and sampling.temperature <= 0 and hasattr(be, "greedy_step")
                 and not hasattr(be, "greedy_passes")):
             yield from self._adaptive(prompt, max_new_tokens, sampling, stop_ids)
             return
@@ -476,7 +478,7 @@ class DecodeEngine:
 
     def _adaptive(self, prompt, max_new, sampling, stop_ids) -> Iterator[int]:
         """Greedy decoding of one prompt that speculates only where this run measures that it pays (the
-        module docstring's rule for a backend with `step_heads`; the tokens are plain greedy's)."""
+        module docstring's rule for a backend with `greedy_step`; the tokens are plain greedy's)."""
         be, cfg = self.backend, self.cfg
         K, ctx = cfg.mtp_heads, cfg.ctx_len
         if K == 1:  # no draft heads
@@ -487,11 +489,10 @@ class DecodeEngine:
         st = self.stats
         st.for_heads(K)
         cur = propose(be.prefill(0, out.hist), None, sampling)  # greedy: no draws
-        mask, rngs = np.ones(1, dtype=bool), [None]
         spec = False  # verifying drafts, else plain steps
-        shadowing = True  # plain steps compute every head and record the drafts
-        shadow = []  # (position fed, drafts made there) of such steps
-        plain_left = 0  # plain tokens before the next shadow steps
+        shadow = []  # (position fed, final state) of plain steps whose drafts will be checked
+        plain_left = 0  # plain tokens before the next steps are recorded
+        expect = 0.0  # tokens a pass should keep, by the recorded steps' drafts
         t_step = t_pass = None  # this run's seconds per plain step, per verify pass (running means)
         w_passes = w_tokens = 0  # the current window of passes
         while True:
@@ -514,31 +515,38 @@ class DecodeEngine:
                     yield int(d)
                     if out.ends(int(d)):
                         return
-                if w_passes == WINDOW_PASSES:  # judge the window: do its passes beat plain steps?
-                    if w_tokens < w_passes * _cost(be, t_pass, t_step):
-                        spec, plain_left = False, RECHECK_TOKENS
+                # back to plain steps when the first pass's measured cost prices the estimate out, or when a
+                # window of passes kept fewer tokens than they cost
+                cost = _cost(be, t_pass, t_step)
+                if (w_passes == 1 and expect <= cost) or (w_passes == WINDOW_PASSES and w_tokens < w_passes * cost):
+                    spec, plain_left = False, RECHECK_TOKENS
+                if w_passes == WINDOW_PASSES:
                     w_passes = w_tokens = 0
                 continue
+            # a plain step: the very call of plain decoding, plus keeping its state while recording
             st.plain += 1
             t0 = time.perf_counter()
-            if spec or shadowing:  # (spec: a plain step near the context's end keeps the drafts)
-                ids = be.step_heads(cur.sure, pos)
-                cur = Proposal(int(ids[0]), [int(i) for i in ids[1:]], None)
-                if shadowing and len(shadow) < SHADOW_STEPS:
-                    shadow.append((pos, cur.drafts))
-            else:
-                cur = cur._replace(sure=int(be.decode([cur.sure], [pos], sampling, out.n - 1, rngs, mask)[0]))
-                plain_left -= 1
-                shadowing = plain_left <= 0
+            sure, state = be.greedy_step(cur.sure, pos)
             t_step = _mean(t_step, time.perf_counter() - t0)
-            # once the tokens after the last recorded step are known (K - 1 steps later, computing heads
-            # meanwhile so that the drafts are at hand), check each record's drafts as a pass would have
-            if shadowing and len(shadow) == SHADOW_STEPS and len(out.hist) >= shadow[-1][0] + K:
-                known = out.hist + [cur.sure]
-                kept = sum(_kept(known, p, d) for p, d in shadow) / len(shadow)
-                shadowing, shadow = False, []
-                if 1 + kept > _cost(be, t_pass, t_step):
+            cur = Proposal(sure, cur.drafts, None)
+            if spec:  # a plain step near the context's end: the next pass needs its drafts
+                cur = Proposal(sure, [int(i) for i in be.draft_ids(state[None])[:, 0]], None)
+                continue
+            if plain_left > 0:
+                plain_left -= 1
+                continue
+            if len(shadow) < SHADOW_STEPS:
+                shadow.append((pos, state))
+            # once the tokens after the last recorded step are known (K - 1 steps later), check every
+            # record's drafts as a pass would have, all heads of all records in one product
+            if len(shadow) == SHADOW_STEPS and len(out.hist) >= shadow[-1][0] + K:
+                ids = be.draft_ids(np.stack([x for _, x in shadow] + [state]))  # (K - 1, SHADOW_STEPS + 1)
+                known = out.hist + [sure]
+                expect = 1 + sum(_kept(known, p, ids[:, i]) for i, (p, _) in enumerate(shadow)) / len(shadow)
+                shadow = []
+                if expect > _cost(be, t_pass, t_step):
                     spec, w_passes, w_tokens = True, 0, 0
+                    cur = Proposal(sure, [int(i) for i in ids[:, -1]], None)  # made at this step: the first pass's
                 else:
                     plain_left = RECHECK_TOKENS
 

@@ -16,7 +16,6 @@ rule release:
         f"{RESULTS}/release/SHA256SUMS",
     params:
         cfg=stage_params(*config),  # the card names the data sources, the run_config.yaml holds it all
-        out=f"{RESULTS}/release",
         pretrain_dir=f"{RESULTS}/pretrain",
         benchmarks=sorted({BENCH, "benchmarks"}),  # an experiment's stages, and the shared data stages
     localrule: True
@@ -25,5 +24,5 @@ rule release:
     shell:
         "nanoeuler release --params {params.cfg:q} --model {input.model:q} --base {input.base:q} "
         "--metrics {input.metrics:q} --samples {input.samples:q} --hellaswag {input.hellaswag:q} "
-        "--pretrain-dir {params.pretrain_dir:q} --benchmarks {params.benchmarks:q} --out {params.out:q} "
+        "--pretrain-dir {params.pretrain_dir:q} --benchmarks {params.benchmarks:q} --out \"$(dirname {output:q})\" "
         "> {log:q} 2>&1"

@@ -119,6 +119,7 @@ def release(conf: dict, inputs: dict, out) -> list[str]:
             (tmp / "README.md").write_text(model_card(facts), encoding="utf-8")
             digests = {p.name: file_sha256(p, "release file", CHECKPOINT) for p in sorted(tmp.iterdir())}
             (tmp / checkpoint.SUMS).write_text(checkpoint.format_sums(digests), encoding="utf-8")
+            _fsync_files(tmp)
         _swap_in(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the folder this release made (gone after a swap)
@@ -144,6 +145,18 @@ def _copy_model(model: Path, folder: Path):
 
 def _exported_params(params: dict, cfg) -> int:
     return sum(a.size for a in hf.hf_tensors(params, cfg).values())
+
+
+def _fsync_files(folder: Path) -> None:
+    """Every file of `folder` on disk before the folder is renamed into place (a crash then leaves the old
+    release or the whole new one, never empty files under the release's names)."""
+    for path in folder.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    checkpoint.fsync_dir(folder)
 
 
 def _swap_in(tmp: Path, out: Path) -> None:

@@ -28,7 +28,8 @@ EVAL = dict(max_new_tokens=6, val_tokens=256, base_prompts=["It was"], chat_prom
 RELEASE_FILES = ["README.md", "SHA256SUMS", "chat.bin", "config.json", "generation_config.json",
                  "model.safetensors", "run_config.yaml", "tokenizer.json", "tokenizer_config.json"]
 # Snakemake's benchmark file: the wall time of each rule in column s
-BENCH = "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n{s}\t0:00:00\t1\t1\t1\t1\t0\t0\t0\t1\n"
+BENCH = ("s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"
+         "{s}\t0:00:00\t1\t1\t1\t1\t0\t0\t0\t1\n")
 
 
 def cli(*argv) -> None:
@@ -223,7 +224,8 @@ def test_missing_run_files_say_not_measured_and_a_missing_model_is_an_error(run,
     assert "Hardware: not measured" in body and "(Snakemake's benchmark files): not measured." in body
 
     capsys.readouterr()
-    assert main(["release", "--config", str(conf), "--model", str(gone / "chat.bin"), "--out", str(tmp_path / "x")]) == 1
+    missing = ["release", "--config", str(conf), "--model", str(gone / "chat.bin"), "--out", str(tmp_path / "x")]
+    assert main(missing) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("nanoeuler release: error: ") and str(gone / "chat.bin") in err[0]
     assert not (tmp_path / "x").exists()

@@ -8,8 +8,7 @@ tensor, `lm_head.weight` as is. The multi-token heads `mtp_heads.k` have no Llam
 DIR receives `config.json`, `model.safetensors` (float32, `{"format": "pt"}` metadata as transformers
 expects) and, when the checkpoint carries a tokenizer, `tokenizer.json` (HF tokenizers format), a
 `tokenizer_config.json` naming its special tokens (with the chat template of a fine-tuned model, so
-`apply_chat_template` writes the prompt SFT trained on) and a `generation_config.json` (the stop tokens and
-the `eval` section's sampling defaults). Then, offline:
+`apply_chat_template` writes the prompt SFT trained on). Then, offline:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(DIR)
@@ -17,7 +16,8 @@ the `eval` section's sampling defaults). Then, offline:
 
 The files are built in a folder beside DIR and moved in when all are written, so a failed export leaves
 no partial DIR. An existing DIR must be empty or a previous export: a folder holding anything else is
-refused, never replaced. `nanoeuler release` writes the same files (`write_hf`) into a release folder.
+refused, never replaced. `nanoeuler release` writes the same files (`write_hf`) into a release folder,
+with a `generation_config.json` (the stop tokens and the run's sampling defaults) beside them.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from pathlib import Path
 import numpy as np
 
 from nanoeuler import checkpoint
-from nanoeuler.config import validate
 from nanoeuler.errors import UserError
 from nanoeuler.files import naming
 from nanoeuler.model.config import ModelConfig
@@ -152,19 +151,22 @@ def chat_template(end: str) -> str:
 
 
 def generation_config(eos, bos, sampling: dict) -> dict:
-    """generation_config.json: the stop tokens and the sampling defaults of an `eval` config section."""
-    return {"bos_token_id": bos, "eos_token_id": eos, "do_sample": sampling["temperature"] > 0,
-            "temperature": sampling["temperature"], "top_k": sampling["top_k"], "top_p": sampling["top_p"]}
+    """generation_config.json: the stop tokens and the sampling defaults of an `eval` config section
+    (temperature 0: greedy, where transformers wants no sampling values at all)."""
+    out = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": sampling["temperature"] > 0}
+    if out["do_sample"]:
+        out.update(temperature=sampling["temperature"], top_k=sampling["top_k"], top_p=sampling["top_p"])
+    return out
 
 
 # What an export writes; an existing --out may hold these and nothing else (it is a previous export).
-EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json")
+EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+GENERATION_CONFIG = "generation_config.json"  # written when the sampling settings are known (a release)
 
 
-def write_hf(folder: Path, params: dict, cfg: ModelConfig, metadata: dict, sampling: dict) -> None:
-    """The HF files of a model (`load_model`'s answer) into `folder`; `sampling` is an `eval` config section
-    (generation_config.json's defaults)."""
+def write_hf(folder: Path, params: dict, cfg: ModelConfig, metadata: dict, sampling: dict | None = None) -> None:
+    """The HF files of a model (`load_model`'s answer) into `folder`; with `sampling` (a run's `eval` config
+    section) and a tokenizer, generation_config.json too."""
     tok = None
     if metadata.get("tokenizer"):
         tok = _tokenizer_files(metadata["tokenizer"], cfg, tuned=metadata.get("stage") in ("sft", "dpo"))
@@ -175,7 +177,8 @@ def write_hf(folder: Path, params: dict, cfg: ModelConfig, metadata: dict, sampl
         if tok:
             (folder / "tokenizer.json").write_text(tok[0], encoding="utf-8")
             (folder / "tokenizer_config.json").write_text(json.dumps(tok[1], indent=2) + "\n", encoding="utf-8")
-            (folder / "generation_config.json").write_text(
+        if tok and sampling is not None:
+            (folder / GENERATION_CONFIG).write_text(
                 json.dumps(generation_config(eos, bos, sampling), indent=2) + "\n", encoding="utf-8")
 
 
@@ -191,7 +194,7 @@ def export(ckpt, out) -> list[str]:
     params, cfg, metadata = checkpoint.load_model(ckpt)
     tmp = new_folder_beside(out, "export")
     try:
-        write_hf(tmp, params, cfg, metadata, validate({})["eval"])
+        write_hf(tmp, params, cfg, metadata)
         move_into(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the folder this export made, empty after a move

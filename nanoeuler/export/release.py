@@ -45,7 +45,8 @@ from nanoeuler.files import CHECKPOINT, SMALL_JSON, file_sha256, naming, parse_j
 
 NAMES = {stage: name for name, stage in STAGES.items()}  # the stage that wrote a model -> its file name
 MODEL_FILES = tuple(f"{name}.bin" for name in STAGES)
-RELEASE_FILES = (*hf.EXPORT_FILES, *MODEL_FILES, "README.md", "run_config.yaml", checkpoint.SUMS)
+RELEASE_FILES = (*hf.EXPORT_FILES, hf.GENERATION_CONFIG, *MODEL_FILES, "README.md", "run_config.yaml",
+                 checkpoint.SUMS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -212,7 +212,7 @@ def test_missing_run_files_say_not_measured_and_a_missing_model_is_an_error(run,
     local = write_config(tmp_path / "local.yaml", fineweb={"base_url": "data/sample/fineweb"},
                          alpaca={"url": "data/sample/alpaca_data.json"})
     cli("release", "--config", local, "--model", work / "results" / "chat.bin", "--out", out, "--base", gone / "b.bin",
-        "--metrics", gone / "metrics.json", "--samples", gone / "samples.md", "--hellaswag",
+        "--metrics", gone / "metrics.json", "--samples", gone / "samples.md",
         "--pretrain-dir", gone, "--benchmarks")
     meta, body = card_parts(out / "README.md")
     assert "model-index" not in meta

@@ -16,8 +16,9 @@ and `sample --ckpt FOLDER` load the checkpoint inside it after checking it again
 (`checkpoint.model_file`). The HF files are made from the copied checkpoint, so both hold the same weights.
 
 The card reads the run's other files, by default beside --model as `evaluate` finds its run directories: the
-base model, metrics.json, samples.md, hellaswag/*.json, the pretraining run directory (tokens seen, device
-memory, tokens/s) and Snakemake's benchmark files (wall time). A missing one leaves its part of the card
+base model, metrics.json (validation metrics, and the HellaSwag scores `evaluate` gathers from hellaswag/),
+samples.md, the pretraining run directory (tokens seen, device memory, tokens/s) and Snakemake's benchmark
+files (wall time). A missing one leaves its part of the card
 "not measured"; only the model itself must be there. The config (--config or --params) is required: the card
 names the data sources and their licenses from it.
 
@@ -59,8 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", metavar="BIN", help="the base model, results/base.bin" + beside)
     parser.add_argument("--metrics", metavar="JSON", help="metrics.json of `nanoeuler evaluate`" + beside)
     parser.add_argument("--samples", metavar="MD", help="samples.md of `nanoeuler evaluate`" + beside)
-    parser.add_argument("--hellaswag", nargs="*", metavar="JSON",
-                        help="results of `nanoeuler hellaswag-eval` (default: hellaswag/*.json beside --model)")
     parser.add_argument("--pretrain-dir", metavar="DIR", help="the pretraining run directory" + beside)
     parser.add_argument("--benchmarks", nargs="*", metavar="DIR",
                         help="folders of Snakemake's benchmark files (default: benchmarks/ beside results/)")
@@ -83,10 +82,9 @@ def _inputs(args: argparse.Namespace) -> dict:
     def pick(given, default):
         return Path(given) if given else run_dir / default
 
-    hellaswag = args.hellaswag if args.hellaswag is not None else sorted((run_dir / "hellaswag").glob("*.json"))
     benchmarks = args.benchmarks if args.benchmarks is not None else _benchmark_dirs(run_dir)
     return {"model": model, "base": pick(args.base, "base.bin"), "metrics": pick(args.metrics, "metrics.json"),
-            "samples": pick(args.samples, "samples.md"), "hellaswag": [Path(p) for p in hellaswag],
+            "samples": pick(args.samples, "samples.md"),
             "pretrain_dir": pick(args.pretrain_dir, "pretrain"), "benchmarks": [Path(p) for p in benchmarks]}
 
 
@@ -175,15 +173,13 @@ def _swap_in(tmp: Path, out: Path) -> None:
 
 def read_run(inputs: dict, conf: dict, cfg, meta: dict, exported_params: int) -> RunFacts:
     """The facts of the card, from each of the run's files that exists."""
-    from nanoeuler.eval.report import read_hellaswag
-
-    base, metrics, samples = inputs["base"], inputs["metrics"], inputs["samples"]
+    base, samples = inputs["base"], inputs["samples"]
+    metrics = read_json(inputs["metrics"], "metrics file") if inputs["metrics"].exists() else None
     return RunFacts(
         name=NAMES[meta["stage"]], cfg=cfg, meta=meta, exported_params=exported_params, conf=conf,
         version=__version__,
         base_meta=_metadata(base) if base.exists() else None,
-        metrics=read_json(metrics, "metrics file") if metrics.exists() else None,
-        hellaswag=read_hellaswag([str(p) for p in inputs["hellaswag"] if p.exists()]),
+        metrics=metrics, hellaswag=(metrics or {}).get("hellaswag", {}),
         samples=markdown_sections(read_text(samples, "samples file", SMALL_JSON)) if samples.exists() else None,
         pretraining=pretraining_facts(inputs["pretrain_dir"]),
         stage_times=stage_times(inputs["benchmarks"]),

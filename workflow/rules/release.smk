@@ -11,7 +11,6 @@ rule release:
         base=f"{RESULTS}/base.bin",
         metrics=f"{RESULTS}/metrics.json",
         samples=f"{RESULTS}/samples.md",
-        hellaswag=lambda wildcards: [f"{RESULTS}/hellaswag/{m}.json" for m in EVAL_MODELS],
     output:
         f"{RESULTS}/release/SHA256SUMS",
     params:
@@ -23,6 +22,6 @@ rule release:
         f"{LOGS}/release.log",
     shell:
         "nanoeuler release --params {params.cfg:q} --model {input.model:q} --base {input.base:q} "
-        "--metrics {input.metrics:q} --samples {input.samples:q} --hellaswag {input.hellaswag:q} "
+        "--metrics {input.metrics:q} --samples {input.samples:q} "
         "--pretrain-dir {params.pretrain_dir:q} --benchmarks {params.benchmarks:q} --out \"$(dirname {output:q})\" "
         "> {log:q} 2>&1"

@@ -74,8 +74,11 @@ def release(run):
 
 
 def card_parts(path):
-    """(metadata header as parsed YAML, body) of a model card."""
-    text = path.read_text(encoding="utf-8")
+    """(metadata header as parsed YAML, body) of a model card file."""
+    return card_parts_of(path.read_text(encoding="utf-8"))
+
+
+def card_parts_of(text):
     assert text.startswith("---\n")
     header, body = text[4:].split("\n---\n", 1)
     return yaml.safe_load(header), body
@@ -251,6 +254,25 @@ def test_an_other_folder_is_refused_and_a_previous_release_replaced(run, tmp_pat
     cli(*argv, "--out", out)
     assert sorted(p.name for p in out.iterdir()) == RELEASE_FILES and (out / "README.md").read_text() == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "rel"]  # nothing left beside it
+
+
+def test_a_card_of_the_full_config_model_claims_no_more_than_its_files():
+    """The 116M model of the full run, with nothing but its config: the public data sets are named with their
+    licenses, every measurement says it is missing, and the text is the candid one of a ~100M model."""
+    from nanoeuler.config import validate
+    from nanoeuler.export.card import RunFacts, model_card
+    from nanoeuler.model.config import ModelConfig
+
+    conf = validate({})
+    cfg = ModelConfig.from_section({"preset": "gpu"}, 4096)
+    card = model_card(RunFacts(name="chat", cfg=cfg, meta={}, exported_params=0, conf=conf, version="0"))
+    meta, body = card_parts_of(card)
+    assert meta["datasets"] == ["HuggingFaceFW/fineweb-edu", "tatsu-lab/alpaca"] and "model-index" not in meta
+    assert f"# nanoeuler-chat-{round(cfg.n_params() / 1e6)}M" in body and f"A {cfg.n_params():,}-parameter" in body
+    assert f"| Project Gutenberg books ({len(conf['gutenberg']['ids'])} books" in body
+    assert "knows little and reasons not at all" in body and "barely English" not in body
+    assert "Tokens seen in pretraining: not measured." in body and "| sft | not measured |" in body
+    assert "Alpaca is CC BY-NC 4.0" in body
 
 
 @pytest.mark.slow

@@ -347,21 +347,22 @@ def _evaluation(run: RunFacts) -> str:
                     f"{_num(hs and hs['acc'])} | {_num(hs and hs['acc_norm'])} |")
     if not rows:
         rows = [f"| {run.name} (this model) | {NOT_MEASURED} | {NOT_MEASURED} | {NOT_MEASURED} | {NOT_MEASURED} |"]
-    lines = ["## Evaluation", "",
+    table = ["## Evaluation", "",
              "| model | val loss | val bits/byte | HellaSwag acc | HellaSwag acc_norm |", "|---|---:|---:|---:|---:|",
-             *rows, ""]
+             *rows]
+    notes = []
     if run.metrics and "val_split" in run.metrics:
-        lines.append(f"Validation: the first {_model_metrics(run, 'base').get('val_tokens', 0):,} tokens of the "
+        notes.append(f"Validation: the first {_model_metrics(run, 'base').get('val_tokens', 0):,} tokens of the "
                      "held-out split; bits per byte = head-0 cross-entropy / ln 2 x (tokens / UTF-8 bytes of the "
                      "split), which does not depend on the tokenizer.")
     if run.hellaswag:
-        lines.append(f"HellaSwag: {_hellaswag_items(run)}, scored completion-style as llm.c does (chance 0.25; "
+        notes.append(f"HellaSwag: {_hellaswag_items(run)}, scored completion-style as llm.c does (chance 0.25; "
                      f"GPT-2 124M: {GPT2_HELLASWAG[0]} / {GPT2_HELLASWAG[1]}).")
     dpo = _model_metrics(run, "dpo").get("training") or {}
     if "reward_accuracy" in dpo:
-        lines.append(f"DPO on held-out preference pairs: reward accuracy {dpo['reward_accuracy']:.3f}, mean margin "
+        notes.append(f"DPO on held-out preference pairs: reward accuracy {dpo['reward_accuracy']:.3f}, mean margin "
                      f"{dpo['margin']:+.2f}.")
-    return "\n".join(lines)
+    return "\n\n".join(["\n".join(table), *notes])
 
 
 def _num(x) -> str:
@@ -384,20 +385,24 @@ def _samples(run: RunFacts) -> str:
 def _limits(run: RunFacts) -> str:
     if run.cfg.n_params() < SMOKE_TEST_PARAMS:
         body = (f"Very little. With {_size(run)} this model is a check that "
-                "the pipeline runs from raw text to a chat model; its text is barely English, and its answers are "
-                "not answers. Use it to try the tools, not for anything it says.")
+                "the pipeline runs from raw text to a chat model; its text is barely English. Use it to try the "
+                "tools, not for anything it says.")
     else:
         body = (f"With {_size(run)}, a model of this size writes fluent-ish "
                 "English in the style of its training text, but it knows little and reasons not at all: what it "
                 "states as fact is often wrong, it does not do arithmetic or follow several steps of an argument, "
-                "and longer answers drift off the question. The chat model has learned the shape of an answer, "
-                "not the content of one.")
+                "and longer answers drift off the question.")
     hs = run.hellaswag.get(run.name)
     score = (f" Its HellaSwag acc_norm is {hs['acc_norm']:.3f} on {hs['items']:,} items, against 0.25 by chance."
              if hs else "")
-    tuning = ("" if run.name == "base" else
-              " It follows one instruction at a time in the Alpaca format; it has had no safety training (DPO on "
-              "preference pairs is not that), so it can write false, biased or offensive text.")
+    tuning = {"base": " It continues text; it does not follow instructions.",
+              "chat": " It has learned the shape of an answer, not the content of one, for one instruction at a "
+                      "time in the Alpaca format; it has had no safety training, so it can write false, biased or "
+                      "offensive text.",
+              "dpo": " It has learned the shape of an answer, not the content of one, for one instruction at a "
+                     "time in the Alpaca format; it has had no safety training (DPO on a few preference pairs is "
+                     "not that), so it can write false, biased or offensive text."
+              }[run.name]
     return "\n".join(["## What a model of this size can and cannot do", "",
                       body + score + tuning + f" English only; at most {run.cfg.ctx_len} tokens of context. Do not "
                       "use it where facts, safety or fairness matter."])

@@ -18,9 +18,9 @@ and `sample --ckpt FOLDER` load the checkpoint inside it after checking it again
 The card reads the run's other files, by default beside --model as `evaluate` finds its run directories: the
 base model, metrics.json (validation metrics, and the HellaSwag scores `evaluate` gathers from hellaswag/),
 samples.md, the pretraining run directory (tokens seen, device memory, tokens/s) and Snakemake's benchmark
-files (wall time). A missing one leaves its part of the card
-"not measured"; only the model itself must be there. The config (--config or --params) is required: the card
-names the data sources and their licenses from it.
+files (wall time). A missing one leaves its part of the card "not measured"; only the model itself must be
+there. The config (--config or --params) is required: the card names the data sources and their licenses
+from it.
 
 The folder is built beside --out and renamed into place. An existing --out must be empty or a previous
 release (only the file names above); a previous release is replaced whole, and nothing else is removed.
@@ -175,6 +175,8 @@ def read_run(inputs: dict, conf: dict, cfg, meta: dict, exported_params: int) ->
     """The facts of the card, from each of the run's files that exists."""
     base, samples = inputs["base"], inputs["samples"]
     metrics = read_json(inputs["metrics"], "metrics file") if inputs["metrics"].exists() else None
+    if metrics is not None and not isinstance(metrics, dict):
+        raise UserError(f"metrics file {inputs['metrics']} is not a JSON object (is it evaluate's metrics.json?)")
     return RunFacts(
         name=NAMES[meta["stage"]], cfg=cfg, meta=meta, exported_params=exported_params, conf=conf,
         version=__version__,

@@ -1,5 +1,5 @@
 # Two commands on a fresh machine with python3 and make:
-#   make demo   install into .venv and run the tiny pipeline offline to results/chat.bin
+#   make demo   install into .venv and run the tiny pipeline offline to results/chat.bin and results/release/
 #   make test   install into .venv with the test extra and run the test suite
 # Then `source .venv/bin/activate` for the `nanoeuler` and `snakemake` commands of README.md.
 PYTHON ?= python3
@@ -28,7 +28,8 @@ $(VENV)/.installed-lint: pyproject.toml | $(BIN)/python
 # Targets go before --configfile (it takes every word after it). The rules run the `nanoeuler` beside
 # the venv's snakemake; the last line says how to put both on PATH for the README's commands.
 # `make demo DPO=1` adds the DPO stages (config/tiny-dpo.yaml: evaluate reports the DPO model too).
-DEMO_TARGETS := results/chat.bin results/samples.md results/metrics.json results/loss.png
+# The release folder (results/release/) costs a few seconds on top of the training.
+DEMO_TARGETS := results/chat.bin results/samples.md results/metrics.json results/loss.png results/release/SHA256SUMS
 DEMO_CONFIG  := config/tiny.yaml $(if $(filter 1,$(DPO)),config/tiny-dpo.yaml)
 demo: $(VENV)/.installed
 	$(BIN)/snakemake $(DEMO_TARGETS) --cores $(CORES) --configfile $(DEMO_CONFIG)

@@ -50,6 +50,7 @@ include: "workflow/rules/tokenizer.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/dpo.smk"
 include: "workflow/rules/eval.smk"
+include: "workflow/rules/release.smk"
 
 # Downloads need the network, which cluster compute nodes often lack; the report rules are quick.
 localrules: gutenberg, fineweb, alpaca, hellaswag, report_pages, compare

@@ -26,6 +26,9 @@ corrupt file, a file of another format version, or one whose checksum does not m
 `tokenizer` (the tokenizer's JSON, so one file is enough to chat). Training checkpoints use `save` directly
 and add optimizer moments as `optim.m.<name>`/`optim.v.<name>` tensors; `load_model` reads the model out of
 those files too and ignores the other tensors.
+
+`load_model` also takes a release folder (`nanoeuler release`): `model_file` finds the one model file
+that its `SHA256SUMS` lists and checks the file against that line first.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import numpy as np
 
 from nanoeuler.backend import to_numpy
 from nanoeuler.errors import UserError
-from nanoeuler.files import CHECKPOINT, JsonError, naming, open_input, parse_json
+from nanoeuler.files import CHECKPOINT, SMALL_JSON, JsonError, file_sha256, naming, open_input, parse_json, read_text
 from nanoeuler.model.config import ModelConfig
 
 FORMAT = "nanoeuler"
@@ -289,7 +292,62 @@ def model_from(path, tensors: dict, metadata: dict, expect: ModelConfig | None =
 
 
 def load_model(path, expect: ModelConfig | None = None):
-    """-> (params: NumPy float32, cfg, metadata). Move params to a GPU with xp.asarray."""
+    """-> (params: NumPy float32, cfg, metadata) of a model file or a release folder (`model_file`).
+    Move params to a GPU with xp.asarray."""
+    path = model_file(path)
     tensors, metadata = load(path)
     params, cfg = model_from(path, tensors, metadata, expect)
     return params, cfg, metadata
+
+
+# ---- release folders ---------------------------------------------------------------------------
+
+SUMS = "SHA256SUMS"  # a release folder's list of its files' digests, in `sha256sum`'s format
+
+
+def format_sums(digests: dict[str, str]) -> str:
+    """`sha256sum`'s text for {file name: hex digest}, so `sha256sum -c SHA256SUMS` checks a release.
+
+    >>> format_sums({"chat.bin": "ab" * 32})[:8], format_sums({"chat.bin": "ab" * 32})[64:]
+    ('abababab', '  chat.bin\\n')
+    """
+    return "".join(f"{digest}  {name}\n" for name, digest in sorted(digests.items()))
+
+
+def parse_sums(text: str, where: str) -> dict[str, str]:
+    """{file name: hex digest} from `sha256sum` lines (text `  ` or binary ` *` mode); UserError naming
+    `where` and the line when one is not such a line, or names a file outside the folder."""
+    out = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        digest, sep, name = line[:64], line[64:66], line[66:]
+        if len(digest) != 64 or set(digest) - set("0123456789abcdef") or sep not in ("  ", " *") or not name:
+            raise UserError(f"{where}:{n}: not a `sha256sum` line (64 hex digits, two spaces, a file name)")
+        if name in (".", "..") or "/" in name or "\\" in name:
+            raise UserError(f"{where}:{n}: {name!r} is not a file of this folder")
+        out[name] = digest
+    return out
+
+
+def model_file(path) -> Path:
+    """The model file that a `--ckpt` names: `path` itself, or in a release folder the one `.bin` file
+    its SHA256SUMS lists, after checking that file's sha256 against the list (so a changed or swapped
+    file is refused before anything reads it).
+
+    >>> model_file("results/chat.bin")
+    PosixPath('results/chat.bin')
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return path  # a file, or what `load` will name as missing, a device, ...
+    sums = path / SUMS
+    if not sums.is_file():
+        raise UserError(f"checkpoint {path} is a directory, not a model file or a release folder (no {SUMS} in it)")
+    listed = parse_sums(read_text(sums, "checksum list", SMALL_JSON), str(sums))
+    models = sorted(name for name in listed if name.endswith(".bin"))
+    if len(models) != 1:
+        raise UserError(f"release {path}: {SUMS} lists {len(models)} model files (.bin), not one")
+    model = path / models[0]
+    if file_sha256(model, "checkpoint", CHECKPOINT) != listed[models[0]]:
+        raise UserError(f"release {path}: {models[0]} does not match its sha256 in {SUMS} (the file was changed "
+                        "or replaced after the release was written)")
+    return model

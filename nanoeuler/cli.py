@@ -48,6 +48,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gradcheck": ("nanoeuler.checks.gradcheck", "check every analytic gradient against finite differences"),
     "selftest": ("nanoeuler.checks.selftest", "check every GPU kernel against its NumPy reference"),
     "export-hf": ("nanoeuler.export.hf", "export a checkpoint as a Hugging Face Llama model"),
+    "release": ("nanoeuler.export.release", "a finished run as a folder to share: HF model, checkpoint, model card"),
 }
 
 

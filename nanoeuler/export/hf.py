@@ -6,16 +6,18 @@ tensor, `lm_head.weight` as is. The multi-token heads `mtp_heads.k` have no Llam
 (the exported model is head 0, the one generation uses).
 
 DIR receives `config.json`, `model.safetensors` (float32, `{"format": "pt"}` metadata as transformers
-expects) and, when the checkpoint carries a tokenizer, `tokenizer.json` (HF tokenizers format) with a
-`tokenizer_config.json` naming its special tokens. Then, offline:
+expects) and, when the checkpoint carries a tokenizer, `tokenizer.json` (HF tokenizers format), a
+`tokenizer_config.json` naming its special tokens (with the chat template of a fine-tuned model, so
+`apply_chat_template` writes the prompt SFT trained on). Then, offline:
 
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
-    model = LlamaForCausalLM.from_pretrained(DIR)
-    tok = PreTrainedTokenizerFast.from_pretrained(DIR)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(DIR)
+    tok = AutoTokenizer.from_pretrained(DIR)
 
 The files are built in a folder beside DIR and moved in when all are written, so a failed export leaves
 no partial DIR. An existing DIR must be empty or a previous export: a folder holding anything else is
-refused, never replaced.
+refused, never replaced. `nanoeuler release` writes the same files (`write_hf`) into a release folder,
+with a `generation_config.json` (the stop tokens and the run's sampling defaults) beside them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from nanoeuler import checkpoint
 from nanoeuler.errors import UserError
 from nanoeuler.files import naming
 from nanoeuler.model.config import ModelConfig
+from nanoeuler.train.template import PROMPT_NO_INPUT, PROMPT_WITH_INPUT
 
 
 def hf_config(cfg: ModelConfig, eos_token_id=None, bos_token_id=None) -> dict:
@@ -78,8 +81,9 @@ def hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return out
 
 
-def _tokenizer_files(tokenizer_json: str, cfg: ModelConfig):
-    """(tokenizer.json text, tokenizer_config dict, eos ids, bos id), or None without the HF exporter."""
+def _tokenizer_files(tokenizer_json: str, cfg: ModelConfig, tuned: bool):
+    """(tokenizer.json text, tokenizer_config dict, eos ids, bos id), or None without the HF exporter.
+    A `tuned` (SFT or DPO) model's tokenizer_config carries the chat template."""
     try:
         from nanoeuler.tokenizer.bpe import Tokenizer
         from nanoeuler.tokenizer.hf import to_hf_json
@@ -96,11 +100,86 @@ def _tokenizer_files(tokenizer_json: str, cfg: ModelConfig):
         "bos_token": specials[tok.eot_id],
         "clean_up_tokenization_spaces": False,
     }
+    if tuned:
+        tok_config["chat_template"] = chat_template(specials[tok.end_id])
     return to_hf_json(tok), tok_config, [tok.end_id, tok.eot_id], tok.eot_id
+
+
+def _jinja_text(text: str) -> str:
+    """`text` as a Jinja string literal (JSON's escapes are Jinja's)."""
+    return json.dumps(text)
+
+
+def chat_template(end: str) -> str:
+    """The Jinja chat template of `serve.prompts.chat_prompt`'s layout, for `apply_chat_template`: every
+    earlier exchange is a fine-tuning example (the Alpaca prompt around the user's text, the answer, `end`),
+    the last user turn (consecutive user messages joined by a blank line) is a prompt awaiting its answer,
+    and system messages fill that turn's `### Input:` block. Built from `train.template`'s texts, so the
+    two cannot drift apart; a conversation the server refuses raises here too.
+    """
+    head0, tail0 = PROMPT_NO_INPUT.split("{instruction}")
+    head1, rest = PROMPT_WITH_INPUT.split("{instruction}")
+    mid1, tail1 = rest.split("{input}")
+    q = _jinja_text
+    return (
+        "{%- macro turn(instruction, input) -%}"
+        "{%- if input and input.strip() -%}"
+        f"{{{{ {q(head1)} ~ instruction ~ {q(mid1)} ~ input ~ {q(tail1)} }}}}"
+        "{%- else -%}"
+        f"{{{{ {q(head0)} ~ instruction ~ {q(tail0)} }}}}"
+        "{%- endif -%}"
+        "{%- endmacro -%}"
+        "{%- set ns = namespace(system=[], pending=[]) -%}"
+        "{%- for m in messages -%}"
+        "{%- if m['role'] in ['system', 'developer'] -%}{%- set ns.system = ns.system + [m['content']] -%}"
+        "{%- elif m['role'] == 'user' -%}{%- set ns.pending = ns.pending + [m['content']] -%}"
+        "{%- elif m['role'] == 'assistant' -%}"
+        "{%- if not ns.pending -%}"
+        "{{ raise_exception('an assistant message must follow a user message') }}"
+        "{%- endif -%}"
+        f"{{{{ turn(ns.pending | join('\\n\\n'), '') ~ m['content'] ~ {q(end)} }}}}"
+        "{%- set ns.pending = [] -%}"
+        "{%- else -%}"
+        "{{ raise_exception('a message role must be system, developer, user or assistant') }}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if not ns.pending -%}"
+        "{{ raise_exception('the conversation must end with a user message') }}"
+        "{%- endif -%}"
+        "{{ turn(ns.pending | join('\\n\\n'), ns.system | join('\\n\\n')) }}"
+    )
+
+
+def generation_config(eos, bos, sampling: dict) -> dict:
+    """generation_config.json: the stop tokens and the sampling defaults of an `eval` config section
+    (temperature 0: greedy, where transformers wants no sampling values at all)."""
+    out = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": sampling["temperature"] > 0}
+    if out["do_sample"]:
+        out.update(temperature=sampling["temperature"], top_k=sampling["top_k"], top_p=sampling["top_p"])
+    return out
 
 
 # What an export writes; an existing --out may hold these and nothing else (it is a previous export).
 EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+GENERATION_CONFIG = "generation_config.json"  # written when the sampling settings are known (a release)
+
+
+def write_hf(folder: Path, params: dict, cfg: ModelConfig, metadata: dict, sampling: dict | None = None) -> None:
+    """The HF files of a model (`load_model`'s answer) into `folder`; with `sampling` (a run's `eval` config
+    section) and a tokenizer, generation_config.json too."""
+    tok = None
+    if metadata.get("tokenizer"):
+        tok = _tokenizer_files(metadata["tokenizer"], cfg, tuned=metadata.get("stage") in ("sft", "dpo"))
+    eos, bos = (tok[2], tok[3]) if tok else (None, None)
+    with naming(folder):
+        (folder / "config.json").write_text(json.dumps(hf_config(cfg, eos, bos), indent=2) + "\n", encoding="utf-8")
+        checkpoint.write_safetensors(folder / "model.safetensors", hf_tensors(params, cfg), {"format": "pt"})
+        if tok:
+            (folder / "tokenizer.json").write_text(tok[0], encoding="utf-8")
+            (folder / "tokenizer_config.json").write_text(json.dumps(tok[1], indent=2) + "\n", encoding="utf-8")
+        if tok and sampling is not None:
+            (folder / GENERATION_CONFIG).write_text(
+                json.dumps(generation_config(eos, bos, sampling), indent=2) + "\n", encoding="utf-8")
 
 
 def export(ckpt, out) -> list[str]:
@@ -111,22 +190,11 @@ def export(ckpt, out) -> list[str]:
     replaced or removed.
     """
     out = Path(os.path.abspath(out))  # "." and "dir/" have a name and a parent this way
-    check_out_dir(out)
+    check_out_dir(out, EXPORT_FILES, "export")
     params, cfg, metadata = checkpoint.load_model(ckpt)
-    tok = None
-    if metadata.get("tokenizer"):
-        tok = _tokenizer_files(metadata["tokenizer"], cfg)
-    eos, bos = (tok[2], tok[3]) if tok else (None, None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    tmp = new_folder_beside(out, "export")
     try:
-        with naming(out):
-            (tmp / "config.json").write_text(json.dumps(hf_config(cfg, eos, bos), indent=2) + "\n",
-                                             encoding="utf-8")
-            checkpoint.write_safetensors(tmp / "model.safetensors", hf_tensors(params, cfg), {"format": "pt"})
-            if tok:
-                (tmp / "tokenizer.json").write_text(tok[0], encoding="utf-8")
-                (tmp / "tokenizer_config.json").write_text(json.dumps(tok[1], indent=2) + "\n", encoding="utf-8")
+        write_hf(tmp, params, cfg, metadata)
         move_into(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the folder this export made, empty after a move
@@ -134,20 +202,32 @@ def export(ckpt, out) -> list[str]:
     return sorted(p.name for p in out.iterdir())
 
 
-def check_out_dir(out: Path) -> None:
+def new_folder_beside(out: Path, what: str) -> Path:
+    """A new hidden folder next to `out` (same filesystem, so it or its files move into `out` by rename),
+    with the mode `mkdir` gives (0755 under umask 022; mkdtemp's 0700 would follow it into `out`)."""
+    from nanoeuler.tokenizer.bpe import default_file_mode
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.{what}-", dir=out.parent))
+    mode = default_file_mode()
+    folder.chmod(mode | (mode & 0o444) >> 2)  # search where read is allowed, as for a new folder
+    return folder
+
+
+def check_out_dir(out: Path, allowed, what: str) -> None:
     """Refuse an --out whose replacement would lose something: a file, a link, or a folder holding
-    anything but a previous export's files. For example `--out results` is refused with
-    "--out results holds other files (base.bin, chat.bin, metrics.json, pretrain, sft, ...)".
+    anything but files named in `allowed` (what a previous `what` wrote). For example `--out results`
+    is refused with "--out results holds other files (base.bin, chat.bin, metrics.json, pretrain, sft, ...)".
     """
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise UserError(f"--out {out} exists and is not a directory")
     if not out.exists():
         return
-    others = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES or not p.is_file())
+    others = sorted(p.name for p in out.iterdir() if p.name not in allowed or p.is_symlink() or not p.is_file())
     if others:
         shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
-        raise UserError(f"--out {out} holds other files ({shown}); export into a new or empty directory, "
-                        "or a previous export")
+        raise UserError(f"--out {out} holds other files ({shown}); {what} into a new or empty directory, "
+                        f"or a previous {what}")
 
 
 def move_into(tmp: Path, out: Path) -> None:

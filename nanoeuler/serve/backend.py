@@ -123,7 +123,11 @@ class Backend:
     def load(cls, path, device: str = "auto", name: str | None = None, slots: int = 8,
              gpu_memory="auto", threads: int | None = None, prefix_cache: int = 8,
              speculative: bool = False) -> "Backend":
-        """`slots` at most as many as the GPU's memory holds caches for (`gpu_memory`, `memory.decode_batch`)."""
+        """`slots` at most as many as the GPU's memory holds caches for (`gpu_memory`, `memory.decode_batch`).
+        A release folder serves its model file, under that file's name (`chat`)."""
+        from nanoeuler.checkpoint import model_file
+
+        path = model_file(path)
         engine, tok, _ = load(path, device, gpu_memory=gpu_memory, stage="serve", threads=threads)
         if engine.max_batch is not None and slots > engine.max_batch:
             print(f"nanoeuler serve: max_batch {engine.max_batch} (not {slots}): the KV caches of that many streams "

@@ -42,6 +42,7 @@ test: $(VENV)/.installed-test
 # findings accepted by design and fails on any other.
 lint: $(VENV)/.installed-lint
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python scripts/lint_workflow.py $(BIN)/snakemake
 
 # Every .cu file must compile; CI has nvcc but no GPU.

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+
 def timed(fn, torch_events=False, reps=20, warmup=3, inner=1) -> float:
     """Median milliseconds of fn() between two CUDA events (CuPy's, or PyTorch's for torch calls).
 
@@ -112,10 +113,14 @@ def torch_sdpa(B, T, H, Hkv, D):
     v = torch.randn(B, Hkv, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     dout = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
     out = {}
-    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+    for name, backend in (
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ):
         try:
             with sdpa_kernel([backend]):
+
                 def fwd():
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
@@ -143,15 +148,19 @@ def main(argv=None) -> int:
         fwd_flop = 4.0 * B * H * D * T * T / 2
         times = ours(B, T, H, Hkv, D, np.random.default_rng(0))
         bwd = times["dkdv"] + times["dq"]
-        lines.append(f"B{B}xT{T:<5} ours              {times['fwd']:7.3f} {bwd:7.3f}  "
-                     f"{fwd_flop / times['fwd'] / 1e9:6.1f} {2.5 * fwd_flop / bwd / 1e9:6.1f}  "
-                     f"(dq with delta {times['dq']:.3f}, dkdv {times['dkdv']:.3f})")
+        lines.append(
+            f"B{B}xT{T:<5} ours              {times['fwd']:7.3f} {bwd:7.3f}  "
+            f"{fwd_flop / times['fwd'] / 1e9:6.1f} {2.5 * fwd_flop / bwd / 1e9:6.1f}  "
+            f"(dq with delta {times['dq']:.3f}, dkdv {times['dkdv']:.3f})"
+        )
         print(lines[-1], flush=True)
         if "wg fwd" in times:
             bwd = times["wg dkdv"] + times["wg dq"]
-            lines.append(f"B{B}xT{T:<5} ours-wg           {times['wg fwd']:7.3f} {bwd:7.3f}  "
-                         f"{fwd_flop / times['wg fwd'] / 1e9:6.1f} {2.5 * fwd_flop / bwd / 1e9:6.1f}  "
-                         f"(dq with delta {times['wg dq']:.3f}, dkdv {times['wg dkdv']:.3f})")
+            lines.append(
+                f"B{B}xT{T:<5} ours-wg           {times['wg fwd']:7.3f} {bwd:7.3f}  "
+                f"{fwd_flop / times['wg fwd'] / 1e9:6.1f} {2.5 * fwd_flop / bwd / 1e9:6.1f}  "
+                f"(dq with delta {times['wg dq']:.3f}, dkdv {times['wg dkdv']:.3f})"
+            )
             print(lines[-1], flush=True)
         if not args.no_torch:
             for name, res in torch_sdpa(B, T, H, Hkv, D).items():
@@ -159,8 +168,10 @@ def main(argv=None) -> int:
                     lines.append(f"B{B}xT{T:<5} torch-{name:<11} {res}")
                 else:
                     f_ms, b_ms = res
-                    lines.append(f"B{B}xT{T:<5} torch-{name:<11} {f_ms:7.3f} {b_ms:7.3f}  "
-                                 f"{fwd_flop / f_ms / 1e9:6.1f} {2.5 * fwd_flop / b_ms / 1e9:6.1f}")
+                    lines.append(
+                        f"B{B}xT{T:<5} torch-{name:<11} {f_ms:7.3f} {b_ms:7.3f}  "
+                        f"{fwd_flop / f_ms / 1e9:6.1f} {2.5 * fwd_flop / b_ms / 1e9:6.1f}"
+                    )
                 print(lines[-1], flush=True)
     print(f"\nrow        impl               fwd ms  bwd ms  fwd TF  bwd TF  (per layer; H{H}/{Hkv} D{D})")
     print("\n".join(lines))

@@ -31,8 +31,13 @@ from nanoeuler.model import transformer  # noqa: E402
 from nanoeuler.model.config import ModelConfig  # noqa: E402
 
 # (label, rows, heads, one slot?) of the passes the engine runs
-PASSES = (("step", 1, 1, False), ("verify", 0, 0, True), ("step", 4, 1, False), ("step", 16, 1, False),
-          ("step", 64, 1, False))
+PASSES = (
+    ("step", 1, 1, False),
+    ("verify", 0, 0, True),
+    ("step", 4, 1, False),
+    ("step", 16, 1, False),
+    ("step", 64, 1, False),
+)
 
 
 def parse_only(spec: str, K: int):
@@ -78,8 +83,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50, help="replays per timed run")
     ap.add_argument("--only", metavar="RxH@P", help="one pass: R rows, H heads at position P (for a profiler)")
     ap.add_argument("--rows", help="only the passes of these row counts, comma-separated (e.g. 1,4)")
-    ap.add_argument("--variants", default="default",
-                    help="comma-separated: default, blockattn, nopdl, ffma, nocluster, separgmax, aloneN")
+    ap.add_argument(
+        "--variants",
+        default="default",
+        help="comma-separated: default, blockattn, nopdl, ffma, nocluster, separgmax, aloneN",
+    )
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -104,7 +112,8 @@ def main(argv=None) -> int:
     times: dict = {}
     for v in variants:
         if v not in ("default", "blockattn", "nopdl", "ffma", "nocluster", "separgmax") and not (
-                v.startswith("alone") and v[5:].isdigit()):
+            v.startswith("alone") and v[5:].isdigit()
+        ):
             raise SystemExit(f"unknown variant {v!r}")
         be = GpuBackend(params, cfg, dtype=args.dtype, pdl=False if v == "nopdl" else None)
         var = be.variants
@@ -122,8 +131,10 @@ def main(argv=None) -> int:
                     times[(label, rows, heads, pos, v)] = us
         del be
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"\n{dev}, {args.dtype}, model {cfg.n_params():,} parameters "
-          f"({'trained: ' + args.ckpt if args.ckpt else 'random'}); us per pass (per row)")
+    print(
+        f"\n{dev}, {args.dtype}, model {cfg.n_params():,} parameters "
+        f"({'trained: ' + args.ckpt if args.ckpt else 'random'}); us per pass (per row)"
+    )
     print("| pass | rows | heads | position | " + " | ".join(variants) + " |")
     print("|---|---:|---:|---:|" + "---:|" * len(variants))
     for key in dict.fromkeys(k[:4] for k in times):

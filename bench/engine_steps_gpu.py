@@ -29,6 +29,7 @@ def device_used() -> int:
 
 def timed(stepper, make_batch, steps: int, warm: int = 3, head=None, refs=None) -> float:
     """Seconds per step after `warm` steps (the graphs captured), synchronised at both ends."""
+
     def one():
         batch = make_batch()
         if head is not None:
@@ -63,14 +64,16 @@ def main() -> None:
             x = rng.integers(0, V, (B, T))
             y = rng.integers(0, V, (B, T, K))
             return [(a, b) for a, b in zip(np.array_split(x, split), np.array_split(y, split))]
+
         return make
 
     def pair_batch(P):
         def make():
             x = rng.integers(0, V, (2 * P, T))
             y = np.full((2 * P, T, K), -1)
-            y[:, T // 4:, 0] = rng.integers(0, V, (2 * P, T - T // 4))  # prompts a quarter, then the response
+            y[:, T // 4 :, 0] = rng.integers(0, V, (2 * P, T - T // 4))  # prompts a quarter, then the response
             return [(x, y)]
+
         return make
 
     def measure(name, precision, make, steps, head=None, **kw):
@@ -83,21 +86,35 @@ def main() -> None:
         nb = engine.nbytes() if engine is not None else pool.total_bytes()
         used = device_used() - base
         rows.append((name, sec * 1e3, nb / 2**30, used / 2**30))
-        print(f"{name:44s} {sec * 1e3:9.1f} ms/step  engine {nb / 2**30:6.2f} GiB  device +{used / 2**30:6.2f} GiB",
-              flush=True)
+        print(
+            f"{name:44s} {sec * 1e3:9.1f} ms/step  engine {nb / 2**30:6.2f} GiB  device +{used / 2**30:6.2f} GiB",
+            flush=True,
+        )
         del st, engine
         pool.free_all_blocks()
 
     for B in (16, 32):
         measure(f"pretrain B{B}xT{T} bf16", "bf16", lm_batch(B), args.steps, batch_size=B)
-        measure(f"pretrain B{B}xT{T} bf16 checkpointing", "bf16", lm_batch(B), args.steps, batch_size=B,
-                checkpoint_activations=True)
-    measure(f"pretrain 2 x B16xT{T} bf16 accumulated", "bf16", lm_batch(32, 2), args.steps, batch_size=16,
-            grad_accum=2)
+        measure(
+            f"pretrain B{B}xT{T} bf16 checkpointing",
+            "bf16",
+            lm_batch(B),
+            args.steps,
+            batch_size=B,
+            checkpoint_activations=True,
+        )
+    measure(f"pretrain 2 x B16xT{T} bf16 accumulated", "bf16", lm_batch(32, 2), args.steps, batch_size=16, grad_accum=2)
     head = DpoHead(0.1, 0.0)
     measure(f"DPO 16 pairs x {T} bf16 engine", "bf16", pair_batch(16), args.steps, head=head, batch_size=16)
-    measure(f"DPO 16 pairs x {T} bf16 engine checkpointing", "bf16", pair_batch(16), args.steps, head=head,
-            batch_size=16, checkpoint_activations=True)
+    measure(
+        f"DPO 16 pairs x {T} bf16 engine checkpointing",
+        "bf16",
+        pair_batch(16),
+        args.steps,
+        head=head,
+        batch_size=16,
+        checkpoint_activations=True,
+    )
     measure(f"DPO 16 pairs x {T} fp32 xp (CuPy)", "fp32", pair_batch(16), args.fp32_steps, head=head, batch_size=16)
     print(f"\n{'step':44s} {'ms/step':>9s} {'engine GiB':>11s} {'device GiB':>11s}")
     for name, ms, nb, used in rows:

@@ -116,16 +116,24 @@ def main(argv=None) -> int:
         gemm(Matrix(qkv), Matrix(x), Matrix(wqkv), tb=True)
 
     def qkv_split():
-        split((-(-(N * (H + 2 * Hkv) * 4) // 256),), (256,), (qkv, cos, sin, q, k, v, np.int32(T), np.int32(H),
-                                                             np.int32(Hkv), np.int32(64), np.int32(N)))
+        split(
+            (-(-(N * (H + 2 * Hkv) * 4) // 256),),
+            (256,),
+            (qkv, cos, sin, q, k, v, np.int32(T), np.int32(H), np.int32(Hkv), np.int32(64), np.int32(N)),
+        )
 
     qkv_products = W / F  # in N x C x F products
-    rows = [("qkv: cuBLAS qkv", qkv_products, timed(qkv_gemm)), ("qkv: qkv_rope_split_bf16", 0, timed(qkv_split)),
-            ("qkv: unfused (both)", qkv_products, timed(lambda: (qkv_gemm(), qkv_split()))),
-            ("fwd: cuBLAS gu", 2, timed(fwd_gemm)), ("fwd: swiglu_fwd_bf16", 0, timed(fwd_glu)),
-            ("fwd: unfused (both)", 2, timed(lambda: (fwd_gemm(), fwd_glu()))),
-            ("bwd: cuBLAS dm", 1, timed(bwd_gemm)), ("bwd: swiglu_bwd_bf16", 0, timed(bwd_glu)),
-            ("bwd: unfused (both)", 1, timed(lambda: (bwd_gemm(), bwd_glu())))]
+    rows = [
+        ("qkv: cuBLAS qkv", qkv_products, timed(qkv_gemm)),
+        ("qkv: qkv_rope_split_bf16", 0, timed(qkv_split)),
+        ("qkv: unfused (both)", qkv_products, timed(lambda: (qkv_gemm(), qkv_split()))),
+        ("fwd: cuBLAS gu", 2, timed(fwd_gemm)),
+        ("fwd: swiglu_fwd_bf16", 0, timed(fwd_glu)),
+        ("fwd: unfused (both)", 2, timed(lambda: (fwd_gemm(), fwd_glu()))),
+        ("bwd: cuBLAS dm", 1, timed(bwd_gemm)),
+        ("bwd: swiglu_bwd_bf16", 0, timed(bwd_glu)),
+        ("bwd: unfused (both)", 1, timed(lambda: (bwd_gemm(), bwd_glu()))),
+    ]
     gu_ref, dgu_ref, m_ref = gu_f.copy(), dgu.copy(), m.copy()
     qkv_ref = [a.copy() for a in (q, k, v)]
     compare = []
@@ -135,8 +143,14 @@ def main(argv=None) -> int:
         rope_maps = (tile_map(x, 128), tile_map(wqkv, 128), heads_map(q), heads_map(k), heads_map(v))
         for a in (q, k, v):
             a.fill(0xFFFF)
-        rows.insert(3, ("qkv: qkv_rope_gemm (fused)", qkv_products,
-                        timed(lambda: run_qkv_rope_gemm(rope, *rope_maps, cos, sin, N, C, T, H, Hkv, sms))))
+        rows.insert(
+            3,
+            (
+                "qkv: qkv_rope_gemm (fused)",
+                qkv_products,
+                timed(lambda: run_qkv_rope_gemm(rope, *rope_maps, cos, sin, N, C, T, H, Hkv, sms)),
+            ),
+        )
         errs = [float(cp.linalg.norm(f32(a) - f32(r)) / cp.linalg.norm(f32(r))) for a, r in zip((q, k, v), qkv_ref)]
         same = all(bool((a == r).all()) for a, r in zip((q, k, v), qkv_ref))
         compare.append(f"qkv fused vs unfused: q/k/v rel. diff {max(errs):.1e}, identical: {same}")
@@ -144,21 +158,25 @@ def main(argv=None) -> int:
         fwd_maps = (tile_map(x, 128), gate_up_map(wgu), tile_map(gu_f, 64), tile_map(m_f, 64))
         gu_f.fill(0)
         m_f.fill(0)
-        rows.append(("fwd: swiglu_fwd_gemm (fused)", 2,
-                     timed(lambda: run_swiglu_fwd_gemm(fwd, *fwd_maps, N, C, F, sms))))
+        rows.append(
+            ("fwd: swiglu_fwd_gemm (fused)", 2, timed(lambda: run_swiglu_fwd_gemm(fwd, *fwd_maps, N, C, F, sms)))
+        )
         err = float(cp.linalg.norm(f32(gu_f) - f32(gu_ref)) / cp.linalg.norm(f32(gu_ref)))
         fwd_glu_of_fused = m_f.copy()
         fwd_glu()  # the unfused m of the fused kernel's gu
-        compare.append(f"fwd fused vs unfused: gu rel. diff {err:.1e}, m identical to swiglu_fwd_bf16 of its gu: "
-                       f"{bool((fwd_glu_of_fused == m_f).all())}")
+        compare.append(
+            f"fwd fused vs unfused: gu rel. diff {err:.1e}, m identical to swiglu_fwd_bf16 of its gu: "
+            f"{bool((fwd_glu_of_fused == m_f).all())}"
+        )
         wdt = cp.empty((F, C), cp.uint16)
         wdt[cp.asarray(wdt_image_rows(F))] = wd.T  # as wdt_image lays Wd out
         bwd = prepare_fused_gemm(kernel("swiglu_bwd_gemm"))
         bwd_maps = (tile_map(dy, 128), tile_map(wdt, 128), 0, tile_map(gu, 64), tile_map(dgu, 64), tile_map(m, 64))
         dgu.fill(0)
         m.fill(0)
-        rows.append(("bwd: swiglu_bwd_gemm (fused)", 1,
-                     timed(lambda: run_swiglu_bwd_gemm(bwd, *bwd_maps, N, C, F, sms))))
+        rows.append(
+            ("bwd: swiglu_bwd_gemm (fused)", 1, timed(lambda: run_swiglu_bwd_gemm(bwd, *bwd_maps, N, C, F, sms)))
+        )
         err = float(cp.linalg.norm(f32(dgu) - f32(dgu_ref)) / cp.linalg.norm(f32(dgu_ref)))
         compare.append(f"bwd fused vs unfused: d(gate|up) rel. diff {err:.1e}, m identical: {bool((m == m_ref).all())}")
     name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()

@@ -36,8 +36,16 @@ def step_gemms(cfg, B, T, rows_per_chunk):
     """(name, count, (M, N, K), a_shape, ta, b_shape, tb, out dtype, beta) for every product of a step.
 
     Shapes are the engine's row-major operands: c (M, N) = op(a) @ op(b)."""
-    L, C, H, Hkv, D, F, V, K = (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden,
-                                cfg.vocab_size, cfg.mtp_heads)
+    L, C, H, Hkv, D, F, V, K = (
+        cfg.n_layers,
+        cfg.dim,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.hidden,
+        cfg.vocab_size,
+        cfg.mtp_heads,
+    )
     N, QKV, HD, R = B * T, (H + 2 * Hkv) * D, H * D, rows_per_chunk
     chunks = -(-N // R)
     f32, bf = "f32", "bf16"
@@ -115,8 +123,10 @@ def main(argv=None) -> int:
         # the engine's chunk: as many rows as the MLP scratch holds
         R = args.chunk_rows or head_chunk_rows(B * T, cfg.vocab_size, carve(mlp_scratch(B * T, cfg.hidden))[1])
         print(f"\nB{B}xT{T}, output-head chunk {R} rows")
-        print(f"{'product':<24} {'M':>6} {'N':>6} {'K':>6} {'out':>4} {'count':>5} {'ms':>7} {'TFLOP/s':>8} "
-              f"{'step ms':>8} {'torch ms':>8} {'x torch':>7}")
+        print(
+            f"{'product':<24} {'M':>6} {'N':>6} {'K':>6} {'out':>4} {'count':>5} {'ms':>7} {'TFLOP/s':>8} "
+            f"{'step ms':>8} {'torch ms':>8} {'x torch':>7}"
+        )
         tot = tot_torch = 0.0
         for spec in step_gemms(cfg, B, T, min(R, B * T)):
             name, count, (M, N, K), *_rest = spec
@@ -125,10 +135,14 @@ def main(argv=None) -> int:
             tms = float("nan") if args.no_torch else torch_ms(spec)
             tot += ms * count
             tot_torch += tms * count
-            print(f"{name:<24} {M:>6} {N:>6} {K:>6} {out + ('+' if beta else ''):>5} {count:>5} {ms:>7.3f} "
-                  f"{2.0 * M * N * K / ms / 1e9:>8.1f} {ms * count:>8.2f} {tms:>8.3f} {tms / ms:>7.2f}", flush=True)
-        print(f"{'step total':<24} {'':>6} {'':>6} {'':>6} {'':>5} {'':>5} {'':>7} {'':>8} {tot:>8.2f} "
-              f"{tot_torch:>8.2f}")
+            print(
+                f"{name:<24} {M:>6} {N:>6} {K:>6} {out + ('+' if beta else ''):>5} {count:>5} {ms:>7.3f} "
+                f"{2.0 * M * N * K / ms / 1e9:>8.1f} {ms * count:>8.2f} {tms:>8.3f} {tms / ms:>7.2f}",
+                flush=True,
+            )
+        print(
+            f"{'step total':<24} {'':>6} {'':>6} {'':>6} {'':>5} {'':>5} {'':>7} {'':>8} {tot:>8.2f} {tot_torch:>8.2f}"
+        )
     return 0
 
 

@@ -61,7 +61,7 @@ def interleaved(fns: dict, repeats: int, pause: float = 0.3) -> dict:
     times = defaultdict(list)
     order = list(fns.items())
     for r in range(repeats + 1):
-        for name, fn in order[r % len(order):] + order[:r % len(order)]:
+        for name, fn in order[r % len(order) :] + order[: r % len(order)]:
             time.sleep(pause)
             t0 = time.perf_counter()
             fn()
@@ -80,11 +80,16 @@ def torch_model(params, cfg):
     lay = []
     for i in range(cfg.n_layers):
         g = lambda n: params[f"layers.{i}.{n}"]  # noqa: E731
-        lay.append((T(g("input_layernorm.weight")),
-                    T(np.concatenate([g(f"self_attn.{w}_proj.weight") for w in "qkv"])),
-                    T(g("self_attn.o_proj.weight")), T(g("post_attention_layernorm.weight")),
-                    T(np.concatenate([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")])),
-                    T(g("mlp.down_proj.weight"))))
+        lay.append(
+            (
+                T(g("input_layernorm.weight")),
+                T(np.concatenate([g(f"self_attn.{w}_proj.weight") for w in "qkv"])),
+                T(g("self_attn.o_proj.weight")),
+                T(g("post_attention_layernorm.weight")),
+                T(np.concatenate([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")])),
+                T(g("mlp.down_proj.weight")),
+            )
+        )
     emb, norm, head = T(params["embed_tokens.weight"]), T(params["norm.weight"]), T(params["lm_head.weight"])
     cos, sin = (T(a) for a in rope_tables(L, D, cfg.rope_theta, np, np.float32))
     kc = torch.zeros(cfg.n_layers, Hkv, L, D)
@@ -95,21 +100,21 @@ def torch_model(params, cfg):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
     def rope(x, c, s):  # x (t, heads, D)
-        x1, x2 = x[..., :D // 2], x[..., D // 2:]
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
     def forward(ids, start):
         t = ids.shape[0]
         x = emb[ids]
-        c, s = cos[start:start + t, None], sin[start:start + t, None]
+        c, s = cos[start : start + t, None], sin[start : start + t, None]
         mask = torch.ones(t, start + t, dtype=torch.bool).tril(start)
         for li, (n1, wqkv, wo, n2, wgu, wd) in enumerate(lay):
             qkv = rms(x, n1) @ wqkv.T
-            q = rope(qkv[:, :H * D].view(t, H, D), c, s)
-            kc[li, :, start:start + t] = rope(qkv[:, H * D:(H + Hkv) * D].view(t, Hkv, D), c, s).transpose(0, 1)
-            vc[li, :, start:start + t] = qkv[:, (H + Hkv) * D:].view(t, Hkv, D).transpose(0, 1)
-            k, v = kc[li, :, :start + t], vc[li, :, :start + t]  # (Hkv, S, D)
-            qg = q.view(t, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, t * G, D) / D ** 0.5
+            q = rope(qkv[:, : H * D].view(t, H, D), c, s)
+            kc[li, :, start : start + t] = rope(qkv[:, H * D : (H + Hkv) * D].view(t, Hkv, D), c, s).transpose(0, 1)
+            vc[li, :, start : start + t] = qkv[:, (H + Hkv) * D :].view(t, Hkv, D).transpose(0, 1)
+            k, v = kc[li, :, : start + t], vc[li, :, : start + t]  # (Hkv, S, D)
+            qg = q.view(t, Hkv, G, D).permute(1, 0, 2, 3).reshape(Hkv, t * G, D) / D**0.5
             sc = (qg @ k.transpose(1, 2)).view(Hkv, t, G, start + t).masked_fill(~mask[:, None], float("-inf"))
             a = (sc.softmax(-1).view(Hkv, t * G, start + t) @ v).view(Hkv, t, G, D).permute(1, 0, 2, 3)
             x = x + a.reshape(t, H * D) @ wo.T
@@ -159,8 +164,9 @@ def kernel_timers(be):
     call, counted under the rest). Matrix products are named by weight, GEMV for one row, GEMM for more."""
     names = {}
     for w in be.layers:
-        names.update({id(w["qkv_t"]): "q/k/v", id(w["o_t"]): "o_proj", id(w["gu_t"]): "gate/up",
-                      id(w["down_t"]): "down"})
+        names.update(
+            {id(w["qkv_t"]): "q/k/v", id(w["o_t"]): "o_proj", id(w["gu_t"]): "gate/up", id(w["down_t"]): "down"}
+        )
     names[id(be.head0_t)] = "head 0"
     acc = defaultdict(float)
 
@@ -171,6 +177,7 @@ def kernel_timers(be):
                 return fn(*a, **k)
             finally:
                 acc[label(*a) if callable(label) else label] += time.perf_counter() - t0
+
         return run
 
     def mm_label(x, w):
@@ -199,8 +206,10 @@ def by_kernel(acc, total, n) -> list[tuple[str, float]]:
     """(kernel, ms per n) rows, largest first, then the rest and the total."""
     rows = sorted(((k, v * 1e3 / n) for k, v in acc.items()), key=lambda kv: -kv[1])
     rest = total - sum(acc.values())
-    return rows + [("Python and the rest (residual adds, cache writes, embedding)", rest * 1e3 / n),
-                   ("total", total * 1e3 / n)]
+    return rows + [
+        ("Python and the rest (residual adds, cache writes, embedding)", rest * 1e3 / n),
+        ("total", total * 1e3 / n),
+    ]
 
 
 def profile_step(eng, prompt, steps: int) -> list[tuple[str, float]]:
@@ -219,6 +228,7 @@ def profile_step(eng, prompt, steps: int) -> list[tuple[str, float]]:
 
 def prefill_on(be, ids, threads: int):
     """fn() prefilling ids into slot 0 with the backend's long calls on `threads` workers."""
+
     def run():
         saved, be.threads = be.threads, threads
         try:
@@ -226,6 +236,7 @@ def prefill_on(be, ids, threads: int):
             be.prefill(0, ids)
         finally:
             be.threads = saved
+
     return run
 
 
@@ -269,7 +280,7 @@ def bench_model(name, params, cfg, args, prompt_text_ids=None):
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, args.prompt_len)]
     if prompt_text_ids:
-        prompt = (prompt_text_ids * args.prompt_len)[:args.prompt_len]
+        prompt = (prompt_text_ids * args.prompt_len)[: args.prompt_len]
     long = [int(t) for t in rng.integers(0, cfg.vocab_size, min(args.prefill_tokens, cfg.ctx_len))]
 
     eng = DecodeEngine.from_params(params, cfg, "cpu", threads=args.threads)
@@ -287,41 +298,50 @@ def bench_model(name, params, cfg, args, prompt_text_ids=None):
             eng.stats = type(eng.stats)()
             list(eng.stream(prompt, new, GREEDY, speculative=spec))
             stats[key] = eng.stats
+
         return fn
 
     load0 = os.getloadavg()[0]
+
     def torch_on(threads, fn, *a):
         def run():
             torch.set_num_threads(threads)
             fn(*a)
+
         return run
 
     one = args.threads != 1  # PyTorch on one thread too: on a loaded machine its pool waits for cores
-    t = interleaved({
-        "plain": lambda: list(eng.stream(prompt, new, GREEDY, speculative=False)),
-        "default": run_spec("default", None),
-        "spec": run_spec("spec", True),
-        "torch": torch_on(args.threads, t_greedy, prompt, new),
-        **({"torch1": torch_on(1, t_greedy, prompt, new)} if one else {}),
-        "gemv": sweep,
-        **({"gemv_mt": sweep_mt} if one else {}),
-        "prefill": prefill_on(be, long, args.threads),
-        **({"prefill1": prefill_on(be, long, 1)} if one else {}),
-        "torch_prefill": torch_on(args.threads, t_prefill, long),
-    }, args.repeats)
+    t = interleaved(
+        {
+            "plain": lambda: list(eng.stream(prompt, new, GREEDY, speculative=False)),
+            "default": run_spec("default", None),
+            "spec": run_spec("spec", True),
+            "torch": torch_on(args.threads, t_greedy, prompt, new),
+            **({"torch1": torch_on(1, t_greedy, prompt, new)} if one else {}),
+            "gemv": sweep,
+            **({"gemv_mt": sweep_mt} if one else {}),
+            "prefill": prefill_on(be, long, args.threads),
+            **({"prefill1": prefill_on(be, long, 1)} if one else {}),
+            "torch_prefill": torch_on(args.threads, t_prefill, long),
+        },
+        args.repeats,
+    )
     torch.set_num_threads(args.threads)
     load1 = os.getloadavg()[0]
     best = min(t["gemv"], t.get("gemv_mt", np.inf))
     bound = 1.0 / best  # steps a second if a step were its weights' GEMVs alone, on the faster thread count
 
     def note(st):
-        return (f"{st.tokens_per_pass():.2f} tok/pass, {st.passes} passes, {st.plain} plain steps; heads "
-                + " ".join(f"{a:.2f}" for a in st.acceptance()))
+        return f"{st.tokens_per_pass():.2f} tok/pass, {st.passes} passes, {st.plain} plain steps; heads " + " ".join(
+            f"{a:.2f}" for a in st.acceptance()
+        )
 
-    dec = [("ours plain (NumPy float32)", new / t["plain"], ""),
-           ("ours default (adaptive speculation)", new / t["default"], note(stats["default"])),
-           ("ours speculative, forced", new / t["spec"], note(stats["spec"])),
-           (f"PyTorch {torch.__version__} eager, KV cache", new / t["torch"], f"{args.threads} threads")]
+    dec = [
+        ("ours plain (NumPy float32)", new / t["plain"], ""),
+        ("ours default (adaptive speculation)", new / t["default"], note(stats["default"])),
+        ("ours speculative, forced", new / t["spec"], note(stats["spec"])),
+        (f"PyTorch {torch.__version__} eager, KV cache", new / t["torch"], f"{args.threads} threads"),
+    ]
     if one:
         dec.append(("PyTorch eager, KV cache, 1 thread", new / t["torch1"], ""))
     pre = [(f"ours (NumPy float32), --threads {args.threads}", len(long) / t["prefill"])]
@@ -337,12 +357,16 @@ def bench_model(name, params, cfg, args, prompt_text_ids=None):
         if "prefill" in lb:
             pre.append((f"llama.cpp llama-bench ({Path(gguf).name})", lb["prefill"]))
 
-    print(f"\n### {name}: {cfg.n_params():,} parameters ({args.ckpt or 'random weights'}), float32, "
-          f"{args.threads} threads, load average {load0:.2f} -> {load1:.2f}")
+    print(
+        f"\n### {name}: {cfg.n_params():,} parameters ({args.ckpt or 'random weights'}), float32, "
+        f"{args.threads} threads, load average {load0:.2f} -> {load1:.2f}"
+    )
     mt = f", {nbytes / t['gemv_mt'] / 1e9:.1f} GB/s on {args.threads}" if one else ""
-    print(f"GEMV bandwidth (the plain step's {len(be.layers) * 4 + 1} weight matrices, {nbytes / 1e6:.0f} MB, "
-          f"one-row products alone): {nbytes / t['gemv'] / 1e9:.1f} GB/s on one thread{mt} -> bound "
-          f"{bound:,.1f} tokens/s")
+    print(
+        f"GEMV bandwidth (the plain step's {len(be.layers) * 4 + 1} weight matrices, {nbytes / 1e6:.0f} MB, "
+        f"one-row products alone): {nbytes / t['gemv'] / 1e9:.1f} GB/s on one thread{mt} -> bound "
+        f"{bound:,.1f} tokens/s"
+    )
     print(f"\nDecode: 16-token prompt, {new} new tokens greedy, median of {args.repeats} interleaved")
     print("| run | tokens/s | ms/token | vs PyTorch (its faster row) | of bound | notes |")
     print("|---|---:|---:|---:|---:|---|")
@@ -351,8 +375,10 @@ def bench_model(name, params, cfg, args, prompt_text_ids=None):
         print(f"| {label} | {tps:,.1f} | {1e3 / tps:.2f} | {tps / peer:.2f}x | {tps / bound:.0%} | {n} |")
     print(f"greedy tokens, ours vs PyTorch: {'identical' if same else 'DIFFERENT'}")
     flops = gemm_flops(cfg, len(long))
-    print(f"\nPrefill: {len(long)}-token prompt, median of {args.repeats} interleaved; GFLOP/s: the GEMMs' "
-          f"{flops / 1e9:.1f} GFLOP (2 x layer weights x tokens) over the whole call")
+    print(
+        f"\nPrefill: {len(long)}-token prompt, median of {args.repeats} interleaved; GFLOP/s: the GEMMs' "
+        f"{flops / 1e9:.1f} GFLOP (2 x layer weights x tokens) over the whole call"
+    )
     print("| run | tokens/s | ms | GFLOP/s | vs PyTorch |")
     print("|---|---:|---:|---:|---:|")
     peer = len(long) / t["torch_prefill"]
@@ -360,14 +386,17 @@ def bench_model(name, params, cfg, args, prompt_text_ids=None):
         ms = len(long) / tps * 1e3
         print(f"| {label} | {tps:,.0f} | {ms:,.1f} | {flops / ms / 1e6:,.0f} | {tps / peer:.2f}x |")
     if args.profile:
-        print(f"\nOne plain decode step by kernel (ms, mean of {args.profile_steps} steps; load "
-              f"{os.getloadavg()[0]:.2f})")
+        print(
+            f"\nOne plain decode step by kernel (ms, mean of {args.profile_steps} steps; load {os.getloadavg()[0]:.2f})"
+        )
         print("| kernel | ms/step |")
         print("|---|---:|")
         for label, ms in profile_step(eng, prompt, args.profile_steps):
             print(f"| {label} | {ms:.3f} |")
-        print(f"\nOne {len(long)}-token prefill by kernel, one worker (ms; load {os.getloadavg()[0]:.2f}; "
-              f"the GEMMs' {flops / 1e9:.1f} GFLOP)")
+        print(
+            f"\nOne {len(long)}-token prefill by kernel, one worker (ms; load {os.getloadavg()[0]:.2f}; "
+            f"the GEMMs' {flops / 1e9:.1f} GFLOP)"
+        )
         print("| kernel | ms | share |")
         print("|---|---:|---:|")
         rows = profile_prefill(be, long)
@@ -383,14 +412,22 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64, help="decode tokens (capped by the context)")
     ap.add_argument("--prefill-tokens", type=int, default=512, help="prefill prompt (capped by the context)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=cpu_mod.usable_cores(),
-                    help="threads of ours (prefill) and of torch (default: the usable cores)")
-    ap.add_argument("--profile", action="store_true",
-                    help="also time one decode step and one prefill kernel by kernel")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=cpu_mod.usable_cores(),
+        help="threads of ours (prefill) and of torch (default: the usable cores)",
+    )
+    ap.add_argument("--profile", action="store_true", help="also time one decode step and one prefill kernel by kernel")
     ap.add_argument("--profile-steps", type=int, default=16)
     ap.add_argument("--llama-bench", help="llama.cpp's llama-bench executable (default: $LLAMA_BENCH)")
-    ap.add_argument("--gguf", action="append", default=[], metavar="PRESET=FILE",
-                    help="the preset's weights as GGUF for llama-bench (repeatable)")
+    ap.add_argument(
+        "--gguf",
+        action="append",
+        default=[],
+        metavar="PRESET=FILE",
+        help="the preset's weights as GGUF for llama-bench (repeatable)",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -398,8 +435,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from nanoeuler import checkpoint
 
-    print(f"CPU: {os.cpu_count()} cores visible, {cpu_mod.usable_cores()} usable; NumPy {np.__version__}; "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(
+        f"CPU: {os.cpu_count()} cores visible, {cpu_mod.usable_cores()} usable; NumPy {np.__version__}; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
     if args.ckpt:
         params, cfg, meta = checkpoint.load_model(args.ckpt)
         ids = None
@@ -407,7 +446,8 @@ def main(argv=None) -> int:
             from nanoeuler.tokenizer.bpe import Tokenizer
 
             ids = Tokenizer.from_json(meta["tokenizer"]).encode(
-                "The Python standard library is very extensive, offering a wide range of facilities.")
+                "The Python standard library is very extensive, offering a wide range of facilities."
+            )
         bench_model(Path(args.ckpt).stem, params, cfg, args, ids)
         return 0
     for name in args.presets.split(","):

@@ -59,11 +59,13 @@ def prompts_from(tok, cfg, n, length, rng, text=None):
         if len(ids) < n * length:
             raise SystemExit(f"--prompt-text: {len(ids)} tokens, fewer than {n} prompts of {length}")
         stride = (len(ids) - length) // max(n - 1, 1)
-        return [ids[i * stride:i * stride + length] for i in range(n)]
-    text = ("The Python standard library is very extensive, offering a wide range of facilities. "
-            "It contains built-in modules that provide access to system functionality such as file I/O. ") * 40
+        return [ids[i * stride : i * stride + length] for i in range(n)]
+    text = (
+        "The Python standard library is very extensive, offering a wide range of facilities. "
+        "It contains built-in modules that provide access to system functionality such as file I/O. "
+    ) * 40
     ids = tok.encode(text)
-    return [ids[i * 7:i * 7 + length] for i in range(n)]
+    return [ids[i * 7 : i * 7 + length] for i in range(n)]
 
 
 def read_text(path: str, limit: int = 2_000_000) -> str:
@@ -95,8 +97,7 @@ def ours(params, cfg, prompt, args, rows):
         acc = ""
         if spec:
             st = eng.stats
-            acc = (f"{st.tokens_per_pass():.2f} tok/pass; heads " +
-                   " ".join(f"{a:.2f}" for a in st.acceptance()))
+            acc = f"{st.tokens_per_pass():.2f} tok/pass; heads " + " ".join(f"{a:.2f}" for a in st.acceptance())
         rows.append((name, n / sec, 1e3 * sec / n, None, acc))
     be = eng.backend
     mode = "on" if be.pdl else "off"
@@ -138,7 +139,7 @@ def kernel_profile(be, cfg, prompt, M, n_heads, reps=20):
         be.start(1, [0])
         be.prefill(0, prompt)
         r = be._buffers(M)
-        r.ctl_host[:3 * M] = np.concatenate([np.full(M, prompt[-1]), np.zeros(M), len(prompt) + np.arange(M)])
+        r.ctl_host[: 3 * M] = np.concatenate([np.full(M, prompt[-1]), np.zeros(M), len(prompt) + np.arange(M)])
         with be.stream:
             r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, be.stream)
         events.clear()
@@ -233,11 +234,19 @@ def hf_rows(ckpt, cfg, prompt, args, rows):
         gen(model)
         compile_s = time.perf_counter() - t0
         sec = cuda_timed(lambda: gen(model))
-        rows.append(("HF static cache + torch.compile", n / sec, 1e3 * sec / n, None,
-                     f"compile {compile_s:.0f} s (not timed)"))
+        rows.append(
+            ("HF static cache + torch.compile", n / sec, 1e3 * sec / n, None, f"compile {compile_s:.0f} s (not timed)")
+        )
     except Exception as exc:  # noqa: BLE001
-        rows.append(("HF static cache + torch.compile", None, None, None,
-                     f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:60]}"))
+        rows.append(
+            (
+                "HF static cache + torch.compile",
+                None,
+                None,
+                None,
+                f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:60]}",
+            )
+        )
 
 
 def batched(eng, cfg, prompts, args):
@@ -277,8 +286,9 @@ def agreement(params, cfg, prompt, steps):
     want = ref.generate(prompt, steps, GREEDY)
     out = {}
     for dtype in ("fp32", "bf16"):
-        got = DecodeEngine.from_params(params, cfg, "gpu", dtype=dtype).generate([prompt], steps, GREEDY,
-                                                                      speculative=False)[0]
+        got = DecodeEngine.from_params(params, cfg, "gpu", dtype=dtype).generate(
+            [prompt], steps, GREEDY, speculative=False
+        )[0]
         out[dtype] = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     return out
 
@@ -291,16 +301,28 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--agree-steps", type=int, default=64)
-    ap.add_argument("--spec-prompts", type=int, default=8,
-                    help="also decode this many of the prompts plainly and speculatively (acceptance over them)")
-    ap.add_argument("--prompt-text", metavar="FILE",
-                    help="draw the prompts from this text (a UTF-8 file, or a parquet's `text` column, e.g. the "
-                         "corpus's val.parquet), windows spread over it; default: a repeated sentence")
+    ap.add_argument(
+        "--spec-prompts",
+        type=int,
+        default=8,
+        help="also decode this many of the prompts plainly and speculatively (acceptance over them)",
+    )
+    ap.add_argument(
+        "--prompt-text",
+        metavar="FILE",
+        help="draw the prompts from this text (a UTF-8 file, or a parquet's `text` column, e.g. the "
+        "corpus's val.parquet), windows spread over it; default: a repeated sentence",
+    )
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
     ap.add_argument("--no-hf-compile", action="store_true", help="skip the torch.compile row (it takes minutes)")
     ap.add_argument("--profile", action="store_true", help="also time each kernel of a decode step and a verify pass")
-    ap.add_argument("--steps-only", type=int, default=0, metavar="N",
-                    help="only prefill the prompt and run N greedy decode steps (a target for a profiler), then exit")
+    ap.add_argument(
+        "--steps-only",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only prefill the prompt and run N greedy decode steps (a target for a profiler), then exit",
+    )
     ap.add_argument("--steps-batch", type=int, default=1, metavar="B", help="rows of the --steps-only steps")
     args = ap.parse_args(argv)
 
@@ -327,12 +349,12 @@ def main(argv=None) -> int:
     prompt = prompts[0]
     if args.steps_only:
         eng = DecodeEngine.from_params(params, cfg, "gpu", dtype="bf16")
-        eng.generate(prompts[:args.steps_batch], args.steps_only, GREEDY, speculative=False)
+        eng.generate(prompts[: args.steps_batch], args.steps_only, GREEDY, speculative=False)
         return 0
     rows: list = []
     eng = ours(params, cfg, prompt, args, rows)
     one, many = batched(eng, cfg, prompts, args)
-    spread = speculation_over(eng, prompts[:args.spec_prompts], args.new_tokens) if args.spec_prompts else None
+    spread = speculation_over(eng, prompts[: args.spec_prompts], args.new_tokens) if args.spec_prompts else None
     profiles = {}
     if args.profile:
         for label, M, nh in (("decode step", 1, 1), ("verify pass", cfg.mtp_heads, cfg.mtp_heads)):
@@ -344,8 +366,10 @@ def main(argv=None) -> int:
     import cupy as cp
 
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    print(f"\n{dev}, model {cfg.n_params():,} parameters ({'trained: ' + args.ckpt if args.ckpt else 'random'}), "
-          f"batch 1, {args.prompt_len}-token prompt, {args.new_tokens} new tokens greedy, median of {args.repeats}")
+    print(
+        f"\n{dev}, model {cfg.n_params():,} parameters ({'trained: ' + args.ckpt if args.ckpt else 'random'}), "
+        f"batch 1, {args.prompt_len}-token prompt, {args.new_tokens} new tokens greedy, median of {args.repeats}"
+    )
     base = rows[0][1]
     print(f"| {'run':34s} | tokens/s | ms/token | vs ours plain | prefill 512 (ms) | notes |")
     print("|---|---:|---:|---:|---:|---|")
@@ -356,16 +380,22 @@ def main(argv=None) -> int:
     for label, us in args.graph_us.items():
         print(f"{label} graph replayed alone (GPU time, no host work): {us:.1f} us")
     print(f"a graph of 100 empty kernels: {args.floor_us:.2f} us per kernel")
-    print(f"\nbatched greedy, ours bf16: batch 1 {one:,.0f} tokens/s, batch {args.batch} {many:,.0f} tokens/s "
-          f"= {many / one:.1f}x")
+    print(
+        f"\nbatched greedy, ours bf16: batch 1 {one:,.0f} tokens/s, batch {args.batch} {many:,.0f} tokens/s "
+        f"= {many / one:.1f}x"
+    )
     if spread:
         plain, spec, tpp, acc, ratios = spread
-        print(f"greedy over {args.spec_prompts} prompts (windows of the text, one after the other): plain "
-              f"{plain:,.0f} tokens/s, speculative {spec:,.0f} = {spec / plain:.2f}x; {tpp:.2f} tokens/pass, heads "
-              + " ".join(f"{a:.2f}" for a in acc))
+        print(
+            f"greedy over {args.spec_prompts} prompts (windows of the text, one after the other): plain "
+            f"{plain:,.0f} tokens/s, speculative {spec:,.0f} = {spec / plain:.2f}x; {tpp:.2f} tokens/pass, heads "
+            + " ".join(f"{a:.2f}" for a in acc)
+        )
         q = np.percentile(ratios, [0, 25, 50, 75, 100])
-        print(f"  per prompt, speculative / plain: min {q[0]:.2f}x, quartiles {q[1]:.2f}x {q[2]:.2f}x {q[3]:.2f}x, "
-              f"max {q[4]:.2f}x; {int((ratios >= 1.6).sum())} of {len(ratios)} prompts at 1.6x or more")
+        print(
+            f"  per prompt, speculative / plain: min {q[0]:.2f}x, quartiles {q[1]:.2f}x {q[2]:.2f}x {q[3]:.2f}x, "
+            f"max {q[4]:.2f}x; {int((ratios >= 1.6).sum())} of {len(ratios)} prompts at 1.6x or more"
+        )
     for label, prof in profiles.items():
         print(f"\n{label}, kernel by kernel (CUDA events around each launch, mean of 20 steps):")
         print("| kernel | launches | us per step | share |")

@@ -52,7 +52,7 @@ def batches(cfg: ModelConfig, B: int, T: int, n: int, seed: int) -> list:
     out = []
     for _ in range(n):
         w = rng.integers(0, cfg.vocab_size, size=(B, T + cfg.mtp_heads))
-        y = np.stack([w[:, 1 + k:T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)
+        y = np.stack([w[:, 1 + k : T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)
         out.append([(w[:, :T], y)])
     return out
 
@@ -123,8 +123,10 @@ def identity(dp, cfg) -> int:
         cp.get_default_memory_pool().free_all_blocks()
     print(f"\n{'what':<24} {'pair':<22} {'steps':>5} {'rel dloss':>10} {'rel dnorm':>10} {'max dstate':>10} bitwise")
     for what, pair, r in rows:
-        print(f"{what:<24} {pair:<22} {r['steps']:>5} {r['loss_diff']:>10.3g} {r['norm_diff']:>10.3g} "
-              f"{r['state_diff']:>10.3g} {'yes' if r['bitwise'] else 'NO'}")
+        print(
+            f"{what:<24} {pair:<22} {r['steps']:>5} {r['loss_diff']:>10.3g} {r['norm_diff']:>10.3g} "
+            f"{r['state_diff']:>10.3g} {'yes' if r['bitwise'] else 'NO'}"
+        )
     ok = all(exact.values())
     for what, same in exact.items():
         print(f"all-reduce at world 1 on the {what}: {'bit for bit unchanged' if same else 'CHANGED (FAIL)'}")
@@ -170,8 +172,10 @@ def scale(dp, cfg, rows: str, steps: int, warmup: int, json_path: str | None) ->
             rec = {"world": dp.size, "B": B, "T": T, "mode": mode, "ms": ms, "tokens_per_s": dp.size * B * T / ms * 1e3}
             out.append(rec)
             if dp.is_root:
-                print(f"world {dp.size} B{B}xT{T} {mode:<13} {ms:8.2f} ms/step {rec['tokens_per_s']:>12,.0f} tokens/s",
-                      flush=True)
+                print(
+                    f"world {dp.size} B{B}xT{T} {mode:<13} {ms:8.2f} ms/step {rec['tokens_per_s']:>12,.0f} tokens/s",
+                    flush=True,
+                )
     if dp.is_root and json_path:
         Path(json_path).write_text(json.dumps(out))
 
@@ -194,14 +198,19 @@ def allreduce(dp, cfg, reps: int = 20) -> None:
     algbw = buf.nbytes / ms / 1e6
     busbw = algbw * 2 * (dp.size - 1) / dp.size
     if dp.is_root:
-        print(f"allreduce world {dp.size}: {buf.size:,} float32 ({buf.nbytes / 2**20:.0f} MiB) median {ms:.3f} ms "
-              f"(min {min(times):.3f}), algbw {algbw:.1f} GB/s, busbw {busbw:.1f} GB/s", flush=True)
+        print(
+            f"allreduce world {dp.size}: {buf.size:,} float32 ({buf.nbytes / 2**20:.0f} MiB) median {ms:.3f} ms "
+            f"(min {min(times):.3f}), algbw {algbw:.1f} GB/s, busbw {busbw:.1f} GB/s",
+            flush=True,
+        )
 
 
 def spawn(n: int, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="nanoeuler-bench-") as tmp:
-        procs = [subprocess.Popen([sys.executable, __file__, *argv],
-                                  env=parallel.rank_env(r, n, str(Path(tmp) / "nccl.id"))) for r in range(n)]
+        procs = [
+            subprocess.Popen([sys.executable, __file__, *argv], env=parallel.rank_env(r, n, str(Path(tmp) / "nccl.id")))
+            for r in range(n)
+        ]
         return parallel.supervise("bench", procs, hint="")
 
 
@@ -223,10 +232,16 @@ def main(argv=None) -> int:
         import cupy as cp
 
         name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
-        print(f"{args.what} on {dp.size} x {name}, NCCL {getattr(cp.cuda.nccl, 'get_version', lambda: '?')()}, "
-              f"{cfg.n_params():,} parameters", flush=True)
-    rc = {"identity": lambda: identity(dp, cfg), "allreduce": lambda: allreduce(dp, cfg),
-          "scale": lambda: scale(dp, cfg, args.rows, args.steps, args.warmup, args.json)}[args.what]()
+        print(
+            f"{args.what} on {dp.size} x {name}, NCCL {getattr(cp.cuda.nccl, 'get_version', lambda: '?')()}, "
+            f"{cfg.n_params():,} parameters",
+            flush=True,
+        )
+    rc = {
+        "identity": lambda: identity(dp, cfg),
+        "allreduce": lambda: allreduce(dp, cfg),
+        "scale": lambda: scale(dp, cfg, args.rows, args.steps, args.warmup, args.json),
+    }[args.what]()
     dp.close()
     return rc or 0
 

@@ -74,12 +74,16 @@ def main() -> int:
     without = [ttft(plain, p) for p in prompts[1:]]
     with_ = [ttft(reuse, p) for p in prompts[1:]]
     a, b = statistics.median(without), statistics.median(with_)
-    print(f"{args.preset} (dim {plain.cfg.dim}, {plain.cfg.n_layers} layers), {args.prefix} shared + {args.suffix} "
-          f"own tokens, BLAS threads {os.environ['OPENBLAS_NUM_THREADS']}, median of {args.repeats}"
-          + (f", FEW_ROWS {args.few_rows}" if args.few_rows is not None else ""))
+    print(
+        f"{args.preset} (dim {plain.cfg.dim}, {plain.cfg.n_layers} layers), {args.prefix} shared + {args.suffix} "
+        f"own tokens, BLAS threads {os.environ['OPENBLAS_NUM_THREADS']}, median of {args.repeats}"
+        + (f", FEW_ROWS {args.few_rows}" if args.few_rows is not None else "")
+    )
     print(f"time to first token without reuse  {a * 1e3:8.1f} ms")
-    print(f"time to first token with reuse     {b * 1e3:8.1f} ms   ({reuse.prefixes.tokens // args.repeats} "
-          f"positions copied per request)")
+    print(
+        f"time to first token with reuse     {b * 1e3:8.1f} ms   ({reuse.prefixes.tokens // args.repeats} "
+        f"positions copied per request)"
+    )
     print(f"ratio                              {b / a:8.3f}x   (target <= 0.3x)")
     return 0 if b / a <= 0.3 else 1
 

@@ -43,9 +43,16 @@ else:
 
 import numpy as np  # noqa: E402
 
-QUESTIONS = ["Give three tips for staying healthy.", "What is the capital of France?", "Name a color.",
-             "Describe the sea.", "Write a short poem about a fox.", "Summarize the history of science.",
-             "Translate 'good morning' to French.", "List four fruits."]
+QUESTIONS = [
+    "Give three tips for staying healthy.",
+    "What is the capital of France?",
+    "Name a color.",
+    "Describe the sea.",
+    "Write a short poem about a fox.",
+    "Summarize the history of science.",
+    "Translate 'good morning' to French.",
+    "List four fruits.",
+]
 
 
 def small_model(path: Path) -> None:
@@ -85,9 +92,26 @@ def peer_tokens_per_s(ckpt: Path, questions: list[str], max_tokens: int) -> floa
 
 
 def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "nanoeuler", "serve", "--ckpt", str(ckpt), "--device", "cpu", "--port", "0",
-           "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),
-           "--max-tokens", str(args.max_tokens), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanoeuler",
+        "serve",
+        "--ckpt",
+        str(ckpt),
+        "--device",
+        "cpu",
+        "--port",
+        "0",
+        "--max-batch",
+        str(args.max_batch),
+        "--max-queue",
+        str(args.max_queue),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     line = proc.stderr.readline()
     found = re.search(r"at (http://[^/]+)/", line)
@@ -99,8 +123,13 @@ def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str]:
 
 async def stream_once(client, url: str, question: str, max_tokens: int) -> dict:
     """One streamed chat request: its outcome, text, chunk ids, timings."""
-    body = {"messages": [{"role": "user", "content": question}], "stream": True, "temperature": 0,
-            "max_tokens": max_tokens, "ignore_eos": True}
+    body = {
+        "messages": [{"role": "user", "content": question}],
+        "stream": True,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
     t0 = time.perf_counter()
     first = None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -114,7 +143,7 @@ async def stream_once(client, url: str, question: str, max_tokens: int) -> dict:
             events.append(line)
             if line == "data: [DONE]":
                 break
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             ids.add(chunk["id"])
             choice = chunk["choices"][0]
             if choice["delta"].get("content"):
@@ -122,8 +151,16 @@ async def stream_once(client, url: str, question: str, max_tokens: int) -> dict:
                 text.append(choice["delta"]["content"])
             finish = choice["finish_reason"] or finish
     t1 = time.perf_counter()
-    return {"status": 200, "text": "".join(text), "ids": ids, "finish": finish, "done": events[-1] == "data: [DONE]",
-            "latency": t1 - t0, "ttft": (first or t1) - t0, "tokens": max_tokens}
+    return {
+        "status": 200,
+        "text": "".join(text),
+        "ids": ids,
+        "finish": finish,
+        "done": events[-1] == "data: [DONE]",
+        "latency": t1 - t0,
+        "ttft": (first or t1) - t0,
+        "tokens": max_tokens,
+    }
 
 
 async def load_phase(url: str, questions: list[str], refs: list[str], args) -> tuple[list[dict], float]:
@@ -138,7 +175,7 @@ async def load_phase(url: str, questions: list[str], refs: list[str], args) -> t
                 r = await stream_once(client, url, questions[i], args.max_tokens)
                 r["client"] = i
                 if r["status"] == 200:
-                    r["ok"] = (len(r["ids"]) == 1 and r["done"] and r["finish"] == "length" and r["text"] == refs[i])
+                    r["ok"] = len(r["ids"]) == 1 and r["done"] and r["finish"] == "length" and r["text"] == refs[i]
                 else:
                     await asyncio.sleep(r.get("retry_after", 1))
                 out.append(r)
@@ -179,16 +216,20 @@ def report(results: list[dict], wall: float, peer: float, args) -> bool:
         ("checks", f"{len(bad)} wrong or incomplete streams, {len(ids) - len(set(ids))} repeated stream ids"),
         ("latency ms p50 / p90 / max", f"{pct(lat, 50):.0f} / {pct(lat, 90):.0f} / {max(lat, default=0):.0f}"),
         ("first token ms p50 / p90", f"{pct(ttft, 50):.0f} / {pct(ttft, 90):.0f}"),
-        ("tokens/s per client min / median / max",
-         f"{min(per_client, default=0):.1f} / {statistics.median(per_client) if per_client else 0:.1f} / "
-         f"{max(per_client, default=0):.1f}"),
+        (
+            "tokens/s per client min / median / max",
+            f"{min(per_client, default=0):.1f} / {statistics.median(per_client) if per_client else 0:.1f} / "
+            f"{max(per_client, default=0):.1f}",
+        ),
         ("server tokens/s (all clients)", f"{tokens / wall:.1f}  ({tokens} tokens in {wall:.1f} s)"),
         ("peer: in-process, one prompt at a time", f"{peer:.1f} tokens/s"),
         ("server / peer", f"{tokens / wall / peer:.2f}x"),
     ]
     width = max(len(k) for k, _ in rows)
-    print(f"\nclients {args.clients} x requests {args.requests}, max_tokens {args.max_tokens}, "
-          f"max_batch {args.max_batch}, max_queue {args.max_queue}, BLAS threads {os.environ['OPENBLAS_NUM_THREADS']}")
+    print(
+        f"\nclients {args.clients} x requests {args.requests}, max_tokens {args.max_tokens}, "
+        f"max_batch {args.max_batch}, max_queue {args.max_queue}, BLAS threads {os.environ['OPENBLAS_NUM_THREADS']}"
+    )
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return not bad and not other and len(set(ids)) == len(ids)

@@ -72,7 +72,9 @@ def gpu_model(path: Path) -> None:
 
     records = json.loads((ROOT / "data/sample/alpaca_data.json").read_text())
     texts = [r["instruction"] + "\n" + r["input"] + "\n" + r["output"] for r in records]
-    texts += [f.read_text() for f in [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]]
+    texts += [
+        f.read_text() for f in [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+    ]
     tok = train_bpe("\n\n".join(texts), 4096)
     cfg = ModelConfig.from_section({"preset": "gpu"}, tok.vocab_size)
     checkpoint.save_model(path, init_params(cfg, 0), cfg, step=0, tokenizer_json=tok.to_json())
@@ -102,9 +104,26 @@ def peer(ckpt: Path, device: str, rows: int, max_tokens: int) -> float:
 def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str]:
     import re
 
-    cmd = [sys.executable, "-m", "nanoeuler", "serve", "--ckpt", str(ckpt), "--device", args.device, "--port", "0",
-           "--max-batch", str(max(args.levels)), "--max-queue", str(4 * max(args.levels)),
-           "--max-tokens", str(args.max_tokens), "--log-level", "warning"] + (["--speculative"] if args.speculative else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanoeuler",
+        "serve",
+        "--ckpt",
+        str(ckpt),
+        "--device",
+        args.device,
+        "--port",
+        "0",
+        "--max-batch",
+        str(max(args.levels)),
+        "--max-queue",
+        str(4 * max(args.levels)),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--log-level",
+        "warning",
+    ] + (["--speculative"] if args.speculative else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     while True:
         line = proc.stderr.readline()
@@ -117,8 +136,14 @@ def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str]:
 
 
 async def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
-    body = {"prompt": prompt, "stream": True, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "stream": True,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     arrivals, ids, finish, usage, done = [], set(), None, None, False
     try:
@@ -142,9 +167,13 @@ async def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
     except Exception as exc:  # a dropped connection is a failure of this request, not of the run
         return {"ok": False, "status": type(exc).__name__}
     tokens = (usage or {}).get("completion_tokens", 0)
-    return {"ok": done and finish is not None and len(ids) == 1 and tokens == max_tokens, "status": 200,
-            "tokens": tokens, "ttft": (arrivals[0] if arrivals else time.perf_counter()) - t0,
-            "gaps": list(np.diff(arrivals))}
+    return {
+        "ok": done and finish is not None and len(ids) == 1 and tokens == max_tokens,
+        "status": 200,
+        "tokens": tokens,
+        "ttft": (arrivals[0] if arrivals else time.perf_counter()) - t0,
+        "gaps": list(np.diff(arrivals)),
+    }
 
 
 async def server_ttft(client, url: str) -> tuple[float, float] | None:
@@ -169,6 +198,7 @@ async def prefix_ttft(url: str, args, vocab: int) -> tuple[float, float, tuple |
     rng = np.random.default_rng(0)
     ids = lambda n: [int(t) for t in rng.integers(10, vocab - 10, n)]  # noqa: E731
     async with httpx2.AsyncClient(timeout=600) as client:
+
         async def one(prompt):
             t0 = time.perf_counter()
             r = await client.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
@@ -195,6 +225,7 @@ async def soak(url: str, args) -> dict:
     clients, stop = max(args.levels), time.perf_counter() + args.soak
     prompts, samples, results = prompt_texts(clients), [], []
     async with httpx2.AsyncClient(timeout=600, limits=httpx2.Limits(max_connections=clients + 4)) as client:
+
         async def one_client(i):
             while time.perf_counter() < stop:
                 results.append(await one_request(client, url, prompts[i], args.max_tokens))
@@ -204,13 +235,22 @@ async def soak(url: str, args) -> dict:
             while time.perf_counter() < stop:
                 text = (await client.get(url + "/metrics")).text
                 values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-                samples.append((time.perf_counter() - t0, float(values.get("process_resident_memory_bytes", "nan")),
-                                float(values.get('nanoeuler_gpu_pool_bytes{kind="held"}', "nan"))))
+                samples.append(
+                    (
+                        time.perf_counter() - t0,
+                        float(values.get("process_resident_memory_bytes", "nan")),
+                        float(values.get('nanoeuler_gpu_pool_bytes{kind="held"}', "nan")),
+                    )
+                )
                 await asyncio.sleep(10)
 
         await asyncio.gather(sampler(), *(one_client(i) for i in range(clients)))
-    return {"samples": samples, "requests": len(results), "failures": sum(not r["ok"] for r in results),
-            "tokens": sum(r.get("tokens", 0) for r in results if r["ok"])}
+    return {
+        "samples": samples,
+        "requests": len(results),
+        "failures": sum(not r["ok"] for r in results),
+        "tokens": sum(r.get("tokens", 0) for r in results if r["ok"]),
+    }
 
 
 async def level(url: str, clients: int, args) -> dict:
@@ -218,6 +258,7 @@ async def level(url: str, clients: int, args) -> dict:
 
     prompts = prompt_texts(clients)
     async with httpx2.AsyncClient(timeout=600, limits=httpx2.Limits(max_connections=clients + 4)) as client:
+
         async def one_client(i):
             return [await one_request(client, url, prompts[i], args.max_tokens) for _ in range(args.requests)]
 
@@ -228,9 +269,16 @@ async def level(url: str, clients: int, args) -> dict:
     ttft = [r["ttft"] * 1e3 for r in ok]
     gaps = [g * 1e3 for r in ok for g in r["gaps"]]
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
-    return {"clients": clients, "requests": len(results), "failures": len(results) - len(ok),
-            "tokens_per_s": sum(r["tokens"] for r in ok) / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-            "itl_p50": pct(gaps, 50), "itl_p99": pct(gaps, 99)}
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "failures": len(results) - len(ok),
+        "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "itl_p50": pct(gaps, 50),
+        "itl_p99": pct(gaps, 99),
+    }
 
 
 def main() -> int:
@@ -263,9 +311,23 @@ def main() -> int:
             make(args.ckpt)
         peers = {}
         for rows in args.levels:
-            out = subprocess.run([sys.executable, __file__, "--ckpt", str(args.ckpt), "--device", args.device,
-                                  "--max-tokens", str(args.max_tokens), "--peer-rows", str(rows)],
-                                 capture_output=True, text=True, cwd=ROOT)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--ckpt",
+                    str(args.ckpt),
+                    "--device",
+                    args.device,
+                    "--max-tokens",
+                    str(args.max_tokens),
+                    "--peer-rows",
+                    str(rows),
+                ],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+            )
             peers[rows] = float(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else float("nan")
         proc, url = (None, args.url) if args.url else start_server(args.ckpt, args)
         try:
@@ -281,30 +343,44 @@ def main() -> int:
             if proc is not None:
                 proc.terminate()
                 proc.wait(timeout=60)
-    print(f"\n{args.ckpt.name} on {args.device} ({url}), {args.requests} requests per client, "
-          f"{args.max_tokens} tokens each, greedy")
-    print(f"{'clients':>7} {'requests':>8} {'failures':>8} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'ITL p50':>8} {'ITL p99':>8} {'peer tok/s':>10} {'/peer':>6}")
+    print(
+        f"\n{args.ckpt.name} on {args.device} ({url}), {args.requests} requests per client, "
+        f"{args.max_tokens} tokens each, greedy"
+    )
+    print(
+        f"{'clients':>7} {'requests':>8} {'failures':>8} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'ITL p50':>8} {'ITL p99':>8} {'peer tok/s':>10} {'/peer':>6}"
+    )
     for r in rows:
         p = peers[r["clients"]]
-        print(f"{r['clients']:>7} {r['requests']:>8} {r['failures']:>8} {r['tokens_per_s']:>9.1f} "
-              f"{r['ttft_p50']:>7.1f}ms {r['ttft_p99']:>7.1f}ms {r['itl_p50']:>6.2f}ms {r['itl_p99']:>6.2f}ms "
-              f"{p:>10.1f} {r['tokens_per_s'] / p:>5.2f}x")
+        print(
+            f"{r['clients']:>7} {r['requests']:>8} {r['failures']:>8} {r['tokens_per_s']:>9.1f} "
+            f"{r['ttft_p50']:>7.1f}ms {r['ttft_p99']:>7.1f}ms {r['itl_p50']:>6.2f}ms {r['itl_p99']:>6.2f}ms "
+            f"{p:>10.1f} {r['tokens_per_s'] / p:>5.2f}x"
+        )
     if args.prefix:
-        print(f"prefix reuse, {args.prefix} shared tokens + 16: TTFT {fresh:.1f} ms new, {cached:.1f} ms cached "
-              f"({cached / fresh:.2f}x)")
+        print(
+            f"prefix reuse, {args.prefix} shared tokens + 16: TTFT {fresh:.1f} ms new, {cached:.1f} ms cached "
+            f"({cached / fresh:.2f}x)"
+        )
         if own:
-            print(f"  the server's own (its /metrics, submitted to first token): {own[0]:.2f} ms new, "
-                  f"{own[1]:.2f} ms cached ({own[1] / max(own[0], 1e-9):.2f}x); the rest is HTTP and the client")
+            print(
+                f"  the server's own (its /metrics, submitted to first token): {own[0]:.2f} ms new, "
+                f"{own[1]:.2f} ms cached ({own[1] / max(own[0], 1e-9):.2f}x); the rest is HTTP and the client"
+            )
     if soaked:
         s = soaked["samples"]
-        print(f"soak, {max(args.levels)} clients for {args.soak:g} s: {soaked['requests']} requests, "
-              f"{soaked['failures']} failures, {soaked['tokens'] / args.soak:.1f} tokens/s")
+        print(
+            f"soak, {max(args.levels)} clients for {args.soak:g} s: {soaked['requests']} requests, "
+            f"{soaked['failures']} failures, {soaked['tokens'] / args.soak:.1f} tokens/s"
+        )
         for t, rss, pool in s:
             print(f"  {t:6.0f} s  RSS {rss / 2**20:8.1f} MiB  GPU pool {pool / 2**20:8.1f} MiB")
         if len(s) > 1:
-            print(f"  change first -> last: RSS {(s[-1][1] - s[0][1]) / 2**20:+.1f} MiB, "
-                  f"GPU pool {(s[-1][2] - s[0][2]) / 2**20:+.1f} MiB")
+            print(
+                f"  change first -> last: RSS {(s[-1][1] - s[0][1]) / 2**20:+.1f} MiB, "
+                f"GPU pool {(s[-1][2] - s[0][2]) / 2**20:+.1f} MiB"
+            )
     failed = any(r["failures"] for r in rows) or (soaked and soaked["failures"])
     return 1 if failed else 0
 

@@ -134,15 +134,23 @@ def serve(args) -> None:
     cfg = ModelConfig.from_section({"preset": "gpu"}, tok.vocab_size)
     fake = FakeSlots(cfg, args.step_ms / 1e3, args.prefill_us / 1e6, tok)
     backend = Backend(DecodeEngine(fake, cfg), tok, "fake", slots=args.max_batch, prefix_cache=8)
-    app = create_app(backend, ServeConfig(max_tokens=max(args.max_tokens, 1), max_batch=args.max_batch,
-                                          max_queue=4 * args.max_batch))
+    app = create_app(
+        backend, ServeConfig(max_tokens=max(args.max_tokens, 1), max_batch=args.max_batch, max_queue=4 * args.max_batch)
+    )
     loop_profile = []
 
     @app.get("/bench/stats")
     async def stats():
-        return {"steps": fake.steps, "rows": fake.rows, "cpu": fake.cpu, "first": fake.first,
-                "last": fake.last, "sleep_s": fake.sleep_s, "loop_cpu": time.thread_time(),
-                "process_cpu": time.process_time()}
+        return {
+            "steps": fake.steps,
+            "rows": fake.rows,
+            "cpu": fake.cpu,
+            "first": fake.first,
+            "last": fake.last,
+            "sleep_s": fake.sleep_s,
+            "loop_cpu": time.thread_time(),
+            "process_cpu": time.process_time(),
+        }
 
     @app.post("/bench/profile/{what}")
     async def profile(what: str):
@@ -177,7 +185,7 @@ def hot_spots(prof: cProfile.Profile, top: int) -> str:
         return "(no calls)\n"
     stats.sort_stats("tottime").print_stats(top)
     text = out.getvalue()
-    return text[text.find("   ncalls"):] if "   ncalls" in text else text
+    return text[text.find("   ncalls") :] if "   ncalls" in text else text
 
 
 # ---- the clients --------------------------------------------------------------------------------------
@@ -192,8 +200,11 @@ class Connection:
     async def request(self, method: str, path: str, body: bytes = b""):
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        self.writer.write(f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-                          f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        self.writer.write(
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         head = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
         status = int(head.split(" ", 2)[1])
         if "transfer-encoding: chunked" in head:
@@ -219,8 +230,16 @@ async def _one(data: bytes):
 
 
 async def stream_request(conn: Connection, max_tokens: int) -> dict:
-    body = json.dumps({"prompt": PROMPT, "stream": True, "temperature": 0, "max_tokens": max_tokens,
-                       "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
+    body = json.dumps(
+        {
+            "prompt": PROMPT,
+            "stream": True,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
     t0 = time.perf_counter()
     status, chunks = await conn.request("POST", "/v1/completions", body)
     reads, tail, events = [], b"", 0
@@ -270,13 +289,21 @@ async def level(host, port, clients: int, args) -> dict:
     # what a server that cost nothing would take per step: the fake's sleep (as long as one takes here)
     engine = after["sleep_s"]
     tokens = sum(r["tokens"] for r in ok)
-    return {"clients": clients, "failures": len(results) - len(ok), "tokens_per_s": tokens / wall,
-            "ideal": clients / engine, "step_ms": step_wall * 1e3, "host_ms": (step_wall - engine) * 1e3,
-            "cpu_ms": (after["cpu"] - before["cpu"]) / max(steps, 1) * 1e3,
-            "loop_cpu_ms": (after["loop_cpu"] - before["loop_cpu"]) / max(steps, 1) * 1e3,
-            "rows": (after["rows"] - before["rows"]) / max(steps, 1), "sleep_ms": engine * 1e3,
-            "ttft_p50": float(np.median([r["ttft"] for r in ok])) * 1e3 if ok else float("nan"),
-            "gap_p50": float(np.percentile(gaps, 50)), "gap_p99": float(np.percentile(gaps, 99))}
+    return {
+        "clients": clients,
+        "failures": len(results) - len(ok),
+        "tokens_per_s": tokens / wall,
+        "ideal": clients / engine,
+        "step_ms": step_wall * 1e3,
+        "host_ms": (step_wall - engine) * 1e3,
+        "cpu_ms": (after["cpu"] - before["cpu"]) / max(steps, 1) * 1e3,
+        "loop_cpu_ms": (after["loop_cpu"] - before["loop_cpu"]) / max(steps, 1) * 1e3,
+        "rows": (after["rows"] - before["rows"]) / max(steps, 1),
+        "sleep_ms": engine * 1e3,
+        "ttft_p50": float(np.median([r["ttft"] for r in ok])) * 1e3 if ok else float("nan"),
+        "gap_p50": float(np.percentile(gaps, 50)),
+        "gap_p99": float(np.percentile(gaps, 99)),
+    }
 
 
 async def first_token(host, port, args) -> tuple[float, float, float, float]:
@@ -328,8 +355,21 @@ def main() -> int:
     if args.serve:
         serve(args)
         return 0
-    cmd = [sys.executable, __file__, "--serve", "--max-batch", str(max(levels)), "--step-ms", str(args.step_ms),
-           "--prefill-us", str(args.prefill_us), "--max-tokens", str(args.max_tokens), "--top", str(args.top)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--serve",
+        "--max-batch",
+        str(max(levels)),
+        "--step-ms",
+        str(args.step_ms),
+        "--prefill-us",
+        str(args.prefill_us),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--top",
+        str(args.top),
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     line = proc.stderr.readline()
     found = re.search(r"http://([\d.]+):(\d+)/", line)
@@ -347,21 +387,31 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    print(f"\nfake engine: {args.step_ms} ms a step ({rows[0]['sleep_ms']:.3f} ms as this machine sleeps), "
-          f"{args.prefill_us} us a prompt token; {args.requests} requests per client, {args.max_tokens} tokens each; "
-          f"max_batch {max(levels)}")
-    print(f"{'clients':>7} {'tokens/s':>9} {'ideal':>8} {'/ideal':>6} {'rows/step':>9} {'step ms':>8} {'host ms':>8} "
-          f"{'cpu ms':>7} {'loop cpu':>8} {'TTFT p50':>9} {'gap p50':>8} {'gap p99':>8} {'failures':>8}")
+    print(
+        f"\nfake engine: {args.step_ms} ms a step ({rows[0]['sleep_ms']:.3f} ms as this machine sleeps), "
+        f"{args.prefill_us} us a prompt token; {args.requests} requests per client, {args.max_tokens} tokens each; "
+        f"max_batch {max(levels)}"
+    )
+    print(
+        f"{'clients':>7} {'tokens/s':>9} {'ideal':>8} {'/ideal':>6} {'rows/step':>9} {'step ms':>8} {'host ms':>8} "
+        f"{'cpu ms':>7} {'loop cpu':>8} {'TTFT p50':>9} {'gap p50':>8} {'gap p99':>8} {'failures':>8}"
+    )
     for r in rows:
-        print(f"{r['clients']:>7} {r['tokens_per_s']:>9.0f} {r['ideal']:>8.0f} {r['tokens_per_s'] / r['ideal']:>5.2f}x "
-              f"{r['rows']:>9.1f} {r['step_ms']:>8.3f} {r['host_ms']:>8.3f} {r['cpu_ms']:>7.3f} {r['loop_cpu_ms']:>8.3f} "
-              f"{r['ttft_p50']:>7.1f}ms {r['gap_p50']:>6.2f}ms {r['gap_p99']:>6.2f}ms {r['failures']:>8}")
-    print("(step ms: the scheduler thread's time per decode step; host ms: of that, outside the fake engine; cpu ms:"
-          " the scheduler thread's CPU per step; loop cpu: the event loop thread's CPU per step)")
+        print(
+            f"{r['clients']:>7} {r['tokens_per_s']:>9.0f} {r['ideal']:>8.0f} {r['tokens_per_s'] / r['ideal']:>5.2f}x "
+            f"{r['rows']:>9.1f} {r['step_ms']:>8.3f} {r['host_ms']:>8.3f} {r['cpu_ms']:>7.3f} {r['loop_cpu_ms']:>8.3f} "
+            f"{r['ttft_p50']:>7.1f}ms {r['gap_p50']:>6.2f}ms {r['gap_p99']:>6.2f}ms {r['failures']:>8}"
+        )
+    print(
+        "(step ms: the scheduler thread's time per decode step; host ms: of that, outside the fake engine; cpu ms:"
+        " the scheduler thread's CPU per step; loop cpu: the event loop thread's CPU per step)"
+    )
     prompt_tokens = len(tokenizer().encode(PROMPT))
-    print(f"one-token answer ({prompt_tokens} prompt tokens, {prompt_tokens * args.prefill_us / 1e3:.2f} ms of fake "
-          f"prefill): time to first token {ttft[0]:.2f} ms streamed, {ttft[1]:.2f} ms whole (median of "
-          f"{args.ttft_repeats}; least {ttft[2]:.2f} ms); server CPU {ttft[3]:.2f} ms a request")
+    print(
+        f"one-token answer ({prompt_tokens} prompt tokens, {prompt_tokens * args.prefill_us / 1e3:.2f} ms of fake "
+        f"prefill): time to first token {ttft[0]:.2f} ms streamed, {ttft[1]:.2f} ms whole (median of "
+        f"{args.ttft_repeats}; least {ttft[2]:.2f} ms); server CPU {ttft[3]:.2f} ms a request"
+    )
     if prof:
         print(f"\nprofile at {max(levels)} clients: the event loop's thread\n{prof[0]['loop']}")
         print(f"the scheduler's thread\n{prof[0]['worker']}")

@@ -103,10 +103,21 @@ def make_data(mirror: Path, out: Path, gb: float, files: int, seed: int) -> None
 def _schema():
     import pyarrow as pa
 
-    return pa.schema([("text", pa.string()), ("id", pa.string()), ("dump", pa.string()), ("url", pa.string()),
-                      ("date", pa.string()), ("file_path", pa.string()), ("language", pa.string()),
-                      ("language_score", pa.float64()), ("token_count", pa.int64()), ("score", pa.float64()),
-                      ("int_score", pa.int64())])
+    return pa.schema(
+        [
+            ("text", pa.string()),
+            ("id", pa.string()),
+            ("dump", pa.string()),
+            ("url", pa.string()),
+            ("date", pa.string()),
+            ("file_path", pa.string()),
+            ("language", pa.string()),
+            ("language_score", pa.float64()),
+            ("token_count", pa.int64()),
+            ("score", pa.float64()),
+            ("int_score", pa.int64()),
+        ]
+    )
 
 
 def _table(rows):
@@ -114,29 +125,51 @@ def _table(rows):
 
     n = len(rows)
     texts = [r[0] for r in rows]
-    return pa.table({"text": texts, "id": [r[1] for r in rows], "dump": [f"scale:{r[2]}" for r in rows],
-                     "url": [f"scale://{r[1]}" for r in rows], "date": ["2023-06-10T00:00:00Z"] * n,
-                     "file_path": ["scale"] * n, "language": ["en"] * n, "language_score": [1.0] * n,
-                     "token_count": [len(t) // 4 for t in texts], "score": [3.0] * n, "int_score": [3] * n},
-                    schema=_schema())
+    return pa.table(
+        {
+            "text": texts,
+            "id": [r[1] for r in rows],
+            "dump": [f"scale:{r[2]}" for r in rows],
+            "url": [f"scale://{r[1]}" for r in rows],
+            "date": ["2023-06-10T00:00:00Z"] * n,
+            "file_path": ["scale"] * n,
+            "language": ["en"] * n,
+            "language_score": [1.0] * n,
+            "token_count": [len(t) // 4 for t in texts],
+            "score": [3.0] * n,
+            "int_score": [3] * n,
+        },
+        schema=_schema(),
+    )
 
 
 # ---- the stages -----------------------------------------------------------------------------------
+
 
 def timed(name: str, argv: list[str], log: Path) -> dict:
     """Run `nanoeuler argv` under /usr/bin/time -v: wall s, peak RSS GB, load average before and after."""
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     with log.open("w") as f:
-        rc = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-m", "nanoeuler", *argv],
-                            stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        rc = subprocess.run(
+            ["/usr/bin/time", "-v", sys.executable, "-m", "nanoeuler", *argv],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        ).returncode
     wall = time.perf_counter() - t0
     text = log.read_text()
     rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1))
     if rc != 0:
         raise SystemExit(f"{name} failed (exit {rc}); see {log}")
-    return {"stage": name, "wall_s": wall, "peak_rss_gb": rss_kb * 1024 / 1e9, "load_before": load0,
-            "load_after": os.getloadavg()[0], "cpu_s": cpu_seconds(text)}
+    return {
+        "stage": name,
+        "wall_s": wall,
+        "peak_rss_gb": rss_kb * 1024 / 1e9,
+        "load_before": load0,
+        "load_after": os.getloadavg()[0],
+        "cpu_s": cpu_seconds(text),
+    }
 
 
 def cpu_seconds(time_v: str) -> float:
@@ -149,24 +182,63 @@ def run(data: Path, work: Path, mirror: Path, stages: list[str]) -> list[dict]:
     work.mkdir(parents=True, exist_ok=True)
     files = sorted(p.name for p in data.glob("*.parquet"))
     cfg = work / "config.yaml"
-    cfg.write_text(json.dumps({  # JSON is YAML
-        "gutenberg": {"ids": list(range(100001, 100057)), "delay_s": 0,
-                      "url_template": str(mirror / "gutenberg/cache/epub/{id}/pg{id}.txt")},
-        "fineweb": {"base_url": str(data), "files": files, "delay_s": 0},
-        "tokenizer": {"vocab_size": 4096},
-    }, indent=1))
+    cfg.write_text(
+        json.dumps(
+            {  # JSON is YAML
+                "gutenberg": {
+                    "ids": list(range(100001, 100057)),
+                    "delay_s": 0,
+                    "url_template": str(mirror / "gutenberg/cache/epub/{id}/pg{id}.txt"),
+                },
+                "fineweb": {"base_url": str(data), "files": files, "delay_s": 0},
+                "tokenizer": {"vocab_size": 4096},
+            },
+            indent=1,
+        )
+    )
     c = ["--config", str(cfg)]
     w = str(work)
     steps = {
         "gutenberg": c + ["--raw-dir", f"{w}/raw/gutenberg", "--out", f"{w}/books.parquet"],
         "fineweb": c + ["--raw-dir", f"{w}/raw/web", "--out", f"{w}/web.parquet"],
-        "corpus": c + ["--books", f"{w}/books.parquet", "--web", f"{w}/web.parquet",
-                       "--train", f"{w}/train.parquet", "--val", f"{w}/val.parquet"],
+        "corpus": c
+        + [
+            "--books",
+            f"{w}/books.parquet",
+            "--web",
+            f"{w}/web.parquet",
+            "--train",
+            f"{w}/train.parquet",
+            "--val",
+            f"{w}/val.parquet",
+        ],
         "tokenizer": c + ["--corpus", f"{w}/train.parquet", "--out", f"{w}/tokenizer.json"],
-        "tokenize-1": c + ["--tokenizer", f"{w}/tokenizer.json", "--train", f"{w}/train.parquet",
-                           "--val", f"{w}/val.parquet", "--out", f"{w}/shards1/manifest.json", "--workers", "1"],
-        "tokenize-2": c + ["--tokenizer", f"{w}/tokenizer.json", "--train", f"{w}/train.parquet",
-                           "--val", f"{w}/val.parquet", "--out", f"{w}/shards2/manifest.json", "--workers", "2"],
+        "tokenize-1": c
+        + [
+            "--tokenizer",
+            f"{w}/tokenizer.json",
+            "--train",
+            f"{w}/train.parquet",
+            "--val",
+            f"{w}/val.parquet",
+            "--out",
+            f"{w}/shards1/manifest.json",
+            "--workers",
+            "1",
+        ],
+        "tokenize-2": c
+        + [
+            "--tokenizer",
+            f"{w}/tokenizer.json",
+            "--train",
+            f"{w}/train.parquet",
+            "--val",
+            f"{w}/val.parquet",
+            "--out",
+            f"{w}/shards2/manifest.json",
+            "--workers",
+            "2",
+        ],
     }
     results = []
     for name in stages:
@@ -192,20 +264,26 @@ def run(data: Path, work: Path, mirror: Path, stages: list[str]) -> list[dict]:
 
 
 def table(results: list[dict], work: Path) -> str:
-    lines = ["| stage | wall s | CPU s | peak RSS GB | load avg (before/after) | notes |",
-             "|---|---:|---:|---:|---|---|"]
+    lines = [
+        "| stage | wall s | CPU s | peak RSS GB | load avg (before/after) | notes |",
+        "|---|---:|---:|---:|---|---|",
+    ]
     for r in results:
         if "cpu_s" not in r:  # a result of an earlier version of this script: read its log
             r["cpu_s"] = cpu_seconds((work / f"{r['stage']}.log").read_text())
         notes = []
         if "mb_per_s" in r:
-            notes.append(f"{r['bytes'] / 1e9:.2f} GB, {r['mb_per_s']:.2f} MB/s wall, "
-                         f"{r['mb_per_s_per_worker']:.2f} MB/s per worker, "
-                         f"{r['bytes'] / 1e6 / r['cpu_s']:.2f} MB per CPU second")
+            notes.append(
+                f"{r['bytes'] / 1e9:.2f} GB, {r['mb_per_s']:.2f} MB/s wall, "
+                f"{r['mb_per_s_per_worker']:.2f} MB/s per worker, "
+                f"{r['bytes'] / 1e6 / r['cpu_s']:.2f} MB per CPU second"
+            )
         if r.get("unique_chunks"):
             notes.append(f"{r['unique_chunks']:,} distinct chunks; merges {r['merges_s']:.0f} s")
-        lines.append(f"| {r['stage']} | {r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['peak_rss_gb']:.2f} | "
-                     f"{r['load_before']:.1f} / {r['load_after']:.1f} | {'; '.join(notes)} |")
+        lines.append(
+            f"| {r['stage']} | {r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['peak_rss_gb']:.2f} | "
+            f"{r['load_before']:.1f} / {r['load_after']:.1f} | {'; '.join(notes)} |"
+        )
     return "\n".join(lines)
 
 

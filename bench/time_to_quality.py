@@ -41,9 +41,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # each optimizer's recipe: pretraining keys over config/config.yaml (the lr is the recipe name's)
 RECIPES = {
     "adamw": lambda lr, adam_lr: {"optimizer": "adamw", "lr": lr, "min_lr": lr / 10, "schedule": "cosine"},
-    "muon": lambda lr, adam_lr: {"optimizer": "muon", "muon_lr": lr, "lr": adam_lr, "min_lr": 0.0,
-                                 "schedule": "wsd", "cooldown_frac": 0.4, "warmup_steps": 100,
-                                 "zero_init_out": True},
+    "muon": lambda lr, adam_lr: {
+        "optimizer": "muon",
+        "muon_lr": lr,
+        "lr": adam_lr,
+        "min_lr": 0.0,
+        "schedule": "wsd",
+        "cooldown_frac": 0.4,
+        "warmup_steps": 100,
+        "zero_init_out": True,
+    },
 }
 # keys over a recipe's, named after a `+` (the gpu preset's 4 output heads)
 EXTRAS = {
@@ -54,10 +61,10 @@ EXTRAS = {
 def recipe_keys(name: str, steps: int, adam_lr: float) -> dict:
     """The pretraining keys of a recipe name `<optimizer>_<lr>[_<steps>][+<extra>...]`.
 
-        >>> recipe_keys("adamw_1.2e-3", 3000, 6e-4)["lr"], recipe_keys("muon_6e-3_1800", 3000, 1e-3)["steps"]
-        (0.0012, 1800)
-        >>> recipe_keys("muon_2e-3+mtp", 3000, 6e-4)["mtp_weights_end"]
-        [1.0, 0.0, 0.0, 0.0]
+    >>> recipe_keys("adamw_1.2e-3", 3000, 6e-4)["lr"], recipe_keys("muon_6e-3_1800", 3000, 1e-3)["steps"]
+    (0.0012, 1800)
+    >>> recipe_keys("muon_2e-3+mtp", 3000, 6e-4)["mtp_weights_end"]
+    [1.0, 0.0, 0.0, 0.0]
     """
     base, *extras = name.split("+")
     opt, lr, *tail = base.split("_")
@@ -87,10 +94,28 @@ def run(args) -> int:
         keys = recipe_keys(name, args.steps, args.adam_lr)
         write_config(work / "config.yaml", keys, args.eval_every)
         t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "nanoeuler", "pretrain", "--config", str(work / "config.yaml"),
-                            "--shards", args.shards, "--tokenizer", args.tokenizer, "--out", str(work / "base.bin"),
-                            "--run-dir", str(work / "run"), "--no-progress"],
-                           env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nanoeuler",
+                "pretrain",
+                "--config",
+                str(work / "config.yaml"),
+                "--shards",
+                args.shards,
+                "--tokenizer",
+                args.tokenizer,
+                "--out",
+                str(work / "base.bin"),
+                "--run-dir",
+                str(work / "run"),
+                "--no-progress",
+            ],
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            capture_output=True,
+            text=True,
+        )
         (work / "stderr.txt").write_text(r.stderr[-20000:])
         print(f"{name}: exit {r.returncode}, {time.perf_counter() - t0:.0f} s", flush=True)
         if r.returncode:
@@ -115,9 +140,15 @@ def load_run(work: Path) -> dict:
             intervals.append(dt / max(1, r["step"] - last))
             last = r["step"]
             seconds[r["step"]] = t
-    return {"name": work.name, "steps": keys["steps"], "val": val, "seconds": seconds,
-            "step_ms": 1e3 * statistics.median(intervals[1:] or intervals), "keys": keys,
-            "tokens_per_step": tokens_per_step}
+    return {
+        "name": work.name,
+        "steps": keys["steps"],
+        "val": val,
+        "seconds": seconds,
+        "step_ms": 1e3 * statistics.median(intervals[1:] or intervals),
+        "keys": keys,
+        "tokens_per_step": tokens_per_step,
+    }
 
 
 def reach(run: dict, target: float):
@@ -145,13 +176,16 @@ def report(args) -> int:
         t_step, t_tokens, t_secs = reach(tuned, target)
         name, budget = tuned["name"], tuned["steps"]
     else:
-        print(f"no AdamW run in {args.runs} to take as the baseline: give --baseline BPB,STEP,SECONDS",
-              file=sys.stderr)
+        print(f"no AdamW run in {args.runs} to take as the baseline: give --baseline BPB,STEP,SECONDS", file=sys.stderr)
         return 1
-    print(f"tuned baseline: {name}, best val bits/byte {target:.4f} at step {t_step} "
-          f"({t_tokens / 1e6:.1f}M tokens, {t_secs:.0f} s of training)\n")
-    print("| recipe | steps | step (ms) | best val bpb within the baseline's budget | tokens to reach "
-          f"{target:.4f} | x baseline | training s to reach | x baseline |")
+    print(
+        f"tuned baseline: {name}, best val bits/byte {target:.4f} at step {t_step} "
+        f"({t_tokens / 1e6:.1f}M tokens, {t_secs:.0f} s of training)\n"
+    )
+    print(
+        "| recipe | steps | step (ms) | best val bpb within the baseline's budget | tokens to reach "
+        f"{target:.4f} | x baseline | training s to reach | x baseline |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in runs:
         best = min((b for s, b in r["val"] if s <= budget), default=float("nan"))
@@ -159,7 +193,7 @@ def report(args) -> int:
         if got is None:
             cells = "not reached | | not reached |"
         else:
-            cells = (f"{got[1] / 1e6:.1f}M | {got[1] / t_tokens:.2f} | {got[2]:.0f} | {got[2] / t_secs:.2f} |")
+            cells = f"{got[1] / 1e6:.1f}M | {got[1] / t_tokens:.2f} | {got[2]:.0f} | {got[2] / t_secs:.2f} |"
         print(f"| {r['name']} | {r['steps']} | {r['step_ms']:.1f} | {best:.4f} | {cells}")
     if args.plot:
         plot(runs, target, Path(args.plot))
@@ -201,14 +235,19 @@ def main() -> int:
     r.add_argument("--out", required=True)
     r.add_argument("--steps", type=int, default=3000)
     r.add_argument("--eval-every", type=int, default=250)
-    r.add_argument("--adam-lr", type=float, default=6e-4,
-                   help="the muon recipes' AdamW lr (embedding, heads, gains; config/config.yaml's)")
+    r.add_argument(
+        "--adam-lr",
+        type=float,
+        default=6e-4,
+        help="the muon recipes' AdamW lr (embedding, heads, gains; config/config.yaml's)",
+    )
     r.add_argument("recipes", nargs="+")
     q = sub.add_parser("report")
     q.add_argument("runs")
     q.add_argument("--plot")
-    q.add_argument("--baseline", help="BPB,STEP,SECONDS of an earlier sweep's tuned AdamW run "
-                                      "(BENCHMARKS.md: 1.2380,3000,85)")
+    q.add_argument(
+        "--baseline", help="BPB,STEP,SECONDS of an earlier sweep's tuned AdamW run (BENCHMARKS.md: 1.2380,3000,85)"
+    )
     args = p.parse_args()
     return run(args) if args.cmd == "run" else report(args)
 

@@ -104,8 +104,12 @@ def _hf_trainer_run(docs, vocab_size):
 
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     hf.train_from_iterator(docs, trainer)
     return hf
 
@@ -138,20 +142,35 @@ def main() -> int:
         names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
         cpu = names[0] if names else cpu
     print(f"text: {source}: {len(docs)} documents, {mb_all:.2f} MB; merges learned on {mb_train:.2f} MB")
-    print(f"machine: {cpu}, {os.cpu_count()} cores; Python {platform.python_version()}; "
-          f"vocab {args.vocab_size}; median of {args.repeats} after 1 warm-up\n", flush=True)
+    print(
+        f"machine: {cpu}, {os.cpu_count()} cores; Python {platform.python_version()}; "
+        f"vocab {args.vocab_size}; median of {args.repeats} after 1 warm-up\n",
+        flush=True,
+    )
 
     rows = []
     tok = train_bpe(train_docs, args.vocab_size)
-    t = compare({"ours": lambda: train_bpe(train_docs, args.vocab_size),
-                 "hf": lambda: _hf_trainer_run(train_docs, args.vocab_size)}, args.repeats)
-    rows.append(("merge learning (s)", f"{t['ours']:.2f}", f"{t['hf']:.2f} (HF BpeTrainer)",
-                 f"{t['ours'] / t['hf']:.2f}x HF time"))
+    t = compare(
+        {
+            "ours": lambda: train_bpe(train_docs, args.vocab_size),
+            "hf": lambda: _hf_trainer_run(train_docs, args.vocab_size),
+        },
+        args.repeats,
+    )
+    rows.append(
+        (
+            "merge learning (s)",
+            f"{t['ours']:.2f}",
+            f"{t['hf']:.2f} (HF BpeTrainer)",
+            f"{t['ours'] / t['hf']:.2f}x HF time",
+        )
+    )
     print(f"merge learning: ours {t['ours']:.2f} s, HF {t['hf']:.2f} s", flush=True)
 
     ranks = {tok.token_bytes(i): i for i in range(256 + len(tok.merges))}
-    tik = tiktoken.Encoding("nanoeuler-bench", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                            special_tokens=tok.special_tokens)
+    tik = tiktoken.Encoding(
+        "nanoeuler-bench", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=tok.special_tokens
+    )
     hf = HFTokenizer.from_str(to_hf_json(tok))
     expected = [tok.encode(d) for d in docs]
     assert [tik.encode_ordinary(d) for d in docs] == expected, "tiktoken ids differ from ours"
@@ -162,13 +181,19 @@ def main() -> int:
         return [fresh.encode(d) for d in docs]
 
     def row(label, ours, peer, peer_name):
-        rows.append((label, f"{mb_all / ours:.2f}", f"{mb_all / peer:.2f} ({peer_name})",
-                     f"{peer / ours:.2f}x {peer_name}"))
+        rows.append(
+            (label, f"{mb_all / ours:.2f}", f"{mb_all / peer:.2f} ({peer_name})", f"{peer / ours:.2f}x {peer_name}")
+        )
 
-    t = compare({"cold": cold,
-                 "warm": lambda: [tok.encode(d) for d in docs],
-                 "tiktoken": lambda: [tik.encode_ordinary(d) for d in docs],
-                 "hf": lambda: [hf.encode(d, add_special_tokens=False) for d in docs]}, args.repeats)
+    t = compare(
+        {
+            "cold": cold,
+            "warm": lambda: [tok.encode(d) for d in docs],
+            "tiktoken": lambda: [tik.encode_ordinary(d) for d in docs],
+            "hf": lambda: [hf.encode(d, add_special_tokens=False) for d in docs],
+        },
+        args.repeats,
+    )
     row("encode 1 process, cold cache (MB/s)", t["cold"], t["tiktoken"], "tiktoken")
     row("encode 1 process, warm cache (MB/s)", t["warm"], t["tiktoken"], "tiktoken")
     row("encode 1 process (MB/s)", t["warm"], t["hf"], "HF tokenizers")
@@ -186,9 +211,14 @@ def main() -> int:
         batches.append(batch)
     shards._init_worker(tok.to_json())
     with mp.get_context("spawn").Pool(n, initializer=shards._init_worker, initargs=(tok.to_json(),)) as pool:
-        t = compare({"ours": lambda: _ours_parallel(pool, n, batches),
-                     "tiktoken": lambda: tik.encode_ordinary_batch(docs, num_threads=n),
-                     "hf": lambda: hf.encode_batch(docs, add_special_tokens=False)}, args.repeats)
+        t = compare(
+            {
+                "ours": lambda: _ours_parallel(pool, n, batches),
+                "tiktoken": lambda: tik.encode_ordinary_batch(docs, num_threads=n),
+                "hf": lambda: hf.encode_batch(docs, add_special_tokens=False),
+            },
+            args.repeats,
+        )
     row(f"encode {n} processes, warm cache (MB/s)", t["ours"], t["tiktoken"], "tiktoken")
     row(f"encode {n} processes (MB/s)", t["ours"], t["hf"], "HF tokenizers")
 

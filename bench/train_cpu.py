@@ -76,8 +76,9 @@ def torch_loss(P: dict, ids, targets, cfg: ModelConfig, cos, sin):
         x = x + F.linear(g, P[p + "mlp.down_proj.weight"])
     xn = rms(x, P["norm.weight"]).reshape(B * T, cfg.dim)
     heads = ["lm_head.weight"] + [f"mtp_heads.{k}.weight" for k in range(1, cfg.mtp_heads)]
-    losses = [F.cross_entropy(F.linear(xn, P[n]), targets[:, :, k].reshape(-1), ignore_index=-1)
-              for k, n in enumerate(heads)]
+    losses = [
+        F.cross_entropy(F.linear(xn, P[n]), targets[:, :, k].reshape(-1), ignore_index=-1) for k, n in enumerate(heads)
+    ]
     return torch.stack(losses).mean()
 
 
@@ -93,8 +94,10 @@ def main() -> int:
     ours = transformer.init_params(cfg, seed=0)
     opt = AdamW(ours, betas=BETAS, eps=EPS, weight_decay=WD)
     P = {n: torch.tensor(p.copy(), requires_grad=True) for n, p in ours.items()}
-    groups = [{"params": [P[n] for n in P if not no_decay(n, P[n].shape)], "weight_decay": WD},
-              {"params": [P[n] for n in P if no_decay(n, P[n].shape)], "weight_decay": 0.0}]
+    groups = [
+        {"params": [P[n] for n in P if not no_decay(n, P[n].shape)], "weight_decay": WD},
+        {"params": [P[n] for n in P if no_decay(n, P[n].shape)], "weight_decay": 0.0},
+    ]
     topt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, foreach=True)
     t_ids, t_tg = torch.from_numpy(inputs), torch.from_numpy(targets)
     half = np.outer(np.arange(T), 1.0 / cfg.rope_theta ** (np.arange(0, cfg.head_dim // 2) * 2.0 / cfg.head_dim))
@@ -136,11 +139,15 @@ def main() -> int:
     med = {k: float(np.median(v)) for k, v in times.items()}
     tps = {k: B * T / v for k, v in med.items()}
     cpu = _cpu_name()
-    print(f"model {ARGS.model} ({cfg.n_params():,} params), batch {B} x {T} tokens, {ARGS.threads} threads, "
-          f"{ARGS.warmup} warm-up + {ARGS.steps} timed steps each (alternating), median")
+    print(
+        f"model {ARGS.model} ({cfg.n_params():,} params), batch {B} x {T} tokens, {ARGS.threads} threads, "
+        f"{ARGS.warmup} warm-up + {ARGS.steps} timed steps each (alternating), median"
+    )
     print(f"{cpu}; Python {platform.python_version()}, NumPy {np.__version__}, PyTorch {torch.__version__}")
-    print(f"loss at the same weights: ours {l_ours:.6f}, PyTorch {l_ref:.6f}; "
-          f"after training: ours {losses['ours'][-1]:.4f}, PyTorch {losses['torch'][-1]:.4f}")
+    print(
+        f"loss at the same weights: ours {l_ours:.6f}, PyTorch {l_ref:.6f}; "
+        f"after training: ours {losses['ours'][-1]:.4f}, PyTorch {losses['torch'][-1]:.4f}"
+    )
     print()
     print("| implementation | ms / step | tokens / s | vs PyTorch |")
     print("|---|---:|---:|---:|")

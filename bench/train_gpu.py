@@ -101,9 +101,11 @@ class PowerSampler:
             clock, mw, reasons = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
             while not self._stop.is_set():
                 t = time.time()
-                if (nvml.nvmlDeviceGetClockInfo(handle, self.SM_CLOCK, ctypes.byref(clock)) == 0
-                        and nvml.nvmlDeviceGetPowerUsage(handle, ctypes.byref(mw)) == 0
-                        and nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle, ctypes.byref(reasons)) == 0):
+                if (
+                    nvml.nvmlDeviceGetClockInfo(handle, self.SM_CLOCK, ctypes.byref(clock)) == 0
+                    and nvml.nvmlDeviceGetPowerUsage(handle, ctypes.byref(mw)) == 0
+                    and nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle, ctypes.byref(reasons)) == 0
+                ):
                     capped = bool(reasons.value & self.SW_POWER_CAP)
                     self.samples.append((t, float(clock.value), mw.value / 1e3, capped))
                 self._stop.wait(self.period)
@@ -140,18 +142,21 @@ class PowerSampler:
     def summary(self, w: PowerSampler.Span):
         """Median MHz and W and the share of throttled samples within the span; None without a sample.
 
-            >>> p = PowerSampler("0")
-            >>> p.samples = [(1.0, 1980.0, 120.0, False), (2.0, 1650.0, 693.4, True), (3.0, 1515.0, 696.7, True)]
-            >>> w = p.span(); w.t0, w.t1 = 1.5, 3.5
-            >>> p.summary(w)
-            {'mhz': 1582.5, 'watts': 695.05, 'capped': 1.0, 'samples': 2}
+        >>> p = PowerSampler("0")
+        >>> p.samples = [(1.0, 1980.0, 120.0, False), (2.0, 1650.0, 693.4, True), (3.0, 1515.0, 696.7, True)]
+        >>> w = p.span(); w.t0, w.t1 = 1.5, 3.5
+        >>> p.summary(w)
+        {'mhz': 1582.5, 'watts': 695.05, 'capped': 1.0, 'samples': 2}
         """
         inside = [s for s in self.samples if w.t1 is not None and w.t0 <= s[0] <= w.t1]
         if not inside:
             return None
-        return {"mhz": statistics.median(s[1] for s in inside),
-                "watts": round(statistics.median(s[2] for s in inside), 2),
-                "capped": round(sum(s[3] for s in inside) / len(inside), 2), "samples": len(inside)}
+        return {
+            "mhz": statistics.median(s[1] for s in inside),
+            "watts": round(statistics.median(s[2] for s in inside), 2),
+            "capped": round(sum(s[3] for s in inside) / len(inside), 2),
+            "samples": len(inside),
+        }
 
 
 # ---- PyTorch model ---------------------------------------------------------------------------------
@@ -179,9 +184,15 @@ def torch_model(cfg, params_np, device):
             super().__init__()
             p = f"layers.{i}."
             self.n1 = P(p + "input_layernorm.weight")
-            self.wqkv = nn.Parameter(torch.cat([P(p + "self_attn.q_proj.weight").data,
-                                                P(p + "self_attn.k_proj.weight").data,
-                                                P(p + "self_attn.v_proj.weight").data]))
+            self.wqkv = nn.Parameter(
+                torch.cat(
+                    [
+                        P(p + "self_attn.q_proj.weight").data,
+                        P(p + "self_attn.k_proj.weight").data,
+                        P(p + "self_attn.v_proj.weight").data,
+                    ]
+                )
+            )
             self.wo = P(p + "self_attn.o_proj.weight")
             self.n2 = P(p + "post_attention_layernorm.weight")
             self.wgu = nn.Parameter(torch.cat([P(p + "mlp.gate_proj.weight").data, P(p + "mlp.up_proj.weight").data]))
@@ -241,14 +252,19 @@ def torch_run(cfg, params_np, B, T, steps, warmup, compiled, log, timed):
     model = torch_model(cfg, params_np, dev)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and n != "emb"]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and n != "emb")]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=3e-4,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=True,
+    )
     fwd = torch.compile(model) if compiled else model
     g = torch.Generator(device="cpu").manual_seed(1)
 
     def batch():
         w = torch.randint(0, cfg.vocab_size, (B, T + cfg.mtp_heads), generator=g)
-        tg = torch.stack([w[:, 1 + k:T + 1 + k] for k in range(cfg.mtp_heads)], dim=-1)
+        tg = torch.stack([w[:, 1 + k : T + 1 + k] for k in range(cfg.mtp_heads)], dim=-1)
         return w[:, :T].to(dev, non_blocking=True), tg.to(dev, non_blocking=True)
 
     batches = [batch() for _ in range(4)]
@@ -282,8 +298,9 @@ def torch_run(cfg, params_np, B, T, steps, warmup, compiled, log, timed):
     ms = [a.elapsed_time(b) for a, b in times]
     peak = torch.cuda.max_memory_allocated()
     reserved = torch.cuda.max_memory_reserved()
-    log(f"  warm-up {warm_s:.1f} s (compile included), last loss {float(loss):.4f}, "
-        f"reserved {reserved / 2**30:.2f} GiB")
+    log(
+        f"  warm-up {warm_s:.1f} s (compile included), last loss {float(loss):.4f}, reserved {reserved / 2**30:.2f} GiB"
+    )
     return statistics.median(ms), peak, float(loss)
 
 
@@ -295,7 +312,7 @@ def _windows(cfg, B, T, seed, count=4):
     out = []
     for _ in range(count):
         w = rng.integers(0, cfg.vocab_size, size=(B, T + cfg.mtp_heads))
-        out.append((w[:, :T], np.stack([w[:, 1 + k:T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)))
+        out.append((w[:, :T], np.stack([w[:, 1 + k : T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)))
     return out
 
 
@@ -387,8 +404,10 @@ def ours_bf16_run(cfg, params_np, B, T, steps, warmup, log, timed, **options):
     ms = [cupy.cuda.get_elapsed_time(a, b) for a, b in events]
     loss = float(eng.last_loss())
     peak = pool.total_bytes()
-    log(f"  last loss {loss:.4f}, engine buffers {eng.nbytes() / 2**30:.2f} GiB, "
-        f"pool used {pool.used_bytes() / 2**30:.2f} / total {pool.total_bytes() / 2**30:.2f} GiB")
+    log(
+        f"  last loss {loss:.4f}, engine buffers {eng.nbytes() / 2**30:.2f} GiB, "
+        f"pool used {pool.used_bytes() / 2**30:.2f} / total {pool.total_bytes() / 2**30:.2f} GiB"
+    )
     return statistics.median(ms), peak, loss
 
 
@@ -402,8 +421,9 @@ def profile_engine(cfg, params_np, B, T, log, **options):
 
     torch.zeros(1, device="cuda")
     eng = TrainEngine(cfg, params_np, batch=B, seq=T, lr=3e-4, **options)
-    ids, tg = [(cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32))
-               for i, t in _windows(cfg, B, T, 3, 1)][0]
+    ids, tg = [
+        (cupy.asarray(i, dtype=np.int32), cupy.asarray(t, dtype=np.int32)) for i, t in _windows(cfg, B, T, 3, 1)
+    ][0]
     for _ in range(3):
         eng.step(ids, tg)
     cupy.cuda.Stream.null.synchronize()
@@ -419,14 +439,22 @@ def profile_engine(cfg, params_np, B, T, log, **options):
             continue
         name = ev.key
         low = name.lower()
-        kind = ("attention" if "flash" in low or "attn" in low else
-                "gemm" if any(w in low for w in ("gemm", "sm90", "cutlass", "xmma", "cublas", "nvjet")) else
-                "memcpy/memset" if "memcpy" in low or "memset" in low else "other")
+        kind = (
+            "attention"
+            if "flash" in low or "attn" in low
+            else "gemm"
+            if any(w in low for w in ("gemm", "sm90", "cutlass", "xmma", "cublas", "nvjet"))
+            else "memcpy/memset"
+            if "memcpy" in low or "memset" in low
+            else "other"
+        )
         kinds[kind] = kinds.get(kind, 0.0) + us / 2
         rows.append((us / 2, ev.count // 2, name[:90]))
     total = sum(kinds.values())
-    log(f"profile B{B}xT{T} {options or 'defaults'} (attention {eng.attention}): {total / 1e3:.1f} ms of kernels "
-        f"per step")
+    log(
+        f"profile B{B}xT{T} {options or 'defaults'} (attention {eng.attention}): {total / 1e3:.1f} ms of kernels "
+        f"per step"
+    )
     for kind, us in sorted(kinds.items(), key=lambda kv: -kv[1]):
         log(f"  {kind:<14} {us / 1e3:8.2f} ms  {us / total:6.1%}")
     for us, n, name in sorted(rows, reverse=True)[:30]:
@@ -462,8 +490,8 @@ def agree(cfg, params_np, B, T, steps, log):
         state = succ[state, idx]
     data = []
     for j in range(steps):
-        w = seq[j * B:(j + 1) * B]
-        data.append((w[:, :T], np.stack([w[:, 1 + k:T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)))
+        w = seq[j * B : (j + 1) * B]
+        data.append((w[:, :T], np.stack([w[:, 1 + k : T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)))
     probs = np.diff(np.concatenate([np.zeros((V, 1)), cum], axis=1))
     entropy = float(np.mean(-np.sum(probs * np.log(np.maximum(probs, 1e-30)), axis=1)))
     log(f"  data: {steps} batches of Markov-chain tokens; next-token entropy {entropy:.3f} nats")
@@ -507,10 +535,10 @@ def agree(cfg, params_np, B, T, steps, log):
 def clocks_columns(summary) -> str:
     """The table's MHz, W and capped columns of a `PowerSampler.summary` (dashes without one).
 
-        >>> clocks_columns({"mhz": 1650.0, "watts": 693.4, "capped": 0.9, "samples": 31})
-        ' 1650  693    90%'
-        >>> clocks_columns(None)
-        '    -    -      -'
+    >>> clocks_columns({"mhz": 1650.0, "watts": 693.4, "capped": 0.9, "samples": 31})
+    ' 1650  693    90%'
+    >>> clocks_columns(None)
+    '    -    -      -'
     """
     if not summary:
         return f"{'-':>5} {'-':>4} {'-':>6}"
@@ -544,11 +572,11 @@ def run_rows(cfg, params_np, rows, modes, args, power, log) -> list:
                 elif mode == "torch-compile":
                     ms, peak, loss = torch_run(cfg, params_np, B, T, args.steps, args.warmup, True, log, span)
                 elif mode == "ours-fp32":
-                    ms, peak, loss = ours_fp32_run(cfg, params_np, B, T, args.fp32_steps or args.steps, 2, log,
-                                                   span)
+                    ms, peak, loss = ours_fp32_run(cfg, params_np, B, T, args.fp32_steps or args.steps, 2, log, span)
                 elif mode == "ours-bf16" or mode.startswith("ours-bf16-"):
-                    ms, peak, loss = ours_bf16_run(cfg, params_np, B, T, args.steps, args.warmup, log, span,
-                                                   **engine_options(mode))
+                    ms, peak, loss = ours_bf16_run(
+                        cfg, params_np, B, T, args.steps, args.warmup, log, span, **engine_options(mode)
+                    )
                 else:
                     raise ValueError(f"unknown mode {mode}")
             except Exception as exc:  # one failing mode must not lose the other rows
@@ -560,9 +588,21 @@ def run_rows(cfg, params_np, rows, modes, args, power, log) -> list:
             finally:
                 release_gpu_memory()
             tps = B * T / ms * 1e3
-            results.append(dict(mode=mode, B=B, T=T, ms=ms, tokens_s=tps, tflops=tps * fpt / 1e12,
-                                mfu=tps * fpt / PEAK_BF16, peak_gib=peak / 2**30, loss=loss, span=span,
-                                wall_s=time.perf_counter() - t0))
+            results.append(
+                dict(
+                    mode=mode,
+                    B=B,
+                    T=T,
+                    ms=ms,
+                    tokens_s=tps,
+                    tflops=tps * fpt / 1e12,
+                    mfu=tps * fpt / PEAK_BF16,
+                    peak_gib=peak / 2**30,
+                    loss=loss,
+                    span=span,
+                    wall_s=time.perf_counter() - t0,
+                )
+            )
             log(f"  {ms:.1f} ms/step, {tps:,.0f} tokens/s, peak {peak / 2**30:.2f} GiB")
     return results
 
@@ -602,8 +642,10 @@ def main(argv=None) -> int:
         tail_f = float(np.mean(f[-10:]))
         tail_b = float(np.mean(b[-10:]))
         rel = abs(tail_b - tail_f) / tail_f
-        log(f"final (mean of the last 10 steps): fp32 {tail_f:.4f}  bf16 {tail_b:.4f}  "
-            f"rel diff {rel:.2%}  {'within 2%' if rel <= 0.02 else 'OUTSIDE 2%'}")
+        log(
+            f"final (mean of the last 10 steps): fp32 {tail_f:.4f}  bf16 {tail_b:.4f}  "
+            f"rel diff {rel:.2%}  {'within 2%' if rel <= 0.02 else 'OUTSIDE 2%'}"
+        )
         if args.json:
             Path(args.json).write_text(json.dumps(res))
         return 0 if rel <= 0.02 else 1
@@ -612,8 +654,10 @@ def main(argv=None) -> int:
     rows = [tuple(int(v) for v in r.split("x")) for r in args.rows.split(",") if r]
     import torch
 
-    log(f"device {name}; torch {torch.__version__}, cupy {cupy.__version__}; preset {args.preset} "
-        f"({cfg.n_params():,} params); {args.steps} timed steps after {args.warmup} warm-up")
+    log(
+        f"device {name}; torch {torch.__version__}, cupy {cupy.__version__}; preset {args.preset} "
+        f"({cfg.n_params():,} params); {args.steps} timed steps after {args.warmup} warm-up"
+    )
     power = PowerSampler(cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.Device().id))
     with power:
         results = run_rows(cfg, params_np, rows, modes, args, power, log)
@@ -622,17 +666,21 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     log("")
-    log(f"{'row':<10} {'mode':<14} {'ms/step':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8} "
-        f"{'x eager':>8} {'x compile':>9} {'mem/compile':>11} {'MHz':>5} {'W':>4} {'capped':>6}")
+    log(
+        f"{'row':<10} {'mode':<14} {'ms/step':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>8} "
+        f"{'x eager':>8} {'x compile':>9} {'mem/compile':>11} {'MHz':>5} {'W':>4} {'capped':>6}"
+    )
     for r in results:
         ref = {m["mode"]: m for m in results if (m["B"], m["T"]) == (r["B"], r["T"])}
         e = ref.get("torch-eager")
         c = ref.get("torch-compile")
-        log(f"B{r['B']}xT{r['T']:<5} {r['mode']:<14} {r['ms']:>8.1f} {r['tokens_s']:>9,.0f} {r['tflops']:>8.1f} "
+        log(
+            f"B{r['B']}xT{r['T']:<5} {r['mode']:<14} {r['ms']:>8.1f} {r['tokens_s']:>9,.0f} {r['tflops']:>8.1f} "
             f"{r['mfu']:>6.1%} {r['peak_gib']:>8.2f} "
             f"{(r['tokens_s'] / e['tokens_s']) if e else float('nan'):>8.2f} "
             f"{(r['tokens_s'] / c['tokens_s']) if c else float('nan'):>9.2f} "
-            f"{(r['peak_gib'] / c['peak_gib']) if c else float('nan'):>11.2f} {clocks_columns(r['clocks'])}")
+            f"{(r['peak_gib'] / c['peak_gib']) if c else float('nan'):>11.2f} {clocks_columns(r['clocks'])}"
+        )
     if args.profile:  # after the timings: the profiler must not slow the timed runs
         ours = [m for m in modes if m.startswith("ours-bf16")] or ["ours-bf16"]
         for B, T in rows:

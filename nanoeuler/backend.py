@@ -119,17 +119,19 @@ def oom_message(batch_size: int, context: int, exc: BaseException | None = None)
     if exc is not None:
         first = str(exc).splitlines()[0] if str(exc) else ""
         detail = f" ({first})" if first else ""
-    return (f"the GPU ran out of memory at batch size {batch_size} and context {context}{detail}; "
-            "set gpu_memory below what the card has (the stage then cuts its batches smaller, same result), "
-            "or free the GPU of other processes")
+    return (
+        f"the GPU ran out of memory at batch size {batch_size} and context {context}{detail}; "
+        "set gpu_memory below what the card has (the stage then cuts its batches smaller, same result), "
+        "or free the GPU of other processes"
+    )
 
 
 @contextlib.contextmanager
 def oom_guard(batch_size: int, context: int):
     """Turn a GPU out-of-memory error inside the block into a UserError naming batch size and context.
 
-        with oom_guard(sec["batch_size"], cfg.ctx_len):
-            loss, grads = transformer.loss_and_grads(...)
+    with oom_guard(sec["batch_size"], cfg.ctx_len):
+        loss, grads = transformer.loss_and_grads(...)
     """
     try:
         yield

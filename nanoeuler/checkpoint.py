@@ -54,9 +54,18 @@ RESERVED = ("format", "format_version", "checksum")
 MAX_HEADER = 100 * 1024 * 1024
 
 _DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U64": np.uint64,
+    "U32": np.uint32,
+    "U16": np.uint16,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 _NAMES = {np.dtype(t): name for name, t in _DTYPES.items()}
 
@@ -76,8 +85,7 @@ def _bytes_of(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1)).cast("B")
 
 
-def write_safetensors(path, tensors: dict, raw_metadata: dict[str, str],
-                      checksum_key: str | None = None) -> str | None:
+def write_safetensors(path, tensors: dict, raw_metadata: dict[str, str], checksum_key: str | None = None) -> str | None:
     """Write a safetensors file atomically: `tensors` in order, `raw_metadata` (str -> str) as
     `__metadata__`, plus under `checksum_key` (if given) the hex sha256 of the canonical header and the
     data section. Returns that digest (None without `checksum_key`)."""
@@ -88,8 +96,11 @@ def write_safetensors(path, tensors: dict, raw_metadata: dict[str, str],
     for name, a in arrays.items():
         if name == "__metadata__":
             raise ValueError("a tensor cannot be named __metadata__")
-        header[name] = {"dtype": _NAMES[a.dtype.newbyteorder("=")], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {
+            "dtype": _NAMES[a.dtype.newbyteorder("=")],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + a.nbytes],
+        }
         offset += a.nbytes
     meta = dict(raw_metadata)
     header = {"__metadata__": meta, **header}
@@ -168,8 +179,9 @@ def _read_header(path: Path) -> tuple[dict, dict, int, bytes]:
                 raise UserError(f"checkpoint {path} is truncated ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER or 8 + n > size:
-                raise UserError(f"checkpoint {path} is truncated or not a checkpoint "
-                                f"(header length {n}, file size {size})")
+                raise UserError(
+                    f"checkpoint {path} is truncated or not a checkpoint (header length {n}, file size {size})"
+                )
             raw = f.read(n)
     except OSError as exc:
         raise UserError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
@@ -184,8 +196,10 @@ def _read_header(path: Path) -> tuple[dict, dict, int, bytes]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise UserError(f"{path} is not a nanoeuler checkpoint (no '__metadata__.format': '{FORMAT}')")
     if meta.get("format_version") not in READABLE_VERSIONS:
-        raise UserError(f"checkpoint {path} has format version {meta.get('format_version')!r}; "
-                        f"this nanoeuler reads versions {', '.join(READABLE_VERSIONS)}")
+        raise UserError(
+            f"checkpoint {path} has format version {meta.get('format_version')!r}; "
+            f"this nanoeuler reads versions {', '.join(READABLE_VERSIONS)}"
+        )
     data_size = size - 8 - n
     entries = []
     for name, e in header.items():
@@ -230,8 +244,7 @@ def load(path) -> tuple[dict, dict]:
             digest.update(view)
             arrays[name] = a
     if digest.hexdigest() != meta.get("checksum"):
-        raise UserError(f"checkpoint {path} is corrupt (checksum mismatch: its header or tensor bytes "
-                        "were altered)")
+        raise UserError(f"checkpoint {path} is corrupt (checksum mismatch: its header or tensor bytes were altered)")
     metadata = {}
     for key, value in meta.items():
         if key in RESERVED:
@@ -248,8 +261,9 @@ def load(path) -> tuple[dict, dict]:
 # ---- models ------------------------------------------------------------------------------------
 
 
-def save_model(path, params: dict, cfg: ModelConfig, *, step: int, tokenizer_json: str | None,
-               extra: dict | None = None) -> None:
+def save_model(
+    path, params: dict, cfg: ModelConfig, *, step: int, tokenizer_json: str | None, extra: dict | None = None
+) -> None:
     """Parameters as float32 plus `model_config`, `step`, `tokenizer` (and `extra`) metadata."""
     metadata = {"model_config": cfg.to_dict(), "step": int(step), "tokenizer": tokenizer_json}
     metadata.update(extra or {})
@@ -277,16 +291,19 @@ def model_from(path, tensors: dict, metadata: dict, expect: ModelConfig | None =
     except TypeError as exc:
         raise UserError(f"checkpoint {path}: bad model config ({exc})") from None
     if expect is not None and cfg != expect:
-        raise UserError(f"checkpoint {path} does not match the configured model "
-                        f"(checkpoint vs config: {config_mismatch(cfg, expect)})")
+        raise UserError(
+            f"checkpoint {path} does not match the configured model "
+            f"(checkpoint vs config: {config_mismatch(cfg, expect)})"
+        )
     params = {}
     for name, shape in cfg.param_shapes().items():
         if name not in tensors:
             raise UserError(f"checkpoint {path} lacks parameter {name!r}")
         a = tensors[name]
         if tuple(a.shape) != shape:
-            raise UserError(f"checkpoint {path}: parameter {name!r} has shape {tuple(a.shape)}, "
-                            f"its model config wants {shape}")
+            raise UserError(
+                f"checkpoint {path}: parameter {name!r} has shape {tuple(a.shape)}, its model config wants {shape}"
+            )
         params[name] = a.astype(np.float32, copy=False)
     return params, cfg
 
@@ -348,6 +365,8 @@ def model_file(path) -> Path:
         raise UserError(f"release {path}: {SUMS} lists {len(models)} model files (.bin), not one")
     model = path / models[0]
     if file_sha256(model, "checkpoint", CHECKPOINT) != listed[models[0]]:
-        raise UserError(f"release {path}: {models[0]} does not match its sha256 in {SUMS} (the file was changed "
-                        "or replaced after the release was written)")
+        raise UserError(
+            f"release {path}: {models[0]} does not match its sha256 in {SUMS} (the file was changed "
+            "or replaced after the release was written)"
+        )
     return model

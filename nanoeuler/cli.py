@@ -39,8 +39,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ref-logps": ("nanoeuler.train.reflogps", "the frozen chat model's log-probabilities of the preference pairs"),
     "dpo": ("nanoeuler.train.dpo", "tune the chat model on preference pairs with DPO"),
     "evaluate": ("nanoeuler.eval.report", "write samples.md, metrics.json and the loss plot"),
-    "report-pages": ("nanoeuler.eval.pages",
-                     "HTML pages of a run's metrics, HellaSwag, samples, config for the report"),
+    "report-pages": (
+        "nanoeuler.eval.pages",
+        "HTML pages of a run's metrics, HellaSwag, samples, config for the report",
+    ),
     "compare": ("nanoeuler.eval.compare", "one metrics table and one loss plot across experiments"),
     "sample": ("nanoeuler.infer.sample", "continue a prompt with a checkpoint"),
     "chat": ("nanoeuler.infer.chat", "talk to a chat checkpoint in the terminal"),
@@ -57,7 +59,8 @@ def _top_parser() -> argparse.ArgumentParser:
         prog="nanoeuler",
         description="A GPT-2-class language model trained from scratch on NumPy/CuPy.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="stages:\n" + "\n".join(f"  {name:<14} {text}" for name, (_, text) in COMMANDS.items())
+        epilog="stages:\n"
+        + "\n".join(f"  {name:<14} {text}" for name, (_, text) in COMMANDS.items())
         + "\n\nRun `nanoeuler <stage> --help` for the options of a stage.",
     )
     parser.add_argument("stage", choices=list(COMMANDS), metavar="stage", help="one of the stages below")

@@ -33,11 +33,29 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
 # The keywords `_check` implements; a schema using any other would be silently half-checked.
-KEYWORDS = frozenset({"$schema", "type", "properties", "additionalProperties", "default", "description", "enum",
-                      "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "items"})
+KEYWORDS = frozenset(
+    {
+        "$schema",
+        "type",
+        "properties",
+        "additionalProperties",
+        "default",
+        "description",
+        "enum",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "items",
+    }
+)
 INT64 = (-(2**63), 2**63 - 1)  # every integer goes on to NumPy or DuckDB as a 64-bit integer
-_BOUNDS = {"minimum": (operator.ge, ">="), "maximum": (operator.le, "<="),
-           "exclusiveMinimum": (operator.gt, ">"), "exclusiveMaximum": (operator.lt, "<")}
+_BOUNDS = {
+    "minimum": (operator.ge, ">="),
+    "maximum": (operator.le, "<="),
+    "exclusiveMinimum": (operator.gt, ">"),
+    "exclusiveMaximum": (operator.lt, "<"),
+}
 
 _TYPES = {
     "object": dict,
@@ -69,8 +87,9 @@ def _check(value: Any, schema: dict, key: str) -> Any:
     if types is not None:
         types = [types] if isinstance(types, str) else types
         if not any(_type_ok(value, t) for t in types):
-            raise UserError(f"config key '{key}' must be {' or '.join(types)}, "
-                            f"got {type(value).__name__} {_show(value)}")
+            raise UserError(
+                f"config key '{key}' must be {' or '.join(types)}, got {type(value).__name__} {_show(value)}"
+            )
     if "enum" in schema and value not in schema["enum"]:
         raise UserError(f"config key '{key}' must be one of {schema['enum']}, got {value!r}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -37,13 +37,13 @@ GiB = 1 << 30
 
 # The most a file of each kind may hold: far above any real file, so that a wrong path is refused
 # before it fills the memory rather than after.
-SMALL_JSON = 64 * MiB      # tokenizer.json, shard manifest, metrics.json, HellaSwag results, samples.md
-DATA_JSON = 1 * GiB        # a whole-file JSON data set held in memory (Alpaca's 22 MB alpaca_data.json)
-DATA_JSONL = 1 * GiB       # JSON lines data (Alpaca, preference pairs, HellaSwag), decompressed
-LINE = 16 * MiB            # one line of a JSON lines file
-BOOK = 256 * MiB           # one plain-text book (the longest on Project Gutenberg are about 10 MB)
-ARRAYS = 4 * GiB           # the reference log-probabilities (.npz)
-CHECKPOINT = 256 * GiB     # a model file (read tensor by tensor against its header)
+SMALL_JSON = 64 * MiB  # tokenizer.json, shard manifest, metrics.json, HellaSwag results, samples.md
+DATA_JSON = 1 * GiB  # a whole-file JSON data set held in memory (Alpaca's 22 MB alpaca_data.json)
+DATA_JSONL = 1 * GiB  # JSON lines data (Alpaca, preference pairs, HellaSwag), decompressed
+LINE = 16 * MiB  # one line of a JSON lines file
+BOOK = 256 * MiB  # one plain-text book (the longest on Project Gutenberg are about 10 MB)
+ARRAYS = 4 * GiB  # the reference log-probabilities (.npz)
+CHECKPOINT = 256 * GiB  # a model file (read tensor by tensor against its header)
 
 
 class JsonError(UserError):
@@ -63,6 +63,7 @@ def size_text(n: int) -> str:
 
 
 # ---- opening --------------------------------------------------------------------------------------
+
 
 def open_input(path: str | os.PathLike, what: str, limit: int | None = None) -> BinaryIO:
     """`path` opened for binary reading after checking it is a regular file of at most `limit` bytes.
@@ -90,8 +91,9 @@ def _check_regular(info: os.stat_result, path, what: str, limit: int | None) -> 
     if kind:
         raise UserError(f"{what} {path} is {kind}, not a regular file")
     if limit is not None and info.st_size > limit:
-        raise UserError(f"{what} {path} is {size_text(info.st_size)}, more than the {size_text(limit)} "
-                        "read from such a file")
+        raise UserError(
+            f"{what} {path} is {size_text(info.st_size)}, more than the {size_text(limit)} read from such a file"
+        )
 
 
 def _open_problem(exc: OSError) -> str:
@@ -127,6 +129,7 @@ def check_input(path: str | os.PathLike, what: str, limit: int | None = None) ->
 
 
 # ---- whole files -----------------------------------------------------------------------------------
+
 
 def read_bytes(path: str | os.PathLike, what: str, limit: int, *, gunzip: bool = False) -> bytes:
     """The bytes of `path`, at most `limit` of them (after decompression when `gunzip` and it is gzip)."""
@@ -191,6 +194,7 @@ def _gzip_errors(path, what: str) -> Iterator[None]:
 
 # ---- JSON ---------------------------------------------------------------------------------------
 
+
 def parse_json(text: str | bytes, where: str):
     """The JSON value of `text`, or a JsonError naming `where` (a file, or `file:line`).
 
@@ -240,8 +244,9 @@ def _lone_surrogate(value) -> int | None:
     return None
 
 
-def lines(path: str | os.PathLike, what: str, *, limit: int = DATA_JSONL, line_limit: int = LINE,
-          gunzip: bool = False) -> Iterator[tuple[int, bytes]]:
+def lines(
+    path: str | os.PathLike, what: str, *, limit: int = DATA_JSONL, line_limit: int = LINE, gunzip: bool = False
+) -> Iterator[tuple[int, bytes]]:
     """(line number, bytes) of each line of a file, read one line at a time.
 
     A line longer than `line_limit` or a file (after decompression) over `limit` is an error naming it.
@@ -260,8 +265,8 @@ def lines(path: str | os.PathLike, what: str, *, limit: int = DATA_JSONL, line_l
 def json_lines(path: str | os.PathLike, what: str, **bounds) -> Iterator[tuple[int, object]]:
     """(line number, JSON value) of each non-blank line of a JSON lines file (see `lines`, `parse_json`).
 
-        >>> list(json_lines("pairs.jsonl", "preference pairs"))   # doctest: +SKIP
-        [(1, {'prompt': ..., 'chosen': ..., 'rejected': ...}), ...]
+    >>> list(json_lines("pairs.jsonl", "preference pairs"))   # doctest: +SKIP
+    [(1, {'prompt': ..., 'chosen': ..., 'rejected': ...}), ...]
     """
     for n, raw in lines(path, what, **bounds):
         if raw.strip():
@@ -270,12 +275,13 @@ def json_lines(path: str | os.PathLike, what: str, **bounds) -> Iterator[tuple[i
 
 # ---- writing ------------------------------------------------------------------------------------
 
+
 def check_outputs(**outputs) -> None:
     """Refuse output files that name a directory, before a stage spends its time: option=path pairs.
 
-        >>> check_outputs(out=".")
-        Traceback (most recent call last):
-        nanoeuler.errors.UserError: --out . is a directory; name a file to write
+    >>> check_outputs(out=".")
+    Traceback (most recent call last):
+    nanoeuler.errors.UserError: --out . is a directory; name a file to write
     """
     for option, path in outputs.items():
         if path is not None and Path(path).is_dir():
@@ -286,10 +292,10 @@ def check_outputs(**outputs) -> None:
 def naming(path: str | os.PathLike) -> Iterator[None]:
     """Let an OSError that names no file (a full disk seen by `write`, NumPy's short write) name `path`.
 
-        >>> with naming("out/x.npy"):
-        ...     raise OSError("20000 requested and 10176 written")
-        Traceback (most recent call last):
-        OSError: [Errno None] 20000 requested and 10176 written: 'out/x.npy'
+    >>> with naming("out/x.npy"):
+    ...     raise OSError("20000 requested and 10176 written")
+    Traceback (most recent call last):
+    OSError: [Errno None] 20000 requested and 10176 written: 'out/x.npy'
     """
     try:
         yield

@@ -53,8 +53,8 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
 def parse_bytes(value, key: str = "gpu_memory") -> float | None:
     """A byte count from a number or a string with a unit; "auto" (or None) is None.
 
-        >>> parse_bytes(11e9), parse_bytes("11GB"), parse_bytes("7.5 GiB"), parse_bytes("auto")
-        (11000000000.0, 11000000000.0, 8053063680.0, None)
+    >>> parse_bytes(11e9), parse_bytes("11GB"), parse_bytes("7.5 GiB"), parse_bytes("auto")
+    (11000000000.0, 11000000000.0, 8053063680.0, None)
     """
     if value is None or value == "auto":
         return None
@@ -63,8 +63,7 @@ def parse_bytes(value, key: str = "gpu_memory") -> float | None:
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
-            raise UserError(f"{key} must be auto, a number of bytes or a size such as 11GB or 10.5GiB, "
-                            f"got {value!r}")
+            raise UserError(f"{key} must be auto, a number of bytes or a size such as 11GB or 10.5GiB, got {value!r}")
         number = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if number <= 0:
         raise UserError(f"{key} must be more than 0 bytes, got {value!r}")
@@ -129,8 +128,9 @@ def zero_share(cfg, world: int) -> int:
     return min(n, -(-n // world) + largest)
 
 
-def xp_train_parts(cfg, rows: int, seq: int, *, micro_batches: int = 1, checkpoint: bool = False,
-                   zero_world: int = 1) -> dict:
+def xp_train_parts(
+    cfg, rows: int, seq: int, *, micro_batches: int = 1, checkpoint: bool = False, zero_world: int = 1
+) -> dict:
     """Named byte counts of one float32 training step (`XpStepper`) on micro-batches of rows x seq.
     `zero_world` > 1: one rank of ZeRO-1 over that many ranks (`train.parallel.ZeroStepper`): the moments
     of its share, beside a flat buffer of every rank's run (the gradients going in, the parameters out)."""
@@ -173,16 +173,33 @@ def score_chunk_rows(cfg) -> int:
     return max(1, LOGITS_CHUNK // (F32 * cfg.vocab_size))
 
 
-def engine_parts(cfg, batch: int, seq: int, kernels: str = "portable", sm90a: bool = False,
-                 checkpoint: bool = False, accum: bool = False, head: str = "ce") -> dict:
+def engine_parts(
+    cfg,
+    batch: int,
+    seq: int,
+    kernels: str = "portable",
+    sm90a: bool = False,
+    checkpoint: bool = False,
+    accum: bool = False,
+    head: str = "ce",
+) -> dict:
     """Named byte counts of the bf16 engine's buffers (`kernels.bf16.engine.TrainEngine`, all allocated at its start),
     from `bf16.plan.engine_bytes` for the variants the kernel path takes on this card (`sm90a`)."""
     from nanoeuler.kernels.bf16 import plan
 
     options = {} if kernels == "auto" else {"attention": "ldm", "fuse_swiglu": False, "fuse_rope": False}
     v = plan.choose_variants(cfg, seq, sm90a=sm90a, **options)
-    return plan.engine_bytes(cfg, batch, seq, attention=v.attention, fuse_swiglu=v.fuse_swiglu,
-                             fuse_rope=v.fuse_rope, accum=accum, checkpoint=checkpoint, head=head)
+    return plan.engine_bytes(
+        cfg,
+        batch,
+        seq,
+        attention=v.attention,
+        fuse_swiglu=v.fuse_swiglu,
+        fuse_rope=v.fuse_rope,
+        accum=accum,
+        checkpoint=checkpoint,
+        head=head,
+    )
 
 
 def decode_parts(cfg, batch: int, dtype: str = "bf16") -> dict:
@@ -192,11 +209,13 @@ def decode_parts(cfg, batch: int, dtype: str = "bf16") -> dict:
     C, HD, KD, QKV, F = _dims(cfg)
     w = 2 if dtype == "bf16" else F32
     n, M = cfg.n_params(), cfg.ctx_len
-    return {"params": F32 * n, "weights": w * n,
-            "kv_cache": 2 * w * cfg.n_layers * batch * cfg.n_kv_heads * cfg.ctx_len * cfg.head_dim,
-            # row buffers are kept per row count, prefills' powers of two up to ctx_len: twice ctx_len rows at most
-            "rows": 2 * (F32 * M * (2 * C + QKV + 2 * HD + 3 * F + cfg.mtp_heads * cfg.vocab_size)
-                         + w * M * max(C, F, HD))}
+    return {
+        "params": F32 * n,
+        "weights": w * n,
+        "kv_cache": 2 * w * cfg.n_layers * batch * cfg.n_kv_heads * cfg.ctx_len * cfg.head_dim,
+        # row buffers are kept per row count, prefills' powers of two up to ctx_len: twice ctx_len rows at most
+        "rows": 2 * (F32 * M * (2 * C + QKV + 2 * HD + 3 * F + cfg.mtp_heads * cfg.vocab_size) + w * M * max(C, F, HD)),
+    }
 
 
 def peak(parts: dict, context: float) -> float:
@@ -211,6 +230,7 @@ def peak(parts: dict, context: float) -> float:
 class Budget:
     """What a stage may use on the device in all (`total`, the context included), the context, and where
     the figure came from ("gpu_memory" or "free on the card")."""
+
     total: float
     context: float
     source: str
@@ -250,8 +270,9 @@ def context_for(capability_major: int) -> int:
     return CONTEXT_BYTES.get(capability_major, DEFAULT_CONTEXT)
 
 
-def fit_rows(stage: str, rows: int, budget: Budget | None, predict: Callable[[int], dict],
-             what: str = "sequence", need: str = "") -> int:
+def fit_rows(
+    stage: str, rows: int, budget: Budget | None, predict: Callable[[int], dict], what: str = "sequence", need: str = ""
+) -> int:
     """The most rows (<= `rows`) a step of `predict(m)` may take inside `budget`, spread evenly: 32 rows
     of which 12 fit are 3 micro-batches of 11. None: no budget (the CPU), `rows`. When one row does not
     fit, a UserError names what one needs and what is there; `need` says how to need less."""
@@ -263,8 +284,9 @@ def fit_rows(stage: str, rows: int, budget: Budget | None, predict: Callable[[in
         lo, hi = (mid, hi) if budget.fits(predict(mid)) else (lo, mid)
     if lo == 0:
         one = sum(predict(1).values()) / FIT_SHARE + CUBLAS_WORKSPACE + budget.context
-        raise UserError(f"needs {gb(one)} for one {what}; {budget.source} is {gb(budget.total)}"
-                        + (f": {need}" if need else ""))
+        raise UserError(
+            f"needs {gb(one)} for one {what}; {budget.source} is {gb(budget.total)}" + (f": {need}" if need else "")
+        )
     parts = -(-rows // lo)
     return -(-rows // parts)
 
@@ -284,11 +306,11 @@ def chunk_rows(budget: Budget | None, predict: Callable[[int], dict], most: int)
 def split_rows(batch: list, rows: int) -> list:
     """Micro-batches [(x, y), ...] cut into pieces of at most `rows` rows each, in order.
 
-        >>> import numpy as np
-        >>> [x.shape[0] for x, _ in split_rows([(np.zeros((5, 2)), np.zeros((5, 2, 1)))], 2)]
-        [2, 2, 1]
+    >>> import numpy as np
+    >>> [x.shape[0] for x, _ in split_rows([(np.zeros((5, 2)), np.zeros((5, 2, 1)))], 2)]
+    [2, 2, 1]
     """
-    return [(x[i:i + rows], y[i:i + rows]) for x, y in batch for i in range(0, x.shape[0], rows)]
+    return [(x[i : i + rows], y[i : i + rows]) for x, y in batch for i in range(0, x.shape[0], rows)]
 
 
 def say_fit(stage: str, rows: int, micro: int, budget: Budget | None, unit: str = "") -> None:
@@ -296,12 +318,17 @@ def say_fit(stage: str, rows: int, micro: int, budget: Budget | None, unit: str 
     `sft: batch 32 as 4 micro-batches of 8 to fit 11.0 GB`."""
     if budget is not None and micro < rows:
         n = -(-rows // micro)
-        print(f"nanoeuler {stage}: batch {rows}{unit} as {n} micro-batches of {micro}{unit} to fit "
-              f"{gb(budget.total)} ({budget.source})", file=sys.stderr, flush=True)
+        print(
+            f"nanoeuler {stage}: batch {rows}{unit} as {n} micro-batches of {micro}{unit} to fit "
+            f"{gb(budget.total)} ({budget.source})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
-def decode_batch(stage: str, budget: Budget | None, cfg, most: int, resident: dict | None = None,
-                 dtype: str = "bf16") -> int | None:
+def decode_batch(
+    stage: str, budget: Budget | None, cfg, most: int, resident: dict | None = None, dtype: str = "bf16"
+) -> int | None:
     """The most generation slots (<= `most`) whose KV cache fits beside the decode engine and `resident`
     (other models held at once); None on the CPU. A model without room for one slot is a UserError."""
     if budget is None:
@@ -313,8 +340,10 @@ def decode_batch(stage: str, budget: Budget | None, cfg, most: int, resident: di
 
     if not budget.fits(predict(1)):
         need = sum(predict(1).values()) / FIT_SHARE + CUBLAS_WORKSPACE + budget.context
-        raise UserError(f"needs {gb(need)} for the model and one sequence's cache of {cfg.ctx_len}; "
-                        f"{budget.source} is {gb(budget.total)}: use a card with more memory")
+        raise UserError(
+            f"needs {gb(need)} for the model and one sequence's cache of {cfg.ctx_len}; "
+            f"{budget.source} is {gb(budget.total)}: use a card with more memory"
+        )
     return chunk_rows(budget, predict, most)
 
 
@@ -334,29 +363,59 @@ def kernel_path(settings) -> str:
     return os.environ.get("NANOEULER_KERNELS") or getattr(settings, "kernels", "auto")
 
 
-def train_parts(cfg, settings, rows: int, seq: int, *, micro_batches: int = 1, head: str = "mtp",
-                sm90a: bool = False, zero_world: int = 1) -> dict:
+def train_parts(
+    cfg,
+    settings,
+    rows: int,
+    seq: int,
+    *,
+    micro_batches: int = 1,
+    head: str = "mtp",
+    sm90a: bool = False,
+    zero_world: int = 1,
+) -> dict:
     """One training step's named byte counts for a `train.config.TrainConfig` (precision, checkpointing;
     `zero_world`: the ranks of a ZeRO-1 run, on the fp32 path)."""
     if settings.precision == "bf16":
-        return engine_parts(cfg, rows, seq, kernel_path(settings), sm90a, settings.checkpoint_activations,
-                            accum=micro_batches > 1, head="dpo" if head == "dpo" else "ce")
-    parts = xp_train_parts(cfg, rows, seq, micro_batches=micro_batches, checkpoint=settings.checkpoint_activations,
-                           zero_world=zero_world)
+        return engine_parts(
+            cfg,
+            rows,
+            seq,
+            kernel_path(settings),
+            sm90a,
+            settings.checkpoint_activations,
+            accum=micro_batches > 1,
+            head="dpo" if head == "dpo" else "ce",
+        )
+    parts = xp_train_parts(
+        cfg, rows, seq, micro_batches=micro_batches, checkpoint=settings.checkpoint_activations, zero_world=zero_world
+    )
     if head == "dpo":
         parts["temporaries"] = max(parts["temporaries"], _dpo_head_bytes(cfg, rows * seq))
     return parts
 
 
-def resident_parts(cfg, settings, rows: int, seq: int, *, micro_batches: int = 1, head: str = "mtp",
-                   sm90a: bool = False, zero_world: int = 1) -> dict:
+def resident_parts(
+    cfg,
+    settings,
+    rows: int,
+    seq: int,
+    *,
+    micro_batches: int = 1,
+    head: str = "mtp",
+    sm90a: bool = False,
+    zero_world: int = 1,
+) -> dict:
     """What stays on the device between steps, beside which evaluation runs: the engine's buffers, or the
     float32 parameters and AdamW's moments."""
     if settings.precision == "bf16":
         return train_parts(cfg, settings, rows, seq, micro_batches=micro_batches, head=head, sm90a=sm90a)
     share = zero_share(cfg, zero_world)
-    return {"params": F32 * cfg.n_params(), "adamw": 2 * F32 * share,
-            **({"zero_buffers": F32 * (zero_world + 1) * share} if zero_world > 1 else {})}
+    return {
+        "params": F32 * cfg.n_params(),
+        "adamw": 2 * F32 * share,
+        **({"zero_buffers": F32 * (zero_world + 1) * share} if zero_world > 1 else {}),
+    }
 
 
 @dataclass(frozen=True)
@@ -366,9 +425,20 @@ class TrainPlan:
     predicted: float  # peak bytes, context included (0 on the CPU)
 
 
-def plan_training(stage: str, cfg, settings, budget: Budget | None, *, eval_items: int, eval_kind: str = "loss",
-                  rows_per_item: int = 1, unit: str = "", head: str = "mtp", sm90a: bool = False,
-                  zero_world: int = 1) -> TrainPlan:
+def plan_training(
+    stage: str,
+    cfg,
+    settings,
+    budget: Budget | None,
+    *,
+    eval_items: int,
+    eval_kind: str = "loss",
+    rows_per_item: int = 1,
+    unit: str = "",
+    head: str = "mtp",
+    sm90a: bool = False,
+    zero_world: int = 1,
+) -> TrainPlan:
     """Micro-batch and evaluation chunk of a training stage inside `budget` (None: as configured), and the
     predicted peak; prints the one line of `say_fit` when it splits. Sequences are counted at the whole
     context, the longest a batch holds. `zero_world`: the ranks of a ZeRO-1 run (1: none)."""
@@ -378,14 +448,31 @@ def plan_training(stage: str, cfg, settings, budget: Budget | None, *, eval_item
     what = f"{'pair' if rows_per_item == 2 else 'sequence'} of {T} at {settings.precision}"
 
     def step(m):
-        return train_parts(cfg, settings, m * rows_per_item, T, micro_batches=accum * -(-B // m), head=head,
-                           sm90a=sm90a, zero_world=zero_world)
+        return train_parts(
+            cfg,
+            settings,
+            m * rows_per_item,
+            T,
+            micro_batches=accum * -(-B // m),
+            head=head,
+            sm90a=sm90a,
+            zero_world=zero_world,
+        )
 
     micro = fit_rows(stage, B, budget, step, what, _hint(stage, settings))
-    resident = resident_parts(cfg, settings, micro * rows_per_item, T, micro_batches=accum * -(-B // micro),
-                              head=head, sm90a=sm90a, zero_world=zero_world)
-    items, forward = eval_items_for(stage, budget, cfg, T, eval_items, eval_kind, resident, rows_per_item,
-                                    _hint(stage, settings))
+    resident = resident_parts(
+        cfg,
+        settings,
+        micro * rows_per_item,
+        T,
+        micro_batches=accum * -(-B // micro),
+        head=head,
+        sm90a=sm90a,
+        zero_world=zero_world,
+    )
+    items, forward = eval_items_for(
+        stage, budget, cfg, T, eval_items, eval_kind, resident, rows_per_item, _hint(stage, settings)
+    )
     say_fit(stage, B, micro, budget, unit)
     return TrainPlan(micro, items, max(peak(step(micro), budget.context), peak(forward(items), budget.context)))
 
@@ -396,23 +483,39 @@ def _hint(stage: str, settings) -> str:
     return "use a shorter model.ctx_len or a card with more memory"
 
 
-def eval_items_for(stage: str, budget: Budget | None, cfg, seq: int, most: int, kind: str, resident: dict,
-                   rows_per_item: int = 1, hint: str = "use a card with more memory or a shorter model.ctx_len"):
+def eval_items_for(
+    stage: str,
+    budget: Budget | None,
+    cfg,
+    seq: int,
+    most: int,
+    kind: str,
+    resident: dict,
+    rows_per_item: int = 1,
+    hint: str = "use a card with more memory or a shorter model.ctx_len",
+):
     """(items of one forward of `kind` beside `resident` inside `budget`, at most `most`; the prediction as a
     function of the items and, optionally, their padded length). The one sizing of every evaluation and
     scoring chunk: a training stage's held-out loss, pretraining's and `evaluate`'s validation windows, the
     pairs' log-probs, HellaSwag.
     One item that cannot fit is a UserError naming what it needs."""
+
     def forward(m, length: int = seq):  # `length`: a chunk's padded length, when shorter than `seq`
-        return {**resident, **{f"eval_{k}": v for k, v in
-                               forward_parts(cfg, m * rows_per_item, length, kind, params=False).items()}}
+        return {
+            **resident,
+            **{f"eval_{k}": v for k, v in forward_parts(cfg, m * rows_per_item, length, kind, params=False).items()},
+        }
 
     if budget is not None and not budget.fits(forward(1)):
         need = sum(forward(1).values()) / FIT_SHARE + CUBLAS_WORKSPACE + budget.context
-        what = "a pair of sequences" if rows_per_item == 2 else f"{rows_per_item} sequences" \
-            if rows_per_item > 1 else "one sequence"
-        raise UserError(f"needs {gb(need)} to score {what} of {seq}; {budget.source} is "
-                        f"{gb(budget.total)}: {hint}")
+        what = (
+            "a pair of sequences"
+            if rows_per_item == 2
+            else f"{rows_per_item} sequences"
+            if rows_per_item > 1
+            else "one sequence"
+        )
+        raise UserError(f"needs {gb(need)} to score {what} of {seq}; {budget.source} is {gb(budget.total)}: {hint}")
     return chunk_rows(budget, forward, max(1, most)), forward
 
 
@@ -453,17 +556,23 @@ class PeakMeter:
         self.sample()
         return self.high + device_context_bytes(self.xp)
 
-    def report(self, stage: str, predicted: float, log: Callable[[dict], None] | None = None,
-               detail: str = "") -> dict:
+    def report(self, stage: str, predicted: float, log: Callable[[dict], None] | None = None, detail: str = "") -> dict:
         """One line `nanoeuler sft: device memory peak 9.1 GB measured, 9.4 GB predicted (0.97); micro-batch 8`
         (`detail` last), the same as a record for the stage's metrics log; nothing on the CPU."""
         if self.xp is None:
             return {}
         got = self.measured()
-        rec = {"memory_peak_bytes": int(got), "memory_predicted_bytes": int(predicted),
-               "memory_ratio": round(got / predicted, 3) if predicted else None}
-        print(f"nanoeuler {stage}: device memory peak {gb(got)} measured, {gb(predicted)} predicted "
-              f"({rec['memory_ratio']})" + (f"; {detail}" if detail else ""), file=sys.stderr, flush=True)
+        rec = {
+            "memory_peak_bytes": int(got),
+            "memory_predicted_bytes": int(predicted),
+            "memory_ratio": round(got / predicted, 3) if predicted else None,
+        }
+        print(
+            f"nanoeuler {stage}: device memory peak {gb(got)} measured, {gb(predicted)} predicted "
+            f"({rec['memory_ratio']})" + (f"; {detail}" if detail else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         if log is not None:
             log(rec)
         return rec

@@ -27,17 +27,24 @@ def default_no_decay(name: str, shape) -> bool:
     return len(shape) < 2 or name.endswith("norm.weight") or name.startswith("embed_tokens.")
 
 
-HIDDEN_MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+HIDDEN_MATRICES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 GROUPS = ("embed", "head", "norm", "hidden")
 
 
 def param_group(name: str) -> str:
     """The learning-rate group of a parameter.
 
-        >>> [param_group(n) for n in ("embed_tokens.weight", "mtp_heads.2.weight", "norm.weight",
-        ...                           "layers.3.mlp.down_proj.weight")]
-        ['embed', 'head', 'norm', 'hidden']
+    >>> [param_group(n) for n in ("embed_tokens.weight", "mtp_heads.2.weight", "norm.weight",
+    ...                           "layers.3.mlp.down_proj.weight")]
+    ['embed', 'head', 'norm', 'hidden']
     """
     if name.startswith("embed_tokens."):
         return "embed"
@@ -71,8 +78,16 @@ class AdamW:
     (Muon hands AdamW the tensors it does not orthogonalise); None: all of `params`.
     """
 
-    def __init__(self, params: dict, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, no_decay=None,
-                 lr_scale: dict | None = None, names=None):
+    def __init__(
+        self,
+        params: dict,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        no_decay=None,
+        lr_scale: dict | None = None,
+        names=None,
+    ):
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
@@ -86,7 +101,7 @@ class AdamW:
         self.lr_scale = dict(lr_scale or {})
         self.m = {}
         self.v = {}
-        for n in (params if names is None else names):
+        for n in params if names is None else names:
             xp = array_module(params[n])
             self.m[n] = xp.zeros_like(params[n])
             self.v[n] = xp.zeros_like(params[n])
@@ -95,8 +110,8 @@ class AdamW:
     def step(self, params: dict, grads: dict, lr: float) -> None:
         self.t += 1
         b1, b2 = self.beta1, self.beta2
-        bc1 = 1.0 - b1 ** self.t
-        bc2 = 1.0 - b2 ** self.t
+        bc1 = 1.0 - b1**self.t
+        bc2 = 1.0 - b2**self.t
         inv_sqrt_bc2 = 1.0 / math.sqrt(bc2)
         fused = fused_adamw(params)
         for n in self.m:
@@ -105,8 +120,18 @@ class AdamW:
             step_size = lr_n / bc1
             decay = 1.0 - lr_n * self.weight_decay if self.weight_decay and n not in self.no_decay else 1.0
             if fused is not None:
-                fused(p, g, m, v, beta1=b1, beta2=b2, eps=self.eps, decay=decay,
-                      step_size=step_size, inv_sqrt_bc2=inv_sqrt_bc2)
+                fused(
+                    p,
+                    g,
+                    m,
+                    v,
+                    beta1=b1,
+                    beta2=b2,
+                    eps=self.eps,
+                    decay=decay,
+                    step_size=step_size,
+                    inv_sqrt_bc2=inv_sqrt_bc2,
+                )
                 continue
             xp = array_module(p)
             m *= b1
@@ -139,8 +164,9 @@ class AdamW:
                     raise ValueError(f"optimizer state lacks {name}")
                 src = tensors[name]
                 if tuple(src.shape) != tuple(store[n].shape):
-                    raise ValueError(f"optimizer state {name} has shape {tuple(src.shape)}, "
-                                     f"expected {tuple(store[n].shape)}")
+                    raise ValueError(
+                        f"optimizer state {name} has shape {tuple(src.shape)}, expected {tuple(store[n].shape)}"
+                    )
                 xp = array_module(store[n])
                 store[n] = xp.asarray(src, dtype=store[n].dtype).copy()
         self.t = int(t)
@@ -202,14 +228,31 @@ class Muon:
     "m.<name>" of each hidden matrix, AdamW's moments of the rest, one step count.
     """
 
-    def __init__(self, params: dict, momentum: float = 0.95, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 no_decay=None, lr_scale: dict | None = None, ns_steps: int = NS_STEPS, orthogonalize=None):
+    def __init__(
+        self,
+        params: dict,
+        momentum: float = 0.95,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        no_decay=None,
+        lr_scale: dict | None = None,
+        ns_steps: int = NS_STEPS,
+        orthogonalize=None,
+    ):
         self.momentum, self.weight_decay, self.ns_steps = float(momentum), float(weight_decay), int(ns_steps)
         self.orthogonalize = orthogonalize or newton_schulz
         self.lr_scale = dict(lr_scale or {})
         self.hidden = [n for n in params if param_group(n) == "hidden"]
-        self.adam = AdamW(params, betas=betas, eps=eps, weight_decay=weight_decay, no_decay=no_decay,
-                          lr_scale=lr_scale, names=[n for n in params if n not in self.hidden])
+        self.adam = AdamW(
+            params,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            no_decay=no_decay,
+            lr_scale=lr_scale,
+            names=[n for n in params if n not in self.hidden],
+        )
         self.m = {n: array_module(params[n]).zeros_like(params[n]) for n in self.hidden}
 
     @property
@@ -254,8 +297,16 @@ def clip_grad_norm(grads: dict, max_norm: float) -> float:
     return norm
 
 
-def lr_at(step: int, *, max_lr: float, min_lr: float, warmup_steps: int, total_steps: int,
-          schedule: str = "cosine", cooldown_frac: float = 0.2) -> float:
+def lr_at(
+    step: int,
+    *,
+    max_lr: float,
+    min_lr: float,
+    warmup_steps: int,
+    total_steps: int,
+    schedule: str = "cosine",
+    cooldown_frac: float = 0.2,
+) -> float:
     """Learning rate at 0-based `step`: linear warmup over warmup_steps to max_lr (step 0 gets
     max_lr/warmup_steps), then down to min_lr at total_steps, and min_lr after. "cosine": a half cosine
     over all the steps after warmup; "wsd" (warmup-stable-decay): max_lr until the last `cooldown_frac`

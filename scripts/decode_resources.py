@@ -47,11 +47,11 @@ def parse_ptxas(text: str) -> dict:
             continue
         if name is None:
             continue
-        if (m := _FRAME.search(line)):
+        if m := _FRAME.search(line):
             out[name].update(stack=int(m.group(1)), spill_st=int(m.group(2)), spill_ld=int(m.group(3)))
-        if (m := _USED.search(line)):
+        if m := _USED.search(line):
             out[name].update(regs=int(m.group(1)), barriers=int(m.group(2) or 0))
-            if (s := _SMEM.search(line)):
+            if s := _SMEM.search(line):
                 out[name]["smem"] = int(s.group(1))
     return out
 
@@ -61,9 +61,22 @@ def compile_resources(path: Path, arch: str, options: tuple = ()) -> dict:
     if nvcc is None:
         raise SystemExit("decode_resources: nvcc not found")
     with tempfile.TemporaryDirectory() as tmp:
-        res = subprocess.run([nvcc, f"-gencode=arch=compute_{arch[3:]},code={arch}", "-std=c++17", *options,
-                              "-cubin", "--resource-usage", "-o", str(Path(tmp) / "k.cubin"), str(path)],
-                             capture_output=True, text=True, check=False)
+        res = subprocess.run(
+            [
+                nvcc,
+                f"-gencode=arch=compute_{arch[3:]},code={arch}",
+                "-std=c++17",
+                *options,
+                "-cubin",
+                "--resource-usage",
+                "-o",
+                str(Path(tmp) / "k.cubin"),
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     if res.returncode != 0:
         raise SystemExit(f"decode_resources: nvcc failed on {path}:\n{res.stderr}")
     return parse_ptxas(res.stdout + res.stderr)
@@ -71,8 +84,7 @@ def compile_resources(path: Path, arch: str, options: tuple = ()) -> dict:
 
 def old_files(rev: str, into: Path) -> list[Path]:
     """The decode kernel sources of `rev`, extracted (with the package they belong to) under `into`."""
-    tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "nanoeuler"], capture_output=True,
-                         check=False)
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "nanoeuler"], capture_output=True, check=False)
     if tar.returncode != 0:
         raise SystemExit(f"decode_resources: git archive {rev}: {tar.stderr.decode().strip()}")
     with tarfile.open(fileobj=BytesIO(tar.stdout)) as t:
@@ -119,8 +131,10 @@ def main(argv=None) -> int:
     new = gather(sorted((ROOT / "nanoeuler" / "kernels" / "decode").glob("*.cu")), args.arch, plan.defines())
     names = sorted(set(old) | set(new))
     bad = 0
-    print(f"decode kernels, {args.rev} against this tree, {args.arch}: "
-          "regs, stack, spill stores, spill loads, static smem, barriers")
+    print(
+        f"decode kernels, {args.rev} against this tree, {args.arch}: "
+        "regs, stack, spill stores, spill loads, static smem, barriers"
+    )
     print("| kernel | old | new | same |")
     print("|---|---|---|---|")
     for n in names:
@@ -137,7 +151,7 @@ def fmt(r) -> str:
 
 
 def same(o, w) -> str:
-    """"yes"; "in effect" where only the static shared memory differs within one allocation unit (a
+    """ "yes"; "in effect" where only the static shared memory differs within one allocation unit (a
     module without dynamic shared memory pads less before it); else "**NO**"."""
     if o == w:
         return "yes"

@@ -97,9 +97,11 @@ def table(work: Path) -> str:
     windows = stage_windows(work / "stage_times.txt")
     samples = gpu_samples(work / "gpu_mem.csv")
     base = min((m for _, m in samples), default=0.0)  # memory in use before anything ran (the driver's own)
-    lines = ["| stage | wall s | peak RSS | CPU cores busy (mean) | peak GPU memory (nvidia-smi) | own peak | "
-             "predicted | batch | output |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    lines = [
+        "| stage | wall s | peak RSS | CPU cores busy (mean) | peak GPU memory (nvidia-smi) | own peak | "
+        "predicted | batch | output |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
     total = 0.0
     for rule, (cmd, outputs) in RULES.items():
         bench = work / "benchmarks" / f"{rule}.tsv"
@@ -113,13 +115,17 @@ def table(work: Path) -> str:
         peak = max((m for t, m in samples if a <= t <= b), default=base) - base
         out = human(sum(size_of(work / o) for o in outputs)) if all((work / o).exists() for o in outputs) else "n/a"
         own, predicted, cut = own_memory(work / "logs" / f"{rule}.log")
-        lines.append(f"| {rule} | {wall:.1f} | {rss / 1000:.2f} GB | {cpu / max(wall, 1e-9):.1f} | "
-                     f"{peak / 1024:.1f} GiB | {own} | {predicted} | {cut} | {out} |")
+        lines.append(
+            f"| {rule} | {wall:.1f} | {rss / 1000:.2f} GB | {cpu / max(wall, 1e-9):.1f} | "
+            f"{peak / 1024:.1f} GiB | {own} | {predicted} | {cut} | {out} |"
+        )
     done = work / "done"
     if done.exists() and (work / "started").exists():
         end = float(done.read_text().split()[1])
-        lines.append(f"\nsum of stages {total:.0f} s; whole run (snakemake start to end) "
-                     f"{end - float((work / 'started').read_text()):.0f} s; exit status {done.read_text().split()[0]}")
+        lines.append(
+            f"\nsum of stages {total:.0f} s; whole run (snakemake start to end) "
+            f"{end - float((work / 'started').read_text()):.0f} s; exit status {done.read_text().split()[0]}"
+        )
     return "\n".join(lines)
 
 
@@ -132,9 +138,11 @@ def extrapolate(progress: Path, steps: int) -> str:
     (t0, s0), (t1, s1) = pts[0], pts[-1]
     rate = (s1 - s0) / (t1 - t0)
     startup = t0 - s0 / rate  # wall seconds before the first step, at the measured rate
-    return (f"{s1 - s0:.0f} steps in {t1 - t0:.1f} s of training ({rate:.2f} steps/s, "
-            f"{1000 / rate:.1f} ms/step incl. validation), start-up {startup:.0f} s -> "
-            f"{steps} steps: {startup + steps / rate:.0f} s ({(startup + steps / rate) / 60:.1f} min, extrapolated)")
+    return (
+        f"{s1 - s0:.0f} steps in {t1 - t0:.1f} s of training ({rate:.2f} steps/s, "
+        f"{1000 / rate:.1f} ms/step incl. validation), start-up {startup:.0f} s -> "
+        f"{steps} steps: {startup + steps / rate:.0f} s ({(startup + steps / rate) / 60:.1f} min, extrapolated)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

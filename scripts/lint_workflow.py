@@ -15,12 +15,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # finding (the start of Snakemake's message) -> why it stays
 ACCEPTED = {
-    "Specify a conda environment or container for each rule.":
-        "every rule runs this package's own CLI, from the one environment that make or environment.yml installs",
-    "Environment variable PATH used but not asserted with envvars directive":
-        "the Snakefile puts the nanoeuler beside its Snakemake first on PATH; PATH itself is always set",
-    "Param run_dir is a prefix of input or output file but hardcoded":
-        "dpo's run directory results/dpo shares only its name's start with results/dpo.bin: a folder, not a prefix",
+    "Specify a conda environment or container for each rule.": (
+        "every rule runs this package's own CLI, from the one environment that make or environment.yml installs"
+    ),
+    "Environment variable PATH used but not asserted with envvars directive": (
+        "the Snakefile puts the nanoeuler beside its Snakemake first on PATH; PATH itself is always set"
+    ),
+    "Param run_dir is a prefix of input or output file but hardcoded": (
+        "dpo's run directory results/dpo shares only its name's start with results/dpo.bin: a folder, not a prefix"
+    ),
 }
 
 
@@ -46,8 +49,9 @@ def not_accepted(messages: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     snakemake = argv[0] if argv else str(Path(sys.executable).with_name("snakemake"))
-    proc = subprocess.run([snakemake, "--lint", "--configfile", "config/tiny.yaml"], cwd=ROOT,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [snakemake, "--lint", "--configfile", "config/tiny.yaml"], cwd=ROOT, capture_output=True, text=True
+    )
     output = proc.stdout + proc.stderr
     messages = findings(output)
     if proc.returncode != 0 and not messages:  # it failed before linting (a syntax error, a bad config)

@@ -157,7 +157,13 @@ Anna""",
         "variant": "nospace",
         "people": ["the surveyor", "Bartholomew the mule", "a shepherd", "the innkeeper", "two travelling tinkers"],
         "places": ["the high pass", "a frozen tarn", "the drovers' road", "a stone bothy", "the valley floor"],
-        "things": ["the theodolite", "a chain of one hundred links", "the field notebook", "a flask of tea", "the map case"],
+        "things": [
+            "the theodolite",
+            "a chain of one hundred links",
+            "the field notebook",
+            "a flask of tea",
+            "the map case",
+        ],
         "moods": ["frozen", "cheerful", "doubtful", "grateful", "stubborn"],
         "chapters": [
             """I set out from Kelbridge on the second of December with a theodolite, a measuring chain, a notebook, and a mule named Bartholomew, who had been recommended to me as steady and who turned out to be steady chiefly in the sense that he could not easily be moved. My task was to survey the old drovers' road over the northern hills, so that the county might decide whether it was worth repairing.
@@ -177,10 +183,26 @@ I sent my report to the county in January. In it I described the gradients and t
     },
 ]
 
-_WEATHER = ["a thin grey rain", "a sharp east wind", "a bright cold sun", "a soft mist from the sea",
-            "a long golden evening", "a sudden hailstorm", "a still and heavy heat", "the first frost"]
-_TIMES = ["at dawn", "in the early afternoon", "towards evening", "long after dark", "at first light",
-          "before breakfast", "after supper", "on the following morning"]
+_WEATHER = [
+    "a thin grey rain",
+    "a sharp east wind",
+    "a bright cold sun",
+    "a soft mist from the sea",
+    "a long golden evening",
+    "a sudden hailstorm",
+    "a still and heavy heat",
+    "the first frost",
+]
+_TIMES = [
+    "at dawn",
+    "in the early afternoon",
+    "towards evening",
+    "long after dark",
+    "at first light",
+    "before breakfast",
+    "after supper",
+    "on the following morning",
+]
 _SAYINGS = [
     "Slow work is still work",
     "There is always one more thing to mend",
@@ -192,8 +214,14 @@ _SAYINGS = [
     "Every road ends somewhere",
 ]
 _ACTIONS = ["looked for", "cleaned", "carried", "examined", "put away", "mended", "found", "talked about"]
-_FEELINGS = ["felt better than before", "could not stop smiling", "was too tired to speak",
-             "began to understand", "said nothing for a while", "laughed out loud"]
+_FEELINGS = [
+    "felt better than before",
+    "could not stop smiling",
+    "was too tired to speak",
+    "began to understand",
+    "said nothing for a while",
+    "laughed out loud",
+]
 
 
 def _generated_paragraph(rng: random.Random, book: dict) -> str:
@@ -228,24 +256,40 @@ def book_body(book: dict, rng: random.Random) -> str:
 def book_file(book: dict, rng: random.Random) -> bytes:
     title, variant = book["title"], book["variant"]
     upper = title.upper()
-    header = [f"The Project Gutenberg eBook of {title}", "",
-              "This file is a sample written for the nanoeuler project. It follows the layout",
-              "of a Project Gutenberg plain-text ebook, but the story and the names are invented.", ""]
+    header = [
+        f"The Project Gutenberg eBook of {title}",
+        "",
+        "This file is a sample written for the nanoeuler project. It follows the layout",
+        "of a Project Gutenberg plain-text ebook, but the story and the names are invented.",
+        "",
+    ]
     if "subtitle" in book:  # a long title wraps onto an indented second line
         header += [f"Title: {title}", f"       {book['subtitle']}", ""]
         upper = f"{title}, {book['subtitle']}".upper()
     else:
         header += [f"Title: {title}", ""]
-    header += [f"Author: {book['author']}", "", f"Release date: January 1, 2024 [eBook #{book['id']}]", "",
-               "Language: English", "", ""]
+    header += [
+        f"Author: {book['author']}",
+        "",
+        f"Release date: January 1, 2024 [eBook #{book['id']}]",
+        "",
+        "Language: English",
+        "",
+        "",
+    ]
     which = "THIS" if variant == "this-crlf" else "THE"
     gap = "" if variant == "nospace" else " "
     start = f"***{gap}START OF {which} PROJECT GUTENBERG EBOOK {upper}{gap}***"
     end = f"***{gap}END OF {which} PROJECT GUTENBERG EBOOK {upper}{gap}***"
     if variant == "bom-spaces":
         start, end = start + "   ", end + "  "
-    footer = ["", "", "End matter: in a real Project Gutenberg file the license and the notes about",
-              "the project follow here. The gutenberg stage drops everything after the END", "marker line."]
+    footer = [
+        "",
+        "",
+        "End matter: in a real Project Gutenberg file the license and the notes about",
+        "the project follow here. The gutenberg stage drops everything after the END",
+        "marker line.",
+    ]
     lines = header + [start, "", "", book_body(book, rng), "", "", "", end] + footer
     text = "\n".join(lines) + "\n"
     if variant == "this-crlf":
@@ -261,126 +305,174 @@ def book_file(book: dict, rng: random.Random) -> bytes:
 # --------------------------------------------------------------------------------------------
 
 TOPICS = [
-    ("How Plants Make Their Food", "biology", [
-        "Green plants make their own food through a process called photosynthesis.",
-        "Inside the leaves are tiny structures called chloroplasts, which contain a green pigment named chlorophyll.",
-        "Chlorophyll absorbs light, mostly red and blue light, and reflects green light, which is why leaves look green.",
-        "The plant takes in carbon dioxide from the air through small openings on its leaves called stomata.",
-        "Water travels up from the roots through thin tubes in the stem.",
-        "Using the energy of light, the plant combines water and carbon dioxide into sugar and releases oxygen.",
-        "The sugar is used for energy and to build new cells, and some of it is stored as starch.",
-        "Almost every food chain on Earth begins with this process, so animals depend on plants even when they do not eat them directly.",
-    ]),
-    ("The Water Cycle", "earth science", [
-        "Water on Earth is always moving between the oceans, the air and the land.",
-        "When the sun warms the surface of a lake or the sea, some of the water evaporates and becomes water vapour.",
-        "As warm, moist air rises, it cools, and the vapour condenses into tiny droplets that form clouds.",
-        "When the droplets join together and grow heavy enough, they fall as rain, snow, sleet or hail.",
-        "Some of this water runs off into rivers, some soaks into the ground, and some is taken up by plants.",
-        "Plants release water vapour from their leaves in a process called transpiration.",
-        "Groundwater can stay underground for a few days or for thousands of years before it returns to the surface.",
-        "The total amount of water on the planet stays almost the same; it simply changes form and place.",
-    ]),
-    ("Understanding Fractions", "mathematics", [
-        "A fraction describes a part of a whole.",
-        "The number on the bottom, the denominator, tells you how many equal parts the whole is divided into.",
-        "The number on the top, the numerator, tells you how many of those parts you have.",
-        "For example, if a pizza is cut into eight equal slices and you eat three, you have eaten three eighths of the pizza.",
-        "Two fractions are equivalent when they name the same amount, such as one half and two quarters.",
-        "To add fractions with the same denominator, you add the numerators and keep the denominator.",
-        "To add fractions with different denominators, you first rewrite them with a common denominator.",
-        "Fractions, decimals and percentages are three ways of writing the same idea: one half is 0.5, which is 50 percent.",
-    ]),
-    ("Why the Moon Has Phases", "astronomy", [
-        "The Moon does not make its own light; it reflects light from the Sun.",
-        "At any moment, half of the Moon is lit by the Sun and half is in darkness.",
-        "As the Moon travels around the Earth, we see different amounts of its sunlit half.",
-        "When the Moon is between the Earth and the Sun, the lit side faces away from us, and we call this a new moon.",
-        "About two weeks later, the Moon is on the far side of the Earth, and we see the whole lit face as a full moon.",
-        "Between these, the Moon appears as a crescent, then a half, then a gibbous shape.",
-        "A complete cycle of phases takes about twenty-nine and a half days.",
-        "The phases are not caused by the shadow of the Earth; that only happens during a lunar eclipse.",
-    ]),
-    ("The Printing Press and the Spread of Ideas", "history", [
-        "Before the printing press, books in Europe were copied by hand, which was slow and expensive.",
-        "In the middle of the fifteenth century, Johannes Gutenberg developed a press that used movable metal type.",
-        "Each letter was cast as a separate piece of metal, so the same letters could be arranged again and again.",
-        "A printer could now produce hundreds of copies of a page in the time a scribe needed to copy one.",
-        "Books became cheaper, and more people had a reason to learn to read.",
-        "Scientists could share their results more quickly, and mistakes in copying became less common.",
-        "Pamphlets and newspapers spread news and arguments across whole countries.",
-        "Many historians count the printing press among the inventions that changed the world the most.",
-    ]),
-    ("How Vaccines Train the Immune System", "health", [
-        "The immune system protects the body by recognising germs and fighting them.",
-        "When a new germ enters the body, the immune system needs time to learn how to defeat it.",
-        "A vaccine gives the immune system a safe preview of a germ, such as a weakened form or a harmless piece of it.",
-        "The body responds by making antibodies and memory cells that remember what the germ looks like.",
-        "If the real germ arrives later, the memory cells recognise it and the body can respond much faster.",
-        "This is why a vaccinated person often does not become ill, or becomes less ill.",
-        "When many people in a community are protected, a disease has fewer chances to spread.",
-        "Scientists test vaccines carefully in several stages before they are approved for use.",
-    ]),
-    ("Simple Machines", "physics", [
-        "A simple machine is a device that changes the size or direction of a force.",
-        "The six classic simple machines are the lever, the wheel and axle, the pulley, the inclined plane, the wedge and the screw.",
-        "A lever is a bar that turns around a fixed point called the fulcrum.",
-        "By pushing on the long end of a lever, you can lift a heavy load on the short end with less force.",
-        "An inclined plane, such as a ramp, lets you raise a load by pushing it a longer distance with a smaller force.",
-        "A screw is really an inclined plane wrapped around a cylinder.",
-        "Simple machines do not reduce the total work needed; they trade a smaller force for a longer distance.",
-        "Most complicated machines, from bicycles to cranes, are built from combinations of simple machines.",
-    ]),
-    ("Reading a Map", "geography", [
-        "A map is a drawing of a place seen from above, made smaller so that it fits on a page.",
-        "The scale of a map tells you how distances on the map compare with distances on the ground.",
-        "A legend, or key, explains what the symbols and colours on the map mean.",
-        "Most maps are drawn with north at the top, and a compass rose shows the directions.",
-        "Contour lines join points of the same height, so lines drawn close together show steep ground.",
-        "Grid references let you describe the exact position of a place using numbers or letters.",
-        "Different maps are made for different purposes, such as roads, weather, population or rocks.",
-        "Learning to read a map is a useful skill for walking, cycling and understanding the news.",
-    ]),
-    ("What Is Erosion?", "earth science", [
-        "Erosion is the process by which rock and soil are worn away and carried to a new place.",
-        "Running water is the most powerful cause of erosion on land.",
-        "Rivers carve valleys over long periods by carrying sand and stones that scrape the river bed.",
-        "Wind can blow away loose soil, especially in dry places without many plants.",
-        "Glaciers are slow rivers of ice that grind and pluck rock as they move downhill.",
-        "Waves erode coastlines and can form cliffs, caves and arches.",
-        "Plant roots help to hold soil in place, which is why planting trees can reduce erosion.",
-        "The material that is carried away is eventually dropped somewhere else, forming new land such as deltas and beaches.",
-    ]),
-    ("The Basics of Saving Money", "personal finance", [
-        "Saving money means keeping part of what you earn instead of spending all of it.",
-        "A simple first step is to write down what you spend for a month, so you can see where the money goes.",
-        "Many people find it helpful to save a fixed amount as soon as they are paid, before spending on anything else.",
-        "An emergency fund is money set aside for unexpected costs, such as a broken appliance or a medical bill.",
-        "Money kept in a savings account may earn interest, which is a small payment for letting the bank hold it.",
-        "Compound interest means that you also earn interest on the interest you have already received.",
-        "Small amounts saved regularly can grow into a large sum over many years.",
-        "Setting a clear goal, such as buying a bicycle or paying for a course, makes saving easier to stick with.",
-    ]),
-    ("How Bees Communicate", "biology", [
-        "Honeybees live in large colonies and need to share information about where food can be found.",
-        "A forager bee that discovers a good patch of flowers returns to the hive and performs a dance.",
-        "In the waggle dance, the bee runs in a straight line while shaking its body, then loops back and repeats.",
-        "The direction of the straight run tells the other bees the direction of the food compared with the Sun.",
-        "The length of the waggle part tells them roughly how far away the food is.",
-        "Other bees follow the dancer closely and learn the smell of the flowers from her body.",
-        "This system lets a colony send many workers quickly to the richest sources of nectar.",
-        "Scientists spent many years with glass-walled hives to work out what the dances mean.",
-    ]),
-    ("Introduction to Electricity", "physics", [
-        "Electricity is the flow of electric charge, usually carried by tiny particles called electrons.",
-        "For electricity to flow, there must be a complete path called a circuit.",
-        "A battery pushes charge around the circuit; this push is measured in volts.",
-        "The amount of charge flowing each second is called the current and is measured in amperes.",
-        "Materials such as copper let charge flow easily and are called conductors.",
-        "Materials such as rubber and plastic resist the flow and are called insulators.",
-        "A switch opens or closes the circuit, turning a lamp off or on.",
-        "Electricity can be dangerous, so wires are covered with insulation and circuits are protected by fuses.",
-    ]),
+    (
+        "How Plants Make Their Food",
+        "biology",
+        [
+            "Green plants make their own food through a process called photosynthesis.",
+            "Inside the leaves are tiny structures called chloroplasts, which contain a green pigment named chlorophyll.",
+            "Chlorophyll absorbs light, mostly red and blue light, and reflects green light, which is why leaves look green.",
+            "The plant takes in carbon dioxide from the air through small openings on its leaves called stomata.",
+            "Water travels up from the roots through thin tubes in the stem.",
+            "Using the energy of light, the plant combines water and carbon dioxide into sugar and releases oxygen.",
+            "The sugar is used for energy and to build new cells, and some of it is stored as starch.",
+            "Almost every food chain on Earth begins with this process, so animals depend on plants even when they do not eat them directly.",
+        ],
+    ),
+    (
+        "The Water Cycle",
+        "earth science",
+        [
+            "Water on Earth is always moving between the oceans, the air and the land.",
+            "When the sun warms the surface of a lake or the sea, some of the water evaporates and becomes water vapour.",
+            "As warm, moist air rises, it cools, and the vapour condenses into tiny droplets that form clouds.",
+            "When the droplets join together and grow heavy enough, they fall as rain, snow, sleet or hail.",
+            "Some of this water runs off into rivers, some soaks into the ground, and some is taken up by plants.",
+            "Plants release water vapour from their leaves in a process called transpiration.",
+            "Groundwater can stay underground for a few days or for thousands of years before it returns to the surface.",
+            "The total amount of water on the planet stays almost the same; it simply changes form and place.",
+        ],
+    ),
+    (
+        "Understanding Fractions",
+        "mathematics",
+        [
+            "A fraction describes a part of a whole.",
+            "The number on the bottom, the denominator, tells you how many equal parts the whole is divided into.",
+            "The number on the top, the numerator, tells you how many of those parts you have.",
+            "For example, if a pizza is cut into eight equal slices and you eat three, you have eaten three eighths of the pizza.",
+            "Two fractions are equivalent when they name the same amount, such as one half and two quarters.",
+            "To add fractions with the same denominator, you add the numerators and keep the denominator.",
+            "To add fractions with different denominators, you first rewrite them with a common denominator.",
+            "Fractions, decimals and percentages are three ways of writing the same idea: one half is 0.5, which is 50 percent.",
+        ],
+    ),
+    (
+        "Why the Moon Has Phases",
+        "astronomy",
+        [
+            "The Moon does not make its own light; it reflects light from the Sun.",
+            "At any moment, half of the Moon is lit by the Sun and half is in darkness.",
+            "As the Moon travels around the Earth, we see different amounts of its sunlit half.",
+            "When the Moon is between the Earth and the Sun, the lit side faces away from us, and we call this a new moon.",
+            "About two weeks later, the Moon is on the far side of the Earth, and we see the whole lit face as a full moon.",
+            "Between these, the Moon appears as a crescent, then a half, then a gibbous shape.",
+            "A complete cycle of phases takes about twenty-nine and a half days.",
+            "The phases are not caused by the shadow of the Earth; that only happens during a lunar eclipse.",
+        ],
+    ),
+    (
+        "The Printing Press and the Spread of Ideas",
+        "history",
+        [
+            "Before the printing press, books in Europe were copied by hand, which was slow and expensive.",
+            "In the middle of the fifteenth century, Johannes Gutenberg developed a press that used movable metal type.",
+            "Each letter was cast as a separate piece of metal, so the same letters could be arranged again and again.",
+            "A printer could now produce hundreds of copies of a page in the time a scribe needed to copy one.",
+            "Books became cheaper, and more people had a reason to learn to read.",
+            "Scientists could share their results more quickly, and mistakes in copying became less common.",
+            "Pamphlets and newspapers spread news and arguments across whole countries.",
+            "Many historians count the printing press among the inventions that changed the world the most.",
+        ],
+    ),
+    (
+        "How Vaccines Train the Immune System",
+        "health",
+        [
+            "The immune system protects the body by recognising germs and fighting them.",
+            "When a new germ enters the body, the immune system needs time to learn how to defeat it.",
+            "A vaccine gives the immune system a safe preview of a germ, such as a weakened form or a harmless piece of it.",
+            "The body responds by making antibodies and memory cells that remember what the germ looks like.",
+            "If the real germ arrives later, the memory cells recognise it and the body can respond much faster.",
+            "This is why a vaccinated person often does not become ill, or becomes less ill.",
+            "When many people in a community are protected, a disease has fewer chances to spread.",
+            "Scientists test vaccines carefully in several stages before they are approved for use.",
+        ],
+    ),
+    (
+        "Simple Machines",
+        "physics",
+        [
+            "A simple machine is a device that changes the size or direction of a force.",
+            "The six classic simple machines are the lever, the wheel and axle, the pulley, the inclined plane, the wedge and the screw.",
+            "A lever is a bar that turns around a fixed point called the fulcrum.",
+            "By pushing on the long end of a lever, you can lift a heavy load on the short end with less force.",
+            "An inclined plane, such as a ramp, lets you raise a load by pushing it a longer distance with a smaller force.",
+            "A screw is really an inclined plane wrapped around a cylinder.",
+            "Simple machines do not reduce the total work needed; they trade a smaller force for a longer distance.",
+            "Most complicated machines, from bicycles to cranes, are built from combinations of simple machines.",
+        ],
+    ),
+    (
+        "Reading a Map",
+        "geography",
+        [
+            "A map is a drawing of a place seen from above, made smaller so that it fits on a page.",
+            "The scale of a map tells you how distances on the map compare with distances on the ground.",
+            "A legend, or key, explains what the symbols and colours on the map mean.",
+            "Most maps are drawn with north at the top, and a compass rose shows the directions.",
+            "Contour lines join points of the same height, so lines drawn close together show steep ground.",
+            "Grid references let you describe the exact position of a place using numbers or letters.",
+            "Different maps are made for different purposes, such as roads, weather, population or rocks.",
+            "Learning to read a map is a useful skill for walking, cycling and understanding the news.",
+        ],
+    ),
+    (
+        "What Is Erosion?",
+        "earth science",
+        [
+            "Erosion is the process by which rock and soil are worn away and carried to a new place.",
+            "Running water is the most powerful cause of erosion on land.",
+            "Rivers carve valleys over long periods by carrying sand and stones that scrape the river bed.",
+            "Wind can blow away loose soil, especially in dry places without many plants.",
+            "Glaciers are slow rivers of ice that grind and pluck rock as they move downhill.",
+            "Waves erode coastlines and can form cliffs, caves and arches.",
+            "Plant roots help to hold soil in place, which is why planting trees can reduce erosion.",
+            "The material that is carried away is eventually dropped somewhere else, forming new land such as deltas and beaches.",
+        ],
+    ),
+    (
+        "The Basics of Saving Money",
+        "personal finance",
+        [
+            "Saving money means keeping part of what you earn instead of spending all of it.",
+            "A simple first step is to write down what you spend for a month, so you can see where the money goes.",
+            "Many people find it helpful to save a fixed amount as soon as they are paid, before spending on anything else.",
+            "An emergency fund is money set aside for unexpected costs, such as a broken appliance or a medical bill.",
+            "Money kept in a savings account may earn interest, which is a small payment for letting the bank hold it.",
+            "Compound interest means that you also earn interest on the interest you have already received.",
+            "Small amounts saved regularly can grow into a large sum over many years.",
+            "Setting a clear goal, such as buying a bicycle or paying for a course, makes saving easier to stick with.",
+        ],
+    ),
+    (
+        "How Bees Communicate",
+        "biology",
+        [
+            "Honeybees live in large colonies and need to share information about where food can be found.",
+            "A forager bee that discovers a good patch of flowers returns to the hive and performs a dance.",
+            "In the waggle dance, the bee runs in a straight line while shaking its body, then loops back and repeats.",
+            "The direction of the straight run tells the other bees the direction of the food compared with the Sun.",
+            "The length of the waggle part tells them roughly how far away the food is.",
+            "Other bees follow the dancer closely and learn the smell of the flowers from her body.",
+            "This system lets a colony send many workers quickly to the richest sources of nectar.",
+            "Scientists spent many years with glass-walled hives to work out what the dances mean.",
+        ],
+    ),
+    (
+        "Introduction to Electricity",
+        "physics",
+        [
+            "Electricity is the flow of electric charge, usually carried by tiny particles called electrons.",
+            "For electricity to flow, there must be a complete path called a circuit.",
+            "A battery pushes charge around the circuit; this push is measured in volts.",
+            "The amount of charge flowing each second is called the current and is measured in amperes.",
+            "Materials such as copper let charge flow easily and are called conductors.",
+            "Materials such as rubber and plastic resist the flow and are called insulators.",
+            "A switch opens or closes the circuit, turning a lamp off or on.",
+            "Electricity can be dangerous, so wires are covered with insulation and circuits are protected by fuses.",
+        ],
+    ),
 ]
 
 _INTROS = [
@@ -417,9 +509,17 @@ def _article(rng: random.Random, title: str, subject: str, facts: list[str]) -> 
     chosen = rng.sample(facts, rng.randint(5, len(facts)))
     chosen.sort(key=facts.index)  # keep the explanation in its natural order
     split = rng.randint(2, len(chosen) - 2)
-    body = [title, "", rng.choice(_INTROS).format(s=subject), "",
-            " ".join(chosen[:split]), "", " ".join(chosen[split:]), "",
-            rng.choice(_OUTROS).format(s=subject)]
+    body = [
+        title,
+        "",
+        rng.choice(_INTROS).format(s=subject),
+        "",
+        " ".join(chosen[:split]),
+        "",
+        " ".join(chosen[split:]),
+        "",
+        rng.choice(_OUTROS).format(s=subject),
+    ]
     return "\n".join(body)
 
 
@@ -436,21 +536,23 @@ def web_rows(rng: random.Random) -> list[dict]:
         dump = rng.choice(_DUMPS)
         slug = "-".join(text.split("\n", 1)[0].lower().split()[:5]).strip(".,!?|")
         seg = rng.randint(1_680_000_000_000, 1_710_000_000_000)
-        rows.append({
-            "text": text,
-            "id": f"<urn:uuid:{uuid.UUID(int=rng.getrandbits(128), version=4)}>",
-            "dump": dump,
-            "url": f"https://{rng.choice(_SITES)}/learn/{slug or 'page'}-{i}",
-            "date": f"{dump[8:12]}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}T"
-                    f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:{rng.randint(0, 59):02d}Z",
-            "file_path": f"s3://commoncrawl/crawl-data/{dump}/segments/{seg}.{i % 97}/warc/"
-                         f"{dump}-{seg % 10**14:014d}-{i:05d}.warc.gz",
-            "language": "en" if lang > 0.5 else ("fr" if text.startswith("Le ") else "es"),
-            "language_score": round(lang, 4),
-            "token_count": int(len(text.split()) * 1.3),
-            "score": round(score, 4),
-            "int_score": int(min(5, max(0, round(score)))),
-        })
+        rows.append(
+            {
+                "text": text,
+                "id": f"<urn:uuid:{uuid.UUID(int=rng.getrandbits(128), version=4)}>",
+                "dump": dump,
+                "url": f"https://{rng.choice(_SITES)}/learn/{slug or 'page'}-{i}",
+                "date": f"{dump[8:12]}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}T"
+                f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:{rng.randint(0, 59):02d}Z",
+                "file_path": f"s3://commoncrawl/crawl-data/{dump}/segments/{seg}.{i % 97}/warc/"
+                f"{dump}-{seg % 10**14:014d}-{i:05d}.warc.gz",
+                "language": "en" if lang > 0.5 else ("fr" if text.startswith("Le ") else "es"),
+                "language_score": round(lang, 4),
+                "token_count": int(len(text.split()) * 1.3),
+                "score": round(score, 4),
+                "int_score": int(min(5, max(0, round(score)))),
+            }
+        )
     return rows
 
 
@@ -458,10 +560,21 @@ def write_web(path: Path, rng: random.Random) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = pa.schema([("text", pa.string()), ("id", pa.string()), ("dump", pa.string()), ("url", pa.string()),
-                        ("date", pa.string()), ("file_path", pa.string()), ("language", pa.string()),
-                        ("language_score", pa.float64()), ("token_count", pa.int64()), ("score", pa.float64()),
-                        ("int_score", pa.int64())])
+    schema = pa.schema(
+        [
+            ("text", pa.string()),
+            ("id", pa.string()),
+            ("dump", pa.string()),
+            ("url", pa.string()),
+            ("date", pa.string()),
+            ("file_path", pa.string()),
+            ("language", pa.string()),
+            ("language_score", pa.float64()),
+            ("token_count", pa.int64()),
+            ("score", pa.float64()),
+            ("int_score", pa.int64()),
+        ]
+    )
     table = pa.Table.from_pylist(web_rows(rng), schema=schema)
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path, compression="zstd", row_group_size=32)
@@ -472,80 +585,170 @@ def write_web(path: Path, rng: random.Random) -> None:
 # --------------------------------------------------------------------------------------------
 
 HANDWRITTEN = [
-    ("Give three tips for staying focused while studying.", "",
-     "1. Put your phone in another room so notifications cannot interrupt you.\n"
-     "2. Work in short blocks of about twenty-five minutes with a five-minute break after each.\n"
-     "3. Decide before you start exactly what you want to finish before the next break."),
-    ("Explain why the sky is blue in one or two sentences.", "",
-     "Sunlight is made of many colours, and the air scatters short blue wavelengths much more than long red ones. "
-     "That scattered blue light reaches our eyes from every part of the sky."),
-    ("Write a short, friendly reminder asking a neighbour to return a borrowed ladder.", "",
-     "Hi! I hope the ladder was useful. Whenever you are finished with it, could you drop it back at my place? "
-     "I need it for the gutters this weekend. Thanks so much!"),
-    ("Summarize the following text in one sentence.",
-     "The town library will close for two weeks in March while workers replace the roof. During that time, "
-     "books can be returned at the community centre, and the mobile library van will visit the market square every Saturday.",
-     "The library closes for two weeks in March for roof repairs, but returns and a Saturday mobile library will continue."),
-    ("Classify each animal as a mammal, bird or fish.", "salmon, eagle, dolphin, sparrow, cow",
-     "Salmon: fish\nEagle: bird\nDolphin: mammal\nSparrow: bird\nCow: mammal"),
-    ("Suggest a name for a bakery that specialises in bread made with local grain.", "",
-     "Field and Hearth Bakery"),
-    ("Rewrite the sentence so that it is more formal.", "Hey, can you send me that report soon?",
-     "Could you please send me the report at your earliest convenience?"),
-    ("What is the difference between weather and climate?", "",
-     "Weather describes the conditions of the air at a particular place and time, such as today's rain or wind. "
-     "Climate is the typical pattern of weather in a region measured over many years."),
-    ("List the three states of matter with an example of each.", "",
-     "Solid: ice\nLiquid: water\nGas: steam"),
-    ("Write a haiku about autumn leaves.", "",
-     "Red leaves drift and turn\nthe path is a quiet fire\nwind counts every one"),
-    ("Explain what a verb is to a young child.", "",
-     "A verb is a doing word. It tells you what someone or something does, like run, jump, eat or sing."),
-    ("Give an example of a renewable source of energy and explain why it is renewable.", "",
-     "Wind power is renewable because the wind keeps blowing as the sun heats the air unevenly, "
-     "so using it today does not use it up for tomorrow."),
-    ("Turn the following list into a sentence.", "eggs, flour, milk, sugar",
-     "To make the batter you will need eggs, flour, milk and sugar."),
-    ("Correct the spelling mistakes in the sentence.", "I recieved the pakage on wensday.",
-     "I received the package on Wednesday."),
-    ("Describe a lighthouse in two sentences.", "",
-     "A lighthouse is a tall tower built near a dangerous coast, with a bright lamp at the top. "
-     "Its light warns ships about rocks and helps sailors find their way at night."),
-    ("Why is it important to drink water during exercise?", "",
-     "During exercise you lose water through sweat and breathing. Drinking water replaces it, "
-     "which helps control your body temperature and keeps your muscles working well."),
-    ("Write a one-sentence story about a clock.", "",
-     "The old clock in the hall had stopped for years, until the night a small boy wound it and it began, very softly, to tick again."),
-    ("Name two advantages of riding a bicycle to work.", "",
-     "It is good exercise, and it costs much less than driving a car."),
-    ("Convert the temperature to Fahrenheit.", "100 degrees Celsius",
-     "100 degrees Celsius is 212 degrees Fahrenheit."),
+    (
+        "Give three tips for staying focused while studying.",
+        "",
+        "1. Put your phone in another room so notifications cannot interrupt you.\n"
+        "2. Work in short blocks of about twenty-five minutes with a five-minute break after each.\n"
+        "3. Decide before you start exactly what you want to finish before the next break.",
+    ),
+    (
+        "Explain why the sky is blue in one or two sentences.",
+        "",
+        "Sunlight is made of many colours, and the air scatters short blue wavelengths much more than long red ones. "
+        "That scattered blue light reaches our eyes from every part of the sky.",
+    ),
+    (
+        "Write a short, friendly reminder asking a neighbour to return a borrowed ladder.",
+        "",
+        "Hi! I hope the ladder was useful. Whenever you are finished with it, could you drop it back at my place? "
+        "I need it for the gutters this weekend. Thanks so much!",
+    ),
+    (
+        "Summarize the following text in one sentence.",
+        "The town library will close for two weeks in March while workers replace the roof. During that time, "
+        "books can be returned at the community centre, and the mobile library van will visit the market square every Saturday.",
+        "The library closes for two weeks in March for roof repairs, but returns and a Saturday mobile library will continue.",
+    ),
+    (
+        "Classify each animal as a mammal, bird or fish.",
+        "salmon, eagle, dolphin, sparrow, cow",
+        "Salmon: fish\nEagle: bird\nDolphin: mammal\nSparrow: bird\nCow: mammal",
+    ),
+    ("Suggest a name for a bakery that specialises in bread made with local grain.", "", "Field and Hearth Bakery"),
+    (
+        "Rewrite the sentence so that it is more formal.",
+        "Hey, can you send me that report soon?",
+        "Could you please send me the report at your earliest convenience?",
+    ),
+    (
+        "What is the difference between weather and climate?",
+        "",
+        "Weather describes the conditions of the air at a particular place and time, such as today's rain or wind. "
+        "Climate is the typical pattern of weather in a region measured over many years.",
+    ),
+    ("List the three states of matter with an example of each.", "", "Solid: ice\nLiquid: water\nGas: steam"),
+    (
+        "Write a haiku about autumn leaves.",
+        "",
+        "Red leaves drift and turn\nthe path is a quiet fire\nwind counts every one",
+    ),
+    (
+        "Explain what a verb is to a young child.",
+        "",
+        "A verb is a doing word. It tells you what someone or something does, like run, jump, eat or sing.",
+    ),
+    (
+        "Give an example of a renewable source of energy and explain why it is renewable.",
+        "",
+        "Wind power is renewable because the wind keeps blowing as the sun heats the air unevenly, "
+        "so using it today does not use it up for tomorrow.",
+    ),
+    (
+        "Turn the following list into a sentence.",
+        "eggs, flour, milk, sugar",
+        "To make the batter you will need eggs, flour, milk and sugar.",
+    ),
+    (
+        "Correct the spelling mistakes in the sentence.",
+        "I recieved the pakage on wensday.",
+        "I received the package on Wednesday.",
+    ),
+    (
+        "Describe a lighthouse in two sentences.",
+        "",
+        "A lighthouse is a tall tower built near a dangerous coast, with a bright lamp at the top. "
+        "Its light warns ships about rocks and helps sailors find their way at night.",
+    ),
+    (
+        "Why is it important to drink water during exercise?",
+        "",
+        "During exercise you lose water through sweat and breathing. Drinking water replaces it, "
+        "which helps control your body temperature and keeps your muscles working well.",
+    ),
+    (
+        "Write a one-sentence story about a clock.",
+        "",
+        "The old clock in the hall had stopped for years, until the night a small boy wound it and it began, very softly, to tick again.",
+    ),
+    (
+        "Name two advantages of riding a bicycle to work.",
+        "",
+        "It is good exercise, and it costs much less than driving a car.",
+    ),
+    ("Convert the temperature to Fahrenheit.", "100 degrees Celsius", "100 degrees Celsius is 212 degrees Fahrenheit."),
     ("Give a synonym for the word 'happy'.", "", "Cheerful."),
-    ("Explain what a budget is.", "",
-     "A budget is a plan for how you will spend and save your money over a period of time, "
-     "based on how much you expect to earn."),
-    ("Answer the question using the text.",
-     "Mara kept the light on the night of the storm, while her father was stuck in the village. What did Mara do?",
-     "She kept the lighthouse lamp burning during the storm."),
-    ("Write a polite way to decline an invitation to a party.", "",
-     "Thank you so much for inviting me! Unfortunately I already have plans that evening, "
-     "but I hope you have a wonderful time."),
-    ("What does a surveyor do?", "",
-     "A surveyor measures land: the distances, angles and heights of the ground, "
-     "so that maps can be drawn and roads or buildings can be planned."),
+    (
+        "Explain what a budget is.",
+        "",
+        "A budget is a plan for how you will spend and save your money over a period of time, "
+        "based on how much you expect to earn.",
+    ),
+    (
+        "Answer the question using the text.",
+        "Mara kept the light on the night of the storm, while her father was stuck in the village. What did Mara do?",
+        "She kept the lighthouse lamp burning during the storm.",
+    ),
+    (
+        "Write a polite way to decline an invitation to a party.",
+        "",
+        "Thank you so much for inviting me! Unfortunately I already have plans that evening, "
+        "but I hope you have a wonderful time.",
+    ),
+    (
+        "What does a surveyor do?",
+        "",
+        "A surveyor measures land: the distances, angles and heights of the ground, "
+        "so that maps can be drawn and roads or buildings can be planned.",
+    ),
 ]
 
-ANTONYMS = [("hot", "cold"), ("early", "late"), ("open", "closed"), ("full", "empty"), ("light", "dark"),
-            ("strong", "weak"), ("quiet", "loud"), ("young", "old"), ("above", "below"), ("begin", "end"),
-            ("brave", "afraid"), ("wide", "narrow"), ("rough", "smooth"), ("remember", "forget"),
-            ("arrive", "leave"), ("cheap", "expensive"), ("deep", "shallow"), ("fast", "slow")]
-PLURALS = [("child", "children"), ("mouse", "mice"), ("box", "boxes"), ("city", "cities"), ("leaf", "leaves"),
-           ("tooth", "teeth"), ("sheep", "sheep"), ("knife", "knives"), ("hero", "heroes"), ("woman", "women"),
-           ("bus", "buses"), ("story", "stories"), ("goose", "geese"), ("wolf", "wolves")]
-SENTENCES = ["The ferry leaves at noon.", "My sister plays the violin.", "Bees visit the orchard every spring.",
-             "The river carries soil to the sea.", "We planted tomatoes in the garden.",
-             "The clock in the tower struck eight.", "A small boat waited by the harbour wall.",
-             "The students measured the length of the playground."]
+ANTONYMS = [
+    ("hot", "cold"),
+    ("early", "late"),
+    ("open", "closed"),
+    ("full", "empty"),
+    ("light", "dark"),
+    ("strong", "weak"),
+    ("quiet", "loud"),
+    ("young", "old"),
+    ("above", "below"),
+    ("begin", "end"),
+    ("brave", "afraid"),
+    ("wide", "narrow"),
+    ("rough", "smooth"),
+    ("remember", "forget"),
+    ("arrive", "leave"),
+    ("cheap", "expensive"),
+    ("deep", "shallow"),
+    ("fast", "slow"),
+]
+PLURALS = [
+    ("child", "children"),
+    ("mouse", "mice"),
+    ("box", "boxes"),
+    ("city", "cities"),
+    ("leaf", "leaves"),
+    ("tooth", "teeth"),
+    ("sheep", "sheep"),
+    ("knife", "knives"),
+    ("hero", "heroes"),
+    ("woman", "women"),
+    ("bus", "buses"),
+    ("story", "stories"),
+    ("goose", "geese"),
+    ("wolf", "wolves"),
+]
+SENTENCES = [
+    "The ferry leaves at noon.",
+    "My sister plays the violin.",
+    "Bees visit the orchard every spring.",
+    "The river carries soil to the sea.",
+    "We planted tomatoes in the garden.",
+    "The clock in the tower struck eight.",
+    "A small boat waited by the harbour wall.",
+    "The students measured the length of the playground.",
+]
 
 
 def alpaca_records(rng: random.Random) -> list[dict]:
@@ -557,19 +760,39 @@ def alpaca_records(rng: random.Random) -> list[dict]:
         recs.append({"instruction": f"What is {a} {op} {b}?", "input": "", "output": f"{a} {op} {b} is {val}."})
     for _ in range(14):
         nums = rng.sample(range(1, 100), rng.randint(4, 7))
-        recs.append({"instruction": "Sort the numbers in ascending order.", "input": ", ".join(map(str, nums)),
-                     "output": ", ".join(map(str, sorted(nums)))})
+        recs.append(
+            {
+                "instruction": "Sort the numbers in ascending order.",
+                "input": ", ".join(map(str, nums)),
+                "output": ", ".join(map(str, sorted(nums))),
+            }
+        )
     for n in rng.sample(range(10, 1000), 14):
-        recs.append({"instruction": f"Is {n} an even or an odd number?", "input": "",
-                     "output": f"{n} is {'even' if n % 2 == 0 else 'odd'}."})
+        recs.append(
+            {
+                "instruction": f"Is {n} an even or an odd number?",
+                "input": "",
+                "output": f"{n} is {'even' if n % 2 == 0 else 'odd'}.",
+            }
+        )
     for word, opposite in ANTONYMS:
         recs.append({"instruction": "Give the opposite of the word.", "input": word, "output": opposite})
     for word, plural in PLURALS:
-        recs.append({"instruction": f"What is the plural of '{word}'?", "input": "",
-                     "output": f"The plural of '{word}' is '{plural}'."})
+        recs.append(
+            {
+                "instruction": f"What is the plural of '{word}'?",
+                "input": "",
+                "output": f"The plural of '{word}' is '{plural}'.",
+            }
+        )
     for s in SENTENCES:
-        recs.append({"instruction": "Count the words in the sentence.", "input": s,
-                     "output": f"The sentence has {len(s.split())} words."})
+        recs.append(
+            {
+                "instruction": "Count the words in the sentence.",
+                "input": s,
+                "output": f"The sentence has {len(s.split())} words.",
+            }
+        )
         recs.append({"instruction": "Rewrite the sentence in capital letters.", "input": s, "output": s.upper()})
     for word in rng.sample([w for pair in ANTONYMS for w in pair], 10):
         recs.append({"instruction": "Spell the word backwards.", "input": word, "output": word[::-1]})
@@ -587,55 +810,138 @@ def alpaca_records(rng: random.Random) -> list[dict]:
 
 # (activity, ctx_a, ctx_b, right ending, three wrong endings)
 HELLASWAG = [
-    ("Making tea", "A woman fills a kettle at the sink and sets it on the stove.", "she",
-     "waits for the water to boil, then pours it over the tea leaves in a pot.",
-     ["throws the kettle out of the window and starts to sing.", "paints the stove a bright shade of green.",
-      "climbs onto the roof with a ladder made of spoons."]),
-    ("Washing a dog", "A man lifts a small dog into a tub of warm water.", "he",
-     "rubs shampoo into its fur and rinses it with a cup of water.",
-     ["reads the dog a letter about the price of bread.", "fills the tub with sand and walks away.",
-      "puts the dog on a shelf next to the books."]),
-    ("Rowing", "Two people push a wooden boat from the beach into the lake.", "they",
-     "climb in, take the oars and row away from the shore.",
-     ["bury the boat in the sand and leave it there.", "start to eat the oars slowly.",
-      "lift the lake and fold it into a box."]),
-    ("Baking bread", "A baker mixes flour, water and yeast in a large bowl.", "the baker",
-     "kneads the dough on the table and leaves it to rise under a cloth.",
-     ["pours the dough into a shoe and ties the laces.", "sends the bowl to the post office.",
-      "plants the flour in the garden and waters it."]),
-    ("Fixing a bicycle", "A boy turns his bicycle upside down on the grass.", "he",
-     "takes off the flat tyre and patches the hole in the tube.",
-     ["rides it upside down to school.", "asks the bicycle to fix itself.",
-      "paints a face on the saddle and goes to sleep."]),
-    ("Playing chess", "Two old friends sit at a table in the park with a chess board between them.", "one of them",
-     "moves a pawn forward two squares and waits for the other to reply.",
-     ["eats the king and leaves the park.", "throws the board into the fountain and swims after it.",
-      "draws a map of the moon on the table."]),
-    ("Gardening", "A girl kneels beside a row of small holes in the soil.", "she",
-     "drops a seed into each hole and covers it gently with earth.",
-     ["fills the holes with soup.", "shouts into each hole until it answers.",
-      "carries the holes into the house one by one."]),
-    ("Ironing clothes", "A man lays a creased shirt flat on an ironing board.", "he",
-     "presses the hot iron along the sleeves until the creases are gone.",
-     ["folds the ironing board into a paper hat.", "puts the shirt in the oven for an hour.",
-      "teaches the iron to read."]),
-    ("Painting a fence", "A woman opens a tin of white paint next to a wooden fence.", "she",
-     "dips a brush in the paint and covers the boards with long even strokes.",
-     ["drinks the paint and falls asleep.", "paints the grass instead and leaves.",
-      "hides the fence under her bed."]),
-    ("Ice skating", "A child steps carefully onto the frozen pond in new skates.", "the child",
-     "wobbles at first, then glides slowly across the ice with arms held out.",
-     ["starts to dig a tunnel through the ice with a fork.", "sells the pond to a passing duck.",
-      "sets the ice on fire to keep warm."]),
-    ("Cooking pasta", "A cook drops a handful of pasta into a pot of boiling water.", "",
-     "After ten minutes the cook drains the pasta and stirs in the sauce.",
-     ["After ten minutes the pasta climbs out of the pot and runs away.",
-      "After ten minutes the cook freezes the water and skates on it.",
-      "After ten minutes the cook mails the pot to a friend."]),
-    ("Building a snowman", "Three children roll a big ball of snow across the garden.", "they",
-     "lift a smaller ball on top of it and give it a carrot for a nose.",
-     ["pour hot tea over the snow to make it grow.", "put the snow in the cupboard for the summer.",
-      "teach the snowball to bark."]),
+    (
+        "Making tea",
+        "A woman fills a kettle at the sink and sets it on the stove.",
+        "she",
+        "waits for the water to boil, then pours it over the tea leaves in a pot.",
+        [
+            "throws the kettle out of the window and starts to sing.",
+            "paints the stove a bright shade of green.",
+            "climbs onto the roof with a ladder made of spoons.",
+        ],
+    ),
+    (
+        "Washing a dog",
+        "A man lifts a small dog into a tub of warm water.",
+        "he",
+        "rubs shampoo into its fur and rinses it with a cup of water.",
+        [
+            "reads the dog a letter about the price of bread.",
+            "fills the tub with sand and walks away.",
+            "puts the dog on a shelf next to the books.",
+        ],
+    ),
+    (
+        "Rowing",
+        "Two people push a wooden boat from the beach into the lake.",
+        "they",
+        "climb in, take the oars and row away from the shore.",
+        [
+            "bury the boat in the sand and leave it there.",
+            "start to eat the oars slowly.",
+            "lift the lake and fold it into a box.",
+        ],
+    ),
+    (
+        "Baking bread",
+        "A baker mixes flour, water and yeast in a large bowl.",
+        "the baker",
+        "kneads the dough on the table and leaves it to rise under a cloth.",
+        [
+            "pours the dough into a shoe and ties the laces.",
+            "sends the bowl to the post office.",
+            "plants the flour in the garden and waters it.",
+        ],
+    ),
+    (
+        "Fixing a bicycle",
+        "A boy turns his bicycle upside down on the grass.",
+        "he",
+        "takes off the flat tyre and patches the hole in the tube.",
+        [
+            "rides it upside down to school.",
+            "asks the bicycle to fix itself.",
+            "paints a face on the saddle and goes to sleep.",
+        ],
+    ),
+    (
+        "Playing chess",
+        "Two old friends sit at a table in the park with a chess board between them.",
+        "one of them",
+        "moves a pawn forward two squares and waits for the other to reply.",
+        [
+            "eats the king and leaves the park.",
+            "throws the board into the fountain and swims after it.",
+            "draws a map of the moon on the table.",
+        ],
+    ),
+    (
+        "Gardening",
+        "A girl kneels beside a row of small holes in the soil.",
+        "she",
+        "drops a seed into each hole and covers it gently with earth.",
+        [
+            "fills the holes with soup.",
+            "shouts into each hole until it answers.",
+            "carries the holes into the house one by one.",
+        ],
+    ),
+    (
+        "Ironing clothes",
+        "A man lays a creased shirt flat on an ironing board.",
+        "he",
+        "presses the hot iron along the sleeves until the creases are gone.",
+        [
+            "folds the ironing board into a paper hat.",
+            "puts the shirt in the oven for an hour.",
+            "teaches the iron to read.",
+        ],
+    ),
+    (
+        "Painting a fence",
+        "A woman opens a tin of white paint next to a wooden fence.",
+        "she",
+        "dips a brush in the paint and covers the boards with long even strokes.",
+        [
+            "drinks the paint and falls asleep.",
+            "paints the grass instead and leaves.",
+            "hides the fence under her bed.",
+        ],
+    ),
+    (
+        "Ice skating",
+        "A child steps carefully onto the frozen pond in new skates.",
+        "the child",
+        "wobbles at first, then glides slowly across the ice with arms held out.",
+        [
+            "starts to dig a tunnel through the ice with a fork.",
+            "sells the pond to a passing duck.",
+            "sets the ice on fire to keep warm.",
+        ],
+    ),
+    (
+        "Cooking pasta",
+        "A cook drops a handful of pasta into a pot of boiling water.",
+        "",
+        "After ten minutes the cook drains the pasta and stirs in the sauce.",
+        [
+            "After ten minutes the pasta climbs out of the pot and runs away.",
+            "After ten minutes the cook freezes the water and skates on it.",
+            "After ten minutes the cook mails the pot to a friend.",
+        ],
+    ),
+    (
+        "Building a snowman",
+        "Three children roll a big ball of snow across the garden.",
+        "they",
+        "lift a smaller ball on top of it and give it a carrot for a nose.",
+        [
+            "pour hot tea over the snow to make it grow.",
+            "put the snow in the cupboard for the summer.",
+            "teach the snowball to bark.",
+        ],
+    ),
 ]
 
 
@@ -644,10 +950,20 @@ def hellaswag_items(rng: random.Random) -> list[dict]:
     for i, (activity, ctx_a, ctx_b, right, wrong) in enumerate(HELLASWAG):
         endings = [right] + list(wrong)
         rng.shuffle(endings)
-        items.append({"ind": 100 + 7 * i, "activity_label": activity, "ctx_a": ctx_a, "ctx_b": ctx_b,
-                      "ctx": f"{ctx_a} {ctx_b}" if ctx_b else ctx_a, "split": "val",
-                      "split_type": "indomain" if i % 3 else "zeroshot", "label": endings.index(right),
-                      "endings": endings, "source_id": f"example~v_{i:04d}"})
+        items.append(
+            {
+                "ind": 100 + 7 * i,
+                "activity_label": activity,
+                "ctx_a": ctx_a,
+                "ctx_b": ctx_b,
+                "ctx": f"{ctx_a} {ctx_b}" if ctx_b else ctx_a,
+                "split": "val",
+                "split_type": "indomain" if i % 3 else "zeroshot",
+                "label": endings.index(right),
+                "endings": endings,
+                "source_id": f"example~v_{i:04d}",
+            }
+        )
     return items
 
 
@@ -663,24 +979,45 @@ def preference_pairs(rng: random.Random) -> list[tuple[list[str], str, str]]:
     pairs = []
     for word, plural in PLURALS:
         wrong = rng.choice([word + "s", word + "es", word])
-        pairs.append(([f"What is the plural of '{word}'?"], f"The plural of '{word}' is '{plural}'.",
-                      rng.choice([f"The plural of '{word}' is '{wrong}'.", rng.choice(_SHRUGS)])))
+        pairs.append(
+            (
+                [f"What is the plural of '{word}'?"],
+                f"The plural of '{word}' is '{plural}'.",
+                rng.choice([f"The plural of '{word}' is '{wrong}'.", rng.choice(_SHRUGS)]),
+            )
+        )
     for a, b in ANTONYMS:
-        pairs.append(([f"What is the opposite of '{a}'?"], f"The opposite of '{a}' is '{b}'.",
-                      rng.choice([f"The opposite of '{a}' is '{a}'.", rng.choice(_SHRUGS)])))
+        pairs.append(
+            (
+                [f"What is the opposite of '{a}'?"],
+                f"The opposite of '{a}' is '{b}'.",
+                rng.choice([f"The opposite of '{a}' is '{a}'.", rng.choice(_SHRUGS)]),
+            )
+        )
     for sentence in SENTENCES:
         n = len(sentence.split())
-        pairs.append(([f"How many words are in this sentence? {sentence}"], f"The sentence has {n} words.",
-                       f"The sentence has {n + rng.choice([-2, -1, 1, 3])} words."))
+        pairs.append(
+            (
+                [f"How many words are in this sentence? {sentence}"],
+                f"The sentence has {n} words.",
+                f"The sentence has {n + rng.choice([-2, -1, 1, 3])} words.",
+            )
+        )
     for (word, plural), (a, b) in zip(PLURALS[:6], ANTONYMS):  # two-turn dialogues
-        pairs.append((["Can you help me with some words?", "Of course. Which words?",
-                       f"What is the opposite of '{a}'?"], f"The opposite of '{a}' is '{b}'.", rng.choice(_SHRUGS)))
+        pairs.append(
+            (
+                ["Can you help me with some words?", "Of course. Which words?", f"What is the opposite of '{a}'?"],
+                f"The opposite of '{a}' is '{b}'.",
+                rng.choice(_SHRUGS),
+            )
+        )
     rng.shuffle(pairs)
     return pairs
 
 
 def hh_lines(pairs, rng: random.Random) -> list[dict]:
     """HH-RLHF's layout: each side a whole transcript; plus one pair per thing the cleaner drops."""
+
     def transcript(turns, answer):
         roles = ["Human", "Assistant"] * len(turns)
         return "".join(f"\n\n{r}: {t}" for r, t in zip(roles, turns + [answer]))
@@ -689,25 +1026,48 @@ def hh_lines(pairs, rng: random.Random) -> list[dict]:
     t, c, _ = pairs[0]
     lines.insert(7, {"chosen": transcript(t, c), "rejected": transcript(t, c)})  # chosen == rejected
     lines.insert(19, {"chosen": transcript(t, c), "rejected": transcript(t, " ")})  # empty response
-    lines.insert(23, {"chosen": transcript(["Hello."], "Hi!") + transcript(t, c),  # parted early
-                      "rejected": transcript(["Good day."], "Hi!") + transcript(t, c)})
+    lines.insert(
+        23,
+        {
+            "chosen": transcript(["Hello."], "Hi!") + transcript(t, c),  # parted early
+            "rejected": transcript(["Good day."], "Hi!") + transcript(t, c),
+        },
+    )
     lines.insert(31, dict(lines[4]))  # an exact repeat
     return lines
 
 
 def ultrafeedback_rows(pairs) -> list[dict]:
     """UltraFeedback binarized's layout: chosen / rejected as message lists, the prompt repeated."""
+
     def messages(turns, answer):
         roles = ["user", "assistant"] * len(turns)
         return [{"content": t, "role": r} for r, t in zip(roles, turns + [answer])]
 
     rows = []
     for i, (t, c, r) in enumerate(pairs):
-        rows.append({"prompt": t[-1], "prompt_id": f"{i:064x}", "chosen": messages(t, c),
-                     "rejected": messages(t, r), "score_chosen": 8.0, "score_rejected": 3.0})
+        rows.append(
+            {
+                "prompt": t[-1],
+                "prompt_id": f"{i:064x}",
+                "chosen": messages(t, c),
+                "rejected": messages(t, r),
+                "score_chosen": 8.0,
+                "score_rejected": 3.0,
+            }
+        )
     t, c, _ = pairs[1]
-    rows.insert(5, {"prompt": t[-1], "prompt_id": "f" * 64, "chosen": messages(t, c), "rejected": messages(t, c),
-                    "score_chosen": 5.0, "score_rejected": 5.0})  # chosen == rejected
+    rows.insert(
+        5,
+        {
+            "prompt": t[-1],
+            "prompt_id": "f" * 64,
+            "chosen": messages(t, c),
+            "rejected": messages(t, c),
+            "score_chosen": 5.0,
+            "score_rejected": 5.0,
+        },
+    )  # chosen == rejected
     return rows
 
 
@@ -734,7 +1094,9 @@ def main() -> None:
     with open(OUT / "alpaca_data.json", "w", encoding="utf-8") as f:
         json.dump(alpaca_records(rng), f, indent=4, ensure_ascii=False)
         f.write("\n")
-    with open(OUT / "hellaswag_val.jsonl", "w", encoding="utf-8") as f:  # its own seed: the files above stay as they were
+    with open(
+        OUT / "hellaswag_val.jsonl", "w", encoding="utf-8"
+    ) as f:  # its own seed: the files above stay as they were
         for item in hellaswag_items(random.Random(29)):
             f.write(json.dumps(item) + "\n")
     write_prefs(OUT / "prefs", random.Random(20261125))

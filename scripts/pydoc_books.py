@@ -37,16 +37,20 @@ def main(argv: list[str]) -> int:
     root, out = Path(argv[0]) / SOURCES, Path(argv[1])
     files = sorted(root.rglob("*.rst.txt"))
     if not files:
-        print(f"pydoc_books: error: no *.rst.txt files under {root} (is {argv[0]} the unpacked "
-              "python3.11-doc .deb?)", file=sys.stderr)
+        print(
+            f"pydoc_books: error: no *.rst.txt files under {root} (is {argv[0]} the unpacked python3.11-doc .deb?)",
+            file=sys.stderr,
+        )
         return 1
     texts = [f.read_text(encoding="utf-8") for f in files]
     ids = [str(f.relative_to(root)) for f in files]
     out.mkdir(parents=True, exist_ok=True)
     empty = pa.array([], pa.string())  # books.parquet last: once it exists, both files do
     write_parquet(pa.table({"source": empty, "doc_id": empty, "text": empty}), out / "web.parquet")
-    write_parquet(pa.table({"source": ["gutenberg"] * len(ids), "doc_id": ids, "title": ids, "text": texts}),
-                  out / "books.parquet")
+    write_parquet(
+        pa.table({"source": ["gutenberg"] * len(ids), "doc_id": ids, "title": ids, "text": texts}),
+        out / "books.parquet",
+    )
     print(f"pydoc_books: {len(ids)} documents, {sum(len(t.encode()) for t in texts):,} bytes -> {out}/books.parquet")
     return 0
 

@@ -37,12 +37,25 @@ class Chromium:
         self.profile = tempfile.mkdtemp(prefix="cdp-profile-")
         cmd_r, self.cmd_w = os.pipe()
         self.out_r, out_w = os.pipe()
-        args = [binary, "--headless=new", "--remote-debugging-pipe", "--no-sandbox", "--disable-gpu",
-                "--no-first-run", "--no-default-browser-check", "--disable-extensions",
-                f"--user-data-dir={self.profile}", f"--window-size={width},{height}", "about:blank"]
-        self.proc = subprocess.Popen([sys.executable, "-c", _ON_3_AND_4, str(cmd_r), str(out_w), *args],
-                                     pass_fds=(cmd_r, out_w),
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        args = [
+            binary,
+            "--headless=new",
+            "--remote-debugging-pipe",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--no-default-browser-check",
+            "--disable-extensions",
+            f"--user-data-dir={self.profile}",
+            f"--window-size={width},{height}",
+            "about:blank",
+        ]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _ON_3_AND_4, str(cmd_r), str(out_w), *args],
+            pass_fds=(cmd_r, out_w),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(cmd_r)
         os.close(out_w)
         self.buffer, self.next_id, self.session = b"", 0, None

@@ -41,7 +41,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         path = self.path
         srv.requests.append((path, self.headers.get("Range")))
         if path.startswith("/moved/"):
-            path, fault = path[len("/moved"):], "ok"
+            path, fault = path[len("/moved") :], "ok"
         else:
             fault = srv.next_fault(path)
         if fault.isdigit():
@@ -96,7 +96,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             for i in range(len(body)):
                 if srv.stopping.wait(srv.trickle_s):
                     return
-                self.wfile.write(body[i:i + 1])
+                self.wfile.write(body[i : i + 1])
                 self.wfile.flush()
             return
         self.wfile.write(body)
@@ -107,7 +107,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         rng = self.headers.get("Range")
         if not rng or not rng.startswith("bytes="):
             return None
-        return int(rng[len("bytes="):].split("-")[0])
+        return int(rng[len("bytes=") :].split("-")[0])
 
     def _answer(self, code: int, body: bytes, kind: str) -> None:
         self.send_response(code)
@@ -147,8 +147,7 @@ class FaultServer:
     def __enter__(self) -> "FaultServer":
         self._srv = _Server()
         self.url = f"http://127.0.0.1:{self._srv.server_address[1]}"
-        self._thread = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.05},
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
         return self
 
@@ -177,4 +176,3 @@ class FaultServer:
             self._srv.slow_s = slow_s
         if trickle_s is not None:
             self._srv.trickle_s = trickle_s
-

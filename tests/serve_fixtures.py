@@ -59,8 +59,9 @@ def live_server(model_path, **config):
     grace = config.pop("shutdown_grace_s", 10.0)
     send_buffer = config.pop("send_buffer", None)  # bytes: small, an unread answer fills it in moments
     speculative = config.pop("speculative", False)
-    backend = Backend.load(model_path, "cpu", slots=config.get("max_batch", ServeConfig.max_batch),
-                           speculative=speculative)
+    backend = Backend.load(
+        model_path, "cpu", slots=config.get("max_batch", ServeConfig.max_batch), speculative=speculative
+    )
     app = create_app(backend, ServeConfig(**config))
     sock = listen("127.0.0.1", 0)
     if send_buffer:

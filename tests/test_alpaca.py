@@ -17,8 +17,15 @@ def rec(i="Say hi.", x="", o="Hi!"):
 
 
 def test_clean_strips_drops_empty_outputs_and_exact_repeats():
-    records = [rec(o=" Hi! \n"), rec(), rec(o="   "), rec(i="Add.", x="1, 2", o="3"), rec(i="Add.", x="1, 2", o="3"),
-               rec(i="Add.", x="2, 2", o="4"), rec(i="  ", o="x")]
+    records = [
+        rec(o=" Hi! \n"),
+        rec(),
+        rec(o="   "),
+        rec(i="Add.", x="1, 2", o="3"),
+        rec(i="Add.", x="1, 2", o="3"),
+        rec(i="Add.", x="2, 2", o="4"),
+        rec(i="  ", o="x"),
+    ]
     kept, counts = alpaca.clean(records)
     assert kept == [rec(), rec(i="Add.", x="1, 2", o="3"), rec(i="Add.", x="2, 2", o="4")]
     assert counts == {"read": 7, "malformed": 0, "empty": 2, "duplicate": 2, "cut": 0, "written": 3}
@@ -61,11 +68,14 @@ def test_nothing_usable_is_an_error():
         alpaca.clean([rec(o="")])
 
 
-@pytest.mark.parametrize("content, match", [
-    ('{"instruction": "x"}', "must hold a JSON list of records, got a JSON dict"),
-    ('[{"instruction": "x",]', r"not valid JSON \(.* at line 1 column"),
-    (b"\xff\xfe[]", "is not UTF-8"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ('{"instruction": "x"}', "must hold a JSON list of records, got a JSON dict"),
+        ('[{"instruction": "x",]', r"not valid JSON \(.* at line 1 column"),
+        (b"\xff\xfe[]", "is not UTF-8"),
+    ],
+)
 def test_unreadable_files(tmp_path, content, match):
     path = tmp_path / "alpaca_data.json"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -80,8 +90,9 @@ def test_stage_on_the_sample_file(tmp_path, capsys):
     lines = out.read_text(encoding="utf-8").splitlines()
     rows = [json.loads(line) for line in lines]
     assert len(rows) == counts["written"] > 100
-    assert all(set(r) == {"instruction", "input", "output"} and all(isinstance(v, str) for v in r.values())
-               for r in rows)
+    assert all(
+        set(r) == {"instruction", "input", "output"} and all(isinstance(v, str) for v in r.values()) for r in rows
+    )
     assert all(r["output"].strip() for r in rows)
     assert len({json.dumps(r, sort_keys=True) for r in rows}) == len(rows)
     assert counts["duplicate"] == 2 and counts["empty"] == 1  # what the sample file plants

@@ -52,11 +52,14 @@ def test_gpu_without_cupy_is_one_line_with_the_install_hint(no_cupy):
     assert "CuPy is not installed" in msg and "pip install -e '.[gpu]'" in msg and "--device cpu" in msg
 
 
-@pytest.mark.parametrize("count, error, why", [
-    (0, None, "no CUDA device is visible"),
-    (None, RuntimeError("cudaErrorInsufficientDriver: driver too old\nmore"), "cannot reach a CUDA driver"),
-    (None, RuntimeError(""), "cannot reach a CUDA driver (RuntimeError)"),
-])
+@pytest.mark.parametrize(
+    "count, error, why",
+    [
+        (0, None, "no CUDA device is visible"),
+        (None, RuntimeError("cudaErrorInsufficientDriver: driver too old\nmore"), "cannot reach a CUDA driver"),
+        (None, RuntimeError(""), "cannot reach a CUDA driver (RuntimeError)"),
+    ],
+)
 def test_gpu_without_a_device_says_why(monkeypatch, count, error, why):
     _fake_cupy(monkeypatch, count, error)
     with pytest.raises(UserError) as exc:
@@ -164,6 +167,7 @@ def test_selftest_without_a_gpu_is_one_clear_line():
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
-    assert lines[0].startswith("nanoeuler selftest: error: "
-                               "the kernel self-test needs a CUDA GPU but CuPy is not installed")
+    assert lines[0].startswith(
+        "nanoeuler selftest: error: the kernel self-test needs a CUDA GPU but CuPy is not installed"
+    )
     assert "pip install -e '.[gpu]'" in lines[0]

@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 
 from nanoeuler import cli
 from nanoeuler.errors import UserError
-from nanoeuler.tokenizer.bpe import (EOT, END, GPT2_PATTERN, MAX_VOCAB, Tokenizer, count_chunks, split_gpt2,
-                                     train_bpe)
+from nanoeuler.tokenizer.bpe import EOT, END, GPT2_PATTERN, MAX_VOCAB, Tokenizer, count_chunks, split_gpt2, train_bpe
 
 # Varied text: prose, code, numbers, whitespace runs, emoji, CJK, combining marks, other scripts.
 SAMPLES = [
@@ -84,6 +83,7 @@ def tok() -> Tokenizer:
 
 # ---- the worked example --------------------------------------------------------------------------
 
+
 def test_worked_example_merge_sequence():
     # "aaabdaaabac": pairs aa x4 (overlapping), ab x2 -> merge a+a = 256: [256] a b d [256] a b a c.
     # Now (256, a) and (a, b) both occur twice; the tie goes to the smaller pair of ids, (97, 98) = 257:
@@ -109,6 +109,7 @@ def test_pretokenization_keeps_merges_inside_chunks():
 
 
 # ---- merge learning against a naive reference ------------------------------------------------------
+
 
 def naive_train(text: str, n_merges: int) -> list[tuple[int, int]]:
     """Full recount per merge; highest count, then smallest (left, right) ids; never a duplicate token."""
@@ -180,6 +181,7 @@ def test_deterministic():
 
 # ---- bounds and empty input ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("vocab_size", [0, 256, 257, MAX_VOCAB + 1, 100_000])
 def test_vocab_size_out_of_bounds(vocab_size):
     with pytest.raises(UserError, match="vocab_size"):
@@ -199,6 +201,7 @@ def test_empty_corpus(corpus):
 
 
 # ---- encode / decode -------------------------------------------------------------------------------------
+
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(alphabet=st.characters(codec="utf-8")))
@@ -267,6 +270,7 @@ def test_small_cache_gives_the_same_ids(tok):
 
 # ---- special tokens ----------------------------------------------------------------------------------------
 
+
 def test_special_ids_follow_the_merges(tok):
     assert tok.eot_id == 256 + len(tok.merges)
     assert tok.end_id == tok.eot_id + 1
@@ -301,6 +305,7 @@ def test_special_edge_cases(tok):
 
 # ---- file format -----------------------------------------------------------------------------------------
 
+
 def test_save_load_round_trip(tok, tmp_path):
     path = tmp_path / "tokenizer.json"
     tok.save(path)
@@ -322,19 +327,24 @@ def _corrupt(tok, **change):
     return json.dumps(d)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t: _corrupt(t, version=2), "version 2 is not supported"),
-    (lambda t: _corrupt(t, format="something"), "not a nanoeuler tokenizer"),
-    (lambda t: t.to_json()[: len(t.to_json()) // 2], "not valid JSON"),
-    (lambda t: "", "not valid JSON"),
-    (lambda t: _corrupt(t, merges=[[1, 2], [3]]), "'merges'"),
-    (lambda t: _corrupt(t, merges=[[1, 2], [1, 9999]], special_tokens={EOT: 258, END: 259}, vocab_size=260),
-     "'merges'"),
-    (lambda t: _corrupt(t, special_tokens={EOT: 5, END: 6}), "special token ids"),
-    (lambda t: _corrupt(t, special_tokens={EOT: 600}), "special token ids"),
-    (lambda t: _corrupt(t, pattern="(unclosed"), "'pattern'"),
-    (lambda t: _corrupt(t, vocab_size=601), "vocab_size"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: _corrupt(t, version=2), "version 2 is not supported"),
+        (lambda t: _corrupt(t, format="something"), "not a nanoeuler tokenizer"),
+        (lambda t: t.to_json()[: len(t.to_json()) // 2], "not valid JSON"),
+        (lambda t: "", "not valid JSON"),
+        (lambda t: _corrupt(t, merges=[[1, 2], [3]]), "'merges'"),
+        (
+            lambda t: _corrupt(t, merges=[[1, 2], [1, 9999]], special_tokens={EOT: 258, END: 259}, vocab_size=260),
+            "'merges'",
+        ),
+        (lambda t: _corrupt(t, special_tokens={EOT: 5, END: 6}), "special token ids"),
+        (lambda t: _corrupt(t, special_tokens={EOT: 600}), "special token ids"),
+        (lambda t: _corrupt(t, pattern="(unclosed"), "'pattern'"),
+        (lambda t: _corrupt(t, vocab_size=601), "vocab_size"),
+    ],
+)
 def test_load_rejects_bad_files(tok, tmp_path, edit, message):
     path = tmp_path / "bad.json"
     path.write_text(edit(tok), encoding="utf-8")
@@ -357,6 +367,7 @@ def test_load_missing_required_special(tok):
 
 # ---- the `nanoeuler tokenizer` stage -------------------------------------------------------------------------
 
+
 def _write_corpus(path, texts):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -372,8 +383,10 @@ def test_stage_writes_identical_files(tmp_path):
     outs = []
     for run in ("a", "b"):
         out, hf = tmp_path / run / "tokenizer.json", tmp_path / run / "tokenizer.hf.json"
-        assert cli.main(["tokenizer", "--params", params, "--corpus", str(corpus), "--out", str(out),
-                         "--hf-out", str(hf)]) == 0
+        assert (
+            cli.main(["tokenizer", "--params", params, "--corpus", str(corpus), "--out", str(out), "--hf-out", str(hf)])
+            == 0
+        )
         outs.append((out.read_bytes(), hf.read_bytes()))
         tok = Tokenizer.load(out)
         assert tok.vocab_size == 400
@@ -434,12 +447,14 @@ def test_stage_errors(tmp_path, capsys):
 
 # ---- tiktoken as an oracle for encoding ----------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiktoken_enc(tok):
     tiktoken = pytest.importorskip("tiktoken")
     ranks = {tok.token_bytes(i): i for i in range(256 + len(tok.merges))}
-    return tiktoken.Encoding("nanoeuler-test", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                             special_tokens=tok.special_tokens)
+    return tiktoken.Encoding(
+        "nanoeuler-test", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=tok.special_tokens
+    )
 
 
 @pytest.mark.parametrize("s", SAMPLES + [TRAIN_TEXT])

@@ -26,8 +26,24 @@ def model_file(tmp_path_factory, tok):
 
 
 def chat(path, stdin, *extra):
-    return subprocess.run([sys.executable, "-m", "nanoeuler", "chat", "--ckpt", str(path), "--device", "cpu",
-                           "--max-new-tokens", "8", *extra], input=stdin, capture_output=True, timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanoeuler",
+            "chat",
+            "--ckpt",
+            str(path),
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "8",
+            *extra,
+        ],
+        input=stdin,
+        capture_output=True,
+        timeout=120,
+    )
 
 
 def test_decode_stream_prints_multibyte_characters_whole(tok):
@@ -75,7 +91,7 @@ def test_answer_stops_at_end_marker_and_truncates_long_prompts(tok, tmp_path, ca
     assert gen.prompts[0] == tok.encode(render_prompt("Say it."))
     answer(gen, tok, "word " * 500, 50, Sampling(), pieces.append)
     assert len(gen.prompts[1]) == cfg.ctx_len - cfg.ctx_len // 4
-    assert gen.prompts[1][-len(tok.encode("### Response:\n")):] == tok.encode("### Response:\n")
+    assert gen.prompts[1][-len(tok.encode("### Response:\n")) :] == tok.encode("### Response:\n")
     assert "left-truncated" in capsys.readouterr().err
 
 

@@ -62,7 +62,7 @@ def test_header_is_padded_and_data_little_endian(tmp_path):
     checkpoint.save(tmp_path / "c.bin", {"x": np.array([1.0], dtype=">f4")}, {})
     raw = (tmp_path / "c.bin").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    assert n % 8 == 0 and raw[8 + n:] == struct.pack("<f", 1.0)
+    assert n % 8 == 0 and raw[8 + n :] == struct.pack("<f", 1.0)
 
 
 def test_truncated_file_is_a_user_error(tmp_path):
@@ -104,8 +104,9 @@ def test_garbage_header_and_foreign_files(tmp_path):
 
 def test_other_format_version_is_refused(tmp_path):
     path = tmp_path / "c.bin"
-    checkpoint.write_safetensors(path, {"x": np.ones(2, np.float32)},
-                                 {"format": "nanoeuler", "format_version": "3"}, checksum_key="checksum")
+    checkpoint.write_safetensors(
+        path, {"x": np.ones(2, np.float32)}, {"format": "nanoeuler", "format_version": "3"}, checksum_key="checksum"
+    )
     with pytest.raises(UserError, match="format version '3'"):
         checkpoint.load(path)
 

@@ -36,7 +36,8 @@ def test_user_error_is_one_line_and_exit_1(tmp_path):
     missing = tmp_path / "nope.yaml"
     out = subprocess.run(
         [sys.executable, "-m", "nanoeuler", "alpaca", "--config", str(missing), "--out", str(tmp_path / "a.jsonl")],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 1
     lines = out.stderr.strip().splitlines()

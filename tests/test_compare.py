@@ -24,8 +24,12 @@ def test_experiment_dirs():
 def _fake_run(results, val_loss, acc):
     """metrics.json and the pretraining/SFT metrics.jsonl of a finished run."""
     model = {"val_loss": val_loss, "val_ce": val_loss - 0.1, "val_bpb": 2.5, "params": 188480, "steps": 600}
-    metrics = {"definitions": {"val_loss": "..."}, "base": model, "chat": {**model, "val_loss": val_loss + 0.5},
-               "hellaswag": {"base": {"items": 8, "acc": acc, "acc_norm": acc / 2, "correct": 2, "correct_norm": 1}}}
+    metrics = {
+        "definitions": {"val_loss": "..."},
+        "base": model,
+        "chat": {**model, "val_loss": val_loss + 0.5},
+        "hellaswag": {"base": {"items": 8, "acc": acc, "acc_norm": acc / 2, "correct": 2, "correct_norm": 1}},
+    }
     (results / "pretrain").mkdir(parents=True)
     (results / "sft").mkdir()
     (results / "metrics.json").write_text(json.dumps(metrics))
@@ -61,11 +65,26 @@ def test_compare_names_a_missing_experiment(tmp_path, monkeypatch, capsys):
 def test_report_pages(tmp_path):
     _fake_run(tmp_path / "results", 3.0, 0.25)
     samples = tmp_path / "samples.md"
-    samples.write_text("# nanoeuler samples\n\n| a | b |\n|---|---:|\n| 1 | <2> |\n\n**Prompt:** `It was`\n\n"
-                       "```text\nIt was <dark>\n```\n\n![loss curves](loss.png)\n")
-    assert main(["report-pages", "--metrics", str(tmp_path / "results/metrics.json"), "--samples", str(samples),
-                 "--run-config", json.dumps({"experiment": "x", "eval": {"seed": 1}}), "--out-dir",
-                 str(tmp_path / "pages")]) == 0
+    samples.write_text(
+        "# nanoeuler samples\n\n| a | b |\n|---|---:|\n| 1 | <2> |\n\n**Prompt:** `It was`\n\n"
+        "```text\nIt was <dark>\n```\n\n![loss curves](loss.png)\n"
+    )
+    assert (
+        main(
+            [
+                "report-pages",
+                "--metrics",
+                str(tmp_path / "results/metrics.json"),
+                "--samples",
+                str(samples),
+                "--run-config",
+                json.dumps({"experiment": "x", "eval": {"seed": 1}}),
+                "--out-dir",
+                str(tmp_path / "pages"),
+            ]
+        )
+        == 0
+    )
     pages = {p.name: p.read_text() for p in (tmp_path / "pages").iterdir()}
     assert set(pages) == {"metrics.html", "hellaswag.html", "samples.html", "config.html"}
     assert "<td>base</td><td>188,480</td><td>600</td><td>3.0000</td>" in pages["metrics.html"]

@@ -21,15 +21,17 @@ def write_inputs(tmp_path, n_books=6, n_web=300):
         books["title"].append(f"Book {b}")
         books["text"].append("\n\n".join(paras))
     pq.write_table(pa.table(books), tmp_path / "books.parquet")
-    web = {"source": ["fineweb"] * n_web, "doc_id": [f"<urn:uuid:{i:06d}>" for i in range(n_web)],
-           "text": [f"Web page {i} about fractions and maps." for i in range(n_web)]}
+    web = {
+        "source": ["fineweb"] * n_web,
+        "doc_id": [f"<urn:uuid:{i:06d}>" for i in range(n_web)],
+        "text": [f"Web page {i} about fractions and maps." for i in range(n_web)],
+    }
     pq.write_table(pa.table(web), tmp_path / "web.parquet")
     return tmp_path / "books.parquet", tmp_path / "web.parquet"
 
 
 def section(**over):
-    return {"weights": {"gutenberg": 1.0, "fineweb": 1.0}, "val_fraction": 0.1, "chunk_bytes": 1024, "seed": 0,
-            **over}
+    return {"weights": {"gutenberg": 1.0, "fineweb": 1.0}, "val_fraction": 0.1, "chunk_bytes": 1024, "seed": 0, **over}
 
 
 def run(tmp_path, cfg, name="c"):
@@ -66,8 +68,10 @@ def test_split_is_a_partition_and_deterministic(tmp_path):
     for split, rows in (("train", train), ("val", val)):
         for source in ("gutenberg", "fineweb"):
             mine = [r for r in rows if r["source"] == source]
-            assert summary[split][source] == {"documents": len(mine),
-                                              "bytes": sum(len(r["text"].encode()) for r in mine)}
+            assert summary[split][source] == {
+                "documents": len(mine),
+                "bytes": sum(len(r["text"].encode()) for r in mine),
+            }
 
 
 def test_book_text_is_kept_whole_across_pieces(tmp_path):
@@ -145,8 +149,9 @@ def test_duckdb_runs_with_a_memory_budget_and_spills(tmp_path):
 
     spill = tmp_path / ".duckdb_tmp"
     with duckdb_connection(spill) as con:
-        limit, threads, tmp = con.execute("SELECT current_setting('memory_limit'), current_setting('threads'), "
-                                          "current_setting('temp_directory')").fetchone()
+        limit, threads, tmp = con.execute(
+            "SELECT current_setting('memory_limit'), current_setting('threads'), current_setting('temp_directory')"
+        ).fetchone()
         assert threads == 1 and tmp == str(spill)
         assert limit.endswith(("GiB", "GB")) and float(limit.split()[0]) <= 2.0
     assert not spill.exists()

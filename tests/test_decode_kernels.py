@@ -13,7 +13,7 @@ from nanoeuler.kernels.decode import FAMILIES
 
 def test_every_family_and_launcher_has_a_selftest_row():
     tests = (KERNEL_DIR.parent / "checks" / "selftest_decode.py").read_text()
-    cased = {fn.__name__[len("case_decode_"):] for fn, *_ in CASES_DECODE}
+    cased = {fn.__name__[len("case_decode_") :] for fn, *_ in CASES_DECODE}
     assert cased == set(FAMILIES)
     for family in FAMILIES:
         launchers = re.findall(r"^def (\w+)\(go\b", (KERNEL_DIR / "decode" / f"{family}.py").read_text(), flags=re.M)

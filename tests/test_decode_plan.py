@@ -55,11 +55,14 @@ def test_variants_follow_the_model_and_the_gpu():
     assert not plan.choose_variants(_cfg(dim=256, n_heads=8, n_kv_heads=1), "bf16", cc=90).attend_kv
 
 
-@pytest.mark.parametrize("kw,dtype,match", [
-    ({}, "fp16", "dtype must be bf16 or fp32"),
-    ({"vocab_size": 70000}, "bf16", "vocabularies of up to 65536"),
-    ({"dim": 132, "n_heads": 2, "n_kv_heads": 1}, "bf16", "divisible by 8"),
-])
+@pytest.mark.parametrize(
+    "kw,dtype,match",
+    [
+        ({}, "fp16", "dtype must be bf16 or fp32"),
+        ({"vocab_size": 70000}, "bf16", "vocabularies of up to 65536"),
+        ({"dim": 132, "n_heads": 2, "n_kv_heads": 1}, "bf16", "divisible by 8"),
+    ],
+)
 def test_unsupported_models_are_one_clear_error(kw, dtype, match):
     with pytest.raises(ValueError, match=match):
         plan.choose_variants(_cfg(**kw), dtype, cc=90)

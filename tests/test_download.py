@@ -253,17 +253,26 @@ def test_a_new_source_replaces_the_cached_file(tmp_path):
 
 # ---- the stages over HTTP, in the real sources' layouts ----------------------------------------
 
+
 def _book(title: str) -> bytes:
-    return (f"Title: {title}\n\n*** START OF THE PROJECT GUTENBERG EBOOK {title.upper()} ***\n"
-            f"The text of {title}.\n*** END OF THE PROJECT GUTENBERG EBOOK {title.upper()} ***\n").encode()
+    return (
+        f"Title: {title}\n\n*** START OF THE PROJECT GUTENBERG EBOOK {title.upper()} ***\n"
+        f"The text of {title}.\n*** END OF THE PROJECT GUTENBERG EBOOK {title.upper()} ***\n"
+    ).encode()
 
 
 def test_gutenberg_stage_over_http(server, tmp_path):
     server.files["/cache/epub/1/pg1.txt"] = _book("One")
     server.files["/cache/epub/2/pg2.txt"] = _book("Two")
     server.plans["/cache/epub/2/pg2.txt"] = ["cut"]
-    section = {"ids": [1, 2, 3], "url_template": server.url + "/cache/epub/{id}/pg{id}.txt",
-               "skip_bad": False, "delay_s": 0.0, "timeout_s": 5.0, "retries": 2}
+    section = {
+        "ids": [1, 2, 3],
+        "url_template": server.url + "/cache/epub/{id}/pg{id}.txt",
+        "skip_bad": False,
+        "delay_s": 0.0,
+        "timeout_s": 5.0,
+        "retries": 2,
+    }
     out = tmp_path / "books.parquet"
     with pytest.raises(UserError, match=r"/cache/epub/3/pg3.txt not found"):
         gutenberg.build(section, tmp_path / "raw", out)
@@ -271,18 +280,29 @@ def test_gutenberg_stage_over_http(server, tmp_path):
     gutenberg.build({**section, "skip_bad": True}, tmp_path / "raw", out)
     rows = pq.read_table(out).to_pylist()
     assert [(r["doc_id"], r["title"], r["text"]) for r in rows] == [
-        ("1", "One", "The text of One."), ("2", "Two", "The text of Two.")]
+        ("1", "One", "The text of One."),
+        ("2", "Two", "The text of Two."),
+    ]
 
 
 def test_fineweb_stage_over_http(server, tmp_path):
-    table = pa.table({"text": ["alpha " * 50, "beta " * 50], "id": ["a", "b"],
-                      "int_score": [3, 4], "language_score": [0.95, 0.97]})
+    table = pa.table(
+        {"text": ["alpha " * 50, "beta " * 50], "id": ["a", "b"], "int_score": [3, 4], "language_score": [0.95, 0.97]}
+    )
     local = tmp_path / "f.parquet"
     pq.write_table(table, local)
     server.files[HUB + "/000_00000.parquet"] = local.read_bytes()
-    section = {"base_url": server.url + HUB, "files": ["000_00000.parquet"], "min_int_score": 3,
-               "min_language_score": 0.9, "byte_budget": 10**9, "seed": 0, "delay_s": 0.0,
-               "timeout_s": 5.0, "retries": 2}
+    section = {
+        "base_url": server.url + HUB,
+        "files": ["000_00000.parquet"],
+        "min_int_score": 3,
+        "min_language_score": 0.9,
+        "byte_budget": 10**9,
+        "seed": 0,
+        "delay_s": 0.0,
+        "timeout_s": 5.0,
+        "retries": 2,
+    }
     fineweb.build(section, tmp_path / "raw", tmp_path / "web.parquet")
     assert (tmp_path / "raw" / "000_00000.parquet").read_bytes() == local.read_bytes()
     assert sorted(pq.read_table(tmp_path / "web.parquet").column("doc_id").to_pylist()) == ["a", "b"]

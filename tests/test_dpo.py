@@ -15,8 +15,11 @@ from train_fixtures import make_tokenizer, save_random_model, write_config, writ
 PAIRS = [
     {"prompt": "Name a color.\n", "chosen": "Blue.", "rejected": "I will not."},
     {"prompt": "What is the capital of France?\n", "chosen": "Paris.", "rejected": "Rome, of course."},
-    {"prompt": "Give three tips for staying healthy.\n", "chosen": "Eat well, sleep well, walk.",
-     "rejected": "the sea was calm " * 30},
+    {
+        "prompt": "Give three tips for staying healthy.\n",
+        "chosen": "Eat well, sleep well, walk.",
+        "rejected": "the sea was calm " * 30,
+    },
     {"prompt": "Translate to French: the sea\n", "chosen": "La mer", "rejected": "The sea"},
 ]
 
@@ -39,9 +42,20 @@ def nanoeuler(*args, check=True):
 def setup(tmp_path):
     tok = make_tokenizer()
     save_random_model(tmp_path / "chat.bin", tok)
-    conf = write_config(tmp_path / "c.yaml", dpo={"epochs": 2, "batch_size": 4, "lr": 1e-3, "warmup_steps": 1,
-                                                  "val_pairs": 4, "log_every": 1, "eval_every": 3,
-                                                  "checkpoint_every": 2, "beta": 0.5})
+    conf = write_config(
+        tmp_path / "c.yaml",
+        dpo={
+            "epochs": 2,
+            "batch_size": 4,
+            "lr": 1e-3,
+            "warmup_steps": 1,
+            "val_pairs": 4,
+            "log_every": 1,
+            "eval_every": 3,
+            "checkpoint_every": 2,
+            "beta": 0.5,
+        },
+    )
     prefs = write_pairs(tmp_path / "prefs.jsonl")
     return tmp_path, conf, prefs, tok
 
@@ -62,8 +76,18 @@ def test_pair_batch_puts_chosen_rows_first_and_marks_responses_on_head_0():
 
 def test_reference_and_dpo_stages_train_resume_and_score(setup):
     tmp, conf, prefs, tok = setup
-    nanoeuler("ref-logps", "--config", conf, "--ckpt", tmp / "chat.bin", "--prefs", prefs, "--out", tmp / "ref.npz",
-              "--no-progress")
+    nanoeuler(
+        "ref-logps",
+        "--config",
+        conf,
+        "--ckpt",
+        tmp / "chat.bin",
+        "--prefs",
+        prefs,
+        "--out",
+        tmp / "ref.npz",
+        "--no-progress",
+    )
     with np.load(tmp / "ref.npz") as z:
         ref, meta = z["logps"], json.loads(str(z["meta"]))
     assert ref.shape == (24, 2) and (ref < 0).all() and meta["pairs"] == 24
@@ -72,8 +96,20 @@ def test_reference_and_dpo_stages_train_resume_and_score(setup):
     ex, _ = P.encode_pairs(P.read_pairs(prefs), tok, cfg.ctx_len)
     assert np.allclose(P.sequence_logps(params, cfg, ex[:3], 3, tok.eot_id, np), ref[:3], rtol=1e-5)
 
-    args = ["dpo", "--config", conf, "--ckpt", tmp / "chat.bin", "--prefs", prefs, "--ref", tmp / "ref.npz",
-            "--out", tmp / "dpo.bin", "--no-progress"]
+    args = [
+        "dpo",
+        "--config",
+        conf,
+        "--ckpt",
+        tmp / "chat.bin",
+        "--prefs",
+        prefs,
+        "--ref",
+        tmp / "ref.npz",
+        "--out",
+        tmp / "dpo.bin",
+        "--no-progress",
+    ]
     out = nanoeuler(*args)
     assert "reward accuracy" in out.stdout
     lines = [json.loads(s) for s in (tmp / "dpo" / "metrics.jsonl").read_text().splitlines()]
@@ -99,11 +135,33 @@ def test_reference_and_dpo_stages_train_resume_and_score(setup):
 
 def test_dpo_refuses_a_reference_of_other_pairs(setup):
     tmp, conf, prefs, tok = setup
-    nanoeuler("ref-logps", "--config", conf, "--ckpt", tmp / "chat.bin", "--prefs", prefs, "--out", tmp / "ref.npz",
-              "--no-progress")
+    nanoeuler(
+        "ref-logps",
+        "--config",
+        conf,
+        "--ckpt",
+        tmp / "chat.bin",
+        "--prefs",
+        prefs,
+        "--out",
+        tmp / "ref.npz",
+        "--no-progress",
+    )
     write_pairs(prefs, n=20)
-    proc = nanoeuler("dpo", "--config", conf, "--ckpt", tmp / "chat.bin", "--prefs", prefs, "--ref", tmp / "ref.npz",
-                     "--out", tmp / "dpo.bin", check=False)
+    proc = nanoeuler(
+        "dpo",
+        "--config",
+        conf,
+        "--ckpt",
+        tmp / "chat.bin",
+        "--prefs",
+        prefs,
+        "--ref",
+        tmp / "ref.npz",
+        "--out",
+        tmp / "dpo.bin",
+        check=False,
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("nanoeuler dpo: error: reference log-probs")
     assert "re-run `nanoeuler ref-logps`" in proc.stderr and not (tmp / "dpo.bin").exists()
@@ -121,12 +179,36 @@ def test_evaluate_shows_the_dpo_answers_beside_the_chat_answers(tmp_path):
     manifest = write_shards(tmp_path / "shards", tok, n_train=1000, n_val=600)
     for seed, name in enumerate(("base", "chat", "dpo")):
         save_random_model(tmp_path / f"{name}.bin", tok, seed=seed)
-    conf = write_config(tmp_path / "c.yaml", eval={"base_prompts": ["It was"], "chat_prompts": ["Name a color.", "Hi"],
-                                                   "max_new_tokens": 4, "val_tokens": 200, "batch_size": 2})
+    conf = write_config(
+        tmp_path / "c.yaml",
+        eval={
+            "base_prompts": ["It was"],
+            "chat_prompts": ["Name a color.", "Hi"],
+            "max_new_tokens": 4,
+            "val_tokens": 200,
+            "batch_size": 2,
+        },
+    )
     out = tmp_path / "out"
-    nanoeuler("evaluate", "--config", conf, "--base", tmp_path / "base.bin", "--chat", tmp_path / "chat.bin",
-              "--dpo", tmp_path / "dpo.bin", "--shards", manifest, "--samples", out / "samples.md",
-              "--metrics", out / "metrics.json", "--plot", out / "loss.png")
+    nanoeuler(
+        "evaluate",
+        "--config",
+        conf,
+        "--base",
+        tmp_path / "base.bin",
+        "--chat",
+        tmp_path / "chat.bin",
+        "--dpo",
+        tmp_path / "dpo.bin",
+        "--shards",
+        manifest,
+        "--samples",
+        out / "samples.md",
+        "--metrics",
+        out / "metrics.json",
+        "--plot",
+        out / "loss.png",
+    )
     m = json.loads((out / "metrics.json").read_text())
     assert m["dpo"]["file"].endswith("dpo.bin") and m["dpo"]["val_loss"] != m["chat"]["val_loss"]
     md = (out / "samples.md").read_text()
@@ -140,10 +222,38 @@ def test_stages_on_the_gpu_track_the_cpu(setup):
     runs = {}
     for dev in ("cpu", "gpu"):
         ref = tmp / f"ref_{dev}.npz"
-        nanoeuler("ref-logps", "--config", conf, "--device", dev, "--ckpt", tmp / "chat.bin", "--prefs", prefs,
-                  "--out", ref, "--no-progress")
-        nanoeuler("dpo", "--config", conf, "--device", dev, "--ckpt", tmp / "chat.bin", "--prefs", prefs, "--ref", ref,
-                  "--out", tmp / f"dpo_{dev}.bin", "--run-dir", tmp / f"run_{dev}", "--no-progress")
+        nanoeuler(
+            "ref-logps",
+            "--config",
+            conf,
+            "--device",
+            dev,
+            "--ckpt",
+            tmp / "chat.bin",
+            "--prefs",
+            prefs,
+            "--out",
+            ref,
+            "--no-progress",
+        )
+        nanoeuler(
+            "dpo",
+            "--config",
+            conf,
+            "--device",
+            dev,
+            "--ckpt",
+            tmp / "chat.bin",
+            "--prefs",
+            prefs,
+            "--ref",
+            ref,
+            "--out",
+            tmp / f"dpo_{dev}.bin",
+            "--run-dir",
+            tmp / f"run_{dev}",
+            "--no-progress",
+        )
         with np.load(ref) as z:
             metrics = (tmp / f"run_{dev}" / "metrics.jsonl").read_text().splitlines()
             runs[dev] = (z["logps"], [json.loads(s) for s in metrics])

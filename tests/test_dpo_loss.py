@@ -22,7 +22,7 @@ def pair_problem(seed=0, pairs=3, T=7, cfg=problem.CHECK_CONFIG):
         n_prompt = 2 + i % 3
         seqs[pairs + i, :n_prompt] = seqs[i, :n_prompt]  # chosen and rejected share the prompt
         for b, end in ((i, T), (pairs + i, n_prompt + (1 if i == 0 else T - n_prompt - 1))):
-            targets[b, n_prompt - 1:end, 0] = seqs[b, n_prompt:end + 1]
+            targets[b, n_prompt - 1 : end, 0] = seqs[b, n_prompt : end + 1]
     ref = rng.normal(-8.0, 2.0, size=2 * pairs)
     return params, seqs[:, :T], targets, ref
 
@@ -44,8 +44,9 @@ def reference_loss(params, inputs, targets, ref, cfg, beta, eps):
 def test_loss_matches_full_logits_and_gradients_match_finite_differences(beta, eps):
     cfg = problem.CHECK_CONFIG
     params, inputs, targets, ref = pair_problem(seed=1)
-    loss, grads = transformer.loss_and_grads(params, inputs, targets, cfg,
-                                             head_loss=dpo.dpo_head_loss(ref, beta=beta, label_smoothing=eps))
+    loss, grads = transformer.loss_and_grads(
+        params, inputs, targets, cfg, head_loss=dpo.dpo_head_loss(ref, beta=beta, label_smoothing=eps)
+    )
     assert loss == pytest.approx(reference_loss(params, inputs, targets, ref, cfg, beta, eps), rel=1e-12)
     rng = np.random.default_rng(0)
     h, worst = gradcheck.STEP, 0.0
@@ -54,8 +55,7 @@ def test_loss_matches_full_logits_and_gradients_match_finite_differences(beta, e
         if name.startswith("mtp_heads."):
             assert not g.any()  # DPO trains head 0 only
             continue
-        picks = np.unique(np.append(rng.choice(p.size, size=min(p.size, 12), replace=False),
-                                    np.argmax(np.abs(g))))
+        picks = np.unique(np.append(rng.choice(p.size, size=min(p.size, 12), replace=False), np.argmax(np.abs(g))))
         for j in picks:
             idx = np.unravel_index(j, p.shape)
             orig = p[idx]
@@ -74,8 +74,18 @@ def test_gradients_match_torch_autograd():
     torch = pytest.importorskip("torch")
     from test_torch_oracle import torch_final_state
 
-    cfg = ModelConfig(vocab_size=17, dim=16, n_layers=2, n_heads=4, n_kv_heads=1, ctx_len=12,
-                      ffn_hidden=20, mtp_heads=2, rope_theta=10000.0, norm_eps=1e-5)
+    cfg = ModelConfig(
+        vocab_size=17,
+        dim=16,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=1,
+        ctx_len=12,
+        ffn_hidden=20,
+        mtp_heads=2,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+    )
     params, inputs, targets, ref = pair_problem(seed=4, pairs=4, T=9, cfg=cfg)
     beta, eps = 0.5, 0.1
     P = {n: torch.tensor(p, dtype=torch.float64, requires_grad=True) for n, p in params.items()}
@@ -87,8 +97,9 @@ def test_gradients_match_torch_autograd():
     h = beta * (d[:4] - d[4:])
     want = (-(1 - eps) * F_logsigmoid(torch, h) - eps * F_logsigmoid(torch, -h)).mean()
     want.backward()
-    loss, grads = transformer.loss_and_grads(params, inputs, targets, cfg,
-                                             head_loss=dpo.dpo_head_loss(ref, beta=beta, label_smoothing=eps))
+    loss, grads = transformer.loss_and_grads(
+        params, inputs, targets, cfg, head_loss=dpo.dpo_head_loss(ref, beta=beta, label_smoothing=eps)
+    )
     assert abs(loss - want.item()) <= 1e-10 * abs(want.item())
     worst = 0.0
     for name in params:
@@ -118,8 +129,9 @@ def test_pair_loss_at_zero_margin_and_extremes():
 def test_bad_reference_shape_is_refused():
     params, inputs, targets, ref = pair_problem(seed=2, pairs=2)
     with pytest.raises(ValueError, match="reference"):
-        transformer.loss_and_grads(params, inputs, targets, problem.CHECK_CONFIG,
-                                   head_loss=dpo.dpo_head_loss(ref[:3], beta=0.1))
+        transformer.loss_and_grads(
+            params, inputs, targets, problem.CHECK_CONFIG, head_loss=dpo.dpo_head_loss(ref[:3], beta=0.1)
+        )
 
 
 @pytest.mark.gpu
@@ -132,8 +144,13 @@ def test_gpu_gradients_match_cpu():
     loss, grads = transformer.loss_and_grads(params, inputs, targets, cfg, head_loss=fn)
     for dtype, tol in ((np.float64, 1e-10), (np.float32, 1e-5)):
         dev = {n: cp.asarray(p, dtype=dtype) for n, p in params.items()}
-        gl, gg = transformer.loss_and_grads(dev, cp.asarray(inputs), cp.asarray(targets), cfg,
-                                            head_loss=dpo.dpo_head_loss(ref, beta=0.5, label_smoothing=0.1))
+        gl, gg = transformer.loss_and_grads(
+            dev,
+            cp.asarray(inputs),
+            cp.asarray(targets),
+            cfg,
+            head_loss=dpo.dpo_head_loss(ref, beta=0.5, label_smoothing=0.1),
+        )
         assert abs(gl - loss) <= tol * abs(loss)
         worst = 0.0
         for name in params:

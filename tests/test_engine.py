@@ -110,7 +110,6 @@ def test_accept_or_resample_gives_the_target_distribution():
     np.testing.assert_allclose(counts / n, p, atol=0.01)
 
 
-
 def test_sampled_kept_keeps_drafts_drawn_from_the_target_and_stops_at_an_impossible_one():
     """A draft drawn from head 0's own distribution (q = p) always stands, and the token after the last row is
     drawn from it; a draft head 0 gives probability 0 falls, and its replacement comes from p - q."""
@@ -126,8 +125,9 @@ def test_sampled_kept_keeps_drafts_drawn_from_the_target_and_stops_at_an_impossi
     banned[1, 2] = -np.inf  # head 0 never picks token 2 after row 1
     q = np.eye(6)[2]  # the draft head was sure of token 2
     for seed in range(20):
-        a, tok = sampled_kept(banned, np.array([0, int(np.argmax(ps[0])), 2, 0]), [ps[0], q, ps[2]],
-                              np.random.default_rng(seed), s)
+        a, tok = sampled_kept(
+            banned, np.array([0, int(np.argmax(ps[0])), 2, 0]), [ps[0], q, ps[2]], np.random.default_rng(seed), s
+        )
         assert a == 1 and tok != 2
 
 
@@ -178,8 +178,22 @@ def test_sample_command_speculative_prints_the_same_greedy_text(tmp_path):
     from train_fixtures import make_tokenizer, save_random_model
 
     save_random_model(tmp_path / "m.bin", make_tokenizer())
-    cmd = [sys.executable, "-m", "nanoeuler", "sample", "--ckpt", str(tmp_path / "m.bin"), "--prompt", "It was",
-           "--max-new-tokens", "20", "--temperature", "0", "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanoeuler",
+        "sample",
+        "--ckpt",
+        str(tmp_path / "m.bin"),
+        "--prompt",
+        "It was",
+        "--max-new-tokens",
+        "20",
+        "--temperature",
+        "0",
+        "--device",
+        "cpu",
+    ]
     plain = subprocess.run(cmd + ["--no-speculative"], capture_output=True, text=True, timeout=60)
     spec = subprocess.run(cmd + ["--speculative"], capture_output=True, text=True, timeout=60)
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
@@ -403,7 +417,7 @@ def test_long_prefill_in_shares_equals_the_model(monkeypatch):
     ref = cpu.CpuBackend(params, cfg, threads=1)
     ref.start(1)
     for t in range(len(ids)):  # one row at a time: the decode path
-        ref.verify(np.array(ids[t:t + 1]), t)
+        ref.verify(np.array(ids[t : t + 1]), t)
     for threads in (1, 2, 3):
         be = cpu.CpuBackend(params, cfg, threads=threads)
         workers = set()

@@ -144,8 +144,9 @@ def test_tensor_core_gemv_matches_the_float_gemv():
     the down projection on the 8-chunk kernels, the rest on the 4-chunk ones."""
     from nanoeuler.infer.gpu import GpuBackend
 
-    cfg = ModelConfig(vocab_size=300, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=48, mtp_heads=4,
-                      ffn_hidden=1536)
+    cfg = ModelConfig(
+        vocab_size=300, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=48, mtp_heads=4, ffn_hidden=1536
+    )
     params = transformer.init_params(cfg, seed=5, dtype=np.float64)
     cpu = DecodeEngine.from_params(params, cfg, "cpu").backend
     tc, ffma = GpuBackend(params, cfg, "bf16"), GpuBackend(params, cfg, "bf16")
@@ -181,9 +182,10 @@ def test_programmatic_dependent_launch_changes_nothing(model):
     np.testing.assert_array_equal(on.prefill(0, ids), off.prefill(0, ids))
     for _ in range(3):  # eager, recorded, replayed
         np.testing.assert_allclose(on.verify(ids[:4], 21), off.verify(ids[:4], 21), rtol=1e-4, atol=1e-4)
-    prompts = [list(ids[:3 + i % 7]) for i in range(20)]
-    assert (DecodeEngine(on, cfg).generate(prompts, 6, GREEDY, speculative=False)
-            == DecodeEngine(off, cfg).generate(prompts, 6, GREEDY, speculative=False))
+    prompts = [list(ids[: 3 + i % 7]) for i in range(20)]
+    assert DecodeEngine(on, cfg).generate(prompts, 6, GREEDY, speculative=False) == DecodeEngine(off, cfg).generate(
+        prompts, 6, GREEDY, speculative=False
+    )
 
 
 def test_sampling_kernel_draws_from_sampling_probs(model):

@@ -8,8 +8,11 @@ from nanoeuler.kernels.bf16.plan import ALIGN, choose_variants, plan_layout
 from nanoeuler.model.config import ModelConfig
 from nanoeuler.optim import default_no_decay
 
-CFGS = [ModelConfig.named("gpu"), ModelConfig.named("small"),
-        ModelConfig(vocab_size=97, dim=48, n_layers=3, n_heads=3, n_kv_heads=1, ctx_len=32, mtp_heads=1)]
+CFGS = [
+    ModelConfig.named("gpu"),
+    ModelConfig.named("small"),
+    ModelConfig(vocab_size=97, dim=48, n_layers=3, n_heads=3, n_kv_heads=1, ctx_len=32, mtp_heads=1),
+]
 
 
 @pytest.mark.parametrize("cfg", CFGS, ids=["preset-116M", "preset-1M", "odd"])
@@ -57,8 +60,9 @@ def test_variants_pick_the_fastest_that_applies_and_refuse_the_rest():
     with pytest.raises(ValueError, match="fuse_swiglu"):
         choose_variants(small, 128, fuse_swiglu=True, sm90a=True)
     with pytest.raises(ValueError, match="head_dim 6 not supported"):
-        choose_variants(ModelConfig(vocab_size=9, dim=12, n_layers=1, n_heads=2, n_kv_heads=1, ctx_len=8), 8,
-                        sm90a=True)
+        choose_variants(
+            ModelConfig(vocab_size=9, dim=12, n_layers=1, n_heads=2, n_kv_heads=1, ctx_len=8), 8, sm90a=True
+        )
 
 
 @pytest.mark.parametrize("cfg", CFGS[:2], ids=["gpu-preset", "small"])
@@ -78,8 +82,9 @@ def test_engine_bytes_invariants(cfg):
     N, L, C = 8 * 128, cfg.n_layers, cfg.dim
     per_layer = (base["activations"] - 2 * N * C * 4) // L  # two alternating stream buffers without
     assert ckpt["activations"] == per_layer + L * N * C * 4
-    assert {k: v for k, v in ckpt.items() if k != "activations"} == {k: v for k, v in base.items()
-                                                                     if k != "activations"}
+    assert {k: v for k, v in ckpt.items() if k != "activations"} == {
+        k: v for k, v in base.items() if k != "activations"
+    }
     double = engine_bytes(cfg, 16, 128, **kw)
     assert double["activations"] == 2 * base["activations"]
     assert all(double[k] == base[k] for k in ("params", "grads", "moments", "image", "wdt"))

@@ -28,18 +28,45 @@ def setup(tmp_path_factory):
         for s in range(1, 21):
             f.write(json.dumps({"step": s, "loss": 6 - s / 10}) + "\n")
         f.write(json.dumps({"step": 20, "val_loss": 4.5}) + "\n")
-    conf = write_config(d / "c.yaml", eval={"base_prompts": ["It was", "```fence```"],
-                                           "chat_prompts": ["Name a color."],
-                                           "max_new_tokens": 6, "val_tokens": 500, "batch_size": 3})
+    conf = write_config(
+        d / "c.yaml",
+        eval={
+            "base_prompts": ["It was", "```fence```"],
+            "chat_prompts": ["Name a color."],
+            "max_new_tokens": 6,
+            "val_tokens": 500,
+            "batch_size": 3,
+        },
+    )
     return d, tok, manifest, conf
 
 
 def evaluate(d, conf, manifest, chat="chat.bin"):
     return subprocess.run(
-        [sys.executable, "-m", "nanoeuler", "evaluate", "--config", str(conf), "--base", str(d / "base.bin"),
-         "--chat", str(d / chat), "--shards", str(manifest), "--samples", str(d / "out" / "samples.md"),
-         "--metrics", str(d / "out" / "metrics.json"), "--plot", str(d / "out" / "loss.png")],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "nanoeuler",
+            "evaluate",
+            "--config",
+            str(conf),
+            "--base",
+            str(d / "base.bin"),
+            "--chat",
+            str(d / chat),
+            "--shards",
+            str(manifest),
+            "--samples",
+            str(d / "out" / "samples.md"),
+            "--metrics",
+            str(d / "out" / "metrics.json"),
+            "--plot",
+            str(d / "out" / "loss.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_evaluate_writes_samples_metrics_and_plot(setup):

@@ -81,8 +81,14 @@ def test_416_for_a_complete_part_keeps_it(srv, tmp_path):
 
 # ---- faults no retry fixes: one request, one line, no output ----------------------------------------
 
-PERMANENT = {"404": "not found", "410": "not found", "403": "HTTP 403", "401": "HTTP 401",
-             "html200": "HTML page", "416": "HTTP 416"}
+PERMANENT = {
+    "404": "not found",
+    "410": "not found",
+    "403": "HTTP 403",
+    "401": "HTTP 401",
+    "html200": "HTML page",
+    "416": "HTTP 416",
+}
 
 
 @pytest.mark.parametrize("fault,message", list(PERMANENT.items()), ids=list(PERMANENT))
@@ -110,6 +116,7 @@ def test_a_short_content_length_is_caught_by_the_checksum(srv, tmp_path):
 
 
 # ---- servers that never behave: bounded in attempts and in time ------------------------------------
+
 
 def test_5xx_forever_stops_after_the_retries(srv, tmp_path):
     srv.always("/f.bin", "503")
@@ -169,6 +176,7 @@ def test_backoff_that_would_pass_max_time_gives_up_early(srv, tmp_path, monkeypa
 
 # ---- no network: the cause, quickly ------------------------------------------------------------------
 
+
 @pytest.fixture
 def offline(monkeypatch):
     """Name lookups of *.invalid hosts fail as they do without DNS; counts the lookups."""
@@ -187,15 +195,24 @@ def offline(monkeypatch):
 
 def test_an_unresolvable_host_is_tried_twice_and_named(offline, tmp_path):
     t0 = time.monotonic()
-    with pytest.raises(NetworkError, match=r"could not resolve host offline\.invalid "
-                                           r"\(Temporary failure in name resolution\)"):
+    with pytest.raises(
+        NetworkError,
+        match=r"could not resolve host offline\.invalid "
+        r"\(Temporary failure in name resolution\)",
+    ):
         fetch("http://offline.invalid/a.json", tmp_path / "a.json", backoff_s=0.01, retries=8)
     assert len(offline) == 2 and time.monotonic() - t0 < 2
 
 
 def test_skip_bad_does_not_skip_past_a_missing_network(offline, tmp_path):
-    section = {"ids": [1, 2, 3], "url_template": "http://offline.invalid/{id}.txt", "skip_bad": True,
-               "delay_s": 0.0, "timeout_s": 1.0, "retries": 5}
+    section = {
+        "ids": [1, 2, 3],
+        "url_template": "http://offline.invalid/{id}.txt",
+        "skip_bad": True,
+        "delay_s": 0.0,
+        "timeout_s": 1.0,
+        "retries": 5,
+    }
     with pytest.raises(NetworkError):
         gutenberg.build(section, tmp_path / "raw", tmp_path / "books.parquet")
     assert set(offline) == {"offline.invalid"} and len(offline) == 2  # the first book only
@@ -205,14 +222,17 @@ def test_the_cli_ends_with_the_cause(offline, tmp_path, capsys):
     from nanoeuler.cli import main
 
     params = json.dumps({"alpaca": {"url": "http://offline.invalid/alpaca_data.json", "retries": 8}})
-    assert main(["alpaca", "--params", params, "--raw-dir", str(tmp_path / "raw"),
-                 "--out", str(tmp_path / "a.jsonl")]) == 1
+    assert (
+        main(["alpaca", "--params", params, "--raw-dir", str(tmp_path / "raw"), "--out", str(tmp_path / "a.jsonl")])
+        == 1
+    )
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("nanoeuler alpaca: error: ") and "could not resolve host offline.invalid" in last
     assert not (tmp_path / "a.jsonl").exists()
 
 
 # ---- the cache: reused only while it is what its source is --------------------------------------------
+
 
 def test_an_error_page_is_not_cached_and_is_named(srv, tmp_path):
     srv.plan("/a.json", "text200")  # status 200, text/plain, an HTML body: only the content check sees it

@@ -31,37 +31,172 @@ X = "{X}"  # where the faulty path goes in a command line
 OPTIONS = {
     "--config (any stage)": ["sample", "--config", X, "--ckpt", "{base}"],
     "tokenizer --corpus": ["tokenizer", "--config", "{config}", "--corpus", X, "--out", "{out}/tok.json"],
-    "tokenize --tokenizer": ["tokenize", "--config", "{config}", "--tokenizer", X, "--train", "{corpus}",
-                             "--val", "{corpus}", "--out", "{out}/manifest.json"],
-    "tokenize --train": ["tokenize", "--config", "{config}", "--tokenizer", "{tokenizer}", "--train", X,
-                         "--val", "{corpus}", "--out", "{out}/manifest.json"],
-    "pretrain --tokenizer": ["pretrain", "--config", "{config}", "--shards", "{manifest}", "--tokenizer", X,
-                             "--out", "{out}/base.bin"],
-    "pretrain --shards": ["pretrain", "--config", "{config}", "--shards", X, "--tokenizer", "{tokenizer}",
-                          "--out", "{out}/base.bin"],
+    "tokenize --tokenizer": [
+        "tokenize",
+        "--config",
+        "{config}",
+        "--tokenizer",
+        X,
+        "--train",
+        "{corpus}",
+        "--val",
+        "{corpus}",
+        "--out",
+        "{out}/manifest.json",
+    ],
+    "tokenize --train": [
+        "tokenize",
+        "--config",
+        "{config}",
+        "--tokenizer",
+        "{tokenizer}",
+        "--train",
+        X,
+        "--val",
+        "{corpus}",
+        "--out",
+        "{out}/manifest.json",
+    ],
+    "pretrain --tokenizer": [
+        "pretrain",
+        "--config",
+        "{config}",
+        "--shards",
+        "{manifest}",
+        "--tokenizer",
+        X,
+        "--out",
+        "{out}/base.bin",
+    ],
+    "pretrain --shards": [
+        "pretrain",
+        "--config",
+        "{config}",
+        "--shards",
+        X,
+        "--tokenizer",
+        "{tokenizer}",
+        "--out",
+        "{out}/base.bin",
+    ],
     "sft --base": ["sft", "--config", "{config}", "--base", X, "--data", "{alpaca}", "--out", "{out}/chat.bin"],
     "sft --data": ["sft", "--config", "{config}", "--base", "{base}", "--data", X, "--out", "{out}/chat.bin"],
-    "hellaswag-eval --ckpt": ["hellaswag-eval", "--config", "{config}", "--ckpt", X, "--data", "{hellaswag}",
-                              "--name", "base", "--out", "{out}/hs.json"],
-    "hellaswag-eval --data": ["hellaswag-eval", "--config", "{config}", "--ckpt", "{base}", "--data", X,
-                              "--name", "base", "--out", "{out}/hs.json"],
-    "ref-logps --ckpt": ["ref-logps", "--config", "{config}", "--ckpt", X, "--prefs", "{prefs}",
-                         "--out", "{out}/ref.npz", "--no-progress"],
-    "ref-logps --prefs": ["ref-logps", "--config", "{config}", "--ckpt", "{base}", "--prefs", X,
-                          "--out", "{out}/ref.npz", "--no-progress"],
-    "dpo --ref": ["dpo", "--config", "{config}", "--ckpt", "{base}", "--prefs", "{prefs}", "--ref", X,
-                  "--out", "{out}/dpo.bin", "--no-progress"],
-    "evaluate --hellaswag": ["evaluate", "--config", "{config}", "--base", "{base}", "--chat", "{base}", "--shards",
-                             "{manifest}", "--samples", "{out}/samples.md", "--metrics", "{out}/metrics.json",
-                             "--plot", "{out}/loss.png", "--hellaswag", X],
-    "report-pages --metrics": ["report-pages", "--metrics", X, "--samples", "{samples}", "--run-config", "{{}}",
-                               "--out-dir", "{out}"],
-    "report-pages --samples": ["report-pages", "--metrics", "{metrics}", "--samples", X, "--run-config", "{{}}",
-                               "--out-dir", "{out}"],
+    "hellaswag-eval --ckpt": [
+        "hellaswag-eval",
+        "--config",
+        "{config}",
+        "--ckpt",
+        X,
+        "--data",
+        "{hellaswag}",
+        "--name",
+        "base",
+        "--out",
+        "{out}/hs.json",
+    ],
+    "hellaswag-eval --data": [
+        "hellaswag-eval",
+        "--config",
+        "{config}",
+        "--ckpt",
+        "{base}",
+        "--data",
+        X,
+        "--name",
+        "base",
+        "--out",
+        "{out}/hs.json",
+    ],
+    "ref-logps --ckpt": [
+        "ref-logps",
+        "--config",
+        "{config}",
+        "--ckpt",
+        X,
+        "--prefs",
+        "{prefs}",
+        "--out",
+        "{out}/ref.npz",
+        "--no-progress",
+    ],
+    "ref-logps --prefs": [
+        "ref-logps",
+        "--config",
+        "{config}",
+        "--ckpt",
+        "{base}",
+        "--prefs",
+        X,
+        "--out",
+        "{out}/ref.npz",
+        "--no-progress",
+    ],
+    "dpo --ref": [
+        "dpo",
+        "--config",
+        "{config}",
+        "--ckpt",
+        "{base}",
+        "--prefs",
+        "{prefs}",
+        "--ref",
+        X,
+        "--out",
+        "{out}/dpo.bin",
+        "--no-progress",
+    ],
+    "evaluate --hellaswag": [
+        "evaluate",
+        "--config",
+        "{config}",
+        "--base",
+        "{base}",
+        "--chat",
+        "{base}",
+        "--shards",
+        "{manifest}",
+        "--samples",
+        "{out}/samples.md",
+        "--metrics",
+        "{out}/metrics.json",
+        "--plot",
+        "{out}/loss.png",
+        "--hellaswag",
+        X,
+    ],
+    "report-pages --metrics": [
+        "report-pages",
+        "--metrics",
+        X,
+        "--samples",
+        "{samples}",
+        "--run-config",
+        "{{}}",
+        "--out-dir",
+        "{out}",
+    ],
+    "report-pages --samples": [
+        "report-pages",
+        "--metrics",
+        "{metrics}",
+        "--samples",
+        X,
+        "--run-config",
+        "{{}}",
+        "--out-dir",
+        "{out}",
+    ],
     "sample --ckpt": ["sample", "--config", "{config}", "--ckpt", X, "--prompt", "The sea"],
     "export-hf --ckpt": ["export-hf", "--ckpt", X, "--out", "{out}/hf"],
-    "alpaca (a local url)": ["alpaca", "--params", '{{"alpaca": {{"url": "X_URL", "sha256": null}}}}',
-                             "--out", "{out}/alpaca.jsonl", "--raw-dir", "{raw}"],
+    "alpaca (a local url)": [
+        "alpaca",
+        "--params",
+        '{{"alpaca": {{"url": "X_URL", "sha256": null}}}}',
+        "--out",
+        "{out}/alpaca.jsonl",
+        "--raw-dir",
+        "{raw}",
+    ],
 }
 
 FAULTS = ["directory", "missing", "symlink loop", "sparse 2 GB", "/dev/zero", "FIFO", "wrong format"]
@@ -102,12 +237,18 @@ def valid_inputs(d: Path) -> dict[str, str]:
     (d / "metrics.json").write_text(json.dumps({"base": {"val_loss": 3.0, "steps": 1}}))
     (d / "samples.md").write_text("# Samples\n")
     np.save(d / "unused.npy", np.zeros(1))
-    return {"config": str(write_config(d / "config.yaml", eval={"max_new_tokens": 4})),
-            "tokenizer": str(d / "tokenizer.json"), "base": str(d / "base.bin"),
-            "corpus": str(d / "corpus.parquet"), "manifest": str(write_shards(d / "shards", tok)),
-            "alpaca": str(write_alpaca(d / "alpaca.jsonl")), "prefs": str(d / "prefs.jsonl"),
-            "hellaswag": str(d / "hellaswag.jsonl"), "metrics": str(d / "metrics.json"),
-            "samples": str(d / "samples.md")}
+    return {
+        "config": str(write_config(d / "config.yaml", eval={"max_new_tokens": 4})),
+        "tokenizer": str(d / "tokenizer.json"),
+        "base": str(d / "base.bin"),
+        "corpus": str(d / "corpus.parquet"),
+        "manifest": str(write_shards(d / "shards", tok)),
+        "alpaca": str(write_alpaca(d / "alpaca.jsonl")),
+        "prefs": str(d / "prefs.jsonl"),
+        "hellaswag": str(d / "hellaswag.jsonl"),
+        "metrics": str(d / "metrics.json"),
+        "samples": str(d / "samples.md"),
+    }
 
 
 # Runs in the child: each case through the real command-line entry point, one JSON result per case.
@@ -145,8 +286,11 @@ DRIVER = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def outcomes(request, tmp_path_factory):
     """{(option, fault): (result, faulty path, output folder)} for the selected cases, from one child."""
-    selected = {(item.callspec.params["option"], item.callspec.params["fault"]) for item in request.session.items
-                if item.module is request.module and hasattr(item, "callspec")}
+    selected = {
+        (item.callspec.params["option"], item.callspec.params["fault"])
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    }
     base = tmp_path_factory.mktemp("faults")
     inputs = valid_inputs(base)
     cases, where = {}, {}
@@ -163,11 +307,23 @@ def outcomes(request, tmp_path_factory):
             where[(option, fault)] = (bad, case / "out")
     import nanoeuler  # the child runs the code this test imported
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(nanoeuler.__file__).parents[1])] + sys.path),
-           # one BLAS thread: each thread's buffers count against the address-space limit on a many-core host
-           "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(cases), capture_output=True, text=True,
-                          env=env, timeout=1800, cwd=base)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(nanoeuler.__file__).parents[1])] + sys.path),
+        # one BLAS thread: each thread's buffers count against the address-space limit on a many-core host
+        "OPENBLAS_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+        cwd=base,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     return {key: (results[f"{key[0]}|{key[1]}"], *where[key]) for key in where}

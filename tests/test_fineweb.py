@@ -13,36 +13,71 @@ from nanoeuler.config import REPO_ROOT, load_config
 from nanoeuler.data import fineweb
 from nanoeuler.errors import UserError
 
-COLUMNS = ["text", "id", "dump", "url", "date", "file_path", "language", "language_score", "token_count",
-           "score", "int_score"]
+COLUMNS = [
+    "text",
+    "id",
+    "dump",
+    "url",
+    "date",
+    "file_path",
+    "language",
+    "language_score",
+    "token_count",
+    "score",
+    "int_score",
+]
 
 
 def make_parquet(path, n=200, seed=0, start=0, drop=()):
     rng = random.Random(seed)
     rows = []
     for i in range(start, start + n):
-        words = " ".join(rng.choice(["water", "light", "cell", "énergie", "map", "number"])
-                         for _ in range(rng.randint(5, 120)))
-        rows.append({"text": f"Doc {i}. {words}", "id": f"<urn:uuid:{i:08d}>", "dump": "CC-MAIN-2024-10",
-                     "url": f"https://example.org/{i}", "date": "2024-02-01T00:00:00Z", "file_path": "s3://x",
-                     "language": "en", "language_score": round(rng.uniform(0.5, 1.0), 3),
-                     "token_count": len(words.split()), "score": 0.0, "int_score": rng.randint(1, 5)})
+        words = " ".join(
+            rng.choice(["water", "light", "cell", "énergie", "map", "number"]) for _ in range(rng.randint(5, 120))
+        )
+        rows.append(
+            {
+                "text": f"Doc {i}. {words}",
+                "id": f"<urn:uuid:{i:08d}>",
+                "dump": "CC-MAIN-2024-10",
+                "url": f"https://example.org/{i}",
+                "date": "2024-02-01T00:00:00Z",
+                "file_path": "s3://x",
+                "language": "en",
+                "language_score": round(rng.uniform(0.5, 1.0), 3),
+                "token_count": len(words.split()),
+                "score": 0.0,
+                "int_score": rng.randint(1, 5),
+            }
+        )
     table = pa.Table.from_pylist(rows).drop_columns(list(drop))
     pq.write_table(table, path, row_group_size=50)
     return rows
 
 
 def section(**over):
-    base = {"base_url": "", "files": [], "min_int_score": 3, "min_language_score": 0.8,
-            "byte_budget": 10**9, "seed": 0, "delay_s": 0.0, "timeout_s": 60.0, "retries": 0}
+    base = {
+        "base_url": "",
+        "files": [],
+        "min_int_score": 3,
+        "min_language_score": 0.8,
+        "byte_budget": 10**9,
+        "seed": 0,
+        "delay_s": 0.0,
+        "timeout_s": 60.0,
+        "retries": 0,
+    }
     return {**base, **over}
 
 
 def expected(rows, cfg):
     """The same sample, computed in Python: filter, order by md5(seed:id), longest prefix within budget."""
-    keep = [r for r in rows
-            if (cfg["min_int_score"] is None or r["int_score"] >= cfg["min_int_score"])
-            and (cfg["min_language_score"] is None or r["language_score"] >= cfg["min_language_score"])]
+    keep = [
+        r
+        for r in rows
+        if (cfg["min_int_score"] is None or r["int_score"] >= cfg["min_int_score"])
+        and (cfg["min_language_score"] is None or r["language_score"] >= cfg["min_language_score"])
+    ]
     keep.sort(key=lambda r: hashlib.md5(f"{cfg['seed']}:{r['id']}".encode()).hexdigest())
     out, total = [], 0
     for r in keep:
@@ -83,8 +118,9 @@ def test_budget_larger_than_the_data_keeps_every_filtered_document(tmp_path):
 
 def test_null_thresholds_filter_nothing(tmp_path):
     rows = make_parquet(tmp_path / "a.parquet", n=50)
-    fineweb.sample([tmp_path / "a.parquet"], section(min_int_score=None, min_language_score=None),
-                   tmp_path / "web.parquet")
+    fineweb.sample(
+        [tmp_path / "a.parquet"], section(min_int_score=None, min_language_score=None), tmp_path / "web.parquet"
+    )
     assert len(read_ids(tmp_path / "web.parquet")[0]) == len(rows)
 
 
@@ -100,8 +136,9 @@ def test_sample_is_deterministic_and_seeded(tmp_path):
 
 
 def test_several_files_are_sampled_together(tmp_path):
-    rows = (make_parquet(tmp_path / "a.parquet", n=80, seed=1)
-            + make_parquet(tmp_path / "b.parquet", n=80, seed=2, start=80))
+    rows = make_parquet(tmp_path / "a.parquet", n=80, seed=1) + make_parquet(
+        tmp_path / "b.parquet", n=80, seed=2, start=80
+    )
     cfg = section(byte_budget=15_000)
     fineweb.sample([tmp_path / "a.parquet", tmp_path / "b.parquet"], cfg, tmp_path / "web.parquet")
     ids, _ = read_ids(tmp_path / "web.parquet")
@@ -132,8 +169,9 @@ def test_missing_score_column_is_an_error_unless_its_filter_is_off(tmp_path):
 
 def test_file_without_id_column_gets_ids_from_file_and_row(tmp_path):
     make_parquet(tmp_path / "a.parquet", n=10, drop=["id"])
-    fineweb.sample([tmp_path / "a.parquet"], section(min_int_score=None, min_language_score=None),
-                   tmp_path / "web.parquet")
+    fineweb.sample(
+        [tmp_path / "a.parquet"], section(min_int_score=None, min_language_score=None), tmp_path / "web.parquet"
+    )
     ids, _ = read_ids(tmp_path / "web.parquet")
     assert sorted(ids) == sorted(f"a.parquet:{i}" for i in range(10))
 

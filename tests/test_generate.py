@@ -67,14 +67,14 @@ def model():
 
 def greedy_without_cache(params, cfg, prompt, n):
     """Reference: recompute the logits of the whole visible context for every token, same window policy."""
-    history, out = list(prompt[-cfg.ctx_len:]), []
+    history, out = list(prompt[-cfg.ctx_len :]), []
     for _ in range(n):
         lg = transformer.logits(params, np.array([history]), cfg)[0, -1]
         tok = int(np.argmax(lg))
         out.append(tok)
         history.append(tok)
         if len(history) > cfg.ctx_len:
-            history = history[-(cfg.ctx_len // 2):]
+            history = history[-(cfg.ctx_len // 2) :]
     return out
 
 
@@ -93,7 +93,7 @@ def test_cached_step_logits_match_full_logits(model):
     cache = transformer.new_kv_cache(cfg, 2, cfg.ctx_len, np, np.float32)
     parts = [transformer.forward_step(params, ids[:, :7], cache, cfg)]
     for t in range(7, 20):
-        parts.append(transformer.forward_step(params, ids[:, t:t + 1], cache, cfg))
+        parts.append(transformer.forward_step(params, ids[:, t : t + 1], cache, cfg))
     np.testing.assert_allclose(np.concatenate(parts, axis=1), full, rtol=1e-4, atol=1e-4)
 
 
@@ -120,8 +120,24 @@ def test_stops_after_a_stop_token_and_is_seeded(model):
 def test_sample_command(tmp_path):
     tok = make_tokenizer()
     save_random_model(tmp_path / "m.bin", tok)
-    cmd = [sys.executable, "-m", "nanoeuler", "sample", "--ckpt", str(tmp_path / "m.bin"), "--prompt", "It was",
-           "--max-new-tokens", "12", "--temperature", "0.9", "--seed", "5", "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanoeuler",
+        "sample",
+        "--ckpt",
+        str(tmp_path / "m.bin"),
+        "--prompt",
+        "It was",
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "5",
+        "--device",
+        "cpu",
+    ]
     a = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     b = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert a.returncode == 0, a.stderr

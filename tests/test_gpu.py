@@ -99,7 +99,7 @@ def _cfg():
 
 def _batch(cfg, rng, B=3, T=70):
     w = rng.integers(0, cfg.vocab_size, size=(B, T + cfg.mtp_heads))
-    return w[:, :T], np.stack([w[:, 1 + k:T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)
+    return w[:, :T], np.stack([w[:, 1 + k : T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)
 
 
 def _train(params, cfg, xp, steps=4, seed=0):
@@ -167,7 +167,7 @@ def test_kv_cache_decoding_matches_full_logits():
     cache = transformer.new_kv_cache(cfg, 2, 64, cupy, np.float32)
     parts = [transformer.forward_step(params, ids[:, :25], cache, cfg)]
     for t in range(25, 40):
-        parts.append(transformer.forward_step(params, ids[:, t:t + 1], cache, cfg))
+        parts.append(transformer.forward_step(params, ids[:, t : t + 1], cache, cfg))
     assert _rel(cupy.asnumpy(cupy.concatenate(parts, axis=1)), cupy.asnumpy(full)) <= FP32_TOL
 
 
@@ -180,8 +180,15 @@ def test_training_loop_runs_on_the_gpu_and_its_model_loads_on_cpu(tmp_path):
     from nanoeuler.train import loop
 
     cfg = _cfg()
-    sec = dict(validate({})["pretrain"], lr=1e-2, warmup_steps=1, batch_size=3, log_every=1,
-               checkpoint_every=3, eval_every=1000)
+    sec = dict(
+        validate({})["pretrain"],
+        lr=1e-2,
+        warmup_steps=1,
+        batch_size=3,
+        log_every=1,
+        checkpoint_every=3,
+        eval_every=1000,
+    )
     rng = np.random.default_rng(0)
 
     class Batches:
@@ -195,9 +202,20 @@ def test_training_loop_runs_on_the_gpu_and_its_model_loads_on_cpu(tmp_path):
             pass
 
     out = tmp_path / "base.bin"
-    run = loop.Run(stage="pretrain", cfg=cfg, section=sec, total_steps=6, batches=Batches(),
-                   init_params=lambda: transformer.init_params(cfg, seed=0), tokenizer_json="{}",
-                   tokenizer_sha256="0" * 64, run_dir=tmp_path / "run", out=out, xp=cupy, progress=False)
+    run = loop.Run(
+        stage="pretrain",
+        cfg=cfg,
+        section=sec,
+        total_steps=6,
+        batches=Batches(),
+        init_params=lambda: transformer.init_params(cfg, seed=0),
+        tokenizer_json="{}",
+        tokenizer_sha256="0" * 64,
+        run_dir=tmp_path / "run",
+        out=out,
+        xp=cupy,
+        progress=False,
+    )
     last = loop.train(run)
     assert np.isfinite(last["loss"])
     host, _, _ = checkpoint.load_model(out, expect=cfg)
@@ -215,5 +233,5 @@ def test_out_of_memory_names_batch_and_context():
 
     with pytest.raises(UserError) as exc:
         with oom_guard(16, 512):
-            cupy.empty(2 ** 45, dtype=np.float32)  # 128 TiB
+            cupy.empty(2**45, dtype=np.float32)  # 128 TiB
     assert "batch size 16" in str(exc.value) and "context 512" in str(exc.value)

@@ -12,8 +12,12 @@ from nanoeuler.checks.selftest_bf16 import CASES_BF16, bf16_round, from_bf16, to
 def test_bf16_rounding_matches_torch():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(0)
-    x = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-8, 8, 10000),
-                        np.array([0.0, -0.0, 1.0, 65504.0, 3.0e38, 1e-40], dtype=np.float32)])
+    x = np.concatenate(
+        [
+            rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-8, 8, 10000),
+            np.array([0.0, -0.0, 1.0, 65504.0, 3.0e38, 1e-40], dtype=np.float32),
+        ]
+    )
     ref = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(to_bf16(x), ref)
     assert np.array_equal(from_bf16(ref), torch.from_numpy(x).to(torch.bfloat16).double().numpy())
@@ -50,8 +54,17 @@ def test_engine_kernels_exist_in_their_family_files():
     assert defined - flash_names <= wanted, (defined - flash_names) - wanted  # every other kernel has a launcher
     tests = (KERNEL_DIR.parent / "checks" / "selftest_bf16.py").read_text()
     # every bf16 kernel has a self-test row that launches it, on its own or inside the whole engine
-    via_engine = {"f32_to_bf16", "embed_fwd", "embed_bwd", "sumsq", "adamw_clip_bf16", "muon_momentum",
-                  "muon_normalize", "muon_update", "muon_poly_init"}
+    via_engine = {
+        "f32_to_bf16",
+        "embed_fwd",
+        "embed_bwd",
+        "sumsq",
+        "adamw_clip_bf16",
+        "muon_momentum",
+        "muon_normalize",
+        "muon_update",
+        "muon_poly_init",
+    }
     for name in defined - flash_names - via_engine:
         assert f'_k("{name}")' in tests, name
     assert "case_engine" in tests and "case_engine_muon" in tests
@@ -72,8 +85,8 @@ def test_flash_wg_shared_memory_covers_each_kernels_tiles():
     sizes = eval(re.search(r"^FLASH_WG_SMEM = (\{.*\})$", flash, flags=re.M).group(1), {"__builtins__": {}})
     assert set(sizes) == {"flash_fwd", "flash_bwd_dq", "flash_bwd_dkdv"}
     for name, smem in sizes.items():
-        body = text[text.index(f" {name}_wg_d64("):]
-        body = body[:body.index("#else")]
+        body = text[text.index(f" {name}_wg_d64(") :]
+        body = body[: body.index("#else")]
         last = [int(i) for i in re.findall(r"sbase \+ (\d+) \* TILE", body)]
         last += [int(i) + 1 for i in re.findall(r"sbase \+ \((\d+) \+ st\) \* TILE", body)]
         assert "wg_tiles()" in body and last, name
@@ -112,8 +125,7 @@ def test_bench_modes_name_engine_options():
     bench = _bench_train_gpu()
     assert doctest.testmod(bench).failed == 0
     assert bench.engine_options("ours-bf16-wg") == {"attention": "wg"}
-    assert bench.engine_options("ours-bf16-nofuse-eager") == {"fuse_swiglu": False, "fuse_rope": False,
-                                                              "graph": False}
+    assert bench.engine_options("ours-bf16-nofuse-eager") == {"fuse_swiglu": False, "fuse_rope": False, "graph": False}
     assert bench.engine_options("ours-bf16-norope") == {"fuse_rope": False}
     with pytest.raises(ValueError, match="unknown flag 'fast'"):
         bench.engine_options("ours-bf16-fast")
@@ -141,7 +153,7 @@ def test_bench_torch_model_matches_ours_on_cpu():
     rng = np.random.default_rng(0)
     w = rng.integers(0, cfg.vocab_size, size=(2, 20 + cfg.mtp_heads))
     ids = w[:, :20]
-    tg = np.stack([w[:, 1 + k:21 + k] for k in range(cfg.mtp_heads)], axis=-1)
+    tg = np.stack([w[:, 1 + k : 21 + k] for k in range(cfg.mtp_heads)], axis=-1)
     model = bench.torch_model(cfg, params, torch.device("cpu"))
     loss = model(torch.tensor(ids), torch.tensor(tg))
     loss.backward()
@@ -166,19 +178,28 @@ def _loop_run(tmp_path, precision, total_steps, *, short=False, **extra):
     from nanoeuler.train import loop
 
     cfg = ModelConfig(vocab_size=64, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=32, mtp_heads=2)
-    sec = dict(validate({})["pretrain"], lr=3e-3, warmup_steps=2, batch_size=4, log_every=1,
-               checkpoint_every=5, eval_every=1000, precision=precision, **extra)
+    sec = dict(
+        validate({})["pretrain"],
+        lr=3e-3,
+        warmup_steps=2,
+        batch_size=4,
+        log_every=1,
+        checkpoint_every=5,
+        eval_every=1000,
+        precision=precision,
+        **extra,
+    )
     B, T, K = 4, cfg.ctx_len - (7 if short else 0), cfg.mtp_heads
     seq = (np.arange(T + K + B)[None, :] * 5 + np.arange(B)[:, None] * 3) % cfg.vocab_size  # learnable
 
     class Batches:
         def batch(self, step, micro):
-            w = np.stack([seq[b, b:b + T + K] for b in range(B)])
-            y = np.stack([w[:, 1 + k:T + 1 + k] for k in range(K)], axis=-1)
+            w = np.stack([seq[b, b : b + T + K] for b in range(B)])
+            y = np.stack([w[:, 1 + k : T + 1 + k] for k in range(K)], axis=-1)
             if short:
                 y[:, :5] = -1  # the "prompt": not trained
                 if step % 3 == 2:  # an epoch's last, smaller batch
-                    return w[:B - 1, :T], y[:B - 1]
+                    return w[: B - 1, :T], y[: B - 1]
             return w[:, :T], y
 
         def state(self):
@@ -187,10 +208,20 @@ def _loop_run(tmp_path, precision, total_steps, *, short=False, **extra):
         def load_state(self, state):
             pass
 
-    return loop.Run(stage="pretrain", cfg=cfg, section=sec, total_steps=total_steps, batches=Batches(),
-                    init_params=lambda: transformer.init_params(cfg, seed=0), tokenizer_json="{}",
-                    tokenizer_sha256="0" * 64, run_dir=tmp_path / precision / "run",
-                    out=tmp_path / precision / "base.bin", xp=cupy, progress=False)
+    return loop.Run(
+        stage="pretrain",
+        cfg=cfg,
+        section=sec,
+        total_steps=total_steps,
+        batches=Batches(),
+        init_params=lambda: transformer.init_params(cfg, seed=0),
+        tokenizer_json="{}",
+        tokenizer_sha256="0" * 64,
+        run_dir=tmp_path / precision / "run",
+        out=tmp_path / precision / "base.bin",
+        xp=cupy,
+        progress=False,
+    )
 
 
 def _losses(run):
@@ -225,8 +256,9 @@ def test_engine_graph_replay_matches_kernel_by_kernel(hidden, optimizer):
     from nanoeuler.model import transformer
     from nanoeuler.model.config import ModelConfig
 
-    cfg = ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=64, mtp_heads=2,
-                      ffn_hidden=hidden)
+    cfg = ModelConfig(
+        vocab_size=256, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=64, mtp_heads=2, ffn_hidden=hidden
+    )
     params = transformer.init_params(cfg, seed=0)
     rng = np.random.default_rng(0)
     batches = [(rng.integers(0, 256, (4, 64)), rng.integers(-1, 256, (4, 64, 2))) for _ in range(4)]
@@ -431,6 +463,7 @@ def test_engine_stepper_grad_hook_path_matches_the_graph_step():
     # CUDA graph: the same losses and norms as the hook run kernel by kernel, steps after the first replayed
     def double_in_graph(grads):
         double(grads)
+
     double_in_graph.in_graph = True
 
     eager = make_stepper(settings, cfg, params, cupy, grad_hook=double)

@@ -29,7 +29,7 @@ def _masked_batches(rng, steps, B, T, V, K):
         x = rng.integers(0, V, (B, T))
         y = rng.integers(0, V, (B, T, K))
         for b in range(B):
-            y[b, :int(rng.integers(0, T - 4))] = -1  # a prompt of any length: rows hold 4..T targets
+            y[b, : int(rng.integers(0, T - 4))] = -1  # a prompt of any length: rows hold 4..T targets
         y[:, :, K - 1][rng.random((B, T)) < 0.5] = -1
         out.append((x, y))
     return out
@@ -69,10 +69,12 @@ def test_accumulated_micro_batches_step_as_the_whole_batch(hook):
     def make(key, **kw):
         fn = None
         if hook:
+
             def fn(grads):  # doubles, as a sum over two equal ranks would
                 calls[key] = calls.get(key, 0) + 1
                 for g in grads.values():
                     g *= 2
+
             fn.in_graph = True
         return make_stepper(_settings(**kw), cfg, params, cupy, grad_hook=fn)
 
@@ -133,10 +135,19 @@ def test_checkpointing_gives_the_same_loss_and_gradients(hidden):
     assert out[True][2] < out[False][2]
 
 
-@pytest.mark.parametrize("opts", [
-    dict(), dict(checkpoint=True), dict(accum=True), dict(head="dpo"), dict(head="dpo", checkpoint=True, accum=True),
-    dict(attention="fp32"), dict(attention="mma", fuse_swiglu=False, fuse_rope=False, checkpoint=True),
-], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(checkpoint=True),
+        dict(accum=True),
+        dict(head="dpo"),
+        dict(head="dpo", checkpoint=True, accum=True),
+        dict(attention="fp32"),
+        dict(attention="mma", fuse_swiglu=False, fuse_rope=False, checkpoint=True),
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "default",
+)
 @pytest.mark.parametrize("hidden", [0, 384], ids=["F341", "F384"])
 def test_engine_bytes_is_what_the_engine_allocates(opts, hidden):
     from nanoeuler.kernels.bf16.plan import engine_bytes
@@ -145,8 +156,17 @@ def test_engine_bytes_is_what_the_engine_allocates(opts, hidden):
 
     cfg = _cfg(n_layers=3, ffn_hidden=hidden)
     eng = TrainEngine(cfg, transformer.init_params(cfg, seed=0), batch=4, seq=64, **opts)
-    plan = engine_bytes(cfg, 4, 64, attention=eng.attention, fuse_swiglu=eng.fuse_swiglu, fuse_rope=eng.fuse_rope,
-                        accum=eng.accum, checkpoint=eng.checkpoint, head=eng.head)
+    plan = engine_bytes(
+        cfg,
+        4,
+        64,
+        attention=eng.attention,
+        fuse_swiglu=eng.fuse_swiglu,
+        fuse_rope=eng.fuse_rope,
+        accum=eng.accum,
+        checkpoint=eng.checkpoint,
+        head=eng.head,
+    )
     assert sum(plan.values()) == eng.nbytes(), plan
 
 
@@ -208,8 +228,13 @@ def test_dpo_on_the_engine_tracks_the_fp32_path():
             for ref in r:
                 h.push(ref)
             losses.append(st.step(s, 1e-3))
-        got[precision] = np.array(losses), {**{n: p.get() for n, p in fixed.params().items()},
-                                            **{"accum " + n: p.get() for n, p in accum.params().items()}}
+        got[precision] = (
+            np.array(losses),
+            {
+                **{n: p.get() for n, p in fixed.params().items()},
+                **{"accum " + n: p.get() for n, p in accum.params().items()},
+            },
+        )
         if precision == "bf16":
             lp = accum.last_logps()
             assert lp.shape == (6, 2) and np.isfinite(lp).all() and (lp < 0).all()
@@ -267,23 +292,69 @@ def test_the_dpo_stage_runs_on_the_engine(tmp_path):
     tok = make_tokenizer()
     model = {**TINY_MODEL, "dim": 64, "n_heads": 2, "n_kv_heads": 1}  # head size 32: the engine's attention
     save_random_model(tmp_path / "chat.bin", tok, model=model)
-    pairs = [{"prompt": "Name a color.\n", "chosen": "Blue.", "rejected": "I will not."},
-             {"prompt": "Give three tips for staying healthy.\n", "chosen": "Eat well, sleep well, walk.",
-              "rejected": "the sea was calm " * 10}]
+    pairs = [
+        {"prompt": "Name a color.\n", "chosen": "Blue.", "rejected": "I will not."},
+        {
+            "prompt": "Give three tips for staying healthy.\n",
+            "chosen": "Eat well, sleep well, walk.",
+            "rejected": "the sea was calm " * 10,
+        },
+    ]
     prefs = tmp_path / "prefs.jsonl"
     prefs.write_text("".join(json.dumps(pairs[i % 2]) + "\n" for i in range(24)))
     ref = tmp_path / "ref.npz"
     records = {}
     for precision in ("fp32", "bf16"):
-        conf = write_config(tmp_path / f"{precision}.yaml", model=model, dpo={
-            "epochs": 2, "batch_size": 4, "grad_accum": 2, "lr": 1e-3, "warmup_steps": 1, "val_pairs": 4,
-            "log_every": 1, "eval_every": 2, "beta": 0.5, "precision": precision})
+        conf = write_config(
+            tmp_path / f"{precision}.yaml",
+            model=model,
+            dpo={
+                "epochs": 2,
+                "batch_size": 4,
+                "grad_accum": 2,
+                "lr": 1e-3,
+                "warmup_steps": 1,
+                "val_pairs": 4,
+                "log_every": 1,
+                "eval_every": 2,
+                "beta": 0.5,
+                "precision": precision,
+            },
+        )
         if not ref.exists():
-            nanoeuler("ref-logps", "--config", conf, "--device", "gpu", "--ckpt", tmp_path / "chat.bin", "--prefs",
-                      prefs, "--out", ref, "--no-progress")
+            nanoeuler(
+                "ref-logps",
+                "--config",
+                conf,
+                "--device",
+                "gpu",
+                "--ckpt",
+                tmp_path / "chat.bin",
+                "--prefs",
+                prefs,
+                "--out",
+                ref,
+                "--no-progress",
+            )
         run = tmp_path / f"run_{precision}"
-        nanoeuler("dpo", "--config", conf, "--device", "gpu", "--ckpt", tmp_path / "chat.bin", "--prefs", prefs,
-                  "--ref", ref, "--out", tmp_path / f"dpo_{precision}.bin", "--run-dir", run, "--no-progress")
+        nanoeuler(
+            "dpo",
+            "--config",
+            conf,
+            "--device",
+            "gpu",
+            "--ckpt",
+            tmp_path / "chat.bin",
+            "--prefs",
+            prefs,
+            "--ref",
+            ref,
+            "--out",
+            tmp_path / f"dpo_{precision}.bin",
+            "--run-dir",
+            run,
+            "--no-progress",
+        )
         records[precision] = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()]
     fp32, bf16 = records["fp32"], records["bf16"]
     keys = ("loss", "val_loss", "margin", "chosen_logp", "rejected_logp")

@@ -17,24 +17,50 @@ BODY = "CHAPTER I.\n\nIt was a dark night.\n\n  An indented line stays indented.
 
 
 def make(start: str, end: str, *, nl: str = "\n", bom: bool = False, title: str = "Title: Night") -> str:
-    text = nl.join(["The Project Gutenberg eBook of Night", "", title, "Author: Someone", "", start, "", "",
-                    *BODY.split("\n"), "", end, "", "*** license text that must go ***", "more license"])
+    text = nl.join(
+        [
+            "The Project Gutenberg eBook of Night",
+            "",
+            title,
+            "Author: Someone",
+            "",
+            start,
+            "",
+            "",
+            *BODY.split("\n"),
+            "",
+            end,
+            "",
+            "*** license text that must go ***",
+            "more license",
+        ]
+    )
     return ("\ufeff" if bom else "") + text
 
 
 VARIANTS = {
     "the": ("*** START OF THE PROJECT GUTENBERG EBOOK NIGHT ***", "*** END OF THE PROJECT GUTENBERG EBOOK NIGHT ***"),
-    "this": ("*** START OF THIS PROJECT GUTENBERG EBOOK NIGHT ***",
-             "*** END OF THIS PROJECT GUTENBERG EBOOK NIGHT ***"),
+    "this": (
+        "*** START OF THIS PROJECT GUTENBERG EBOOK NIGHT ***",
+        "*** END OF THIS PROJECT GUTENBERG EBOOK NIGHT ***",
+    ),
     "no-space": ("***START OF THE PROJECT GUTENBERG EBOOK NIGHT***", "***END OF THE PROJECT GUTENBERG EBOOK NIGHT***"),
-    "trailing-spaces": ("*** START OF THE PROJECT GUTENBERG EBOOK NIGHT ***   ",
-                        "*** END OF THE PROJECT GUTENBERG EBOOK NIGHT ***\t "),
-    "lower-case": ("*** Start of the Project Gutenberg eBook Night ***",
-                   "*** End of the Project Gutenberg eBook Night ***"),
-    "e-book": ("*** START OF THIS PROJECT GUTENBERG E-BOOK NIGHT ***",
-               "*** END OF THIS PROJECT GUTENBERG E-BOOK NIGHT ***"),
-    "no-title-in-marker": ("*** START OF THE PROJECT GUTENBERG EBOOK ***",
-                           "*** END OF THE PROJECT GUTENBERG EBOOK ***"),
+    "trailing-spaces": (
+        "*** START OF THE PROJECT GUTENBERG EBOOK NIGHT ***   ",
+        "*** END OF THE PROJECT GUTENBERG EBOOK NIGHT ***\t ",
+    ),
+    "lower-case": (
+        "*** Start of the Project Gutenberg eBook Night ***",
+        "*** End of the Project Gutenberg eBook Night ***",
+    ),
+    "e-book": (
+        "*** START OF THIS PROJECT GUTENBERG E-BOOK NIGHT ***",
+        "*** END OF THIS PROJECT GUTENBERG E-BOOK NIGHT ***",
+    ),
+    "no-title-in-marker": (
+        "*** START OF THE PROJECT GUTENBERG EBOOK ***",
+        "*** END OF THE PROJECT GUTENBERG EBOOK ***",
+    ),
 }
 
 

@@ -31,8 +31,9 @@ def _constant_model(log_probs, dim=8, ctx_len=16):
     Every token embeds to the same vector of ones; zero attention and MLP weights leave it alone, the final
     RMSNorm keeps ones, so the logits are the row sums of lm_head: lm_head[v] = log_probs[v] / dim.
     """
-    cfg = ModelConfig(vocab_size=len(log_probs), dim=dim, n_layers=1, n_heads=2, n_kv_heads=1, ctx_len=ctx_len,
-                      mtp_heads=1)
+    cfg = ModelConfig(
+        vocab_size=len(log_probs), dim=dim, n_layers=1, n_heads=2, n_kv_heads=1, ctx_len=ctx_len, mtp_heads=1
+    )
     params = {name: np.zeros(shape, np.float32) for name, shape in cfg.param_shapes().items()}
     for name in params:
         if name.endswith("norm.weight"):
@@ -73,15 +74,25 @@ def test_batches_do_not_change_the_picks():
     params, cfg = _constant_model(rng.standard_normal(5))
     params = {k: (v + 0.3 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in params.items()}
     words = ["a", "bc", "dd a", "cab", "b b b", "d"]
-    items = [{"ctx": "".join(rng.choice(list("abcd"), 5)), "label": int(rng.integers(4)),
-              "endings": [str(w) for w in rng.choice(words, 4, replace=False)]} for _ in range(7)]
+    items = [
+        {
+            "ctx": "".join(rng.choice(list("abcd"), 5)),
+            "label": int(rng.integers(4)),
+            "endings": [str(w) for w in rng.choice(words, 4, replace=False)],
+        }
+        for _ in range(7)
+    ]
     one = score_items(params, cfg, _encode, items, batch_size=1, xp=np)
     many = score_items(params, cfg, _encode, items, batch_size=3, xp=np)
     assert one["picks"] == many["picks"] and one["picks_norm"] == many["picks_norm"]
     # the largest forward (for the memory report): (items, their padded length), largest by their product
-    forwards = [(len(items[lo:lo + 3]), max(len(t) for it in items[lo:lo + 3]
-                                             for t, _ in item_rows(_encode, it, cfg.ctx_len)) - 1)
-                for lo in range(0, 7, 3)]
+    forwards = [
+        (
+            len(items[lo : lo + 3]),
+            max(len(t) for it in items[lo : lo + 3] for t, _ in item_rows(_encode, it, cfg.ctx_len)) - 1,
+        )
+        for lo in range(0, 7, 3)
+    ]
     assert many["largest_forward"] == max(forwards, key=lambda f: f[0] * f[1])
 
 
@@ -94,12 +105,13 @@ def test_transformers_on_the_hf_export_makes_the_same_picks(tmp_path):
     params = {}
     for name, shape in cfg.param_shapes().items():
         scale = 0.2 if name.endswith("norm.weight") else 1 / np.sqrt(shape[1])
-        params[name] = ((1.0 if name.endswith("norm.weight") else 0.0) + scale * rng.standard_normal(shape))
+        params[name] = (1.0 if name.endswith("norm.weight") else 0.0) + scale * rng.standard_normal(shape)
         params[name] = params[name].astype(np.float32)
     checkpoint.save_model(tmp_path / "m.bin", params, cfg, step=1, tokenizer_json=None)
     assert main(["export-hf", "--ckpt", str(tmp_path / "m.bin"), "--out", str(tmp_path / "hf")]) == 0
-    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
-                                                          local_files_only=True).eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32, local_files_only=True
+    ).eval()
     letters = "abcdefghijklmnopqrstuvwxyz"
 
     def encode(text):  # one id per character, 0 for a space
@@ -109,9 +121,14 @@ def test_transformers_on_the_hf_export_makes_the_same_picks(tmp_path):
         return "".join(rng.choice(list(letters), n))
 
     # rows of at most 11 + 10 tokens: within the context, so neither side truncates
-    items = [{"ctx": " ".join(word(int(rng.integers(2, 6))) for _ in range(int(rng.integers(1, 3)))),
-              "endings": [word(int(rng.integers(1, 9))) for _ in range(4)], "label": int(rng.integers(4))}
-             for _ in range(12)]
+    items = [
+        {
+            "ctx": " ".join(word(int(rng.integers(2, 6))) for _ in range(int(rng.integers(1, 3)))),
+            "endings": [word(int(rng.integers(1, 9))) for _ in range(4)],
+            "label": int(rng.integers(4)),
+        }
+        for _ in range(12)
+    ]
     ours = score_items(params, cfg, encode, items, batch_size=5, xp=np)
 
     picks, picks_norm, sums = [], [], []
@@ -126,8 +143,9 @@ def test_transformers_on_the_hf_export_makes_the_same_picks(tmp_path):
             mask[i, len(ctx) : len(row)] = 1
         with torch.no_grad():
             logits = model(tokens).logits
-        losses = F.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1),
-                                 reduction="none").view(4, -1)
+        losses = F.cross_entropy(
+            logits[:, :-1].reshape(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1), reduction="none"
+        ).view(4, -1)
         sum_loss = (losses * mask[:, 1:]).sum(dim=1)
         sums.append(-sum_loss.numpy())
         picks.append(int(sum_loss.argmin()))
@@ -142,8 +160,18 @@ def test_sample_file_has_the_real_fields():
     lines = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
     assert len(lines) >= 10
     for item in lines:
-        assert set(item) == {"ind", "activity_label", "ctx_a", "ctx_b", "ctx", "split", "split_type", "label",
-                             "endings", "source_id"}
+        assert set(item) == {
+            "ind",
+            "activity_label",
+            "ctx_a",
+            "ctx_b",
+            "ctx",
+            "split",
+            "split_type",
+            "label",
+            "endings",
+            "source_id",
+        }
         assert item["ctx"] == (f"{item['ctx_a']} {item['ctx_b']}" if item["ctx_b"] else item["ctx_a"])
     assert len({item["label"] for item in lines}) > 1
     assert [i["label"] for i in read_items(SAMPLE, 3)] == [i["label"] for i in lines[:3]]
@@ -159,10 +187,17 @@ def test_data_stage_copies_and_checks(tmp_path):
     bad = tmp_path / "bad.jsonl"
     good = SAMPLE.read_text().splitlines()[0]
     item = json.loads(good)
-    bad.write_text("\n".join([good, json.dumps({**item, "label": 4}), "{not json",
-                              json.dumps({**item, "endings": item["endings"][:3]})]) + "\n")
-    with pytest.raises(UserError, match=r"3 HellaSwag items are malformed: line 2 'label' must be an integer 0..3, "
-                                        r"got 4; line 3 is not valid JSON .*; line 4 'endings' must be a list of 4"):
+    bad.write_text(
+        "\n".join(
+            [good, json.dumps({**item, "label": 4}), "{not json", json.dumps({**item, "endings": item["endings"][:3]})]
+        )
+        + "\n"
+    )
+    with pytest.raises(
+        UserError,
+        match=r"3 HellaSwag items are malformed: line 2 'label' must be an integer 0..3, "
+        r"got 4; line 3 is not valid JSON .*; line 4 'endings' must be a list of 4",
+    ):
         read_items(bad)
 
 
@@ -170,17 +205,35 @@ def test_scoring_command_writes_the_result(tmp_path, capsys):
     from nanoeuler.tokenizer.bpe import train_bpe
 
     tok = train_bpe("a man walks the dog and a woman reads the book. " * 10, 260)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ctx_len=32,
-                      mtp_heads=1)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ctx_len=32, mtp_heads=1)
     from nanoeuler.model import transformer
 
-    checkpoint.save_model(tmp_path / "m.bin", transformer.init_params(cfg, 0), cfg, step=5,
-                          tokenizer_json=tok.to_json())
+    checkpoint.save_model(
+        tmp_path / "m.bin", transformer.init_params(cfg, 0), cfg, step=5, tokenizer_json=tok.to_json()
+    )
     conf = tmp_path / "c.yaml"
     conf.write_text("eval: {hellaswag_items: 5, hellaswag_batch_size: 2}\n")
     out = tmp_path / "hs" / "base.json"
-    assert main(["hellaswag-eval", "--config", str(conf), "--device", "cpu", "--ckpt", str(tmp_path / "m.bin"),
-                 "--data", str(SAMPLE), "--name", "base", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "hellaswag-eval",
+                "--config",
+                str(conf),
+                "--device",
+                "cpu",
+                "--ckpt",
+                str(tmp_path / "m.bin"),
+                "--data",
+                str(SAMPLE),
+                "--name",
+                "base",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["model"] == "base" and result["items"] == 5 and len(result["picks"]) == 5
     assert result["acc"] == result["correct"] / 5 and result["steps"] == 5
@@ -193,11 +246,18 @@ def test_gpu_scores_equal_cpu_scores():
 
     rng = np.random.default_rng(5)
     cfg = ModelConfig(vocab_size=5, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=12, mtp_heads=2)
-    params = {name: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
-              for name, shape in cfg.param_shapes().items()}
-    items = [{"ctx": "".join(rng.choice(list("abcd"), int(rng.integers(1, 9)))), "label": int(rng.integers(4)),
-              "endings": ["".join(rng.choice(list("abcd "), int(rng.integers(1, 6)))) for _ in range(4)]}
-             for _ in range(9)]
+    params = {
+        name: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+        for name, shape in cfg.param_shapes().items()
+    }
+    items = [
+        {
+            "ctx": "".join(rng.choice(list("abcd"), int(rng.integers(1, 9)))),
+            "label": int(rng.integers(4)),
+            "endings": ["".join(rng.choice(list("abcd "), int(rng.integers(1, 6)))) for _ in range(4)],
+        }
+        for _ in range(9)
+    ]
     rows = [row for item in items for row in item_rows(_encode, item, cfg.ctx_len)]
     on_gpu = {k: cupy.asarray(v) for k, v in params.items()}
     for ours, ref in zip(score_rows(on_gpu, cfg, rows, cupy), score_rows(params, cfg, rows, np)):
@@ -211,10 +271,32 @@ def test_evaluate_reads_the_scores_and_names_a_bad_file(tmp_path):
     from nanoeuler.eval.report import read_hellaswag
 
     good = tmp_path / "base.json"
-    good.write_text(json.dumps({"model": "base", "items": 4, "acc": 0.5, "acc_norm": 0.25, "correct": 2,
-                                "correct_norm": 1, "steps": 9, "file": "results/base.bin", "picks": [0, 1, 2, 3]}))
-    assert read_hellaswag([str(good)]) == {"base": {"items": 4, "acc": 0.5, "acc_norm": 0.25, "correct": 2,
-                                                    "correct_norm": 1, "steps": 9, "file": "results/base.bin"}}
+    good.write_text(
+        json.dumps(
+            {
+                "model": "base",
+                "items": 4,
+                "acc": 0.5,
+                "acc_norm": 0.25,
+                "correct": 2,
+                "correct_norm": 1,
+                "steps": 9,
+                "file": "results/base.bin",
+                "picks": [0, 1, 2, 3],
+            }
+        )
+    )
+    assert read_hellaswag([str(good)]) == {
+        "base": {
+            "items": 4,
+            "acc": 0.5,
+            "acc_norm": 0.25,
+            "correct": 2,
+            "correct_norm": 1,
+            "steps": 9,
+            "file": "results/base.bin",
+        }
+    }
     bad = tmp_path / "chat.json"
     bad.write_text('{"model": "chat"}')
     with pytest.raises(UserError, match=r"chat.json is not a HellaSwag result of `nanoeuler hellaswag-eval`"):

@@ -17,8 +17,18 @@ from nanoeuler.model.config import ModelConfig  # noqa: E402
 
 CONFIGS = {
     "gqa2": ModelConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=32, mtp_heads=2),
-    "gqa3": ModelConfig(vocab_size=61, dim=48, n_layers=3, n_heads=6, n_kv_heads=2, ctx_len=24, ffn_hidden=72,
-                        mtp_heads=3, rope_theta=500.0, norm_eps=1e-6),
+    "gqa3": ModelConfig(
+        vocab_size=61,
+        dim=48,
+        n_layers=3,
+        n_heads=6,
+        n_kv_heads=2,
+        ctx_len=24,
+        ffn_hidden=72,
+        mtp_heads=3,
+        rope_theta=500.0,
+        norm_eps=1e-6,
+    ),
     "mha": ModelConfig(vocab_size=40, dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ctx_len=16, mtp_heads=1),
 }
 
@@ -64,8 +74,13 @@ def test_config_fields_and_tensor_names(tmp_path):
     assert files == ["config.json", "model.safetensors"]
     conf = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert conf["architectures"] == ["LlamaForCausalLM"]
-    assert (conf["hidden_size"], conf["intermediate_size"], conf["num_attention_heads"],
-            conf["num_key_value_heads"], conf["num_hidden_layers"]) == (48, 72, 6, 2, 3)
+    assert (
+        conf["hidden_size"],
+        conf["intermediate_size"],
+        conf["num_attention_heads"],
+        conf["num_key_value_heads"],
+        conf["num_hidden_layers"],
+    ) == (48, 72, 6, 2, 3)
     assert conf["tie_word_embeddings"] is False and conf["attention_bias"] is False and conf["mlp_bias"] is False
     loaded = transformers.AutoConfig.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert loaded.rms_norm_eps == 1e-6 and loaded.max_position_embeddings == 24
@@ -76,8 +91,9 @@ def test_config_fields_and_tensor_names(tmp_path):
     tensors = load_file(tmp_path / "hf" / "model.safetensors")
     assert "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors
     assert not any("mtp" in n for n in tensors)
-    np.testing.assert_array_equal(tensors["model.layers.2.mlp.down_proj.weight"],
-                                  params["layers.2.mlp.down_proj.weight"])
+    np.testing.assert_array_equal(
+        tensors["model.layers.2.mlp.down_proj.weight"], params["layers.2.mlp.down_proj.weight"]
+    )
     # re-export replaces the directory
     assert hf.export(tmp_path / "m.bin", tmp_path / "hf") == files
 

@@ -30,8 +30,9 @@ def _targets():  # sm_90 and sm_89 (the portable kernel path's RTX 4070) for eve
 @pytest.mark.parametrize("path,arch", list(_targets()))
 def test_cu_file_compiles(path, arch, tmp_path):
     target = f"-gencode=arch=compute_{arch[3:]},code={arch}"
-    out = subprocess.run([NVCC, target, *COMPILE_OPTIONS, "-c", "-o", str(tmp_path / "k.o"), str(path)],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [NVCC, target, *COMPILE_OPTIONS, "-c", "-o", str(tmp_path / "k.o"), str(path)], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
 
 
@@ -78,8 +79,11 @@ def test_tma_kernels_acquire_their_tensor_maps(tmp_path):
     the map (fence.proxy.tensormap acquire): the maps are bytes the host wrote into global memory."""
     path = KERNEL_DIR / "bf16" / "gemm_tma.cu"
     ptx = tmp_path / "gemm_tma.ptx"
-    out = subprocess.run([NVCC, "-gencode=arch=compute_90a,code=sm_90a", *COMPILE_OPTIONS, "-ptx", "-o", str(ptx),
-                          str(path)], capture_output=True, text=True)
+    out = subprocess.run(
+        [NVCC, "-gencode=arch=compute_90a,code=sm_90a", *COMPILE_OPTIONS, "-ptx", "-o", str(ptx), str(path)],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     entries = re.split(r"\.entry ", ptx.read_text())[1:]
     tma = {e.split("(", 1)[0]: e for e in entries if "cp.async.bulk.tensor" in e}
@@ -98,7 +102,7 @@ def test_loader_inlines_each_included_header_once():
     common = (KERNEL_DIR / "bf16" / "common.cuh").read_text()
     assert text.count("typedef unsigned short bf16;") == 1 and "typedef unsigned short bf16;" in common
     for header in ("mma.cuh", "wgmma.cuh"):
-        body = (KERNEL_DIR / "bf16" / header).read_text().split("#include \"common.cuh\"\n", 1)[1]
+        body = (KERNEL_DIR / "bf16" / header).read_text().split('#include "common.cuh"\n', 1)[1]
         assert text.count(body.strip()[:200]) == 1, header
     assert source("attention") == (KERNEL_DIR / "attention.cu").read_text().rstrip("\n") + "\n"
 

@@ -60,8 +60,12 @@ def imports_of(name: str, path, modules) -> tuple[set, set]:
                 base = ".".join(up + ([base] if base else []))
             for a in node.names:
                 found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
-              in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             by_name.add(str(node.args[0].value))
     inside = lambda m: m in modules  # noqa: E731
     return {m for m in found if inside(m)} - {name}, {m for m in by_name if inside(m)}
@@ -104,8 +108,12 @@ def test_every_module_is_on_a_line():
 
 def downward_imports(graph: dict) -> list[str]:
     """Each import statement that points to a line below its module's, as a sentence."""
-    return [f"{name} (line {line_of(name) + 1}) imports {dep} (line {line_of(dep) + 1})"
-            for name, (deps, _) in sorted(graph.items()) for dep in sorted(deps) if line_of(dep) > line_of(name)]
+    return [
+        f"{name} (line {line_of(name) + 1}) imports {dep} (line {line_of(dep) + 1})"
+        for name, (deps, _) in sorted(graph.items())
+        for dep in sorted(deps)
+        if line_of(dep) > line_of(name)
+    ]
 
 
 def test_imports_point_to_the_same_line_or_above(graph):
@@ -129,7 +137,7 @@ def find_cycle(edges: dict) -> list | None:
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == "open":
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -158,8 +166,10 @@ def test_the_checks_find_what_they_look_for():
     modules = module_names()
     deps, _ = imports_of("nanoeuler.infer.engine", modules["nanoeuler.infer.engine"], modules)
     assert {"nanoeuler.infer.sampling", "nanoeuler.infer.cpu", "nanoeuler.checkpoint"} <= deps  # cpu: in a method
-    fake = {"nanoeuler.model.transformer": ({"nanoeuler.train.loop", "nanoeuler.backend"}, set()),
-            "nanoeuler.train.loop": ({"nanoeuler.model.transformer"}, set())}
+    fake = {
+        "nanoeuler.model.transformer": ({"nanoeuler.train.loop", "nanoeuler.backend"}, set()),
+        "nanoeuler.train.loop": ({"nanoeuler.model.transformer"}, set()),
+    }
     assert downward_imports(fake) == ["nanoeuler.model.transformer (line 3) imports nanoeuler.train.loop (line 8)"]
 
 

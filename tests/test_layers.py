@@ -63,7 +63,7 @@ def test_linear():
 def test_rmsnorm():
     x, w = randn(2, 3, 8), 1 + 0.3 * randn(8)
     y, cache = L.rmsnorm_forward(x, w, 1e-5)
-    np.testing.assert_allclose(y, x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-5) * w, rtol=1e-12)
+    np.testing.assert_allclose(y, x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-5) * w, rtol=1e-12)
     dy = randn(2, 3, 8)
     dx, dw = L.rmsnorm_backward(dy.copy(), cache)
     nx, nw = numeric_vjp(lambda a, b: L.rmsnorm_forward(a, b, 1e-5)[0], [x, w], dy)
@@ -95,6 +95,7 @@ def test_folded_gain_grads_match_the_unfolded_norm_and_linear():
     np.testing.assert_allclose(dx, dx_ref, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(dw, dw_ref, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(dgain, dgain_ref, rtol=1e-10, atol=1e-12)
+
     # and against finite differences of the folded product in (w, gain)
     def f(w_, g_):
         return L.linear_forward(xhat, w_ * g_)

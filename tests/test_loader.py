@@ -22,8 +22,9 @@ def write_counting_shards(d, sizes, val_sizes=(500,)):
             shards.append({"file": name, "tokens": n})
         splits[split] = {"shards": shards, "tokens": sum(sz), "bytes": 4 * sum(sz), "documents": 1}
     path = d / "manifest.json"
-    path.write_text(json.dumps({"format": 1, "tokenizer_sha256": "x", "vocab_size": 65535, "dtype": "uint16",
-                                "splits": splits}))
+    path.write_text(
+        json.dumps({"format": 1, "tokenizer_sha256": "x", "vocab_size": 65535, "dtype": "uint16", "splits": splits})
+    )
     return path
 
 

@@ -108,8 +108,17 @@ def test_checkpointing_and_bf16_fit_a_12_gb_card_whole():
 
 
 def test_dpo_counts_pairs_and_fits_8_gb():
-    fit = memory.plan_training("dpo", GPU, _sft(batch_size=16), _card(7), eval_items=16, eval_kind="pair_logps",
-                               rows_per_item=2, unit=" pairs", head="dpo")
+    fit = memory.plan_training(
+        "dpo",
+        GPU,
+        _sft(batch_size=16),
+        _card(7),
+        eval_items=16,
+        eval_kind="pair_logps",
+        rows_per_item=2,
+        unit=" pairs",
+        head="dpo",
+    )
     assert fit.micro == 3 and fit.predicted <= 7e9
 
 
@@ -152,7 +161,7 @@ def _masked(seed, B=6):
 def _windows(seed, B=6):
     rng = np.random.default_rng(seed)
     w = rng.integers(0, CFG.vocab_size, size=(B, CFG.ctx_len + CFG.mtp_heads))
-    return w[:, :CFG.ctx_len], np.stack([w[:, 1 + k:CFG.ctx_len + 1 + k] for k in range(CFG.mtp_heads)], axis=-1)
+    return w[:, : CFG.ctx_len], np.stack([w[:, 1 + k : CFG.ctx_len + 1 + k] for k in range(CFG.mtp_heads)], axis=-1)
 
 
 @pytest.mark.parametrize("data", [_masked, _windows])
@@ -207,8 +216,12 @@ def test_checkpointed_gradients_match_finite_differences():
     params, (x, y) = _params(np.float64), _windows(4, B=2)
     _, grads = transformer.loss_and_grads(params, x, y, CFG, checkpoint=True)
     rng, h = np.random.default_rng(0), 1e-5
-    for name in ("layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight", "embed_tokens.weight",
-                 "layers.0.input_layernorm.weight"):
+    for name in (
+        "layers.0.self_attn.q_proj.weight",
+        "layers.1.mlp.down_proj.weight",
+        "embed_tokens.weight",
+        "layers.0.input_layernorm.weight",
+    ):
         for _ in range(3):
             i = tuple(rng.integers(0, s) for s in params[name].shape)
             keep = params[name][i]
@@ -247,8 +260,16 @@ def test_sft_cut_to_fit_a_small_card_trains_as_the_uncut_run(tmp_path, tok, monk
     write_alpaca(tmp_path / "alpaca.jsonl", n=40)
     sft = {"batch_size": 8, "epochs": 1, "max_examples": 40, "val_examples": 4, "eval_every": 2, "log_every": 1}
     conf = write_config(tmp_path / "c.yaml", sft=sft)
-    args = ["sft", "--config", str(conf), "--base", str(tmp_path / "base.bin"), "--data",
-            str(tmp_path / "alpaca.jsonl"), "--no-progress"]
+    args = [
+        "sft",
+        "--config",
+        str(conf),
+        "--base",
+        str(tmp_path / "base.bin"),
+        "--data",
+        str(tmp_path / "alpaca.jsonl"),
+        "--no-progress",
+    ]
     assert main(args + ["--out", str(tmp_path / "a.bin"), "--run-dir", str(tmp_path / "a")]) == 0
 
     cfg = ModelConfig.from_section(yaml_model(conf), tok.vocab_size)
@@ -272,8 +293,16 @@ def test_pretraining_cut_to_fit_trains_as_the_uncut_run(tmp_path, tok, monkeypat
     manifest = write_shards(tmp_path / "shards", tok)
     pre = {"batch_size": 6, "steps": 4, "log_every": 1, "eval_every": 2, "val_tokens": 256, "warmup_steps": 1}
     conf = write_config(tmp_path / "c.yaml", pretrain=pre)
-    args = ["pretrain", "--config", str(conf), "--shards", str(manifest), "--tokenizer", str(tmp_path / "t.json"),
-            "--no-progress"]
+    args = [
+        "pretrain",
+        "--config",
+        str(conf),
+        "--shards",
+        str(manifest),
+        "--tokenizer",
+        str(tmp_path / "t.json"),
+        "--no-progress",
+    ]
     (tmp_path / "t.json").write_text(tok.to_json())
     assert main(args + ["--out", str(tmp_path / "a.bin"), "--run-dir", str(tmp_path / "a")]) == 0
     cfg = ModelConfig.from_section(yaml_model(conf), tok.vocab_size)
@@ -289,19 +318,38 @@ def test_dpo_and_its_reference_cut_to_fit_a_small_card_give_the_uncut_results(tm
     from test_dpo import write_pairs
 
     save_random_model(tmp_path / "chat.bin", tok)
-    dpo = {"epochs": 1, "batch_size": 4, "lr": 1e-3, "warmup_steps": 1, "val_pairs": 4, "log_every": 1,
-           "eval_every": 2, "beta": 0.5}
+    dpo = {
+        "epochs": 1,
+        "batch_size": 4,
+        "lr": 1e-3,
+        "warmup_steps": 1,
+        "val_pairs": 4,
+        "log_every": 1,
+        "eval_every": 2,
+        "beta": 0.5,
+    }
     conf, prefs = write_config(tmp_path / "c.yaml", dpo=dpo), write_pairs(tmp_path / "prefs.jsonl")
     common = ["--config", str(conf), "--ckpt", str(tmp_path / "chat.bin"), "--prefs", str(prefs), "--no-progress"]
 
     def train(name):
-        return main(["dpo", *common, "--ref", str(tmp_path / "a.npz"), "--out", str(tmp_path / f"{name}.bin"),
-                     "--run-dir", str(tmp_path / name)])
+        return main(
+            [
+                "dpo",
+                *common,
+                "--ref",
+                str(tmp_path / "a.npz"),
+                "--out",
+                str(tmp_path / f"{name}.bin"),
+                "--run-dir",
+                str(tmp_path / name),
+            ]
+        )
 
     assert main(["ref-logps", *common, "--out", str(tmp_path / "a.npz")]) == 0 and train("a") == 0
     cfg = ModelConfig.from_section(yaml_model(conf), tok.vocab_size)
-    one_pair = memory.eval_items_for("ref-logps", None, cfg, cfg.ctx_len, 1, "pair_logps",
-                                     {"params": 4 * cfg.n_params()}, rows_per_item=2)[1](1)
+    one_pair = memory.eval_items_for(
+        "ref-logps", None, cfg, cfg.ctx_len, 1, "pair_logps", {"params": 4 * cfg.n_params()}, rows_per_item=2
+    )[1](1)
     _fake_card(monkeypatch, sum(one_pair.values()) / memory.FIT_SHARE + memory.CUBLAS_WORKSPACE + CONTEXT + 1)
     card = memory.Budget.on_device("auto", np)
     resident = {"params": 4 * cfg.n_params()}
@@ -325,12 +373,22 @@ def test_hellaswag_scored_an_item_a_forward_picks_as_the_whole_batch(tmp_path, t
 
     save_random_model(tmp_path / "m.bin", tok)
     conf = write_config(tmp_path / "c.yaml", eval={"hellaswag_items": 6, "hellaswag_batch_size": 6})
-    args = ["hellaswag-eval", "--config", str(conf), "--ckpt", str(tmp_path / "m.bin"), "--data", str(SAMPLE),
-            "--name", "m"]
+    args = [
+        "hellaswag-eval",
+        "--config",
+        str(conf),
+        "--ckpt",
+        str(tmp_path / "m.bin"),
+        "--data",
+        str(SAMPLE),
+        "--name",
+        "m",
+    ]
     assert main(args + ["--out", str(tmp_path / "a.json")]) == 0
     cfg = ModelConfig.from_section(yaml_model(conf), tok.vocab_size)
-    item = memory.eval_items_for("hellaswag-eval", None, cfg, cfg.ctx_len, 1, "logits", memory.decode_parts(cfg, 0),
-                                 rows_per_item=4)[1](1)
+    item = memory.eval_items_for(
+        "hellaswag-eval", None, cfg, cfg.ctx_len, 1, "logits", memory.decode_parts(cfg, 0), rows_per_item=4
+    )[1](1)
     _fake_card(monkeypatch, sum(item.values()) / memory.FIT_SHARE + memory.CUBLAS_WORKSPACE + CONTEXT + 1)
     card = memory.Budget.on_device("auto", np)
     assert memory.eval_items_for("x", card, cfg, cfg.ctx_len, 6, "logits", memory.decode_parts(cfg, 0), 4)[0] == 1
@@ -366,8 +424,9 @@ def test_the_meter_reports_nothing_on_the_cpu():
 # ---- the device script's pieces that need no GPU ------------------------------------------------------------
 
 
-ROWS = ("pretrain-fp32 pretrain-bf16 sft-fp32 sft-bf16 ref-logps dpo-fp32 dpo-bf16 hellaswag-eval evaluate "
-        "sample").split()
+ROWS = (
+    "pretrain-fp32 pretrain-bf16 sft-fp32 sft-bf16 ref-logps dpo-fp32 dpo-bf16 hellaswag-eval evaluate sample"
+).split()
 
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_memory.sh"
@@ -393,7 +452,8 @@ def test_the_device_script_writes_a_valid_full_config_for_every_row(tmp_path):
 def test_the_device_script_prints_its_table_from_the_rows_so_far(tmp_path):
     (tmp_path / "memory").mkdir()
     (tmp_path / "memory" / "rows.tsv").write_text(
-        "sft-fp32\t7 GB\t7 of 32\t6.3\t6.1\t0.968\t4,100\nsft-fp32\t22 GB\t-\t17.3\t16.8\t0.971\t9,000\n")
+        "sft-fp32\t7 GB\t7 of 32\t6.3\t6.1\t0.968\t4,100\nsft-fp32\t22 GB\t-\t17.3\t16.8\t0.971\t9,000\n"
+    )
     r = _script(tmp_path, "table")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
@@ -426,4 +486,5 @@ exec {sys.executable} "$@"
     assert table[2:] == [
         "| sft-fp32 | 7 GB | refused: needs 8.1 GB for one sequence of 512 at fp32; gpu_memory is 7.4 GB: x "
         "| - | - | - | - |",
-        "| sft-fp32 | 11 GB | 11 of 32 | 10.2 | 9.9 | 0.971 | - |"]
+        "| sft-fp32 | 11 GB | 11 of 32 | 10.2 | 9.9 | 0.971 | - |",
+    ]

@@ -125,7 +125,8 @@ def test_stage_table_names_missing_outputs(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "dpo.log").write_text(
         "nanoeuler dpo: batch 32 as 2 micro-batches of 16 to fit 11.0 GB (gpu_memory)\n"
-        "nanoeuler dpo: device memory peak 6.4 GB measured, 6.2 GB predicted (1.03); micro-batch 16\n")
+        "nanoeuler dpo: device memory peak 6.4 GB measured, 6.2 GB predicted (1.03); micro-batch 16\n"
+    )
     text = table.table(tmp_path)
     assert "| prefs | 0.6 | 0.10 GB | 1.0 | 0.0 GiB | - | - | - | 1.5 KB |" in text
     assert "| dpo | 16.3 |" in text and text.rstrip().endswith("| n/a |")

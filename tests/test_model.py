@@ -19,7 +19,7 @@ TINY = ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, c
 
 def windows(cfg, B, T, seed=0):
     w = np.random.default_rng(seed).integers(0, cfg.vocab_size, size=(B, T + cfg.mtp_heads))
-    return w[:, :T], np.stack([w[:, 1 + k:T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)
+    return w[:, :T], np.stack([w[:, 1 + k : T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)
 
 
 # ---- configs ------------------------------------------------------------------------------------
@@ -27,10 +27,26 @@ def windows(cfg, B, T, seed=0):
 
 def test_named_configs_and_parameter_counts():
     small, gpu = ModelConfig.named("small"), ModelConfig.named("gpu")
-    assert (small.dim, small.n_heads, small.n_kv_heads, small.n_layers, small.ctx_len, small.vocab_size,
-            small.hidden, small.mtp_heads) == (128, 4, 2, 4, 128, 512, 341, 4)
-    assert (gpu.dim, gpu.n_heads, gpu.n_kv_heads, gpu.n_layers, gpu.ctx_len, gpu.vocab_size,
-            gpu.hidden, gpu.mtp_heads) == (768, 12, 4, 16, 512, 4096, 2048, 4)
+    assert (
+        small.dim,
+        small.n_heads,
+        small.n_kv_heads,
+        small.n_layers,
+        small.ctx_len,
+        small.vocab_size,
+        small.hidden,
+        small.mtp_heads,
+    ) == (128, 4, 2, 4, 128, 512, 341, 4)
+    assert (
+        gpu.dim,
+        gpu.n_heads,
+        gpu.n_kv_heads,
+        gpu.n_layers,
+        gpu.ctx_len,
+        gpu.vocab_size,
+        gpu.hidden,
+        gpu.mtp_heads,
+    ) == (768, 12, 4, 16, 512, 4096, 2048, 4)
     assert small.n_params() == 1_049_216
     assert gpu.n_params() == 116_417_280  # counted from shapes; the 116M model is never built in tests
     p = transformer.init_params(small, seed=0)
@@ -40,11 +56,27 @@ def test_named_configs_and_parameter_counts():
 def test_param_names_follow_hf_llama():
     names = list(ModelConfig.named("small").param_shapes())
     assert names[0] == "embed_tokens.weight"
-    assert names[1:10] == [f"layers.0.{n}.weight" for n in (
-        "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
-    assert names[-5:] == ["norm.weight", "lm_head.weight", "mtp_heads.1.weight", "mtp_heads.2.weight",
-                          "mtp_heads.3.weight"]
+    assert names[1:10] == [
+        f"layers.0.{n}.weight"
+        for n in (
+            "input_layernorm",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "post_attention_layernorm",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
+    assert names[-5:] == [
+        "norm.weight",
+        "lm_head.weight",
+        "mtp_heads.1.weight",
+        "mtp_heads.2.weight",
+        "mtp_heads.3.weight",
+    ]
 
 
 def test_config_round_trip_and_errors():
@@ -121,8 +153,10 @@ def test_loss_at_init_is_near_log_vocab_and_paths_agree():
 
 def test_head_losses_are_each_heads_cross_entropy():
     rng = np.random.default_rng(0)
-    params = {n: p + 0.3 * rng.standard_normal(p.shape).astype(np.float32)
-              for n, p in transformer.init_params(TINY, seed=1).items()}
+    params = {
+        n: p + 0.3 * rng.standard_normal(p.shape).astype(np.float32)
+        for n, p in transformer.init_params(TINY, seed=1).items()
+    }
     x, y = windows(TINY, 2, 8)
     y[0, :3, 1] = -1
     _, heads = transformer.forward_loss(params, x, y, TINY)
@@ -169,8 +203,8 @@ def test_a_few_training_steps_reduce_the_loss():
 
     params = transformer.init_params(TINY, seed=0)
     stream = np.tile(np.arange(10), 8)  # a pattern the model can learn quickly
-    x = np.stack([stream[i:i + 16] for i in (0, 3)])
-    y = np.stack([np.stack([stream[i + 1 + k:i + 17 + k] for k in range(3)], -1) for i in (0, 3)])
+    x = np.stack([stream[i : i + 16] for i in (0, 3)])
+    y = np.stack([np.stack([stream[i + 1 + k : i + 17 + k] for k in range(3)], -1) for i in (0, 3)])
     opt = AdamW(params, weight_decay=0.0)
     first, _ = transformer.loss_and_grads(params, x, y, TINY)
     for _ in range(30):
@@ -184,8 +218,10 @@ def test_a_few_training_steps_reduce_the_loss():
 
 def test_kv_cache_decoding_matches_full_forward():
     rng = np.random.default_rng(0)
-    params = {n: p + 0.2 * rng.standard_normal(p.shape).astype(np.float32)
-              for n, p in transformer.init_params(TINY, seed=2).items()}
+    params = {
+        n: p + 0.2 * rng.standard_normal(p.shape).astype(np.float32)
+        for n, p in transformer.init_params(TINY, seed=2).items()
+    }
     x, _ = windows(TINY, 2, 11)
     full = transformer.logits(params, x, TINY)
     cache = transformer.new_kv_cache(TINY, batch=2, max_len=16, xp=np, dtype=np.float32)
@@ -206,8 +242,11 @@ def test_kv_cache_decoding_matches_full_forward():
 
 
 def test_gradcheck_cli_passes_and_reports_every_tensor():
-    out = subprocess.run([sys.executable, "-m", "nanoeuler", "gradcheck", "--device", "cpu", "--samples", "8"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "nanoeuler", "gradcheck", "--device", "cpu", "--samples", "8"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     for name in problem.CHECK_CONFIG.param_shapes():

@@ -28,7 +28,9 @@ def _fd(params, batch, name, index, weights, h=3e-3):
         return transformer.forward_loss(params, *batch, CFG, head_weights=weights)[0]
 
     try:
-        return (8 * (loss_at(orig + h) - loss_at(orig - h)) - (loss_at(orig + 2 * h) - loss_at(orig - 2 * h))) / (12 * h)
+        return (8 * (loss_at(orig + h) - loss_at(orig - h)) - (loss_at(orig + 2 * h) - loss_at(orig - 2 * h))) / (
+            12 * h
+        )
     finally:
         w[index] = orig
 
@@ -37,11 +39,18 @@ def _fd(params, batch, name, index, weights, h=3e-3):
 def test_weighted_loss_gradients_match_finite_differences(weights):
     params, inputs, targets = problem.random_problem(CFG, seed=4)
     loss, grads = transformer.loss_and_grads(params, inputs, targets, CFG, head_weights=weights)
-    assert loss == pytest.approx(transformer.forward_loss(params, inputs, targets, CFG, head_weights=weights)[0],
-                                 rel=1e-12)
+    assert loss == pytest.approx(
+        transformer.forward_loss(params, inputs, targets, CFG, head_weights=weights)[0], rel=1e-12
+    )
     rng = np.random.default_rng(0)
-    for name in ("lm_head.weight", "mtp_heads.1.weight", "mtp_heads.2.weight", "norm.weight",
-                 "layers.0.self_attn.q_proj.weight", "embed_tokens.weight"):
+    for name in (
+        "lm_head.weight",
+        "mtp_heads.1.weight",
+        "mtp_heads.2.weight",
+        "norm.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "embed_tokens.weight",
+    ):
         flat = np.abs(grads[name]).ravel()
         for i in {int(flat.argmax()), *rng.integers(0, flat.size, 3).tolist()}:
             index = np.unravel_index(i, grads[name].shape)
@@ -85,8 +94,10 @@ def test_micro_batches_step_as_the_whole_batch_with_weights():
     w = [1.0, 0.3, 0.0]
     whole = transformer.loss_and_grads(params, inputs, targets, CFG, head_weights=w)
     totals = transformer.step_totals([targets[:1], targets[1:]])
-    parts = [transformer.loss_and_grads(params, inputs[s], targets[s], CFG, totals=totals, head_weights=w)
-             for s in (slice(0, 1), slice(1, 4))]
+    parts = [
+        transformer.loss_and_grads(params, inputs[s], targets[s], CFG, totals=totals, head_weights=w)
+        for s in (slice(0, 1), slice(1, 4))
+    ]
     assert parts[0][0] + parts[1][0] == pytest.approx(whole[0], rel=1e-12)
     for name in params:
         np.testing.assert_allclose(parts[0][1][name] + parts[1][1][name], whole[1][name], rtol=1e-10, atol=1e-14)
@@ -129,18 +140,31 @@ TINY = ModelConfig(vocab_size=24, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, c
 def _batch(step):
     rng = np.random.default_rng(step)
     w = rng.integers(0, TINY.vocab_size, size=(2, TINY.ctx_len + 2))
-    return w[:, :TINY.ctx_len], np.stack([w[:, 1 + k:TINY.ctx_len + 1 + k] for k in range(2)], axis=-1)
+    return w[:, : TINY.ctx_len], np.stack([w[:, 1 + k : TINY.ctx_len + 1 + k] for k in range(2)], axis=-1)
 
 
 def test_the_loop_trains_each_step_with_its_scheduled_weights(tmp_path):
     """A run with mtp_weights_end [1, 0] ends where steps with weights [1, 1], [1, 2/3], [1, 1/3], [1, 0]
     end, bit for bit; without the key it ends elsewhere."""
+
     def init():
         return {n: p.astype(np.float64) for n, p in transformer.init_params(TINY, seed=0).items()}
 
     def train(name, **keys):
-        sec = validate({"pretrain": dict(batch_size=2, lr=1e-2, warmup_steps=1, steps=4, log_every=1,
-                                         eval_every=1000, checkpoint_every=4, **keys)})["pretrain"]
+        sec = validate(
+            {
+                "pretrain": dict(
+                    batch_size=2,
+                    lr=1e-2,
+                    warmup_steps=1,
+                    steps=4,
+                    log_every=1,
+                    eval_every=1000,
+                    checkpoint_every=4,
+                    **keys,
+                )
+            }
+        )["pretrain"]
 
         class Batches:
             def batch(self, step, micro):
@@ -152,9 +176,20 @@ def test_the_loop_trains_each_step_with_its_scheduled_weights(tmp_path):
             def load_state(self, state):
                 pass
 
-        run = loop.Run(stage="pretrain", cfg=TINY, section=sec, total_steps=4, batches=Batches(), init_params=init,
-                       tokenizer_json="{}", tokenizer_sha256="0" * 64, run_dir=tmp_path / name,
-                       out=tmp_path / name / "final.bin", xp=np, progress=False)
+        run = loop.Run(
+            stage="pretrain",
+            cfg=TINY,
+            section=sec,
+            total_steps=4,
+            batches=Batches(),
+            init_params=init,
+            tokenizer_json="{}",
+            tokenizer_sha256="0" * 64,
+            run_dir=tmp_path / name,
+            out=tmp_path / name / "final.bin",
+            xp=np,
+            progress=False,
+        )
         loop.train(run)
         from nanoeuler import checkpoint
 

@@ -11,7 +11,7 @@ import pytest
 from nanoeuler.config import validate
 from nanoeuler.model import transformer
 from nanoeuler.model.config import ModelConfig
-from nanoeuler.optim import (GROUPS, AdamW, Muon, lr_at, muon_scale, newton_schulz, param_group)
+from nanoeuler.optim import GROUPS, AdamW, Muon, lr_at, muon_scale, newton_schulz, param_group
 from nanoeuler.train.config import PretrainConfig
 from nanoeuler.train.stepper import make_stepper
 from train_fixtures import step_in_threads, thread_mean_hooks
@@ -30,8 +30,8 @@ def _params(seed=0):
 def _micro(seed, B=2):
     rng = np.random.default_rng(seed)
     w = rng.integers(0, CFG.vocab_size, size=(B, CFG.ctx_len + CFG.mtp_heads))
-    y = np.stack([w[:, 1 + k:CFG.ctx_len + 1 + k] for k in range(CFG.mtp_heads)], axis=-1)
-    return w[:, :CFG.ctx_len], y
+    y = np.stack([w[:, 1 + k : CFG.ctx_len + 1 + k] for k in range(CFG.mtp_heads)], axis=-1)
+    return w[:, : CFG.ctx_len], y
 
 
 def _with_singular_values(rows, cols, s, seed=0):
@@ -171,8 +171,9 @@ def test_adamw_lr_scale_is_a_group_learning_rate():
     AdamW(scaled, lr_scale={"embed_tokens.weight": 3.0}).step(scaled, grads, 1e-3)
     AdamW(plain).step(plain, grads, 1e-3)
     moved = lambda p, n: p[n] - params[n]  # noqa: E731
-    np.testing.assert_allclose(moved(scaled, "embed_tokens.weight"), 3.0 * moved(plain, "embed_tokens.weight"),
-                               rtol=1e-9, atol=1e-18)
+    np.testing.assert_allclose(
+        moved(scaled, "embed_tokens.weight"), 3.0 * moved(plain, "embed_tokens.weight"), rtol=1e-9, atol=1e-18
+    )
     np.testing.assert_array_equal(scaled["norm.weight"], plain["norm.weight"])
 
 

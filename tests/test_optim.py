@@ -17,8 +17,12 @@ CFG = ModelConfig(vocab_size=30, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ct
 def test_default_no_decay_is_norms_and_embedding():
     params = transformer.init_params(CFG, seed=0)
     opt = AdamW(params)
-    assert opt.no_decay == {"embed_tokens.weight", "layers.0.input_layernorm.weight",
-                            "layers.0.post_attention_layernorm.weight", "norm.weight"}
+    assert opt.no_decay == {
+        "embed_tokens.weight",
+        "layers.0.input_layernorm.weight",
+        "layers.0.post_attention_layernorm.weight",
+        "norm.weight",
+    }
     assert not default_no_decay("lm_head.weight", (30, 16))
     with pytest.raises(ValueError, match="unknown"):
         AdamW(params, no_decay=["nope"])
@@ -29,8 +33,10 @@ def test_adamw_matches_torch():
     params = {n: p.astype(np.float64) for n, p in transformer.init_params(CFG, seed=0).items()}
     opt = AdamW(params, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     tp = {n: torch.tensor(p.copy(), requires_grad=True) for n, p in params.items()}
-    groups = [{"params": [tp[n] for n in tp if n not in opt.no_decay], "weight_decay": 0.1},
-              {"params": [tp[n] for n in tp if n in opt.no_decay], "weight_decay": 0.0}]
+    groups = [
+        {"params": [tp[n] for n in tp if n not in opt.no_decay], "weight_decay": 0.1},
+        {"params": [tp[n] for n in tp if n in opt.no_decay], "weight_decay": 0.0},
+    ]
     topt = torch.optim.AdamW(groups, lr=1.0, betas=(0.9, 0.95), eps=1e-8)
     for step in range(5):
         lr = 1e-2 * (step + 1)

@@ -34,6 +34,7 @@ FORK = mp.get_context("fork")
 
 # ---- the world and the rendezvous ---------------------------------------------------------------
 
+
 def test_world_comes_from_the_launchers_variables():
     assert world_from_env({}) is None
     assert world_from_env({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2"}) == World(2, 4, 2)
@@ -45,11 +46,14 @@ def test_world_comes_from_the_launchers_variables():
     assert world_from_env({"RANK": "0", "WORLD_SIZE": "1"}).is_root  # a launched world of one: the NCCL path
 
 
-@pytest.mark.parametrize("env, words", [
-    ({"RANK": "2", "WORLD_SIZE": "2"}, "0 <= rank < world size"),
-    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
-    ({"WORLD_SIZE": "2"}, "RANK is not set"),
-])
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "0 <= rank < world size"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
+        ({"WORLD_SIZE": "2"}, "RANK is not set"),
+    ],
+)
 def test_a_bad_world_is_one_clear_error(env, words):
     with pytest.raises(UserError, match=words):
         world_from_env(env)
@@ -59,8 +63,9 @@ def test_the_rendezvous_file_is_set_or_derived_from_the_job(tmp_path):
     assert rendezvous_path({parallel.ENV_RENDEZVOUS: str(tmp_path / "id")}) == tmp_path / "id"
     assert rendezvous_path({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3"}).name == "nanoeuler-nccl-77.3.id"
     assert rendezvous_path({"MASTER_PORT": "29500"}) == parallel.TcpRendezvous("127.0.0.1", 29500)
-    assert rendezvous_path({parallel.ENV_RENDEZVOUS: "tcp://node07:6000", "MASTER_PORT": "1"}) == \
-        parallel.TcpRendezvous("node07", 6000)
+    assert rendezvous_path(
+        {parallel.ENV_RENDEZVOUS: "tcp://node07:6000", "MASTER_PORT": "1"}
+    ) == parallel.TcpRendezvous("node07", 6000)
     with pytest.raises(UserError, match="NANOEULER_RENDEZVOUS"):
         rendezvous_path({})
     with pytest.raises(UserError, match="MASTER_PORT: the port must be a number in 1..65535"):
@@ -84,12 +89,17 @@ def _rank_of_a_job(env, out):
 def test_tasks_of_two_nodes_get_rank_0s_id_through_a_tcp_store_or_a_shared_file(tmp_path, how):
     """Three processes as srun starts them on two nodes (tasks 0, 1 on the first, 2 on the second), the
     others before rank 0: each reads its rank from SLURM's variables and receives rank 0's id."""
-    where = ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if how == "tcp"
-             else {parallel.ENV_RENDEZVOUS: str(tmp_path / "shared" / "nccl.id")})
+    where = (
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        if how == "tcp"
+        else {parallel.ENV_RENDEZVOUS: str(tmp_path / "shared" / "nccl.id")}
+    )
     (tmp_path / "shared").mkdir()
     out = FORK.Queue()
-    tasks = [{"SLURM_JOB_ID": "9", "SLURM_PROCID": str(r), "SLURM_NTASKS": "3", "SLURM_LOCALID": str(local), **where}
-             for r, local in ((2, 0), (1, 1), (0, 0))]
+    tasks = [
+        {"SLURM_JOB_ID": "9", "SLURM_PROCID": str(r), "SLURM_NTASKS": "3", "SLURM_LOCALID": str(local), **where}
+        for r, local in ((2, 0), (1, 1), (0, 0))
+    ]
     procs = []
     for env in tasks:
         procs.append(FORK.Process(target=_rank_of_a_job, args=(env, out)))
@@ -161,6 +171,7 @@ def test_ranks_get_their_rank_the_world_and_the_rendezvous_file():
 
 # ---- the data each rank takes --------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     tok = SimpleNamespace(vocab_size=CFG.vocab_size, sha256="0" * 64)
@@ -206,6 +217,7 @@ def test_the_engines_flat_gradient_buffer_is_reduced_in_one_call():
 
 
 # ---- a test double of NCCL: processes averaging through pipes ------------------------------------
+
 
 class PipeComm:
     """Rank 0 gathers every rank's arrays through a pipe, sums them in rank order and sends the sum back."""
@@ -255,11 +267,25 @@ def _pipes(n: int) -> list[list]:
 
 
 def _run(shards, run_dir, *, rank=0, world=1, batch=2, steps=4, dp=None):
-    sec = validate({"pretrain": dict(batch_size=batch, lr=1e-2, min_lr=1e-3, warmup_steps=1, log_every=1,
-                                     eval_every=1000, checkpoint_every=2, keep_checkpoints=5, grad_clip=1.0,
-                                     steps=steps)})["pretrain"]
-    windows = RandomWindows(ShardSplit(shards, "train"), CFG.ctx_len, CFG.mtp_heads, batch, seed=3,
-                            rank=rank, world=world)
+    sec = validate(
+        {
+            "pretrain": dict(
+                batch_size=batch,
+                lr=1e-2,
+                min_lr=1e-3,
+                warmup_steps=1,
+                log_every=1,
+                eval_every=1000,
+                checkpoint_every=2,
+                keep_checkpoints=5,
+                grad_clip=1.0,
+                steps=steps,
+            )
+        }
+    )["pretrain"]
+    windows = RandomWindows(
+        ShardSplit(shards, "train"), CFG.ctx_len, CFG.mtp_heads, batch, seed=3, rank=rank, world=world
+    )
 
     class Batches:
         def batch(self, step, micro):
@@ -271,9 +297,21 @@ def _run(shards, run_dir, *, rank=0, world=1, batch=2, steps=4, dp=None):
     def init():
         return {n: p.astype(np.float64) for n, p in transformer.init_params(CFG, seed=0).items()}
 
-    return loop.Run(stage="pretrain", cfg=CFG, section=sec, total_steps=steps, batches=Batches(), init_params=init,
-                    tokenizer_json="{}", tokenizer_sha256="0" * 64, run_dir=run_dir, out=run_dir / "final.bin",
-                    xp=np, progress=False, parallel=dp)
+    return loop.Run(
+        stage="pretrain",
+        cfg=CFG,
+        section=sec,
+        total_steps=steps,
+        batches=Batches(),
+        init_params=init,
+        tokenizer_json="{}",
+        tokenizer_sha256="0" * 64,
+        run_dir=run_dir,
+        out=run_dir / "final.bin",
+        xp=np,
+        progress=False,
+        parallel=dp,
+    )
 
 
 def _rank_main(rank, world, conns, shards, run_dirs, batch, steps):
@@ -284,8 +322,9 @@ def _rank_main(rank, world, conns, shards, run_dirs, batch, steps):
 
 def _train_ranks(shards, run_dirs, world, batch, steps=4):
     conns = _pipes(world)
-    procs = [FORK.Process(target=_rank_main, args=(r, world, conns[r], shards, run_dirs, batch, steps))
-             for r in range(world)]
+    procs = [
+        FORK.Process(target=_rank_main, args=(r, world, conns[r], shards, run_dirs, batch, steps)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -331,6 +370,7 @@ def test_resume_restores_every_rank(shards, tmp_path):
 
 
 # ---- non-finite steps and dead ranks -------------------------------------------------------------
+
 
 class OtherRanks:
     """A comm whose other rank contributes `peer_loss`; counts the collective calls."""
@@ -380,9 +420,9 @@ def test_a_rank_with_a_nan_loss_still_joins_the_gradient_all_reduce():
     stepper = make_stepper(TrainConfig.from_section(sec), CFG, params, np, grad_hook=calls.append)
     rng = np.random.default_rng(0)
     w = rng.integers(0, CFG.vocab_size, size=(2, CFG.ctx_len + CFG.mtp_heads))
-    y = np.stack([w[:, 1 + k:CFG.ctx_len + 1 + k] for k in range(CFG.mtp_heads)], axis=-1)
+    y = np.stack([w[:, 1 + k : CFG.ctx_len + 1 + k] for k in range(CFG.mtp_heads)], axis=-1)
     with pytest.raises(NonFinite, match="loss"):
-        stepper.step([(w[:, :CFG.ctx_len], y)], 1e-3)
+        stepper.step([(w[:, : CFG.ctx_len], y)], 1e-3)
     assert len(calls) == 1 and stepper.t == 0  # the collective ran; the update did not
 
 
@@ -448,8 +488,23 @@ def test_gpus_on_the_cpu_is_one_clear_error_before_any_process_starts(tmp_path, 
 
     conf = tmp_path / "c.yaml"
     conf.write_text("device: cpu\n")
-    rc = main(["pretrain", "--config", str(conf), "--gpus", "2", "--shards", "m.json", "--tokenizer", "t.json",
-               "--out", str(tmp_path / "b.bin")])
+    rc = main(
+        [
+            "pretrain",
+            "--config",
+            str(conf),
+            "--gpus",
+            "2",
+            "--shards",
+            "m.json",
+            "--tokenizer",
+            "t.json",
+            "--out",
+            str(tmp_path / "b.bin"),
+        ]
+    )
     assert rc == 1
-    assert "nanoeuler pretrain: error: data-parallel training (2 ranks) runs on GPUs; use --device gpu" in \
-        capsys.readouterr().err
+    assert (
+        "nanoeuler pretrain: error: data-parallel training (2 ranks) runs on GPUs; use --device gpu"
+        in capsys.readouterr().err
+    )

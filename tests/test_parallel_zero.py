@@ -51,7 +51,7 @@ class ThreadComm:
 
     def reduce_scatter_mean(self, src, dst) -> None:
         k, r = dst.size, self.rank
-        dst[...] = self._mean([p[r * k:(r + 1) * k] for p in self.world.exchange(self.rank, src.copy())])
+        dst[...] = self._mean([p[r * k : (r + 1) * k] for p in self.world.exchange(self.rank, src.copy())])
 
     def all_gather(self, src, dst) -> None:
         dst[...] = np.concatenate(self.world.exchange(self.rank, src.copy()))
@@ -95,8 +95,18 @@ def in_threads(fn, world: ThreadWorld) -> list:
 
 
 def settings(optimizer: str, batch: int) -> TrainConfig:
-    sec = validate({"pretrain": {"batch_size": batch, "optimizer": optimizer, "grad_clip": 0.5, "lr": 1e-2,
-                                 "muon_lr": 2e-2, "weight_decay": 0.1}})["pretrain"]
+    sec = validate(
+        {
+            "pretrain": {
+                "batch_size": batch,
+                "optimizer": optimizer,
+                "grad_clip": 0.5,
+                "lr": 1e-2,
+                "muon_lr": 2e-2,
+                "weight_decay": 0.1,
+            }
+        }
+    )["pretrain"]
     return TrainConfig.from_section(sec)
 
 
@@ -104,15 +114,16 @@ def windows(step: int, n: int, b: int):
     """The n*b windows of a step (the same on every rank, as the loader draws them); rank r takes r::n."""
     rng = np.random.default_rng(1000 + step)
     w = rng.integers(0, CFG.vocab_size, size=(n * b, CFG.ctx_len + CFG.mtp_heads))
-    y = np.stack([w[:, 1 + k:CFG.ctx_len + 1 + k] for k in range(CFG.mtp_heads)], axis=-1)
-    return w[:, :CFG.ctx_len], y
+    y = np.stack([w[:, 1 + k : CFG.ctx_len + 1 + k] for k in range(CFG.mtp_heads)], axis=-1)
+    return w[:, : CFG.ctx_len], y
 
 
 def rank_stepper(rank: int, world: ThreadWorld, optimizer: str, batch: int, zero: int, params=None):
     dp = DataParallel(ThreadComm(world, rank), "pretrain", zero=zero)
     params = transformer.init_params(CFG, seed=0) if params is None else params
-    inner = make_stepper(settings(optimizer, batch), CFG, {n: p.copy() for n, p in params.items()}, np,
-                         grad_hook=dp.grad_hook())
+    inner = make_stepper(
+        settings(optimizer, batch), CFG, {n: p.copy() for n, p in params.items()}, np, grad_hook=dp.grad_hook()
+    )
     return dp.wrap(inner)
 
 
@@ -172,7 +183,10 @@ def test_the_shard_plan_keeps_tensors_whole_contiguous_and_balanced():
         assert owners == sorted(owners) and set(plan.owner) == set(shapes)  # contiguous runs, in order
         ends = [plan.offset[k] + sizes[k] for k in shapes]
         for k in shapes:  # inside its rank's run, never overlapping the next tensor
-            assert plan.owner[k] * plan.span <= plan.offset[k] and ends[list(shapes).index(k)] <= (plan.owner[k] + 1) * plan.span
+            assert (
+                plan.owner[k] * plan.span <= plan.offset[k]
+                and ends[list(shapes).index(k)] <= (plan.owner[k] + 1) * plan.span
+            )
         assert len(set(plan.offset.values())) == len(shapes)
         assert plan.span <= sum(sizes.values()) / n + max(sizes.values())  # a tensor spills half over each end
 
@@ -180,6 +194,7 @@ def test_the_shard_plan_keeps_tensors_whole_contiguous_and_balanced():
 def test_a_checkpoint_of_2_ranks_resumes_on_4_and_on_3():
     """The state gathered from 2 sharded ranks at step 10 continues on 4 (and 3) sharded ranks exactly as
     the unsharded runs of the same worlds do: the global batch of 12 stays, the shards are cut anew."""
+
     def run(zero, first, second):
         world = ThreadWorld(first)
 
@@ -217,8 +232,11 @@ def _loop_ranks(manifest, run_dir, n, batch, zero):
     in_threads(rank_main, world)
 
 
-def test_the_training_loop_checkpoints_a_sharded_run_and_resumes_it_on_another_world(shards, tmp_path,  # noqa: F811
-                                                                                      capsys):
+def test_the_training_loop_checkpoints_a_sharded_run_and_resumes_it_on_another_world(
+    shards,  # noqa: F811 (the fixture imported from test_parallel)
+    tmp_path,
+    capsys,
+):
     whole_dir, run_dir = tmp_path / "whole", tmp_path / "run"
     _loop_ranks(shards, whole_dir, n=2, batch=2, zero=0)  # the unsharded run, 2 x 2
     _loop_ranks(shards, run_dir, n=2, batch=2, zero=1)

@@ -15,8 +15,17 @@ import pytest
 from nanoeuler import checkpoint
 from train_fixtures import make_tokenizer, write_config, write_shards
 
-PRE = dict(steps=40, batch_size=4, lr=3e-3, warmup_steps=5, log_every=1, eval_every=10, checkpoint_every=10,
-           keep_checkpoints=3, val_tokens=256)
+PRE = dict(
+    steps=40,
+    batch_size=4,
+    lr=3e-3,
+    warmup_steps=5,
+    log_every=1,
+    eval_every=10,
+    checkpoint_every=10,
+    keep_checkpoints=3,
+    val_tokens=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +39,22 @@ def data(tmp_path_factory):
 
 def cmd(data, work: Path, conf: Path):
     d, _, manifest = data
-    return [sys.executable, "-m", "nanoeuler", "pretrain", "--config", str(conf), "--shards", str(manifest),
-            "--tokenizer", str(d / "tok.json"), "--out", str(work / "base.bin"), "--run-dir", str(work / "run")]
+    return [
+        sys.executable,
+        "-m",
+        "nanoeuler",
+        "pretrain",
+        "--config",
+        str(conf),
+        "--shards",
+        str(manifest),
+        "--tokenizer",
+        str(d / "tok.json"),
+        "--out",
+        str(work / "base.bin"),
+        "--run-dir",
+        str(work / "run"),
+    ]
 
 
 def pretrain(data, work, conf, **kw):
@@ -62,7 +85,10 @@ def test_pretrain_writes_model_metrics_plot_and_rotates_checkpoints(data, tmp_pa
     assert meta["tokenizer"] == data[1].to_json() and meta["step"] == 40
     assert cfg.ctx_len == 64 and cfg.vocab_size == data[1].vocab_size
     assert sorted(p.name for p in (tmp_path / "run").glob("ckpt_*.bin")) == [
-        "ckpt_00000020.bin", "ckpt_00000030.bin", "ckpt_00000040.bin"]
+        "ckpt_00000020.bin",
+        "ckpt_00000030.bin",
+        "ckpt_00000040.bin",
+    ]
     recs = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     val = [r for r in recs if "val_bpb" in r]
     assert [r["step"] for r in val] == [10, 20, 30, 40]
@@ -78,8 +104,9 @@ def test_pretrain_writes_model_metrics_plot_and_rotates_checkpoints(data, tmp_pa
         np.testing.assert_array_equal(p, ck[name])
 
 
-@pytest.mark.parametrize("recipe", [{}, dict(optimizer="muon", muon_lr=1e-2, schedule="wsd", zero_init_out=True)],
-                         ids=["adamw", "muon"])
+@pytest.mark.parametrize(
+    "recipe", [{}, dict(optimizer="muon", muon_lr=1e-2, schedule="wsd", zero_init_out=True)], ids=["adamw", "muon"]
+)
 def test_kill_9_and_resume_gives_identical_losses(data, tmp_path, recipe):
     spec = dict(PRE, steps=150, checkpoint_every=25, eval_every=50, **recipe)
     conf = write_config(tmp_path / "c.yaml", pretrain=spec)
@@ -146,9 +173,27 @@ def test_checkpoint_of_another_model_or_tokenizer_is_set_aside(data, tmp_path):
     assert other_tok.vocab_size == data[1].vocab_size and other_tok.sha256 != data[1].sha256
     other_tok.save(tmp_path / "tok2.json")
     shards2 = write_shards(tmp_path / "shards2", other_tok)
-    r = subprocess.run([sys.executable, "-m", "nanoeuler", "pretrain", "--config", str(conf), "--shards",
-                        str(shards2), "--tokenizer", str(tmp_path / "tok2.json"), "--out", str(tmp_path / "x.bin"),
-                        "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanoeuler",
+            "pretrain",
+            "--config",
+            str(conf),
+            "--shards",
+            str(shards2),
+            "--tokenizer",
+            str(tmp_path / "tok2.json"),
+            "--out",
+            str(tmp_path / "x.bin"),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "another model or tokenizer" in r.stderr and "tokenizer sha256" in r.stderr
 
@@ -170,8 +215,9 @@ def test_changed_training_settings_start_a_fresh_run(data, tmp_path):
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(data, tmp_path):
-    conf = write_config(tmp_path / "c.yaml", pretrain=dict(PRE, lr=1e20, warmup_steps=0, grad_clip=0.0,
-                                                           checkpoint_every=1))
+    conf = write_config(
+        tmp_path / "c.yaml", pretrain=dict(PRE, lr=1e20, warmup_steps=0, grad_clip=0.0, checkpoint_every=1)
+    )
     r = pretrain(data, tmp_path, conf)
     assert r.returncode == 1
     msg = r.stderr.strip().splitlines()[-1]
@@ -190,13 +236,16 @@ def test_bf16_precision_on_the_cpu_is_one_clear_error(data, tmp_path):
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [
         "nanoeuler pretrain: error: pretrain.precision bf16 runs on the GPU engine; "
-        "use --device gpu, or precision fp32 on the CPU"]
+        "use --device gpu, or precision fp32 on the CPU"
+    ]
     assert not (tmp_path / "base.bin").exists()
 
 
 # holds a run directory as a writer would, until killed
-HOLD = ("import sys, time\nfrom nanoeuler.train.rundir import writer_lock\n"
-        "with writer_lock(sys.argv[1], 'pretrain'):\n    print('held', flush=True)\n    time.sleep(300)\n")
+HOLD = (
+    "import sys, time\nfrom nanoeuler.train.rundir import writer_lock\n"
+    "with writer_lock(sys.argv[1], 'pretrain'):\n    print('held', flush=True)\n    time.sleep(300)\n"
+)
 
 
 def _holder(run_dir: Path) -> subprocess.Popen:
@@ -217,8 +266,10 @@ def test_a_second_writer_of_a_run_directory_is_refused_naming_the_first(data, tm
         holder.wait()
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
-    assert r.stderr.startswith(f"nanoeuler pretrain: error: run directory {run} is in use by another writer "
-                               f"(pid {holder.pid} on {socket.gethostname()}, started 20"), r.stderr
+    assert r.stderr.startswith(
+        f"nanoeuler pretrain: error: run directory {run} is in use by another writer "
+        f"(pid {holder.pid} on {socket.gethostname()}, started 20"
+    ), r.stderr
     assert f": nanoeuler {run}); wait for it to finish or stop it" in r.stderr
     assert [p.name for p in run.iterdir()] == [".lock"] and not (tmp_path / "base.bin").exists()
 

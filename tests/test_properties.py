@@ -18,8 +18,12 @@ from nanoeuler import checkpoint
 from nanoeuler.errors import UserError
 
 EXAMPLES = 150
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def one_line(exc: UserError) -> None:
@@ -29,17 +33,52 @@ def one_line(exc: UserError) -> None:
 
 # ---- config loader -------------------------------------------------------------------------------
 
-SECTIONS = ["device", "gutenberg", "fineweb", "alpaca", "corpus", "tokenizer", "shards", "model", "pretrain",
-            "sft", "eval"]
-KEYS = ["ids", "url", "retries", "timeout_s", "max_time_s", "weights", "vocab_size", "dim", "ctx_len", "steps",
-        "lr", "batch_size", "preset", "chat_prompts", "temperature", "gutenberg", "fineweb", "val_fraction"]
-scalars = st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=True) | st.text(max_size=12)
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                      | st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=6), inner, max_size=4),
-                      max_leaves=12)
-configs = st.dictionaries(st.sampled_from(SECTIONS) | st.text(max_size=8) | st.integers(0, 3),
-                          st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=8), values, max_size=4) | values,
-                          max_size=4)
+SECTIONS = [
+    "device",
+    "gutenberg",
+    "fineweb",
+    "alpaca",
+    "corpus",
+    "tokenizer",
+    "shards",
+    "model",
+    "pretrain",
+    "sft",
+    "eval",
+]
+KEYS = [
+    "ids",
+    "url",
+    "retries",
+    "timeout_s",
+    "max_time_s",
+    "weights",
+    "vocab_size",
+    "dim",
+    "ctx_len",
+    "steps",
+    "lr",
+    "batch_size",
+    "preset",
+    "chat_prompts",
+    "temperature",
+    "gutenberg",
+    "fineweb",
+    "val_fraction",
+]
+scalars = st.none() | st.booleans() | st.integers(-(10**6), 10**6) | st.floats(allow_nan=True) | st.text(max_size=12)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+configs = st.dictionaries(
+    st.sampled_from(SECTIONS) | st.text(max_size=8) | st.integers(0, 3),
+    st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=8), values, max_size=4) | values,
+    max_size=4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +103,11 @@ def test_config_validation_accepts_or_names_the_key(schema, config):
 
 
 @SETTINGS
-@given(data=st.binary(max_size=300) | st.text(max_size=300).map(lambda t: t.encode("utf-8", "surrogatepass"))
-       | st.sampled_from([b"[" * 100_000, b"a: &x [*x]", b"\xff\xfe"]))
+@given(
+    data=st.binary(max_size=300)
+    | st.text(max_size=300).map(lambda t: t.encode("utf-8", "surrogatepass"))
+    | st.sampled_from([b"[" * 100_000, b"a: &x [*x]", b"\xff\xfe"])
+)
 def test_config_files_of_any_bytes(tmp_path, data):
     from nanoeuler.config import load_config
 
@@ -79,16 +121,30 @@ def test_config_files_of_any_bytes(tmp_path, data):
 
 # ---- Alpaca JSON and the SFT JSON-lines reader ---------------------------------------------------
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
-                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                      max_size=3), max_leaves=8)
-records = st.fixed_dictionaries({}, optional={"instruction": json_values | st.text(), "input": json_values | st.text(),
-                                              "output": json_values | st.text()}) | json_values
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+records = (
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "instruction": json_values | st.text(),
+            "input": json_values | st.text(),
+            "output": json_values | st.text(),
+        },
+    )
+    | json_values
+)
 
 
 @SETTINGS
-@given(data=st.lists(records, max_size=8).map(json.dumps).map(str.encode) | st.binary(max_size=200)
-       | st.sampled_from([b"[" * 100_000, b"[{" * 50_000, b"\xef\xbb\xbf[]", b"null"]))
+@given(
+    data=st.lists(records, max_size=8).map(json.dumps).map(str.encode)
+    | st.binary(max_size=200)
+    | st.sampled_from([b"[" * 100_000, b"[{" * 50_000, b"\xef\xbb\xbf[]", b"null"])
+)
 def test_alpaca_reader_and_cleaner(tmp_path, data):
     from nanoeuler.data import alpaca
 
@@ -104,8 +160,11 @@ def test_alpaca_reader_and_cleaner(tmp_path, data):
 
 
 @SETTINGS
-@given(lines=st.lists(records.map(json.dumps).map(str.encode) | st.binary(max_size=40)
-                     | st.just(b"[" * 100_000), max_size=6))
+@given(
+    lines=st.lists(
+        records.map(json.dumps).map(str.encode) | st.binary(max_size=40) | st.just(b"[" * 100_000), max_size=6
+    )
+)
 def test_sft_jsonl_reader(tmp_path, lines):
     from nanoeuler.train.sft import read_records
 
@@ -120,8 +179,10 @@ def test_sft_jsonl_reader(tmp_path, lines):
 
 
 @SETTINGS
-@given(data=st.binary(max_size=200) | st.dictionaries(st.text(max_size=6), json_values, max_size=4)
-       .map(json.dumps).map(str.encode))
+@given(
+    data=st.binary(max_size=200)
+    | st.dictionaries(st.text(max_size=6), json_values, max_size=4).map(json.dumps).map(str.encode)
+)
 def test_shard_manifest_and_metrics_readers(tmp_path, data):
     from nanoeuler.train.loader import read_manifest
     from nanoeuler.train.rundir import read_jsonl
@@ -138,12 +199,16 @@ def test_shard_manifest_and_metrics_readers(tmp_path, data):
 
 # ---- checkpoint reader: byte flips ----------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "c.bin"
     rng = np.random.default_rng(0)
-    tensors = {"w": rng.standard_normal((4, 3)).astype(np.float32), "b": np.arange(5, dtype=np.int64),
-               "h": rng.standard_normal(6).astype(np.float16)}
+    tensors = {
+        "w": rng.standard_normal((4, 3)).astype(np.float32),
+        "b": np.arange(5, dtype=np.int64),
+        "h": rng.standard_normal(6).astype(np.float16),
+    }
     meta = {"step": 12, "model_config": {"dim": 4, "n_layers": 1}, "tokenizer": '{"merges": [[1, 2]]}'}
     checkpoint.save(path, tensors, meta)
     return path.read_bytes(), tensors, meta
@@ -184,6 +249,7 @@ def test_a_truncated_checkpoint_is_refused(saved, tmp_path, cut):
 
 # ---- tokenizer round trip -------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tok():
     from train_fixtures import make_tokenizer
@@ -192,8 +258,11 @@ def tok():
 
 
 @SETTINGS
-@given(text=st.text(max_size=60) | st.text(st.characters(codec="utf-8"), max_size=60)
-       | st.sampled_from(["<|endoftext|>", "</s>", "a</s>b", "\r\n\t", "🙂" * 5, "ǅ" * 3]))
+@given(
+    text=st.text(max_size=60)
+    | st.text(st.characters(codec="utf-8"), max_size=60)
+    | st.sampled_from(["<|endoftext|>", "</s>", "a</s>b", "\r\n\t", "🙂" * 5, "ǅ" * 3])
+)
 def test_tokenizer_round_trip_on_any_unicode(tok, text):
     ids = tok.encode(text)
     assert all(0 <= i < tok.vocab_size for i in ids)

@@ -19,17 +19,31 @@ from nanoeuler.train.template import render_prompt
 from train_fixtures import TINY_MODEL, make_tokenizer, write_alpaca, write_config, write_shards
 from workflow_helpers import snakemake
 
-PRETRAIN = dict(steps=6, batch_size=4, lr=1e-3, warmup_steps=1, log_every=2, eval_every=3, checkpoint_every=3,
-                val_tokens=128)
-SFT = dict(epochs=1, batch_size=4, lr=1e-3, warmup_steps=1, log_every=1, eval_every=2, checkpoint_every=2,
-           val_examples=4)
-EVAL = dict(max_new_tokens=6, val_tokens=256, base_prompts=["It was"], chat_prompts=["Name a color."],
-            hellaswag_items=4)
-RELEASE_FILES = ["README.md", "SHA256SUMS", "chat.bin", "config.json", "generation_config.json",
-                 "model.safetensors", "run_config.yaml", "tokenizer.json", "tokenizer_config.json"]
+PRETRAIN = dict(
+    steps=6, batch_size=4, lr=1e-3, warmup_steps=1, log_every=2, eval_every=3, checkpoint_every=3, val_tokens=128
+)
+SFT = dict(
+    epochs=1, batch_size=4, lr=1e-3, warmup_steps=1, log_every=1, eval_every=2, checkpoint_every=2, val_examples=4
+)
+EVAL = dict(
+    max_new_tokens=6, val_tokens=256, base_prompts=["It was"], chat_prompts=["Name a color."], hellaswag_items=4
+)
+RELEASE_FILES = [
+    "README.md",
+    "SHA256SUMS",
+    "chat.bin",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "run_config.yaml",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
 # Snakemake's benchmark file: the wall time of each rule in column s
-BENCH = ("s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"
-         "{s}\t0:00:00\t1\t1\t1\t1\t0\t0\t0\t1\n")
+BENCH = (
+    "s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_load\tcpu_time\n"
+    "{s}\t0:00:00\t1\t1\t1\t1\t0\t0\t0\t1\n"
+)
 
 
 def cli(*argv) -> None:
@@ -49,16 +63,64 @@ def run(tmp_path_factory):
     item = {"ctx": "The sea", "endings": ["was calm.", "is blue.", "ran.", "sat."], "label": 0}
     (work / "hellaswag.jsonl").write_text((json.dumps(item) + "\n") * 4)
     conf = write_config(work / "config.yaml", pretrain=PRETRAIN, sft=SFT, eval=EVAL)
-    cli("pretrain", "--config", conf, "--shards", manifest, "--tokenizer", res / "tokenizer.json",
-        "--out", res / "base.bin", "--no-progress")
-    cli("sft", "--config", conf, "--base", res / "base.bin", "--data", work / "alpaca.jsonl",
-        "--out", res / "chat.bin", "--no-progress")
+    cli(
+        "pretrain",
+        "--config",
+        conf,
+        "--shards",
+        manifest,
+        "--tokenizer",
+        res / "tokenizer.json",
+        "--out",
+        res / "base.bin",
+        "--no-progress",
+    )
+    cli(
+        "sft",
+        "--config",
+        conf,
+        "--base",
+        res / "base.bin",
+        "--data",
+        work / "alpaca.jsonl",
+        "--out",
+        res / "chat.bin",
+        "--no-progress",
+    )
     for name in ("base", "chat"):
-        cli("hellaswag-eval", "--config", conf, "--ckpt", res / f"{name}.bin", "--data", work / "hellaswag.jsonl",
-            "--name", name, "--out", res / "hellaswag" / f"{name}.json")
-    cli("evaluate", "--config", conf, "--base", res / "base.bin", "--chat", res / "chat.bin", "--shards", manifest,
-        "--samples", res / "samples.md", "--metrics", res / "metrics.json", "--plot", res / "loss.png",
-        "--hellaswag", res / "hellaswag" / "base.json", res / "hellaswag" / "chat.json")
+        cli(
+            "hellaswag-eval",
+            "--config",
+            conf,
+            "--ckpt",
+            res / f"{name}.bin",
+            "--data",
+            work / "hellaswag.jsonl",
+            "--name",
+            name,
+            "--out",
+            res / "hellaswag" / f"{name}.json",
+        )
+    cli(
+        "evaluate",
+        "--config",
+        conf,
+        "--base",
+        res / "base.bin",
+        "--chat",
+        res / "chat.bin",
+        "--shards",
+        manifest,
+        "--samples",
+        res / "samples.md",
+        "--metrics",
+        res / "metrics.json",
+        "--plot",
+        res / "loss.png",
+        "--hellaswag",
+        res / "hellaswag" / "base.json",
+        res / "hellaswag" / "chat.json",
+    )
     (work / "benchmarks").mkdir()
     for rule, seconds in (("pretrain", 125.4), ("sft", 3725.0), ("corpus", 2.0)):
         (work / "benchmarks" / f"{rule}.tsv").write_text(BENCH.format(s=seconds))
@@ -68,8 +130,17 @@ def run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def release(run):
     work, conf = run
-    cli("release", "--config", conf, "--model", work / "results" / "chat.bin", "--out", work / "results" / "release",
-        "--benchmarks", work / "benchmarks")
+    cli(
+        "release",
+        "--config",
+        conf,
+        "--model",
+        work / "results" / "chat.bin",
+        "--out",
+        work / "results" / "release",
+        "--benchmarks",
+        work / "benchmarks",
+    )
     return work / "results" / "release"
 
 
@@ -115,8 +186,10 @@ def test_card_metadata_parses_and_its_numbers_are_the_runs(run, release):
     hellaswag = json.loads((res / "hellaswag" / "chat.json").read_text())
     result = meta["model-index"][0]["results"][0]
     assert result["dataset"]["args"]["items"] == 4
-    assert [(m["type"], m["value"]) for m in result["metrics"]] == [("acc", hellaswag["acc"]),
-                                                                     ("acc_norm", hellaswag["acc_norm"])]
+    assert [(m["type"], m["value"]) for m in result["metrics"]] == [
+        ("acc", hellaswag["acc"]),
+        ("acc_norm", hellaswag["acc_norm"]),
+    ]
     hub = pytest.importorskip("huggingface_hub")  # the Hub's own reader of card metadata
     card = hub.ModelCard.load(release / "README.md")
     assert card.data.license == "cc-by-nc-4.0"
@@ -133,8 +206,11 @@ def test_card_metadata_parses_and_its_numbers_are_the_runs(run, release):
     metrics = json.loads((res / "metrics.json").read_text())
     for name in ("base", "chat"):
         m, hs = metrics[name], json.loads((res / "hellaswag" / f"{name}.json").read_text())
-        assert re.search(rf"\| {name}[^|]* \| {m['val_loss']:.4f} \| {m['val_bpb']:.4f} \| {hs['acc']:.4f} \| "
-                         rf"{hs['acc_norm']:.4f} \|", body), name
+        assert re.search(
+            rf"\| {name}[^|]* \| {m['val_loss']:.4f} \| {m['val_bpb']:.4f} \| {hs['acc']:.4f} \| "
+            rf"{hs['acc_norm']:.4f} \|",
+            body,
+        ), name
     assert f"| sft | {chat_meta['step']} | {chat_meta['final_metrics']['loss']:.4f} | 1:02:05 (3,725 s) |" in body
     assert "| pretrain | 6 |" in body and "0:02:05 (125 s)" in body
     assert "3,852 s) in all" in body  # 125.4 + 3725 + 2
@@ -212,11 +288,29 @@ def test_missing_run_files_say_not_measured_and_a_missing_model_is_an_error(run,
     work, conf = run
     out = tmp_path / "rel"
     gone = tmp_path / "gone"
-    local = write_config(tmp_path / "local.yaml", fineweb={"base_url": "data/sample/fineweb"},
-                         alpaca={"url": "data/sample/alpaca_data.json"})
-    cli("release", "--config", local, "--model", work / "results" / "chat.bin", "--out", out, "--base", gone / "b.bin",
-        "--metrics", gone / "metrics.json", "--samples", gone / "samples.md",
-        "--pretrain-dir", gone, "--benchmarks")
+    local = write_config(
+        tmp_path / "local.yaml",
+        fineweb={"base_url": "data/sample/fineweb"},
+        alpaca={"url": "data/sample/alpaca_data.json"},
+    )
+    cli(
+        "release",
+        "--config",
+        local,
+        "--model",
+        work / "results" / "chat.bin",
+        "--out",
+        out,
+        "--base",
+        gone / "b.bin",
+        "--metrics",
+        gone / "metrics.json",
+        "--samples",
+        gone / "samples.md",
+        "--pretrain-dir",
+        gone,
+        "--benchmarks",
+    )
     meta, body = card_parts(out / "README.md")
     assert "model-index" not in meta
     assert "datasets" not in meta and "`data/sample/alpaca_data.json` | that of the copy (not known" in body

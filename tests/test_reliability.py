@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _header_span(raw: bytes) -> tuple[int, bytes]:
     (n,) = struct.unpack("<Q", raw[:8])
-    return n, raw[8:8 + n]
+    return n, raw[8 : 8 + n]
 
 
 def test_a_changed_dtype_in_the_header_is_refused(tmp_path):
@@ -71,8 +71,12 @@ def test_header_padding_is_not_meaning(tmp_path):
 def test_version_1_files_still_load_with_their_data_checksum(tmp_path):
     path = tmp_path / "old.bin"
     w = np.arange(6, dtype=np.float32)
-    meta = {"step": json.dumps(3), "format": "nanoeuler", "format_version": "1",
-            "checksum": hashlib.sha256(w.tobytes()).hexdigest()}
+    meta = {
+        "step": json.dumps(3),
+        "format": "nanoeuler",
+        "format_version": "1",
+        "checksum": hashlib.sha256(w.tobytes()).hexdigest(),
+    }
     checkpoint.write_safetensors(path, {"w": w}, meta)
     tensors, got = checkpoint.load(path)
     np.testing.assert_array_equal(tensors["w"], w)
@@ -103,8 +107,7 @@ def test_atomic_text_outputs_get_the_usual_mode(tmp_path):
 
 
 def _nanoeuler(*args, stdin: bytes | None = None):
-    return subprocess.run([sys.executable, "-m", "nanoeuler", *args], input=stdin, capture_output=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "nanoeuler", *args], input=stdin, capture_output=True, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +127,16 @@ def test_sample_refuses_a_prompt_that_is_not_utf8(model_file):
 
 
 def test_chat_survives_a_line_that_is_not_utf8(model_file):
-    r = _nanoeuler("chat", "--ckpt", str(model_file), "--device", "cpu", "--max-new-tokens", "4",
-                   stdin=b"\xff\xfe broken\nName a color.\n")
+    r = _nanoeuler(
+        "chat",
+        "--ckpt",
+        str(model_file),
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "4",
+        stdin=b"\xff\xfe broken\nName a color.\n",
+    )
     err = r.stderr.decode()
     assert r.returncode == 0, err
     assert "nanoeuler chat: error: that line is not valid UTF-8 text (at character 0: the byte 0xff); try again" in err
@@ -153,8 +164,20 @@ def test_os_errors_are_one_line_and_leave_no_output(tmp_path, capsys, monkeypatc
 
     pq.write_table(pa.table({"text": ["the sea was calm " * 20] * 10}), corpus_file)
     out = tmp_path / "tok" / "tokenizer.json"
-    assert main(["tokenizer", "--params", json.dumps({"tokenizer": {"vocab_size": 300}}),
-                 "--corpus", str(corpus_file), "--out", str(out)]) == 1
+    assert (
+        main(
+            [
+                "tokenizer",
+                "--params",
+                json.dumps({"tokenizer": {"vocab_size": 300}}),
+                "--corpus",
+                str(corpus_file),
+                "--out",
+                str(out),
+            ]
+        )
+        == 1
+    )
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == f"nanoeuler tokenizer: error: {out}: No space left on device"
     assert list(out.parent.iterdir()) == []  # no partial or temporary file
@@ -175,8 +198,7 @@ CORPUS = {"weights": {"gutenberg": 1.0, "fineweb": 1.0}, "val_fraction": 0.1, "c
 def test_a_corpus_column_of_the_wrong_type_is_named(tmp_path):
     from nanoeuler.data import corpus
 
-    books, web = _corpus_inputs(tmp_path, {"doc_id": ["1"], "text": [17]},
-                                {"doc_id": ["a"], "text": ["web text"]})
+    books, web = _corpus_inputs(tmp_path, {"doc_id": ["1"], "text": [17]}, {"doc_id": ["a"], "text": ["web text"]})
     with pytest.raises(UserError, match=r"column 'text' of .*books\.parquet must hold string values, not int64"):
         corpus.build(CORPUS, books, web, tmp_path / "t.parquet", tmp_path / "v.parquet")
     assert not (tmp_path / "t.parquet").exists()
@@ -210,12 +232,22 @@ def test_an_empty_corpus_names_the_empty_inputs(tmp_path):
 
 # ---- the DAG --------------------------------------------------------------------------------------
 
+
 def _snakemake(cwd, *args, env_extra=None, timeout=300):
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": os.pathsep.join([*(env_extra or []), str(REPO)])}
-    return subprocess.run([str(bin_dir / "snakemake"), *args, "--cores", "1"], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": os.pathsep.join([*(env_extra or []), str(REPO)]),
+    }
+    return subprocess.run(
+        [str(bin_dir / "snakemake"), *args, "--cores", "1"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_the_default_target_is_the_full_run(tmp_path):
@@ -246,7 +278,7 @@ def test_a_moved_project_re_runs_nothing(tmp_path):
     assert r.returncode == 0 and "Nothing to be done" in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
 
 
-SITE = '''
+SITE = """
 import socket
 _real = socket.getaddrinfo
 def _getaddrinfo(host, *args, **kw):  # *.invalid: as without DNS, and without asking anyone
@@ -254,7 +286,7 @@ def _getaddrinfo(host, *args, **kw):  # *.invalid: as without DNS, and without a
         raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
     return _real(host, *args, **kw)
 socket.getaddrinfo = _getaddrinfo
-'''
+"""
 
 
 @pytest.mark.slow
@@ -270,11 +302,20 @@ def test_offline_fails_fast_with_the_cause_in_snakemakes_error(tmp_path):
     cfg["alpaca"]["url"] = "http://offline.invalid/alpaca_data.json"
     (tmp_path / "offline.yaml").write_text(yaml.safe_dump(cfg))
     t0 = time.monotonic()
-    r = _snakemake(tmp_path, "data/alpaca/alpaca.jsonl", "-s", str(REPO / "Snakefile"),
-                   "--configfile", str(tmp_path / "offline.yaml"), env_extra=[str(site)])
+    r = _snakemake(
+        tmp_path,
+        "data/alpaca/alpaca.jsonl",
+        "-s",
+        str(REPO / "Snakefile"),
+        "--configfile",
+        str(tmp_path / "offline.yaml"),
+        env_extra=[str(site)],
+    )
     assert r.returncode != 0
-    cause = ("nanoeuler alpaca: error: download of http://offline.invalid/alpaca_data.json: could not resolve "
-             "host offline.invalid (Temporary failure in name resolution)")
+    cause = (
+        "nanoeuler alpaca: error: download of http://offline.invalid/alpaca_data.json: could not resolve "
+        "host offline.invalid (Temporary failure in name resolution)"
+    )
     assert (tmp_path / "logs" / "alpaca.log").read_text().strip().splitlines()[-1].startswith(cause)
     assert f"logs/alpaca.log: {cause}" in r.stderr, r.stderr[-3000:]
     assert time.monotonic() - t0 < 60
@@ -284,8 +325,16 @@ def _alpaca_rule(tmp_path, path_dirs, python_path=()):
     """Run the quick `alpaca` rule of the tiny config with PATH = `path_dirs` and the system's /usr/bin:/bin."""
     path = os.pathsep.join([*map(str, path_dirs), "/usr/bin", "/bin"])
     env = {**os.environ, "PATH": path, "PYTHONPATH": os.pathsep.join([*map(str, python_path), str(REPO)])}
-    cmd = [str(Path(sys.executable).parent / "snakemake"), "data/alpaca/alpaca.jsonl", "-s", str(REPO / "Snakefile"),
-           "--cores", "1", "--configfile", str(REPO / "config" / "tiny.yaml")]
+    cmd = [
+        str(Path(sys.executable).parent / "snakemake"),
+        "data/alpaca/alpaca.jsonl",
+        "-s",
+        str(REPO / "Snakefile"),
+        "--cores",
+        "1",
+        "--configfile",
+        str(REPO / "config" / "tiny.yaml"),
+    ]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -320,7 +369,8 @@ def test_failure_causes_are_the_failed_jobs_logs_each_once(tmp_path, monkeypatch
     assert failure_causes([str(tmp_path / "snakemake.log")]) == [
         "logs/tokenizer.log: /bin/bash: line 1: nanoeuler: command not found",
         "logs/empty.log: (empty)",
-        "logs/missing.log: (cannot be read: No such file or directory)"]
+        "logs/missing.log: (cannot be read: No such file or directory)",
+    ]
 
 
 @pytest.mark.slow
@@ -354,8 +404,10 @@ def test_the_tiny_configs_chat_prompts_fit_its_context():
 
     cfg = load_config(REPO / "config" / "tiny.yaml")
     sample = REPO / "data" / "sample"
-    text = "\n\n".join([p.read_text(encoding="utf-8") for p in sorted((sample / "gutenberg").glob("*.txt"))]
-                       + pq.read_table(sample / "fineweb" / "sample_000.parquet").column("text").to_pylist())
+    text = "\n\n".join(
+        [p.read_text(encoding="utf-8") for p in sorted((sample / "gutenberg").glob("*.txt"))]
+        + pq.read_table(sample / "fineweb" / "sample_000.parquet").column("text").to_pylist()
+    )
     tok = train_bpe(text, cfg["tokenizer"]["vocab_size"])
     ctx = cfg["model"]["ctx_len"]
     room = min(cfg["eval"]["max_new_tokens"], ctx // 4)  # what chat and sample keep free for the answer
@@ -387,8 +439,12 @@ def test_export_hf_never_replaces_a_folder_that_holds_other_things(tmp_path, mod
     hf = tmp_path / "hf"
     for _ in range(2):  # a new folder, then the previous export, which is replaced file by file
         assert main(["export-hf", "--ckpt", str(model_file), "--out", str(hf)]) == 0
-    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                   "tokenizer_config.json"]
+    assert sorted(p.name for p in hf.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "results"]
 
 
@@ -434,38 +490,46 @@ BAD_JSON = {"a lone surrogate": '"\\ud800"', "nested 100,000 deep": "[" * 100_00
 
 def _read_alpaca_raw(path):
     from nanoeuler.data.alpaca import load_records
+
     return load_records(path)
 
 
 def _read_prefs(fmt):
     def read(path):
         from nanoeuler.data.prefs import read_raw
+
         return read_raw(path, fmt)
+
     return read
 
 
 def _read_hellaswag(path):
     from nanoeuler.data.hellaswag import read_items
+
     return read_items(path)
 
 
 def _read_pairs(path):
     from nanoeuler.train.pairs import read_pairs
+
     return read_pairs(path)
 
 
 def _read_sft(path):
     from nanoeuler.train.sft import read_records
+
     return read_records(path)
 
 
 def _read_tokenizer(path):
     from nanoeuler.tokenizer.bpe import Tokenizer
+
     return Tokenizer.load(path)
 
 
 def _read_manifest(path):
     from nanoeuler.train.loader import read_manifest
+
     return read_manifest(path)
 
 
@@ -546,12 +610,15 @@ def test_a_truncated_reference_file_is_one_line(tmp_path):
         load_reference(path, {"pairs": 4})
 
 
-@pytest.mark.parametrize("metrics, complaint", [
-    ([1, 2], "must hold a JSON object"),
-    ({"base": {"val_loss": 3.0, "params": "many"}}, "key 'base.params' must be a number"),
-    ({"base": {"val_loss": 3.0}, "hellaswag": [1]}, "key 'hellaswag' must map each model"),
-    ({"hellaswag": {"base": {"acc": 0.3}}}, "key 'hellaswag.base.items' must be a number"),
-])
+@pytest.mark.parametrize(
+    "metrics, complaint",
+    [
+        ([1, 2], "must hold a JSON object"),
+        ({"base": {"val_loss": 3.0, "params": "many"}}, "key 'base.params' must be a number"),
+        ({"base": {"val_loss": 3.0}, "hellaswag": [1]}, "key 'hellaswag' must map each model"),
+        ({"hellaswag": {"base": {"acc": 0.3}}}, "key 'hellaswag.base.items' must be a number"),
+    ],
+)
 def test_a_metrics_file_of_the_wrong_shape_is_named(tmp_path, capsys, monkeypatch, metrics, complaint):
     """compare and report-pages ended in AttributeError, TypeError or ValueError tracebacks."""
     from nanoeuler.cli import main
@@ -562,8 +629,22 @@ def test_a_metrics_file_of_the_wrong_shape_is_named(tmp_path, capsys, monkeypatc
     path.write_text(json.dumps(metrics))
     Path("samples.md").write_text("# s\n")
     assert main(["compare", "exp", "--table", "t.md", "--plot", "p.png"]) == 1
-    assert main(["report-pages", "--metrics", str(path), "--samples", "samples.md", "--run-config", "{}",
-                 "--out-dir", "pages"]) == 1
+    assert (
+        main(
+            [
+                "report-pages",
+                "--metrics",
+                str(path),
+                "--samples",
+                "samples.md",
+                "--run-config",
+                "{}",
+                "--out-dir",
+                "pages",
+            ]
+        )
+        == 1
+    )
     lines = capsys.readouterr().err.strip().splitlines()
     assert [line.split(": error: ")[0] for line in lines] == ["nanoeuler compare", "nanoeuler report-pages"]
     assert all(str(path) in line and complaint in line for line in lines), lines
@@ -575,10 +656,26 @@ def test_samples_that_are_not_utf8_are_named(tmp_path, capsys):
 
     (tmp_path / "m.json").write_text("{}")
     (tmp_path / "s.md").write_bytes(b"caf\xe9\n")
-    assert main(["report-pages", "--metrics", str(tmp_path / "m.json"), "--samples", str(tmp_path / "s.md"),
-                 "--run-config", "{}", "--out-dir", str(tmp_path / "pages")]) == 1
-    assert capsys.readouterr().err.strip() == (f"nanoeuler report-pages: error: samples file {tmp_path / 's.md'} "
-                                               "is not UTF-8 text (invalid continuation byte at byte 3)")
+    assert (
+        main(
+            [
+                "report-pages",
+                "--metrics",
+                str(tmp_path / "m.json"),
+                "--samples",
+                str(tmp_path / "s.md"),
+                "--run-config",
+                "{}",
+                "--out-dir",
+                str(tmp_path / "pages"),
+            ]
+        )
+        == 1
+    )
+    assert capsys.readouterr().err.strip() == (
+        f"nanoeuler report-pages: error: samples file {tmp_path / 's.md'} "
+        "is not UTF-8 text (invalid continuation byte at byte 3)"
+    )
 
 
 def test_compare_plot_is_written_as_named_and_leaves_no_temporary(tmp_path, capsys, monkeypatch):

@@ -42,8 +42,7 @@ def tok():
 
 
 def test_conversation_is_laid_out_as_fine_tuning_examples(tok):
-    messages = [("system", "Be brief."), ("user", "Hi"), ("user", "there"), ("assistant", "Hello."),
-                ("user", COLOR)]
+    messages = [("system", "Be brief."), ("user", "Hi"), ("user", "there"), ("assistant", "Hello."), ("user", COLOR)]
     assert chat_turns(messages) == ([("Hi\n\nthere", "Hello.")], COLOR, "Be brief.")
     ids, dropped = chat_prompt(tok, messages, ctx_len=1000, room=10)
     first, _ = encode_example(tok, {"instruction": "Hi\n\nthere", "input": "", "output": "Hello."})
@@ -56,7 +55,7 @@ def test_oldest_exchanges_are_dropped_whole_and_a_long_last_turn_is_an_error(tok
     last = tok.encode(render_prompt(COLOR))
     one = len(tok.encode(render_prompt("question 2"))) + len(tok.encode("answer")) + 1
     ids, dropped = chat_prompt(tok, messages, ctx_len=len(last) + one + 5, room=5)
-    assert dropped == 2 and len(ids) == len(last) + one and ids[-len(last):] == last
+    assert dropped == 2 and len(ids) == len(last) + one and ids[-len(last) :] == last
     with pytest.raises(PromptError, match="messages: the last turn is"):
         chat_prompt(tok, [("user", "word " * 200)], ctx_len=64, room=8)
     with pytest.raises(PromptError, match=r"messages\[0\]: an assistant message must follow"):
@@ -66,8 +65,11 @@ def test_oldest_exchanges_are_dropped_whole_and_a_long_last_turn_is_an_error(tok
 
 
 @settings(max_examples=200, deadline=None)
-@given(text=st.text(alphabet="ab\n.", max_size=30), stops=st.lists(st.text(alphabet="ab\n.", max_size=3), max_size=3),
-       cuts=st.lists(st.integers(0, 30), max_size=6))
+@given(
+    text=st.text(alphabet="ab\n.", max_size=30),
+    stops=st.lists(st.text(alphabet="ab\n.", max_size=3), max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=6),
+)
 def test_stop_strings_cut_streamed_text_as_they_cut_the_whole_text(text, stops, cuts):
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     want = text[: min(hits)] if hits else text
@@ -78,33 +80,36 @@ def test_stop_strings_cut_streamed_text_as_they_cut_the_whole_text(text, stops, 
     assert out == want and cut.stopped == bool(hits)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({}, "messages"),
-    ({"messages": []}, "messages"),
-    ({"messages": ["hi"]}, "messages[0]"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
-    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"temperature": 2.5}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": True}, "max_tokens"),
-    ({"max_tokens": 1.5}, "max_tokens"),
-    ({"seed": "1"}, "seed"),
-    ({"stop": 7}, "stop"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"stop": ["a", 1]}, "stop[1]"),
-    ({"stream": "yes"}, "stream"),
-    ({"ignore_eos": 1}, "ignore_eos"),
-    ({"n": 17}, "n"),
-    ({"n": 0}, "n"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"model": 5}, "model"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": ["hi"]}, "messages[0]"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"seed": "1"}, "seed"),
+        ({"stop": 7}, "stop"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": ["a", 1]}, "stop[1]"),
+        ({"stream": "yes"}, "stream"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"model": 5}, "model"),
+    ],
+)
 def test_bad_chat_fields_are_named(body, param):
     if "messages" not in body and param != "messages":
         body = {"messages": [{"role": "user", "content": "hi"}], **body}
@@ -194,8 +199,12 @@ def test_streams_joining_and_leaving_the_batch_equal_one_at_a_time(tok, tmp_path
     checkpoint.save_model(tmp_path / "m.bin", params, cfg, step=0, tokenizer_json=tok.to_json())
     ref = Generator(*checkpoint.load_model(tmp_path / "m.bin")[:2])
     hot = [Sampling(temperature=0.9, top_k=0, top_p=0.95, seed=s) for s in (4, 5)]
-    jobs = [([1, 2, 3], 2 * cfg.ctx_len + 5, Sampling(temperature=0)), (list(range(5, 45)), 20, hot[0]),
-            ([7], 30, hot[1]), ([9, 9], 12, Sampling(temperature=0))]
+    jobs = [
+        ([1, 2, 3], 2 * cfg.ctx_len + 5, Sampling(temperature=0)),
+        (list(range(5, 45)), 20, hot[0]),
+        ([7], 30, hot[1]),
+        ([9, 9], 12, Sampling(temperature=0)),
+    ]
     backend = Backend.load(tmp_path / "m.bin", "cpu", slots=3)
     got, active, waiting, step = {}, [], list(enumerate(jobs)), 0
     while waiting or active:
@@ -239,8 +248,9 @@ def client(server):
 
 
 def test_plain_chat_completion_answers_with_the_chat_template(client, tok, server):
-    r = client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": FRANCE}],
-                                       temperature=0)
+    r = client.chat.completions.create(
+        model="serve_chat", messages=[{"role": "user", "content": FRANCE}], temperature=0
+    )
     assert r.object == "chat.completion" and r.model == "serve_chat" and r.id.startswith("chatcmpl-")
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == "Paris."
     assert r.choices[0].finish_reason == "stop"
@@ -251,9 +261,15 @@ def test_plain_chat_completion_answers_with_the_chat_template(client, tok, serve
 
 
 def test_streamed_chat_completion_arrives_in_pieces_with_usage(client):
-    chunks = list(client.chat.completions.create(
-        model="serve_chat", messages=[{"role": "user", "content": COLOR}], temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="serve_chat",
+            messages=[{"role": "user", "content": COLOR}],
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     assert len(pieces) >= 2 and "".join(pieces) == "Blue."
@@ -291,8 +307,9 @@ def test_completions_honour_max_tokens_seed_and_stop(client, tok):
 
 
 def test_top_p_near_zero_is_greedy(client):
-    r = client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": FRANCE}],
-                                       temperature=1.5, top_p=1e-6, seed=3)
+    r = client.chat.completions.create(
+        model="serve_chat", messages=[{"role": "user", "content": FRANCE}], temperature=1.5, top_p=1e-6, seed=3
+    )
     assert r.choices[0].message.content == "Paris."
 
 
@@ -302,8 +319,11 @@ def test_errors_name_the_field_and_leave_the_server_up(client, server):
         (dict(model="gpt-4", messages=user), "model", "model_not_found"),
         (dict(model="serve_chat", messages=user, max_tokens=49), "max_tokens", None),
         (dict(model="serve_chat", messages=user, temperature=-1), "temperature", None),
-        (dict(model="serve_chat", messages=[{"role": "user", "content": "word " * 300}]), "messages",
-         "context_length_exceeded"),
+        (
+            dict(model="serve_chat", messages=[{"role": "user", "content": "word " * 300}]),
+            "messages",
+            "context_length_exceeded",
+        ),
         (dict(model="serve_chat", messages=[{"role": "assistant", "content": "x"}]), "messages", None),
     ]
     for kwargs, param, code in cases:
@@ -338,8 +358,12 @@ def wait_idle(url, timeout=30):
 
 def test_queue_limit_429_and_disconnect_cancels_generation(model_path):
     with live_server(model_path, max_tokens=100000, max_batch=1, max_queue=0) as (url, _):
-        body = {"messages": [{"role": "user", "content": COLOR}], "stream": True, "max_tokens": 100000,
-                "ignore_eos": True}
+        body = {
+            "messages": [{"role": "user", "content": COLOR}],
+            "stream": True,
+            "max_tokens": 100000,
+            "ignore_eos": True,
+        }
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()  # kept: a dropped iterator closes the stream
             next(line for line in lines if '"content": "' in line and '"content": ""' not in line)
@@ -351,8 +375,9 @@ def test_queue_limit_429_and_disconnect_cancels_generation(model_path):
         stats = wait_idle(url)
         assert stats["cancelled"] == 1 and stats["rejected"] == 1 and stats["tokens"] < 100000
         with pytest.raises(httpx.ReadTimeout):  # a plain request whose client gives up is cancelled too
-            httpx.post(url + "/v1/completions", json={"prompt": "It", "max_tokens": 100000, "ignore_eos": True},
-                       timeout=1.0)
+            httpx.post(
+                url + "/v1/completions", json={"prompt": "It", "max_tokens": 100000, "ignore_eos": True}, timeout=1.0
+            )
         stats = wait_idle(url)
         assert stats["cancelled"] == 2 and stats["tokens"] < 200000
 
@@ -371,12 +396,32 @@ def test_api_key_is_required_when_set(model_path):
 
 
 def test_serve_command_starts_and_reports_bad_input(model_path, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "nanoeuler", "serve", "--ckpt", str(tmp_path / "none.bin")],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "nanoeuler", "serve", "--ckpt", str(tmp_path / "none.bin")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1 and r.stderr.strip().startswith("nanoeuler serve: error:")
     assert len(r.stderr.strip().splitlines()) == 1
-    proc = subprocess.Popen([sys.executable, "-m", "nanoeuler", "serve", "--ckpt", model_path, "--device", "cpu",
-                             "--port", "0", "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nanoeuler",
+            "serve",
+            "--ckpt",
+            model_path,
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stderr.readline()
         url = re.search(r"at (http://127\.0\.0\.1:\d+)/", line).group(1)

@@ -82,16 +82,19 @@ def broken_sampler(monkeypatch):
 # ---- the shared sampling check -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("values, field", [
-    ((math.nan, 0, 1.0, 0), "temperature"),
-    ((math.inf, 0, 1.0, 0), "temperature"),
-    ((-0.5, 0, 1.0, 0), "temperature"),
-    ((1.0, -1, 1.0, 0), "top_k"),
-    ((1.0, 0, math.nan, 0), "top_p"),
-    ((1.0, 0, 0.0, 0), "top_p"),
-    ((1.0, 0, 1.0, -1), "seed"),
-    ((1.0, 0, 1.0, 2**63), "seed"),
-])
+@pytest.mark.parametrize(
+    "values, field",
+    [
+        ((math.nan, 0, 1.0, 0), "temperature"),
+        ((math.inf, 0, 1.0, 0), "temperature"),
+        ((-0.5, 0, 1.0, 0), "temperature"),
+        ((1.0, -1, 1.0, 0), "top_k"),
+        ((1.0, 0, math.nan, 0), "top_p"),
+        ((1.0, 0, 0.0, 0), "top_p"),
+        ((1.0, 0, 1.0, -1), "seed"),
+        ((1.0, 0, 1.0, 2**63), "seed"),
+    ],
+)
 def test_sampling_values_the_sampler_cannot_use_are_named(values, field):
     with pytest.raises(SamplingError) as err:
         checked_sampling(*values)
@@ -104,21 +107,33 @@ def test_tiny_temperatures_are_greedy_and_the_rest_pass_unchanged():
     assert checked_sampling(1e-6, 3, 0.5, 2**63 - 1) == Sampling(1e-6, 3, 0.5, 2**63 - 1)
 
 
-@pytest.mark.parametrize("command, flag, value", [
-    ("sample", "--temperature", "nan"), ("sample", "--seed", "-1"), ("sample", "--top-p", "inf"),
-    ("chat", "--temperature", "nan"), ("chat", "--seed", "-1"),
-])
+@pytest.mark.parametrize(
+    "command, flag, value",
+    [
+        ("sample", "--temperature", "nan"),
+        ("sample", "--seed", "-1"),
+        ("sample", "--top-p", "inf"),
+        ("chat", "--temperature", "nan"),
+        ("chat", "--seed", "-1"),
+    ],
+)
 def test_sample_and_chat_refuse_bad_numbers_in_one_line(command, flag, value, capsys, tmp_path):
     assert cli_main([command, "--ckpt", str(tmp_path / "m.bin"), flag, value]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"nanoeuler {command}: error: {flag}: ")
 
 
-@pytest.mark.parametrize("args, flag", [
-    (["--port", "70000"], "--port"), (["--port", "-1"], "--port"), (["--max-batch", "1000000"], "--max-batch"),
-    (["--max-batch", "0"], "--max-batch"), (["--client-timeout", "nan"], "--client-timeout"),
-    (["--shutdown-grace", "0"], "--shutdown-grace"),
-])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--port", "70000"], "--port"),
+        (["--port", "-1"], "--port"),
+        (["--max-batch", "1000000"], "--max-batch"),
+        (["--max-batch", "0"], "--max-batch"),
+        (["--client-timeout", "nan"], "--client-timeout"),
+        (["--shutdown-grace", "0"], "--shutdown-grace"),
+    ],
+)
 def test_serve_refuses_bad_numbers_in_one_line(args, flag, capsys, tmp_path):
     assert cli_main(["serve", "--ckpt", str(tmp_path / "m.bin"), *args]) == 1
     err = capsys.readouterr().err.strip()
@@ -136,13 +151,16 @@ def test_slots_that_cannot_fit_in_memory_are_one_line_before_any_allocation(mode
 # ---- strict JSON -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("raw, match", [
-    (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
-    (b'{"seed": ' + b"7" * 5000 + b"}", "an integer of 5000 digits"),
-    (b'{"temperature": NaN}', "NaN is not a JSON number"),
-    (b'{"temperature": -Infinity}', "-Infinity is not a JSON number"),
-    (b'{"top_p": 1e999}', "overflows a float"),
-])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+        (b'{"seed": ' + b"7" * 5000 + b"}", "an integer of 5000 digits"),
+        (b'{"temperature": NaN}', "NaN is not a JSON number"),
+        (b'{"temperature": -Infinity}', "-Infinity is not a JSON number"),
+        (b'{"top_p": 1e999}', "overflows a float"),
+    ],
+)
 def test_bodies_json_cannot_hold_are_400(raw, match, http):
     with pytest.raises(ApiError, match=match) as err:
         parse_json(raw)
@@ -153,24 +171,45 @@ def test_bodies_json_cannot_hold_are_400(raw, match, http):
 
 # ---- random bodies never get a 500 ---------------------------------------------------------------
 
-NUMBERS = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True),
-                    st.sampled_from([0, -1, 2**63, 2**64, 5e-324, 1e-7, 1e308, -0.0, 2.0000001, float("nan")]))
-JSON = st.recursive(st.one_of(st.none(), st.booleans(), NUMBERS, st.text(max_size=8)),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-                    max_leaves=8)
-FIELDS = ["max_completion_tokens", "n", "stop", "stream", "stream_options", "ignore_eos", "model", "prompt",
-          "messages", "logit_bias", "user", "logprobs", "top_logprobs", "response_format"]
+NUMBERS = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, -1, 2**63, 2**64, 5e-324, 1e-7, 1e308, -0.0, 2.0000001, float("nan")]),
+)
+JSON = st.recursive(
+    st.one_of(st.none(), st.booleans(), NUMBERS, st.text(max_size=8)),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+FIELDS = [
+    "max_completion_tokens",
+    "n",
+    "stop",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "model",
+    "prompt",
+    "messages",
+    "logit_bias",
+    "user",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+]
 VALID = {"messages": [{"role": "user", "content": "hi"}], "prompt": "It", "max_tokens": 2}
 BODIES = st.one_of(
     JSON,
-    st.fixed_dictionaries({}, optional={name: NUMBERS for name in ("temperature", "top_p", "seed", "max_tokens")})
-    .map(lambda numbers: {**VALID, **numbers}),
+    st.fixed_dictionaries({}, optional={name: NUMBERS for name in ("temperature", "top_p", "seed", "max_tokens")}).map(
+        lambda numbers: {**VALID, **numbers}
+    ),
     st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=4).map(lambda fields: {**VALID, **fields}),
 )
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                 HealthCheck.too_slow])
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(body=BODIES, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
 def test_random_bodies_and_values_never_get_a_500(body, path, http, server):
     raw = json.dumps(body).encode()  # NaN and Infinity go out as JSON cannot hold them
@@ -222,19 +261,26 @@ def completions_together(url, app, bodies, monkeypatch):
 
 
 def texts(events):
-    return "".join(json.loads(e[6:])["choices"][0]["text"] for e in events
-                   if e.startswith("data: {") and "choices" in json.loads(e[6:]))
+    return "".join(
+        json.loads(e[6:])["choices"][0]["text"]
+        for e in events
+        if e.startswith("data: {") and "choices" in json.loads(e[6:])
+    )
 
 
 GOOD = [{"prompt": "It was", "max_tokens": 300, "temperature": 1.0, "seed": s, "ignore_eos": True} for s in (1, 2)]
 
 
-@pytest.mark.parametrize("bad, status", [
-    ({"temperature": 5e-324}, 200),  # inside the API's range; the sampler alone would overflow
-    ({"temperature": BROKEN}, 500),  # the sampler fails for this request only (`broken_sampler`)
-])
-def test_a_failing_request_leaves_the_others_as_they_were_without_it(bad, status, server, http, broken_sampler,
-                                                                     monkeypatch, caplog):
+@pytest.mark.parametrize(
+    "bad, status",
+    [
+        ({"temperature": 5e-324}, 200),  # inside the API's range; the sampler alone would overflow
+        ({"temperature": BROKEN}, 500),  # the sampler fails for this request only (`broken_sampler`)
+    ],
+)
+def test_a_failing_request_leaves_the_others_as_they_were_without_it(
+    bad, status, server, http, broken_sampler, monkeypatch, caplog
+):
     url, app = server
     alone = [texts(events) for _, events in completions_together(url, app, GOOD, monkeypatch)[0]]
     together, steps = completions_together(url, app, GOOD + [{**GOOD[0], "seed": 9, **bad}], monkeypatch)
@@ -253,10 +299,8 @@ def test_a_failing_request_leaves_the_others_as_they_were_without_it(bad, status
     assert_all_given_back(http, app)
 
 
-def test_a_plain_500_names_its_request_id_in_the_header_the_body_and_the_log(server, http, broken_sampler,
-                                                                              caplog):
-    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                "temperature": BROKEN})
+def test_a_plain_500_names_its_request_id_in_the_header_the_body_and_the_log(server, http, broken_sampler, caplog):
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "temperature": BROKEN})
     rid = r.headers["x-request-id"]
     assert r.status_code == 500 and r.json()["error"]["message"].endswith(f"(request id {rid})")
     assert any(rid in rec.getMessage() and rec.exc_info for rec in caplog.records)
@@ -309,8 +353,10 @@ def test_a_chunked_body_past_the_limit_is_413_and_never_read_whole(server, http)
     chunk = b"x" * 65536
     before, sent, answer = rss_bytes(), 0, b""
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Transfer-Encoding: chunked\r\n\r\n")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         s.setblocking(False)
         while sent < 64 << 20 and not answer:
             try:
@@ -330,8 +376,10 @@ def test_a_chunked_body_past_the_limit_is_413_and_never_read_whole(server, http)
 def test_a_body_that_does_not_arrive_in_time_is_408(server):
     host, port = server[0].removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"prompt\"")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt"'
+        )
         start = time.monotonic()
         answer = s.recv(4096)
     assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 5
@@ -360,8 +408,10 @@ def test_an_answer_nobody_reads_is_dropped_and_its_generation_stopped(model_path
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.connect((host, int(port)))
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
             deadline = time.monotonic() + 60  # the buffers fill in moments, then one timeout
             while app.state.scheduler.stats()["cancelled"] == 0 and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -369,11 +419,14 @@ def test_an_answer_nobody_reads_is_dropped_and_its_generation_stopped(model_path
             assert stats["cancelled"] == 1 and stats["active"] == 0 and stats["tokens"] < 10**6
 
 
-@pytest.mark.parametrize("headers", [
-    {"content-type": "text/plain", "origin": "http://elsewhere.example"},
-    {"content-type": "application/x-www-form-urlencoded"},
-    {},
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"content-type": "text/plain", "origin": "http://elsewhere.example"},
+        {"content-type": "application/x-www-form-urlencoded"},
+        {},
+    ],
+)
 def test_posts_that_are_not_json_are_refused_unrun(headers, http):
     before = wait_idle(http)["tokens"]
     r = http.post("/v1/completions", content=b'{"prompt": "It", "max_tokens": 3}', headers=headers)
@@ -393,8 +446,10 @@ def test_shutdown_with_streams_nobody_reads_ends_within_the_grace(model_path):
             s = socket.socket()
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.connect((host, int(port)))
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
             readers.append(s)  # never read
         deadline = time.monotonic() + 30
         while httpx.get(url + "/health").json()["active"] < 2 and time.monotonic() < deadline:
@@ -413,9 +468,28 @@ def test_sigterm_ends_the_command_within_the_grace_with_a_stream_nobody_reads(mo
     import signal
     import subprocess
 
-    proc = subprocess.Popen([sys.executable, "-m", "nanoeuler", "serve", "--ckpt", model_path, "--device", "cpu",
-                             "--port", "0", "--log-level", "error", "--max-tokens", "100000",
-                             "--shutdown-grace", "1"], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nanoeuler",
+            "serve",
+            "--ckpt",
+            model_path,
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--log-level",
+            "error",
+            "--max-tokens",
+            "100000",
+            "--shutdown-grace",
+            "1",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     reader = None
     try:
         url = re.search(r"at (http://127\.0\.0\.1:\d+)/", proc.stderr.readline()).group(1)
@@ -430,8 +504,10 @@ def test_sigterm_ends_the_command_within_the_grace_with_a_stream_nobody_reads(mo
         host, port = url.removeprefix("http://").split(":")
         body = json.dumps({"prompt": "It", "max_tokens": 100000, "ignore_eos": True, "stream": True}).encode()
         reader = socket.create_connection((host, int(port)))
-        reader.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        reader.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         while httpx.get(url + "/health").json()["active"] < 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)

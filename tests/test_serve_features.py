@@ -55,8 +55,11 @@ def test_logprobs_match_the_float64_reference_with_and_without_prefix_reuse(exac
     make, ref = exact_model
     shared = list(range(5, 35))  # a shared head of 30 tokens; the second prompt reuses its cached rows
     hot = Sampling(temperature=0.9, top_k=0, top_p=0.95, seed=4)
-    specs = [(shared + [40, 41], 12, Sampling(temperature=0), {"logprobs": 3}),
-             (shared + [50], 10, hot, {"logprobs": 0}), ([7, 8], 9, hot, {})]
+    specs = [
+        (shared + [40, 41], 12, Sampling(temperature=0), {"logprobs": 3}),
+        (shared + [50], 10, hot, {"logprobs": 0}),
+        ([7, 8], 9, hot, {}),
+    ]
     outs = {}
     for cache in (0, 8):
         backend = make(3, cache)
@@ -75,8 +78,10 @@ def test_logprobs_match_the_float64_reference_with_and_without_prefix_reuse(exac
             assert np.allclose([lp for lp, _ in s.records], want, rtol=0, atol=1e-10)
             assert len(s.records) == len(got)
         greedy = streams[0].records
-        assert all(alts[0][0] == t and len(alts) == 3 and alts[0][1] >= alts[1][1] >= alts[2][1]
-                   for (_, alts), t in zip(greedy, tokens[0]))
+        assert all(
+            alts[0][0] == t and len(alts) == 3 and alts[0][1] >= alts[1][1] >= alts[2][1]
+            for (_, alts), t in zip(greedy, tokens[0])
+        )
         assert streams[2].records == []
 
 
@@ -84,12 +89,18 @@ def test_a_grammar_masks_every_step_and_ends_the_stream(exact_model, tok):
     from nanoeuler.serve.structured import Grammars
 
     make, _ = exact_model
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
     backend = make(2)
     grammars = Grammars(tok)
-    specs = [([1, 2, 3], 40, Sampling(temperature=1.0, top_k=0, top_p=1.0, seed=s), {"guide": grammars.guide(schema)})
-             for s in (1, 2)]
+    specs = [
+        ([1, 2, 3], 40, Sampling(temperature=1.0, top_k=0, top_p=1.0, seed=s), {"guide": grammars.guide(schema)})
+        for s in (1, 2)
+    ]
     got, streams = run_streams(backend, specs)
     for tokens, s in zip(got, streams):
         assert s.guide.stopped and json.loads(tok.decode(tokens).replace("</s>", "")) in ({"ok": True}, {"ok": False})
@@ -109,8 +120,12 @@ def test_batched_speculation_is_plain_greedy_and_counts_each_heads_drafts(tok, t
     ref = Generator(params, cfg)
     france, color = (tok.encode(render_prompt(q)) for q in LEARNED)
     greedy, hot = Sampling(temperature=0), Sampling(temperature=0.9, top_k=0, top_p=0.95, seed=4)
-    specs = [(france, 12, greedy, {}), (color, 2 * cfg.ctx_len + 5, greedy, {}), (france, 10, hot, {}),
-             (color, 9, greedy, {"logprobs": 1})]
+    specs = [
+        (france, 12, greedy, {}),
+        (color, 2 * cfg.ctx_len + 5, greedy, {}),
+        (france, 10, hot, {}),
+        (color, 9, greedy, {"logprobs": 1}),
+    ]
     backend = Backend(DecodeEngine.from_params(params, cfg, "cpu"), tok, "k3", 4, 8, speculative=True)
     assert backend.speculative
     steps, step = [], backend.step
@@ -143,16 +158,28 @@ def client(server):
 
 def test_n_choices_are_the_single_answers_of_consecutive_seeds(client):
     user = [{"role": "user", "content": COLOR}]
-    many = client.chat.completions.create(model="serve_chat", messages=user, n=3, seed=11, temperature=1.5,
-                                          max_tokens=6)
-    singles = [client.chat.completions.create(model="serve_chat", messages=user, seed=11 + i, temperature=1.5,
-                                              max_tokens=6) for i in range(3)]
+    many = client.chat.completions.create(
+        model="serve_chat", messages=user, n=3, seed=11, temperature=1.5, max_tokens=6
+    )
+    singles = [
+        client.chat.completions.create(model="serve_chat", messages=user, seed=11 + i, temperature=1.5, max_tokens=6)
+        for i in range(3)
+    ]
     assert [c.index for c in many.choices] == [0, 1, 2]
     assert [c.message.content for c in many.choices] == [s.choices[0].message.content for s in singles]
     assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
     assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
-    chunks = list(client.completions.create(model="serve_chat", prompt="It was", n=2, seed=5, max_tokens=5,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="serve_chat",
+            prompt="It was",
+            n=2,
+            seed=5,
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     texts = {0: "", 1: ""}
     for c in chunks:
         for choice in c.choices:
@@ -163,43 +190,70 @@ def test_n_choices_are_the_single_answers_of_consecutive_seeds(client):
 
 
 def test_logprobs_of_chat_and_completions(client, tok):
-    r = client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": FRANCE}],
-                                       temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model="serve_chat", messages=[{"role": "user", "content": FRANCE}], temperature=0, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert b"".join(bytes(t.bytes) for t in content).decode() == r.choices[0].message.content == "Paris."
     for t in content:  # greedy: the chosen token is the most likely one
         assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token and t.logprob <= 0
         assert t.top_logprobs[0].logprob == t.logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
-    streamed = list(client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": FRANCE}],
-                                                   temperature=0, logprobs=True, stream=True))
+    streamed = list(
+        client.chat.completions.create(
+            model="serve_chat",
+            messages=[{"role": "user", "content": FRANCE}],
+            temperature=0,
+            logprobs=True,
+            stream=True,
+        )
+    )
     tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     # the same tokens; their float32 log-probs may differ in the last bits (the second request reuses the
     # first's prompt rows, so its products run on other row counts)
     assert [t.token for t in tokens] == [t.token for t in content]
     assert np.allclose([t.logprob for t in tokens], [t.logprob for t in content], rtol=1e-5, atol=1e-6)
-    c = client.completions.create(model="serve_chat", prompt="It was", max_tokens=4, temperature=1.0, seed=2,
-                                  logprobs=2)
+    c = client.completions.create(
+        model="serve_chat", prompt="It was", max_tokens=4, temperature=1.0, seed=2, logprobs=2
+    )
     lp = c.choices[0].logprobs
     assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == 4
     # keyed by text, two alternatives that decode alike (pieces of one character) are one entry
-    assert all(1 <= len(top) <= 2 and max(top.values()) >= chosen
-               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert all(
+        1 <= len(top) <= 2 and max(top.values()) >= chosen for top, chosen in zip(lp.top_logprobs, lp.token_logprobs)
+    )
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
-    plain = client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": FRANCE}],
-                                           temperature=0)
+    plain = client.chat.completions.create(
+        model="serve_chat", messages=[{"role": "user", "content": FRANCE}], temperature=0
+    )
     assert plain.choices[0].logprobs is None
 
 
 SCHEMAS = [
-    {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 6}}, "required": ["answer"],
-     "additionalProperties": False},
-    {"type": "object", "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 99},
-                                      "color": {"enum": ["red", "blue", "green"]}},
-     "required": ["count", "color"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 6}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "count": {"type": "integer", "minimum": 0, "maximum": 99},
+            "color": {"enum": ["red", "blue", "green"]},
+        },
+        "required": ["count", "color"],
+        "additionalProperties": False,
+    },
     {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
-    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 4},
-                                      "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
-     "required": ["city", "tags"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 4},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+        },
+        "required": ["city", "tags"],
+        "additionalProperties": False,
+    },
 ]
 
 
@@ -207,8 +261,15 @@ SCHEMAS = [
 def test_json_schema_answers_parse_and_validate(client, schema):
     jsonschema = pytest.importorskip("jsonschema")
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
-    r = client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": COLOR}], n=4,
-                                       seed=3, temperature=1.0, max_tokens=48, response_format=fmt)
+    r = client.chat.completions.create(
+        model="serve_chat",
+        messages=[{"role": "user", "content": COLOR}],
+        n=4,
+        seed=3,
+        temperature=1.0,
+        max_tokens=48,
+        response_format=fmt,
+    )
     for choice in r.choices:
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), schema)
@@ -221,14 +282,24 @@ def test_a_schema_is_compiled_once_and_its_cached_grammar_answers_alike(client, 
     from nanoeuler.serve.structured import Grammars
 
     grammars = server[1].state.grammars
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
-                                               "w": {"enum": ["x", "yy"]}}, "required": ["n", "w"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "w": {"enum": ["x", "yy"]}},
+        "required": ["n", "w"],
+        "additionalProperties": False,
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "cached", "schema": schema}}
 
     def ask():
-        r = client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": COLOR}], n=3,
-                                           seed=5, temperature=1.0, max_tokens=48, response_format=fmt)
+        r = client.chat.completions.create(
+            model="serve_chat",
+            messages=[{"role": "user", "content": COLOR}],
+            n=3,
+            seed=5,
+            temperature=1.0,
+            max_tokens=48,
+            response_format=fmt,
+        )
         return [c.message.content for c in r.choices]
 
     before = grammars.compiles
@@ -251,20 +322,29 @@ def test_a_schema_is_compiled_once_and_its_cached_grammar_answers_alike(client, 
 
 
 def test_json_object_answers_are_objects_and_bad_formats_are_400(client, server):
-    r = client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": FRANCE}], n=3,
-                                       seed=1, temperature=0.7, max_tokens=48,
-                                       response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model="serve_chat",
+        messages=[{"role": "user", "content": FRANCE}],
+        n=3,
+        seed=1,
+        temperature=0.7,
+        max_tokens=48,
+        response_format={"type": "json_object"},
+    )
     for choice in r.choices:
         if choice.finish_reason == "stop":
             assert isinstance(json.loads(choice.message.content), dict)
         else:  # a free object can run past max_tokens; what was sent is an object's beginning
             assert choice.message.content.startswith("{")
     assert any(c.finish_reason == "stop" for c in r.choices)
-    for fmt, match in [({"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}, "cannot be used"),
-                       ({"type": "json_schema", "json_schema": {}}, "expected a JSON schema")]:
+    for fmt, match in [
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}, "cannot be used"),
+        ({"type": "json_schema", "json_schema": {}}, "expected a JSON schema"),
+    ]:
         with pytest.raises(openai.BadRequestError, match=match) as err:
-            client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": "x"}],
-                                           response_format=fmt)
+            client.chat.completions.create(
+                model="serve_chat", messages=[{"role": "user", "content": "x"}], response_format=fmt
+            )
         assert err.value.param == "response_format"
 
 
@@ -279,11 +359,15 @@ def test_tokenize_detokenize_and_metrics(server, tok, client):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert httpx.post(url + "/tokenize", json={"content": 3}).status_code == 400
     for q in (FRANCE, COLOR):  # the chat template's head is a prefix both prompts share
-        client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": q}],
-                                       temperature=0, max_tokens=3)
+        client.chat.completions.create(
+            model="serve_chat", messages=[{"role": "user", "content": q}], temperature=0, max_tokens=3
+        )
     text = httpx.get(url + "/metrics").text
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert values['nanoeuler_requests_total{status="200"}'] >= 2
     assert values['nanoeuler_requests_total{status="400"}'] >= 2
     assert values["nanoeuler_generation_tokens_total"] >= 6 and values["nanoeuler_prompt_tokens_total"] >= 20
@@ -297,19 +381,28 @@ def test_tokenize_detokenize_and_metrics(server, tok, client):
 def test_a_speculating_server_answers_as_a_plain_one_and_reports_acceptance_per_head(tmp_path_factory, client):
     """`--speculative`: the greedy answers are the plain server's; /metrics gives each draft head's real counts."""
     questions = [FRANCE, COLOR, FRANCE]
-    plain = [client.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": q}],
-                                            temperature=0, max_tokens=20).choices[0].message.content
-             for q in questions]
+    plain = [
+        client.chat.completions.create(
+            model="serve_chat", messages=[{"role": "user", "content": q}], temperature=0, max_tokens=20
+        )
+        .choices[0]
+        .message.content
+        for q in questions
+    ]
     with live_server(chat_model(tmp_path_factory), max_tokens=48, speculative=True) as (url, app):
         spec = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         for q, want in zip(questions, plain):
-            r = spec.chat.completions.create(model="serve_chat", messages=[{"role": "user", "content": q}],
-                                             temperature=0, max_tokens=20, stream=True)
+            r = spec.chat.completions.create(
+                model="serve_chat", messages=[{"role": "user", "content": q}], temperature=0, max_tokens=20, stream=True
+            )
             assert "".join(c.choices[0].delta.content or "" for c in r if c.choices) == want
         text = httpx.get(url + "/metrics").text
         stats = app.state.scheduler.backend.engine.stats
-    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert stats.passes > 0 and stats.accepted[0] > 0
     assert values['nanoeuler_spec_drafts_offered_total{head="1"}'] == stats.offered[0] == stats.passes
     assert values['nanoeuler_spec_drafts_accepted_total{head="1"}'] == stats.accepted[0]
@@ -325,8 +418,12 @@ def test_speculative_decoding_reports_target_logprobs_and_keeps_to_the_grammar(e
     make, ref = exact_model
     engine = make(1).engine
     grammars = Grammars(tok)
-    schema = {"type": "object", "properties": {"w": {"enum": ["Paris", "Blue", "red"]}, "n": {"type": "integer",
-              "minimum": 0, "maximum": 999}}, "required": ["w", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"w": {"enum": ["Paris", "Blue", "red"]}, "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["w", "n"],
+        "additionalProperties": False,
+    }
     prompt = tok.encode("It was the")
     plain = list(engine.stream(prompt, 20, Sampling(temperature=0), speculative=True))
     spec = list(speculative_logprobs(engine, prompt, 20, Sampling(temperature=0), top=2))
@@ -351,16 +448,35 @@ def test_speculative_decoding_reports_target_logprobs_and_keeps_to_the_grammar(e
         assert guide.stopped and set(json.loads(tok.decode(got).replace("</s>", ""))) == {"w", "n"}
 
 
-SCHEMA_WORDS = ["type", "object", "string", "integer", "array", "items", "properties", "required", "enum",
-                "minimum", "maxLength", "pattern", "$ref", "anyOf", "additionalProperties", "format"]
+SCHEMA_WORDS = [
+    "type",
+    "object",
+    "string",
+    "integer",
+    "array",
+    "items",
+    "properties",
+    "required",
+    "enum",
+    "minimum",
+    "maxLength",
+    "pattern",
+    "$ref",
+    "anyOf",
+    "additionalProperties",
+    "format",
+]
 
 
 def _schemas():
     from hypothesis import strategies as st
 
     leaf = st.one_of(st.sampled_from(SCHEMA_WORDS), st.integers(-3, 3), st.booleans(), st.none(), st.text(max_size=4))
-    return st.recursive(leaf, lambda inner: st.lists(inner, max_size=3)
-                        | st.dictionaries(st.sampled_from(SCHEMA_WORDS), inner, max_size=3), max_leaves=10)
+    return st.recursive(
+        leaf,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(SCHEMA_WORDS), inner, max_size=3),
+        max_leaves=10,
+    )
 
 
 def test_random_response_formats_are_answered_or_refused_never_a_500(server):

@@ -42,7 +42,7 @@ def _assert_near_greedy(params, cfg, specs, got, want, dtype):
         return
     for (prompt, *_), ids in zip(specs, got):
         seq = np.asarray([list(prompt) + ids[:-1]])
-        logits = transformer.logits(params, seq, cfg)[0, len(prompt) - 1:]  # (len(ids), V)
+        logits = transformer.logits(params, seq, cfg)[0, len(prompt) - 1 :]  # (len(ids), V)
         picked = logits[np.arange(len(ids)), ids]
         assert np.all(logits.max(-1) - picked <= 0.05 * np.abs(logits).max()), (prompt, ids)
 
@@ -52,8 +52,11 @@ def test_gpu_logprobs_match_the_numpy_backend(model, dtype, tol):
     from nanoeuler.serve.backend import Backend
 
     params, cfg = model
-    specs = [([1, 2, 3], 10, Sampling(temperature=0), {"logprobs": 2}), ([5, 6], 8, Sampling(temperature=0), {}),
-             ([9], 6, Sampling(temperature=0), {"logprobs": 0})]
+    specs = [
+        ([1, 2, 3], 10, Sampling(temperature=0), {"logprobs": 2}),
+        ([5, 6], 8, Sampling(temperature=0), {}),
+        ([9], 6, Sampling(temperature=0), {"logprobs": 0}),
+    ]
     cpu = Backend(DecodeEngine.from_params(params, cfg, "cpu"), _Tok(), "m", 3, 0)
     gpu = Backend(DecodeEngine.from_params(params, cfg, "gpu", dtype=dtype), _Tok(), "m", 3, 0)
     cpu_tokens, cpu_streams = run_streams(cpu, specs)
@@ -74,8 +77,11 @@ def test_gpu_prefix_reuse_answers_as_a_whole_prefill(model, dtype):
 
     params, cfg = model
     head = list(range(10, 50))  # 40 shared tokens; remainders on the GEMV (< 17 rows) and cuBLAS paths
-    specs = [(head + [60, 61], 8, Sampling(temperature=0), {}), (head + [70], 8, Sampling(temperature=0), {}),
-             (head + list(range(100, 130)), 8, Sampling(temperature=0), {})]
+    specs = [
+        (head + [60, 61], 8, Sampling(temperature=0), {}),
+        (head + [70], 8, Sampling(temperature=0), {}),
+        (head + list(range(100, 130)), 8, Sampling(temperature=0), {}),
+    ]
     outs = []
     for cache in (0, 8):
         backend = Backend(DecodeEngine.from_params(params, cfg, "gpu", dtype=dtype), _Tok(), "m", 1, cache)
@@ -92,8 +98,10 @@ def test_gpu_batched_speculation_answers_as_the_numpy_backend(model, dtype):
     params, cfg = model
     for n in (2, 5):
         specs = [([1 + i, 2, 3], 20 + 30 * (i == 0), Sampling(temperature=0), {}) for i in range(n)]
-        backends = [Backend(DecodeEngine.from_params(params, cfg, dev, **kw), _Tok(), "m", n, 0, speculative=True)
-                    for dev, kw in (("cpu", {}), ("gpu", {"dtype": dtype}))]
+        backends = [
+            Backend(DecodeEngine.from_params(params, cfg, dev, **kw), _Tok(), "m", n, 0, speculative=True)
+            for dev, kw in (("cpu", {}), ("gpu", {"dtype": dtype}))
+        ]
         (cpu_tokens, _), (gpu_tokens, _) = (run_streams(b, specs) for b in backends)
         _assert_near_greedy(params, cfg, specs, gpu_tokens, cpu_tokens, dtype)
         if dtype == "fp32":  # the same texts: the same drafts offered by each head

@@ -32,8 +32,9 @@ def tok():
 
 def served(tok, name="m"):
     """What the HTTP layer asks of a backend, without an engine."""
-    return SimpleNamespace(name=name, tok=tok, stop_ids=frozenset({tok.end_id, tok.eot_id}),
-                           token_bytes=_TokenBytes(tok))
+    return SimpleNamespace(
+        name=name, tok=tok, stop_ids=frozenset({tok.end_id, tok.eot_id}), token_bytes=_TokenBytes(tok)
+    )
 
 
 # ---- the worker to the event loop -----------------------------------------------------------------------
@@ -101,13 +102,18 @@ def test_batches_give_the_tokens_before_a_failure_then_raise_it():
 
 
 @settings(max_examples=300, deadline=None)
-@given(kind=st.sampled_from(["chat", "text"]), index=st.integers(0, 15), piece=st.text(max_size=12),
-       finish=st.sampled_from([None, "stop", "length"]), name=st.text(min_size=1, max_size=8))
+@given(
+    kind=st.sampled_from(["chat", "text"]),
+    index=st.integers(0, 15),
+    piece=st.text(max_size=12),
+    finish=st.sampled_from([None, "stop", "length"]),
+    name=st.text(min_size=1, max_size=8),
+)
 def test_an_event_from_the_template_is_the_json_of_its_chunk(tok, kind, index, piece, finish, name):
     shape = _Shape(kind, served(tok, name), 3, None)
     got = shape.event(index, piece, finish)
     assert got == _event(shape.chunk(index, piece, finish))
-    assert json.loads(got[len("data: "):]) == shape.chunk(index, piece, finish)
+    assert json.loads(got[len("data: ") :]) == shape.chunk(index, piece, finish)
 
 
 def test_a_stream_that_fell_behind_gets_its_pieces_in_one_write_each_its_own_chunk(tok):
@@ -125,7 +131,7 @@ def test_a_stream_that_fell_behind_gets_its_pieces_in_one_write_each_its_own_chu
 
     writes = asyncio.run(scenario())
     assert len(writes) == 2
-    chunks = [json.loads(e[len("data: "):]) for e in writes[0].split("\n\n") if e]
+    chunks = [json.loads(e[len("data: ") :]) for e in writes[0].split("\n\n") if e]
     assert len(chunks) == len(ids) and "".join(c["choices"][0]["text"] for c in chunks) == "Paris is the capital."
     assert [c["choices"][0]["index"] for c in chunks] == [0] * len(ids) and len({c["id"] for c in chunks}) == 1
     tail = writes[1].split("\n\n")
@@ -148,8 +154,9 @@ def test_latency_histograms_read_as_prometheus_clients_own():
     ours.observe_many(values[:100])
     ours.observe_many([])
     ours.observe_many(values[100:])
-    want = [line for line in prometheus_client.generate_latest(ref_registry).decode().splitlines()
-            if "_created" not in line]
+    want = [
+        line for line in prometheus_client.generate_latest(ref_registry).decode().splitlines() if "_created" not in line
+    ]
     got = prometheus_client.generate_latest(ours_registry).decode().splitlines()
     assert got[:-1] == want[:-1]  # the buckets and the count; the sum as a float added in another order:
     assert float(got[-1].split()[-1]) == pytest.approx(float(want[-1].split()[-1]), rel=1e-12)
@@ -176,8 +183,11 @@ def test_decode_steps_cover_the_slots_in_use_and_joining_prompts_are_prefilled_t
     decode, prefill_many = be.decode, be.prefill_many
     be.decode = lambda tokens, *a: (widths.append(len(tokens)), decode(tokens, *a))[1]
     be.prefill_many = lambda slots, prompts: (prefills.append(list(slots)), prefill_many(slots, prompts))[1]
-    specs = [([1, 2, 3], 6, Sampling(temperature=0), {}), ([4, 5], 6, Sampling(temperature=0.8, seed=3), {}),
-             ([6], 6, Sampling(temperature=0), {})]
+    specs = [
+        ([1, 2, 3], 6, Sampling(temperature=0), {}),
+        ([4, 5], 6, Sampling(temperature=0.8, seed=3), {}),
+        ([6], 6, Sampling(temperature=0), {}),
+    ]
     alone = [run_streams(backend, [spec])[0][0] for spec in specs]
     assert set(widths) == {1} and prefills == []
     widths.clear()

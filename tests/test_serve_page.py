@@ -26,8 +26,10 @@ def ask(browser, question: str, n: int) -> dict:
     browser.evaluate("document.getElementById('input').focus()")
     browser.type_text(question)
     browser.press_enter()
-    browser.wait_for(f"document.querySelectorAll('.assistant').length === {n} && "
-                     "document.querySelectorAll('.assistant')[" + str(n - 1) + "].dataset.state === 'done'")
+    browser.wait_for(
+        f"document.querySelectorAll('.assistant').length === {n} && "
+        "document.querySelectorAll('.assistant')[" + str(n - 1) + "].dataset.state === 'done'"
+    )
     return json.loads(browser.evaluate(LAST_ANSWER))
 
 

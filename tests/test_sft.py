@@ -24,9 +24,12 @@ def test_template_with_and_without_input():
     assert render_prompt("Add.", "1 and 2") == (
         "Below is an instruction that describes a task, paired with an input that provides further context. "
         "Write a response that appropriately completes the request.\n\n### Instruction:\nAdd.\n\n"
-        "### Input:\n1 and 2\n\n### Response:\n")
-    no_input = ("Below is an instruction that describes a task. Write a response that appropriately completes "
-                "the request.\n\n### Instruction:\nAdd.\n\n### Response:\n")
+        "### Input:\n1 and 2\n\n### Response:\n"
+    )
+    no_input = (
+        "Below is an instruction that describes a task. Write a response that appropriately completes "
+        "the request.\n\n### Instruction:\nAdd.\n\n### Response:\n"
+    )
     assert render_prompt("Add.") == no_input
     assert render_prompt("Add.", "  ") == no_input
 
@@ -108,13 +111,30 @@ def test_read_records_names_the_bad_line(tmp_path):
 
 def sft(tmp_path, conf, out="chat.bin"):
     return subprocess.run(
-        [sys.executable, "-m", "nanoeuler", "sft", "--config", str(conf), "--base", str(tmp_path / "base.bin"),
-         "--data", str(tmp_path / "alpaca.jsonl"), "--out", str(tmp_path / out), "--no-progress"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "nanoeuler",
+            "sft",
+            "--config",
+            str(conf),
+            "--base",
+            str(tmp_path / "base.bin"),
+            "--data",
+            str(tmp_path / "alpaca.jsonl"),
+            "--out",
+            str(tmp_path / out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-SFT = dict(epochs=2, batch_size=4, lr=1e-3, warmup_steps=2, log_every=1, eval_every=4, checkpoint_every=4,
-           val_examples=4)
+SFT = dict(
+    epochs=2, batch_size=4, lr=1e-3, warmup_steps=2, log_every=1, eval_every=4, checkpoint_every=4, val_examples=4
+)
 
 
 def test_sft_stage_trains_responses_and_counts_long_examples(tmp_path, tok):

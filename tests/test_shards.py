@@ -19,8 +19,17 @@ DOCS = TRAIN_TEXT.split("\n\n") + SAMPLES + [f"document number {i}: " + "words "
 
 
 def write_corpus(path, texts):
-    pq.write_table(pa.table({"source": ["test"] * len(texts), "doc_id": [str(i) for i in range(len(texts))],
-                             "text": pa.array(texts, type=pa.string())}), path, row_group_size=16)
+    pq.write_table(
+        pa.table(
+            {
+                "source": ["test"] * len(texts),
+                "doc_id": [str(i) for i in range(len(texts))],
+                "text": pa.array(texts, type=pa.string()),
+            }
+        ),
+        path,
+        row_group_size=16,
+    )
     return path
 
 
@@ -31,8 +40,10 @@ def tok() -> Tokenizer:
 
 @pytest.fixture
 def corpus(tmp_path):
-    return {"train": write_corpus(tmp_path / "train.parquet", DOCS),
-            "val": write_corpus(tmp_path / "val.parquet", DOCS[::-1][:20])}
+    return {
+        "train": write_corpus(tmp_path / "train.parquet", DOCS),
+        "val": write_corpus(tmp_path / "val.parquet", DOCS[::-1][:20]),
+    }
 
 
 def read_split(manifest_path, split):
@@ -105,8 +116,21 @@ def test_cli(tok, corpus, tmp_path, capsys):
     tok.save(tok_path)
     out = tmp_path / "shards" / "manifest.json"
     params = json.dumps({"shards": {"shard_tokens": 5000}})
-    argv = ["tokenize", "--params", params, "--tokenizer", str(tok_path), "--train", str(corpus["train"]),
-            "--val", str(corpus["val"]), "--out", str(out), "--workers", "2"]
+    argv = [
+        "tokenize",
+        "--params",
+        params,
+        "--tokenizer",
+        str(tok_path),
+        "--train",
+        str(corpus["train"]),
+        "--val",
+        str(corpus["val"]),
+        "--out",
+        str(out),
+        "--workers",
+        "2",
+    ]
     assert cli.main(argv) == 0
     manifest = json.loads(out.read_text())
     assert manifest["splits"]["train"]["shards"][0] == {"file": "train_0000.npy", "tokens": 5000}
@@ -119,8 +143,20 @@ def test_cli_errors_leave_no_output(tok, corpus, tmp_path, capsys):
     out = tmp_path / "shards" / "manifest.json"
 
     def run(train=corpus["train"], val=corpus["val"], tokenizer=tok_path, extra=()):
-        code = cli.main(["tokenize", "--tokenizer", str(tokenizer), "--train", str(train), "--val", str(val),
-                         "--out", str(out), *extra])
+        code = cli.main(
+            [
+                "tokenize",
+                "--tokenizer",
+                str(tokenizer),
+                "--train",
+                str(train),
+                "--val",
+                str(val),
+                "--out",
+                str(out),
+                *extra,
+            ]
+        )
         return code, capsys.readouterr().err
 
     nulls = tmp_path / "nulls.parquet"

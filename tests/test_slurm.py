@@ -33,8 +33,13 @@ def _missing() -> list[str]:
 @pytest.mark.skipif(bool(_missing()), reason=f"needs SLURM: missing {', '.join(_missing())}")
 def test_tiny_dag_on_slurm_equals_local_run(tmp_path):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}/usr/sbin{os.pathsep}{os.environ['PATH']}"}
-    proc = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "slurm_local.sh"), str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        ["bash", str(REPO_ROOT / "scripts" / "slurm_local.sh"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "OK: the SLURM run's outputs equal the local run's" in proc.stderr
     log = (tmp_path / "slurm-run" / "snakemake.log").read_text()

@@ -1,7 +1,6 @@
 """The training seam on the CPU: a stage's own loss, a gradient hook between backward and update
 (a two-rank all-reduce double), gradient accumulation, non-finite steps and the state a checkpoint keeps."""
 
-
 import numpy as np
 import pytest
 
@@ -28,8 +27,8 @@ def _params():
 def _micro(seed, B=2):
     rng = np.random.default_rng(seed)
     w = rng.integers(0, CFG.vocab_size, size=(B, CFG.ctx_len + CFG.mtp_heads))
-    y = np.stack([w[:, 1 + k:CFG.ctx_len + 1 + k] for k in range(CFG.mtp_heads)], axis=-1)
-    return w[:, :CFG.ctx_len], y
+    y = np.stack([w[:, 1 + k : CFG.ctx_len + 1 + k] for k in range(CFG.mtp_heads)], axis=-1)
+    return w[:, : CFG.ctx_len], y
 
 
 def test_settings_are_typed_from_the_validated_sections():

@@ -60,8 +60,9 @@ def test_report_against_a_baseline_found_or_given(tmp_path):
     _fake_run(tmp_path, "muon_1e-3", bench.recipe_keys("muon_1e-3", 1000, 6e-4), [1.5, 1.3, 1.2, 1.1], 30.0)
 
     def report(*extra):
-        return subprocess.run([sys.executable, str(BENCH), "report", str(tmp_path), *extra], capture_output=True,
-                              text=True, cwd=ROOT)
+        return subprocess.run(
+            [sys.executable, str(BENCH), "report", str(tmp_path), *extra], capture_output=True, text=True, cwd=ROOT
+        )
 
     alone = report()
     assert alone.returncode == 1 and "give --baseline BPB,STEP,SECONDS" in alone.stderr
@@ -71,4 +72,6 @@ def test_report_against_a_baseline_found_or_given(tmp_path):
     assert "| muon_1e-3 | 1000 | 30.0 | 1.1000 | 12.3M | 0.75 | 22 | 0.56 |" in given.stdout
     _fake_run(tmp_path, "adamw_6e-4", bench.recipe_keys("adamw_6e-4", 1000, 6e-4), [1.6, 1.4, 1.3, 1.25], 28.0)
     found = report()
-    assert found.returncode == 0 and "tuned baseline: adamw_6e-4, best val bits/byte 1.2500 at step 1000" in found.stdout
+    assert (
+        found.returncode == 0 and "tuned baseline: adamw_6e-4, best val bits/byte 1.2500 at step 1000" in found.stdout
+    )

@@ -36,8 +36,12 @@ def test_export_structure(tok):
     d = json.loads(to_hf_json(tok))
     assert d["model"]["type"] == "BPE" and len(d["model"]["merges"]) == len(tok.merges)
     assert len(d["model"]["vocab"]) == 256 + len(tok.merges)
-    assert d["pre_tokenizer"] == {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
-                                  "use_regex": True}
+    assert d["pre_tokenizer"] == {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": True,
+        "use_regex": True,
+    }
     assert {t["content"]: t["id"] for t in d["added_tokens"]} == tok.special_tokens
     assert to_hf_json(tok) == to_hf_json(Tokenizer.from_json(tok.to_json()))  # deterministic
 
@@ -88,8 +92,10 @@ def test_stage_output_loads_from_file(tmp_path):
     pq.write_table(pa.table({"source": ["t"], "doc_id": ["0"], "text": [TRAIN_TEXT]}), corpus)
     out, hf_out = tmp_path / "tokenizer.json", tmp_path / "tokenizer.hf.json"
     params = json.dumps({"tokenizer": {"vocab_size": 300}})
-    assert cli.main(["tokenizer", "--params", params, "--corpus", str(corpus), "--out", str(out),
-                     "--hf-out", str(hf_out)]) == 0
+    assert (
+        cli.main(["tokenizer", "--params", params, "--corpus", str(corpus), "--out", str(out), "--hf-out", str(hf_out)])
+        == 0
+    )
     ours, theirs = Tokenizer.load(out), tokenizers.Tokenizer.from_file(str(hf_out))
     for s in SAMPLES:
         assert theirs.encode(s).ids == ours.encode(s)

@@ -93,8 +93,17 @@ def test_gradcheck_config_matches_torch():
 
 def test_wider_groups_and_an_empty_head_match_torch():
     # group 3, K = 4 with head 3 having no valid target (left out of the mean), default ffn width
-    cfg = ModelConfig(vocab_size=37, dim=24, n_layers=3, n_heads=6, n_kv_heads=2, ctx_len=16,
-                      mtp_heads=4, rope_theta=500.0, norm_eps=1e-6)
+    cfg = ModelConfig(
+        vocab_size=37,
+        dim=24,
+        n_layers=3,
+        n_heads=6,
+        n_kv_heads=2,
+        ctx_len=16,
+        mtp_heads=4,
+        rope_theta=500.0,
+        norm_eps=1e-6,
+    )
     params, inputs, targets = problem.random_problem(cfg, seed=5, batch=2, T=9)
     targets[..., 3] = -1
     _compare(cfg, params, inputs, targets)
@@ -118,5 +127,5 @@ def test_default_init_matches_torch():
     params = transformer.init_params(cfg, seed=0, dtype=np.float64)
     w = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 16 + cfg.mtp_heads))
     inputs = w[:, :16]
-    targets = np.stack([w[:, 1 + k:17 + k] for k in range(cfg.mtp_heads)], axis=-1)
+    targets = np.stack([w[:, 1 + k : 17 + k] for k in range(cfg.mtp_heads)], axis=-1)
     _compare(cfg, params, inputs, targets)

@@ -17,6 +17,7 @@ from workflow_helpers import planned_jobs, snakemake
 
 TARGETS = ["data/corpus/train.parquet", "data/corpus/val.parquet", "data/alpaca/alpaca.jsonl"]
 
+
 @pytest.mark.slow
 def test_tiny_data_targets(tmp_path):
     tiny = REPO_ROOT / "config" / "tiny.yaml"

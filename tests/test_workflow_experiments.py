@@ -13,15 +13,24 @@ TINY = REPO_ROOT / "config" / "tiny.yaml"
 
 
 def _outputs(dry_run: str) -> set[str]:
-    return {path for line in dry_run.splitlines() if line.strip().startswith("output:")
-            for path in line.split(":", 1)[1].replace(",", " ").split()}
+    return {
+        path
+        for line in dry_run.splitlines()
+        if line.strip().startswith("output:")
+        for path in line.split(":", 1)[1].replace(",", " ").split()
+    }
 
 
 def test_experiment_namespaces_results_and_logs(tmp_path):
     low = REPO_ROOT / "config" / "exp-lr-low.yaml"
     outputs = _outputs(snakemake(tmp_path, TINY, [], "-n", configfiles=[low]))
-    assert {"results/lr-low/base.bin", "results/lr-low/hellaswag/chat.json", "results/lr-low/metrics.json",
-            "results/lr-low/report/metrics.html", "data/corpus/train.parquet"} <= outputs
+    assert {
+        "results/lr-low/base.bin",
+        "results/lr-low/hellaswag/chat.json",
+        "results/lr-low/metrics.json",
+        "results/lr-low/report/metrics.html",
+        "data/corpus/train.parquet",
+    } <= outputs
     assert not [p for p in outputs if p.startswith("results/") and not p.startswith("results/lr-low/")]
     log = snakemake(tmp_path, TINY, ["results/lr-low/base.bin"], "-n", "-p", configfiles=[low])
     assert "--run-dir results/lr-low/pretrain" in log and "logs/lr-low/pretrain.log" in log

@@ -18,10 +18,27 @@ from nanoeuler import checkpoint
 from nanoeuler.config import REPO_ROOT
 from workflow_helpers import planned_jobs, snakemake
 
-TARGETS = ["results/chat.bin", "results/samples.md", "results/metrics.json", "results/loss.png",
-           "results/report/metrics.html"]
-REPORT_PARTS = ["Loss curves", "loss.png", "Metrics", "metrics.html", "HellaSwag", "hellaswag.html", "Samples",
-                "samples.html", "Config", "config.html", "scored completion-style as llm.c does"]
+TARGETS = [
+    "results/chat.bin",
+    "results/samples.md",
+    "results/metrics.json",
+    "results/loss.png",
+    "results/report/metrics.html",
+]
+REPORT_PARTS = [
+    "Loss curves",
+    "loss.png",
+    "Metrics",
+    "metrics.html",
+    "HellaSwag",
+    "hellaswag.html",
+    "Samples",
+    "samples.html",
+    "Config",
+    "config.html",
+    "scored completion-style as llm.c does",
+]
+
 
 def _check_rendering(html, png):
     """Headless Chromium (where installed) draws the report: a page with the menu, not a blank one.
@@ -32,9 +49,21 @@ def _check_rendering(html, png):
     import matplotlib.image
 
     for budget_ms in (5000, 30000):
-        subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,800",
-                        f"--virtual-time-budget={budget_ms}", f"--screenshot={png}", html.as_uri()],
-                       capture_output=True, timeout=180, check=True)
+        subprocess.run(
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--window-size=1200,800",
+                f"--virtual-time-budget={budget_ms}",
+                f"--screenshot={png}",
+                html.as_uri(),
+            ],
+            capture_output=True,
+            timeout=180,
+            check=True,
+        )
         pixels = matplotlib.image.imread(png)[..., :3]
         drawn = (pixels.reshape(-1, 3) < 0.9).any(axis=1).mean()
         if drawn > 0.05:
@@ -75,8 +104,12 @@ def test_tiny_dag_end_to_end(tmp_path):
     cfg["sft"]["lr"] = cfg["sft"]["lr"] / 2
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(cfg))
-    assert planned_jobs(snakemake(tmp_path, changed, TARGETS, "-n")) == {"sft": 1, "hellaswag_eval": 1, "evaluate": 1,
-                                                                         "report_pages": 1}
+    assert planned_jobs(snakemake(tmp_path, changed, TARGETS, "-n")) == {
+        "sft": 1,
+        "hellaswag_eval": 1,
+        "evaluate": 1,
+        "report_pages": 1,
+    }
     before = (tmp_path / "results/base.bin").stat().st_mtime_ns
     snakemake(tmp_path, changed, TARGETS)
     assert (tmp_path / "results/base.bin").stat().st_mtime_ns == before

@@ -18,8 +18,7 @@ TEXT = (PROMPT_WITH_INPUT + PROMPT_NO_INPUT) * 4 + (
     "Give three tips for staying healthy: eat well, sleep well, and walk every day. "
 ) * 8
 
-TINY_MODEL = {"preset": "small", "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ctx_len": 64,
-              "mtp_heads": 2}
+TINY_MODEL = {"preset": "small", "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ctx_len": 64, "mtp_heads": 2}
 
 
 def make_tokenizer(vocab_size: int = 460):
@@ -28,8 +27,9 @@ def make_tokenizer(vocab_size: int = 460):
     return train_bpe(TEXT, vocab_size)
 
 
-def write_shards(out_dir: Path, tok, n_train: int = 20000, n_val: int = 3000, seed: int = 0,
-                 shard_tokens: int = 8000) -> Path:
+def write_shards(
+    out_dir: Path, tok, n_train: int = 20000, n_val: int = 3000, seed: int = 0, shard_tokens: int = 8000
+) -> Path:
     """Random uint16 tokens below the vocabulary size, split into shards, plus manifest.json."""
     rng = np.random.default_rng(seed)
     out_dir = Path(out_dir)
@@ -44,8 +44,13 @@ def write_shards(out_dir: Path, tok, n_train: int = 20000, n_val: int = 3000, se
             np.save(out_dir / name, part)
             shards.append({"file": name, "tokens": int(part.shape[0])})
         splits[split] = {"shards": shards, "tokens": n, "bytes": 3 * n, "documents": 10}
-    manifest = {"format": 1, "tokenizer_sha256": tok.sha256, "vocab_size": tok.vocab_size, "dtype": "uint16",
-                "splits": splits}
+    manifest = {
+        "format": 1,
+        "tokenizer_sha256": tok.sha256,
+        "vocab_size": tok.vocab_size,
+        "dtype": "uint16",
+        "splits": splits,
+    }
     path = out_dir / "manifest.json"
     path.write_text(json.dumps(manifest))
     return path
@@ -55,8 +60,11 @@ ALPACA = [
     {"instruction": "Give three tips for staying healthy.", "input": "", "output": "Eat well, sleep well, walk."},
     {"instruction": "Translate to French.", "input": "The sea", "output": "La mer"},
     {"instruction": "What is the capital of France?", "input": "", "output": "Paris."},
-    {"instruction": "Summarize the text.", "input": "It was the best of times, it was the worst of times.",
-     "output": "Times were mixed."},
+    {
+        "instruction": "Summarize the text.",
+        "input": "It was the best of times, it was the worst of times.",
+        "output": "Times were mixed.",
+    },
     {"instruction": "Name a color.", "input": "", "output": "Blue."},
     {"instruction": "Write a very long answer.", "input": "", "output": "the sea was calm " * 40},
 ]
@@ -103,6 +111,7 @@ def thread_mean_hooks(n: int) -> list:
             barrier.wait()
             for k in grads:
                 grads[k][...] = total[k] * (1.0 / n)
+
         return hook
 
     return [hook_of(r) for r in range(n)]

@@ -12,15 +12,28 @@ from nanoeuler.config import REPO_ROOT
 BIN = Path(sys.executable).parent
 
 
-def snakemake(workdir: Path, configfile: Path, targets: list[str], *extra: str, timeout: int = 600,
-              configfiles: list[Path] = ()) -> str:
+def snakemake(
+    workdir: Path, configfile: Path, targets: list[str], *extra: str, timeout: int = 600, configfiles: list[Path] = ()
+) -> str:
     """Run snakemake on `targets` in `workdir` with the venv's `nanoeuler` on PATH; its output, asserting success.
 
     `configfiles` are read after `configfile`, each overriding the keys it sets."""
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
     # targets first: --configfile takes every word that follows it
-    cmd = [str(BIN / "snakemake"), *targets, "-s", str(REPO_ROOT / "Snakefile"), "-d", str(workdir),
-           "--cores", "2", *extra, "--configfile", str(configfile), *map(str, configfiles)]
+    cmd = [
+        str(BIN / "snakemake"),
+        *targets,
+        "-s",
+        str(REPO_ROOT / "Snakefile"),
+        "-d",
+        str(workdir),
+        "--cores",
+        "2",
+        *extra,
+        "--configfile",
+        str(configfile),
+        *map(str, configfiles),
+    ]
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

@@ -71,9 +71,12 @@ def check(cfg: ModelConfig = CHECK_CONFIG, seed: int = 0, samples: int = 48, xp=
     rng = np.random.default_rng(seed + 1)
     errors = {}
     width = max(len(n) for n in params)
-    print(f"gradcheck: {cfg.n_params()} parameters in {len(params)} tensors, batch {inputs.shape}, "
-          f"K={cfg.mtp_heads}, heads {cfg.n_heads}/{cfg.n_kv_heads}, "
-          f"{int((targets < 0).sum())} of {targets.size} targets ignored, loss {loss:.6f}", file=out)
+    print(
+        f"gradcheck: {cfg.n_params()} parameters in {len(params)} tensors, batch {inputs.shape}, "
+        f"K={cfg.mtp_heads}, heads {cfg.n_heads}/{cfg.n_kv_heads}, "
+        f"{int((targets < 0).sum())} of {targets.size} targets ignored, loss {loss:.6f}",
+        file=out,
+    )
     for name, p in params.items():
         g = grads[name]
         flat = g.reshape(-1)
@@ -88,8 +91,11 @@ def check(cfg: ModelConfig = CHECK_CONFIG, seed: int = 0, samples: int = 48, xp=
             n = numeric_grad(params, batch, cfg, name, index)
             worst = max(worst, relative_error(flat[j], n))
         errors[name] = worst
-        print(f"{name:<{width}}  {str(p.shape):<10} checked {len(picks):>4}/{p.size:<5} "
-              f"max|grad| {np.abs(flat).max():.2e}  max rel err {worst:.2e}", file=out)
+        print(
+            f"{name:<{width}}  {str(p.shape):<10} checked {len(picks):>4}/{p.size:<5} "
+            f"max|grad| {np.abs(flat).max():.2e}  max rel err {worst:.2e}",
+            file=out,
+        )
     return errors
 
 
@@ -97,10 +103,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     add_device_argument(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch (default 0)")
-    parser.add_argument("--samples", type=int, default=48,
-                        help="entries checked per tensor; smaller tensors are checked whole (default 48)")
-    parser.add_argument("--threshold", type=float, default=1e-6,
-                        help="largest relative error that passes (default 1e-6)")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=48,
+        help="entries checked per tensor; smaller tensors are checked whole (default 48)",
+    )
+    parser.add_argument(
+        "--threshold", type=float, default=1e-6, help="largest relative error that passes (default 1e-6)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,12 +119,15 @@ def run(args: argparse.Namespace) -> int:
     xp = get_xp(resolve_device(device))
     if xp is not np:  # the GPU engine's check: float32 kernels vs these float64 gradients
         from nanoeuler.checks import gradcheck_gpu
+
         return gradcheck_gpu.run(args)
     start = time.perf_counter()
     errors = check(seed=args.seed, samples=args.samples, xp=xp)
     worst = max(errors.values())
-    print(f"analytic gradients on {'gpu' if xp is not np else 'cpu'}, "
-          f"{time.perf_counter() - start:.1f} s; threshold {args.threshold:.0e}: "
-          f"{'pass' if worst <= args.threshold else 'FAIL'}")
+    print(
+        f"analytic gradients on {'gpu' if xp is not np else 'cpu'}, "
+        f"{time.perf_counter() - start:.1f} s; threshold {args.threshold:.0e}: "
+        f"{'pass' if worst <= args.threshold else 'FAIL'}"
+    )
     print(f"max relative error: {worst:.3e}")
     return 0 if worst <= args.threshold else 1

@@ -30,8 +30,9 @@ CPU_DEFAULT_THRESHOLD = 1e-6  # the finite-difference check's default; the float
 def problems():
     """(label, cfg, batch, T) of each model shape checked."""
     small = ModelConfig.named("small")
-    d64 = ModelConfig(vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=256,
-                      ffn_hidden=0, mtp_heads=4)
+    d64 = ModelConfig(
+        vocab_size=1024, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=256, ffn_hidden=0, mtp_heads=4
+    )
     return [("small preset, D32", small, 2, 100), ("2 layers, D64", d64, 2, 200)]
 
 
@@ -64,8 +65,10 @@ def _worst(errs) -> float:
 def run(args) -> int:
     """The `--device gpu` branch of `nanoeuler gradcheck` (args: seed, threshold)."""
     if tf32_enabled():
-        raise UserError("CUPY_TF32 is set: cuBLAS would use TF32 (~1e-3) and the float32 check (1e-5) "
-                        "means nothing; unset CUPY_TF32")
+        raise UserError(
+            "CUPY_TF32 is set: cuBLAS would use TF32 (~1e-3) and the float32 check (1e-5) "
+            "means nothing; unset CUPY_TF32"
+        )
     import cupy
 
     threshold = getattr(args, "threshold", None)
@@ -73,15 +76,19 @@ def run(args) -> int:
         threshold = GPU_THRESHOLD
     seed = int(getattr(args, "seed", 0) or 0)
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-    print(f"gradcheck on {name}: float32 GPU kernels vs float64 CPU gradients, same weights and batch; "
-          f"relative error ||gpu - cpu|| / ||cpu|| per tensor, threshold {threshold:.0e}")
+    print(
+        f"gradcheck on {name}: float32 GPU kernels vs float64 CPU gradients, same weights and batch; "
+        f"relative error ||gpu - cpu|| / ||cpu|| per tensor, threshold {threshold:.0e}"
+    )
     every = []
     for label, cfg, batch, T in problems():
         start = time.perf_counter()
         loss_err, rows = compare(cfg, batch, T, seed)
         width = max(len(n) for n, _, _ in rows)
-        print(f"\n{label}: {cfg.n_params():,} parameters, batch {batch}x{T}, heads {cfg.n_heads}/{cfg.n_kv_heads}, "
-              f"K={cfg.mtp_heads} ({time.perf_counter() - start:.1f} s)")
+        print(
+            f"\n{label}: {cfg.n_params():,} parameters, batch {batch}x{T}, heads {cfg.n_heads}/{cfg.n_kv_heads}, "
+            f"K={cfg.mtp_heads} ({time.perf_counter() - start:.1f} s)"
+        )
         print(f"{'tensor':<{width}}  {'shape':<12}  {'rel err':>9}  pass")
         print(f"{'(loss)':<{width}}  {'':<12}  {loss_err:>9.2e}  {'ok' if loss_err <= threshold else 'FAIL'}")
         for n, shape, err in rows:

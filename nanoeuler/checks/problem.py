@@ -16,8 +16,18 @@ import numpy as np
 
 from nanoeuler.model.config import ModelConfig
 
-CHECK_CONFIG = ModelConfig(vocab_size=13, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ctx_len=8,
-                           ffn_hidden=24, mtp_heads=3, rope_theta=10000.0, norm_eps=1e-5)
+CHECK_CONFIG = ModelConfig(
+    vocab_size=13,
+    dim=16,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ctx_len=8,
+    ffn_hidden=24,
+    mtp_heads=3,
+    rope_theta=10000.0,
+    norm_eps=1e-5,
+)
 
 
 def random_problem(cfg: ModelConfig = CHECK_CONFIG, seed: int = 0, batch: int = 2, T: int = 6):
@@ -33,7 +43,7 @@ def random_problem(cfg: ModelConfig = CHECK_CONFIG, seed: int = 0, batch: int = 
             params[name] = rng.standard_normal(shape) / np.sqrt(shape[1])
     window = rng.integers(0, cfg.vocab_size, size=(batch, T + cfg.mtp_heads))
     inputs = window[:, :T]
-    targets = np.stack([window[:, 1 + k:T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)
+    targets = np.stack([window[:, 1 + k : T + 1 + k] for k in range(cfg.mtp_heads)], axis=-1)
     full = targets
     targets = np.where(rng.random(targets.shape) < 0.2, -1, targets)
     targets[0, 0, :] = -1  # a position with no target at all

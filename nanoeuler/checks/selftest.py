@@ -163,8 +163,12 @@ def case_attention(rng, shape, strided=False):
     dq, dk, dv = ops.attention_backward(dg, c)
     outr, cr = layers.attention_forward(q, k, v)
     dqr, dkr, dvr = layers.attention_backward(dout, cr)
-    return [("attention fwd out", out, outr), ("attention bwd dq", dq, dqr),
-            ("attention bwd dk", dk, dkr), ("attention bwd dv", dv, dvr)]
+    return [
+        ("attention fwd out", out, outr),
+        ("attention bwd dq", dq, dqr),
+        ("attention bwd dk", dk, dkr),
+        ("attention bwd dv", dv, dvr),
+    ]
 
 
 def case_swiglu(rng, shape, strided=False):
@@ -221,8 +225,12 @@ def case_linear_ce(rng, shape):
     lg = layers.linear_forward(x, w)
     lr, _, cr = layers.cross_entropy_forward(lg, t)
     dxr, dwr = layers.linear_backward(layers.cross_entropy_backward(1.0 / nr, cr), x, w)
-    return [("linear_cross_entropy loss", loss, lr), ("linear_cross_entropy loss (no grad)", loss_only, lr),
-            ("linear_cross_entropy dx", dx, dxr), ("linear_cross_entropy dw", dw, dwr)]
+    return [
+        ("linear_cross_entropy loss", loss, lr),
+        ("linear_cross_entropy loss (no grad)", loss_only, lr),
+        ("linear_cross_entropy dx", dx, dxr),
+        ("linear_cross_entropy dw", dw, dwr),
+    ]
 
 
 def case_embedding(rng, shape):
@@ -235,8 +243,10 @@ def case_embedding(rng, shape):
     dx = _randn(rng, (B, T, C))
     x = ops.embedding_forward(_gpu(ids, np.int64), _gpu(w))
     dw = ops.embedding_backward(_gpu(dx), _gpu(ids, np.int64), V)
-    return [("embedding fwd", x, layers.embedding_forward(ids, w)),
-            ("embedding bwd dw", dw, layers.embedding_backward(dx, ids, V))]
+    return [
+        ("embedding fwd", x, layers.embedding_forward(ids, w)),
+        ("embedding bwd dw", dw, layers.embedding_backward(dx, ids, V)),
+    ]
 
 
 def case_adamw(rng, shape):
@@ -260,8 +270,11 @@ def case_adamw(rng, shape):
     def cat(d):
         return np.concatenate([np.asarray(d[n].get() if hasattr(d[n], "get") else d[n]).ravel() for n in names])
 
-    return [("adamw param", cat(dev), cat(ref)), ("adamw m", cat(opt_dev.m), cat(opt_ref.m)),
-            ("adamw v", cat(opt_dev.v), cat(opt_ref.v))]
+    return [
+        ("adamw param", cat(dev), cat(ref)),
+        ("adamw m", cat(opt_dev.m), cat(opt_ref.m)),
+        ("adamw v", cat(opt_dev.v), cat(opt_ref.v)),
+    ]
 
 
 # (function, shape, shape label, keyword arguments)
@@ -306,7 +319,7 @@ def all_cases():
 def run_cases(seed: int, only: str | None = None, out=sys.stderr) -> list[Row]:
     rows: list[Row] = []
     for i, (fn, shape, label, kwargs) in enumerate(all_cases()):
-        name = fn.__name__[len("case_"):]
+        name = fn.__name__[len("case_") :]
         if only and only not in name:
             continue
         rng = np.random.default_rng([seed, i])
@@ -326,8 +339,10 @@ def format_table(rows: list[Row]) -> str:
     sw = max([len("shape")] + [len(r.shape) for r in rows])
     lines = [f"{'kernel':<{kw}}  {'shape':<{sw}}  {'rel err':>9}  {'tol':>7}  pass"]
     for r in rows:
-        lines.append(f"{r.kernel:<{kw}}  {r.shape:<{sw}}  {r.err:>9.2e}  {r.tol:>7.0e}  "
-                     f"{'ok' if r.ok else 'FAIL'}{'  ' + r.note if r.note else ''}")
+        lines.append(
+            f"{r.kernel:<{kw}}  {r.shape:<{sw}}  {r.err:>9.2e}  {r.tol:>7.0e}  "
+            f"{'ok' if r.ok else 'FAIL'}{'  ' + r.note if r.note else ''}"
+        )
     return "\n".join(lines)
 
 
@@ -341,8 +356,10 @@ def run(args: argparse.Namespace) -> int:
     if why:  # one clear line: what is missing and how to install it
         raise UserError(f"the kernel self-test needs a CUDA GPU but {why}; {GPU_INSTALL_HINT}")
     if tf32_enabled():
-        raise UserError("CUPY_TF32 is set: cuBLAS would use TF32 (~1e-3) and the float32 checks (1e-5) "
-                        "mean nothing; unset CUPY_TF32")
+        raise UserError(
+            "CUPY_TF32 is set: cuBLAS would use TF32 (~1e-3) and the float32 checks (1e-5) "
+            "mean nothing; unset CUPY_TF32"
+        )
     import cupy
 
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -351,8 +368,9 @@ def run(args: argparse.Namespace) -> int:
     rows = run_cases(seed, args.only)
     if not rows:
         raise UserError(f"no self-test case matches --only {args.only!r}")
-    print(f"selftest on {name} (sm_{dev.compute_capability}), CuPy {cupy.__version__}, seed {seed}; "
-          "'*' = strided inputs")
+    print(
+        f"selftest on {name} (sm_{dev.compute_capability}), CuPy {cupy.__version__}, seed {seed}; '*' = strided inputs"
+    )
     print(format_table(rows))
     failed = sum(not r.ok for r in rows)
     print(f"{len(rows) - failed} of {len(rows)} passed" + (f", {failed} FAILED" if failed else ""))

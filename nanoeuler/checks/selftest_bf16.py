@@ -89,26 +89,33 @@ def case_bf16_rmsnorm(rng, shape):
     yr, cr = layers.rmsnorm_forward(x, ones, 1e-5)
     yar, _ = layers.rmsnorm_forward(x + branch, ones, 1e-5)
     yaar, _ = layers.rmsnorm_forward(x + branch + branch2, ones, 1e-5)
-    rows_out = [("bf16 rmsnorm fwd xhat", from_bf16(y.get()), yr, TOL_BF16),
-                ("bf16 rmsnorm fwd rstd", rstd, cr[1].reshape(N), TOL_FP32),
-                ("bf16 rmsnorm fwd xhat of x + bf16 branch", from_bf16(ya.get()), yar, TOL_BF16),
-                ("bf16 rmsnorm fwd stored x + bf16 branch", xa, x + branch, TOL_FP32),
-                ("bf16 rmsnorm fwd xhat of x + 2 bf16 branches", from_bf16(yaa.get()), yaar, TOL_BF16),
-                ("bf16 rmsnorm fwd stored x + 2 bf16 branches", xaa, x + branch + branch2, TOL_FP32)]
+    rows_out = [
+        ("bf16 rmsnorm fwd xhat", from_bf16(y.get()), yr, TOL_BF16),
+        ("bf16 rmsnorm fwd rstd", rstd, cr[1].reshape(N), TOL_FP32),
+        ("bf16 rmsnorm fwd xhat of x + bf16 branch", from_bf16(ya.get()), yar, TOL_BF16),
+        ("bf16 rmsnorm fwd stored x + bf16 branch", xa, x + branch, TOL_FP32),
+        ("bf16 rmsnorm fwd xhat of x + 2 bf16 branches", from_bf16(yaa.get()), yaar, TOL_BF16),
+        ("bf16 rmsnorm fwd stored x + 2 bf16 branches", xaa, x + branch + branch2, TOL_FP32),
+    ]
     # the backward reads the forward's own bf16 xhat and float32 rstd: the reference takes those values
     cache = (from_bf16(y.get()), rstd.get().astype(np.float64).reshape(N, 1), ones)
-    for name, bwd, (dy_dev, dy_ref) in (("rmsnorm_bwd_bf16_f32dy", _k("rmsnorm_bwd_bf16_f32dy"), (_g(dy), dy)),
-                                        ("rmsnorm_bwd_bf16", _k("rmsnorm_bwd_bf16"), _dev_bf16(dy))):
+    for name, bwd, (dy_dev, dy_ref) in (
+        ("rmsnorm_bwd_bf16_f32dy", _k("rmsnorm_bwd_bf16_f32dy"), (_g(dy), dy)),
+        ("rmsnorm_bwd_bf16", _k("rmsnorm_bwd_bf16"), _dev_bf16(dy)),
+    ):
         dx = _g(dx0)
         dxb = _g(np.full((N, C), 0xFFFF), np.uint16)
         bwd((-(-N // 8),), (256,), (dy_dev, y, rstd, dx, dxb, np.int32(N), np.int32(C), np.int32(1)))
         dxr, _ = layers.rmsnorm_backward(dy_ref.copy(), cache)
-        rows_out += [(f"{name} dx (+=)", dx, dx0 + dxr, TOL_FP32),
-                     (f"{name} dx bf16 copy", from_bf16(dxb.get()), dx0 + dxr, TOL_BF16)]
+        rows_out += [
+            (f"{name} dx (+=)", dx, dx0 + dxr, TOL_FP32),
+            (f"{name} dx bf16 copy", from_bf16(dxb.get()), dx0 + dxr, TOL_BF16),
+        ]
     dx = _g(np.full((N, C), np.nan))  # accumulate = 0 overwrites (the final norm's first gradient)
     dxb = _g(np.full((N, C), 0xFFFF), np.uint16)
-    _k("rmsnorm_bwd_bf16_f32dy")((-(-N // 8),), (256,), (_g(dy), y, rstd, dx, dxb, np.int32(N), np.int32(C),
-                                                         np.int32(0)))
+    _k("rmsnorm_bwd_bf16_f32dy")(
+        (-(-N // 8),), (256,), (_g(dy), y, rstd, dx, dxb, np.int32(N), np.int32(C), np.int32(0))
+    )
     rows_out.append(("rmsnorm_bwd_bf16_f32dy dx (=)", dx, layers.rmsnorm_backward(dy.copy(), cache)[0], TOL_FP32))
     return rows_out
 
@@ -128,13 +135,18 @@ def case_bf16_gain_fold(rng, shape):
     splits, per_split = gain_fold_splits(R)
     part = _g(np.full((splits, C), np.nan))
     dgain = _g(np.full(C, np.nan))
-    _k("gain_fold_grad")((-(-C // gain_fold_columns(C)), splits), (256,), (_g(w), g, _g(gain), part, np.int32(R),
-                                                                           np.int32(C), np.int32(per_split), acc))
+    _k("gain_fold_grad")(
+        (-(-C // gain_fold_columns(C)), splits),
+        (256,),
+        (_g(w), g, _g(gain), part, np.int32(R), np.int32(C), np.int32(per_split), acc),
+    )
     _k("column_sums")((-(-C // 32),), (32, 32), (part, dgain, np.int32(splits), np.int32(C)))
     dw_ref, dgain_ref = layers.folded_gain_grads(w, dwf, gain)
-    return [("gain_fold_grad dW = dW' * gain", g, dw_ref, TOL_FP32),
-            ("gain_fold_grad + column_sums: the gain's gradient", dgain, dgain_ref, TOL_FP32),
-            ("gain_fold_grad sum of squares", acc, np.array([acc0 + (dw_ref ** 2).sum()]), TOL_FP32)]
+    return [
+        ("gain_fold_grad dW = dW' * gain", g, dw_ref, TOL_FP32),
+        ("gain_fold_grad + column_sums: the gain's gradient", dgain, dgain_ref, TOL_FP32),
+        ("gain_fold_grad sum of squares", acc, np.array([acc0 + (dw_ref**2).sum()]), TOL_FP32),
+    ]
 
 
 def case_bf16_rope(rng, shape):
@@ -163,18 +175,22 @@ def case_bf16_rope(rng, shape):
     c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
     x = qkv.reshape(B, T, H + 2 * Hkv, D).transpose(0, 2, 1, 3)
     qr = layers.rope_forward(x[:, :H], c64, s64)
-    kr = layers.rope_forward(x[:, H:H + Hkv], c64, s64)
-    vr = x[:, H + Hkv:]
+    kr = layers.rope_forward(x[:, H : H + Hkv], c64, s64)
+    vr = x[:, H + Hkv :]
     dq, dk, dv = _randn(rng, (B, H, T, D)), _randn(rng, (B, Hkv, T, D)), _randn(rng, (B, Hkv, T, D))
     out = cupy.empty((N, W), dtype=np.uint16)
     _k("rope_bwd_pack")(row_grid, (256,), (_g(dq), _g(dk), _g(dv), _g(cos), _g(sin), out, *rargs))
     ref = np.concatenate([layers.rope_backward(dq, c64, s64), layers.rope_backward(dk, c64, s64), dv], axis=1)
     ref = ref.transpose(0, 2, 1, 3).reshape(N, W)
-    return [("bf16 qkv_rope_split_bf16 q", from_bf16(qh.get()), qr, TOL_BF16),
-            ("bf16 qkv_rope_split_bf16 k", from_bf16(kh.get()), kr, TOL_BF16),
-            ("bf16 qkv_rope_split_bf16 v", from_bf16(vh.get()), vr, TOL_FP32),
-            ("bf16 qkv_rope_split q", q, qr, TOL_FP32), ("bf16 qkv_rope_split k", k, kr, TOL_FP32),
-            ("bf16 qkv_rope_split v", v, vr, TOL_FP32), ("bf16 rope_bwd_pack", from_bf16(out.get()), ref, TOL_BF16)]
+    return [
+        ("bf16 qkv_rope_split_bf16 q", from_bf16(qh.get()), qr, TOL_BF16),
+        ("bf16 qkv_rope_split_bf16 k", from_bf16(kh.get()), kr, TOL_BF16),
+        ("bf16 qkv_rope_split_bf16 v", from_bf16(vh.get()), vr, TOL_FP32),
+        ("bf16 qkv_rope_split q", q, qr, TOL_FP32),
+        ("bf16 qkv_rope_split k", k, kr, TOL_FP32),
+        ("bf16 qkv_rope_split v", v, vr, TOL_FP32),
+        ("bf16 rope_bwd_pack", from_bf16(out.get()), ref, TOL_BF16),
+    ]
 
 
 def case_bf16_attn_layout(rng, shape):
@@ -185,14 +201,16 @@ def case_bf16_attn_layout(rng, shape):
     N = B * T
     out = _randn(rng, (B, H, T, D))
     a = cupy.empty((N, H * D), dtype=np.uint16)
-    _k("attn_pack")(((N * H * D + 255) // 256,), (256,), (_g(out), a, np.int32(T), np.int32(H), np.int32(D),
-                                                         np.int64(N * H * D)))
+    _k("attn_pack")(
+        ((N * H * D + 255) // 256,), (256,), (_g(out), a, np.int32(T), np.int32(H), np.int32(D), np.int64(N * H * D))
+    )
     a_ref = out.transpose(0, 2, 1, 3).reshape(N, H * D)
     da = _randn(rng, (N, H * D))
     a_b, a64 = _dev_bf16(a_ref)
     delta = cupy.empty((B, H, T), dtype=np.float32)
-    _k("attn_delta")((-(-(N * H) // 8),), (256,), (a_b, _g(da), delta, np.int32(T), np.int32(H), np.int32(D),
-                                                  np.int64(N * H)))
+    _k("attn_delta")(
+        (-(-(N * H) // 8),), (256,), (a_b, _g(da), delta, np.int32(T), np.int32(H), np.int32(D), np.int64(N * H))
+    )
     d_ref = (a64 * da).reshape(B, T, H, D).sum(-1).transpose(0, 2, 1)
     return [("bf16 attn_pack", from_bf16(a.get()), a_ref, TOL_BF16), ("bf16 attn_delta", delta, d_ref, TOL_FP32)]
 
@@ -215,9 +233,11 @@ def case_bf16_swiglu(rng, shape):
     hr, cr = layers.swiglu_forward(gu[:, :F], gu[:, F:])
     dgr, dur = layers.swiglu_backward(dm, cr)
     m_fwd = from_bf16(m.get())
-    return [("bf16 swiglu fwd", m_fwd, hr, TOL_BF16),
-            ("bf16 swiglu bwd dgu", from_bf16(dgu.get()), np.concatenate([dgr, dur], axis=1), TOL_BF16),
-            ("bf16 swiglu bwd m == fwd m", from_bf16(m2.get()), m_fwd, 0.0)]
+    return [
+        ("bf16 swiglu fwd", m_fwd, hr, TOL_BF16),
+        ("bf16 swiglu bwd dgu", from_bf16(dgu.get()), np.concatenate([dgr, dur], axis=1), TOL_BF16),
+        ("bf16 swiglu bwd m == fwd m", from_bf16(m2.get()), m_fwd, 0.0),
+    ]
 
 
 def case_bf16_swiglu_gemm(rng, shape):
@@ -240,22 +260,35 @@ def case_bf16_swiglu_gemm(rng, shape):
     dy_b, dy = _dev_bf16(_randn(rng, (N, C)))
     flat = to_bf16(_randn(rng, 2 * C * F + 64, 0.05))  # two Wd (C, F) at offsets 64 and 64 + C F
     offs = np.array([64, 64 + C * F], dtype=np.int64)
-    wd = from_bf16(flat[offs[1]:offs[1] + C * F]).reshape(C, F)
+    wd = from_bf16(flat[offs[1] : offs[1] + C * F]).reshape(C, F)
     wdt = cupy.full((2, F, C), 0xFFFF, dtype=np.uint16)
-    _k("wdt_image")((-(-F // 32), -(-C // 32), 2), (32, 8), (_g(flat, np.uint16), _g(offs, np.int64), wdt,
-                                                             np.int32(C), np.int32(F)))
+    _k("wdt_image")(
+        (-(-F // 32), -(-C // 32), 2), (32, 8), (_g(flat, np.uint16), _g(offs, np.int64), wdt, np.int32(C), np.int32(F))
+    )
     gu_b, gu = _dev_bf16(np.concatenate([_randn(rng, (N, F), 3.0), _randn(rng, (N, F))], axis=1))
     dgu = cupy.full((N, 2 * F), 0xFFFF, dtype=np.uint16)  # NaN words
     m = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
     fn = prepare_fused_gemm(_k("swiglu_bwd_gemm"))
-    run_swiglu_bwd_gemm(fn, tile_map(dy_b, 128), tile_map(wdt.reshape(2 * F, C), 128), F, tile_map(gu_b, 64),
-                        tile_map(dgu, 64), tile_map(m, 64), N, C, F,
-                        cupy.cuda.Device().attributes["MultiProcessorCount"])
+    run_swiglu_bwd_gemm(
+        fn,
+        tile_map(dy_b, 128),
+        tile_map(wdt.reshape(2 * F, C), 128),
+        F,
+        tile_map(gu_b, 64),
+        tile_map(dgu, 64),
+        tile_map(m, 64),
+        N,
+        C,
+        F,
+        cupy.cuda.Device().attributes["MultiProcessorCount"],
+    )
     hr, cr = layers.swiglu_forward(gu[:, :F], gu[:, F:])
     dgr, dur = layers.swiglu_backward(dy @ wd, cr)
-    return [("bf16 wdt_image (Wd^T, rows permuted)", from_bf16(wdt[1].get())[wdt_image_rows(F)], wd.T, 0.0),
-            ("bf16 swiglu_bwd_gemm dgu", from_bf16(dgu.get()), np.concatenate([dgr, dur], axis=1), TOL_BF16),
-            ("bf16 swiglu_bwd_gemm m", from_bf16(m.get()), hr, TOL_BF16)]
+    return [
+        ("bf16 wdt_image (Wd^T, rows permuted)", from_bf16(wdt[1].get())[wdt_image_rows(F)], wd.T, 0.0),
+        ("bf16 swiglu_bwd_gemm dgu", from_bf16(dgu.get()), np.concatenate([dgr, dur], axis=1), TOL_BF16),
+        ("bf16 swiglu_bwd_gemm m", from_bf16(m.get()), hr, TOL_BF16),
+    ]
 
 
 def case_bf16_swiglu_fwd_gemm(rng, shape):
@@ -279,16 +312,26 @@ def case_bf16_swiglu_fwd_gemm(rng, shape):
     wgu = _g(flat, np.uint16)[128:].reshape(2 * F, C)
     gu = cupy.full((N, 2 * F), 0xFFFF, dtype=np.uint16)  # NaN words
     m = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
-    run_swiglu_fwd_gemm(prepare_fused_gemm(_k("swiglu_fwd_gemm")), tile_map(x_b, 128), gate_up_map(wgu),
-                        tile_map(gu, 64), tile_map(m, 64), N, C, F,
-                        cupy.cuda.Device().attributes["MultiProcessorCount"])
+    run_swiglu_fwd_gemm(
+        prepare_fused_gemm(_k("swiglu_fwd_gemm")),
+        tile_map(x_b, 128),
+        gate_up_map(wgu),
+        tile_map(gu, 64),
+        tile_map(m, 64),
+        N,
+        C,
+        F,
+        cupy.cuda.Device().attributes["MultiProcessorCount"],
+    )
     m_ref = cupy.full((N, F), 0xFFFF, dtype=np.uint16)
     _k("swiglu_fwd_bf16")((-(-F // 2048), min(N, 4096)), (256,), (gu, m_ref, np.int32(F), np.int32(N)))
     gur = x @ w.T
     hr, _ = layers.swiglu_forward(gur[:, :F], gur[:, F:])
-    return [("bf16 swiglu_fwd_gemm gu", from_bf16(gu.get()), gur, TOL_BF16),
-            ("bf16 swiglu_fwd_gemm m", from_bf16(m.get()), hr, TOL_BF16),
-            ("bf16 swiglu_fwd_gemm m == swiglu_fwd_bf16 of its gu", from_bf16(m.get()), from_bf16(m_ref.get()), 0.0)]
+    return [
+        ("bf16 swiglu_fwd_gemm gu", from_bf16(gu.get()), gur, TOL_BF16),
+        ("bf16 swiglu_fwd_gemm m", from_bf16(m.get()), hr, TOL_BF16),
+        ("bf16 swiglu_fwd_gemm m == swiglu_fwd_bf16 of its gu", from_bf16(m.get()), from_bf16(m_ref.get()), 0.0),
+    ]
 
 
 def case_bf16_qkv_rope_gemm(rng, shape):
@@ -313,15 +356,30 @@ def case_bf16_qkv_rope_gemm(rng, shape):
     wqkv = _g(flat, np.uint16)[128:].reshape(W, C)
     outs = [cupy.full((B, n, T, D), 0xFFFF, dtype=np.uint16) for n in (H, Hkv, Hkv)]  # NaN words
     cos, sin = layers.rope_tables(T, D, 10000.0, np, np.float32)
-    run_qkv_rope_gemm(prepare_fused_gemm(_k("qkv_rope_gemm")), tile_map(x_b, 128), tile_map(wqkv, 128),
-                      *(heads_map(o) for o in outs), _g(cos), _g(sin), N, C, T, H, Hkv,
-                      cupy.cuda.Device().attributes["MultiProcessorCount"])
+    run_qkv_rope_gemm(
+        prepare_fused_gemm(_k("qkv_rope_gemm")),
+        tile_map(x_b, 128),
+        tile_map(wqkv, 128),
+        *(heads_map(o) for o in outs),
+        _g(cos),
+        _g(sin),
+        N,
+        C,
+        T,
+        H,
+        Hkv,
+        cupy.cuda.Device().attributes["MultiProcessorCount"],
+    )
     c64, s64 = cos.astype(np.float64), sin.astype(np.float64)
     heads = (x @ w.T).reshape(B, T, H + 2 * Hkv, D).transpose(0, 2, 1, 3)
-    refs = (layers.rope_forward(heads[:, :H], c64, s64), layers.rope_forward(heads[:, H:H + Hkv], c64, s64),
-            heads[:, H + Hkv:])
-    return [(f"bf16 qkv_rope_gemm {name}", from_bf16(o.get()), ref, TOL_BF16)
-            for name, o, ref in zip("qkv", outs, refs)]
+    refs = (
+        layers.rope_forward(heads[:, :H], c64, s64),
+        layers.rope_forward(heads[:, H : H + Hkv], c64, s64),
+        heads[:, H + Hkv :],
+    )
+    return [
+        (f"bf16 qkv_rope_gemm {name}", from_bf16(o.get()), ref, TOL_BF16) for name, o, ref in zip("qkv", outs, refs)
+    ]
 
 
 def case_bf16_ce_heads(rng, shape):
@@ -347,9 +405,9 @@ def case_bf16_ce_heads(rng, shape):
     loss_rows = cupy.empty((N, K), dtype=np.float32)
     dlg = cupy.empty((N, K * V), dtype=np.uint16)
     for k in range(K):  # one launch per head, on that head's logits (N, V), as the engine does
-        zk = _g(to_bf16(z[:, k * V:(k + 1) * V]), np.uint16)  # overwritten in place by the gradient
+        zk = _g(to_bf16(z[:, k * V : (k + 1) * V]), np.uint16)  # overwritten in place by the gradient
         _k("ce_heads_fwd_bwd")((N,), (256,), (zk, tg, scale, loss_rows, np.int32(V), np.int32(K), np.int32(k)))
-        dlg[:, k * V:(k + 1) * V] = zk
+        dlg[:, k * V : (k + 1) * V] = zk
     loss = cupy.empty(1, dtype=np.float32)
     _k("ce_loss_reduce")((1,), (1024,), (loss_rows, scale, loss, np.int64(N), np.int32(K)))
     sc = np.array(head_loss_scales([int(c) for c in (t >= 0).sum(axis=0)], weights))
@@ -357,11 +415,14 @@ def case_bf16_ce_heads(rng, shape):
     for k in range(K):
         if sc[k] == 0:  # no target, or a weight of 0: no loss, a zero gradient
             continue
-        ls, nv, cache = layers.cross_entropy_forward(z[:, k * V:(k + 1) * V].copy(), t[:, k])
+        ls, nv, cache = layers.cross_entropy_forward(z[:, k * V : (k + 1) * V].copy(), t[:, k])
         total += float(ls) * sc[k]
-        dref[:, k * V:(k + 1) * V] = layers.cross_entropy_backward(sc[k], cache)
-    return [("bf16 ce_head_scale", scale, sc, TOL_FP32), ("bf16 ce_heads loss", loss, np.array([total]), TOL_FP32),
-            ("bf16 ce_heads dlogits", from_bf16(dlg.get()), dref, TOL_BF16)]
+        dref[:, k * V : (k + 1) * V] = layers.cross_entropy_backward(sc[k], cache)
+    return [
+        ("bf16 ce_head_scale", scale, sc, TOL_FP32),
+        ("bf16 ce_heads loss", loss, np.array([total]), TOL_FP32),
+        ("bf16 ce_heads dlogits", from_bf16(dlg.get()), dref, TOL_BF16),
+    ]
 
 
 def case_bf16_seq_logp(rng, shape):
@@ -376,8 +437,8 @@ def case_bf16_seq_logp(rng, shape):
     t = rng.integers(0, V, size=(N, K))
     t[rng.random(N) < 0.4, 0] = -1
     t[:, 1:] = -1
-    t[(P - 1) * T:P * T, 0] = -1  # the last pair is padding: no targets, weight 0
-    t[(B - 1) * T:, 0] = -1
+    t[(P - 1) * T : P * T, 0] = -1  # the last pair is padding: no targets, weight 0
+    t[(B - 1) * T :, 0] = -1
     ref = _randn(rng, B, 20.0) - 100.0
     w = np.full(P, 1.0 / (P - 1))
     w[P - 1] = 0.0
@@ -387,30 +448,40 @@ def case_bf16_seq_logp(rng, shape):
     zd = _g(to_bf16(z), np.uint16)
     for r0 in range(0, N, R):
         r1 = min(N, r0 + R)
-        _k("seq_logp_rows")((r1 - r0,), (256,), (zd[r0:r1], tg[r0:r1], tok[r0:r1], lse[r0:r1], np.int32(V),
-                                                 np.int32(K)))
+        _k("seq_logp_rows")(
+            (r1 - r0,), (256,), (zd[r0:r1], tg[r0:r1], tok[r0:r1], lse[r0:r1], np.int32(V), np.int32(K))
+        )
     logp, dlogp, loss = (_g(np.full(n, np.nan)) for n in (B, B, 1))
-    _k("dpo_pair_loss")((1,), (1024,), (tok, _g(ref), _g(w), logp, dlogp, loss, np.int32(B), np.int32(T),
-                                        np.float32(beta), np.float32(eps)))
+    _k("dpo_pair_loss")(
+        (1,),
+        (1024,),
+        (tok, _g(ref), _g(w), logp, dlogp, loss, np.int32(B), np.int32(T), np.float32(beta), np.float32(eps)),
+    )
     for r0 in range(0, N, R):
         r1 = min(N, r0 + R)
-        _k("seq_logp_grad")((r1 - r0,), (256,), (zd[r0:r1], tg[r0:r1], lse[r0:r1], dlogp, np.int32(V), np.int32(K),
-                                                 np.int64(r0), np.int32(T)))
+        _k("seq_logp_grad")(
+            (r1 - r0,),
+            (256,),
+            (zd[r0:r1], tg[r0:r1], lse[r0:r1], dlogp, np.int32(V), np.int32(K), np.int64(r0), np.int32(T)),
+        )
     valid = t[:, 0] >= 0
     tok_r, probs = dpo.token_logps(z, np.where(valid, t[:, 0], 0))
     tok_r = np.where(valid, tok_r, 0.0)
     logp_r = tok_r.reshape(B, T).sum(1)
-    keep = np.r_[0:P - 1, P:B - 1]  # the pairs with weight 1 / (P - 1): plain DPO over them
+    keep = np.r_[0 : P - 1, P : B - 1]  # the pairs with weight 1 / (P - 1): plain DPO over them
     loss_r, dl, _ = dpo.pair_loss(logp_r[keep], ref[keep], beta, eps)
     dlogp_r = np.zeros(B)
     dlogp_r[keep] = dl
     onehot = np.zeros((N, V))
     onehot[np.arange(N), np.where(valid, t[:, 0], 0)] = 1.0
     dz_r = np.where(valid[:, None], dlogp_r[np.arange(N) // T][:, None] * (onehot - probs), 0.0)
-    return [("seq_logp_rows log-probs", tok, tok_r, TOL_FP32), ("dpo_pair_loss logp", logp, logp_r, TOL_FP32),
-            ("dpo_pair_loss loss", loss, np.array([loss_r]), TOL_FP32),
-            ("dpo_pair_loss dloss/dlogp", dlogp, dlogp_r, TOL_FP32),
-            ("seq_logp_grad dlogits", from_bf16(zd.get()), dz_r, TOL_BF16)]
+    return [
+        ("seq_logp_rows log-probs", tok, tok_r, TOL_FP32),
+        ("dpo_pair_loss logp", logp, logp_r, TOL_FP32),
+        ("dpo_pair_loss loss", loss, np.array([loss_r]), TOL_FP32),
+        ("dpo_pair_loss dloss/dlogp", dlogp, dlogp_r, TOL_FP32),
+        ("seq_logp_grad dlogits", from_bf16(zd.get()), dz_r, TOL_BF16),
+    ]
 
 
 def case_bf16_grad_accumulate(rng, shape):
@@ -418,10 +489,13 @@ def case_bf16_grad_accumulate(rng, shape):
     n = shape[0]
     g, acc0 = _randn(rng, n), _randn(rng, n)
     acc, loss_acc = _g(acc0), _g(np.array([1.5]))
-    _k("grad_accumulate")((min(4096, -(-n // 1024)),), (256,), (_g(g), acc, np.int64(n), _g(np.array([2.25])),
-                                                                  loss_acc))
-    return [("grad_accumulate sum", acc, acc0 + g, TOL_FP32), ("grad_accumulate loss", loss_acc, np.array([3.75]),
-                                                                  TOL_FP32)]
+    _k("grad_accumulate")(
+        (min(4096, -(-n // 1024)),), (256,), (_g(g), acc, np.int64(n), _g(np.array([2.25])), loss_acc)
+    )
+    return [
+        ("grad_accumulate sum", acc, acc0 + g, TOL_FP32),
+        ("grad_accumulate loss", loss_acc, np.array([3.75]), TOL_FP32),
+    ]
 
 
 def case_bf16_sumsq(rng, shape):
@@ -437,8 +511,10 @@ def case_bf16_sumsq(rng, shape):
         sq = cupy.zeros(1, dtype=np.float32)
         optim.sumsq(g_dev, sq)
         outs.append(sq.get())
-    return [("sumsq", outs[0], np.array([g @ g]), TOL_FP32),
-            ("sumsq twice: bit-identical", outs[1], outs[0].astype(np.float64), 0.0)]
+    return [
+        ("sumsq", outs[0], np.array([g @ g]), TOL_FP32),
+        ("sumsq twice: bit-identical", outs[1], outs[0].astype(np.float64), 0.0),
+    ]
 
 
 def case_bf16_muon_momentum(rng, shape):
@@ -463,12 +539,14 @@ def case_bf16_muon_momentum(rng, shape):
     m_ref = mu * m0 + c * g
     u = c * g + mu * m_ref
     keep = np.concatenate([np.arange(layer * stride, layer * stride + n) for layer in range(L)])
-    x_got = np.concatenate([from_bf16(outs[0][1][2 * layer * stride:][:n]) for layer in range(L)])
-    ss_ref = np.array([u[layer * stride:][:n] @ u[layer * stride:][:n] for layer in range(L)])
-    return [("muon_momentum m", outs[0][0][keep], m_ref[keep], TOL_FP32),
-            ("muon_momentum bf16 u", x_got, u[keep], TOL_BF16),
-            ("muon_momentum sums of squares", outs[0][2], ss_ref, TOL_FP32),
-            ("muon_momentum sums twice: bit-identical", outs[1][2], outs[0][2].astype(np.float64), 0.0)]
+    x_got = np.concatenate([from_bf16(outs[0][1][2 * layer * stride :][:n]) for layer in range(L)])
+    ss_ref = np.array([u[layer * stride :][:n] @ u[layer * stride :][:n] for layer in range(L)])
+    return [
+        ("muon_momentum m", outs[0][0][keep], m_ref[keep], TOL_FP32),
+        ("muon_momentum bf16 u", x_got, u[keep], TOL_BF16),
+        ("muon_momentum sums of squares", outs[0][2], ss_ref, TOL_FP32),
+        ("muon_momentum sums twice: bit-identical", outs[1][2], outs[0][2].astype(np.float64), 0.0),
+    ]
 
 
 def case_bf16_muon_poly_init(rng, shape):
@@ -534,14 +612,24 @@ def case_bf16_flash(rng, shape):
     HD, KD = H * D, Hkv * D
     o64 = from_bf16(o.get())
     delta_r = (o64 * d64).reshape(B, T, H, D).sum(-1).transpose(0, 2, 1)
-    return [(f"flash {var} fwd out", o64, to_rows(out_r), TOL_BF16),
-            (f"flash {var} bwd delta (from the dq kernel)", delta, delta_r, TOL_FP32),
-            (f"flash {var} fwd lse", lse, lse_r, TOL_FP32),
-            (f"flash {var} bwd dq (unrotated, in dqkv)", got[:, :HD], to_rows(layers.rope_backward(dq_r, c64, s64)),
-             TOL_BF16),
-            (f"flash {var} bwd dk (unrotated, in dqkv)", got[:, HD:HD + KD],
-             to_rows(layers.rope_backward(dk_r, c64, s64)), TOL_BF16),
-            (f"flash {var} bwd dv (in dqkv)", got[:, HD + KD:], to_rows(dv_r), TOL_BF16)]
+    return [
+        (f"flash {var} fwd out", o64, to_rows(out_r), TOL_BF16),
+        (f"flash {var} bwd delta (from the dq kernel)", delta, delta_r, TOL_FP32),
+        (f"flash {var} fwd lse", lse, lse_r, TOL_FP32),
+        (
+            f"flash {var} bwd dq (unrotated, in dqkv)",
+            got[:, :HD],
+            to_rows(layers.rope_backward(dq_r, c64, s64)),
+            TOL_BF16,
+        ),
+        (
+            f"flash {var} bwd dk (unrotated, in dqkv)",
+            got[:, HD : HD + KD],
+            to_rows(layers.rope_backward(dk_r, c64, s64)),
+            TOL_BF16,
+        ),
+        (f"flash {var} bwd dv (in dqkv)", got[:, HD + KD :], to_rows(dv_r), TOL_BF16),
+    ]
 
 
 def case_bf16_gemm(rng, shape):
@@ -579,16 +667,25 @@ def case_bf16_gemm_batched(rng, shape):
     sa = M * K + gap
     a_flat = _randn(rng, (L, sa))
     a_dev, a_flat64 = _dev_bf16(a_flat)
-    a64 = a_flat64[:, :M * K].reshape((L,) + a_shape)
+    a64 = a_flat64[:, : M * K].reshape((L,) + a_shape)
     b_dev, b64 = _dev_bf16(_randn(rng, (L,) + b_shape))
     c_dev, c64 = _dev_bf16(_randn(rng, (L, M, N)))
     if not beta:  # poisoned: a product that skipped a matrix leaves NaN
         c_dev.fill(0xFFFF)
         c64 = np.zeros_like(c64)
     ref = alpha * np.matmul(np.swapaxes(a64, 1, 2) if ta else a64, np.swapaxes(b64, 1, 2) if tb else b64) + beta * c64
-    first = lambda arr, shp: Matrix(arr.reshape(-1)[:int(np.prod(shp))].reshape(shp))  # noqa: E731
-    Gemm().batched(first(c_dev, (M, N)), first(a_dev, a_shape), first(b_dev, b_shape), L, (M * N, sa, N * K),
-                   ta=ta, tb=tb, alpha=alpha, beta=beta)
+    first = lambda arr, shp: Matrix(arr.reshape(-1)[: int(np.prod(shp))].reshape(shp))  # noqa: E731
+    Gemm().batched(
+        first(c_dev, (M, N)),
+        first(a_dev, a_shape),
+        first(b_dev, b_shape),
+        L,
+        (M * N, sa, N * K),
+        ta=ta,
+        tb=tb,
+        alpha=alpha,
+        beta=beta,
+    )
     return [("gemm batched bf16", from_bf16(c_dev.get()).reshape(L, M, N), ref, TOL_BF16)]
 
 
@@ -598,8 +695,10 @@ def _engine_problem(rng, cfg, B, T):
     params, inputs, targets = random_problem(cfg, int(rng.integers(2**31)), batch=B, T=T)
     # gradcheck's weights are of order one; scale the matrices like a trained model's so that bf16
     # rounding of the activations is measured, not amplified by saturated softmaxes
-    params = {n: (p * (0.5 if p.ndim == 2 and not n.startswith("embed") else 1.0)).astype(np.float32)
-              for n, p in params.items()}
+    params = {
+        n: (p * (0.5 if p.ndim == 2 and not n.startswith("embed") else 1.0)).astype(np.float32)
+        for n, p in params.items()
+    }
     return params, inputs, targets
 
 
@@ -626,8 +725,9 @@ def case_engine(rng, shape):
     params, inputs, targets = _engine_problem(rng, cfg, B, T)
     # output-head chunks of 48 rows: several per step, the last one short, so the weight gradients'
     # accumulation over chunks (and dxn's over heads) is checked
-    eng = TrainEngine(cfg, params, batch=B, seq=T, max_norm=0.5, attention=attention,
-                      chunk_bytes=2 * cfg.vocab_size * 48)
+    eng = TrainEngine(
+        cfg, params, batch=B, seq=T, max_norm=0.5, attention=attention, chunk_bytes=2 * cfg.vocab_size * 48
+    )
     if which == "d384" and not (eng.fuse_swiglu and eng.fuse_rope):
         raise RuntimeError("the d384 engine case is meant to run the fused SwiGLU and RoPE kernels, and does not")
     for _ in range(2):  # twice: a gradient that accumulated instead of being overwritten would double
@@ -638,10 +738,16 @@ def case_engine(rng, shape):
     names = list(params)
     errs = {n: float(np.linalg.norm(got[n] - g_ref[n]) / max(np.linalg.norm(g_ref[n]), 1e-30)) for n in names}
     worst = max(names, key=lambda n: errs[n] if np.isfinite(errs[n]) else np.inf)
-    rows = [("engine loss", np.array([eng.last_loss()]), np.array([loss_ref]), TOL_BF16),
-            ("engine grads, all tensors", np.concatenate([got[n].ravel() for n in names]),
-             np.concatenate([g_ref[n].ravel() for n in names]), TOL_BF16),
-            (f"engine grad, worst: {worst.replace('layers.', 'L')}", got[worst], g_ref[worst], 2 * TOL_BF16)]
+    rows = [
+        ("engine loss", np.array([eng.last_loss()]), np.array([loss_ref]), TOL_BF16),
+        (
+            "engine grads, all tensors",
+            np.concatenate([got[n].ravel() for n in names]),
+            np.concatenate([g_ref[n].ravel() for n in names]),
+            TOL_BF16,
+        ),
+        (f"engine grad, worst: {worst.replace('layers.', 'L')}", got[worst], g_ref[worst], 2 * TOL_BF16),
+    ]
     # one optimizer step on the engine's gradients, against the float64 reference
     g_dev = {n: got[n].astype(np.float32).astype(np.float64) for n in names}
     ref_p = {n: p.copy() for n, p in p64.items()}
@@ -680,16 +786,21 @@ def case_engine_head_weights(rng, shape):
     del eng
     return [
         ("engine loss, head weights 1 .5 0 .125", np.array([loss_got]), np.array([loss_ref]), TOL_BF16),
-        ("engine grads, head weights 1 .5 0 .125", np.concatenate([got[n].ravel() for n in names]),
-         np.concatenate([g_ref[n].ravel() for n in names]), TOL_BF16),
-        ("engine grad of a head of weight 0 is zero", got["mtp_heads.2.weight"], g_ref["mtp_heads.2.weight"], 0.0)]
+        (
+            "engine grads, head weights 1 .5 0 .125",
+            np.concatenate([got[n].ravel() for n in names]),
+            np.concatenate([g_ref[n].ravel() for n in names]),
+            TOL_BF16,
+        ),
+        ("engine grad of a head of weight 0 is zero", got["mtp_heads.2.weight"], g_ref["mtp_heads.2.weight"], 0.0),
+    ]
 
 
 def _image_row(label, eng, ref_p, names):
     """The engine's bf16 GEMM image against the reference weights: the matrices that read a norm carry
     the norm's (updated) gain."""
     pb = eng.Pb.get()
-    img = np.concatenate([from_bf16(pb[eng.offsets[n]:eng.offsets[n] + ref_p[n].size]) for n in names])
+    img = np.concatenate([from_bf16(pb[eng.offsets[n] : eng.offsets[n] + ref_p[n].size]) for n in names])
     img_ref = [ref_p[n] * ref_p[eng.gain_of[n]] if n in eng.gain_of else ref_p[n] for n in names]
     return label, img, np.concatenate([r.ravel() for r in img_ref]), TOL_BF16
 
@@ -741,8 +852,17 @@ def case_engine_muon(rng, shape):
     eng = TrainEngine(cfg, params, batch=B, seq=T, max_norm=0.5, attention=attention, optimizer="muon", lr_scale=scale)
     p64 = {n: p.astype(np.float64) for n, p in params.items()}
     refs = {"float64": {n: p.copy() for n, p in p64.items()}, "bf16": {n: p.copy() for n, p in p64.items()}}
-    opts = {k: Muon(ref_p, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, lr_scale=scale,
-                    orthogonalize=newton_schulz_bf16 if k == "bf16" else None) for k, ref_p in refs.items()}
+    opts = {
+        k: Muon(
+            ref_p,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=0.1,
+            lr_scale=scale,
+            orthogonalize=newton_schulz_bf16 if k == "bf16" else None,
+        )
+        for k, ref_p in refs.items()
+    }
     for lr in (1e-2, 5e-3):  # the second step carries the first's momentum
         eng.forward_backward(_g(inputs, np.int32), _g(targets, np.int32))
         g_dev = {n: np.asarray(g.get(), dtype=np.float64) for n, g in eng.grads().items()}
@@ -762,9 +882,11 @@ def case_engine_muon(rng, shape):
     # (1.0-1.1e-2 on an H200) as exact float64 is (1.4-1.7e-2; 1.1-1.5e-2 between the two on the CPU).
     # A wrong transpose, scale or gain is off by order one. The iteration alone, below, on matrices with
     # singular values in [0.1, 1] before scaling: 1.3-2.1e-2 from float64 on an H200, so held to 3e-2.
-    for label, names, ref_p, tol in (("hidden matrices vs bf16-rounded Newton-Schulz", hidden, refs["bf16"], 2e-2),
-                                     ("hidden matrices vs float64 Newton-Schulz", hidden, refs["float64"], 3e-2),
-                                     ("AdamW groups", rest, refs["float64"], 1e-4)):
+    for label, names, ref_p, tol in (
+        ("hidden matrices vs bf16-rounded Newton-Schulz", hidden, refs["bf16"], 2e-2),
+        ("hidden matrices vs float64 Newton-Schulz", hidden, refs["float64"], 3e-2),
+        ("AdamW groups", rest, refs["float64"], 1e-4),
+    ):
         upd = np.concatenate([(new[n].get().astype(np.float64) - p64[n]).ravel() for n in names])
         upd_ref = np.concatenate([(ref_p[n] - p64[n]).ravel() for n in names])
         rows.append((f"engine muon 2 steps, {label}", upd, upd_ref, tol))
@@ -776,12 +898,16 @@ def case_engine_muon(rng, shape):
         mats = [_well_conditioned(rng, sh.rows, sh.cols) for _ in range(L)]
         x_in = [from_bf16(to_bf16(x)) for x in mats]
         for layer, x in enumerate(x_in):
-            sh.x[2 * layer * sh.stride:][:x.size].set(to_bf16(x).ravel())
+            sh.x[2 * layer * sh.stride :][: x.size].set(to_bf16(x).ravel())
         with eng._on_stream():
             out = eng._newton_schulz(sh)
         cupy.cuda.get_current_stream().synchronize()
-        got = np.stack([from_bf16(out[2 * layer * sh.stride:][:sh.rows * sh.cols].get()).reshape(sh.rows, sh.cols)
-                        for layer in range(L)])
+        got = np.stack(
+            [
+                from_bf16(out[2 * layer * sh.stride :][: sh.rows * sh.cols].get()).reshape(sh.rows, sh.cols)
+                for layer in range(L)
+            ]
+        )
         ref = np.stack([newton_schulz(x) for x in x_in])  # their norm is 1 already: scaling changes nothing
         rows.append((f"engine newton-schulz, {L} x {sh.name.split('.')[1]} {sh.rows}x{sh.cols}", got, ref, 3e-2))
     ref_p = refs["float64"]
@@ -821,27 +947,50 @@ def case_engine_dpo(rng, shape):
     tok, _ = dpo.token_logps(transformer.logits(p64, inputs, cfg).reshape(B * T, -1)[idx], tgt)
     ref = dpo.sequence_logps(tok, seq, B) + rng.standard_normal(B) * 10.0
     beta, eps = 0.1, 0.1
-    eng = TrainEngine(cfg, params, batch=B, seq=T, attention=attention, chunk_bytes=2 * cfg.vocab_size * 48,
-                      head="dpo", dpo_beta=beta, dpo_label_smoothing=eps, checkpoint=checkpoint)
+    eng = TrainEngine(
+        cfg,
+        params,
+        batch=B,
+        seq=T,
+        attention=attention,
+        chunk_bytes=2 * cfg.vocab_size * 48,
+        head="dpo",
+        dpo_beta=beta,
+        dpo_label_smoothing=eps,
+        checkpoint=checkpoint,
+    )
     weights = np.full(P, 1.0 / P)
     for _ in range(2):
         eng.forward_backward(_g(inputs, np.int32), _g(targets, np.int32), ref, weights)
-    loss_ref, g_ref = transformer.loss_and_grads(p64, inputs, targets, cfg,
-                                                 head_loss=dpo.dpo_head_loss(ref, beta=beta, label_smoothing=eps))
+    loss_ref, g_ref = transformer.loss_and_grads(
+        p64, inputs, targets, cfg, head_loss=dpo.dpo_head_loss(ref, beta=beta, label_smoothing=eps)
+    )
     got = {n: np.asarray(g.get(), dtype=np.float64) for n, g in eng.grads().items()}
     names = [n for n in params if not n.startswith("mtp_heads.")]
     mtp = [n for n in params if n.startswith("mtp_heads.")]
     errs = {n: float(np.linalg.norm(got[n] - g_ref[n]) / max(np.linalg.norm(g_ref[n]), 1e-30)) for n in names}
     worst = max(names, key=lambda n: errs[n] if np.isfinite(errs[n]) else np.inf)
     logp = eng.last_logps()[0]
-    rows = [("engine dpo sequence log-probs", logp, dpo.sequence_logps(tok, seq, B), TOL_BF16),
-            ("engine dpo loss", np.array([eng.last_loss()]), np.array([loss_ref]), TOL_BF16),
-            ("engine dpo grads, all tensors", np.concatenate([got[n].ravel() for n in names]),
-             np.concatenate([g_ref[n].ravel() for n in names]), TOL_BF16),
-            (f"engine dpo grad, worst: {worst.replace('layers.', 'L')}", got[worst], g_ref[worst], 2 * TOL_BF16)]
+    rows = [
+        ("engine dpo sequence log-probs", logp, dpo.sequence_logps(tok, seq, B), TOL_BF16),
+        ("engine dpo loss", np.array([eng.last_loss()]), np.array([loss_ref]), TOL_BF16),
+        (
+            "engine dpo grads, all tensors",
+            np.concatenate([got[n].ravel() for n in names]),
+            np.concatenate([g_ref[n].ravel() for n in names]),
+            TOL_BF16,
+        ),
+        (f"engine dpo grad, worst: {worst.replace('layers.', 'L')}", got[worst], g_ref[worst], 2 * TOL_BF16),
+    ]
     if mtp:
-        rows.append(("engine dpo MTP heads' gradients are zero", np.concatenate([got[n].ravel() for n in mtp]),
-                     np.zeros(sum(got[n].size for n in mtp)), 0.0))
+        rows.append(
+            (
+                "engine dpo MTP heads' gradients are zero",
+                np.concatenate([got[n].ravel() for n in mtp]),
+                np.zeros(sum(got[n].size for n in mtp)),
+                0.0,
+            )
+        )
     del eng
     return rows
 

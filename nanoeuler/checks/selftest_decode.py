@@ -65,8 +65,12 @@ def _rotated(v, pos, cos, sin):
     """v (rows, heads, D) rotated at each row's position, as layers.rope_forward."""
     from nanoeuler.model import layers
 
-    return np.stack([layers.rope_forward(v[m][None, :, None, :], cos[p:p + 1], sin[p:p + 1])[0, :, 0]
-                     for m, p in enumerate(pos)])
+    return np.stack(
+        [
+            layers.rope_forward(v[m][None, :, None, :], cos[p : p + 1], sin[p : p + 1])[0, :, 0]
+            for m, p in enumerate(pos)
+        ]
+    )
 
 
 def _meta(ids, slots, pos):
@@ -91,9 +95,11 @@ def _qkv_rows(name, dtype, got_q, kc, vc, qkv, pos, H, Hkv, D, cos, sin, q_tol):
     M = len(pos)
     q, k, v = np.split(qkv.reshape(M, H + 2 * Hkv, D), [H, H + Hkv], axis=1)
     rows = np.arange(M)
-    return [(f"{name} q", got_q, _rotated(q, pos, cos, sin), q_tol),
-            (f"{name} k cache", _host(kc, dtype)[rows, :, pos], _rotated(k, pos, cos, sin), _tol(dtype)),
-            (f"{name} v cache", _host(vc, dtype)[rows, :, pos], v, _tol(dtype))]
+    return [
+        (f"{name} q", got_q, _rotated(q, pos, cos, sin), q_tol),
+        (f"{name} k cache", _host(kc, dtype)[rows, :, pos], _rotated(k, pos, cos, sin), _tol(dtype)),
+        (f"{name} v cache", _host(vc, dtype)[rows, :, pos], v, _tol(dtype)),
+    ]
 
 
 # ---- gemv, tgemv ------------------------------------------------------------------------------------
@@ -136,16 +142,37 @@ def case_decode_gemv(rng, shape):
     def run(epi, w, x, x2, gain, y, n):
         gemv.gemv(go, epi, w, x, x2, gain, y, M, n, K, EPS)
 
-    rows = [(f"decode gemv {epi}", y, ref, TOL_FP32)
-            for epi, y, ref in _products(rng, M, N, K, dtype, run, ("store", "store2", "swiglu", "add"))]
+    rows = [
+        (f"decode gemv {epi}", y, ref, TOL_FP32)
+        for epi, y, ref in _products(rng, M, N, K, dtype, run, ("store", "store2", "swiglu", "add"))
+    ]
     H, Hkv, D, L = 4, 2, 32, 40
     w, wr, kc, vc, pos, cos, sin = _rope_world(rng, M, H, Hkv, D, L, K, dtype)
     x, x2, gain = _randn(rng, (M, K)), _randn(rng, (M, K), 0.5), 1.0 + _randn(rng, (K,), 0.3)
     q = cupy.empty((M, H, D), cupy.float32)
-    gemv.gemv_rope(go, w, _g(x), _g(x2), _g(gain), q, kc, vc, _meta(np.zeros(M), np.arange(M), pos), _g(cos),
-                   _g(sin), M, H, Hkv, D, L, K, EPS)
-    rows += _qkv_rows("decode gemv_rope", dtype, q, kc, vc, _normed(x + x2, gain) @ wr.T, pos, H, Hkv, D, cos, sin,
-                      TOL_FP32)
+    gemv.gemv_rope(
+        go,
+        w,
+        _g(x),
+        _g(x2),
+        _g(gain),
+        q,
+        kc,
+        vc,
+        _meta(np.zeros(M), np.arange(M), pos),
+        _g(cos),
+        _g(sin),
+        M,
+        H,
+        Hkv,
+        D,
+        L,
+        K,
+        EPS,
+    )
+    rows += _qkv_rows(
+        "decode gemv_rope", dtype, q, kc, vc, _normed(x + x2, gain) @ wr.T, pos, H, Hkv, D, cos, sin, TOL_FP32
+    )
     return rows + _head_argmax(rng, go, K, dtype)
 
 
@@ -171,10 +198,17 @@ def _head_argmax(rng, go, K, dtype):
     ctl_want[[0, 2, 4]] = want, min(pos + 1, L - 1), step + 1
     hist_want = np.zeros(cap)
     hist_want[step % cap] = want
-    return [("decode head_argmax id", out, [want], 0.0), ("decode head_argmax next ctl", ctl, ctl_want, 0.0),
-            ("decode head_argmax record", hist, hist_want, 0.0),
-            ("decode head_argmax reset", cupy.concatenate([best.view(cupy.int64), arrive.astype(cupy.int64)]),
-             np.zeros(2), 0.0)]
+    return [
+        ("decode head_argmax id", out, [want], 0.0),
+        ("decode head_argmax next ctl", ctl, ctl_want, 0.0),
+        ("decode head_argmax record", hist, hist_want, 0.0),
+        (
+            "decode head_argmax reset",
+            cupy.concatenate([best.view(cupy.int64), arrive.astype(cupy.int64)]),
+            np.zeros(2),
+            0.0,
+        ),
+    ]
 
 
 def case_decode_tgemv(rng, shape):
@@ -195,17 +229,51 @@ def case_decode_tgemv(rng, shape):
         tgemv.tgemv(go, epi, paired if epi == "swiglu" else ch, w, x, x2, gain, y, M, n, K, EPS)
 
     epis = ("store", "add") + (("swiglu",) if paired else ())
-    rows = [(f"decode tgemv {epi} c{paired if epi == 'swiglu' else ch}", y, ref, TOL_TC)
-            for epi, y, ref in _products(rng, M, N, K, "bf16", run, epis)]
+    rows = [
+        (f"decode tgemv {epi} c{paired if epi == 'swiglu' else ch}", y, ref, TOL_TC)
+        for epi, y, ref in _products(rng, M, N, K, "bf16", run, epis)
+    ]
     if paired:
         H, Hkv, D, L = 4, 2, 32, 40
         w, wr, kc, vc, pos, cos, sin = _rope_world(rng, M, H, Hkv, D, L, K, "bf16")
         x, x2, gain = _randn(rng, (M, K)), _randn(rng, (M, K), 0.5), 1.0 + _randn(rng, (K,), 0.3)
         q = cupy.empty((M, H, D), cupy.float32)
-        tgemv.tgemv_rope(go, paired, w, _g(x), _g(x2), _g(gain), q, kc, vc, _meta(np.zeros(M), np.arange(M), pos),
-                         _g(cos), _g(sin), M, H, Hkv, D, L, K, EPS)
-        rows += _qkv_rows(f"decode tgemv_rope c{paired}", "bf16", q, kc, vc, _normed(x + x2, gain) @ wr.T, pos, H,
-                          Hkv, D, cos, sin, TOL_TC)
+        tgemv.tgemv_rope(
+            go,
+            paired,
+            w,
+            _g(x),
+            _g(x2),
+            _g(gain),
+            q,
+            kc,
+            vc,
+            _meta(np.zeros(M), np.arange(M), pos),
+            _g(cos),
+            _g(sin),
+            M,
+            H,
+            Hkv,
+            D,
+            L,
+            K,
+            EPS,
+        )
+        rows += _qkv_rows(
+            f"decode tgemv_rope c{paired}",
+            "bf16",
+            q,
+            kc,
+            vc,
+            _normed(x + x2, gain) @ wr.T,
+            pos,
+            H,
+            Hkv,
+            D,
+            cos,
+            sin,
+            TOL_TC,
+        )
     return rows
 
 
@@ -222,8 +290,14 @@ def _attention_world(rng, M, H, Hkv, D, L, dtype):
     pos = rng.integers(0, L, M)
     pos[0], pos[-1] = 0, L - 1
     q = _randn(rng, (M, H, D), 1.5)
-    ref = np.stack([layers.attention_forward(q[m][None, :, None, :], kr[m][None, :, :p + 1],
-                                             vr[m][None, :, :p + 1])[0][0, :, 0] for m, p in enumerate(pos)])
+    ref = np.stack(
+        [
+            layers.attention_forward(q[m][None, :, None, :], kr[m][None, :, : p + 1], vr[m][None, :, : p + 1])[0][
+                0, :, 0
+            ]
+            for m, p in enumerate(pos)
+        ]
+    )
     return q, kc, vc, _meta(np.zeros(M), np.arange(M), pos), pos, ref
 
 
@@ -265,12 +339,24 @@ def case_decode_attend_o(rng, shape):
     x0, dx0 = _randn(rng, (M, C)), _randn(rng, (M, C), 0.5)
     want = x0 + dx0 + att.reshape(M, H * D) @ wor.T
     dev = cupy.cuda.Device()
-    runs = [("attend_o", lambda x, dx: attend_o.attend_o(go, _g(q), kc, vc, meta, wo, x, dx, M, H, Hkv, D, L, C,
-                                                          dev.attributes["MultiProcessorCount"]))]
+    runs = [
+        (
+            "attend_o",
+            lambda x, dx: attend_o.attend_o(
+                go, _g(q), kc, vc, meta, wo, x, dx, M, H, Hkv, D, L, C, dev.attributes["MultiProcessorCount"]
+            ),
+        )
+    ]
     if int(dev.compute_capability) >= 90 and D % plan.vec(dtype) == 0 and D // plan.vec(dtype) <= 32:
         for label, alone in (("split", 2), ("alone", L)):
-            runs.append((f"attend_o_cluster {label}", lambda x, dx, alone=alone: attend_o.attend_o_cluster(
-                go, _g(q), kc, vc, meta, wo, x, dx, M, H, Hkv, D, L, C, alone)))
+            runs.append(
+                (
+                    f"attend_o_cluster {label}",
+                    lambda x, dx, alone=alone: attend_o.attend_o_cluster(
+                        go, _g(q), kc, vc, meta, wo, x, dx, M, H, Hkv, D, L, C, alone
+                    ),
+                )
+            )
     rows = []
     for label, run in runs:
         x, dx = _g(x0), _g(dx0)
@@ -319,26 +405,62 @@ def case_decode_elementwise(rng, shape):
     gu = _randn(rng, (M, 2 * F), 2.0)
     m = cupy.empty((M, F), wt)
     elementwise.swiglu_act(go, _g(gu), m, M, F)
-    rows += [("decode rmsnorm_act", _host(a, dtype), _normed(xs, gain), _tol(dtype)),
-             ("decode swiglu_act", _host(m, dtype), _swiglu(gu[:, :F], gu[:, F:]), _tol(dtype))]
+    rows += [
+        ("decode rmsnorm_act", _host(a, dtype), _normed(xs, gain), _tol(dtype)),
+        ("decode swiglu_act", _host(m, dtype), _swiglu(gu[:, :F], gu[:, F:]), _tol(dtype)),
+    ]
     H, Hkv, D, L = 4, 2, 32, max(40, M)
     _, _, kc, vc, pos, cos, sin = _rope_world(rng, M, H, Hkv, D, L, 8, dtype)
     qkv = _randn(rng, (M, (H + 2 * Hkv) * D))
     q = cupy.empty((M, H, D), cupy.float32)
-    elementwise.rope_cache(go, _g(qkv), _meta(np.zeros(M), np.arange(M), pos), q, kc, vc, _g(cos), _g(sin), None,
-                           None, None, M, H, Hkv, D, L)
+    elementwise.rope_cache(
+        go,
+        _g(qkv),
+        _meta(np.zeros(M), np.arange(M), pos),
+        q,
+        kc,
+        vc,
+        _g(cos),
+        _g(sin),
+        None,
+        None,
+        None,
+        M,
+        H,
+        Hkv,
+        D,
+        L,
+    )
     rows += _qkv_rows("decode rope_cache", dtype, q, kc, vc, qkv, pos, H, Hkv, D, cos, sin, TOL_FP32)
     # a prefill: slot 0, positions 0..M-1; q, k, v also into the FlashAttention's (heads, rows, D) operands
     _, _, kc, vc, _, _, _ = _rope_world(rng, 1, H, Hkv, D, L, 8, dtype)
     qh, kh, vh = cupy.empty((H, M, D), wt), cupy.empty((Hkv, M, D), wt), cupy.empty((Hkv, M, D), wt)
-    elementwise.rope_cache(go, _g(qkv), _meta(np.zeros(M), np.zeros(M), np.arange(M)), q, kc, vc, _g(cos), _g(sin),
-                           qh, kh, vh, M, H, Hkv, D, L)
+    elementwise.rope_cache(
+        go,
+        _g(qkv),
+        _meta(np.zeros(M), np.zeros(M), np.arange(M)),
+        q,
+        kc,
+        vc,
+        _g(cos),
+        _g(sin),
+        qh,
+        kh,
+        vh,
+        M,
+        H,
+        Hkv,
+        D,
+        L,
+    )
     qr, kr, vr = np.split(qkv.reshape(M, H + 2 * Hkv, D), [H, H + Hkv], axis=1)
     qr, kr = _rotated(qr, np.arange(M), cos, sin), _rotated(kr, np.arange(M), cos, sin)
-    rows += [("decode rope_cache prefill q", _host(qh, dtype), qr.transpose(1, 0, 2), _tol(dtype)),
-             ("decode rope_cache prefill k", _host(kh, dtype), kr.transpose(1, 0, 2), _tol(dtype)),
-             ("decode rope_cache prefill v", _host(vh, dtype), vr.transpose(1, 0, 2), _tol(dtype)),
-             ("decode rope_cache prefill k cache", _host(kc, dtype)[0, :, :M], kr.transpose(1, 0, 2), _tol(dtype))]
+    rows += [
+        ("decode rope_cache prefill q", _host(qh, dtype), qr.transpose(1, 0, 2), _tol(dtype)),
+        ("decode rope_cache prefill k", _host(kh, dtype), kr.transpose(1, 0, 2), _tol(dtype)),
+        ("decode rope_cache prefill v", _host(vh, dtype), vr.transpose(1, 0, 2), _tol(dtype)),
+        ("decode rope_cache prefill k cache", _host(kc, dtype)[0, :, :M], kr.transpose(1, 0, 2), _tol(dtype)),
+    ]
     return rows
 
 
@@ -374,10 +496,14 @@ def case_decode_sampling(rng, shape):
     out = cupy.empty(M, cupy.int32)
     sampling.argmax_chain(go, _g(zc), V, out, ctl, hist, cap, L, arrive, M)
     ctl_want, hist_want = ctl0.copy(), np.zeros(cap * M)
-    ctl_want[:M], ctl_want[2 * M:3 * M], ctl_want[3 * M + 1] = want, np.minimum(pos + 1, L - 1), step + 1
-    hist_want[(step % cap) * M:(step % cap + 1) * M] = want
-    rows += [("decode argmax_chain ids", out, want, 0.0), ("decode argmax_chain next ctl", ctl, ctl_want, 0.0),
-             ("decode argmax_chain record", hist, hist_want, 0.0), ("decode argmax_chain reset", arrive, [0], 0.0)]
+    ctl_want[:M], ctl_want[2 * M : 3 * M], ctl_want[3 * M + 1] = want, np.minimum(pos + 1, L - 1), step + 1
+    hist_want[(step % cap) * M : (step % cap + 1) * M] = want
+    rows += [
+        ("decode argmax_chain ids", out, want, 0.0),
+        ("decode argmax_chain next ctl", ctl, ctl_want, 0.0),
+        ("decode argmax_chain record", hist, hist_want, 0.0),
+        ("decode argmax_chain reset", arrive, [0], 0.0),
+    ]
     rows += _accept_chain(rng, go, V)
     # sampling: top_k 1 is the argmax; one row drawn 20,000 times follows sampling_probs
     samp = np.zeros(4, np.int32)
@@ -385,18 +511,27 @@ def case_decode_sampling(rng, shape):
     samp[2:] = np.array([0.8, 1.0], np.float32).view(np.int32)
     picked = cupy.empty(M, cupy.int32)
     sampling.sample_rows(go, _g(z), V, V + 3, _g(samp, np.int32), cupy.arange(M, dtype=cupy.uint64), picked, M)
-    rows.append(("decode sample_rows top_k 1", picked[:M - 1], want[:M - 1], 0.0))  # (the last row: all tie)
+    rows.append(("decode sample_rows top_k 1", picked[: M - 1], want[: M - 1], 0.0))  # (the last row: all tie)
     R, row = 20000, _randn(rng, (50,), 2.0)
     for T, k, p in ((1.0, 0, 1.0), (0.7, 10, 0.9)):
         samp[:2] = k, 7
         samp[2:] = np.array([T, p], np.float32).view(np.int32)
         drawn = cupy.empty(R, cupy.int32)
-        sampling.sample_rows(go, _g(np.tile(row, (R, 1))), row.size, row.size, _g(samp, np.int32),
-                             cupy.arange(R, dtype=cupy.uint64) * 0x9E3779B97F4A7C15, drawn, R)
+        sampling.sample_rows(
+            go,
+            _g(np.tile(row, (R, 1))),
+            row.size,
+            row.size,
+            _g(samp, np.int32),
+            cupy.arange(R, dtype=cupy.uint64) * 0x9E3779B97F4A7C15,
+            drawn,
+            R,
+        )
         freq, probs = np.bincount(drawn.get(), minlength=row.size) / R, sampling_probs(row, T, k, p)
-        rows += [(f"decode sample_rows T{T} k{k} p{p}", freq, probs, 0.08),
-                 (f"decode sample_rows T{T} k{k} p{p} none outside", freq[probs == 0], np.zeros((probs == 0).sum()),
-                  0.0)]
+        rows += [
+            (f"decode sample_rows T{T} k{k} p{p}", freq, probs, 0.08),
+            (f"decode sample_rows T{T} k{k} p{p} none outside", freq[probs == 0], np.zeros((probs == 0).sum()), 0.0),
+        ]
     return rows
 
 
@@ -414,10 +549,10 @@ def _accept_chain(rng, go, V, K=4, cap=8, passes=5):
     ctl, hist = _g(ctl0, np.int32), cupy.zeros(cap * (2 * K + 1), cupy.int32)
     sampling.accept_chain(go, _g(heads.reshape(-1), np.int32), ctl, hist, cap, K)
     ctl_want = ctl0.copy()
-    ctl_want[:K], ctl_want[2 * K:3 * K], ctl_want[3 * K + 1] = heads[a], p0 + a + 1 + np.arange(K), passes + 1
+    ctl_want[:K], ctl_want[2 * K : 3 * K], ctl_want[3 * K + 1] = heads[a], p0 + a + 1 + np.arange(K), passes + 1
     hist_want = np.zeros(cap * (2 * K + 1))
     rec = (passes % cap) * (2 * K + 1)
-    hist_want[rec:rec + 2 * K + 1] = np.concatenate([[a], block, heads[a]])
+    hist_want[rec : rec + 2 * K + 1] = np.concatenate([[a], block, heads[a]])
     return [("decode accept_chain next ctl", ctl, ctl_want, 0.0), ("decode accept_chain record", hist, hist_want, 0.0)]
 
 

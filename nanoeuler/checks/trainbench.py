@@ -43,10 +43,13 @@ def main(argv=None) -> int:
     # A fixed batch: the loss must fall step after step, which also shows the update is applied.
     window = rng.integers(0, cfg.vocab_size, size=(B, T + K))
     inputs = cupy.asarray(window[:, :T])
-    targets = cupy.asarray(np.stack([window[:, 1 + k:T + 1 + k] for k in range(K)], axis=-1))
+    targets = cupy.asarray(np.stack([window[:, 1 + k : T + 1 + k] for k in range(K)], axis=-1))
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-    print(f"trainbench on {name}: preset {args.preset} ({cfg.n_params():,} params), batch {B}x{T}, "
-          f"K={K}, float32, TF32 {'on' if tf32_enabled() else 'off'}", flush=True)
+    print(
+        f"trainbench on {name}: preset {args.preset} ({cfg.n_params():,} params), batch {B}x{T}, "
+        f"K={K}, float32, TF32 {'on' if tf32_enabled() else 'off'}",
+        flush=True,
+    )
     pool = cupy.get_default_memory_pool()
     times, losses = [], []
     start_wall = time.perf_counter()
@@ -64,11 +67,13 @@ def main(argv=None) -> int:
             times.append(ms)
             losses.append(loss)
             print(f"step {step + 1:>3}  loss {loss:.4f}  grad norm {norm:.3f}  {ms:8.1f} ms", flush=True)
-    timed = times[args.warmup:] or times
+    timed = times[args.warmup :] or times
     med = statistics.median(timed)
-    print(f"trainbench: {len(timed)} timed steps, median {med:.1f} ms/step, {B * T / med * 1e3:,.0f} tokens/s, "
-          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, GPU memory pool {pool.total_bytes() / 2**30:.2f} GiB, "
-          f"wall {time.perf_counter() - start_wall:.1f} s")
+    print(
+        f"trainbench: {len(timed)} timed steps, median {med:.1f} ms/step, {B * T / med * 1e3:,.0f} tokens/s, "
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, GPU memory pool {pool.total_bytes() / 2**30:.2f} GiB, "
+        f"wall {time.perf_counter() - start_wall:.1f} s"
+    )
     ok = all(np.isfinite(losses)) and losses[-1] < losses[0]
     return 0 if ok else 1
 

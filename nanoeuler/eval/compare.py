@@ -26,18 +26,33 @@ from nanoeuler.files import check_outputs, read_json
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # Directories and files of the unnamed run's results/; an experiment of the same name would mix with
 # them (or, for a file, have no directory at all).
-_TAKEN = {"shards", "pretrain", "sft", "dpo", "hellaswag", "report", "compare",
-          "base.bin", "chat.bin", "dpo.bin", "tokenizer.json", "tokenizer.hf.json", "metrics.json", "samples.md",
-          "loss.png", "ref_logps.npz"}
+_TAKEN = {
+    "shards",
+    "pretrain",
+    "sft",
+    "dpo",
+    "hellaswag",
+    "report",
+    "compare",
+    "base.bin",
+    "chat.bin",
+    "dpo.bin",
+    "tokenizer.json",
+    "tokenizer.hf.json",
+    "metrics.json",
+    "samples.md",
+    "loss.png",
+    "ref_logps.npz",
+}
 
 
 def experiment_dirs(name: str) -> tuple[str, str]:
     """(results dir, logs dir) of an experiment, relative to the working directory.
 
-        >>> experiment_dirs("lr-3e-3")
-        ('results/lr-3e-3', 'logs/lr-3e-3')
-        >>> experiment_dirs("")
-        ('results', 'logs')
+    >>> experiment_dirs("lr-3e-3")
+    ('results/lr-3e-3', 'logs/lr-3e-3')
+    >>> experiment_dirs("")
+    ('results', 'logs')
     """
     if name == "":
         return "results", "logs"
@@ -49,9 +64,15 @@ def experiment_dirs(name: str) -> tuple[str, str]:
 
 
 # columns of the table: (heading, key in metrics.json's model entry or hellaswag entry, format)
-COLUMNS = [("params", "params", "{:,}"), ("steps", "steps", "{}"), ("val loss", "val_loss", "{:.4f}"),
-           ("val CE", "val_ce", "{:.4f}"), ("val bits/byte", "val_bpb", "{:.4f}"),
-           ("HellaSwag acc", "acc", "{:.4f}"), ("HellaSwag acc_norm", "acc_norm", "{:.4f}")]
+COLUMNS = [
+    ("params", "params", "{:,}"),
+    ("steps", "steps", "{}"),
+    ("val loss", "val_loss", "{:.4f}"),
+    ("val CE", "val_ce", "{:.4f}"),
+    ("val bits/byte", "val_bpb", "{:.4f}"),
+    ("HellaSwag acc", "acc", "{:.4f}"),
+    ("HellaSwag acc_norm", "acc_norm", "{:.4f}"),
+]
 
 
 def _number(value) -> bool:
@@ -94,8 +115,11 @@ def check_metrics(metrics, path) -> dict:
 def model_entries(metrics: dict) -> dict:
     """{model: its entry} of a metrics.json written by `evaluate`, HellaSwag scores merged in."""
     hellaswag = metrics.get("hellaswag", {})
-    return {model: {**entry, **hellaswag.get(model, {})} for model, entry in metrics.items()
-            if isinstance(entry, dict) and isinstance(entry.get("val_loss"), (int, float))}
+    return {
+        model: {**entry, **hellaswag.get(model, {})}
+        for model, entry in metrics.items()
+        if isinstance(entry, dict) and isinstance(entry.get("val_loss"), (int, float))
+    }
 
 
 def load_experiment(name: str) -> dict:
@@ -109,8 +133,10 @@ def load_experiment(name: str) -> dict:
     if not os.path.lexists(path):
         raise UserError(f"experiment {name!r} has no {path}: run its pipeline first")
     metrics = check_metrics(read_json(path, "metrics file"), path)
-    runs = [("pretraining", read_jsonl(results / "pretrain" / "metrics.jsonl")),
-            ("SFT", read_jsonl(results / "sft" / "metrics.jsonl"))]
+    runs = [
+        ("pretraining", read_jsonl(results / "pretrain" / "metrics.jsonl")),
+        ("SFT", read_jsonl(results / "sft" / "metrics.jsonl")),
+    ]
     return {"name": name or "(default)", "models": model_entries(metrics), "runs": runs}
 
 
@@ -141,12 +167,16 @@ def render_table(header: list[str], rows: list[list[str]], markdown: bool) -> st
 
 def page(title: str, body: str) -> str:
     """A small self-contained HTML page (the report shows it in a frame)."""
-    style = ("body{font-family:sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse}"
-             "td,th{border:1px solid #bbb;padding:4px 10px;text-align:right}th{background:#eee}"
-             "td:first-child,th:first-child{text-align:left}pre{background:#f6f6f6;padding:8px;"
-             "white-space:pre-wrap}")
-    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{style}</style></head>\n<body>\n<h2>{html.escape(title)}</h2>\n{body}\n</body></html>\n")
+    style = (
+        "body{font-family:sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse}"
+        "td,th{border:1px solid #bbb;padding:4px 10px;text-align:right}th{background:#eee}"
+        "td:first-child,th:first-child{text-align:left}pre{background:#f6f6f6;padding:8px;"
+        "white-space:pre-wrap}"
+    )
+    return (
+        f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{style}</style></head>\n<body>\n<h2>{html.escape(title)}</h2>\n{body}\n</body></html>\n"
+    )
 
 
 def plot_experiments(experiments: list[dict], out: Path) -> None:
@@ -166,18 +196,25 @@ def plot_experiments(experiments: list[dict], out: Path) -> None:
             for key, style, alpha, label in (("loss", "-", 0.3, None), ("val_loss", "o-", 1.0, exp["name"])):
                 pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
                 if pts:
-                    ax.plot(*zip(*pts), style, color=f"C{colour}", alpha=alpha, label=label, markersize=3,
-                            linewidth=1)
+                    ax.plot(*zip(*pts), style, color=f"C{colour}", alpha=alpha, label=label, markersize=3, linewidth=1)
         style_loss_axes(ax, f"{title} (dots: validation, faint: training)")
     save_figure(fig, Path(out))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("experiments", nargs="+", metavar="NAME",
-                        help="experiment names as in their configs ('' for the unnamed run's results/)")
+    parser.add_argument(
+        "experiments",
+        nargs="+",
+        metavar="NAME",
+        help="experiment names as in their configs ('' for the unnamed run's results/)",
+    )
     parser.add_argument("--table", required=True, metavar="FILE", help="metrics table: .html, or .md for Markdown")
-    parser.add_argument("--plot", required=True, metavar="PNG",
-                        help="loss curves of all experiments (.png; .pdf or .svg by the name's ending)")
+    parser.add_argument(
+        "--plot",
+        required=True,
+        metavar="PNG",
+        help="loss curves of all experiments (.png; .pdf or .svg by the name's ending)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
     with atomic_path(args.table) as tmp:  # the plot inside: a failed plot leaves no table either
         tmp.write_text(text, encoding="utf-8")
         plot_experiments(experiments, Path(args.plot))
-    print(f"nanoeuler compare: {len(experiments)} experiments, {len(rows)} rows; wrote {args.table}, {args.plot}",
-          file=sys.stderr)
+    print(
+        f"nanoeuler compare: {len(experiments)} experiments, {len(rows)} rows; wrote {args.table}, {args.plot}",
+        file=sys.stderr,
+    )
     return 0

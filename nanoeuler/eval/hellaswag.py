@@ -52,7 +52,7 @@ def item_rows(encode, item: dict, ctx_len: int) -> list[tuple[list[int], int]]:
     rows = []
     for ending in item["endings"]:
         end = encode(" " + ending)
-        tokens = (ctx + end)[-(ctx_len + 1):]
+        tokens = (ctx + end)[-(ctx_len + 1) :]
         rows.append((tokens, max(1, len(tokens) - len(end))))
     return rows
 
@@ -102,9 +102,18 @@ def score_items(params: dict, cfg, encode, items: list[dict], batch_size: int, x
     labels = [item["label"] for item in items]
     correct = sum(p == y for p, y in zip(picks, labels))
     correct_norm = sum(p == y for p, y in zip(picks_norm, labels))
-    return {"items": len(items), "acc": correct / len(items), "acc_norm": correct_norm / len(items),
-            "correct": correct, "correct_norm": correct_norm, "rows_at_context_limit": truncated,
-            "chance": 0.25, "picks": picks, "picks_norm": picks_norm, "largest_forward": largest}
+    return {
+        "items": len(items),
+        "acc": correct / len(items),
+        "acc_norm": correct_norm / len(items),
+        "correct": correct,
+        "correct_norm": correct_norm,
+        "rows_at_context_limit": truncated,
+        "chance": 0.25,
+        "picks": picks,
+        "picks_norm": picks_norm,
+        "largest_forward": largest,
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,18 +140,29 @@ def run(args: argparse.Namespace) -> int:
     budget = gen.budget
     cfg = gen.cfg
     resident = memory.decode_parts(cfg, 0) if budget is not None else {}
-    per_batch, predict = memory.eval_items_for("hellaswag-eval", budget, cfg, cfg.ctx_len,
-                                               int(ev["hellaswag_batch_size"]), "logits", resident, rows_per_item=4)
-    result = score_items(gen.params, cfg, tok.encode_ordinary, items, per_batch, gen.xp,
-                         desc=f"hellaswag {args.name}")
+    per_batch, predict = memory.eval_items_for(
+        "hellaswag-eval", budget, cfg, cfg.ctx_len, int(ev["hellaswag_batch_size"]), "logits", resident, rows_per_item=4
+    )
+    result = score_items(gen.params, cfg, tok.encode_ordinary, items, per_batch, gen.xp, desc=f"hellaswag {args.name}")
     items_in, length = result.pop("largest_forward")  # (items, padded length) of the largest forward
     if budget is not None:
-        gen.meter.report("hellaswag-eval", memory.peak(predict(items_in, length), budget.context),
-                         detail=f"{per_batch} items a forward")
-    result = {"model": args.name, "file": str(args.ckpt), "steps": meta.get("step"), **result,
-              "definitions": DEFINITIONS}
+        gen.meter.report(
+            "hellaswag-eval",
+            memory.peak(predict(items_in, length), budget.context),
+            detail=f"{per_batch} items a forward",
+        )
+    result = {
+        "model": args.name,
+        "file": str(args.ckpt),
+        "steps": meta.get("step"),
+        **result,
+        "definitions": DEFINITIONS,
+    }
     with atomic_path(args.out) as tmp:
         tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    print(f"nanoeuler hellaswag-eval: {args.name}: acc {result['acc']:.4f}, acc_norm {result['acc_norm']:.4f} "
-          f"on {result['items']} items; wrote {args.out}", file=sys.stderr)
+    print(
+        f"nanoeuler hellaswag-eval: {args.name}: acc {result['acc']:.4f}, acc_norm {result['acc_norm']:.4f} "
+        f"on {result['items']} items; wrote {args.out}",
+        file=sys.stderr,
+    )
     return 0

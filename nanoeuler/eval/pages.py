@@ -24,8 +24,9 @@ from nanoeuler.files import SMALL_JSON, parse_json, read_json, read_text
 
 def metrics_page(metrics: dict) -> str:
     header, rows = table_rows([{"name": "this run", "models": model_entries(metrics)}])
-    defs = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(str(v))}</li>"
-                   for k, v in metrics.get("definitions", {}).items())
+    defs = "".join(
+        f"<li><b>{html.escape(k)}</b>: {html.escape(str(v))}</li>" for k, v in metrics.get("definitions", {}).items()
+    )
     return page("Metrics", html_table(header[1:], [r[1:] for r in rows]) + f"<ul>{defs}</ul>")
 
 
@@ -33,26 +34,32 @@ def hellaswag_page(metrics: dict) -> str:
     scores = metrics.get("hellaswag")
     if not scores:
         return page("HellaSwag", "<p>No HellaSwag scores in this run.</p>")
-    rows = "".join(f"<tr><td>{html.escape(name)}</td><td>{s['items']:,}</td><td>{s['acc']:.4f} ({s['correct']})</td>"
-                   f"<td>{s['acc_norm']:.4f} ({s['correct_norm']})</td></tr>\n" for name, s in scores.items())
-    return page("HellaSwag", "<table><tr><th>model</th><th>items</th><th>acc</th><th>acc_norm</th></tr>\n"
-                f"{rows}</table><p>Completion-style scoring as in llm.c: <code>acc</code> picks the ending with "
-                "the largest summed log-probability of its tokens, <code>acc_norm</code> the largest mean "
-                "log-probability per token. Chance is 0.25.</p>")
+    rows = "".join(
+        f"<tr><td>{html.escape(name)}</td><td>{s['items']:,}</td><td>{s['acc']:.4f} ({s['correct']})</td>"
+        f"<td>{s['acc_norm']:.4f} ({s['correct_norm']})</td></tr>\n"
+        for name, s in scores.items()
+    )
+    return page(
+        "HellaSwag",
+        "<table><tr><th>model</th><th>items</th><th>acc</th><th>acc_norm</th></tr>\n"
+        f"{rows}</table><p>Completion-style scoring as in llm.c: <code>acc</code> picks the ending with "
+        "the largest summed log-probability of its tokens, <code>acc_norm</code> the largest mean "
+        "log-probability per token. Chance is 0.25.</p>",
+    )
 
 
 def markdown_to_html(text: str) -> str:
     """The Markdown that `evaluate` writes (headings, tables, fenced blocks, paragraphs), as HTML.
 
-        >>> markdown_to_html("## Hi\\n\\n**a** `b`")
-        '<h3>Hi</h3>\\n<p><b>a</b> <code>b</code></p>'
+    >>> markdown_to_html("## Hi\\n\\n**a** `b`")
+    '<h3>Hi</h3>\\n<p><b>a</b> <code>b</code></p>'
     """
     out, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         line = lines[i]
         if fence := re.match(r"^(`{3,})", line):
             end = next((j for j in range(i + 1, len(lines)) if lines[j] == fence.group(1)), len(lines))
-            out.append(f"<pre>{html.escape(chr(10).join(lines[i + 1:end]))}</pre>")
+            out.append(f"<pre>{html.escape(chr(10).join(lines[i + 1 : end]))}</pre>")
             i = end + 1
             continue
         if line.startswith("|"):
@@ -61,8 +68,9 @@ def markdown_to_html(text: str) -> str:
                 block.append([html.escape(c.strip()) for c in lines[i].strip("|").split("|")])
                 i += 1
             cells = [r for r in block if not all(set(c) <= set("-:") for c in r)]
-            out.append("<table>" + "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in cells)
-                       + "</table>")
+            out.append(
+                "<table>" + "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in cells) + "</table>"
+            )
             continue
         if heading := re.match(r"^(#+) (.*)", line):
             level = min(6, len(heading.group(1)) + 1)

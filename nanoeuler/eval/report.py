@@ -42,11 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", required=True, metavar="MD", help="output, e.g. results/samples.md")
     parser.add_argument("--metrics", required=True, metavar="JSON", help="output, e.g. results/metrics.json")
     parser.add_argument("--plot", required=True, metavar="PNG", help="output, e.g. results/loss.png")
-    parser.add_argument("--hellaswag", nargs="*", default=[], metavar="JSON",
-                        help="HellaSwag results of `nanoeuler hellaswag-eval`, one file per model")
+    parser.add_argument(
+        "--hellaswag",
+        nargs="*",
+        default=[],
+        metavar="JSON",
+        help="HellaSwag results of `nanoeuler hellaswag-eval`, one file per model",
+    )
     parser.add_argument("--dpo", metavar="BIN", help="results/dpo.bin: report the DPO model beside the chat model")
-    parser.add_argument("--pretrain-dir", metavar="DIR",
-                        help="pretraining run dir (default: 'pretrain' next to --base)")
+    parser.add_argument(
+        "--pretrain-dir", metavar="DIR", help="pretraining run dir (default: 'pretrain' next to --base)"
+    )
     parser.add_argument("--sft-dir", metavar="DIR", help="SFT run dir (default: 'sft' next to --chat)")
     from nanoeuler.infer.engine import add_speculative_argument
 
@@ -75,11 +81,11 @@ def _fmt(x, nd=4) -> str:
 
 DEFINITIONS = {
     "val_loss": "training objective on the fixed val windows: mean over MTP heads of each head's mean "
-                "cross-entropy, nats",
+    "cross-entropy, nats",
     "val_ce": "head-0 (next-token) mean cross-entropy per token on the fixed val windows, nats",
     "val_bpb": "bits per UTF-8 byte = val_ce / ln 2 * val_split_tokens / val_split_bytes",
     "val_set": "consecutive non-overlapping windows of ctx_len + mtp_heads tokens from the start of "
-               "the val split, eval.val_tokens input tokens at most",
+    "the val split, eval.val_tokens input tokens at most",
 }
 
 
@@ -92,14 +98,18 @@ def _load_models(args: argparse.Namespace, device: str, gpu_memory="auto") -> tu
     base, base_tok, base_meta = load(args.base, device, spec, gpu_memory, "evaluate", threads)
     chat, chat_tok, chat_meta = load(args.chat, device, spec, gpu_memory, "evaluate", threads)
     if base_tok.sha256 != chat_tok.sha256:
-        raise UserError(f"{args.chat} and {args.base} carry different tokenizers; the chat model must be "
-                        "fine-tuned from this base model")
+        raise UserError(
+            f"{args.chat} and {args.base} carry different tokenizers; the chat model must be "
+            "fine-tuned from this base model"
+        )
     models = [("base", base, base_meta, args.base), ("chat", chat, chat_meta, args.chat)]
     if args.dpo:
         dpo, dpo_tok, dpo_meta = load(args.dpo, device, None, gpu_memory, "evaluate", threads)
         if dpo_tok.sha256 != chat_tok.sha256:
-            raise UserError(f"{args.dpo} and {args.chat} carry different tokenizers; the DPO model must be "
-                            "tuned from this chat model")
+            raise UserError(
+                f"{args.dpo} and {args.chat} carry different tokenizers; the DPO model must be "
+                "tuned from this chat model"
+            )
         models.append(("dpo", dpo, dpo_meta, args.dpo))
     _share_memory([m[1] for m in models])
     return models, base_tok
@@ -132,8 +142,14 @@ def _model_metrics(models, val_split, ev: dict) -> dict:
         print(f"nanoeuler evaluate: val loss of {name} ({val[0].size} tokens)", file=sys.stderr, flush=True)
         rows = _val_rows(models, gen, int(ev["batch_size"]))
         m = val_metrics(gen.params, cfg, val, val_split.tokens, val_split.bytes, rows, gen.xp, gen.budget is not None)
-        out[name] = {**m, "file": str(path), "params": cfg.n_params(), "model_config": cfg.to_dict(),
-                     "steps": meta.get("step"), "training": meta.get("final_metrics", {})}
+        out[name] = {
+            **m,
+            "file": str(path),
+            "params": cfg.n_params(),
+            "model_config": cfg.to_dict(),
+            "steps": meta.get("step"),
+            "training": meta.get("final_metrics", {}),
+        }
         out[name].update({key: meta[key] for key in ("sft_data", "dpo_data") if key in meta})
     return out
 
@@ -157,8 +173,10 @@ def _samples(models, tok, ev: dict, sampling) -> tuple[list, list]:
     base, tuned = models[0][1], [m[1] for m in models[1:]]
     n_new = int(ev["max_new_tokens"])
     stop = {tok.eot_id, tok.end_id}
-    prompts = [fit_prompt(tok.encode(p) if p else [tok.eot_id], base.cfg.ctx_len,
-                          min(n_new, base.cfg.ctx_len // 4))[0] for p in ev["base_prompts"]]
+    prompts = [
+        fit_prompt(tok.encode(p) if p else [tok.eot_id], base.cfg.ctx_len, min(n_new, base.cfg.ctx_len // 4))[0]
+        for p in ev["base_prompts"]
+    ]
     outs = base.generate(prompts, n_new, sampling, stop)
     base_samples = [(p, tok.decode([t for t in out if t not in stop])) for p, out in zip(ev["base_prompts"], outs)]
     chat_samples = []
@@ -182,8 +200,10 @@ def _training_runs(args: argparse.Namespace) -> list[tuple[str, list]]:
     for title, run_dir in (("pretraining", pre_dir), ("SFT", sft_dir)):
         recs = read_jsonl(run_dir / "metrics.jsonl")
         if not recs:
-            print(f"nanoeuler evaluate: warning: no {title} metrics found in {run_dir}; the plot leaves them out",
-                  file=sys.stderr)
+            print(
+                f"nanoeuler evaluate: warning: no {title} metrics found in {run_dir}; the plot leaves them out",
+                file=sys.stderr,
+            )
         runs.append((title, recs))
     return runs
 
@@ -204,16 +224,25 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"shards {args.shards} were made with another tokenizer than the one in {args.base}")
     val_split = ShardSplit(args.shards, "val", manifest)
 
-    metrics: dict = {"definitions": DEFINITIONS, "val_split": {"tokens": val_split.tokens, "bytes": val_split.bytes},
-                     **_model_metrics(models, val_split, ev)}
-    sampling = Sampling(temperature=float(ev["temperature"]), top_k=int(ev["top_k"]), top_p=float(ev["top_p"]),
-                        seed=int(ev["seed"]))
+    metrics: dict = {
+        "definitions": DEFINITIONS,
+        "val_split": {"tokens": val_split.tokens, "bytes": val_split.bytes},
+        **_model_metrics(models, val_split, ev),
+    }
+    sampling = Sampling(
+        temperature=float(ev["temperature"]), top_k=int(ev["top_k"]), top_p=float(ev["top_p"]), seed=int(ev["seed"])
+    )
     base_samples, chat_samples = _samples(models, tok, ev, sampling)
     runs = _training_runs(args)
     if hellaswag:
         metrics["hellaswag"] = hellaswag
-    metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
-                           "seed": sampling.seed, "max_new_tokens": int(ev["max_new_tokens"])}
+    metrics["sampling"] = {
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "seed": sampling.seed,
+        "max_new_tokens": int(ev["max_new_tokens"]),
+    }
 
     plot = Path(args.plot)
     plot_losses(runs, plot)
@@ -221,8 +250,11 @@ def run(args: argparse.Namespace) -> int:
     samples = Path(args.samples)
     _write_text(samples, _markdown(metrics, base_samples, chat_samples, os.path.relpath(plot, samples.parent)))
     _report_memory(models, int(ev["batch_size"]), len(ev["base_prompts"]))
-    print(f"nanoeuler evaluate: base val bpb {_fmt(metrics['base']['val_bpb'])}, chat val bpb "
-          f"{_fmt(metrics['chat']['val_bpb'])}; wrote {samples}, {args.metrics}, {plot}", file=sys.stderr)
+    print(
+        f"nanoeuler evaluate: base val bpb {_fmt(metrics['base']['val_bpb'])}, chat val bpb "
+        f"{_fmt(metrics['chat']['val_bpb'])}; wrote {samples}, {args.metrics}, {plot}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -238,8 +270,11 @@ def _report_memory(models, val_rows: int, prompts: int) -> None:
     val = {**held, **memory.forward_parts(gen.cfg, rows, gen.cfg.ctx_len, "loss", params=False)}
     decode = {**held, **memory.decode_parts(gen.cfg, min(prompts, gen.max_batch or prompts))}
     decode = {k: v for k, v in decode.items() if k not in ("params", "weights")}  # held already counts them
-    gen.meter.report("evaluate", memory.peak(max(val, decode, key=lambda p: sum(p.values())), gen.budget.context),
-                     detail=f"{rows} windows a forward")
+    gen.meter.report(
+        "evaluate",
+        memory.peak(max(val, decode, key=lambda p: sum(p.values())), gen.budget.context),
+        detail=f"{rows} windows a forward",
+    )
 
 
 def read_hellaswag(paths: list[str]) -> dict:
@@ -248,38 +283,54 @@ def read_hellaswag(paths: list[str]) -> dict:
     for path in paths:
         result = read_json(path, "HellaSwag result")
         try:
-            out[result["model"]] = {k: result[k] for k in ("items", "acc", "acc_norm", "correct", "correct_norm",
-                                                            "steps", "file")}
+            out[result["model"]] = {
+                k: result[k] for k in ("items", "acc", "acc_norm", "correct", "correct_norm", "steps", "file")
+            }
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UserError(f"{path} is not a HellaSwag result of `nanoeuler hellaswag-eval`: {exc!r}") from None
     return out
 
 
 def _hellaswag_markdown(scores: dict) -> list[str]:
-    lines = ["## HellaSwag", "",
-             "| model | items | acc | acc_norm |", "|---|---:|---:|---:|"]
+    lines = ["## HellaSwag", "", "| model | items | acc | acc_norm |", "|---|---:|---:|---:|"]
     for name, s in scores.items():
-        lines.append(f"| {name} | {s['items']:,} | {s['acc']:.4f} ({s['correct']}) | "
-                     f"{s['acc_norm']:.4f} ({s['correct_norm']}) |")
-    return lines + ["", "Completion-style, as llm.c: `acc` picks the ending with the largest summed log-probability "
-                    "of its tokens, `acc_norm` the largest mean per token. Chance is 0.25.", ""]
+        lines.append(
+            f"| {name} | {s['items']:,} | {s['acc']:.4f} ({s['correct']}) | {s['acc_norm']:.4f} ({s['correct_norm']}) |"
+        )
+    return lines + [
+        "",
+        "Completion-style, as llm.c: `acc` picks the ending with the largest summed log-probability "
+        "of its tokens, `acc_norm` the largest mean per token. Chance is 0.25.",
+        "",
+    ]
 
 
 def _markdown(metrics: dict, base_samples, chat_samples, plot_rel: str) -> str:
     s = metrics["sampling"]
     lines = ["# nanoeuler samples", ""]
-    lines += ["## Metrics", "",
-              "| model | params | steps | val loss | val CE (head 0) | val bits/byte |",
-              "|---|---:|---:|---:|---:|---:|"]
+    lines += [
+        "## Metrics",
+        "",
+        "| model | params | steps | val loss | val CE (head 0) | val bits/byte |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name in [n for n in ("base", "chat", "dpo") if n in metrics]:
         m = metrics[name]
-        lines.append(f"| {name} | {m['params']:,} | {m['steps']} | {_fmt(m['val_loss'])} | {_fmt(m['val_ce'])} | "
-                     f"{_fmt(m['val_bpb'])} |")
-    lines += ["", f"Validation: {metrics['base']['val_tokens']:,} tokens of the val split. "
-              "Bits per byte = head-0 cross-entropy / ln 2 × (val tokens / val bytes).", "",
-              f"![loss curves]({plot_rel})", "",
-              f"Sampling: temperature {s['temperature']}, top-k {s['top_k']}, top-p {s['top_p']}, "
-              f"at most {s['max_new_tokens']} new tokens, seed {s['seed']} + prompt index.", ""]
+        lines.append(
+            f"| {name} | {m['params']:,} | {m['steps']} | {_fmt(m['val_loss'])} | {_fmt(m['val_ce'])} | "
+            f"{_fmt(m['val_bpb'])} |"
+        )
+    lines += [
+        "",
+        f"Validation: {metrics['base']['val_tokens']:,} tokens of the val split. "
+        "Bits per byte = head-0 cross-entropy / ln 2 × (val tokens / val bytes).",
+        "",
+        f"![loss curves]({plot_rel})",
+        "",
+        f"Sampling: temperature {s['temperature']}, top-k {s['top_k']}, top-p {s['top_p']}, "
+        f"at most {s['max_new_tokens']} new tokens, seed {s['seed']} + prompt index.",
+        "",
+    ]
     if "hellaswag" in metrics:
         lines += _hellaswag_markdown(metrics["hellaswag"])
     lines += ["## Base model continuations", ""]
@@ -287,9 +338,12 @@ def _markdown(metrics: dict, base_samples, chat_samples, plot_rel: str) -> str:
         lines += [f"**Prompt:** `{prompt}`", "", _fence(prompt + text), ""]
     if "dpo" in metrics:
         t = metrics["dpo"]["training"]
-        lines += ["DPO on held-out preference pairs: reward accuracy "
-                  f"{_fmt(t.get('reward_accuracy'), 3)}, mean margin {_fmt(t.get('margin'))}, chosen / rejected "
-                  f"log-prob {_fmt(t.get('chosen_logp'), 2)} / {_fmt(t.get('rejected_logp'), 2)} nats.", ""]
+        lines += [
+            "DPO on held-out preference pairs: reward accuracy "
+            f"{_fmt(t.get('reward_accuracy'), 3)}, mean margin {_fmt(t.get('margin'))}, chosen / rejected "
+            f"log-prob {_fmt(t.get('chosen_logp'), 2)} / {_fmt(t.get('rejected_logp'), 2)} nats.",
+            "",
+        ]
     lines += ["## Chat answers", ""]
     for prompt, text, *dpo_text in chat_samples:
         lines += [f"**Instruction:** {prompt}", "", _fence(text), ""]

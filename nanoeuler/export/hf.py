@@ -179,7 +179,8 @@ def write_hf(folder: Path, params: dict, cfg: ModelConfig, metadata: dict, sampl
             (folder / "tokenizer_config.json").write_text(json.dumps(tok[1], indent=2) + "\n", encoding="utf-8")
         if tok and sampling is not None:
             (folder / GENERATION_CONFIG).write_text(
-                json.dumps(generation_config(eos, bos, sampling), indent=2) + "\n", encoding="utf-8")
+                json.dumps(generation_config(eos, bos, sampling), indent=2) + "\n", encoding="utf-8"
+            )
 
 
 def export(ckpt, out) -> list[str]:
@@ -226,8 +227,9 @@ def check_out_dir(out: Path, allowed, what: str) -> None:
     others = sorted(p.name for p in out.iterdir() if p.name not in allowed or p.is_symlink() or not p.is_file())
     if others:
         shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
-        raise UserError(f"--out {out} holds other files ({shown}); {what} into a new or empty directory, "
-                        f"or a previous {what}")
+        raise UserError(
+            f"--out {out} holds other files ({shown}); {what} into a new or empty directory, or a previous {what}"
+        )
 
 
 def move_into(tmp: Path, out: Path) -> None:

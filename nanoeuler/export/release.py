@@ -46,23 +46,34 @@ from nanoeuler.files import CHECKPOINT, SMALL_JSON, file_sha256, naming, parse_j
 
 NAMES = {stage: name for name, stage in STAGES.items()}  # the stage that wrote a model -> its file name
 MODEL_FILES = tuple(f"{name}.bin" for name in STAGES)
-RELEASE_FILES = (*hf.EXPORT_FILES, hf.GENERATION_CONFIG, *MODEL_FILES, "README.md", "run_config.yaml",
-                 checkpoint.SUMS)
+RELEASE_FILES = (*hf.EXPORT_FILES, hf.GENERATION_CONFIG, *MODEL_FILES, "README.md", "run_config.yaml", checkpoint.SUMS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
-    parser.add_argument("--model", required=True, metavar="BIN",
-                        help="the model to release: results/chat.bin, or results/dpo.bin after DPO")
-    parser.add_argument("--out", required=True, metavar="DIR",
-                        help="the release folder to write: a new one, an empty one or a previous release")
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="BIN",
+        help="the model to release: results/chat.bin, or results/dpo.bin after DPO",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="the release folder to write: a new one, an empty one or a previous release",
+    )
     beside = " (default: beside --model)"
     parser.add_argument("--base", metavar="BIN", help="the base model, results/base.bin" + beside)
     parser.add_argument("--metrics", metavar="JSON", help="metrics.json of `nanoeuler evaluate`" + beside)
     parser.add_argument("--samples", metavar="MD", help="samples.md of `nanoeuler evaluate`" + beside)
     parser.add_argument("--pretrain-dir", metavar="DIR", help="the pretraining run directory" + beside)
-    parser.add_argument("--benchmarks", nargs="*", metavar="DIR",
-                        help="folders of Snakemake's benchmark files (default: benchmarks/ beside results/)")
+    parser.add_argument(
+        "--benchmarks",
+        nargs="*",
+        metavar="DIR",
+        help="folders of Snakemake's benchmark files (default: benchmarks/ beside results/)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,9 +94,14 @@ def _inputs(args: argparse.Namespace) -> dict:
         return Path(given) if given else run_dir / default
 
     benchmarks = args.benchmarks if args.benchmarks is not None else _benchmark_dirs(run_dir)
-    return {"model": model, "base": pick(args.base, "base.bin"), "metrics": pick(args.metrics, "metrics.json"),
-            "samples": pick(args.samples, "samples.md"),
-            "pretrain_dir": pick(args.pretrain_dir, "pretrain"), "benchmarks": [Path(p) for p in benchmarks]}
+    return {
+        "model": model,
+        "base": pick(args.base, "base.bin"),
+        "metrics": pick(args.metrics, "metrics.json"),
+        "samples": pick(args.samples, "samples.md"),
+        "pretrain_dir": pick(args.pretrain_dir, "pretrain"),
+        "benchmarks": [Path(p) for p in benchmarks],
+    }
 
 
 def _benchmark_dirs(run_dir: Path) -> list[Path]:
@@ -96,10 +112,11 @@ def _benchmark_dirs(run_dir: Path) -> list[Path]:
         return []
     at = parts.index("results")
     root = Path(*parts[:at], "benchmarks")
-    return [root.joinpath(*parts[at + 1:]), root] if at + 1 < len(parts) else [root]
+    return [root.joinpath(*parts[at + 1 :]), root] if at + 1 < len(parts) else [root]
 
 
 # ---- writing the folder --------------------------------------------------------------------------
+
 
 def release(conf: dict, inputs: dict, out) -> list[str]:
     """Write the release folder `out` from a run's files (`_inputs`); returns its file names."""
@@ -132,8 +149,10 @@ def _copy_model(model: Path, folder: Path):
     meta = _metadata(model)
     name = NAMES.get(meta.get("stage"))
     if name is None:
-        raise UserError(f"{model} was not written by pretrain, sft or dpo (metadata 'stage' is "
-                        f"{meta.get('stage')!r}); release a model file of the pipeline")
+        raise UserError(
+            f"{model} was not written by pretrain, sft or dpo (metadata 'stage' is "
+            f"{meta.get('stage')!r}); release a model file of the pipeline"
+        )
     if not meta.get("tokenizer"):
         raise UserError(f"{model} carries no tokenizer (metadata 'tokenizer'); release a model file of the pipeline")
     copy = folder / f"{name}.bin"
@@ -171,6 +190,7 @@ def _swap_in(tmp: Path, out: Path) -> None:
 
 # ---- reading the run -----------------------------------------------------------------------------
 
+
 def read_run(inputs: dict, conf: dict, cfg, meta: dict, exported_params: int) -> RunFacts:
     """The facts of the card, from each of the run's files that exists."""
     base, samples = inputs["base"], inputs["samples"]
@@ -178,10 +198,15 @@ def read_run(inputs: dict, conf: dict, cfg, meta: dict, exported_params: int) ->
     if metrics is not None and not isinstance(metrics, dict):
         raise UserError(f"metrics file {inputs['metrics']} is not a JSON object (is it evaluate's metrics.json?)")
     return RunFacts(
-        name=NAMES[meta["stage"]], cfg=cfg, meta=meta, exported_params=exported_params, conf=conf,
+        name=NAMES[meta["stage"]],
+        cfg=cfg,
+        meta=meta,
+        exported_params=exported_params,
+        conf=conf,
         version=__version__,
         base_meta=_metadata(base) if base.exists() else None,
-        metrics=metrics, hellaswag=(metrics or {}).get("hellaswag", {}),
+        metrics=metrics,
+        hellaswag=(metrics or {}).get("hellaswag", {}),
         samples=markdown_sections(read_text(samples, "samples file", SMALL_JSON)) if samples.exists() else None,
         pretraining=pretraining_facts(inputs["pretrain_dir"]),
         stage_times=stage_times(inputs["benchmarks"]),
@@ -212,14 +237,22 @@ def pretraining_facts(run_dir: Path) -> dict | None:
         rows, steps = settings["batch_size"] * settings.get("grad_accum", 1), meta["step"]
         ctx_len = meta["model_config"]["ctx_len"]
     except (KeyError, TypeError, AttributeError):
-        raise UserError(f"{found[0][1]} is not a pretraining checkpoint (no step, model config or run settings "
-                        "in its metadata)") from None
+        raise UserError(
+            f"{found[0][1]} is not a pretraining checkpoint (no step, model config or run settings in its metadata)"
+        ) from None
     log = rundir.read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     peaks = [r["memory_peak_bytes"] for r in log if "memory_peak_bytes" in r]
     rates = [r["tokens_per_s"] for r in log if "tokens_per_s" in r]
-    return {"tokens": steps * world * rows * ctx_len, "steps": steps, "world": world, "rows": rows,
-            "ctx_len": ctx_len, "precision": settings.get("precision", "fp32"),
-            "peak_bytes": max(peaks) if peaks else None, "tokens_per_s": statistics.median(rates) if rates else None}
+    return {
+        "tokens": steps * world * rows * ctx_len,
+        "steps": steps,
+        "world": world,
+        "rows": rows,
+        "ctx_len": ctx_len,
+        "precision": settings.get("precision", "fp32"),
+        "peak_bytes": max(peaks) if peaks else None,
+        "tokens_per_s": statistics.median(rates) if rates else None,
+    }
 
 
 def stage_times(folders: list[Path]) -> list[tuple[str, float]]:
@@ -258,4 +291,3 @@ def markdown_sections(text: str) -> dict[str, str]:
         if heading is not None:
             out[heading].append(line)
     return {h: "\n".join(body).strip("\n") for h, body in out.items()}
-

@@ -41,8 +41,11 @@ def answer(gen, tok, instruction: str, max_new: int, sampling, write) -> list[in
     ids = tok.encode(render_prompt(instruction))
     ids, dropped = fit_prompt(ids, gen.cfg.ctx_len, min(max_new, gen.cfg.ctx_len // 4))
     if dropped:
-        print(f"[prompt left-truncated: dropped its first {dropped} tokens to fit the "
-              f"{gen.cfg.ctx_len}-token context]", file=sys.stderr, flush=True)
+        print(
+            f"[prompt left-truncated: dropped its first {dropped} tokens to fit the {gen.cfg.ctx_len}-token context]",
+            file=sys.stderr,
+            flush=True,
+        )
     stop = {tok.end_id, tok.eot_id}
     out: list[int] = []
 
@@ -69,10 +72,15 @@ def run(args: argparse.Namespace) -> int:
 
     conf = sections(args, "device", "gpu_memory", "eval")
     sampling, max_new = sampling_from(args, conf["eval"])
-    gen, tok, _ = load(args.ckpt, args.device or conf["device"], args.speculative, conf["gpu_memory"], "chat",
-                       args.threads)
-    print(f"nanoeuler chat: {args.ckpt} ({gen.cfg.n_params():,} parameters, {gen.cfg.ctx_len}-token context). "
-          "One instruction per line; Ctrl-D or /quit to leave.", file=sys.stderr, flush=True)
+    gen, tok, _ = load(
+        args.ckpt, args.device or conf["device"], args.speculative, conf["gpu_memory"], "chat", args.threads
+    )
+    print(
+        f"nanoeuler chat: {args.ckpt} ({gen.cfg.n_params():,} parameters, {gen.cfg.ctx_len}-token context). "
+        "One instruction per line; Ctrl-D or /quit to leave.",
+        file=sys.stderr,
+        flush=True,
+    )
 
     def write(text: str) -> None:
         sys.stdout.write(text)

@@ -61,8 +61,12 @@ class _BlasThreads:
     NumPy has no call for it; the library is found among the process's mapped files (Linux), since
     NumPy's wheels bundle OpenBLAS under a mangled name (symbols `scipy_openblas_*64_`)."""
 
-    _NAMES = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
-              "openblas_set_num_threads")
+    _NAMES = (
+        "scipy_openblas_set_num_threads64_",
+        "scipy_openblas_set_num_threads",
+        "openblas_set_num_threads64_",
+        "openblas_set_num_threads",
+    )
 
     def __init__(self):
         self._set = self._get = None
@@ -138,6 +142,7 @@ def _fold(gain, w):
 def _step_blas(method):
     """Run a backend call with BLAS on `self.step_threads` threads (its long prefills raise it), restoring
     the caller's count after."""
+
     def call(self, *args, **kwargs):
         before = blas_threads(self.step_threads)
         try:
@@ -145,6 +150,7 @@ def _step_blas(method):
         finally:
             if before:
                 blas_threads(before)
+
     call.__name__, call.__doc__ = method.__name__, method.__doc__
     return call
 
@@ -208,14 +214,26 @@ class CpuBackend:
         q_scale = 1.0 / math.sqrt(cfg.head_dim)
         for i in range(cfg.n_layers):
             g = lambda n: p[f"layers.{i}.{n}"]  # noqa: E731
-            self.layers.append(dict(
-                qkv_t=_fold(g("input_layernorm.weight"), np.concatenate(
-                    [g("self_attn.q_proj.weight") * q_scale, g("self_attn.k_proj.weight"),
-                     g("self_attn.v_proj.weight")]).T),
-                o_t=np.ascontiguousarray(g("self_attn.o_proj.weight").T),
-                gu_t=_fold(g("post_attention_layernorm.weight"),
-                           np.concatenate([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]).T),
-                down_t=np.ascontiguousarray(g("mlp.down_proj.weight").T)))
+            self.layers.append(
+                dict(
+                    qkv_t=_fold(
+                        g("input_layernorm.weight"),
+                        np.concatenate(
+                            [
+                                g("self_attn.q_proj.weight") * q_scale,
+                                g("self_attn.k_proj.weight"),
+                                g("self_attn.v_proj.weight"),
+                            ]
+                        ).T,
+                    ),
+                    o_t=np.ascontiguousarray(g("self_attn.o_proj.weight").T),
+                    gu_t=_fold(
+                        g("post_attention_layernorm.weight"),
+                        np.concatenate([g("mlp.gate_proj.weight"), g("mlp.up_proj.weight")]).T,
+                    ),
+                    down_t=np.ascontiguousarray(g("mlp.down_proj.weight").T),
+                )
+            )
         names = head_weight_names(cfg)
         # head 0 alone for plain steps (a contiguous quarter of the heads' bytes); all K for verify passes
         self.head0_t = _fold(p["norm.weight"], p[names[0]].T)  # (C, V)
@@ -308,8 +326,8 @@ class CpuBackend:
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         N = x.shape[0]
         qkv = _mm(_rmsnorm(x, cfg.norm_eps), w["qkv_t"])  # (N, (H + 2 Hkv) D)
-        qk = self._rope(qkv[:, :(H + Hkv) * D].reshape(N, H + Hkv, D), cos, sin)  # q and k rotated at once
-        return qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D:].reshape(N, Hkv, D)
+        qk = self._rope(qkv[:, : (H + Hkv) * D].reshape(N, H + Hkv, D), cos, sin)  # q and k rotated at once
+        return qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D :].reshape(N, Hkv, D)
 
     def _ffn(self, w, x, att):
         """The rest of a layer, in place on x: the attention output's projection, then the MLP."""
@@ -330,7 +348,7 @@ class CpuBackend:
         keys to attend to (0 + 3 == 1 + 2)."""
         N = ids.shape[0]
         # workers only for enough work (a small model's prefill is a few milliseconds: waits would cost more)
-        W = max(1, min(self.threads, N // WORKER_ROWS)) if N * self.cfg.dim ** 2 >= THREADED_MACS else 1
+        W = max(1, min(self.threads, N // WORKER_ROWS)) if N * self.cfg.dim**2 >= THREADED_MACS else 1
         edges = [N * i // (2 * W) for i in range(2 * W + 1)]
         shares = [[(edges[i], edges[i + 1]), (edges[2 * W - 1 - i], edges[2 * W - i])] for i in range(W)]
         barrier = threading.Barrier(W) if W > 1 else None
@@ -369,14 +387,14 @@ class CpuBackend:
                 q, k, v = self._qkv(w, x, cos, sin)
                 i = 0
                 for a, b in share:
-                    self.k[li][slot, :, start + a:start + b] = k[i:i + b - a].transpose(1, 0, 2)
-                    self.v[li][slot, :, start + a:start + b] = v[i:i + b - a].transpose(1, 0, 2)
+                    self.k[li][slot, :, start + a : start + b] = k[i : i + b - a].transpose(1, 0, 2)
+                    self.v[li][slot, :, start + a : start + b] = v[i : i + b - a].transpose(1, 0, 2)
                     i += b - a
                 if barrier is not None:
                     barrier.wait()  # every worker's keys and values of this layer are in the cache
                 i = 0
                 for a, b in share:
-                    att[i:i + b - a] = self._attend_causal(q[i:i + b - a], li, slot, start + a)
+                    att[i : i + b - a] = self._attend_causal(q[i : i + b - a], li, slot, start + a)
                     i += b - a
                 self._ffn(w, x, att)
             return rows, x
@@ -397,21 +415,21 @@ class CpuBackend:
             m = min(ATT_ROWS, n - c)
             S = p0 + c + m  # keys 0..S-1; the chunk's rows sit at S-m..S-1
             k, v = self.k[li][slot, :, :S], self.v[li][slot, :, :S]  # (Hkv, S, D) views
-            qh = q[c:c + m].reshape(m, Hkv, G, D).transpose(1, 0, 2, 3).reshape(Hkv, m * G, D)
+            qh = q[c : c + m].reshape(m, Hkv, G, D).transpose(1, 0, 2, 3).reshape(Hkv, m * G, D)
             s = (qh @ k.transpose(0, 2, 1)).reshape(Hkv, m, G, S)
-            s[..., S - m:] += self.later[:m, None, :m]
+            s[..., S - m :] += self.later[:m, None, :m]
             s -= s.max(axis=-1, keepdims=True)
             np.exp(s, out=s)
             s = s.reshape(Hkv, m * G, S)
             o = s @ v  # (Hkv, m*G, D)
             o /= (s @ self.ones[:S])[..., None]  # row sums as a product: BLAS's, ~3x NumPy's sum here
-            out[c:c + m] = o.reshape(Hkv, m, G, D).transpose(1, 0, 2, 3)
+            out[c : c + m] = o.reshape(Hkv, m, G, D).transpose(1, 0, 2, 3)
         return out.reshape(n, Hkv * G * D)
 
     def _heads(self, xn, n_heads):
         """(N, C) -> (n_heads, N, V) logits of the first n_heads heads."""
         V = self.cfg.vocab_size
-        w = self.head0_t if n_heads == 1 else self.heads_t[:, :n_heads * V]
+        w = self.head0_t if n_heads == 1 else self.heads_t[:, : n_heads * V]
         return _mm(xn, w).reshape(-1, n_heads, V).transpose(1, 0, 2)
 
     # ---- the backend interface ---------------------------------------------------------------------

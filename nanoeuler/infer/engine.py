@@ -106,6 +106,7 @@ class SpecStats:
 
 # ---- the verify rules of self-speculative decoding ------------------------------------------------------
 
+
 def greedy_kept(ids: np.ndarray, block: np.ndarray) -> int:
     """The drafts a greedy verify pass keeps: block (K,) is the sure token and K - 1 drafts, ids (K, K) each
     head's argmax by row; draft a + 1 stands while head 0's argmax at row a equals it.
@@ -195,8 +196,11 @@ class _Passes:
             a, block, nxt = got
         else:
             block = np.array([cur.sure] + cur.drafts)
-            a, nxt = (greedy_verify(self.be, block, pos) if self.sampling.temperature <= 0
-                      else sampled_verify(self.be, block, pos, cur.qs, self.rng, self.sampling))
+            a, nxt = (
+                greedy_verify(self.be, block, pos)
+                if self.sampling.temperature <= 0
+                else sampled_verify(self.be, block, pos, cur.qs, self.rng, self.sampling)
+            )
         self.count += 1
         self.tokens += a + 1
         return a, block, nxt
@@ -236,11 +240,12 @@ class _Tally:
 
     def refill(self, ctx: int) -> list[int]:
         """Keep the most recent ctx // 2 tokens (the cache is full and is refilled from them)."""
-        self.hist = self.hist[-max(1, ctx // 2):]
+        self.hist = self.hist[-max(1, ctx // 2) :]
         return self.hist
 
 
 # ---- the engine ----------------------------------------------------------------------------------------
+
 
 class DecodeEngine:
     """Generation on one backend for one model (see the module docstring)."""
@@ -257,8 +262,15 @@ class DecodeEngine:
         self.budget = self.meter = None
 
     @classmethod
-    def from_params(cls, params: dict, cfg, device: str = "cpu", dtype: str = "bf16",
-                    speculative: bool | None = None, threads: int | None = None) -> "DecodeEngine":
+    def from_params(
+        cls,
+        params: dict,
+        cfg,
+        device: str = "cpu",
+        dtype: str = "bf16",
+        speculative: bool | None = None,
+        threads: int | None = None,
+    ) -> "DecodeEngine":
         """An engine for NumPy/CuPy `params`: NumPy on 'cpu' (the params' own float dtype; `threads` for BLAS,
         default the usable cores: `cpu.CpuBackend`), CUDA kernels on 'gpu' (`dtype` 'bf16' or
         'fp32' weights)."""
@@ -267,8 +279,13 @@ class DecodeEngine:
 
             from nanoeuler.infer.gpu import GpuBackend
 
-            return cls(GpuBackend(params, cfg, dtype=dtype), cfg, {k: cupy.asarray(v) for k, v in params.items()}, cupy,
-                       speculative)
+            return cls(
+                GpuBackend(params, cfg, dtype=dtype),
+                cfg,
+                {k: cupy.asarray(v) for k, v in params.items()},
+                cupy,
+                speculative,
+            )
         from nanoeuler.backend import to_numpy
         from nanoeuler.infer.cpu import CpuBackend
 
@@ -277,9 +294,15 @@ class DecodeEngine:
 
     # ---- batch: many prompts at once, plain decoding -----------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling,
-                 stop_ids=frozenset(), speculative: bool | None = None,
-                 on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop_ids=frozenset(),
+        speculative: bool | None = None,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[list[int]]:
         """New ids for each prompt (a stop id ends a row and is included). Prompt i samples with seed
         sampling.seed + i. `on_token(row, id)` is called as each id is chosen. With `speculative`, the
         prompts run one after the other through `stream(..., speculative=True)` (default: `self.speculative`).
@@ -298,8 +321,11 @@ class DecodeEngine:
                 out.append(row)
             return out
         out: list[list[int]] = [[] for _ in prompts]
-        events = (((0, t) for t in self._single(prompts[0], max_new_tokens, sampling, stop_ids))
-                  if len(prompts) == 1 else self._batch(prompts, max_new_tokens, sampling, stop_ids))
+        events = (
+            ((0, t) for t in self._single(prompts[0], max_new_tokens, sampling, stop_ids))
+            if len(prompts) == 1
+            else self._batch(prompts, max_new_tokens, sampling, stop_ids)
+        )
         for b, t in events:
             out[b].append(t)
             if on_token:
@@ -311,8 +337,11 @@ class DecodeEngine:
         if self.budget is not None:
             from nanoeuler import memory
 
-            self.meter.report(stage, memory.peak(memory.decode_parts(self.cfg, rows), self.budget.context),
-                              detail=f"{rows} rows decoded at once")
+            self.meter.report(
+                stage,
+                memory.peak(memory.decode_parts(self.cfg, rows), self.budget.context),
+                detail=f"{rows} rows decoded at once",
+            )
 
     def _grouped(self, prompts, max_new, sampling, stop_ids, speculative, on_token) -> list[list[int]]:
         """`generate` over groups of `max_batch` prompts: the KV cache of that many rows fits the memory."""
@@ -320,7 +349,7 @@ class DecodeEngine:
         for lo in range(0, len(prompts), self.max_batch):
             part = Sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + lo)
             shifted = None if on_token is None else (lambda b, t, lo=lo: on_token(lo + b, t))
-            out += self.generate(prompts[lo:lo + self.max_batch], max_new, part, stop_ids, speculative, shifted)
+            out += self.generate(prompts[lo : lo + self.max_batch], max_new, part, stop_ids, speculative, shifted)
         return out
 
     def _use_speculation(self, asked: bool | None, sampling: Sampling, rows: int) -> bool:
@@ -359,7 +388,7 @@ class DecodeEngine:
                 if t in stop_ids or count[b] == max_new:
                     live[b] = False
                 elif pos[b] >= ctx:  # this slot's cache is full: refill it from its recent tokens
-                    hist[b] = hist[b][-max(1, ctx // 2):]
+                    hist[b] = hist[b][-max(1, ctx // 2) :]
                     pending[b] = self._first(be.prefill(int(b), hist[b])[0], rngs[b], sampling)
                     pos[b] = len(hist[b])
                 else:
@@ -371,8 +400,11 @@ class DecodeEngine:
             nxt = None
             if chain is not None and (feed == live).all():  # no slot was refilled: steps that feed themselves
                 if ahead is None:  # up to the first live row's end of context, or the last one's last token
-                    ahead = chain(pending, np.minimum(pos, ctx - 1),
-                                  int(min((ctx - pos[live]).min(), (max_new - count[live]).max())))
+                    ahead = chain(
+                        pending,
+                        np.minimum(pos, ctx - 1),
+                        int(min((ctx - pos[live]).min(), (max_new - count[live]).max())),
+                    )
                 nxt = next(ahead, None)
             if nxt is None:
                 ahead = None
@@ -383,8 +415,14 @@ class DecodeEngine:
 
     # ---- one prompt, streamed ---------------------------------------------------------------------
 
-    def stream(self, prompt: Sequence[int], max_new_tokens: int, sampling: Sampling, stop_ids=frozenset(),
-               speculative: bool | None = None) -> Iterator[int]:
+    def stream(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop_ids=frozenset(),
+        speculative: bool | None = None,
+    ) -> Iterator[int]:
         """Yield new ids one at a time; a stop id is yielded and ends the stream. `speculative`: draft with
         the MTP heads (default: `self.speculative`)."""
         if max_new_tokens <= 0:
@@ -394,8 +432,12 @@ class DecodeEngine:
             return
         asked = speculative if speculative is not None else self.speculative
         be = self.backend
-        if (asked is None and sampling.temperature <= 0 and hasattr(be, "greedy_step")
-                and not hasattr(be, "greedy_passes")):
+        if (
+            asked is None
+            and sampling.temperature <= 0
+            and hasattr(be, "greedy_step")
+            and not hasattr(be, "greedy_passes")
+        ):
             yield from self._adaptive(prompt, max_new_tokens, sampling, stop_ids)
             return
         yield from self._speculative(prompt, max_new_tokens, sampling, stop_ids, probe=asked is None)
@@ -428,7 +470,7 @@ class DecodeEngine:
             if tok in stop_ids or n == max_new:
                 return
             if pos[0] >= ctx:  # the cache is full: refill it from the recent tokens
-                hist = hist[-max(1, ctx // 2):]
+                hist = hist[-max(1, ctx // 2) :]
                 tok = self._first(be.prefill(0, hist)[0], rngs[0], sampling)
                 pos[0] = len(hist)
                 ahead = None
@@ -467,7 +509,7 @@ class DecodeEngine:
             else:
                 a, block, cur = passes.verify(cur, pos)
                 self.stats.count_pass(a, K)
-                for d in block[1:a + 1]:
+                for d in block[1 : a + 1]:
                     yield int(d)
                     if out.ends(int(d)):
                         return
@@ -511,7 +553,7 @@ class DecodeEngine:
                 t_pass = _mean(t_pass, time.perf_counter() - t0)
                 st.count_pass(a, K)
                 w_passes, w_tokens = w_passes + 1, w_tokens + a + 1
-                for d in block[1:a + 1]:
+                for d in block[1 : a + 1]:
                     yield int(d)
                     if out.ends(int(d)):
                         return
@@ -558,7 +600,7 @@ class DecodeEngine:
         if len(prompt) == 0:
             raise ValueError("generation needs at least one prompt token")
         V = self.cfg.vocab_size
-        ids = [int(t) for t in prompt][-self.cfg.ctx_len:]
+        ids = [int(t) for t in prompt][-self.cfg.ctx_len :]
         if min(ids) < 0 or max(ids) >= V:
             raise ValueError(f"prompt holds ids outside [0, {V})")
         return ids
@@ -583,18 +625,26 @@ def _kept(hist: list[int], pos: int, drafts: list[int]) -> int:
 
 
 def add_speculative_argument(parser) -> None:
-    parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None,
-                        help="self-speculative decoding: the MTP heads draft, one pass verifies (same greedy "
-                             "output; same sampling distribution). Default: on for greedy decoding "
-                             "(--temperature 0) of one prompt where it pays: on a GPU it goes on plainly when "
-                             "its first 16 passes keep too few drafts; on the CPU it verifies drafts only while "
-                             "the run measures that passes beat plain steps; off for sampling")
+    parser.add_argument(
+        "--speculative",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="self-speculative decoding: the MTP heads draft, one pass verifies (same greedy "
+        "output; same sampling distribution). Default: on for greedy decoding "
+        "(--temperature 0) of one prompt where it pays: on a GPU it goes on plainly when "
+        "its first 16 passes keep too few drafts; on the CPU it verifies drafts only while "
+        "the run measures that passes beat plain steps; off for sampling",
+    )
 
 
 def add_threads_argument(parser) -> None:
-    parser.add_argument("--threads", type=int, metavar="N",
-                        help="CPU threads of the NumPy engine: its prefills use them, its one-row decode steps "
-                             "use them or one, whichever it measures faster; default: the usable cores")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="CPU threads of the NumPy engine: its prefills use them, its one-row decode steps "
+        "use them or one, whichever it measures faster; default: the usable cores",
+    )
 
 
 # ---- an engine from a model file -------------------------------------------------------------------------
@@ -602,8 +652,14 @@ def add_threads_argument(parser) -> None:
 DECODE_ROWS_MOST = 256  # generation slots at most, whatever the memory holds
 
 
-def load(path, device: str = "auto", speculative: bool | None = None, gpu_memory="auto", stage: str = "sample",
-         threads: int | None = None):
+def load(
+    path,
+    device: str = "auto",
+    speculative: bool | None = None,
+    gpu_memory="auto",
+    stage: str = "sample",
+    threads: int | None = None,
+):
     """(`DecodeEngine` on `device`, Tokenizer, metadata) from a model file that carries its tokenizer.
     On the GPU the engine runs bf16 weights (the float32 ones stay in `engine.params`), and `gpu_memory`
     (the config key) caps the rows it decodes at once (`DecodeEngine.max_batch`, `memory.decode_batch`); on
@@ -615,8 +671,7 @@ def load(path, device: str = "auto", speculative: bool | None = None, gpu_memory
 
     params, cfg, meta = checkpoint.load_model(path)
     if not meta.get("tokenizer"):
-        raise UserError(f"{path} carries no tokenizer (metadata 'tokenizer'); use a file written by "
-                        "pretrain or sft")
+        raise UserError(f"{path} carries no tokenizer (metadata 'tokenizer'); use a file written by pretrain or sft")
     try:
         tok = Tokenizer.from_json(meta["tokenizer"])
     except UserError as exc:

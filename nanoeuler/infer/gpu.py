@@ -72,7 +72,7 @@ class _Rows:
         self.host = cp.cuda.alloc_pinned_memory(4 * (3 * M + 4))
         self.ctl_host = np.frombuffer(self.host, dtype=np.int32, count=3 * M + 4)
         self.ctl = cp.zeros(3 * M + 4, dtype=cp.int32)  # ids, slots, positions, sampling values
-        self.meta, self.samp = self.ctl[:3 * M], self.ctl[3 * M:]
+        self.meta, self.samp = self.ctl[: 3 * M], self.ctl[3 * M :]
         self.slots = np.arange(M, dtype=np.int32)
         self.x = cp.zeros((M, C), f32)
         self.dx = cp.zeros((M, C), f32)  # the MLP branch not yet in x (the one-row path)
@@ -107,7 +107,7 @@ class _Rows:
 
     def act2(self, m: int, width: int):
         """The GEMM-operand buffer as a contiguous (m, width) matrix."""
-        return self.act[:m * width].reshape(m, width)
+        return self.act[: m * width].reshape(m, width)
 
 
 class GpuBackend:
@@ -142,22 +142,35 @@ class GpuBackend:
             from nanoeuler.kernels.bf16 import flash
 
             self._flash = flash.flash_kernels(self.variants.flash, cfg.head_dim)
-        W = (lambda a: to_bf16(cp.asarray(a, dtype=cp.float32))) if dtype == "bf16" else \
-            (lambda a: cp.ascontiguousarray(cp.asarray(a, dtype=cp.float32)))
+        W = (
+            (lambda a: to_bf16(cp.asarray(a, dtype=cp.float32)))
+            if dtype == "bf16"
+            else (lambda a: cp.ascontiguousarray(cp.asarray(a, dtype=cp.float32)))
+        )
         g32 = lambda a: cp.ascontiguousarray(cp.asarray(a, dtype=cp.float32))  # noqa: E731
         p = params
         self.emb = W(p["embed_tokens.weight"])
         self.layers = []
         for i in range(cfg.n_layers):
             n = f"layers.{i}."
-            self.layers.append(dict(
-                n1=g32(p[n + "input_layernorm.weight"]), n2=g32(p[n + "post_attention_layernorm.weight"]),
-                qkv=W(cp.concatenate([cp.asarray(p[n + f"self_attn.{w}_proj.weight"], dtype=cp.float32)
-                                      for w in "qkv"])),
-                o=W(p[n + "self_attn.o_proj.weight"]),
-                gu=W(cp.concatenate([cp.asarray(p[n + f"mlp.{w}_proj.weight"], dtype=cp.float32)
-                                     for w in ("gate", "up")])),
-                down=W(p[n + "mlp.down_proj.weight"])))
+            self.layers.append(
+                dict(
+                    n1=g32(p[n + "input_layernorm.weight"]),
+                    n2=g32(p[n + "post_attention_layernorm.weight"]),
+                    qkv=W(
+                        cp.concatenate(
+                            [cp.asarray(p[n + f"self_attn.{w}_proj.weight"], dtype=cp.float32) for w in "qkv"]
+                        )
+                    ),
+                    o=W(p[n + "self_attn.o_proj.weight"]),
+                    gu=W(
+                        cp.concatenate(
+                            [cp.asarray(p[n + f"mlp.{w}_proj.weight"], dtype=cp.float32) for w in ("gate", "up")]
+                        )
+                    ),
+                    down=W(p[n + "mlp.down_proj.weight"]),
+                )
+            )
         self.norm = g32(p["norm.weight"])
         cos, sin = rope_tables(cfg.ctx_len, cfg.head_dim, cfg.rope_theta, np, np.float32)  # as the reference
         self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
@@ -215,12 +228,32 @@ class GpuBackend:
 
             n = n_heads * V
             elementwise.rmsnorm_act(go, r.x, self.norm, r.act, M, cfg.dim, cfg.norm_eps)
-            self.gemm()(Matrix(r.logits.reshape(-1)[:M * n].reshape(M, n)), Matrix(r.act2(M, cfg.dim)),
-                        Matrix(self.heads[:n]), tb=True)
+            self.gemm()(
+                Matrix(r.logits.reshape(-1)[: M * n].reshape(M, n)),
+                Matrix(r.act2(M, cfg.dim)),
+                Matrix(self.heads[:n]),
+                tb=True,
+            )
         elif M == 1 and n_heads == 1 and rule in ("argmax", "chain") and V % 2 == 0 and self.variants.fuse_argmax:
             # one row's next id: head 0 and its argmax in one kernel (the logits are not kept)
-            gemv.head_argmax(go, self.heads, r.x, r.dx, self.norm, V, cfg.dim, cfg.norm_eps, r.best, r.arrive, r.out,
-                             r.ctl, r.hist, CHAIN_CAP, cfg.ctx_len, rule == "chain")
+            gemv.head_argmax(
+                go,
+                self.heads,
+                r.x,
+                r.dx,
+                self.norm,
+                V,
+                cfg.dim,
+                cfg.norm_eps,
+                r.best,
+                r.arrive,
+                r.out,
+                r.ctl,
+                r.hist,
+                CHAIN_CAP,
+                cfg.ctx_len,
+                rule == "chain",
+            )
             return
         else:
             self._head_logits(r.x, r.dx, r.logits, M, n_heads * V)
@@ -254,11 +287,27 @@ class GpuBackend:
         C, H, Hkv, D, L = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ctx_len
         self._qkv_rope(r, li, w, 1)  # q = rope(q(h)), k = rope(k(h)), v(h) into the cache; h = norm1(x + dx)
         if self.variants.attend_cluster:  # x += dx + o(attention(q, cache)); dx = 0
-            attend_o.attend_o_cluster(self.go, r.q, self.kc[li], self.vc[li], r.meta, w["o"], r.x, r.dx, 1, H, Hkv,
-                                      D, L, C, self.variants.alone_keys)
+            attend_o.attend_o_cluster(
+                self.go,
+                r.q,
+                self.kc[li],
+                self.vc[li],
+                r.meta,
+                w["o"],
+                r.x,
+                r.dx,
+                1,
+                H,
+                Hkv,
+                D,
+                L,
+                C,
+                self.variants.alone_keys,
+            )
         else:
-            attend_o.attend_o(self.go, r.q, self.kc[li], self.vc[li], r.meta, w["o"], r.x, r.dx, 1, H, Hkv, D, L, C,
-                              self._n_sm)
+            attend_o.attend_o(
+                self.go, r.q, self.kc[li], self.vc[li], r.meta, w["o"], r.x, r.dx, 1, H, Hkv, D, L, C, self._n_sm
+            )
         mlp.swiglu_down(self.go, w["gu"], w["down"], r.x, w["n2"], r.dx, cfg.hidden, C, cfg.norm_eps)  # dx = mlp(x)
 
     def _layer_few_rows(self, r: _Rows, li: int, w: dict, M: int) -> None:
@@ -276,13 +325,21 @@ class GpuBackend:
         from nanoeuler.kernels.cublas import Matrix
 
         cfg, go, gemm, x = self.cfg, self.go, self.gemm(), r.x[:M]
-        C, H, Hkv, D, F, L, eps = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden, cfg.ctx_len, \
-            cfg.norm_eps
+        C, H, Hkv, D, F, L, eps = (
+            cfg.dim,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            cfg.hidden,
+            cfg.ctx_len,
+            cfg.norm_eps,
+        )
         elementwise.rmsnorm_act(go, x, w["n1"], r.act, M, C, eps)  # h = norm1(x)
         gemm(Matrix(r.qkv[:M]), Matrix(r.act2(M, C)), Matrix(w["qkv"]), tb=True)  # q, k, v = qkv(h)
         qh, kh, vh = flash_ops[:3] if flash_ops else (None, None, None)
-        elementwise.rope_cache(go, r.qkv, r.meta, r.q, self.kc[li], self.vc[li], self.cos, self.sin, qh, kh, vh, M,
-                               H, Hkv, D, L)  # q, k = rope(q), rope(k); k, v into the cache
+        elementwise.rope_cache(
+            go, r.qkv, r.meta, r.q, self.kc[li], self.vc[li], self.cos, self.sin, qh, kh, vh, M, H, Hkv, D, L
+        )  # q, k = rope(q), rope(k); k, v into the cache
         if flash_ops:  # a = attention(q, k, v): a prefill over its own rows
             from nanoeuler.kernels.bf16 import flash
 
@@ -303,8 +360,25 @@ class GpuBackend:
         cfg = self.cfg
         H, Hkv, D, C = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dim
         ch = plan.tc_chunks(M, C, self.dtype, self.variants.tensor_cores, paired=True) if D % 16 == 0 else 0
-        args = (w["qkv"], r.x, r.dx, w["n1"], r.q, self.kc[li], self.vc[li], r.meta, self.cos, self.sin, M, H, Hkv,
-                D, cfg.ctx_len, C, cfg.norm_eps)
+        args = (
+            w["qkv"],
+            r.x,
+            r.dx,
+            w["n1"],
+            r.q,
+            self.kc[li],
+            self.vc[li],
+            r.meta,
+            self.cos,
+            self.sin,
+            M,
+            H,
+            Hkv,
+            D,
+            cfg.ctx_len,
+            C,
+            cfg.norm_eps,
+        )
         if ch:
             tgemv.tgemv_rope(self.go, ch, *args)
         else:
@@ -341,7 +415,7 @@ class GpuBackend:
         queue(rows)."""
         r = self._buffers(M)
         if meta is not None:
-            r.ctl_host[:3 * M] = meta
+            r.ctl_host[: 3 * M] = meta
         with self.stream:
             r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
         self._execute(key, lambda: queue(r))
@@ -388,7 +462,7 @@ class GpuBackend:
 
         r = self._replay(("prefill", P), P, queue, meta)
         with self.stream:  # every head at the prompt's last row; launched plainly after the graph
-            self._head_logits(r.x[T - 1:T], r.dx[T - 1:T], r.logits, 1, cfg.mtp_heads * cfg.vocab_size, pdl=False)
+            self._head_logits(r.x[T - 1 : T], r.dx[T - 1 : T], r.logits, 1, cfg.mtp_heads * cfg.vocab_size, pdl=False)
             logits = r.logits[0].get(stream=self.stream)
         return logits.reshape(cfg.mtp_heads, cfg.vocab_size)
 
@@ -439,11 +513,11 @@ class GpuBackend:
         r = self._buffers(B)
         h = r.ctl_host
         h[:B] = tokens
-        h[B:2 * B] = r.slots
-        h[2 * B:3 * B] = pos
+        h[B : 2 * B] = r.slots
+        h[2 * B : 3 * B] = pos
         if not greedy:
-            h[3 * B:3 * B + 2] = (sampling.top_k, step & 0x7FFFFFFF)
-            h[3 * B + 2:] = np.array([sampling.temperature, sampling.top_p], dtype=np.float32).view(np.int32)
+            h[3 * B : 3 * B + 2] = (sampling.top_k, step & 0x7FFFFFFF)
+            h[3 * B + 2 :] = np.array([sampling.temperature, sampling.top_p], dtype=np.float32).view(np.int32)
         self._run(B, 1, "argmax" if greedy else "sample")
         return self._fetch(r, B)
 
@@ -453,10 +527,10 @@ class GpuBackend:
         cp, B, V = self.cp, len(tokens), self.cfg.vocab_size
         r = self._buffers(B)
         h = r.ctl_host
-        h[:B], h[B:2 * B], h[2 * B:3 * B] = tokens, r.slots, pos
+        h[:B], h[B : 2 * B], h[2 * B : 3 * B] = tokens, r.slots, pos
         self._run(B, 1, "logits")  # no rule: the forward and head 0 only
         with self.stream:
-            out = r.logits.reshape(-1)[:B * V].reshape(B, V)[cp.asarray(np.flatnonzero(mask))]
+            out = r.logits.reshape(-1)[: B * V].reshape(B, V)[cp.asarray(np.flatnonzero(mask))]
         self.stream.synchronize()
         return out
 
@@ -469,8 +543,9 @@ class GpuBackend:
         T = len(ids) - start
         P = T if T <= GEMV_MAX_ROWS else 1 << (T - 1).bit_length()
         pad = lambda a: np.concatenate([a, np.full(P - T, a[-1], np.int32)])  # noqa: E731
-        meta = np.concatenate([pad(ids[start:]), np.full(P, slot, np.int32),
-                               pad(np.arange(start, len(ids), dtype=np.int32))])
+        meta = np.concatenate(
+            [pad(ids[start:]), np.full(P, slot, np.int32), pad(np.arange(start, len(ids), dtype=np.int32))]
+        )
 
         def queue(r):
             self._embed(r, P)
@@ -478,7 +553,7 @@ class GpuBackend:
 
         r = self._replay(("prefill_many", P), P, queue, meta)  # the same work as prefill_many's chunk of P rows
         with self.stream:
-            self._head_logits(r.x[T - 1:T], r.dx[T - 1:T], r.logits, 1, cfg.mtp_heads * cfg.vocab_size, pdl=False)
+            self._head_logits(r.x[T - 1 : T], r.dx[T - 1 : T], r.logits, 1, cfg.mtp_heads * cfg.vocab_size, pdl=False)
             logits = r.logits[0].get(stream=self.stream)
         return logits.reshape(cfg.mtp_heads, cfg.vocab_size)
 
@@ -503,13 +578,14 @@ class GpuBackend:
         M = len(tokens)
         r = self._buffers(M)
         r.ctl_host[:M] = tokens
-        r.ctl_host[M:2 * M] = r.slots
-        r.ctl_host[2 * M:3 * M] = pos
+        r.ctl_host[M : 2 * M] = r.slots
+        r.ctl_host[2 * M : 3 * M] = pos
         r.ctl_host[3 * M + 1] = 0  # the step counter
         with self.stream:
             r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
-        yield from self._chained(r, (M, 1, "chain"), lambda: self._step(r, M, 1, "chain"), M,
-                                 lambda queued, read: queued < n)
+        yield from self._chained(
+            r, (M, 1, "chain"), lambda: self._step(r, M, 1, "chain"), M, lambda queued, read: queued < n
+        )
 
     def _chained(self, r: _Rows, key, queue, size: int, more):
         """Queue steps that feed themselves while more(queued, read) and fewer than CHAIN_AHEAD are unread;
@@ -526,7 +602,7 @@ class GpuBackend:
             j = read % CHAIN_CAP
             self._landed[j].synchronize()
             read += 1
-            yield r.hist_host[j * size:(j + 1) * size].copy()
+            yield r.hist_host[j * size : (j + 1) * size].copy()
 
     def greedy_passes(self, sure: int, drafts, pos: int):
         """Greedy self-speculative verify passes of slot 0 that feed themselves (accept_chain), from the
@@ -537,23 +613,27 @@ class GpuBackend:
         K, ctx = self.cfg.mtp_heads, self.cfg.ctx_len
         r = self._buffers(K)
         r.ctl_host[:K] = [sure] + list(drafts)
-        r.ctl_host[K:2 * K] = 0
-        r.ctl_host[2 * K:3 * K] = pos + np.arange(K)
+        r.ctl_host[K : 2 * K] = 0
+        r.ctl_host[2 * K : 3 * K] = pos + np.arange(K)
         r.ctl_host[3 * K + 1] = 0  # the pass counter
         with self.stream:
             r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
         start = [pos]  # the first unread pass's position
-        for got in self._chained(r, (K, K, "accept"), lambda: self._step(r, K, K, "accept"), 2 * K + 1,
-                                 lambda queued, read: start[0] + K * (queued - read + 1) <= ctx):
+        for got in self._chained(
+            r,
+            (K, K, "accept"),
+            lambda: self._step(r, K, K, "accept"),
+            2 * K + 1,
+            lambda queued, read: start[0] + K * (queued - read + 1) <= ctx,
+        ):
             a = int(got[0])
             start[0] += a + 1
-            yield a, got[1:K + 1], got[K + 1:]
+            yield a, got[1 : K + 1], got[K + 1 :]
 
     def verify_argmax(self, tokens, pos: int) -> np.ndarray:
         t = len(tokens)
         K = self.cfg.mtp_heads
-        meta = np.concatenate([np.asarray(tokens, np.int32), np.zeros(t, np.int32),
-                               pos + np.arange(t, dtype=np.int32)])
+        meta = np.concatenate([np.asarray(tokens, np.int32), np.zeros(t, np.int32), pos + np.arange(t, dtype=np.int32)])
         r = self._run(t, K, "argmax", meta)
         return self._fetch(r, t * K).reshape(t, K).T  # (K, t)
 
@@ -564,18 +644,21 @@ class GpuBackend:
         blocks = np.asarray(blocks, np.int32)
         n, t = blocks.shape
         K = self.cfg.mtp_heads
-        meta = np.concatenate([blocks.reshape(-1), np.repeat(np.asarray(slots, np.int32), t),
-                               (np.asarray(pos, np.int32)[:, None] + np.arange(t, dtype=np.int32)).reshape(-1)])
+        meta = np.concatenate(
+            [
+                blocks.reshape(-1),
+                np.repeat(np.asarray(slots, np.int32), t),
+                (np.asarray(pos, np.int32)[:, None] + np.arange(t, dtype=np.int32)).reshape(-1),
+            ]
+        )
         r = self._run(n * t, K, "argmax", meta)
         return self._fetch(r, n * t * K).reshape(n, t, K).transpose(0, 2, 1)
 
     def verify(self, tokens, pos: int) -> np.ndarray:
         t = len(tokens)
         cfg = self.cfg
-        meta = np.concatenate([np.asarray(tokens, np.int32), np.zeros(t, np.int32),
-                               pos + np.arange(t, dtype=np.int32)])
+        meta = np.concatenate([np.asarray(tokens, np.int32), np.zeros(t, np.int32), pos + np.arange(t, dtype=np.int32)])
         r = self._run(t, cfg.mtp_heads, "none", meta)
         with self.stream:
             logits = r.logits[:t].get(stream=self.stream)
         return logits.reshape(t, cfg.mtp_heads, cfg.vocab_size).transpose(1, 0, 2)  # (K, t, V)
-

@@ -28,8 +28,9 @@ from nanoeuler.infer.logprobs import token_logprobs
 from nanoeuler.infer.sampling import Sampling, accept_or_resample, sample_token, sampling_probs
 
 
-def speculative_logprobs(engine, prompt, max_new_tokens: int, sampling: Sampling, stop_ids=frozenset(),
-                         top: int = 0, guide=None) -> Iterator[tuple[int, float, list[tuple[int, float]]]]:
+def speculative_logprobs(
+    engine, prompt, max_new_tokens: int, sampling: Sampling, stop_ids=frozenset(), top: int = 0, guide=None
+) -> Iterator[tuple[int, float, list[tuple[int, float]]]]:
     """Yield (id, log-probability, [(alternative id, log-probability)...]) per new token; a stop id or the
     grammar's end ends the stream (the stop id is yielded)."""
     be, cfg, st = engine.backend, engine.cfg, engine.stats
@@ -65,7 +66,7 @@ def speculative_logprobs(engine, prompt, max_new_tokens: int, sampling: Sampling
         pos = len(hist) - 1  # where `sure` will be fed
         if pos >= ctx or pos + K > ctx or K == 1:  # no room for a block: one row (after a refill when full)
             if pos >= ctx:
-                hist = hist[-max(1, ctx // 2):]
+                hist = hist[-max(1, ctx // 2) :]
                 heads = be.prefill(0, hist)
             else:
                 heads = be.verify(np.array([sure[0]]), pos)[:, 0]

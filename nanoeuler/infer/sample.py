@@ -41,13 +41,16 @@ def run(args: argparse.Namespace) -> int:
     check_text(args.prompt, "--prompt")
     conf = sections(args, "device", "gpu_memory", "eval")
     sampling, max_new = sampling_from(args, conf["eval"])
-    gen, tok, _ = load(args.ckpt, args.device or conf["device"], args.speculative, conf["gpu_memory"], "sample",
-                       args.threads)
+    gen, tok, _ = load(
+        args.ckpt, args.device or conf["device"], args.speculative, conf["gpu_memory"], "sample", args.threads
+    )
     ids = tok.encode(args.prompt) if args.prompt else [tok.eot_id]
     ids, dropped = fit_prompt(ids, gen.cfg.ctx_len, min(max_new, gen.cfg.ctx_len // 4))
     if dropped:
-        print(f"[prompt left-truncated: dropped its first {dropped} tokens to fit the "
-              f"{gen.cfg.ctx_len}-token context]", file=sys.stderr)
+        print(
+            f"[prompt left-truncated: dropped its first {dropped} tokens to fit the {gen.cfg.ctx_len}-token context]",
+            file=sys.stderr,
+        )
     stop = {tok.eot_id, tok.end_id}
     out = sys.stdout
     out.write(args.prompt)

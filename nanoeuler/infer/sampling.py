@@ -71,8 +71,8 @@ def checked_sampling(temperature, top_k, top_p, seed) -> Sampling:
 def sampling_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """The distribution that sampling draws from: (V,) float64 probabilities for a row of logits (temperature > 0).
 
-        >>> sampling_probs(np.log([0.5, 0.3, 0.2]), 1.0, top_k=2).round(3).tolist()
-        [0.625, 0.375, 0.0]
+    >>> sampling_probs(np.log([0.5, 0.3, 0.2]), 1.0, top_k=2).round(3).tolist()
+    [0.625, 0.375, 0.0]
     """
     z = np.asarray(to_numpy(logits), dtype=np.float64).reshape(-1)
     z = z / temperature
@@ -121,6 +121,7 @@ def accept_or_resample(p: np.ndarray, q: np.ndarray, draft: int, u: float, rng) 
 
 # ---- sampling values from the command line ------------------------------------------------------------
 
+
 def add_sampling_arguments(parser) -> None:
     """--max-new-tokens/--temperature/--top-k/--top-p/--seed; unset ones come from the config's `eval`."""
     parser.add_argument("--max-new-tokens", type=int, metavar="N", help="tokens to generate at most")
@@ -132,13 +133,18 @@ def add_sampling_arguments(parser) -> None:
 
 def sampling_from(args, eval_section: dict) -> tuple[Sampling, int]:
     """(Sampling, max_new_tokens): command-line values, else the config's eval section (`checked_sampling`)."""
+
     def pick(name, key):
         value = getattr(args, name, None)
         return eval_section[key] if value is None else value
 
     try:
-        s = checked_sampling(float(pick("temperature", "temperature")), int(pick("top_k", "top_k")),
-                             float(pick("top_p", "top_p")), int(pick("seed", "seed")))
+        s = checked_sampling(
+            float(pick("temperature", "temperature")),
+            int(pick("top_k", "top_k")),
+            float(pick("top_p", "top_p")),
+            int(pick("seed", "seed")),
+        )
     except SamplingError as exc:
         raise UserError(f"--{exc.field.replace('_', '-')}: {exc}") from None
     n = int(pick("max_new_tokens", "max_new_tokens"))

@@ -121,8 +121,10 @@ def kernel_path_options(path: str = "auto") -> dict:
 
     choice = os.environ.get("NANOEULER_KERNELS") or path
     if choice not in KERNEL_PATHS:
-        raise UserError(f"kernel path {choice!r} is not one of {', '.join(KERNEL_PATHS)}"
-                         + (" (from NANOEULER_KERNELS)" if os.environ.get("NANOEULER_KERNELS") else ""))
+        raise UserError(
+            f"kernel path {choice!r} is not one of {', '.join(KERNEL_PATHS)}"
+            + (" (from NANOEULER_KERNELS)" if os.environ.get("NANOEULER_KERNELS") else "")
+        )
     return {} if choice == "auto" else {"attention": "ldm", "fuse_swiglu": False, "fuse_rope": False}
 
 

@@ -32,7 +32,19 @@ def step_tensor(p, g, m, v, *, beta1, beta2, eps, decay, step_size, inv_sqrt_bc2
         return
     blocks = min(_MAX_BLOCKS, (n + 255) // 256)
     kernel("adamw", "adamw_step")(
-        (blocks,), (256,),
-        (p, g, m, v, np.int64(n), np.float32(beta1), np.float32(beta2), np.float32(decay), np.float32(step_size),
-         np.float32(inv_sqrt_bc2), np.float32(eps)))
-
+        (blocks,),
+        (256,),
+        (
+            p,
+            g,
+            m,
+            v,
+            np.int64(n),
+            np.float32(beta1),
+            np.float32(beta2),
+            np.float32(decay),
+            np.float32(step_size),
+            np.float32(inv_sqrt_bc2),
+            np.float32(eps),
+        ),
+    )

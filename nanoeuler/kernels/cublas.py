@@ -86,8 +86,27 @@ class Gemm:
         c_int, c_void_p = ctypes.c_int, ctypes.c_void_p
         self._lib = lib
         self._call = lib.cublasGemmEx
-        self._call.argtypes = [c_void_p, c_int, c_int, c_int, c_int, c_int, c_void_p, c_void_p, c_int, c_int,
-                               c_void_p, c_int, c_int, c_void_p, c_void_p, c_int, c_int, c_int, c_int]
+        self._call.argtypes = [
+            c_void_p,
+            c_int,
+            c_int,
+            c_int,
+            c_int,
+            c_int,
+            c_void_p,
+            c_void_p,
+            c_int,
+            c_int,
+            c_void_p,
+            c_int,
+            c_int,
+            c_void_p,
+            c_void_p,
+            c_int,
+            c_int,
+            c_int,
+            c_int,
+        ]
         self._call.restype = c_int
         handle = c_void_p()
         _check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
@@ -95,15 +114,39 @@ class Gemm:
         stream = cp.cuda.get_current_stream() if stream is None else stream
         _check(lib.cublasSetStream_v2(handle, c_void_p(stream.ptr)), "cublasSetStream")
         self.workspace = cp.empty(WORKSPACE, dtype=np.uint8)  # of size 0: a null pointer
-        _check(lib.cublasSetWorkspace_v2(handle, c_void_p(self.workspace.data.ptr), ctypes.c_size_t(WORKSPACE)),
-               "cublasSetWorkspace")
+        _check(
+            lib.cublasSetWorkspace_v2(handle, c_void_p(self.workspace.data.ptr), ctypes.c_size_t(WORKSPACE)),
+            "cublasSetWorkspace",
+        )
         _check(lib.cublasSetPointerMode_v2(handle, 0), "cublasSetPointerMode")  # alpha/beta on the host
         self._one = np.ones(1, dtype=np.float32)
         self._zero = np.zeros(1, dtype=np.float32)
         self._batched = lib.cublasGemmStridedBatchedEx
-        self._batched.argtypes = [c_void_p, c_int, c_int, c_int, c_int, c_int, c_void_p,
-                                  c_void_p, c_int, c_int, ctypes.c_longlong, c_void_p, c_int, c_int, ctypes.c_longlong,
-                                  c_void_p, c_void_p, c_int, c_int, ctypes.c_longlong, c_int, c_int, c_int]
+        self._batched.argtypes = [
+            c_void_p,
+            c_int,
+            c_int,
+            c_int,
+            c_int,
+            c_int,
+            c_void_p,
+            c_void_p,
+            c_int,
+            c_int,
+            ctypes.c_longlong,
+            c_void_p,
+            c_int,
+            c_int,
+            ctypes.c_longlong,
+            c_void_p,
+            c_void_p,
+            c_int,
+            c_int,
+            ctypes.c_longlong,
+            c_int,
+            c_int,
+            c_int,
+        ]
         self._batched.restype = c_int
         self._scalars = {}  # host alpha/beta values of the batched products, kept alive
 
@@ -120,16 +163,47 @@ class Gemm:
         if am != M or bk != K or bn != N:
             raise ValueError(f"GEMM shapes: c {M}x{N}, op(a) {am}x{K}, op(b) {bk}x{bn}")
         beta_ptr = self._one.ctypes.data if beta else self._zero.ctypes.data
-        _check(self._call(self.handle, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, N, M, K,
-                          self._one.ctypes.data, b.ptr, b.dt, b.ld, a.ptr, a.dt, a.ld,
-                          beta_ptr, c.ptr, c.dt, c.ld, _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
+        _check(
+            self._call(
+                self.handle,
+                _OP_T if tb else _OP_N,
+                _OP_T if ta else _OP_N,
+                N,
+                M,
+                K,
+                self._one.ctypes.data,
+                b.ptr,
+                b.dt,
+                b.ld,
+                a.ptr,
+                a.dt,
+                a.ld,
+                beta_ptr,
+                c.ptr,
+                c.dt,
+                c.ld,
+                _CUBLAS_COMPUTE_32F,
+                _CUBLAS_GEMM_DEFAULT,
+            ),
+            "cublasGemmEx",
+        )
 
     def _scalar(self, value: float) -> int:
         arr = self._scalars.setdefault(float(value), np.full(1, value, dtype=np.float32))
         return arr.ctypes.data
 
-    def batched(self, c: Matrix, a: Matrix, b: Matrix, count: int, strides: tuple, ta=False, tb=False,
-                alpha: float = 1.0, beta: float = 0.0):
+    def batched(
+        self,
+        c: Matrix,
+        a: Matrix,
+        b: Matrix,
+        count: int,
+        strides: tuple,
+        ta=False,
+        tb=False,
+        alpha: float = 1.0,
+        beta: float = 0.0,
+    ):
         """c_i = alpha op(a_i) @ op(b_i) + beta c_i for i < count by `cublasGemmStridedBatchedEx`: c, a, b
         are the first matrices, `strides` = (c's, a's, b's) in elements between consecutive ones."""
         M, N = c.rows, c.cols
@@ -139,7 +213,31 @@ class Gemm:
         if am != M or bk != K or bn != N:
             raise ValueError(f"GEMM shapes: c {M}x{N}, op(a) {am}x{K}, op(b) {bk}x{bn}")
         sc, sa, sb = (int(s) for s in strides)
-        _check(self._batched(self.handle, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, N, M, K,
-                             self._scalar(alpha), b.ptr, b.dt, b.ld, sb, a.ptr, a.dt, a.ld, sa,
-                             self._scalar(beta), c.ptr, c.dt, c.ld, sc, int(count), _CUBLAS_COMPUTE_32F,
-                             _CUBLAS_GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
+        _check(
+            self._batched(
+                self.handle,
+                _OP_T if tb else _OP_N,
+                _OP_T if ta else _OP_N,
+                N,
+                M,
+                K,
+                self._scalar(alpha),
+                b.ptr,
+                b.dt,
+                b.ld,
+                sb,
+                a.ptr,
+                a.dt,
+                a.ld,
+                sa,
+                self._scalar(beta),
+                c.ptr,
+                c.dt,
+                c.ld,
+                sc,
+                int(count),
+                _CUBLAS_COMPUTE_32F,
+                _CUBLAS_GEMM_DEFAULT,
+            ),
+            "cublasGemmStridedBatchedEx",
+        )

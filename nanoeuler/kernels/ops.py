@@ -93,7 +93,8 @@ def rmsnorm_backward(dy, cache):
     nseg = -(-N // seg_rows)
     partial = cp.empty((nseg, C), dtype=F32)
     kernel("rmsnorm", "rmsnorm_bwd_dw_partial")(
-        (-(-C // 32), nseg), (32, 8), (dy2, x2, rstd, partial, _i64(N), _i32(C), _i32(seg_rows)))
+        (-(-C // 32), nseg), (32, 8), (dy2, x2, rstd, partial, _i64(N), _i32(C), _i32(seg_rows))
+    )
     return dx.reshape(cache.shape), partial.sum(axis=0)
 
 
@@ -122,15 +123,34 @@ def _rope(x, cos, sin, sign):
     sin = cp.ascontiguousarray(sin)
     y = cp.empty((B, H, T, D), dtype=F32)
     pairs = B * H * T * (D // 2)
-    launch_per_item(kernel("elementwise", "rope_rotate"), pairs,
-                    (x, _i64(strides[0]), _i64(strides[1]), _i64(strides[2]), cos, sin, y,
-                     _i32(H), _i32(T), _i32(D), np.float32(sign), _i64(pairs)))
+    launch_per_item(
+        kernel("elementwise", "rope_rotate"),
+        pairs,
+        (
+            x,
+            _i64(strides[0]),
+            _i64(strides[1]),
+            _i64(strides[2]),
+            cos,
+            sin,
+            y,
+            _i32(H),
+            _i32(T),
+            _i32(D),
+            np.float32(sign),
+            _i64(pairs),
+        ),
+    )
     return y
 
 
 def _rope_ok(x, cos, sin):
-    return (_f32(x, cos, sin) and x.ndim == 4 and x.shape[-1] % 2 == 0
-            and cos.shape == sin.shape == (x.shape[2], x.shape[3] // 2))
+    return (
+        _f32(x, cos, sin)
+        and x.ndim == 4
+        and x.shape[-1] % 2 == 0
+        and cos.shape == sin.shape == (x.shape[2], x.shape[3] // 2)
+    )
 
 
 def rope_forward(x, cos, sin):
@@ -174,8 +194,7 @@ def _attn_ok(q, k, v):
         return False
     B, H, T, D = q.shape
     Bk, Hkv, S, Dk = k.shape
-    return (D in _FLASH and k.shape == v.shape and Bk == B and Dk == D and Hkv >= 1 and H % Hkv == 0
-            and 1 <= T <= S)
+    return D in _FLASH and k.shape == v.shape and Bk == B and Dk == D and Hkv >= 1 and H % Hkv == 0 and 1 <= T <= S
 
 
 def attention_forward(q, k, v):
@@ -193,8 +212,10 @@ def attention_forward(q, k, v):
     out = cp.empty((B, H, T, D), dtype=F32)
     lse = cp.empty((B, H, T), dtype=F32)
     kernel("attention", f"flash_fwd_d{D}")(
-        (-(-T // rows), B * H), (rows * G,),
-        (q, *qs, k, *ks, v, *vs, out, lse, _i32(H), _i32(Hkv), _i32(T), _i32(S), np.float32(scale)))
+        (-(-T // rows), B * H),
+        (rows * G,),
+        (q, *qs, k, *ks, v, *vs, out, lse, _i32(H), _i32(Hkv), _i32(T), _i32(S), np.float32(scale)),
+    )
     return out, _AttnCache(q, k, v, out, lse, scale)
 
 
@@ -214,14 +235,17 @@ def attention_backward(dout, cache):
     delta = cp.empty((B, H, T), dtype=F32)
     n_rows = B * H * T
     kernel("attention", "flash_bwd_delta")(
-        (-(-n_rows // 8),), (256,), (out, dout, *ds, delta, _i32(H), _i32(T), _i32(D), _i64(n_rows)))
+        (-(-n_rows // 8),), (256,), (out, dout, *ds, delta, _i32(H), _i32(T), _i32(D), _i64(n_rows))
+    )
     dk = cp.empty((B, Hkv, S, D), dtype=F32)
     dv = cp.empty((B, Hkv, S, D), dtype=F32)
     kernel("attention", f"flash_bwd_dkdv_d{D}")(
-        (-(-S // rows), B * Hkv), (rows * G,), (q, *qs, k, *ks, v, *vs, dout, *ds, lse, delta, dk, dv, *dims))
+        (-(-S // rows), B * Hkv), (rows * G,), (q, *qs, k, *ks, v, *vs, dout, *ds, lse, delta, dk, dv, *dims)
+    )
     dq = cp.empty((B, H, T, D), dtype=F32)
     kernel("attention", f"flash_bwd_dq_d{D}")(
-        (-(-T // rows), B * H), (rows * G,), (q, *qs, k, *ks, v, *vs, dout, *ds, lse, delta, dq, *dims))
+        (-(-T // rows), B * H), (rows * G,), (q, *qs, k, *ks, v, *vs, dout, *ds, lse, delta, dq, *dims)
+    )
     return dq, dk, dv
 
 
@@ -258,8 +282,7 @@ def swiglu_forward(g, u):
     g, gld = _rows(g)
     u, uld = _rows(u)
     h = cp.empty(g.shape, dtype=F32)
-    launch_per_item(kernel("elementwise", "swiglu_fwd"), h.size,
-                    (g, _i64(gld), u, _i64(uld), h, _i32(F), _i64(h.size)))
+    launch_per_item(kernel("elementwise", "swiglu_fwd"), h.size, (g, _i64(gld), u, _i64(uld), h, _i32(F), _i64(h.size)))
     return h, _GluCache(g, gld, u, uld, g.shape)
 
 
@@ -272,8 +295,11 @@ def swiglu_backward(dh, cache):
     dg = cp.empty(shape, dtype=F32)
     du = cp.empty(shape, dtype=F32)
     n = dg.size
-    launch_per_item(kernel("elementwise", "swiglu_bwd"), n,
-                    (dh, g, _i64(cache.gld), u, _i64(cache.uld), dg, du, _i32(shape[-1]), _i64(n)))
+    launch_per_item(
+        kernel("elementwise", "swiglu_bwd"),
+        n,
+        (dh, g, _i64(cache.gld), u, _i64(cache.uld), dg, du, _i32(shape[-1]), _i64(n)),
+    )
     return dg, du
 
 
@@ -321,8 +347,21 @@ def _row_major(a):
 def _ce_rows(logits, ld, targets, loss_rows, lse, grad, gld, scale, write):
     N, V = logits.shape
     kernel("cross_entropy", "ce_fwd")(
-        (N,), (256,), (logits, _i64(ld), targets, loss_rows, lse, grad, _i64(gld), np.float32(scale),
-                       _i32(V), _i32(1 if write else 0)))
+        (N,),
+        (256,),
+        (
+            logits,
+            _i64(ld),
+            targets,
+            loss_rows,
+            lse,
+            grad,
+            _i64(gld),
+            np.float32(scale),
+            _i32(V),
+            _i32(1 if write else 0),
+        ),
+    )
 
 
 def cross_entropy_forward(logits, targets):
@@ -347,8 +386,11 @@ def cross_entropy_backward(dloss_sum, cache):
     logits = cp.ascontiguousarray(cache.logits)
     N, V = logits.shape
     grad = cp.empty((N, V), dtype=F32)
-    launch_per_item(kernel("cross_entropy", "ce_bwd"), N * V,
-                    (logits, cache.targets, cache.lse, grad, np.float32(float(dloss_sum)), _i32(V), _i64(N * V)))
+    launch_per_item(
+        kernel("cross_entropy", "ce_bwd"),
+        N * V,
+        (logits, cache.targets, cache.lse, grad, np.float32(float(dloss_sum)), _i32(V), _i64(N * V)),
+    )
     return grad
 
 

@@ -28,14 +28,21 @@ class _Attr(ctypes.Structure):  # CUlaunchAttribute
 
 
 class _Config(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_Attr)), ("numAttrs", ctypes.c_uint)]
+    _fields_ = [
+        ("gridDimX", ctypes.c_uint),
+        ("gridDimY", ctypes.c_uint),
+        ("gridDimZ", ctypes.c_uint),
+        ("blockDimX", ctypes.c_uint),
+        ("blockDimY", ctypes.c_uint),
+        ("blockDimZ", ctypes.c_uint),
+        ("sharedMemBytes", ctypes.c_uint),
+        ("hStream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_Attr)),
+        ("numAttrs", ctypes.c_uint),
+    ]
 
 
-_SCALARS = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint64: ctypes.c_uint64,
-            np.float32: ctypes.c_float}
+_SCALARS = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint64: ctypes.c_uint64, np.float32: ctypes.c_float}
 
 
 def _arg(a):
@@ -59,8 +66,12 @@ class PdlLauncher:
     def __init__(self):
         lib = ctypes.CDLL("libcuda.so.1")
         self._launch = lib.cuLaunchKernelEx
-        self._launch.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
-                                 ctypes.c_void_p]
+        self._launch.argtypes = [
+            ctypes.POINTER(_Config),
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_void_p,
+        ]
         self._launch.restype = ctypes.c_int
         self._attr = _Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
         self._attr.value.i = 1
@@ -69,8 +80,14 @@ class PdlLauncher:
         grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
         vals = [_arg(a) for a in args]
         params = (ctypes.c_void_p * max(1, len(vals)))(*[ctypes.addressof(v) for v in vals])
-        cfg = _Config(*grid, *block, int(shared_mem), ctypes.c_void_p(stream.ptr if stream is not None else 0),
-                      ctypes.pointer(self._attr), 1)
+        cfg = _Config(
+            *grid,
+            *block,
+            int(shared_mem),
+            ctypes.c_void_p(stream.ptr if stream is not None else 0),
+            ctypes.pointer(self._attr),
+            1,
+        )
         err = self._launch(ctypes.byref(cfg), ctypes.c_void_p(_fn_ptr(fn)), params, None)
         if err != 0:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUDA driver error {err}")

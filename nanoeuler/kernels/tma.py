@@ -46,9 +46,19 @@ def _encode(matrix, dims, strides, box, what: str):
     at = -(-ctypes.addressof(raw) // 64) * 64
     u64, u32, rank = ctypes.c_uint64, ctypes.c_uint32, len(dims)
     status = _encode_tiled()(
-        ctypes.c_void_p(at), _BFLOAT16, u32(rank), ctypes.c_void_p(matrix.data.ptr), (u64 * rank)(*dims),
-        (u64 * (rank - 1))(*strides), (u32 * rank)(*box), (u32 * rank)(*([1] * rank)), 0, _SWIZZLE_128B,
-        _L2_PROMOTION_256B, 0)
+        ctypes.c_void_p(at),
+        _BFLOAT16,
+        u32(rank),
+        ctypes.c_void_p(matrix.data.ptr),
+        (u64 * rank)(*dims),
+        (u64 * (rank - 1))(*strides),
+        (u32 * rank)(*box),
+        (u32 * rank)(*([1] * rank)),
+        0,
+        _SWIZZLE_128B,
+        _L2_PROMOTION_256B,
+        0,
+    )
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed (CUresult {status}) for {what}")
     host = np.frombuffer(ctypes.string_at(at, _MAP_BYTES), dtype=np.uint8)
@@ -57,11 +67,15 @@ def _encode(matrix, dims, strides, box, what: str):
 
 def _check(matrix, name: str) -> None:
     if matrix.ndim != 2 or matrix.dtype.itemsize != 2 or matrix.strides[1] != 2:
-        raise ValueError(f"{name} needs a matrix of bf16 words with unit column stride, got {matrix.dtype} "
-                         f"shape {matrix.shape} strides {matrix.strides}")
+        raise ValueError(
+            f"{name} needs a matrix of bf16 words with unit column stride, got {matrix.dtype} "
+            f"shape {matrix.shape} strides {matrix.strides}"
+        )
     if matrix.data.ptr % 16 or matrix.strides[0] % 16:
-        raise ValueError(f"{name} needs a 16-byte aligned matrix and row stride (address {matrix.data.ptr:#x}, "
-                         f"row stride {matrix.strides[0]})")
+        raise ValueError(
+            f"{name} needs a 16-byte aligned matrix and row stride (address {matrix.data.ptr:#x}, "
+            f"row stride {matrix.strides[0]})"
+        )
 
 
 def tile_map(matrix, box_rows: int, box_cols: int = 64):
@@ -72,8 +86,13 @@ def tile_map(matrix, box_rows: int, box_cols: int = 64):
     if box_cols * 2 > 128:
         raise ValueError(f"tile_map's boxes hold at most 64 columns (one 128-byte swizzle row), got {box_cols}")
     rows, cols = matrix.shape
-    return _encode(matrix, (cols, rows), (matrix.strides[0],), (box_cols, box_rows),
-                   f"a {rows} x {cols} matrix, box {box_rows} x {box_cols}")
+    return _encode(
+        matrix,
+        (cols, rows),
+        (matrix.strides[0],),
+        (box_cols, box_rows),
+        f"a {rows} x {cols} matrix, box {box_rows} x {box_cols}",
+    )
 
 
 def gate_up_map(w):
@@ -91,8 +110,13 @@ def gate_up_map(w):
     if rows % 128 or cols % 64:
         raise ValueError(f"gate_up_map needs 2F x C with F % 64 == 0 and C % 64 == 0, got {rows} x {cols}")
     r = w.strides[0]
-    return _encode(w, (cols, 2, 4, 8, rows // 64), (r, 16 * r, 2 * r, 64 * r), (64, 2, 4, 8, 1),
-                   f"the gate/up weight ({rows} x {cols})")
+    return _encode(
+        w,
+        (cols, 2, 4, 8, rows // 64),
+        (r, 16 * r, 2 * r, 64 * r),
+        (64, 2, 4, 8, 1),
+        f"the gate/up weight ({rows} x {cols})",
+    )
 
 
 def heads_map(x):
@@ -105,5 +129,6 @@ def heads_map(x):
     if T % 64:
         raise ValueError(f"heads_map needs T % 64 == 0 (boxes of 64 positions), got T {T}")
     _check(x.reshape(B * heads * T, D), "heads_map")
-    return _encode(x, (D, T, B * heads), (2 * D, 2 * D * T), (64, 64, 1),
-                   f"attention operands ({B}, {heads}, {T}, {D})")
+    return _encode(
+        x, (D, T, B * heads), (2 * D, 2 * D * T), (64, 64, 1), f"attention operands ({B}, {heads}, {T}, {D})"
+    )

@@ -82,8 +82,9 @@ class ModelConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise UserError(f"model config has unknown key(s) {', '.join(unknown)}")
-        missing = sorted(f.name for f in dataclasses.fields(cls)
-                         if f.default is dataclasses.MISSING and f.name not in d)
+        missing = sorted(
+            f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in d
+        )
         if missing:
             raise UserError(f"model config lacks key(s) {', '.join(missing)}")
         return cls(**d)
@@ -142,13 +143,43 @@ class ModelConfig:
 
 PRESETS: dict[str, dict] = {
     # ~1.05M parameters: the CPU showcase.
-    "small": dict(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ctx_len=128,
-                  ffn_hidden=0, mtp_heads=4, rope_theta=10000.0, norm_eps=1e-5),
+    "small": dict(
+        vocab_size=512,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ctx_len=128,
+        ffn_hidden=0,
+        mtp_heads=4,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+    ),
     # ~116M parameters: the full GPU run.
-    "gpu": dict(vocab_size=4096, dim=768, n_layers=16, n_heads=12, n_kv_heads=4, ctx_len=512,
-                ffn_hidden=0, mtp_heads=4, rope_theta=10000.0, norm_eps=1e-5),
+    "gpu": dict(
+        vocab_size=4096,
+        dim=768,
+        n_layers=16,
+        n_heads=12,
+        n_kv_heads=4,
+        ctx_len=512,
+        ffn_hidden=0,
+        mtp_heads=4,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+    ),
     # ~278M parameters: head size 64 (every attention kernel), 3 query heads per KV head as `gpu`, and
     # widths that the fused GEMMs take (dim % 64, hidden 3072 % 128).
-    "gpu-270m": dict(vocab_size=4096, dim=1152, n_layers=18, n_heads=18, n_kv_heads=6, ctx_len=512,
-                     ffn_hidden=0, mtp_heads=4, rope_theta=10000.0, norm_eps=1e-5),
+    "gpu-270m": dict(
+        vocab_size=4096,
+        dim=1152,
+        n_layers=18,
+        n_heads=18,
+        n_kv_heads=6,
+        ctx_len=512,
+        ffn_hidden=0,
+        mtp_heads=4,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+    ),
 }

@@ -62,10 +62,10 @@ def target_logps(rows, w, tgt, chunk: int):
     xp = array_module(rows)
     out = xp.empty(rows.shape[0], dtype=rows.dtype)
     for lo in range(0, rows.shape[0], chunk):
-        lg = rows[lo:lo + chunk] @ w.T  # (r,V)
+        lg = rows[lo : lo + chunk] @ w.T  # (r,V)
         top = lg.max(axis=1, keepdims=True)
         lse = xp.log(xp.exp(lg - top).sum(axis=1)) + top[:, 0]
-        out[lo:lo + chunk] = lg[xp.arange(lg.shape[0]), tgt[lo:lo + chunk]] - lse
+        out[lo : lo + chunk] = lg[xp.arange(lg.shape[0]), tgt[lo : lo + chunk]] - lse
     return out
 
 
@@ -99,14 +99,17 @@ def dpo_head_loss(ref_logps, *, beta: float, label_smoothing: float = 0.0):
     (chosen first), on the host or the params' device.
     Returns fn(xn, params, targets, cfg) -> (loss, dxn (B,T,C), {"lm_head.weight": dW}).
     """
+
     def head_loss(xn, params, targets, cfg):
         xp = array_module(xn)
         w = params["lm_head.weight"]  # (V,C)
         B, T, C = xn.shape
         ref = xp.asarray(ref_logps, dtype=xn.dtype)
         if ref.shape != (B,) or B % 2:
-            raise ValueError(f"DPO needs an even batch of sequences and one reference log-prob each; "
-                             f"got {B} sequences and {ref.shape[0]} reference values")
+            raise ValueError(
+                f"DPO needs an even batch of sequences and one reference log-prob each; "
+                f"got {B} sequences and {ref.shape[0]} reference values"
+            )
         idx, tgt, seq = response_rows(xp.asarray(targets))
         x = xn.reshape(B * T, C)[idx]  # (n,C) response positions only
         logits = x @ w.T  # (n,V)
@@ -153,8 +156,9 @@ class DpoHead:
         return self._pending.popleft()
 
     def __call__(self, xn, params, targets, cfg, totals=None):
-        loss, dxn, grads = dpo_head_loss(self.pop(), beta=self.beta,
-                                         label_smoothing=self.label_smoothing)(xn, params, targets, cfg)
+        loss, dxn, grads = dpo_head_loss(self.pop(), beta=self.beta, label_smoothing=self.label_smoothing)(
+            xn, params, targets, cfg
+        )
         if totals is not None and totals.rows != xn.shape[0]:  # this micro-batch's share of the step's mean
             share = xn.shape[0] / totals.rows
             loss, dxn = loss * share, dxn * share

@@ -76,19 +76,20 @@ def _block_forward(ops, p, x, cos, sin, cfg, kv=None):
     H, Hkv, D, F = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden
     HD, KD = H * D, Hkv * D
     h, n1 = ops.rmsnorm_forward(x, p["input_layernorm.weight"], cfg.norm_eps)  # (B,T,C)
-    w_qkv = xp.concatenate([p["self_attn.q_proj.weight"], p["self_attn.k_proj.weight"],
-                            p["self_attn.v_proj.weight"]])  # (HD+2KD, C)
+    w_qkv = xp.concatenate(
+        [p["self_attn.q_proj.weight"], p["self_attn.k_proj.weight"], p["self_attn.v_proj.weight"]]
+    )  # (HD+2KD, C)
     qkv = ops.linear_forward(h, w_qkv)  # (B,T,HD+2KD)
     q = qkv[..., :HD].reshape(B, T, H, D).transpose(0, 2, 1, 3)  # (B,H,T,D) views
-    k = qkv[..., HD:HD + KD].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B,Hkv,T,D)
-    v = qkv[..., HD + KD:].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B,Hkv,T,D)
+    k = qkv[..., HD : HD + KD].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B,Hkv,T,D)
+    v = qkv[..., HD + KD :].reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)  # (B,Hkv,T,D)
     q = ops.rope_forward(q, cos, sin)
     k = ops.rope_forward(k, cos, sin)
     if kv is not None:
         k_buf, v_buf, start = kv
-        k_buf[:, :, start:start + T] = k
-        v_buf[:, :, start:start + T] = v
-        k, v = k_buf[:, :, :start + T], v_buf[:, :, :start + T]  # (B,Hkv,S,D)
+        k_buf[:, :, start : start + T] = k
+        v_buf[:, :, start : start + T] = v
+        k, v = k_buf[:, :, : start + T], v_buf[:, :, : start + T]  # (B,Hkv,S,D)
     a, ac = ops.attention_forward(q, k, v)  # (B,H,T,D)
     a2 = a.transpose(0, 2, 1, 3).reshape(B, T, HD)  # (B,T,C)
     x = x + ops.linear_forward(a2, p["self_attn.o_proj.weight"])
@@ -126,13 +127,13 @@ def _block_backward(ops, p, dx, cache, cos, sin, cfg, grads, prefix):
     dq, dk, dv = ops.attention_backward(da, ac)  # (B,H,T,D), (B,Hkv,T,D), (B,Hkv,T,D)
     dqkv = xp.empty((B, T, HD + 2 * KD), dtype=dx.dtype)  # (B,T,HD+2KD)
     dqkv[..., :HD].reshape(B, T, H, D)[...] = ops.rope_backward(dq, cos, sin).transpose(0, 2, 1, 3)
-    dqkv[..., HD:HD + KD].reshape(B, T, Hkv, D)[...] = ops.rope_backward(dk, cos, sin).transpose(0, 2, 1, 3)
-    dqkv[..., HD + KD:].reshape(B, T, Hkv, D)[...] = dv.transpose(0, 2, 1, 3)
+    dqkv[..., HD : HD + KD].reshape(B, T, Hkv, D)[...] = ops.rope_backward(dk, cos, sin).transpose(0, 2, 1, 3)
+    dqkv[..., HD + KD :].reshape(B, T, Hkv, D)[...] = dv.transpose(0, 2, 1, 3)
     del dq, dk, dv
     dh, dw_qkv = ops.linear_backward(dqkv, h, w_qkv)
     grads[prefix + "self_attn.q_proj.weight"] = dw_qkv[:HD]
-    grads[prefix + "self_attn.k_proj.weight"] = dw_qkv[HD:HD + KD]
-    grads[prefix + "self_attn.v_proj.weight"] = dw_qkv[HD + KD:]
+    grads[prefix + "self_attn.k_proj.weight"] = dw_qkv[HD : HD + KD]
+    grads[prefix + "self_attn.v_proj.weight"] = dw_qkv[HD + KD :]
     dxn, grads[prefix + "input_layernorm.weight"] = ops.rmsnorm_backward(dh, n1)
     dx += dxn
     return dx
@@ -206,6 +207,7 @@ class Totals:
         >>> step_totals([np.array([[[1, -1]]]), np.array([[[2, 3]], [[-1, -1]]])])
         Totals(counts=(2, 1), rows=3)
     """
+
     counts: tuple
     rows: int
 
@@ -259,15 +261,24 @@ def mtp_cross_entropy(xn, params, targets, cfg: ModelConfig, totals: Totals | No
             continue
         dloss_sum = scales[k]  # d(loss)/d(this head's summed cross-entropy)
         loss_sum, _, dx_k, grads[name] = ops.linear_cross_entropy(
-            xn2, params[name], targets[:, :, k].reshape(N), dloss_sum)  # logits (N,V) live only inside
+            xn2, params[name], targets[:, :, k].reshape(N), dloss_sum
+        )  # logits (N,V) live only inside
         loss += float(loss_sum) * dloss_sum
         dxn2 += dx_k
         del dx_k
     return loss, dxn2.reshape(B, T, C), grads
 
 
-def loss_and_grads(params, inputs, targets, cfg: ModelConfig, head_loss=mtp_cross_entropy,
-                   totals: Totals | None = None, checkpoint: bool = False, head_weights=None):
+def loss_and_grads(
+    params,
+    inputs,
+    targets,
+    cfg: ModelConfig,
+    head_loss=mtp_cross_entropy,
+    totals: Totals | None = None,
+    checkpoint: bool = False,
+    head_weights=None,
+):
     """inputs (B,T) int, targets (B,T,K) int (-1 ignored) -> (loss: float, grads: dict like params).
 
     `head_loss(xn, params, targets, cfg) -> (loss, dxn, head_grads)` turns the final normed state
@@ -375,8 +386,7 @@ def forward_step(params, tokens, cache: KVCache, cfg: ModelConfig, all_heads: bo
     cos, sin = ops.rope_tables(t, cfg.head_dim, cfg.rope_theta, xp, emb.dtype, offset=start)
     x = ops.embedding_forward(ids, emb)  # (B,t,C)
     for i in range(cfg.n_layers):
-        x, _ = _block_forward(ops, _layer_params(params, i), x, cos, sin, cfg,
-                              kv=(cache.k[i], cache.v[i], start))
+        x, _ = _block_forward(ops, _layer_params(params, i), x, cos, sin, cfg, kv=(cache.k[i], cache.v[i], start))
     cache.length = start + t
     xn, _ = ops.rmsnorm_forward(x, params["norm.weight"], cfg.norm_eps)
     if all_heads:

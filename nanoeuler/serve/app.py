@@ -88,14 +88,23 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": backend.name, "context": backend.ctx_len, "max_tokens": config.max_tokens,
-                "auth": config.api_key is not None, "free_slots": backend.free_slots, **scheduler.stats()}
+        return {
+            "status": "ok",
+            "model": backend.name,
+            "context": backend.ctx_len,
+            "max_tokens": config.max_tokens,
+            "auth": config.api_key is not None,
+            "free_slots": backend.free_slots,
+            **scheduler.stats(),
+        }
 
     @app.get("/v1/models")
     async def models(request: Request):
         _authorize(request, config)
-        return {"object": "list", "data": [{"id": backend.name, "object": "model", "created": 0,
-                                            "owned_by": "nanoeuler"}]}
+        return {
+            "object": "list",
+            "data": [{"id": backend.name, "object": "model", "created": 0, "owned_by": "nanoeuler"}],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -104,8 +113,14 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI
         max_new = _max_new_tokens(req.options, backend, config)
         room = min(max_new, backend.ctx_len // 4)
         try:
-            ids, _ = await _tokenized(sum(len(text) for _, text in req.messages), chat_prompt, backend.tok,
-                                      list(req.messages), backend.ctx_len, room)
+            ids, _ = await _tokenized(
+                sum(len(text) for _, text in req.messages),
+                chat_prompt,
+                backend.tok,
+                list(req.messages),
+                backend.ctx_len,
+                room,
+            )
         except PromptError as exc:
             raise ApiError(str(exc), "messages", code=exc.code) from None
         return await _answer(request, "chat", ids, max_new, req.options, backend, scheduler, grammars)
@@ -115,8 +130,9 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI
         _authorize(request, config)
         req = parse_completion(await _read_json(request, config))
         max_new = _max_new_tokens(req.options, backend, config)
-        ids = await _tokenized(len(req.prompt) if isinstance(req.prompt, str) else 0, _completion_ids, req.prompt,
-                               backend)
+        ids = await _tokenized(
+            len(req.prompt) if isinstance(req.prompt, str) else 0, _completion_ids, req.prompt, backend
+        )
         return await _answer(request, "text", ids, max_new, req.options, backend, scheduler, grammars)
 
     @app.post("/tokenize")
@@ -187,8 +203,10 @@ class _Grammars:
                 try:
                     from nanoeuler.serve.structured import Grammars
                 except ImportError:
-                    raise ApiError("response_format: this server has no grammar engine (install the 'serve' extra: "
-                                   "llguidance)", "response_format") from None
+                    raise ApiError(
+                        "response_format: this server has no grammar engine (install the 'serve' extra: llguidance)",
+                        "response_format",
+                    ) from None
                 self._grammars = await asyncio.to_thread(Grammars, self.tok)
         try:
             return await asyncio.to_thread(lambda: [self._grammars.guide(schema) for _ in range(n)])
@@ -247,8 +265,7 @@ class _RequestIds:
 def _server_error(rid: str, what: str, exc: BaseException) -> ApiError:
     """Log `exc` with its traceback under request id `rid`; the 500 that says so to the client."""
     log.error("request %s: %s failed", rid, what, exc_info=exc)
-    return ApiError(f"{what} failed: {type(exc).__name__}: {exc} (request id {rid})", type="server_error",
-                    status=500)
+    return ApiError(f"{what} failed: {type(exc).__name__}: {exc} (request id {rid})", type="server_error", status=500)
 
 
 def _authorize(request: Request, config: ServeConfig) -> None:
@@ -257,16 +274,18 @@ def _authorize(request: Request, config: ServeConfig) -> None:
     given = request.headers.get("authorization", "")
     scheme, _, key = given.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), config.api_key.encode()):
-        raise ApiError("missing or incorrect API key (send 'Authorization: Bearer <key>')", status=401,
-                       code="invalid_api_key")
+        raise ApiError(
+            "missing or incorrect API key (send 'Authorization: Bearer <key>')", status=401, code="invalid_api_key"
+        )
 
 
 async def _read_json(request: Request, config: ServeConfig) -> dict:
     """The body as JSON, read as it arrives (chunked or not): never more than `max_body_bytes` held."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind != "application/json":
-        raise ApiError(f"the request body must be sent as 'Content-Type: application/json' (got "
-                       f"{kind or 'none'!r})", status=415)
+        raise ApiError(
+            f"the request body must be sent as 'Content-Type: application/json' (got {kind or 'none'!r})", status=415
+        )
     limit = config.max_body_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -290,13 +309,17 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 def _max_new_tokens(options: Options, backend: Backend, config: ServeConfig) -> int:
     if options.model is not None and options.model != backend.name:
-        raise ApiError(f"model: {options.model!r} is not served here (this server serves {backend.name!r})",
-                       "model", code="model_not_found")
+        raise ApiError(
+            f"model: {options.model!r} is not served here (this server serves {backend.name!r})",
+            "model",
+            code="model_not_found",
+        )
     if options.max_tokens is None:
         return config.max_tokens
     if options.max_tokens > config.max_tokens:
-        raise ApiError(f"max_tokens: {options.max_tokens} is above this server's limit of {config.max_tokens}",
-                       "max_tokens")
+        raise ApiError(
+            f"max_tokens: {options.max_tokens} is above this server's limit of {config.max_tokens}", "max_tokens"
+        )
     return options.max_tokens
 
 
@@ -310,8 +333,11 @@ def _completion_ids(prompt, backend: Backend) -> list[int]:
                 raise ApiError(f"prompt[{i}]: token id {t} is outside [0, {tok.vocab_size})", "prompt")
         ids = list(prompt) or [tok.eot_id]
     if len(ids) >= backend.ctx_len:
-        raise ApiError(f"prompt: {len(ids)} tokens; the model's context holds {backend.ctx_len}, the answer "
-                       "included", "prompt", code="context_length_exceeded")
+        raise ApiError(
+            f"prompt: {len(ids)} tokens; the model's context holds {backend.ctx_len}, the answer included",
+            "prompt",
+            code="context_length_exceeded",
+        )
     return ids
 
 
@@ -369,24 +395,37 @@ async def _answer(request, kind, ids, max_new, options: Options, backend, schedu
     """Queue the request's `n` jobs and answer them: a JSON body, or server-sent events when `stream` is set."""
     seed = options.seed if options.seed is not None else secrets.randbits(63)
     if options.n > scheduler.max_batch + scheduler.max_queue:
-        raise ApiError(f"n: {options.n} choices are more than this server holds at once "
-                       f"({scheduler.max_batch} answered + {scheduler.max_queue} waiting)", "n")
+        raise ApiError(
+            f"n: {options.n} choices are more than this server holds at once "
+            f"({scheduler.max_batch} answered + {scheduler.max_queue} waiting)",
+            "n",
+        )
     guides = await grammars.guides(options.schema, options.n) if options.schema is not None else [None] * options.n
-    specs = [(ids, max_new, Sampling(options.temperature, 0, options.top_p, (seed + i) % SEED_LIMIT),
-              not options.ignore_eos, {"logprobs": options.logprobs, "guide": guides[i]}) for i in range(options.n)]
+    specs = [
+        (
+            ids,
+            max_new,
+            Sampling(options.temperature, 0, options.top_p, (seed + i) % SEED_LIMIT),
+            not options.ignore_eos,
+            {"logprobs": options.logprobs, "guide": guides[i]},
+        )
+        for i in range(options.n)
+    ]
     # made before the jobs are queued: the worker wakes to them, and once it holds the GIL the loop's work waits
     shape = _Shape(kind, backend, len(ids), options.logprobs)
     try:
         jobs = scheduler.submit_many(specs)
     except QueueFull as exc:
-        raise ApiError(f"the server is busy ({exc}); retry later", status=429, type="rate_limit_error",
-                       code="rate_limit_exceeded") from None
+        raise ApiError(
+            f"the server is busy ({exc}); retry later", status=429, type="rate_limit_error", code="rate_limit_exceeded"
+        ) from None
     scheduler.metrics.prompt_tokens.inc(len(ids) * len(jobs))
     texts = [_Text(job, backend, options.stop) for job in jobs]
     if options.stream:
         events = _events(jobs, texts, shape, options.include_usage, request.state.request_id)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
     watcher = asyncio.create_task(_cancel_on_disconnect(request, jobs))
 
     async def whole(text: _Text) -> list:
@@ -432,8 +471,15 @@ async def _events(jobs: list[Job], texts: list[_Text], shape: "_Shape", include_
                 else:  # the last choice's finish goes with the end
                     tail.append(shape.event(i, "", texts[i].finish_reason))
         if include_usage:
-            tail.append(_event({**shape.chunk(0, "", None), "choices": [],
-                                "usage": shape.usage(sum(job.generated for job in jobs))}))
+            tail.append(
+                _event(
+                    {
+                        **shape.chunk(0, "", None),
+                        "choices": [],
+                        "usage": shape.usage(sum(job.generated for job in jobs)),
+                    }
+                )
+            )
     except Exception as exc:
         tail.append(_event(_server_error(rid, "generation", exc).body()))
     finally:
@@ -487,12 +533,18 @@ class _Shape:
         self._offsets: dict[int, int] = {}  # a completion choice's text sent so far, in characters
         self.created = int(time.time())
         # `event`'s start of every chunk: json.dumps of `chunk`'s object up to its choice's index
-        self._head = "data: " + json.dumps(self._wrap(".chunk" if kind == "chat" else "", []), ensure_ascii=False)[
-            :-len("[]}")] + '[{"index": '
+        self._head = (
+            "data: "
+            + json.dumps(self._wrap(".chunk" if kind == "chat" else "", []), ensure_ascii=False)[: -len("[]}")]
+            + '[{"index": '
+        )
 
     def usage(self, completion_tokens: int) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
 
     def _wrap(self, obj_suffix: str, choices: list[dict]) -> dict:
         obj = ("chat.completion" if self.kind == "chat" else "text_completion") + obj_suffix
@@ -502,19 +554,25 @@ class _Shape:
         content = "".join(piece for piece, _ in parts)
         logprobs = self.logprobs(text.job, [t for _, held in parts for t in held])
         if self.kind == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
-                    "finish_reason": text.finish_reason}
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": content},
+                "logprobs": logprobs,
+                "finish_reason": text.finish_reason,
+            }
         return {"index": index, "text": content, "logprobs": logprobs, "finish_reason": text.finish_reason}
 
     def whole(self, choices: list[dict], completion_tokens: int) -> dict:
         return {**self._wrap("", choices), "usage": self.usage(completion_tokens)}
 
-    def chunk(self, index: int, piece: str, finish_reason: str | None, logprobs: dict | None = None,
-              first: bool = False) -> dict:
+    def chunk(
+        self, index: int, piece: str, finish_reason: str | None, logprobs: dict | None = None, first: bool = False
+    ) -> dict:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
-            return self._wrap(".chunk", [{"index": index, "delta": delta, "logprobs": logprobs,
-                                          "finish_reason": finish_reason}])
+            return self._wrap(
+                ".chunk", [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+            )
         return self._wrap("", [{"index": index, "text": piece, "logprobs": logprobs, "finish_reason": finish_reason}])
 
     def event(self, index: int, piece: str, finish_reason: str | None, logprobs: dict | None = None) -> str:
@@ -535,16 +593,24 @@ class _Shape:
             return None
         records = [(t, *job.stream.records[i]) for i, t in held]
         if self.kind == "chat":
-            return {"content": [{**self._token(t, lp), "top_logprobs": [self._token(a, alp) for a, alp in alts]}
-                                for t, lp, alts in records], "refusal": None}
+            return {
+                "content": [
+                    {**self._token(t, lp), "top_logprobs": [self._token(a, alp) for a, alp in alts]}
+                    for t, lp, alts in records
+                ],
+                "refusal": None,
+            }
         texts = [self._token(t, lp)["token"] for t, lp, _ in records]
         offsets = []  # where each token's text starts in the choice's text (counted on from earlier chunks)
         for text in texts:
             offsets.append(self._offsets.get(id(job), 0))
             self._offsets[id(job)] = offsets[-1] + len(text)
-        return {"tokens": texts, "token_logprobs": [lp for _, lp, _ in records],
-                "top_logprobs": [{self._token(a, 0)["token"]: alp for a, alp in alts} for _, _, alts in records],
-                "text_offset": offsets}
+        return {
+            "tokens": texts,
+            "token_logprobs": [lp for _, lp, _ in records],
+            "top_logprobs": [{self._token(a, 0)["token"]: alp for a, alp in alts} for _, _, alts in records],
+            "text_offset": offsets,
+        }
 
     def _token(self, t: int, logprob: float) -> dict:
         raw = self.token_bytes[t]

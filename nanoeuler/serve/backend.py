@@ -63,8 +63,14 @@ __all__ = ["Backend", "PrefixCache", "Sampling", "TokenStream"]
 class TokenStream:
     """One request's generation: `done` after a stop id or its last token; `close` lets go of its state."""
 
-    def __init__(self, max_new_tokens: int, stop_ids: frozenset[int], tokens: Iterator[int] | None = None,
-                 logprobs: int | None = None, guide=None):
+    def __init__(
+        self,
+        max_new_tokens: int,
+        stop_ids: frozenset[int],
+        tokens: Iterator[int] | None = None,
+        logprobs: int | None = None,
+        guide=None,
+    ):
         self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
         self.logprobs, self.guide = logprobs, guide  # alternatives per token (None: none asked); a grammar
         self.records: list = []  # with `logprobs`: (log-probability, [(id, log-probability)...]) per token
@@ -81,8 +87,11 @@ class TokenStream:
 
     def record(self, token: int) -> int:
         self.generated += 1
-        self.done = (token in self.stop_ids or self.generated >= self.max_new_tokens
-                     or (self.guide is not None and self.guide.stopped))
+        self.done = (
+            token in self.stop_ids
+            or self.generated >= self.max_new_tokens
+            or (self.guide is not None and self.guide.stopped)
+        )
         return token
 
     def advance(self) -> int:
@@ -109,8 +118,9 @@ class Backend:
         self.stop_ids = frozenset({tok.end_id, tok.eot_id})
         self.token_bytes = _TokenBytes(tok)  # a token's bytes, looked up once (a stream asks for each token's)
         be = getattr(engine, "backend", None)
-        self._slots = _slots(be, engine.cfg, slots) if all(
-            hasattr(be, m) for m in ("start", "prefill", "decode")) else None
+        self._slots = (
+            _slots(be, engine.cfg, slots) if all(hasattr(be, m) for m in ("start", "prefill", "decode")) else None
+        )
         if self._slots and speculative and engine.cfg.mtp_heads > 1 and hasattr(be, "verify_argmax_many"):
             self._slots.stats = engine.stats
             engine.stats.for_heads(engine.cfg.mtp_heads)
@@ -120,9 +130,17 @@ class Backend:
         self.capacity = slots if self._slots else None
 
     @classmethod
-    def load(cls, path, device: str = "auto", name: str | None = None, slots: int = 8,
-             gpu_memory="auto", threads: int | None = None, prefix_cache: int = 8,
-             speculative: bool = False) -> "Backend":
+    def load(
+        cls,
+        path,
+        device: str = "auto",
+        name: str | None = None,
+        slots: int = 8,
+        gpu_memory="auto",
+        threads: int | None = None,
+        prefix_cache: int = 8,
+        speculative: bool = False,
+    ) -> "Backend":
         """`slots` at most as many as the GPU's memory holds caches for (`gpu_memory`, `memory.decode_batch`).
         A release folder serves its model file, under that file's name (`chat`)."""
         from nanoeuler.checkpoint import model_file
@@ -130,8 +148,12 @@ class Backend:
         path = model_file(path)
         engine, tok, _ = load(path, device, gpu_memory=gpu_memory, stage="serve", threads=threads)
         if engine.max_batch is not None and slots > engine.max_batch:
-            print(f"nanoeuler serve: max_batch {engine.max_batch} (not {slots}): the KV caches of that many streams "
-                  f"fit {engine.budget.total / 1e9:.1f} GB ({engine.budget.source})", file=sys.stderr, flush=True)
+            print(
+                f"nanoeuler serve: max_batch {engine.max_batch} (not {slots}): the KV caches of that many streams "
+                f"fit {engine.budget.total / 1e9:.1f} GB ({engine.budget.source})",
+                file=sys.stderr,
+                flush=True,
+            )
             slots = engine.max_batch
         return cls(engine, tok, name or Path(path).stem, slots, prefix_cache, speculative)
 
@@ -158,8 +180,15 @@ class Backend:
     def ctx_len(self) -> int:
         return self.engine.cfg.ctx_len
 
-    def open(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
-             stop_at_end: bool = True, logprobs: int | None = None, guide=None) -> TokenStream:
+    def open(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop_at_end: bool = True,
+        logprobs: int | None = None,
+        guide=None,
+    ) -> TokenStream:
         """A stream for one prompt; nothing is computed until its first `step` (the prefill).
         `stop_at_end=False` goes on past `</s>` and `<|endoftext|>` (fixed-length answers for load tests).
         `logprobs`: record each token's log-probability and that many alternatives; `guide`: a grammar."""
@@ -208,8 +237,10 @@ def _slots(be, cfg, n: int) -> "_Slots":
     need = n * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.ctx_len * cfg.head_dim * 2
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
-        raise UserError(f"--max-batch {n}: the caches of {n} generation slots need {need / 2**30:.1f} GiB or "
-                        f"more; this machine has {have / 2**30:.1f} GiB")
+        raise UserError(
+            f"--max-batch {n}: the caches of {n} generation slots need {need / 2**30:.1f} GiB or "
+            f"more; this machine has {have / 2**30:.1f} GiB"
+        )
     try:
         return _Slots(be, cfg, n)
     except MemoryError as exc:  # NumPy's, and CuPy's OutOfMemoryError
@@ -245,7 +276,7 @@ class _Slots:
             raise
         self.rngs[slot] = rng
         stream.slot, stream.sampling, stream.release = slot, sampling, self._give_back
-        stream.history = list(prompt_ids[-self.cfg.ctx_len:])
+        stream.history = list(prompt_ids[-self.cfg.ctx_len :])
 
     def _give_back(self, stream: TokenStream) -> None:
         heapq.heappush(self.free, stream.slot)
@@ -299,7 +330,7 @@ class _Slots:
             top = max(streams[i].logprobs for i in asked)
             rows = logits[asked] if len(asked) < len(streams) else logits
             for i, (lp, alts) in zip(asked, token_logprobs(rows, [out[i] for i in asked], top)):
-                streams[i].records.append((lp, alts[:streams[i].logprobs]))
+                streams[i].records.append((lp, alts[: streams[i].logprobs]))
         return out
 
     def step(self, streams: list[TokenStream]) -> list[list[int] | Exception]:
@@ -317,7 +348,7 @@ class _Slots:
             if s.done:
                 continue
             if s.pos >= self.cfg.ctx_len:  # the slot is full: refill it from the newest tokens
-                s.history = s.history[-max(1, self.cfg.ctx_len // 2):]
+                s.history = s.history[-max(1, self.cfg.ctx_len // 2) :]
                 refilled = _own(s, lambda s=s: self._prefill(s))
                 if isinstance(refilled, Exception):
                     out[id(s)] = refilled
@@ -351,7 +382,7 @@ class _Slots:
             a = greedy_kept(got, block)
             self.stats.count_pass(a, K)
             s.pending, s.drafts, s.pos = int(got[0, a]), [int(i) for i in got[1:, a]], s.pos + a + 1
-            for d in block[1:a + 1]:
+            for d in block[1 : a + 1]:
                 if s.done:  # a stop id or the last token among the kept drafts
                     break
                 out[id(s)].append(s.record(int(d)))
@@ -430,7 +461,7 @@ class PrefixCache:
         if len(ids) < self.min_tokens or reused >= len(ids) - 1:
             return
         key = tuple(ids)
-        for old in [k for k in self.entries if len(k) <= len(key) and key[:len(k)] == k]:
+        for old in [k for k in self.entries if len(k) <= len(key) and key[: len(k)] == k]:
             del self.entries[old]  # a prefix of this prompt: its rows are among these
         self.entries[key] = self.be.read_rows(slot, len(key))
         while len(self.entries) > self.size:

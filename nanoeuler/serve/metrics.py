@@ -42,13 +42,14 @@ class Metrics:
 
     def __init__(self, scheduler, backend):
         self.registry = CollectorRegistry()
-        self.requests = Counter("nanoeuler_requests", "HTTP answers by status code", ["status"],
-                                registry=self.registry)
-        self.prompt_tokens = Counter("nanoeuler_prompt_tokens", "prompt tokens of accepted requests",
-                                     registry=self.registry)
+        self.requests = Counter("nanoeuler_requests", "HTTP answers by status code", ["status"], registry=self.registry)
+        self.prompt_tokens = Counter(
+            "nanoeuler_prompt_tokens", "prompt tokens of accepted requests", registry=self.registry
+        )
         self.ttft = _Histogram("nanoeuler_time_to_first_token_seconds", "submitted to first token", TTFT_BUCKETS)
-        self.itl = _Histogram("nanoeuler_inter_token_latency_seconds", "between consecutive tokens of a job",
-                              ITL_BUCKETS)
+        self.itl = _Histogram(
+            "nanoeuler_inter_token_latency_seconds", "between consecutive tokens of a job", ITL_BUCKETS
+        )
         self.registry.register(self.ttft)
         self.registry.register(self.itl)
         self.registry.register(_Live(scheduler, backend))
@@ -69,9 +70,9 @@ class Metrics:
 class _Histogram:
     """A Prometheus histogram (cumulative `le` buckets, `_sum`, `_count`) that takes many values per call.
 
-        >>> h = _Histogram("x_seconds", "x", (0.1, 1))
-        >>> h.observe_many([0.05, 0.1, 3.0]); h.counts, h.sum
-        ([2, 0, 1], 3.15)
+    >>> h = _Histogram("x_seconds", "x", (0.1, 1))
+    >>> h.observe_many([0.05, 0.1, 3.0]); h.counts, h.sum
+    ([2, 0, 1], 3.15)
     """
 
     def __init__(self, name: str, doc: str, bounds):
@@ -96,8 +97,7 @@ class _Histogram:
         with self._lock:
             counts, total = list(accumulate(self.counts)), self.sum
         buckets = [(floatToGoString(b), int(c)) for b, c in zip(self.bounds, counts)]
-        yield HistogramMetricFamily(self.name, self.doc, buckets=buckets + [("+Inf", int(counts[-1]))],
-                                    sum_value=total)
+        yield HistogramMetricFamily(self.name, self.doc, buckets=buckets + [("+Inf", int(counts[-1]))], sum_value=total)
 
 
 class _Live:
@@ -116,15 +116,20 @@ class _Live:
         yield GaugeMetricFamily("nanoeuler_queue_depth", "jobs waiting for a slot", value=stats["waiting"])
         yield GaugeMetricFamily("nanoeuler_active_jobs", "jobs being decoded", value=stats["active"])
         prefixes = getattr(self.backend, "prefixes", None)
-        yield CounterMetricFamily("nanoeuler_prefix_cache_hits", "prompts that reused a cached prefix",
-                                  value=prefixes.hits if prefixes else 0)
-        yield CounterMetricFamily("nanoeuler_prefix_cache_tokens", "prompt positions copied, not computed",
-                                  value=prefixes.tokens if prefixes else 0)
+        yield CounterMetricFamily(
+            "nanoeuler_prefix_cache_hits", "prompts that reused a cached prefix", value=prefixes.hits if prefixes else 0
+        )
+        yield CounterMetricFamily(
+            "nanoeuler_prefix_cache_tokens",
+            "prompt positions copied, not computed",
+            value=prefixes.tokens if prefixes else 0,
+        )
         spec = getattr(getattr(self.backend, "engine", None), "stats", None)
         offered = CounterMetricFamily("nanoeuler_spec_drafts_offered", "drafts checked, per MTP head", labels=["head"])
         accepted = CounterMetricFamily("nanoeuler_spec_drafts_accepted", "drafts kept, per MTP head", labels=["head"])
-        ratio = GaugeMetricFamily("nanoeuler_spec_acceptance_ratio", "drafts kept / checked, per MTP head",
-                                  labels=["head"])
+        ratio = GaugeMetricFamily(
+            "nanoeuler_spec_acceptance_ratio", "drafts kept / checked, per MTP head", labels=["head"]
+        )
         if spec is not None:
             for k, (o, a) in enumerate(zip(spec.offered, spec.accepted)):
                 offered.add_metric([str(k + 1)], o)

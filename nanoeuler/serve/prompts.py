@@ -31,8 +31,8 @@ class PromptError(ValueError):
 def chat_turns(messages: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], str, str]:
     """(earlier exchanges as (user, assistant), last user text, system text) from (role, text) pairs.
 
-        >>> chat_turns([("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello."), ("user", "Name a color.")])
-        ([('Hi', 'Hello.')], 'Name a color.', 'Be brief.')
+    >>> chat_turns([("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello."), ("user", "Name a color.")])
+    ([('Hi', 'Hello.')], 'Name a color.', 'Be brief.')
     """
     system, exchanges, pending = [], [], []
     for i, (role, text) in enumerate(messages):
@@ -61,8 +61,11 @@ def chat_prompt(tok, messages: list[tuple[str, str]], ctx_len: int, room: int) -
     exchanges, last, system = chat_turns(messages)
     ids = tok.encode(render_prompt(last, system))
     if len(ids) >= ctx_len:
-        raise PromptError(f"messages: the last turn is {len(ids)} tokens with the chat template; the model's "
-                          f"context holds {ctx_len}, the answer included", code="context_length_exceeded")
+        raise PromptError(
+            f"messages: the last turn is {len(ids)} tokens with the chat template; the model's "
+            f"context holds {ctx_len}, the answer included",
+            code="context_length_exceeded",
+        )
     kept: list[list[int]] = []
     used = len(ids)
     for user, answer in reversed(exchanges):
@@ -78,9 +81,9 @@ def chat_prompt(tok, messages: list[tuple[str, str]], ctx_len: int, room: int) -
 class StopText:
     """Cuts generated text at the first stop string, holding back a tail that may be the start of one.
 
-        >>> s = StopText(["\\n\\n"])
-        >>> s.feed("Paris.\\n"), s.feed("\\nMore"), s.stopped
-        ('Paris.', '', True)
+    >>> s = StopText(["\\n\\n"])
+    >>> s.feed("Paris.\\n"), s.feed("\\nMore"), s.stopped
+    ('Paris.', '', True)
     """
 
     def __init__(self, stops):

@@ -38,8 +38,14 @@ MAX_DIGITS = 100  # an integer longer than this is no token id, seed or count: r
 class ApiError(Exception):
     """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
 
@@ -100,8 +106,9 @@ def _no_constant(name: str):
 
 def _bounded_int(digits: str) -> int:
     if len(digits.lstrip("-")) > MAX_DIGITS:
-        raise ApiError(f"the request body holds an integer of {len(digits.lstrip('-'))} digits; at most "
-                       f"{MAX_DIGITS} are accepted")
+        raise ApiError(
+            f"the request body holds an integer of {len(digits.lstrip('-'))} digits; at most {MAX_DIGITS} are accepted"
+        )
     return int(digits)
 
 
@@ -123,8 +130,15 @@ def _text(value, name: str) -> str:
 
 
 def _kind(value) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
-             dict: "an object", type(None): "null"}
+    names = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -137,8 +151,9 @@ def _number(body, name, default, lo=None, hi=None, integer=False):
     if isinstance(value, bool) or not isinstance(value, ok):
         raise ApiError(f"{name}: expected {'an integer' if integer else 'a number'}, got {_kind(value)}", name)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ApiError(f"{name}: {value} is out of range (must be >= {lo}" + (f" and <= {hi})" if hi is not None
-                                                                            else ")"), name)
+        raise ApiError(
+            f"{name}: {value} is out of range (must be >= {lo}" + (f" and <= {hi})" if hi is not None else ")"), name
+        )
     return value
 
 
@@ -167,11 +182,12 @@ def parse_options(body: dict, max_tokens_key: str = "max_tokens") -> Options:
     stream, ignore_eos = _flag(body, "stream"), _flag(body, "ignore_eos")
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict) or not isinstance(stream_options.get("include_usage", False), bool):
-        raise ApiError("stream_options: expected an object like {\"include_usage\": true}", "stream_options")
+        raise ApiError('stream_options: expected an object like {"include_usage": true}', "stream_options")
     seed = _number(body, "seed", None, integer=True)
     try:  # the sampler's own check; temperature has the API's upper bound too
-        sampling = checked_sampling(_number(body, "temperature", 1.0, hi=2), 0, _number(body, "top_p", 1.0),
-                                    0 if seed is None else seed)
+        sampling = checked_sampling(
+            _number(body, "temperature", 1.0, hi=2), 0, _number(body, "top_p", 1.0), 0 if seed is None else seed
+        )
     except SamplingError as exc:
         raise ApiError(f"{exc.field}: {exc}", exc.field) from None
     return Options(
@@ -202,12 +218,13 @@ def _response_format(value) -> dict | None:
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise ApiError("response_format.json_schema.schema: expected a JSON schema object",
-                           "response_format")
+            raise ApiError("response_format.json_schema.schema: expected a JSON schema object", "response_format")
         return schema
-    raise ApiError("response_format: expected {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                   "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
-                   "response_format")
+    raise ApiError(
+        'response_format: expected {"type": "text"}, {"type": "json_object"} or '
+        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+        "response_format",
+    )
 
 
 def _chat_logprobs(body: dict) -> int | None:
@@ -215,7 +232,7 @@ def _chat_logprobs(body: dict) -> int | None:
     top = _number(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
     if not _flag(body, "logprobs"):
         if top is not None:
-            raise ApiError("top_logprobs: needs \"logprobs\": true", "top_logprobs")
+            raise ApiError('top_logprobs: needs "logprobs": true', "top_logprobs")
         return None
     return top or 0
 
@@ -228,8 +245,9 @@ def _content(value, name: str) -> str:
         parts = []
         for i, part in enumerate(value):
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise ApiError(f"{name}[{i}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported",
-                               f"{name}[{i}]")
+                raise ApiError(
+                    f'{name}[{i}]: only text parts ({{"type": "text", "text": ...}}) are supported', f"{name}[{i}]"
+                )
             parts.append(_text(part.get("text"), f"{name}[{i}].text"))
         return "".join(parts)
     return _text(value, name)
@@ -245,8 +263,9 @@ def parse_chat(body: dict) -> ChatRequest:
             raise ApiError(f"messages[{i}]: expected an object, got {_kind(m)}", f"messages[{i}]")
         role = m.get("role")
         if role not in ROLES:
-            raise ApiError(f"messages[{i}].role: expected one of {', '.join(ROLES)}, got {role!r}",
-                           f"messages[{i}].role")
+            raise ApiError(
+                f"messages[{i}].role: expected one of {', '.join(ROLES)}, got {role!r}", f"messages[{i}].role"
+            )
         out.append((role, _content(m.get("content"), f"messages[{i}].content")))
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     options = parse_options(body, key)
@@ -259,8 +278,7 @@ def parse_completion(body: dict) -> CompletionRequest:
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, list):
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ApiError("prompt: expected a string, an array of token ids, or an array of one of those",
-                           "prompt")
+            raise ApiError("prompt: expected a string, an array of token ids, or an array of one of those", "prompt")
         prompt = tuple(prompt)
     else:
         prompt = _text(prompt, "prompt")

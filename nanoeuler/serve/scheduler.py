@@ -39,8 +39,9 @@ class QueueFull(Exception):
 class Job:
     """One request as the worker sees it; `tokens()` is read on the event loop that submitted it."""
 
-    def __init__(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_at_end: bool = True,
-                 **stream_options):
+    def __init__(
+        self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_at_end: bool = True, **stream_options
+    ):
         self.prompt_ids, self.max_new_tokens, self.sampling = prompt_ids, max_new_tokens, sampling
         self.stop_at_end = stop_at_end
         self.stream_options = stream_options  # `Backend.open`'s logprobs and guide, when asked for
@@ -121,8 +122,9 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join()
 
-    def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_at_end: bool = True,
-               **stream_options) -> Job:
+    def submit(
+        self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_at_end: bool = True, **stream_options
+    ) -> Job:
         """Queue a job (called on the event loop; takes a lock for microseconds, never waits on the model).
         `stream_options`: `Backend.open`'s `logprobs` and `guide`."""
         return self.submit_many([(prompt_ids, max_new_tokens, sampling, stop_at_end, stream_options)])[0]
@@ -136,8 +138,10 @@ class Scheduler:
                 raise RuntimeError("the server is shutting down")
             if self._in_flight + len(jobs) > self.max_batch + self.max_queue:
                 self.counts["rejected"] += 1
-                raise QueueFull(f"{self._in_flight} requests are being answered or waiting (the limit is "
-                                f"{self.max_batch} at once + {self.max_queue} waiting)")
+                raise QueueFull(
+                    f"{self._in_flight} requests are being answered or waiting (the limit is "
+                    f"{self.max_batch} at once + {self.max_queue} waiting)"
+                )
             self._waiting.extend(jobs)
             self._in_flight += len(jobs)
             self._cond.notify()
@@ -145,8 +149,13 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self._cond:
-            return {"active": self._in_flight - len(self._waiting), "waiting": len(self._waiting), **self.counts,
-                    "max_batch": self.max_batch, "max_queue": self.max_queue}
+            return {
+                "active": self._in_flight - len(self._waiting),
+                "waiting": len(self._waiting),
+                **self.counts,
+                "max_batch": self.max_batch,
+                "max_queue": self.max_queue,
+            }
 
     def _admit(self, active: list[Job]) -> bool:
         """Move waiting jobs into the batch; wait while there is nothing to do. False once stopping."""
@@ -213,8 +222,13 @@ class Scheduler:
         for job in active:
             if job.stream is None and not job.cancelled.is_set():
                 try:
-                    job.stream = self.backend.open(job.prompt_ids, job.max_new_tokens, job.sampling, job.stop_at_end,
-                                                   **{k: v for k, v in job.stream_options.items() if v is not None})
+                    job.stream = self.backend.open(
+                        job.prompt_ids,
+                        job.max_new_tokens,
+                        job.sampling,
+                        job.stop_at_end,
+                        **{k: v for k, v in job.stream_options.items() if v is not None},
+                    )
                 except Exception as exc:
                     self._finish(job, "failed", exc)
                     continue

@@ -39,34 +39,72 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000; 0 = any free)")
     parser.add_argument("--model-name", metavar="NAME", help="the model's id in the API (default: the file's stem)")
-    parser.add_argument("--api-key", metavar="KEY", default=os.environ.get("NANOEULER_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOEULER_API_KEY, else none)")
-    parser.add_argument("--max-tokens", type=int, default=256, metavar="N",
-                        help="most new tokens one request may ask for, and the default (default: 256)")
-    parser.add_argument("--max-batch", type=int, default=8, metavar="N",
-                        help="requests generated together (default: 8)")
-    parser.add_argument("--max-queue", type=int, default=64, metavar="N",
-                        help="requests waiting beyond those; more are answered 429 (default: 64)")
-    parser.add_argument("--prefix-cache", type=int, default=8, metavar="N",
-                        help="recent prompts whose cache rows a prompt sharing their beginning copies instead of "
-                             "computing (0: off; default: 8)")
-    parser.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=False,
-                        help="greedy requests (temperature 0, no logprobs or response_format) decode by "
-                             "self-speculation in the batch: the MTP heads draft, one pass verifies every such "
-                             "stream's drafts; the same tokens, more of them per step where the heads are "
-                             "trained (acceptance per head: /metrics). Default: off")
-    parser.add_argument("--client-timeout", type=float, default=30.0, metavar="S",
-                        help="seconds a client may stall: sending a request's headers, its body, or taking "
-                             "an answer (default: 30)")
-    parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
-                        help="seconds answers in progress get to finish after SIGTERM (default: 10)")
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get("NANOEULER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOEULER_API_KEY, else none)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="most new tokens one request may ask for, and the default (default: 256)",
+    )
+    parser.add_argument(
+        "--max-batch", type=int, default=8, metavar="N", help="requests generated together (default: 8)"
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        metavar="N",
+        help="requests waiting beyond those; more are answered 429 (default: 64)",
+    )
+    parser.add_argument(
+        "--prefix-cache",
+        type=int,
+        default=8,
+        metavar="N",
+        help="recent prompts whose cache rows a prompt sharing their beginning copies instead of "
+        "computing (0: off; default: 8)",
+    )
+    parser.add_argument(
+        "--speculative",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="greedy requests (temperature 0, no logprobs or response_format) decode by "
+        "self-speculation in the batch: the MTP heads draft, one pass verifies every such "
+        "stream's drafts; the same tokens, more of them per step where the heads are "
+        "trained (acceptance per head: /metrics). Default: off",
+    )
+    parser.add_argument(
+        "--client-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a client may stall: sending a request's headers, its body, or taking an answer (default: 30)",
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds answers in progress get to finish after SIGTERM (default: 10)",
+    )
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Numbers in range before anything is loaded; each problem is one line."""
-    bounds = {"port": (0, 65535), "max_tokens": (1, None), "max_batch": (1, MAX_BATCH), "max_queue": (0, None),
-              "prefix_cache": (0, 1024)}
+    bounds = {
+        "port": (0, 65535),
+        "max_tokens": (1, None),
+        "max_batch": (1, MAX_BATCH),
+        "max_queue": (0, None),
+        "prefix_cache": (0, 1024),
+    }
     for name, (lo, hi) in bounds.items():
         value = getattr(args, name)
         if value < lo or (hi is not None and value > hi):
@@ -127,8 +165,8 @@ def uvicorn_config(app, client_timeout_s: float, shutdown_grace_s: float, log_le
 def exposure_warning(host: str, api_key: str | None) -> str | None:
     """The warning for an address other than loopback, or None.
 
-        >>> exposure_warning("127.0.0.1", None) is None
-        True
+    >>> exposure_warning("127.0.0.1", None) is None
+    True
     """
     try:
         if ipaddress.ip_address(host).is_loopback:
@@ -137,8 +175,10 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
         if host == "localhost":
             return None
     if api_key is None:
-        return (f"listening on {host}: there is no authentication, anyone who can reach this port can use "
-                "the model (set --api-key, or bind to 127.0.0.1)")
+        return (
+            f"listening on {host}: there is no authentication, anyone who can reach this port can use "
+            "the model (set --api-key, or bind to 127.0.0.1)"
+        )
     return f"listening on {host}: the API key travels in plain HTTP; put a TLS proxy in front for untrusted networks"
 
 
@@ -166,22 +206,37 @@ def run(args: argparse.Namespace) -> int:
 
     check_arguments(args)
     conf = sections(args, "device", "gpu_memory")
-    backend = Backend.load(args.ckpt, args.device or conf["device"], args.model_name, slots=args.max_batch,
-                           gpu_memory=conf["gpu_memory"], threads=args.threads, prefix_cache=args.prefix_cache,
-                           speculative=args.speculative)
-    config = ServeConfig(max_tokens=args.max_tokens, max_batch=backend.capacity or args.max_batch,
-                         max_queue=args.max_queue, api_key=args.api_key or None,
-                         client_timeout_s=args.client_timeout)
+    backend = Backend.load(
+        args.ckpt,
+        args.device or conf["device"],
+        args.model_name,
+        slots=args.max_batch,
+        gpu_memory=conf["gpu_memory"],
+        threads=args.threads,
+        prefix_cache=args.prefix_cache,
+        speculative=args.speculative,
+    )
+    config = ServeConfig(
+        max_tokens=args.max_tokens,
+        max_batch=backend.capacity or args.max_batch,
+        max_queue=args.max_queue,
+        api_key=args.api_key or None,
+        client_timeout_s=args.client_timeout,
+    )
     warning = exposure_warning(args.host, config.api_key)
     if warning:
         print(f"nanoeuler serve: warning: {warning}", file=sys.stderr, flush=True)
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
-    print(f"nanoeuler serve: {args.ckpt} as model {backend.name!r} ({backend.cfg.n_params():,} "
-          f"parameters, {backend.ctx_len}-token context) at http://{host}:{port}/ (API: http://{host}:{port}/v1)",
-          file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn_config(create_app(backend, config), args.client_timeout, args.shutdown_grace,
-                                           args.log_level))
+    print(
+        f"nanoeuler serve: {args.ckpt} as model {backend.name!r} ({backend.cfg.n_params():,} "
+        f"parameters, {backend.ctx_len}-token context) at http://{host}:{port}/ (API: http://{host}:{port}/v1)",
+        file=sys.stderr,
+        flush=True,
+    )
+    server = uvicorn.Server(
+        uvicorn_config(create_app(backend, config), args.client_timeout, args.shutdown_grace, args.log_level)
+    )
     server.run(sockets=[sock])
     return 0

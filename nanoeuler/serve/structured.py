@@ -95,7 +95,7 @@ class Guide:
         from llguidance.numpy import fill_next_token_bitmask
 
         fill_next_token_bitmask(self.matcher, self._bits, 0)
-        return np.unpackbits(self._bits[0].view(np.uint8), bitorder="little")[:self.vocab].astype(bool)
+        return np.unpackbits(self._bits[0].view(np.uint8), bitorder="little")[: self.vocab].astype(bool)
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):

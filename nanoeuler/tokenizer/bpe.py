@@ -134,8 +134,13 @@ class Tokenizer:
     HF tokenizers), with a cache of chunk -> ids for frequent chunks.
     """
 
-    def __init__(self, merges: Iterable[tuple[int, int]], special_tokens: Iterable[str] = SPECIAL_TOKENS,
-                 pattern: str = GPT2_PATTERN, cache_size: int = _CACHE_SIZE):
+    def __init__(
+        self,
+        merges: Iterable[tuple[int, int]],
+        special_tokens: Iterable[str] = SPECIAL_TOKENS,
+        pattern: str = GPT2_PATTERN,
+        cache_size: int = _CACHE_SIZE,
+    ):
         self.merges: list[tuple[int, int]] = [(int(a), int(b)) for a, b in merges]
         self.pattern = pattern
         self._findall = regex.compile(pattern).findall
@@ -225,8 +230,9 @@ class Tokenizer:
         if allowed_special == "all":
             return frozenset(self.special_tokens)
         if isinstance(allowed_special, str):
-            raise ValueError(f"allowed_special must be 'all', 'none' or a set of special tokens, "
-                             f"got {allowed_special!r}")
+            raise ValueError(
+                f"allowed_special must be 'all', 'none' or a set of special tokens, got {allowed_special!r}"
+            )
         allowed = frozenset(allowed_special)
         unknown = allowed - set(self.special_tokens)
         if unknown:
@@ -278,8 +284,13 @@ class Tokenizer:
          "merges": [[a, b], ...]}      # merges[r] = (a, b) makes id 256 + r; ids 0..255 are bytes
         """
         if self._json is None:
-            head = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "pattern": self.pattern,
-                    "vocab_size": self.vocab_size, "special_tokens": self.special_tokens}
+            head = {
+                "format": FORMAT_NAME,
+                "version": FORMAT_VERSION,
+                "pattern": self.pattern,
+                "vocab_size": self.vocab_size,
+                "special_tokens": self.special_tokens,
+            }
             lines = ["{"]
             for key, value in head.items():
                 lines.append(f"  {json.dumps(key)}: {json.dumps(value, ensure_ascii=True)},")
@@ -305,10 +316,12 @@ class Tokenizer:
         except JsonError as exc:
             raise UserError(exc.why) from None
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
-            raise UserError(f"not a nanoeuler tokenizer file (expected \"format\": \"{FORMAT_NAME}\")")
+            raise UserError(f'not a nanoeuler tokenizer file (expected "format": "{FORMAT_NAME}")')
         if d.get("version") != FORMAT_VERSION:
-            raise UserError(f"tokenizer format version {d.get('version')!r} is not supported "
-                            f"(this nanoeuler reads version {FORMAT_VERSION}; re-run the tokenizer stage)")
+            raise UserError(
+                f"tokenizer format version {d.get('version')!r} is not supported "
+                f"(this nanoeuler reads version {FORMAT_VERSION}; re-run the tokenizer stage)"
+            )
         pattern, merges, specials = d.get("pattern"), d.get("merges"), d.get("special_tokens")
         if not isinstance(pattern, str):
             raise UserError("key 'pattern' must be a string")
@@ -317,7 +330,8 @@ class Tokenizer:
         except regex.error as exc:
             raise UserError(f"key 'pattern' is not a valid regular expression ({exc})") from None
         if not isinstance(merges, list) or not all(
-                isinstance(m, list) and len(m) == 2 and all(type(x) is int for x in m) for m in merges):
+            isinstance(m, list) and len(m) == 2 and all(type(x) is int for x in m) for m in merges
+        ):
             raise UserError("key 'merges' must be a list of [id, id] pairs")
         if not isinstance(specials, dict) or not all(type(v) is int for v in specials.values()):
             raise UserError("key 'special_tokens' must map token text to an id")
@@ -333,8 +347,9 @@ class Tokenizer:
         except ValueError as exc:
             raise UserError(f"key 'merges': {exc}") from None
         if d.get("vocab_size", tok.vocab_size) != tok.vocab_size:
-            raise UserError(f"vocab_size {d.get('vocab_size')} does not match the merges and special tokens "
-                            f"({tok.vocab_size})")
+            raise UserError(
+                f"vocab_size {d.get('vocab_size')} does not match the merges and special tokens ({tok.vocab_size})"
+            )
         return tok
 
     def save(self, path: str | Path) -> None:
@@ -353,8 +368,9 @@ class Tokenizer:
             raise UserError(f"tokenizer file {path}: {exc}") from None
 
     def __repr__(self) -> str:
-        return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, "
-                f"specials={list(self.special_tokens)})")
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}, specials={list(self.special_tokens)})"
+        )
 
 
 def default_file_mode() -> int:
@@ -392,16 +408,20 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 # ---- merge learning ------------------------------------------------------------------------------
 
+
 def check_vocab_size(vocab_size: int, n_special: int = len(SPECIAL_TOKENS)) -> None:
     low = 256 + n_special
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
         raise UserError(f"vocab_size must be an integer, got {vocab_size!r}")
     if vocab_size < low:
-        raise UserError(f"vocab_size {vocab_size} is too small: it needs at least 256 byte tokens + "
-                        f"{n_special} special tokens = {low}")
+        raise UserError(
+            f"vocab_size {vocab_size} is too small: it needs at least 256 byte tokens + "
+            f"{n_special} special tokens = {low}"
+        )
     if vocab_size > MAX_VOCAB:
-        raise UserError(f"vocab_size {vocab_size} is too large: token ids are stored as uint16, "
-                        f"so at most {MAX_VOCAB} tokens")
+        raise UserError(
+            f"vocab_size {vocab_size} is too large: token ids are stored as uint16, so at most {MAX_VOCAB} tokens"
+        )
 
 
 def count_chunks(texts: str | Iterable[str], pattern: str = GPT2_PATTERN) -> Counter:
@@ -415,8 +435,14 @@ def count_chunks(texts: str | Iterable[str], pattern: str = GPT2_PATTERN) -> Cou
     return counts
 
 
-def train_bpe(texts: str | Iterable[str] | Counter, vocab_size: int, *, pattern: str = GPT2_PATTERN,
-              special_tokens: Iterable[str] = SPECIAL_TOKENS, progress: bool = False) -> Tokenizer:
+def train_bpe(
+    texts: str | Iterable[str] | Counter,
+    vocab_size: int,
+    *,
+    pattern: str = GPT2_PATTERN,
+    special_tokens: Iterable[str] = SPECIAL_TOKENS,
+    progress: bool = False,
+) -> Tokenizer:
     """Learn `vocab_size - 256 - len(special_tokens)` merges from text (a string, strings, or a chunk Counter).
 
     The algorithm works on unique chunks ("words") with their counts:
@@ -512,6 +538,9 @@ def train_bpe(texts: str | Iterable[str] | Counter, vocab_size: int, *, pattern:
     if bar is not None:
         bar.close()
     if len(merges) < n_merges:
-        print(f"warning: the training text only supports {len(merges)} merges; vocab_size is "
-              f"{256 + len(merges) + len(specials)} instead of {vocab_size}", file=sys.stderr)
+        print(
+            f"warning: the training text only supports {len(merges)} merges; vocab_size is "
+            f"{256 + len(merges) + len(specials)} instead of {vocab_size}",
+            file=sys.stderr,
+        )
     return Tokenizer(merges, specials, pattern)

@@ -50,11 +50,25 @@ def to_hf_json(tok: Tokenizer) -> str:
     if tok.pattern == GPT2_PATTERN:
         pre_tokenizer = byte_level
     else:  # another split pattern: split first, then map bytes without GPT-2's own regex
-        pre_tokenizer = {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": tok.pattern}, "behavior": "Isolated", "invert": False},
-            dict(byte_level, use_regex=False)]}
-    added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for s, i in tok.special_tokens.items()]
+        pre_tokenizer = {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": tok.pattern}, "behavior": "Isolated", "invert": False},
+                dict(byte_level, use_regex=False),
+            ],
+        }
+    added = [
+        {
+            "id": i,
+            "content": s,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for s, i in tok.special_tokens.items()
+    ]
     doc = {
         "version": "1.0",
         "truncation": None,

@@ -58,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---- reading ------------------------------------------------------------------------------------
 
+
 def open_corpus(path: Path):
     """A pyarrow ParquetFile with a string `text` column, or a UserError saying what is wrong."""
     import pyarrow as pa
@@ -94,6 +95,7 @@ def iter_batches(pf, path: Path) -> Iterator[list[str]]:
 
 
 # ---- encoding -----------------------------------------------------------------------------------
+
 
 def _init_worker(tokenizer_json: str) -> None:
     global _worker_tok
@@ -145,7 +147,7 @@ class _ShardWriter:
         start = 0
         while start < len(ids):
             take = min(len(ids) - start, len(self.buf) - self.fill)
-            self.buf[self.fill:self.fill + take] = ids[start:start + take]
+            self.buf[self.fill : self.fill + take] = ids[start : start + take]
             self.fill += take
             start += take
             if self.fill == len(self.buf):
@@ -156,7 +158,7 @@ class _ShardWriter:
             return
         name = f"{self.split}_{len(self.shards):04d}.npy"
         with naming(self.folder / name), open(self.folder / name, "wb") as f:  # a full disk names the shard
-            np.save(f, self.buf[:self.fill])
+            np.save(f, self.buf[: self.fill])
             f.flush()
             os.fsync(f.fileno())
         self.shards.append({"file": name, "tokens": int(self.fill)})
@@ -170,8 +172,9 @@ def tokenize_split(path: Path, split: str, folder: Path, shard_tokens: int, pool
     writer = _ShardWriter(folder, split, shard_tokens)
     total_bytes = documents = tokens = 0
     pf = open_corpus(path)
-    with tqdm(desc=f"tokenize {split}", total=pf.metadata.num_rows, unit="doc", file=sys.stderr,
-              mininterval=1.0) as bar:
+    with tqdm(
+        desc=f"tokenize {split}", total=pf.metadata.num_rows, unit="doc", file=sys.stderr, mininterval=1.0
+    ) as bar:
         for ids, n_bytes, n_docs in _encoded(iter_batches(pf, path), pool, workers):
             writer.add(ids)
             total_bytes += n_bytes
@@ -203,8 +206,9 @@ def previous_shards(manifest_path: Path) -> set[str]:
     return names
 
 
-def tokenize_corpus(tok: Tokenizer, inputs: dict[str, Path], manifest_path: Path, shard_tokens: int,
-                    workers: int = 1) -> dict:
+def tokenize_corpus(
+    tok: Tokenizer, inputs: dict[str, Path], manifest_path: Path, shard_tokens: int, workers: int = 1
+) -> dict:
     """Encode every split, move the shards next to `manifest_path`, then write the manifest. Returns it."""
     if tok.vocab_size > MAX_VOCAB:
         raise UserError(f"the tokenizer has {tok.vocab_size} tokens; uint16 shards hold at most {MAX_VOCAB}")
@@ -221,14 +225,21 @@ def tokenize_corpus(tok: Tokenizer, inputs: dict[str, Path], manifest_path: Path
         _init_worker(tok_json)
         if workers > 1:
             pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(tok_json,))
-        splits = {name: tokenize_split(Path(path), name, tmp, shard_tokens, pool, workers)
-                  for name, path in inputs.items()}
+        splits = {
+            name: tokenize_split(Path(path), name, tmp, shard_tokens, pool, workers) for name, path in inputs.items()
+        }
         if pool is not None:
             pool.close()
             pool.join()
             pool = None
-        manifest = {"format": MANIFEST_FORMAT, "tokenizer_sha256": tok.sha256, "vocab_size": tok.vocab_size,
-                    "eot_id": tok.eot_id, "dtype": "uint16", "splits": splits}
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "tokenizer_sha256": tok.sha256,
+            "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id,
+            "dtype": "uint16",
+            "splits": splits,
+        }
         # swap in: old manifest out first, then shards, then the new manifest; of the old shards only
         # those its manifest lists are removed, never another file that merely looks like a shard
         keep = {s["file"] for split in splits.values() for s in split["shards"]}
@@ -251,11 +262,14 @@ def run(args: argparse.Namespace) -> int:
     check_outputs(out=args.out)
     cfg = sections(args, "shards")["shards"]
     tok = Tokenizer.load(args.tokenizer)
-    manifest = tokenize_corpus(tok, {"train": Path(args.train), "val": Path(args.val)}, Path(args.out),
-                               cfg["shard_tokens"], args.workers)
+    manifest = tokenize_corpus(
+        tok, {"train": Path(args.train), "val": Path(args.val)}, Path(args.out), cfg["shard_tokens"], args.workers
+    )
     for name, split in manifest["splits"].items():
-        print(f"{name}: {split['documents']:,} documents, {split['bytes']:,} bytes -> {split['tokens']:,} tokens "
-              f"({split['bytes'] / max(1, split['tokens']):.2f} bytes/token) in {len(split['shards'])} shard(s)",
-              file=sys.stderr)
+        print(
+            f"{name}: {split['documents']:,} documents, {split['bytes']:,} bytes -> {split['tokens']:,} tokens "
+            f"({split['bytes'] / max(1, split['tokens']):.2f} bytes/token) in {len(split['shards'])} shard(s)",
+            file=sys.stderr,
+        )
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

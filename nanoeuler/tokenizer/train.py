@@ -82,8 +82,9 @@ def sample_corpus(path: str | Path, sample_bytes: int, seed: int) -> list[str]:
     for batch in pf.iter_batches(columns=["text"], batch_size=8192):
         column = batch.column(0)
         if column.null_count:
-            raise UserError(f"corpus file {path}: row {row + column.is_null().to_pylist().index(True)} "
-                            "has no text (null)")
+            raise UserError(
+                f"corpus file {path}: row {row + column.is_null().to_pylist().index(True)} has no text (null)"
+            )
         sizes.append(pc.binary_length(column).to_numpy(zero_copy_only=False))
         row += len(column)
     chosen = pick(np.concatenate(sizes) if sizes else np.zeros(0, np.int64), sample_bytes, seed)
@@ -112,22 +113,30 @@ def run(args: argparse.Namespace) -> int:
     counts = count_chunks(sample)
     if not counts:
         raise UserError(f"corpus file {args.corpus} holds no text to learn merges from")
-    print(f"sample: {len(sample)} documents, {n_bytes:,} bytes, {len(counts):,} unique chunks "
-          f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    print(
+        f"sample: {len(sample)} documents, {n_bytes:,} bytes, {len(counts):,} unique chunks "
+        f"({time.perf_counter() - t0:.1f} s)",
+        file=sys.stderr,
+    )
     t1 = time.perf_counter()
     tok = train_bpe(counts, cfg["vocab_size"], progress=True)
-    print(f"learned {len(tok.merges)} merges in {time.perf_counter() - t1:.1f} s; vocab_size {tok.vocab_size}",
-          file=sys.stderr)
+    print(
+        f"learned {len(tok.merges)} merges in {time.perf_counter() - t1:.1f} s; vocab_size {tok.vocab_size}",
+        file=sys.stderr,
+    )
     probe = "".join(sample)[:1_000_000]
     if probe:
-        print(f"bytes/token on the first {len(probe.encode('utf-8')):,} bytes of the sample: "
-              f"{len(probe.encode('utf-8')) / max(1, len(tok.encode(probe))):.2f}", file=sys.stderr)
+        print(
+            f"bytes/token on the first {len(probe.encode('utf-8')):,} bytes of the sample: "
+            f"{len(probe.encode('utf-8')) / max(1, len(tok.encode(probe))):.2f}",
+            file=sys.stderr,
+        )
     tok.save(args.out)
     if args.hf_out:
         from nanoeuler.tokenizer.hf import to_hf_json
 
         write_text_atomic(Path(args.hf_out), to_hf_json(tok))
-    print(f"wrote {args.out} (sha256 {tok.sha256[:12]})" + (f" and {args.hf_out}" if args.hf_out else ""),
-          file=sys.stderr)
+    print(
+        f"wrote {args.out} (sha256 {tok.sha256[:12]})" + (f" and {args.hf_out}" if args.hf_out else ""), file=sys.stderr
+    )
     return 0
-

@@ -81,8 +81,10 @@ class TrainConfig:
         start = [1.0] * heads if self.mtp_weights is None else list(self.mtp_weights)
         for key, weights in (("mtp_weights", start), ("mtp_weights_end", self.mtp_weights_end or start)):
             if len(weights) != heads:
-                raise UserError(f"{stage}.{key} has {len(weights)} weights, but the model has {heads} output "
-                                "heads (model.mtp_heads)")
+                raise UserError(
+                    f"{stage}.{key} has {len(weights)} weights, but the model has {heads} output "
+                    "heads (model.mtp_heads)"
+                )
             if not any(w > 0 for w in weights):
                 raise UserError(f"{stage}.{key} must give at least one output head a positive weight")
         return lambda step, total_steps: head_weights_at(step, total_steps, start, self.mtp_weights_end)
@@ -91,8 +93,11 @@ class TrainConfig:
     def from_section(cls, section: dict):
         """The fields of `cls` from a validated section (keys of other stages' fields are left out)."""
         kinds = {"int": int, "float": float, "str": str, "bool": bool}
-        required = [f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         fields = [f for f in dataclasses.fields(cls) if f.name in section or f.name in required]
         return cls(**{f.name: kinds.get(f.type, lambda v: v)(section[f.name]) for f in fields})
 

@@ -60,7 +60,7 @@ class PairBatches:
         from nanoeuler.train.pairs import pair_batch
 
         epoch, i = divmod(step * self.accum + micro, self.per_epoch)
-        idx = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))[i * self.B:(i + 1) * self.B]
+        idx = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))[i * self.B : (i + 1) * self.B]
         self.head.push(np.concatenate([self.ref[idx, 0], self.ref[idx, 1]]))
         return pair_batch([self.examples[j] for j in idx], self.K, self.pad_id)
 
@@ -88,10 +88,16 @@ def pair_metrics(logps: np.ndarray, ref: np.ndarray, beta: float, eps: float) ->
     """Held-out scores from policy and reference log-probabilities (N, 2), chosen in column 0."""
     from nanoeuler.model.dpo import pair_loss
 
-    loss, _, h = pair_loss(np.concatenate([logps[:, 0], logps[:, 1]]), np.concatenate([ref[:, 0], ref[:, 1]]),
-                           beta, eps)
-    return {"val_loss": loss, "reward_accuracy": float((h > 0).mean()), "margin": float(h.mean()),
-            "chosen_logp": float(logps[:, 0].mean()), "rejected_logp": float(logps[:, 1].mean())}
+    loss, _, h = pair_loss(
+        np.concatenate([logps[:, 0], logps[:, 1]]), np.concatenate([ref[:, 0], ref[:, 1]]), beta, eps
+    )
+    return {
+        "val_loss": loss,
+        "reward_accuracy": float((h > 0).mean()),
+        "margin": float(h.mean()),
+        "chosen_logp": float(logps[:, 0].mean()),
+        "rejected_logp": float(logps[:, 1].mean()),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,8 +106,14 @@ def run(args: argparse.Namespace) -> int:
     from nanoeuler.files import check_outputs
     from nanoeuler.train import loop, rundir
     from nanoeuler.train.config import TrainConfig
-    from nanoeuler.train.pairs import (encode_pairs, file_sha256, load_chat_model, read_pairs, sequence_logps,
-                                       split_pairs)
+    from nanoeuler.train.pairs import (
+        encode_pairs,
+        file_sha256,
+        load_chat_model,
+        read_pairs,
+        sequence_logps,
+        split_pairs,
+    )
     from nanoeuler.train.plots import plot_losses
     from nanoeuler.train.reflogps import load_reference, reference_meta
 
@@ -117,16 +129,33 @@ def run(args: argparse.Namespace) -> int:
     n_val = min(int(sec["val_pairs"]), len(examples) // 5)
     train_idx, val_idx = split_pairs(len(examples), n_val, int(sec["seed"]))
     val_examples, val_ref = [examples[i] for i in val_idx], ref[val_idx]
-    print(f"nanoeuler dpo: {len(train_idx)} training pairs, {n_val} held out; beta {sec['beta']}, "
-          f"label smoothing {sec['label_smoothing']}", file=sys.stderr, flush=True)
+    print(
+        f"nanoeuler dpo: {len(train_idx)} training pairs, {n_val} held out; beta {sec['beta']}, "
+        f"label smoothing {sec['label_smoothing']}",
+        file=sys.stderr,
+        flush=True,
+    )
     if n_val:
-        print(f"nanoeuler dpo: the chat model prefers the chosen answer (higher log-prob) in "
-              f"{(val_ref[:, 0] > val_ref[:, 1]).mean():.3f} of the held-out pairs", file=sys.stderr, flush=True)
+        print(
+            f"nanoeuler dpo: the chat model prefers the chosen answer (higher log-prob) in "
+            f"{(val_ref[:, 0] > val_ref[:, 1]).mean():.3f} of the held-out pairs",
+            file=sys.stderr,
+            flush=True,
+        )
     batches = PairBatches([examples[i] for i in train_idx], ref[train_idx], sec, cfg.mtp_heads, tok.eot_id)
     budget = memory.Budget.on_device(conf["gpu_memory"], xp)
-    fit = memory.plan_training("dpo", cfg, TrainConfig.from_section(sec), budget, eval_items=int(sec["batch_size"]),
-                               eval_kind="pair_logps", rows_per_item=2, unit=" pairs", head="dpo",
-                               sm90a=memory.on_sm90a(xp))
+    fit = memory.plan_training(
+        "dpo",
+        cfg,
+        TrainConfig.from_section(sec),
+        budget,
+        eval_items=int(sec["batch_size"]),
+        eval_kind="pair_logps",
+        rows_per_item=2,
+        unit=" pairs",
+        head="dpo",
+        sm90a=memory.on_sm90a(xp),
+    )
 
     def evaluate(p):
         logps = sequence_logps(p, cfg, val_examples, fit.eval_items, tok.eot_id, xp)
@@ -135,16 +164,31 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     run_dir = Path(args.run_dir) if args.run_dir else out.parent / "dpo"
     spec = loop.Run(
-        stage="dpo", cfg=cfg, section=sec, total_steps=batches.steps(int(sec["epochs"])), batches=batches,
-        init_params=lambda: params, tokenizer_json=meta["tokenizer"], tokenizer_sha256=tok.sha256,
-        run_dir=run_dir, out=out, xp=xp, evaluate=evaluate if val_examples else None,
+        stage="dpo",
+        cfg=cfg,
+        section=sec,
+        total_steps=batches.steps(int(sec["epochs"])),
+        batches=batches,
+        init_params=lambda: params,
+        tokenizer_json=meta["tokenizer"],
+        tokenizer_sha256=tok.sha256,
+        run_dir=run_dir,
+        out=out,
+        xp=xp,
+        evaluate=evaluate if val_examples else None,
         identity={"data": {"prefs_sha256": file_sha256(args.prefs), "chat_checksum": checksum}},
         extra_out={"dpo_data": {"train_pairs": len(train_idx), "val_pairs": n_val}},
-        progress=not args.no_progress, foreign_model_is_error=False, head_loss=batches.head,
-        micro_rows=fit.micro, split=batches.split, predicted_peak=fit.predicted,
+        progress=not args.no_progress,
+        foreign_model_is_error=False,
+        head_loss=batches.head,
+        micro_rows=fit.micro,
+        split=batches.split,
+        predicted_peak=fit.predicted,
     )
     last = loop.train(spec)
     plot_losses([("DPO", rundir.read_jsonl(run_dir / "metrics.jsonl"))], run_dir / "loss.png")
-    print(f"nanoeuler dpo: train loss {last.get('loss', float('nan')):.4f}; held-out reward accuracy "
-          f"{last.get('reward_accuracy', float('nan')):.3f}, margin {last.get('margin', float('nan')):.4f}")
+    print(
+        f"nanoeuler dpo: train loss {last.get('loss', float('nan')):.4f}; held-out reward accuracy "
+        f"{last.get('reward_accuracy', float('nan')):.3f}, margin {last.get('margin', float('nan')):.4f}"
+    )
     return 0

@@ -82,10 +82,13 @@ class ShardSplit:
 def _split_entry(info, manifest_path: Path, split: str) -> dict:
     """A split's manifest entry after checking its shape: {"shards": [{"file": str, ...}], ...}."""
     shards = info.get("shards", []) if isinstance(info, dict) else None
-    if not isinstance(shards, list) or not all(isinstance(s, dict) and isinstance(s.get("file"), str)
-                                               and isinstance(s.get("tokens", 0), int) for s in shards):
-        raise UserError(f"shard manifest {manifest_path}: split '{split}' must hold a list 'shards' of "
-                        "{\"file\": name, \"tokens\": count} objects")
+    if not isinstance(shards, list) or not all(
+        isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("tokens", 0), int) for s in shards
+    ):
+        raise UserError(
+            f"shard manifest {manifest_path}: split '{split}' must hold a list 'shards' of "
+            '{"file": name, "tokens": count} objects'
+        )
     if not isinstance(info.get("bytes", 0), int):
         raise UserError(f"shard manifest {manifest_path}: split '{split}' key 'bytes' must be an integer")
     return info
@@ -123,7 +126,7 @@ class RandomWindows:
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """inputs (B, T) int64 and targets (B, T, K) int64."""
-        g = self.rng.integers(0, int(self.cum[-1]), size=self.batch_size * self.world)[self.rank::self.world]
+        g = self.rng.integers(0, int(self.cum[-1]), size=self.batch_size * self.world)[self.rank :: self.world]
         shard = np.searchsorted(self.cum, g, side="right")
         offset = g - (self.cum[shard] - self.starts[shard])
         windows = np.stack([self.split.arrays[s][o : o + self.window] for s, o in zip(shard, offset)])

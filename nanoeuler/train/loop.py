@@ -33,8 +33,15 @@ from nanoeuler.train.stepper import NonFinite, make_stepper
 # Training-section keys that change what is logged or kept, not the trajectory (`kernels` computes the
 # same step with other kernels, so a run can resume on another GPU; `checkpoint_activations` the same
 # step with less memory). (sft.val_examples is not one of them: the held-out records are not trained on.)
-COSMETIC_KEYS = ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "val_tokens", "kernels",
-                 "checkpoint_activations")
+COSMETIC_KEYS = (
+    "log_every",
+    "eval_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "val_tokens",
+    "kernels",
+    "checkpoint_activations",
+)
 # How many processes train, and whether they shard the optimizer state (ZeRO-1 computes the same update):
 # not settings of the trajectory itself; the global batch enters the identity (`run_identity`).
 LAUNCH_KEYS = ("gpus", "zero")
@@ -127,14 +134,20 @@ def _find_resume(run: Run) -> tuple[dict, dict] | None:
             tensors, meta = checkpoint.load(path)
         except UserError as exc:
             moved = rundir.set_aside_corrupt(path)
-            _warn(run.stage, f"checkpoint {path} is unusable ({exc}); renamed it to {moved.name}, "
-                             "falling back to the previous checkpoint")
+            _warn(
+                run.stage,
+                f"checkpoint {path} is unusable ({exc}); renamed it to {moved.name}, "
+                "falling back to the previous checkpoint",
+            )
             continue
         change = rundir.model_change(meta, want_cfg, run.tokenizer_sha256)
         if change and not run.foreign_model_is_error:
             prev = rundir.set_aside_all(run.run_dir)
-            _warn(run.stage, f"checkpoints in {run.run_dir} belong to another model or tokenizer ({change}); "
-                             f"moved them to {prev} and starting a fresh run")
+            _warn(
+                run.stage,
+                f"checkpoints in {run.run_dir} belong to another model or tokenizer ({change}); "
+                f"moved them to {prev} and starting a fresh run",
+            )
             return None
         if meta.get("model_config") != want_cfg:
             diff = _dict_diff(meta.get("model_config") or {}, want_cfg)
@@ -151,8 +164,11 @@ def _find_resume(run: Run) -> tuple[dict, dict] | None:
         if meta.get("identity") != want_id:
             diff = _dict_diff(_flat(meta.get("identity") or {}), _flat(want_id))
             prev = rundir.set_aside_all(run.run_dir)
-            _warn(run.stage, f"checkpoints in {run.run_dir} come from other settings ({diff}); "
-                             f"moved them to {prev} and starting a fresh run")
+            _warn(
+                run.stage,
+                f"checkpoints in {run.run_dir} come from other settings ({diff}); "
+                f"moved them to {prev} and starting a fresh run",
+            )
             return None
         return tensors, meta
     return None
@@ -213,8 +229,9 @@ def _find_resume_on_every_rank(run: Run) -> tuple[dict, dict] | None:
 def _make_stepper(run: Run, params: dict):
     dp = run.parallel
     hook = run.grad_hook if dp is None else dp.grad_hook(then=run.grad_hook)
-    stepper = make_stepper(run.step_settings, run.cfg, params, run.xp, stage=run.stage, head_loss=run.head_loss,
-                           grad_hook=hook)
+    stepper = make_stepper(
+        run.step_settings, run.cfg, params, run.xp, stage=run.stage, head_loss=run.head_loss, grad_hook=hook
+    )
     return stepper if dp is None else dp.wrap(stepper)
 
 
@@ -226,13 +243,17 @@ def _start(run: Run):
     tensors, meta = resumed
     params = {name: tensors[name] for name in run.cfg.param_shapes()}
     stepper = _make_stepper(run, params)
-    stepper.load_state_tensors({k[len("optim."):]: v for k, v in tensors.items() if k.startswith("optim.")},
-                               int(meta["optim_t"]))
+    stepper.load_state_tensors(
+        {k[len("optim.") :]: v for k, v in tensors.items() if k.startswith("optim.")}, int(meta["optim_t"])
+    )
     run.batches.load_state(meta["loader"])
     start = int(meta["step"])
     if run.parallel is None or run.parallel.is_root:
-        print(f"nanoeuler {run.stage}: resuming from step {start} ({rundir.checkpoint_path(run.run_dir, start)})",
-              file=sys.stderr, flush=True)
+        print(
+            f"nanoeuler {run.stage}: resuming from step {start} ({rundir.checkpoint_path(run.run_dir, start)})",
+            file=sys.stderr,
+            flush=True,
+        )
     return stepper, start
 
 
@@ -271,8 +292,15 @@ def _train(run: Run) -> dict:
         with oom_guard(run.step_settings.batch_size, run.cfg.ctx_len):  # a GPU OOM becomes one clear line
             for step0 in range(start, run.total_steps):
                 step, final = step0 + 1, step0 + 1 == run.total_steps
-                lr = lr_at(step0, max_lr=s.lr, min_lr=s.min_lr, warmup_steps=s.warmup_steps,
-                           total_steps=run.total_steps, schedule=s.schedule, cooldown_frac=s.cooldown_frac)
+                lr = lr_at(
+                    step0,
+                    max_lr=s.lr,
+                    min_lr=s.min_lr,
+                    warmup_steps=s.warmup_steps,
+                    total_steps=run.total_steps,
+                    schedule=s.schedule,
+                    cooldown_frac=s.cooldown_frac,
+                )
                 batch = run.micro_batches(step0)
                 heads = head_weights(step0, run.total_steps) if head_weights else None
                 try:
@@ -307,8 +335,12 @@ def _train(run: Run) -> dict:
     if run.parallel is not None and not run.parallel.is_root:
         return last  # rank 0 writes the final model
     if start < run.total_steps:  # measured on a run that trained here
-        meter.report(run.stage, run.predicted_peak, lambda rec: log.append({"step": run.total_steps, **rec}),
-                     f"micro-batch {run.step_settings.batch_size}")
+        meter.report(
+            run.stage,
+            run.predicted_peak,
+            lambda rec: log.append({"step": run.total_steps, **rec}),
+            f"micro-batch {run.step_settings.batch_size}",
+        )
     return _finish(run, stepper, last or _last_record(log), last_ckpt)
 
 
@@ -317,8 +349,15 @@ def _progress_bar(run: Run, start: int):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=run.total_steps, initial=start, desc=run.stage, unit="step", file=sys.stderr,
-                dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+    return tqdm(
+        total=run.total_steps,
+        initial=start,
+        desc=run.stage,
+        unit="step",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=0.5 if sys.stderr.isatty() else 10.0,
+    )
 
 
 def _finish(run: Run, stepper, last: dict, last_ckpt: Path | None) -> dict:
@@ -327,14 +366,20 @@ def _finish(run: Run, stepper, last: dict, last_ckpt: Path | None) -> dict:
     from nanoeuler import checkpoint
 
     checkpoint.save_model(
-        run.out, {n: to_numpy(p) for n, p in stepper.params().items()}, run.cfg, step=run.total_steps,
+        run.out,
+        {n: to_numpy(p) for n, p in stepper.params().items()},
+        run.cfg,
+        step=run.total_steps,
         tokenizer_json=run.tokenizer_json,
         extra={"stage": run.stage, "final_metrics": last, **run.extra_out},
     )
     if last_ckpt is None:
         last_ckpt = rundir.checkpoint_path(run.run_dir, run.total_steps)
-    print(f"nanoeuler {run.stage}: wrote {run.out} after {run.total_steps} steps "
-          f"(last checkpoint {last_ckpt})", file=sys.stderr, flush=True)
+    print(
+        f"nanoeuler {run.stage}: wrote {run.out} after {run.total_steps} steps (last checkpoint {last_ckpt})",
+        file=sys.stderr,
+        flush=True,
+    )
     return last
 
 

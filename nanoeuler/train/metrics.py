@@ -19,8 +19,9 @@ import math
 EVAL_CHUNK_TOKENS = 2048
 
 
-def evaluate_windows(params: dict, cfg, inputs, targets, batch_size: int, xp,
-                     chunk_tokens: int | None = EVAL_CHUNK_TOKENS) -> tuple[float, float]:
+def evaluate_windows(
+    params: dict, cfg, inputs, targets, batch_size: int, xp, chunk_tokens: int | None = EVAL_CHUNK_TOKENS
+) -> tuple[float, float]:
     """(mean loss over heads, head-0 cross-entropy) over fixed windows, each window weighted equally.
 
     `inputs` (N, T) and `targets` (N, T, K) are NumPy; batches of at most `batch_size` windows and
@@ -41,8 +42,9 @@ def evaluate_windows(params: dict, cfg, inputs, targets, batch_size: int, xp,
     return total / n, ce0 / n
 
 
-def val_metrics(params: dict, cfg, val: tuple, split_tokens: int, split_bytes: int, batch_size: int, xp,
-                sized: bool = False) -> dict:
+def val_metrics(
+    params: dict, cfg, val: tuple, split_tokens: int, split_bytes: int, batch_size: int, xp, sized: bool = False
+) -> dict:
     """`sized`: `batch_size` windows were sized to the device's memory (`memory.eval_items_for`), so no
     cap of positions applies."""
     inputs, targets = val

@@ -67,7 +67,7 @@ def fit_pair(prompt, chosen, rejected, ctx_len: int):
     longest = max(len(chosen), len(rejected))
     room = min(longest, max(budget - len(prompt), ctx_len // 2))
     keep_prompt = min(len(prompt), budget - room)
-    return tuple(prompt[len(prompt) - keep_prompt:]), tuple(chosen[:room]), tuple(rejected[:room])
+    return tuple(prompt[len(prompt) - keep_prompt :]), tuple(chosen[:room]), tuple(rejected[:room])
 
 
 def encode_pairs(pairs: list[dict], tok, ctx_len: int) -> tuple[list[tuple], dict]:
@@ -105,7 +105,7 @@ def pair_pieces(x, y, ref, pairs: int) -> list[tuple]:
     P = x.shape[0] // 2
     out = []
     for i in range(0, P, pairs):
-        rows = np.r_[i:min(i + pairs, P), P + i:P + min(i + pairs, P)]
+        rows = np.r_[i : min(i + pairs, P), P + i : P + min(i + pairs, P)]
         out.append((x[rows], y[rows], np.asarray(ref)[rows]))
     return out
 
@@ -120,13 +120,13 @@ def sequence_logps(params, cfg, examples: list[tuple], batch_size: int, pad_id: 
     out = np.zeros((len(examples), 2))
     w = params[transformer.head_weight_names(cfg)[0]]
     for lo in range(0, len(examples), batch_size):
-        part = examples[lo:lo + batch_size]
+        part = examples[lo : lo + batch_size]
         x, y = pair_batch(part, cfg.mtp_heads, pad_id)
         xn = transformer.final_state(params, xp.asarray(x), cfg)  # (2P,T,C)
         idx, tgt, seq = dpo.response_rows(xp.asarray(y))
         tok = dpo.target_logps(xn.reshape(-1, cfg.dim)[idx], w, tgt, score_chunk_rows(cfg))
         logp = to_numpy(dpo.sequence_logps(tok, seq, 2 * len(part))).astype(np.float64)
-        out[lo:lo + len(part)] = logp.reshape(2, len(part)).T
+        out[lo : lo + len(part)] = logp.reshape(2, len(part)).T
     return out
 
 

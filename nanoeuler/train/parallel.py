@@ -54,6 +54,7 @@ DEFAULT_TIMEOUT = 900.0  # long enough for the first step's kernel compilation a
 
 # ---- who am I: the world from the environment -------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class World:
     rank: int
@@ -80,8 +81,10 @@ def world_from_env(env=None) -> World | None:
         size, rank = _int_var(env, size_var), _int_var(env, rank_var)
         local = _int_var(env, local_var) if local_var in env else rank
         if size < 1 or not 0 <= rank < size or local < 0:
-            raise UserError(f"{rank_var}={rank} {size_var}={size} {local_var}={local}: "
-                            "need 0 <= rank < world size and a local rank >= 0")
+            raise UserError(
+                f"{rank_var}={rank} {size_var}={size} {local_var}={local}: "
+                "need 0 <= rank < world size and a local rank >= 0"
+            )
         if rank_var == "SLURM_PROCID" and size == 1:
             return None
         return World(rank, size, local)
@@ -100,6 +103,7 @@ def _int_var(env, name: str) -> int:
 @dataclass(frozen=True)
 class TcpRendezvous:
     """Rank 0's NCCL id served over TCP at host:port (the first node's address: every node reaches it)."""
+
     host: str
     port: int
 
@@ -118,7 +122,7 @@ def rendezvous_path(env=None) -> Path | TcpRendezvous:
     env = os.environ if env is None else env
     value = env.get(ENV_RENDEZVOUS)
     if value and value.startswith("tcp://"):
-        host, _, port = value[len("tcp://"):].rpartition(":")
+        host, _, port = value[len("tcp://") :].rpartition(":")
         return TcpRendezvous(host or "127.0.0.1", _port(port, f"{ENV_RENDEZVOUS}={value!r}"))
     if value:
         return Path(value)
@@ -127,8 +131,10 @@ def rendezvous_path(env=None) -> Path | TcpRendezvous:
     if "SLURM_JOB_ID" in env:
         tmp = Path(tempfile.gettempdir())
         return tmp / f"nanoeuler-nccl-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}.id"
-    raise UserError(f"set {ENV_RENDEZVOUS} to a file path every rank can reach (it carries the NCCL id), "
-                    "or MASTER_ADDR/MASTER_PORT to rank 0's host and a free port, or start the run with --gpus N")
+    raise UserError(
+        f"set {ENV_RENDEZVOUS} to a file path every rank can reach (it carries the NCCL id), "
+        "or MASTER_ADDR/MASTER_PORT to rank 0's host and a free port, or start the run with --gpus N"
+    )
 
 
 def _port(text: str, what: str) -> int:
@@ -150,8 +156,9 @@ def _id_from_record(text: str) -> bytes | tuple:
     return bytes.fromhex(record["hex"]) if "hex" in record else tuple(record["ints"])
 
 
-def exchange_id(world: World, where: Path | TcpRendezvous, make_id: Callable[[], bytes | tuple],
-                timeout: float) -> bytes | tuple:
+def exchange_id(
+    world: World, where: Path | TcpRendezvous, make_id: Callable[[], bytes | tuple], timeout: float
+) -> bytes | tuple:
     """Rank 0 makes the id with `make_id()` and hands it on; the others wait up to `timeout` s for it.
     Through a file (written atomically), or over TCP (rank 0 serves it until every other rank has it).
     The id is bytes (CuPy >= 13) or a tuple of ints (older CuPy); every rank gets the same type back."""
@@ -172,8 +179,10 @@ def exchange_id(world: World, where: Path | TcpRendezvous, make_id: Callable[[],
             return _id_from_record(text)
         except (OSError, ValueError, KeyError):  # not there yet (or half sent): wait
             if time.monotonic() > deadline:
-                raise UserError(f"rank {world.rank}: rank 0's NCCL id did not appear in {where} within {timeout:.0f} s "
-                                f"(are all {world.size} ranks running?)") from None
+                raise UserError(
+                    f"rank {world.rank}: rank 0's NCCL id did not appear in {where} within {timeout:.0f} s "
+                    f"(are all {world.size} ranks running?)"
+                ) from None
             time.sleep(0.05)
 
 
@@ -183,15 +192,19 @@ def _serve_id(where: TcpRendezvous, record: bytes, ranks: int, timeout: float) -
     try:
         server = socket.create_server(("", where.port))
     except OSError as exc:
-        raise UserError(f"rank 0: cannot listen on port {where.port} for the rendezvous ({exc.strerror}); "
-                        "choose another MASTER_PORT") from None
+        raise UserError(
+            f"rank 0: cannot listen on port {where.port} for the rendezvous ({exc.strerror}); "
+            "choose another MASTER_PORT"
+        ) from None
     server.settimeout(0.2)
     deadline, sent = time.monotonic() + timeout, 0
     with server:
         while sent < ranks:
             if time.monotonic() > deadline:
-                raise UserError(f"rank 0: {sent} of the other {ranks} ranks fetched the NCCL id from {where} "
-                                f"within {timeout:.0f} s (are they running, and can they reach this host?)")
+                raise UserError(
+                    f"rank 0: {sent} of the other {ranks} ranks fetched the NCCL id from {where} "
+                    f"within {timeout:.0f} s (are they running, and can they reach this host?)"
+                )
             try:
                 conn, _ = server.accept()
             except (socket.timeout, BlockingIOError):
@@ -227,13 +240,23 @@ def timeout_from_env(env=None) -> float:
 
 # ---- the launcher of --gpus N -----------------------------------------------------------------------
 
+
 def add_gpus_argument(parser) -> None:
-    parser.add_argument("--gpus", type=int, metavar="N",
-                        help="train data parallel on N GPUs of this host, one process each "
-                             "(default: the stage's `gpus` key, itself default 1)")
-    parser.add_argument("--zero", type=int, choices=(0, 1), metavar="STAGE",
-                        help="1: ZeRO stage 1, each GPU keeps 1/N of the optimizer state "
-                             "(default: the stage's `zero` key, itself default 0)")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        metavar="N",
+        help="train data parallel on N GPUs of this host, one process each "
+        "(default: the stage's `gpus` key, itself default 1)",
+    )
+    parser.add_argument(
+        "--zero",
+        type=int,
+        choices=(0, 1),
+        metavar="STAGE",
+        help="1: ZeRO stage 1, each GPU keeps 1/N of the optimizer state "
+        "(default: the stage's `zero` key, itself default 0)",
+    )
 
 
 def gpus_wanted(args, section: dict) -> int:
@@ -268,18 +291,28 @@ def run_ranks(stage: str, argv: list[str], gpus: int, device: str, poll: float =
     if gpus > have:
         raise UserError(f"--gpus {gpus}: this host has {have} GPU(s)")
     with tempfile.TemporaryDirectory(prefix="nanoeuler-ranks-") as tmp:
-        procs = [subprocess.Popen([sys.executable, "-m", "nanoeuler", stage, *argv],
-                                  env=rank_env(r, gpus, str(Path(tmp) / "nccl.id")),
-                                  stdout=None if r == 0 else subprocess.DEVNULL)
-                 for r in range(gpus)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "nanoeuler", stage, *argv],
+                env=rank_env(r, gpus, str(Path(tmp) / "nccl.id")),
+                stdout=None if r == 0 else subprocess.DEVNULL,
+            )
+            for r in range(gpus)
+        ]
         return supervise(stage, procs, poll=poll)
 
 
 def rank_env(rank: int, world: int, rendezvous: str, base=None) -> dict:
     """The environment of rank `rank` of `world` started by `run_ranks`: GPU `rank` of this host."""
     base = os.environ if base is None else base
-    return {**base, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-            ENV_RENDEZVOUS: rendezvous, ENV_LAUNCHER: str(os.getpid())}
+    return {
+        **base,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        ENV_RENDEZVOUS: rendezvous,
+        ENV_LAUNCHER: str(os.getpid()),
+    }
 
 
 def _check_device(ranks: int, device: str) -> None:
@@ -303,8 +336,12 @@ def supervise(stage: str, procs: list, poll: float = 0.2, grace: float = 10.0, h
                 others = [p for p in procs if p.poll() is None]
                 _stop(others, grace)
                 stopped = f"; stopped the other {len(others)} rank(s)" if others else ""
-                print(f"nanoeuler {stage}: error: rank {rank} (pid {procs[rank].pid}) {_describe_exit(code)}"
-                      f"{stopped}. {hint}", file=sys.stderr, flush=True)
+                print(
+                    f"nanoeuler {stage}: error: rank {rank} (pid {procs[rank].pid}) {_describe_exit(code)}"
+                    f"{stopped}. {hint}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
             if all(c == 0 for c in codes):
                 return 0
@@ -337,8 +374,10 @@ def _stop(procs: list, grace: float) -> None:
 
 # ---- the communicator ------------------------------------------------------------------------------
 
+
 class Comm(Protocol):
     """What data parallelism asks of a transport: in-place averages and a broadcast from rank 0."""
+
     rank: int
     size: int
 
@@ -410,8 +449,9 @@ class NcclComm:
         import cupy as cp
 
         op = self.nccl.NCCL_SUM if self._avg is None else self._avg
-        self.comm.reduceScatter(src.data.ptr, dst.data.ptr, dst.size, self._dtype(dst), op,
-                                cp.cuda.get_current_stream().ptr)
+        self.comm.reduceScatter(
+            src.data.ptr, dst.data.ptr, dst.size, self._dtype(dst), op, cp.cuda.get_current_stream().ptr
+        )
         if self._avg is None and self.size > 1:
             dst *= 1.0 / self.size
 
@@ -443,12 +483,14 @@ def gradient_buffers(grads: dict) -> list:
 
 # ---- the data-parallel training: a gradient hook and a stepper wrapper ------------------------------
 
+
 class DataParallel:
     """One rank's part of a data-parallel run: the hook that averages gradients, the stepper wrapper that
     averages the loss, rank 0's resume decision, and a watchdog that stops a rank whose peers are gone."""
 
-    def __init__(self, comm: Comm, stage: str, timeout: float = DEFAULT_TIMEOUT, launcher_pid: int | None = None,
-                 zero: int = 0):
+    def __init__(
+        self, comm: Comm, stage: str, timeout: float = DEFAULT_TIMEOUT, launcher_pid: int | None = None, zero: int = 0
+    ):
         self.comm, self.stage, self.timeout, self.launcher_pid = comm, stage, float(timeout), launcher_pid
         self.rank, self.size = comm.rank, comm.size
         self.zero = int(zero)  # 1: ZeRO stage 1 (`ZeroStepper`), each rank keeps a shard of the optimizer state
@@ -475,6 +517,7 @@ class DataParallel:
                     a[...] = buf
             if then is not None:
                 then(grads)
+
         # NCCL calls may be captured into a CUDA graph: without `then`, the bf16 engine runs the hook in its
         # graph step (its gradients are one contiguous buffer, so the copy above is never taken)
         hook.in_graph = then is None
@@ -486,16 +529,22 @@ class DataParallel:
             from nanoeuler.train.stepper import XpStepper
 
             if not isinstance(stepper, XpStepper):
-                raise UserError(f"{self.stage}.zero 1 shards the optimizer of the fp32 path; "
-                                "use precision fp32, or zero 0 with bf16")
+                raise UserError(
+                    f"{self.stage}.zero 1 shards the optimizer of the fp32 path; "
+                    "use precision fp32, or zero 0 with bf16"
+                )
             if self._then is not None:
                 raise UserError(f"{self.stage}.zero 1: this stage's own gradient hook needs every gradient; use zero 0")
             whole = optimizer_bytes(stepper)
             stepper = ZeroStepper(stepper, self.comm, plan_shards(stepper.cfg.param_shapes(), self.size))
             if self.is_root:
-                print(f"nanoeuler {self.stage}: ZeRO-1 over {self.size} ranks: rank 0 keeps "
-                      f"{optimizer_bytes(stepper) / 2**20:.1f} MiB of optimizer state ({whole / 2**20:.1f} MiB "
-                      "unsharded)", file=sys.stderr, flush=True)
+                print(
+                    f"nanoeuler {self.stage}: ZeRO-1 over {self.size} ranks: rank 0 keeps "
+                    f"{optimizer_bytes(stepper) / 2**20:.1f} MiB of optimizer state ({whole / 2**20:.1f} MiB "
+                    "unsharded)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return ParallelStepper(stepper, self)
 
     def broadcast_int(self, value: int) -> int:
@@ -507,8 +556,9 @@ class DataParallel:
         return _Busy(self)
 
     def start_watchdog(self, period: float = 1.0) -> None:
-        self._watchdog = threading.Thread(target=self._watch, args=(period,), daemon=True,
-                                          name=f"nanoeuler-rank{self.rank}-watchdog")
+        self._watchdog = threading.Thread(
+            target=self._watch, args=(period,), daemon=True, name=f"nanoeuler-rank{self.rank}-watchdog"
+        )
         self._watchdog.start()
 
     def _watch(self, period: float) -> None:
@@ -521,8 +571,10 @@ class DataParallel:
         """Why this rank should stop now, or None."""
         since = self._busy_since
         if since is not None and time.monotonic() - since > self.timeout:
-            return (f"a step waited more than {self.timeout:.0f} s for the other ranks (one died or hangs; "
-                    f"{ENV_TIMEOUT} sets the limit)")
+            return (
+                f"a step waited more than {self.timeout:.0f} s for the other ranks (one died or hangs; "
+                f"{ENV_TIMEOUT} sets the limit)"
+            )
         if self.launcher_pid is not None and os.getppid() != self.launcher_pid:
             return "the launcher of the ranks is gone"
         try:
@@ -532,10 +584,13 @@ class DataParallel:
         return None
 
     def die(self, why: str) -> None:
-        print(f"nanoeuler {self.stage}: error: rank {self.rank}: {why}; aborting the communicator",
-              file=sys.stderr, flush=True)
+        print(
+            f"nanoeuler {self.stage}: error: rank {self.rank}: {why}; aborting the communicator",
+            file=sys.stderr,
+            flush=True,
+        )
         aborting = threading.Thread(target=self.comm.abort, daemon=True)  # an abort that hangs must not keep
-        aborting.start()                                                   # the process alive
+        aborting.start()  # the process alive
         aborting.join(10.0)
         os._exit(1)
 
@@ -595,11 +650,13 @@ class ParallelStepper:
 
 # ---- ZeRO stage 1: each rank updates one shard of the parameters, and keeps only its optimizer state --
 
+
 @dataclass(frozen=True)
 class ShardPlan:
     """Whole tensors, in the model's order, in `size` contiguous runs; run r is rank r's. A flat buffer of
     size * span elements holds run r at r * span (runs padded to the longest, `span`), so one reduce-scatter
     gives each rank the mean gradient of its tensors and one all-gather gives every rank all of them."""
+
     owner: dict  # name -> rank
     offset: dict  # name -> first element in the flat buffer
     shapes: dict  # name -> shape
@@ -611,7 +668,7 @@ class ShardPlan:
 
     def flat_view(self, flat, name):
         o, shape = self.offset[name], self.shapes[name]
-        return flat[o:o + math.prod(shape)].reshape(shape)
+        return flat[o : o + math.prod(shape)].reshape(shape)
 
 
 def plan_shards(shapes: dict, size: int) -> ShardPlan:
@@ -683,7 +740,7 @@ class ZeroStepper:
     def _local(self, name):
         """This rank's tensor `name` as a view of `shard`."""
         o, shape = self.plan.offset[name] - self.comm.rank * self.plan.span, self.plan.shapes[name]
-        return self.shard[o:o + math.prod(shape)].reshape(shape)
+        return self.shard[o : o + math.prod(shape)].reshape(shape)
 
     def step(self, batch, lr: float, head_weights=None) -> tuple[float, float]:
         inner, plan, comm = self.inner, self.plan, self.comm
@@ -771,6 +828,7 @@ def optimizer_bytes(stepper) -> int:
 
 # ---- a stage's entry -------------------------------------------------------------------------------
 
+
 def setup(stage: str, gpus: int, device: str, env=None, zero: int = 0) -> DataParallel | None:
     """This process's rank of a data-parallel run on `gpus` GPUs (None: a plain single-process run).
 
@@ -780,8 +838,10 @@ def setup(stage: str, gpus: int, device: str, env=None, zero: int = 0) -> DataPa
     world = world_from_env(env)
     if world is None:
         if gpus > 1:
-            raise UserError(f"{stage}.gpus {gpus}: start the run with `nanoeuler {stage} --gpus {gpus}` "
-                            "or under a launcher that sets RANK/WORLD_SIZE")
+            raise UserError(
+                f"{stage}.gpus {gpus}: start the run with `nanoeuler {stage} --gpus {gpus}` "
+                "or under a launcher that sets RANK/WORLD_SIZE"
+            )
         return None
     if gpus > 1 and gpus != world.size:
         raise UserError(f"--gpus/{stage}.gpus is {gpus} but the launcher started {world.size} ranks")

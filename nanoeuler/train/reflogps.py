@@ -43,8 +43,12 @@ def reference_meta(prefs_path, model_checksum: str, cfg, n_pairs: int) -> dict:
     """What a reference file must agree on with the DPO run that reads it."""
     from nanoeuler.train.pairs import file_sha256
 
-    return {"prefs_sha256": file_sha256(prefs_path), "model_checksum": model_checksum,
-            "ctx_len": cfg.ctx_len, "pairs": n_pairs}
+    return {
+        "prefs_sha256": file_sha256(prefs_path),
+        "model_checksum": model_checksum,
+        "ctx_len": cfg.ctx_len,
+        "pairs": n_pairs,
+    }
 
 
 def load_reference(path, want: dict) -> np.ndarray:
@@ -55,17 +59,22 @@ def load_reference(path, want: dict) -> np.ndarray:
         with open_input(path, "reference log-probs file", ARRAYS) as f, np.load(f) as z:
             logps, meta = z["logps"], parse_json(str(z["meta"]), f"{path}: meta")
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # a cut or foreign file
-        raise UserError(f"reference log-probs {path} are unreadable ({type(exc).__name__}: {exc}); "
-                        "re-run `nanoeuler ref-logps`") from None
+        raise UserError(
+            f"reference log-probs {path} are unreadable ({type(exc).__name__}: {exc}); re-run `nanoeuler ref-logps`"
+        ) from None
     if not isinstance(meta, dict):
         raise UserError(f"reference log-probs {path} are unreadable (its meta is not a JSON object)")
     diff = [k for k in want if meta.get(k) != want[k]]
     if diff:
-        raise UserError(f"reference log-probs {path} were computed for other {', '.join(diff)} "
-                        "(another prefs file or chat model); re-run `nanoeuler ref-logps`")
+        raise UserError(
+            f"reference log-probs {path} were computed for other {', '.join(diff)} "
+            "(another prefs file or chat model); re-run `nanoeuler ref-logps`"
+        )
     if logps.shape != (want["pairs"], 2) or logps.dtype.kind != "f" or not np.isfinite(logps).all():
-        raise UserError(f"reference log-probs {path} hold {logps.dtype} of shape {logps.shape} or non-finite values; "
-                        "re-run `nanoeuler ref-logps`")
+        raise UserError(
+            f"reference log-probs {path} hold {logps.dtype} of shape {logps.shape} or non-finite values; "
+            "re-run `nanoeuler ref-logps`"
+        )
     return logps
 
 
@@ -84,17 +93,28 @@ def run(args: argparse.Namespace) -> int:
     budget = memory.Budget.on_device(conf["gpu_memory"], xp)
     params, cfg, _, tok, checksum = load_chat_model(args.ckpt)
     resident = {"params": memory.F32 * cfg.n_params()}
-    chunk, predict = memory.eval_items_for("ref-logps", budget, cfg, cfg.ctx_len, BATCH_PAIRS, "pair_logps",
-                                           resident, rows_per_item=2)
+    chunk, predict = memory.eval_items_for(
+        "ref-logps", budget, cfg, cfg.ctx_len, BATCH_PAIRS, "pair_logps", resident, rows_per_item=2
+    )
     pairs = read_pairs(args.prefs)
     examples, counts = encode_pairs(pairs, tok, cfg.ctx_len)
-    print(f"nanoeuler ref-logps: {len(examples)} pairs, {counts['truncated']} cut to the {cfg.ctx_len}-token "
-          f"context ({counts['prompt_cut']} lost the start of the prompt)", file=sys.stderr, flush=True)
+    print(
+        f"nanoeuler ref-logps: {len(examples)} pairs, {counts['truncated']} cut to the {cfg.ctx_len}-token "
+        f"context ({counts['prompt_cut']} lost the start of the prompt)",
+        file=sys.stderr,
+        flush=True,
+    )
     dev = {name: xp.asarray(p) for name, p in params.items()}
     logps = np.zeros((len(examples), 2))
-    for lo in tqdm(range(0, len(examples), chunk), desc="ref-logps", unit="batch", file=sys.stderr,
-                   disable=args.no_progress, mininterval=0.5 if sys.stderr.isatty() else 10.0):
-        logps[lo:lo + chunk] = sequence_logps(dev, cfg, examples[lo:lo + chunk], chunk, tok.eot_id, xp)
+    for lo in tqdm(
+        range(0, len(examples), chunk),
+        desc="ref-logps",
+        unit="batch",
+        file=sys.stderr,
+        disable=args.no_progress,
+        mininterval=0.5 if sys.stderr.isatty() else 10.0,
+    ):
+        logps[lo : lo + chunk] = sequence_logps(dev, cfg, examples[lo : lo + chunk], chunk, tok.eot_id, xp)
     info = reference_meta(args.prefs, checksum, cfg, len(examples))
     out = Path(args.out)
     with atomic_path(out) as tmp:
@@ -102,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
             np.savez(f, logps=logps, meta=np.array(json.dumps(info)))
     if budget is not None:
         meter.report("ref-logps", memory.peak(predict(chunk), budget.context), detail=f"{chunk} pairs a forward")
-    print(f"nanoeuler ref-logps: wrote {out}: mean chosen {logps[:, 0].mean():.2f}, "
-          f"rejected {logps[:, 1].mean():.2f} nats")
+    print(
+        f"nanoeuler ref-logps: wrote {out}: mean chosen {logps[:, 0].mean():.2f}, "
+        f"rejected {logps[:, 1].mean():.2f} nats"
+    )
     return 0

@@ -75,8 +75,10 @@ def set_aside_all(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     prev = run_dir / "previous"
     if prev.is_symlink() or (prev.exists() and not prev.is_dir()):
-        raise UserError(f"{prev} is not a directory: the run's old checkpoints cannot be set aside there; "
-                        "move it away or name another --run-dir")
+        raise UserError(
+            f"{prev} is not a directory: the run's old checkpoints cannot be set aside there; "
+            "move it away or name another --run-dir"
+        )
     prev.mkdir(parents=True, exist_ok=True)
     for _, path in list_checkpoints(prev):
         path.unlink()
@@ -98,8 +100,11 @@ def model_change(meta: dict, model_config: dict, tokenizer_sha256: str) -> str:
     'model dim 64 -> 128'
     """
     old = meta.get("model_config") or {}
-    parts = [f"model {k} {old.get(k)!r} -> {model_config.get(k)!r}"
-             for k in sorted(set(old) | set(model_config)) if old.get(k) != model_config.get(k)]
+    parts = [
+        f"model {k} {old.get(k)!r} -> {model_config.get(k)!r}"
+        for k in sorted(set(old) | set(model_config))
+        if old.get(k) != model_config.get(k)
+    ]
     if meta.get("tokenizer_sha256") != tokenizer_sha256:
         parts.append(f"tokenizer sha256 {str(meta.get('tokenizer_sha256'))[:12]} -> {tokenizer_sha256[:12]}")
     return ", ".join(parts)
@@ -119,8 +124,9 @@ def writer_lock(run_dir: Path, stage: str):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise UserError(f"run directory {run_dir} is in use by another writer ({_holder(fd)}); "
-                            f"wait for it to finish or stop it") from None
+            raise UserError(
+                f"run directory {run_dir} is in use by another writer ({_holder(fd)}); wait for it to finish or stop it"
+            ) from None
         except OSError as exc:
             if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise
@@ -135,9 +141,12 @@ def writer_lock(run_dir: Path, stage: str):
 def _write_holder(fd: int) -> None:
     """Who holds the lock, for the message a second writer gets."""
     command = shlex.join(["nanoeuler", *sys.argv[1:]]).replace("\n", "\\n")  # the refusal stays one line
-    info = {"pid": os.getpid(), "host": socket.gethostname(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "command": command if len(command) <= 200 else command[:197] + "..."}
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "command": command if len(command) <= 200 else command[:197] + "...",
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)
 

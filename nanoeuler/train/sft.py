@@ -158,8 +158,9 @@ class EpochBatches:
     `world * batch_size`. Every rank needs an example a step, so an epoch's tail of fewer than `world`
     examples is left out (the next epoch's permutation puts other examples last)."""
 
-    def __init__(self, examples, batch_size: int, grad_accum: int, seed: int, K: int, pad_id: int,
-                 rank: int = 0, world: int = 1):
+    def __init__(
+        self, examples, batch_size: int, grad_accum: int, seed: int, K: int, pad_id: int, rank: int = 0, world: int = 1
+    ):
         self.examples, self.B, self.accum = examples, batch_size, grad_accum
         self.seed, self.K, self.pad_id = seed, K, pad_id
         self.rank, self.world = rank, world
@@ -194,6 +195,7 @@ def response_loss(params, cfg, examples, batch_size: int, pad_id: int, xp) -> di
     """Loss over held-out examples' response tokens, weighted by each batch's head-0 targets; `batch_size`
     examples a forward (sized by the stage to its memory, `memory.eval_items_for`)."""
     from nanoeuler.model import transformer
+
     tot = ce = weight = 0.0
     for lo in range(0, len(examples), batch_size):
         x, y = sft_batch(examples[lo : lo + batch_size], cfg.mtp_heads, pad_id)
@@ -237,14 +239,17 @@ def _examples(data: str, tok, ctx_len: int, settings, verbose: bool):
     examples, counts = prepare_examples(train_records, tok, ctx_len, settings.too_long)
     val_examples, _ = prepare_examples(val_records, tok, ctx_len, settings.too_long)
     if verbose:
-        print(f"nanoeuler sft: {len(train_records)} training records: {len(examples)} used, "
-              f"{counts['truncated']} truncated to the {ctx_len}-token context "
-              f"({counts['prompt_cut']} of them lost the start of the prompt), "
-              f"{counts['dropped']} dropped as too long (sft.too_long = {settings.too_long}); "
-              f"{len(val_examples)} held out for validation", file=sys.stderr, flush=True)
+        print(
+            f"nanoeuler sft: {len(train_records)} training records: {len(examples)} used, "
+            f"{counts['truncated']} truncated to the {ctx_len}-token context "
+            f"({counts['prompt_cut']} of them lost the start of the prompt), "
+            f"{counts['dropped']} dropped as too long (sft.too_long = {settings.too_long}); "
+            f"{len(val_examples)} held out for validation",
+            file=sys.stderr,
+            flush=True,
+        )
     if not examples:
-        raise UserError(f"no Alpaca record of {data} fits the {ctx_len}-token context "
-                        "(try sft.too_long: truncate)")
+        raise UserError(f"no Alpaca record of {data} fits the {ctx_len}-token context (try sft.too_long: truncate)")
     return examples, val_examples, counts
 
 
@@ -276,10 +281,25 @@ def run(args: argparse.Namespace) -> int:
 
     pad_id = tok.eot_id
     budget = memory.Budget.on_device(conf["gpu_memory"], xp)
-    fit = memory.plan_training("sft", cfg, settings, budget, eval_items=settings.batch_size, sm90a=memory.on_sm90a(xp),
-                               zero_world=parallel.zero_world(dp))
-    batches = EpochBatches(examples, settings.batch_size, settings.grad_accum, settings.seed,
-                           cfg.mtp_heads, pad_id, rank=0 if dp is None else dp.rank, world=1 if dp is None else dp.size)
+    fit = memory.plan_training(
+        "sft",
+        cfg,
+        settings,
+        budget,
+        eval_items=settings.batch_size,
+        sm90a=memory.on_sm90a(xp),
+        zero_world=parallel.zero_world(dp),
+    )
+    batches = EpochBatches(
+        examples,
+        settings.batch_size,
+        settings.grad_accum,
+        settings.seed,
+        cfg.mtp_heads,
+        pad_id,
+        rank=0 if dp is None else dp.rank,
+        world=1 if dp is None else dp.size,
+    )
 
     def evaluate(p):
         return response_loss(p, cfg, val_examples, fit.eval_items, pad_id, xp)
@@ -287,12 +307,24 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     run_dir = Path(args.run_dir) if args.run_dir else out.parent / "sft"
     spec = loop.Run(
-        stage="sft", cfg=cfg, section=sec, total_steps=batches.steps(settings.epochs), batches=batches,
-        init_params=lambda: params, tokenizer_json=meta["tokenizer"], tokenizer_sha256=tok.sha256,
-        run_dir=run_dir, out=out, xp=xp, evaluate=evaluate if val_examples else None,
+        stage="sft",
+        cfg=cfg,
+        section=sec,
+        total_steps=batches.steps(settings.epochs),
+        batches=batches,
+        init_params=lambda: params,
+        tokenizer_json=meta["tokenizer"],
+        tokenizer_sha256=tok.sha256,
+        run_dir=run_dir,
+        out=out,
+        xp=xp,
+        evaluate=evaluate if val_examples else None,
         identity={"data": {"alpaca_sha256": data_sha, "base_checksum": base_checksum}},
         extra_out={"sft_data": {"train_examples": len(examples), "val_examples": len(val_examples), **counts}},
-        progress=not args.no_progress, foreign_model_is_error=False, parallel=dp, micro_rows=fit.micro,
+        progress=not args.no_progress,
+        foreign_model_is_error=False,
+        parallel=dp,
+        micro_rows=fit.micro,
         predicted_peak=fit.predicted,
     )
     last = loop.train(spec)
@@ -301,6 +333,8 @@ def run(args: argparse.Namespace) -> int:
     if not root:
         return 0
     plot_losses([("SFT", rundir.read_jsonl(run_dir / "metrics.jsonl"))], run_dir / "loss.png")
-    print(f"nanoeuler sft: train loss {last.get('loss', float('nan')):.4f}, "
-          f"held-out response loss {last.get('val_loss', float('nan')):.4f}")
+    print(
+        f"nanoeuler sft: train loss {last.get('loss', float('nan')):.4f}, "
+        f"held-out response loss {last.get('val_loss', float('nan')):.4f}"
+    )
     return 0

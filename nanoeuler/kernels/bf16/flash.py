@@ -43,8 +43,9 @@ def flash_fwd(kern: dict, q, k, v, o, lse) -> None:
     """Causal GQA attention: q (B,H,T,D), k/v (B,Hkv,T,D) bf16 -> O into o (N, H D) bf16, the o_proj
     operand, and the logsumexp of every row into lse (B,H,T)."""
     B, H, T, D = q.shape
-    kern["flash_fwd"]((B * H, -(-T // 64)), (128,), (q, k, v, o, lse, i32(H), i32(k.shape[1]), i32(T),
-                                                     f32(1.0 / math.sqrt(D))))
+    kern["flash_fwd"](
+        (B * H, -(-T // 64)), (128,), (q, k, v, o, lse, i32(H), i32(k.shape[1]), i32(T), f32(1.0 / math.sqrt(D)))
+    )
 
 
 def flash_bwd(kern: dict, q, k, v, o, do, lse, delta, dqkv, cos, sin) -> None:

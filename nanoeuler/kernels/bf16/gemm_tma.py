@@ -32,32 +32,44 @@ def fused_gemm(name: str):
     return prepare_fused_gemm(kernel("bf16/gemm_tma", name))
 
 
-def run_qkv_rope_gemm(fn, x_map, w_map, q_map, k_map, v_map, cos, sin, N: int, C: int, T: int, H: int, Hkv: int,
-                      sms: int) -> None:
+def run_qkv_rope_gemm(
+    fn, x_map, w_map, q_map, k_map, v_map, cos, sin, N: int, C: int, T: int, H: int, Hkv: int, sms: int
+) -> None:
     """qkv = xhat Wqkv^T, q and k rotated by RoPE (cos/sin: (T, 32) float32), into q (B, H, T, 64) and k, v
     (B, Hkv, T, 64), T % 64 == 0; xhat (N = B T rows) and Wqkv through `tile_map`s with boxes of 128 rows,
     q/k/v through `heads_map`s (gemm_tma.cu's qkv_rope_gemm)."""
-    fn(qkv_rope_gemm_grid(N, H + 2 * Hkv, sms), (SWIGLU_GEMM_THREADS,),
-       (x_map, w_map, q_map, k_map, v_map, cos, sin, i32(N), i32(C), i32(T), i32(H), i32(Hkv)),
-       shared_mem=QKV_ROPE_GEMM_SMEM)
+    fn(
+        qkv_rope_gemm_grid(N, H + 2 * Hkv, sms),
+        (SWIGLU_GEMM_THREADS,),
+        (x_map, w_map, q_map, k_map, v_map, cos, sin, i32(N), i32(C), i32(T), i32(H), i32(Hkv)),
+        shared_mem=QKV_ROPE_GEMM_SMEM,
+    )
 
 
 def run_swiglu_fwd_gemm(fn, x_map, w_map, gu_map, m_map, N: int, C: int, F: int, sms: int) -> None:
     """gu = xhat Wgu^T and m = silu(gate) * up, from xhat (through `x_map`: `tile_map` with boxes of 128
     rows) and Wgu (through `w_map`: `gate_up_map`), into gu (N, 2F) and m (N, F) (through `gu_map` and
     `m_map`: `tile_map` with boxes of 64 rows) (gemm_tma.cu's swiglu_fwd_gemm)."""
-    fn(swiglu_gemm_grid(N, F, sms, 64), (SWIGLU_GEMM_THREADS,), (x_map, w_map, gu_map, m_map, i32(N), i32(C), i32(F)),
-       shared_mem=SWIGLU_FWD_GEMM_SMEM)
+    fn(
+        swiglu_gemm_grid(N, F, sms, 64),
+        (SWIGLU_GEMM_THREADS,),
+        (x_map, w_map, gu_map, m_map, i32(N), i32(C), i32(F)),
+        shared_mem=SWIGLU_FWD_GEMM_SMEM,
+    )
 
 
-def run_swiglu_bwd_gemm(fn, dy_map, wdt_map, wdt_row0: int, gu_map, dgu_map, m_map, N: int, C: int, F: int,
-                        sms: int) -> None:
+def run_swiglu_bwd_gemm(
+    fn, dy_map, wdt_map, wdt_row0: int, gu_map, dgu_map, m_map, N: int, C: int, F: int, sms: int
+) -> None:
     """d(gate|up) and m, from dy (through `dy_map`: `tile_map`, boxes of 128 rows), the rows wdt_row0 ..
     wdt_row0 + F of a `wdt_image` output (through `wdt_map`, the same) and gu; gu, dgu (N, 2F) and m (N, F)
     through `tile_map`s with boxes of 64 rows (gemm_tma.cu's swiglu_bwd_gemm)."""
-    fn(swiglu_gemm_grid(N, F, sms), (SWIGLU_GEMM_THREADS,),
-       (dy_map, wdt_map, i32(wdt_row0), gu_map, dgu_map, m_map, i32(N), i32(C), i32(F)),
-       shared_mem=SWIGLU_BWD_GEMM_SMEM)
+    fn(
+        swiglu_gemm_grid(N, F, sms),
+        (SWIGLU_GEMM_THREADS,),
+        (dy_map, wdt_map, i32(wdt_row0), gu_map, dgu_map, m_map, i32(N), i32(C), i32(F)),
+        shared_mem=SWIGLU_BWD_GEMM_SMEM,
+    )
 
 
 def wdt_image(base, offsets, wdt) -> None:

@@ -22,8 +22,9 @@ def ce_heads(logits, targets, scale, loss_rows, head: int) -> None:
     row's loss into loss_rows (R, K)[:, head]. targets (R, K): the chunk's rows."""
     R, V = logits.shape
     K = targets.shape[1]
-    kernel("bf16/heads", "ce_heads_fwd_bwd")((R,), (256,), (logits, targets, scale, loss_rows, i32(V), i32(K),
-                                                             i32(head)))
+    kernel("bf16/heads", "ce_heads_fwd_bwd")(
+        (R,), (256,), (logits, targets, scale, loss_rows, i32(V), i32(K), i32(head))
+    )
 
 
 def ce_loss_reduce(loss_rows, scale, loss) -> None:
@@ -43,12 +44,16 @@ def dpo_pair_loss(tok, ref, weight, logp, dlogp, loss, T: int, beta: float, labe
     """Sequence log-probs logp (B,) from the rows' tok (B*T,); the DPO loss of its B/2 pairs (chosen first)
     against ref (B,), pair i weighted by weight[i], into loss[0]; dloss/dlogp (B,)."""
     B = logp.shape[0]
-    kernel("bf16/heads", "dpo_pair_loss")((1,), (1024,), (tok, ref, weight, logp, dlogp, loss, i32(B), i32(T),
-                                                          np.float32(beta), np.float32(label_smoothing)))
+    kernel("bf16/heads", "dpo_pair_loss")(
+        (1,),
+        (1024,),
+        (tok, ref, weight, logp, dlogp, loss, i32(B), i32(T), np.float32(beta), np.float32(label_smoothing)),
+    )
 
 
 def seq_logp_grad(logits, targets, lse, dlogp, r0: int, T: int) -> None:
     """Pass 2: head 0's logits (R, V) of rows r0.. overwritten by dlogp[row's sequence] (onehot - softmax)."""
     R, V = logits.shape
-    kernel("bf16/heads", "seq_logp_grad")((R,), (256,), (logits, targets, lse, dlogp, i32(V), i32(targets.shape[1]),
-                                                         i64(r0), i32(T)))
+    kernel("bf16/heads", "seq_logp_grad")(
+        (R,), (256,), (logits, targets, lse, dlogp, i32(V), i32(targets.shape[1]), i64(r0), i32(T))
+    )

@@ -16,9 +16,23 @@ def rmsnorm_fwd(x, xhat, rstd, eps: float, add=(), out=None) -> None:
     residual stream carried on). x (N, C) float32, at most two branches."""
     N, C = xhat.shape
     y, y2 = (tuple(add) + (x, x))[:2]  # unread placeholders where fewer than two branches
-    kernel("bf16/norms", "rmsnorm_fwd_bf16")(((N + 3) // 4,), (128,), (
-        x, y, y2, xhat, rstd, x if out is None else out, i32(N), i32(C), f32(eps), i32(len(add)),
-        i32(out is not None)))
+    kernel("bf16/norms", "rmsnorm_fwd_bf16")(
+        ((N + 3) // 4,),
+        (128,),
+        (
+            x,
+            y,
+            y2,
+            xhat,
+            rstd,
+            x if out is None else out,
+            i32(N),
+            i32(C),
+            f32(eps),
+            i32(len(add)),
+            i32(out is not None),
+        ),
+    )
 
 
 def rmsnorm_bwd(g, xhat, rstd, dx, dxb, accumulate: bool) -> None:
@@ -34,6 +48,7 @@ def gain_fold(w, dw, gain, dgain, rows: int, part, sq) -> None:
     gradient dgain = column sums of W * dW' (by `part`, per-split sums); the squares of dW into sq."""
     C = gain.size
     splits, per_split = gain_fold_splits(rows)
-    kernel("bf16/norms", "gain_fold_grad")((-(-C // gain_fold_columns(C)), splits), (256,), (
-        w, dw, gain, part, i32(rows), i32(C), i32(per_split), sq))
+    kernel("bf16/norms", "gain_fold_grad")(
+        (-(-C // gain_fold_columns(C)), splits), (256,), (w, dw, gain, part, i32(rows), i32(C), i32(per_split), sq)
+    )
     kernel("bf16/norms", "column_sums")((-(-C // 32),), (32, 32), (part, dgain, i32(splits), i32(C)))

@@ -48,14 +48,33 @@ def f32_to_bf16(x, y, gain, cols: int) -> None:
     kernel("bf16/optim", "f32_to_bf16")(grid_1d(n), (256,), (x, y, i64(n), gain, i32(cols)))
 
 
-def adamw_clip(p, g, m, v, pb, sq, hyper, decayed: bool, max_norm: float, beta1: float, beta2: float, eps: float,
-               gain, cols: int) -> None:
+def adamw_clip(
+    p, g, m, v, pb, sq, hyper, decayed: bool, max_norm: float, beta1: float, beta2: float, eps: float, gain, cols: int
+) -> None:
     """Clip g by sqrt(sq[0]) against max_norm, AdamW on one flat range (hyper: step size, 1/sqrt(1 - b2^t),
     decay factor, on the device), and the range's bf16 image pb = bf16(p * gain)."""
     n = p.size
-    kernel("bf16/optim", "adamw_clip_bf16")((min(4096, -(-n // 256)),), (256,), (
-        p, g, m, v, pb, i64(n), sq, hyper, i32(decayed), f32(max_norm), f32(beta1), f32(beta2), f32(eps), gain,
-        i32(cols)))
+    kernel("bf16/optim", "adamw_clip_bf16")(
+        (min(4096, -(-n // 256)),),
+        (256,),
+        (
+            p,
+            g,
+            m,
+            v,
+            pb,
+            i64(n),
+            sq,
+            hyper,
+            i32(decayed),
+            f32(max_norm),
+            f32(beta1),
+            f32(beta2),
+            f32(eps),
+            gain,
+            i32(cols),
+        ),
+    )
 
 
 def grad_accumulate(g, acc, loss, loss_acc) -> None:
@@ -69,14 +88,16 @@ def _layer_grid(n: int, layers: int) -> tuple:
     return (max(1, min(-(-n // 256), -(-2048 // layers))), layers)
 
 
-def muon_momentum(g, m, x, n: int, stride: int, xstride: int, layers: int, ss, sq, max_norm: float,
-                  mu: float) -> None:
+def muon_momentum(g, m, x, n: int, stride: int, xstride: int, layers: int, ss, sq, max_norm: float, mu: float) -> None:
     """For each layer l: the clipped gradient's Nesterov momentum u (m updated in place) into the bf16
     matrix x[l*xstride:], and ss[l] += sum u^2 (in a fixed order). g, m: float32 from the layer-0 matrix,
     layers `stride` apart."""
     grid = _layer_grid(n, layers)
-    kernel("bf16/optim", "muon_momentum")(grid, (256,), (
-        g, m, x, i64(n), i64(stride), i64(xstride), ss, sq, f32(max_norm), f32(mu), *_scratch(ss, grid[0] * layers)))
+    kernel("bf16/optim", "muon_momentum")(
+        grid,
+        (256,),
+        (g, m, x, i64(n), i64(stride), i64(xstride), ss, sq, f32(max_norm), f32(mu), *_scratch(ss, grid[0] * layers)),
+    )
 
 
 def muon_normalize(x, n: int, xstride: int, layers: int, ss) -> None:
@@ -84,17 +105,33 @@ def muon_normalize(x, n: int, xstride: int, layers: int, ss) -> None:
     kernel("bf16/optim", "muon_normalize")(_layer_grid(n, layers), (256,), (x, i64(n), i64(xstride), ss))
 
 
-def muon_update(p, o, pb, n: int, stride: int, ostride: int, layers: int, hyper, decayed: bool, scale: float,
-                gain, gstride: int, cols: int) -> None:
+def muon_update(
+    p,
+    o,
+    pb,
+    n: int,
+    stride: int,
+    ostride: int,
+    layers: int,
+    hyper,
+    decayed: bool,
+    scale: float,
+    gain,
+    gstride: int,
+    cols: int,
+) -> None:
     """p = p * decay - lr * scale * o per layer (hyper: lr, -, decay on the device), and its bf16 image
     pb = bf16(p * gain) (gain: the layer-0 gain, layers `gstride` apart, or a null pointer)."""
-    kernel("bf16/optim", "muon_update")(_layer_grid(n, layers), (256,), (
-        p, o, pb, i64(n), i64(stride), i64(ostride), hyper, i32(decayed), f32(scale), gain, i64(gstride),
-        i32(cols)))
+    kernel("bf16/optim", "muon_update")(
+        _layer_grid(n, layers),
+        (256,),
+        (p, o, pb, i64(n), i64(stride), i64(ostride), hyper, i32(decayed), f32(scale), gain, i64(gstride), i32(cols)),
+    )
 
 
 def muon_poly_init(a, b, m: int, count: int, ca: float, cb: float) -> None:
     """b = cb * a + ca * I for `count` packed m x m bf16 matrices (a Newton-Schulz step's linear terms)."""
     per_thread = 8 if m % 8 == 0 else 1  # 16-byte accesses where rows allow
-    kernel("bf16/optim", "muon_poly_init")(_layer_grid(m * m // per_thread, count), (256,), (
-        a, b, i64(m), i64(count), f32(ca), f32(cb)))
+    kernel("bf16/optim", "muon_poly_init")(
+        _layer_grid(m * m // per_thread, count), (256,), (a, b, i64(m), i64(count), f32(ca), f32(cb))
+    )

@@ -38,8 +38,15 @@ class Variants:
     fuse_rope: bool  # RoPE and the attention layouts inside the qkv GEMM (gemm_tma.cu)
 
 
-def choose_variants(cfg, seq: int, attention: str = "auto", fuse_swiglu: bool | None = None,
-                    fuse_rope: bool | None = None, *, sm90a: bool) -> Variants:
+def choose_variants(
+    cfg,
+    seq: int,
+    attention: str = "auto",
+    fuse_swiglu: bool | None = None,
+    fuse_rope: bool | None = None,
+    *,
+    sm90a: bool,
+) -> Variants:
     """The engine's kernel variants for a model, sequence length and GPU (`sm90a`: compute capability 9.0).
     "auto" / None pick the fastest that applies; an explicit choice that does not apply is a ValueError."""
     D = cfg.head_dim
@@ -47,21 +54,33 @@ def choose_variants(cfg, seq: int, attention: str = "auto", fuse_swiglu: bool | 
         raise ValueError(f"head_dim {D} not supported by the attention kernels ({sorted(FLASH)})")
     if attention == "auto":
         attention = "wg" if D == 64 and sm90a else "ldm" if D in MMA_HEAD_DIMS else "fp32"
-    if (attention not in ATTENTION_VARIANTS or (attention != "fp32" and D not in MMA_HEAD_DIMS)
-            or (attention == "wg" and (D != 64 or not sm90a))):
-        raise ValueError(f"attention {attention!r} for head_dim {D}"
-                         + (" (needs head_dim 64 on a compute-capability-9.0 GPU)" if attention == "wg" else ""))
+    if (
+        attention not in ATTENTION_VARIANTS
+        or (attention != "fp32" and D not in MMA_HEAD_DIMS)
+        or (attention == "wg" and (D != 64 or not sm90a))
+    ):
+        raise ValueError(
+            f"attention {attention!r} for head_dim {D}"
+            + (" (needs head_dim 64 on a compute-capability-9.0 GPU)" if attention == "wg" else "")
+        )
     swiglu_ok = cfg.dim % 64 == 0 and cfg.hidden % 128 == 0 and sm90a
     if fuse_swiglu and not swiglu_ok:
-        raise ValueError(f"fuse_swiglu needs dim % 64 == 0 and hidden % 128 == 0 on a compute-capability-9.0 "
-                         f"GPU (dim {cfg.dim}, hidden {cfg.hidden})")
+        raise ValueError(
+            f"fuse_swiglu needs dim % 64 == 0 and hidden % 128 == 0 on a compute-capability-9.0 "
+            f"GPU (dim {cfg.dim}, hidden {cfg.hidden})"
+        )
     rope_ok = D == 64 and cfg.dim % 64 == 0 and seq % 64 == 0 and attention != "fp32" and sm90a
     if fuse_rope and not rope_ok:
-        raise ValueError(f"fuse_rope needs head_dim 64, dim % 64 == 0, seq % 64 == 0 and bf16 attention on a "
-                         f"compute-capability-9.0 GPU (head_dim {D}, dim {cfg.dim}, seq {seq}, "
-                         f"attention {attention!r})")
-    return Variants(attention, swiglu_ok if fuse_swiglu is None else bool(fuse_swiglu),
-                    rope_ok if fuse_rope is None else bool(fuse_rope))
+        raise ValueError(
+            f"fuse_rope needs head_dim 64, dim % 64 == 0, seq % 64 == 0 and bf16 attention on a "
+            f"compute-capability-9.0 GPU (head_dim {D}, dim {cfg.dim}, seq {seq}, "
+            f"attention {attention!r})"
+        )
+    return Variants(
+        attention,
+        swiglu_ok if fuse_swiglu is None else bool(fuse_swiglu),
+        rope_ok if fuse_rope is None else bool(fuse_rope),
+    )
 
 
 # ---- the flat parameter layout ------------------------------------------------------------------------
@@ -72,6 +91,7 @@ class Run:
     """A range of the flat buffers that one AdamW launch updates: equally decayed, of one learning-rate
     group (`optim.param_group`), and (gain set) one matrix of `cols` columns whose GEMM image carries that
     norm gain."""
+
     start: int
     end: int
     decayed: bool
@@ -104,10 +124,15 @@ def gemm_groups(cfg) -> list:
     groups.append((["norm.weight"], None))
     for i in range(cfg.n_layers):
         p = f"layers.{i}."
-        groups += [([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
-                    p + "input_layernorm.weight"), ([p + "self_attn.o_proj.weight"], None),
-                   ([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "post_attention_layernorm.weight"),
-                   ([p + "mlp.down_proj.weight"], None)]
+        groups += [
+            (
+                [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
+                p + "input_layernorm.weight",
+            ),
+            ([p + "self_attn.o_proj.weight"], None),
+            ([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], p + "post_attention_layernorm.weight"),
+            ([p + "mlp.down_proj.weight"], None),
+        ]
     groups.append((["lm_head.weight"] + [f"mtp_heads.{k}.weight" for k in range(1, cfg.mtp_heads)], "norm.weight"))
     return groups
 
@@ -142,8 +167,14 @@ def plan_layout(cfg, no_decay=None) -> Layout:
             raise ValueError(f"tensors {names} exceed the 32-bit indexing of the gain-folding kernels")
         end = -(-off // ALIGN) * ALIGN
         last = lay.runs[-1] if lay.runs else None
-        if (gain is None and last is not None and last.decayed == d and last.gain is None and last.end == start
-                and last.group == kind):
+        if (
+            gain is None
+            and last is not None
+            and last.decayed == d
+            and last.gain is None
+            and last.end == start
+            and last.group == kind
+        ):
             last.end = end
         else:
             lay.runs.append(Run(start, end, d, gain, shapes[names[0]][-1], kind))
@@ -229,8 +260,8 @@ def sg_row(j: int) -> int:
 def wdt_image_rows(F: int) -> np.ndarray:
     """The row of `wdt_image`'s output that holds each of the F columns of Wd (F % 128 == 0).
 
-        >>> wdt_image_rows(256)[[0, 2, 130]]
-        array([  0,   8, 136])
+    >>> wdt_image_rows(256)[[0, 2, 130]]
+    array([  0,   8, 136])
     """
     return np.array([c // 128 * 128 + sg_row(c % 128) for c in range(F)])
 
@@ -238,8 +269,8 @@ def wdt_image_rows(F: int) -> np.ndarray:
 def qkv_rope_gemm_grid(N: int, heads: int, sms: int) -> tuple:
     """Grid of `qkv_rope_gemm`: a block per multiprocessor, at most one per tile of 128 rows x 2 heads.
 
-        >>> qkv_rope_gemm_grid(32768, 20, sms=132), qkv_rope_gemm_grid(192, 7, sms=132)
-        ((132,), (8,))
+    >>> qkv_rope_gemm_grid(32768, 20, sms=132), qkv_rope_gemm_grid(192, 7, sms=132)
+    ((132,), (8,))
     """
     return (min(sms, -(-N // 128) * -(-heads // 2)),)
 
@@ -261,9 +292,19 @@ def swiglu_gemm_grid(N: int, F: int, sms: int, tile_units: int = 128) -> tuple:
 TENSOR_MAP_BYTES = 128  # a TMA descriptor, kept on the device
 
 
-def engine_bytes(cfg, batch: int, seq: int, *, attention: str, fuse_swiglu: bool, fuse_rope: bool,
-                 accum: bool = False, checkpoint: bool = False, head: str = "ce",
-                 chunk_bytes: int | None = None) -> dict:
+def engine_bytes(
+    cfg,
+    batch: int,
+    seq: int,
+    *,
+    attention: str,
+    fuse_swiglu: bool,
+    fuse_rope: bool,
+    accum: bool = False,
+    checkpoint: bool = False,
+    head: str = "ce",
+    chunk_bytes: int | None = None,
+) -> dict:
     """Device bytes of every buffer `TrainEngine.__init__` allocates, by group; their sum is `TrainEngine.nbytes()`.
 
     The variants are resolved ones (`choose_variants`); `batch` counts sequences (DPO: twice the pairs).
@@ -283,25 +324,50 @@ def engine_bytes(cfg, batch: int, seq: int, *, attention: str, fuse_swiglu: bool
         raise ValueError(f"attention {attention!r} (one of {ATTENTION_VARIANTS}), head {head!r} ('ce' or 'dpo')")
     B, T = int(batch), int(seq)
     N = B * T
-    L, C, H, Hkv, D, F, V, K = (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden,
-                                cfg.vocab_size, cfg.mtp_heads)
+    L, C, H, Hkv, D, F, V, K = (
+        cfg.n_layers,
+        cfg.dim,
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.hidden,
+        cfg.vocab_size,
+        cfg.mtp_heads,
+    )
     n = plan_layout(cfg).total
     bf, f4 = 2, 4
     qb = bf if attention != "fp32" else f4  # the attention operands' element size
     keep = 1 if checkpoint else L  # layers whose activations exist at once
-    per_layer = (2 * N * C * bf + 2 * N * f4 + (B * H * T * D + 2 * B * Hkv * T * D) * qb + B * H * T * f4
-                 + N * H * D * bf + N * 2 * F * bf)  # xhat1, xhat2, 1/rms x2, q, k, v, lse, a, gate/up
+    per_layer = (
+        2 * N * C * bf
+        + 2 * N * f4
+        + (B * H * T * D + 2 * B * Hkv * T * D) * qb
+        + B * H * T * f4
+        + N * H * D * bf
+        + N * 2 * F * bf
+    )  # xhat1, xhat2, 1/rms x2, q, k, v, lse, a, gate/up
     stream = (L if checkpoint else 2) * N * C * f4  # the residual stream's buffers
     _, mlp_bytes = carve(mlp_scratch(N, F, fuse_swiglu))
     R = head_chunk_rows(N, V, mlp_bytes, chunk_bytes)
-    scratch = (2 * N * C * bf  # the o_proj and down branches
-               + N * (H + 2 * Hkv) * D * bf  # qkv (forward) / dqkv (backward)
-               + (B * H * T * D + 2 * B * Hkv * T * D) * f4 * (attention == "fp32")  # float32 attention's out, dk, dv
-               + N * C * bf + N * H * D * qb + B * H * T * f4  # dh, da, delta
-               + N * C * f4 + N * C * bf + N * C * bf + N * f4 + N * C * f4  # dx, dxb, xn, rstdf, dxn
-               + FOLD_SPLITS * C * f4 + 3 * len(GROUPS) * f4 + 2 * f4  # gpart, each lr group's values, loss, sq
-               + N * f4 + N * K * f4  # ids, targets
-               + 2 * T * (D // 2) * f4)  # the RoPE tables
+    scratch = (
+        2 * N * C * bf  # the o_proj and down branches
+        + N * (H + 2 * Hkv) * D * bf  # qkv (forward) / dqkv (backward)
+        + (B * H * T * D + 2 * B * Hkv * T * D) * f4 * (attention == "fp32")  # float32 attention's out, dk, dv
+        + N * C * bf
+        + N * H * D * qb
+        + B * H * T * f4  # dh, da, delta
+        + N * C * f4
+        + N * C * bf
+        + N * C * bf
+        + N * f4
+        + N * C * f4  # dx, dxb, xn, rstdf, dxn
+        + FOLD_SPLITS * C * f4
+        + 3 * len(GROUPS) * f4
+        + 2 * f4  # gpart, each lr group's values, loss, sq
+        + N * f4
+        + N * K * f4  # ids, targets
+        + 2 * T * (D // 2) * f4
+    )  # the RoPE tables
     if head == "ce":
         scratch += N * K * f4 + 2 * K * f4  # per-row losses, head scale, head weights
     else:
@@ -312,8 +378,14 @@ def engine_bytes(cfg, batch: int, seq: int, *, attention: str, fuse_swiglu: bool
     if fuse_rope:
         maps += 4 * keep + L  # xhat1, q, k, v per kept layer; Wqkv per layer
     scratch += maps * TENSOR_MAP_BYTES
-    return {"params": n * f4, "grads": n * f4, "moments": 2 * n * f4, "image": n * bf,
-            "wdt": (L * F * C * bf + L * 8) if fuse_swiglu else 0,
-            "accumulator": (n * f4 + f4) if accum else 0,
-            "activations": keep * per_layer + stream,
-            "arena": max(mlp_bytes, 2 * R * V), "scratch": scratch}
+    return {
+        "params": n * f4,
+        "grads": n * f4,
+        "moments": 2 * n * f4,
+        "image": n * bf,
+        "wdt": (L * F * C * bf + L * 8) if fuse_swiglu else 0,
+        "accumulator": (n * f4 + f4) if accum else 0,
+        "activations": keep * per_layer + stream,
+        "arena": max(mlp_bytes, 2 * R * V),
+        "scratch": scratch,
+    }

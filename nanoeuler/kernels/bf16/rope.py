@@ -22,19 +22,24 @@ def qkv_rope_split(qkv, cos, sin, q, k, v) -> None:
     N, H, Hkv, T, D = _dims(q, k)
     if q.dtype == np.float32:
         pairs = N * (H + 2 * Hkv) * (D // 2)
-        kernel("bf16/rope", "qkv_rope_split")(grid_1d(pairs), (256,), (qkv, cos, sin, q, k, v, i32(T), i32(H), i32(Hkv),
-                                                                      i32(D), i64(pairs)))
+        kernel("bf16/rope", "qkv_rope_split")(
+            grid_1d(pairs), (256,), (qkv, cos, sin, q, k, v, i32(T), i32(H), i32(Hkv), i32(D), i64(pairs))
+        )
     else:
-        kernel("bf16/rope", "qkv_rope_split_bf16")(grid_1d(N * (H + 2 * Hkv) * (D // 16)), (256,), (
-            qkv, cos, sin, q, k, v, i32(T), i32(H), i32(Hkv), i32(D), i32(N)))
+        kernel("bf16/rope", "qkv_rope_split_bf16")(
+            grid_1d(N * (H + 2 * Hkv) * (D // 16)),
+            (256,),
+            (qkv, cos, sin, q, k, v, i32(T), i32(H), i32(Hkv), i32(D), i32(N)),
+        )
 
 
 def rope_bwd_pack(dq, dk, dv, cos, sin, dqkv) -> None:
     """dq (B,H,T,D), dk, dv (B,Hkv,T,D) float32 -> dqkv (N, (H+2Hkv) D) bf16, the rotation undone on dq, dk."""
     N, H, Hkv, T, D = _dims(dq, dk)
     grid = (-(-((H + 2 * Hkv) * (D // 2)) // 256), min(N, 65535))
-    kernel("bf16/rope", "rope_bwd_pack")(grid, (256,), (dq, dk, dv, cos, sin, dqkv, i32(T), i32(H), i32(Hkv), i32(D),
-                                                         i32(N)))
+    kernel("bf16/rope", "rope_bwd_pack")(
+        grid, (256,), (dq, dk, dv, cos, sin, dqkv, i32(T), i32(H), i32(Hkv), i32(D), i32(N))
+    )
 
 
 def attn_pack(out, a) -> None:
@@ -48,5 +53,4 @@ def attn_delta(a, da, delta) -> None:
     """delta (B,H,T) = rowsum(dO * O), O the bf16 operand a (N, H D), dO float32 da (N, H D)."""
     B, H, T = delta.shape
     N, D = B * T, a.shape[1] // H
-    kernel("bf16/rope", "attn_delta")((-(-(N * H) // 8),), (256,), (a, da, delta, i32(T), i32(H), i32(D),
-                                                                   i64(N * H)))
+    kernel("bf16/rope", "attn_delta")((-(-(N * H) // 8),), (256,), (a, da, delta, i32(T), i32(H), i32(D), i64(N * H)))

@@ -25,8 +25,13 @@ def _per_storage(*stems: str) -> tuple[str, ...]:
 
 
 FAMILIES = {
-    "gemv": _per_storage(*(f"{e}_u{u}" for u in UNROLLS for e in ("gemv_store", "gemv_store2", "gemv_add",
-                                                                 "gemv_swiglu", "gemv_rope", "head_argmax"))),
+    "gemv": _per_storage(
+        *(
+            f"{e}_u{u}"
+            for u in UNROLLS
+            for e in ("gemv_store", "gemv_store2", "gemv_add", "gemv_swiglu", "gemv_rope", "head_argmax")
+        )
+    ),
     "tgemv": ("tgemv_store_c4", "tgemv_add_c4", "tgemv_store_c8", "tgemv_add_c8", "tgemv_swiglu_c4", "tgemv_rope_c4"),
     "attend": _per_storage("attend", "attend_act", "attend_kv_act"),
     "attend_o": _per_storage("attend_o", "attend_o_cluster"),

@@ -23,8 +23,12 @@ def rmsnorm_act(go, x, gain, a, M: int, C: int, eps: float) -> None:
 def rope_cache(go, qkv, meta, q, kc, vc, cos, sin, qh, kh, vh, M: int, H: int, Hkv: int, D: int, L: int) -> None:
     """qkv (M, (H + 2 Hkv) D) float: q rotated into q (M, H, D), k rotated and v into the caches; with qh
     given (a prefill from position 0), q, k, v also into qh (H, M, D), kh, vh (Hkv, M, D), and q not."""
-    go.launch(f"rope_cache_{go.suffix}", (M,), (256,), (qkv, meta, q, kc, vc, cos, sin, opt(qh), opt(kh), opt(vh),
-                                                        i32(M), i32(H), i32(Hkv), i32(D), i32(L)))
+    go.launch(
+        f"rope_cache_{go.suffix}",
+        (M,),
+        (256,),
+        (qkv, meta, q, kc, vc, cos, sin, opt(qh), opt(kh), opt(vh), i32(M), i32(H), i32(Hkv), i32(D), i32(L)),
+    )
 
 
 def swiglu_act(go, gu, out, M: int, F: int) -> None:

@@ -12,5 +12,10 @@ i32, f32 = np.int32, np.float32
 
 def swiglu_down(go, wgu, wd, x, gain, dx, F: int, C: int, eps: float) -> None:
     """One row: a block per MLP_FC hidden units, meeting in dx by atomicAdd (dx starts at zero)."""
-    go.launch(f"swiglu_down_u{gemv_unroll(C, go.dtype)}_r1_{go.suffix}", (-(-F // MLP_FC), 1), (32 * MLP_FC,),
-              (wgu, wd, x, gain, dx, i32(1), i32(F), i32(C), f32(eps)), shared_mem=mlp_smem(C, go.dtype))
+    go.launch(
+        f"swiglu_down_u{gemv_unroll(C, go.dtype)}_r1_{go.suffix}",
+        (-(-F // MLP_FC), 1),
+        (32 * MLP_FC,),
+        (wgu, wd, x, gain, dx, i32(1), i32(F), i32(C), f32(eps)),
+        shared_mem=mlp_smem(C, go.dtype),
+    )

@@ -34,8 +34,23 @@ KV_MAXG = 4  # attend_kv's query heads a key/value head, at most
 KV_AHEAD = 2  # keys a lane group of attend_kv requests before using any
 SAMPLE_THREADS = 1024  # a block of the next-token kernels (one row)
 SAMPLE_PER_THREAD = 64  # logits a thread of sample_rows holds
-DEFINES = ("GEMV_ROWS", "GEMV_WARPS", "TC_WARPS", "TC_PASS", "MLP_FC", "ATTEND_THREADS", "O_PRE", "OSPLIT",
-           "OC_WARPS", "OC_KEYS", "KV_WARPS", "KV_MAXG", "KV_AHEAD", "SAMPLE_THREADS", "SAMPLE_PER_THREAD")
+DEFINES = (
+    "GEMV_ROWS",
+    "GEMV_WARPS",
+    "TC_WARPS",
+    "TC_PASS",
+    "MLP_FC",
+    "ATTEND_THREADS",
+    "O_PRE",
+    "OSPLIT",
+    "OC_WARPS",
+    "OC_KEYS",
+    "KV_WARPS",
+    "KV_MAXG",
+    "KV_AHEAD",
+    "SAMPLE_THREADS",
+    "SAMPLE_PER_THREAD",
+)
 
 # ---- the host's own ---------------------------------------------------------------------------------
 GEMV_MAX_ROWS = 16  # passes of more rows take the cuBLAS path
@@ -72,6 +87,7 @@ def itemsize(dtype: str) -> int:
 class Variants:
     """The kernel paths of a backend (each a variant of bench/decode_steps_gpu.py; mutable so that a test or
     a bench can switch one off)."""
+
     tensor_cores: bool  # 2 to 16 rows of bf16 weights: the tensor-core GEMV (tgemv); off: the float GEMV
     attend_cluster: bool  # one row: attention over a cluster of OSPLIT blocks (attend_o_cluster); off: attend_o
     alone_keys: int  # up to this many keys each block of the cluster attends over all of them
@@ -85,8 +101,10 @@ def check_model(cfg, dtype: str) -> None:
     if dtype not in STORAGES:
         raise ValueError(f"dtype must be bf16 or fp32, got {dtype!r}")
     if cfg.vocab_size > SAMPLE_THREADS * SAMPLE_PER_THREAD:
-        raise ValueError(f"the GPU sampler handles vocabularies of up to {SAMPLE_THREADS * SAMPLE_PER_THREAD} "
-                         f"tokens, not {cfg.vocab_size}")
+        raise ValueError(
+            f"the GPU sampler handles vocabularies of up to {SAMPLE_THREADS * SAMPLE_PER_THREAD} "
+            f"tokens, not {cfg.vocab_size}"
+        )
     if cfg.dim % OSPLIT:  # attend_o's row splits (OSPLIT or a power of two below)
         raise ValueError(f"the GPU decode engine needs a width divisible by {OSPLIT}, not {cfg.dim}")
 
@@ -106,7 +124,8 @@ def choose_variants(cfg, dtype: str, cc: int) -> Variants:
         alone_keys=ALONE_KEYS,
         fuse_argmax=True,
         attend_kv=D % v == 0 and 32 % (D // v) == 0 and cfg.n_heads // cfg.n_kv_heads <= KV_MAXG,
-        flash=flash)
+        flash=flash,
+    )
 
 
 # ---- grids, unrolls, shared memory --------------------------------------------------------------------

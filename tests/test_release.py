@@ -15,7 +15,7 @@ from nanoeuler import checkpoint
 from nanoeuler.cli import main
 from nanoeuler.model import transformer
 from nanoeuler.serve.prompts import chat_prompt
-from nanoeuler.train.template import render_prompt
+from nanoeuler.data.template import render_prompt
 from train_fixtures import TINY_MODEL, make_tokenizer, write_alpaca, write_config, write_shards
 from workflow_helpers import snakemake
 

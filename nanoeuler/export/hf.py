@@ -35,7 +35,7 @@ from nanoeuler import checkpoint
 from nanoeuler.errors import UserError
 from nanoeuler.files import naming
 from nanoeuler.model.config import ModelConfig
-from nanoeuler.train.template import PROMPT_NO_INPUT, PROMPT_WITH_INPUT
+from nanoeuler.data.template import PROMPT_NO_INPUT, PROMPT_WITH_INPUT
 
 
 def hf_config(cfg: ModelConfig, eos_token_id=None, bos_token_id=None) -> dict:
@@ -114,7 +114,7 @@ def chat_template(end: str) -> str:
     """The Jinja chat template of `serve.prompts.chat_prompt`'s layout, for `apply_chat_template`: every
     earlier exchange is a fine-tuning example (the Alpaca prompt around the user's text, the answer, `end`),
     the last user turn (consecutive user messages joined by a blank line) is a prompt awaiting its answer,
-    and system messages fill that turn's `### Input:` block. Built from `train.template`'s texts, so the
+    and system messages fill that turn's `### Input:` block. Built from `data.template`'s texts, so the
     two cannot drift apart; a conversation the server refuses raises here too.
     """
     head0, tail0 = PROMPT_NO_INPUT.split("{instruction}")

@@ -122,7 +122,7 @@ def test_every_decode_kernel_is_defined_and_launched():
     every = {name for names in FAMILIES.values() for name in names}
     templates = []
     for py in folder.glob("*.py"):
-        templates += re.findall(r'go\.launch\(f?"([^"]+)"', py.read_text())
+        templates += re.findall(r'go\.launch\(\s*f?"([^"]+)"', py.read_text())  # the name may start a new line
     assert len(templates) >= 15
     launched = set()
     for template in templates:  # each {...} of an f-string stands for one part: store2, u8, bf16, ...

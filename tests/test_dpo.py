@@ -38,6 +38,23 @@ def nanoeuler(*args, check=True):
     return proc
 
 
+def ref_logps(tmp, conf, prefs, out, *extra):
+    """`nanoeuler ref-logps` of the run's chat model on the pairs, to out."""
+    nanoeuler(
+        "ref-logps",
+        "--config",
+        conf,
+        *extra,
+        "--ckpt",
+        tmp / "chat.bin",
+        "--prefs",
+        prefs,
+        "--out",
+        out,
+        "--no-progress",
+    )
+
+
 @pytest.fixture()
 def setup(tmp_path):
     tok = make_tokenizer()
@@ -76,18 +93,7 @@ def test_pair_batch_puts_chosen_rows_first_and_marks_responses_on_head_0():
 
 def test_reference_and_dpo_stages_train_resume_and_score(setup):
     tmp, conf, prefs, tok = setup
-    nanoeuler(
-        "ref-logps",
-        "--config",
-        conf,
-        "--ckpt",
-        tmp / "chat.bin",
-        "--prefs",
-        prefs,
-        "--out",
-        tmp / "ref.npz",
-        "--no-progress",
-    )
+    ref_logps(tmp, conf, prefs, tmp / "ref.npz")
     with np.load(tmp / "ref.npz") as z:
         ref, meta = z["logps"], json.loads(str(z["meta"]))
     assert ref.shape == (24, 2) and (ref < 0).all() and meta["pairs"] == 24
@@ -135,18 +141,7 @@ def test_reference_and_dpo_stages_train_resume_and_score(setup):
 
 def test_dpo_refuses_a_reference_of_other_pairs(setup):
     tmp, conf, prefs, tok = setup
-    nanoeuler(
-        "ref-logps",
-        "--config",
-        conf,
-        "--ckpt",
-        tmp / "chat.bin",
-        "--prefs",
-        prefs,
-        "--out",
-        tmp / "ref.npz",
-        "--no-progress",
-    )
+    ref_logps(tmp, conf, prefs, tmp / "ref.npz")
     write_pairs(prefs, n=20)
     proc = nanoeuler(
         "dpo",
@@ -222,20 +217,7 @@ def test_stages_on_the_gpu_track_the_cpu(setup):
     runs = {}
     for dev in ("cpu", "gpu"):
         ref = tmp / f"ref_{dev}.npz"
-        nanoeuler(
-            "ref-logps",
-            "--config",
-            conf,
-            "--device",
-            dev,
-            "--ckpt",
-            tmp / "chat.bin",
-            "--prefs",
-            prefs,
-            "--out",
-            ref,
-            "--no-progress",
-        )
+        ref_logps(tmp, conf, prefs, ref, "--device", dev)
         nanoeuler(
             "dpo",
             "--config",

@@ -1,11 +1,12 @@
 """The server's own cost per step and per request, on the CPU: the real app in front of a fake engine.
 
-    python bench/serve_overhead.py                            # 1, 8, 32 and 64 streaming clients, 0.7 ms steps
+    python bench/serve_overhead.py                            # 1, 8, 32 and 64 streaming clients, 0.3+0.7 ms steps
     python bench/serve_overhead.py --levels 32 --profile      # and where the server's time goes (cProfile)
     python bench/serve_overhead.py --step-ms 0.25 --levels 1  # a one-row GPU step
 
 The engine is the GPU's stand-in: a slot backend (`start`, `prefill`, `decode`, prefix rows) whose decode
-step sleeps --step-ms (a sleep lets go of the GIL, as a CUDA wait does) and returns a token per row, and
+step first runs --host-us of busy Python (a GPU step's kernel launches: host work that holds the GIL), then
+sleeps --step-ms (a sleep lets go of the GIL, as a CUDA wait does) and returns a token per row, and
 whose prefill sleeps --prefill-us per prompt token. Everything else is what `nanoeuler serve` runs: the
 `Backend` adapter, the scheduler's worker thread, the FastAPI app and uvicorn, in a child process on
 loopback (a 512-token BPE, so detokenizing is real). So what the fake does not sleep is the server's cost.
@@ -14,7 +15,7 @@ For each level, L clients each send --requests streamed /v1/completions requests
 --max-tokens tokens, usage asked for) through a lean HTTP/1.1 client (a keep-alive connection each, chunked
 bodies read by hand, no JSON parsed but the last chunk's usage), so the client costs little beside the server.
 Per level it prints: tokens/s, and that against the ideal (every step fully used: rows / step time, the fake's
-measured sleep); the scheduler thread's host ms per step (time between the fake's calls, not in them) and its
+host work and sleep as measured alone); the scheduler thread's host ms per step (time between the fake's calls, not in them) and its
 CPU ms per step (the rest of host time is waiting for the GIL); p50/p99 of the time between a stream's reads;
 failures. Then the time to first token of one-token answers, one request at a time (streamed and not), and
 with --profile a cProfile of the event loop's thread and of the scheduler's thread at the top level.
@@ -50,8 +51,8 @@ class FakeSlots:
     """A slot engine that spends fixed times sleeping instead of computing: `decode` --step-ms per call, a
     prefill --prefill-us per token fed. Row r's token at position p is a function of (r, p); never an end id."""
 
-    def __init__(self, cfg, step_s: float, prefill_s_per_token: float, tok):
-        self.cfg, self.step_s, self.prefill_s = cfg, step_s, prefill_s_per_token
+    def __init__(self, cfg, step_s: float, prefill_s_per_token: float, tok, host_s: float = 0.0):
+        self.cfg, self.step_s, self.prefill_s, self.host_s = cfg, step_s, prefill_s_per_token, host_s
         self.vocab = tok.vocab_size
         self.ok = np.array([t for t in range(self.vocab) if t not in (tok.end_id, tok.eot_id) and _text(tok, t)])
         self.steps = self.rows = 0
@@ -61,12 +62,12 @@ class FakeSlots:
         self._running = None
         # what one sleep of step_s takes on this machine with no other thread about (an oversleep is the
         # machine's, not the server's): the median of 200
-        self.sleep_s = float(np.median([self._timed_sleep(step_s) for _ in range(200)]))
+        self.sleep_s = float(np.median([self._timed_step() for _ in range(200)]))
 
-    @staticmethod
-    def _timed_sleep(seconds: float) -> float:
+    def _timed_step(self) -> float:
         t0 = time.monotonic()
-        time.sleep(seconds)
+        _spin(self.host_s)
+        time.sleep(self.step_s)
         return time.monotonic() - t0
 
     def _logits(self, row: int, pos: int) -> np.ndarray:
@@ -102,6 +103,7 @@ class FakeSlots:
         if self.first is None:
             self.first = now
         self.cpu += cpu - getattr(self, "_cpu_mark", cpu)
+        _spin(self.host_s)
         time.sleep(self.step_s)
         self.steps += 1
         self.rows += int(np.count_nonzero(mask))
@@ -110,6 +112,14 @@ class FakeSlots:
 
     def decode_logits(self, tokens, pos, mask):
         raise NotImplementedError("the fake engine does not give logits")
+
+
+def _spin(seconds: float) -> None:
+    """Busy Python for `seconds`, holding the GIL throughout: a GPU step's kernel launches, which are host work
+    in the interpreter (a sleep would let go of the GIL, as only the wait for the GPU does)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def _text(tok, t: int) -> bool:
@@ -132,7 +142,7 @@ def serve(args) -> None:
 
     tok = tokenizer()
     cfg = ModelConfig.from_section({"preset": "gpu"}, tok.vocab_size)
-    fake = FakeSlots(cfg, args.step_ms / 1e3, args.prefill_us / 1e6, tok)
+    fake = FakeSlots(cfg, args.step_ms / 1e3, args.prefill_us / 1e6, tok, args.host_us / 1e6)
     backend = Backend(DecodeEngine(fake, cfg), tok, "fake", slots=args.max_batch, prefix_cache=8)
     app = create_app(
         backend, ServeConfig(max_tokens=max(args.max_tokens, 1), max_batch=args.max_batch, max_queue=4 * args.max_batch)
@@ -345,6 +355,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per answer")
     ap.add_argument("--step-ms", type=float, default=0.7, help="the fake engine's decode step")
     ap.add_argument("--prefill-us", type=float, default=2.0, help="the fake engine's prefill, per prompt token")
+    ap.add_argument(
+        "--host-us", type=float, default=300.0, help="the fake engine's GIL-holding host work per step (launches)"
+    )
     ap.add_argument("--ttft-repeats", type=int, default=30)
     ap.add_argument("--profile", action="store_true", help="profile the server at the top level (a run of its own)")
     ap.add_argument("--top", type=int, default=25, help="functions per profile")
@@ -365,6 +378,8 @@ def main() -> int:
         str(args.step_ms),
         "--prefill-us",
         str(args.prefill_us),
+        "--host-us",
+        str(args.host_us),
         "--max-tokens",
         str(args.max_tokens),
         "--top",
@@ -388,7 +403,8 @@ def main() -> int:
         proc.terminate()
         proc.wait(timeout=30)
     print(
-        f"\nfake engine: {args.step_ms} ms a step ({rows[0]['sleep_ms']:.3f} ms as this machine sleeps), "
+        f"\nfake engine: {args.step_ms} ms a step + {args.host_us:g} us of GIL-holding host work "
+        f"({rows[0]['sleep_ms']:.3f} ms as this machine runs one alone), "
         f"{args.prefill_us} us a prompt token; {args.requests} requests per client, {args.max_tokens} tokens each; "
         f"max_batch {max(levels)}"
     )

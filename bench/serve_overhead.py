@@ -15,10 +15,12 @@ For each level, L clients each send --requests streamed /v1/completions requests
 --max-tokens tokens, usage asked for) through a lean HTTP/1.1 client (a keep-alive connection each, chunked
 bodies read by hand, no JSON parsed but the last chunk's usage), so the client costs little beside the server.
 Per level it prints: tokens/s, and that against the ideal (every step fully used: rows / step time, the fake's
-host work and sleep as measured alone); the scheduler thread's host ms per step (time between the fake's calls, not in them) and its
-CPU ms per step (the rest of host time is waiting for the GIL); p50/p99 of the time between a stream's reads;
-failures. Then the time to first token of one-token answers, one request at a time (streamed and not), and
-with --profile a cProfile of the event loop's thread and of the scheduler's thread at the top level.
+host work and sleep as measured alone); the scheduler thread's host ms per step (time between the fake's calls,
+not in them) and its CPU ms per step (the rest of host time is waiting for the GIL); p50/p99 of the time
+between a stream's reads; failures. Then the time to first token of one-token answers, one request at a time
+(streamed and not), and with --profile a cProfile of the event loop's thread and of the scheduler's thread at
+the top level. With --process, generation runs in a process of its own (`serve.engine_proc`), the thread/process
+A/B of the GIL the two would otherwise share.
 """
 
 from __future__ import annotations
@@ -130,37 +132,52 @@ def _text(tok, t: int) -> bool:
         return False
 
 
+def fake_backend(step_ms: float, prefill_us: float, host_us: float, max_batch: int):
+    """The server's `Backend` over a `FakeSlots` (a module-level function: the engine process builds it);
+    `extra_stats` gives the fake's counts to the bench's stats route."""
+    from nanoeuler.infer.engine import DecodeEngine
+    from nanoeuler.model.config import ModelConfig
+    from nanoeuler.serve.backend import Backend
+
+    tok = tokenizer()
+    cfg = ModelConfig.from_section({"preset": "gpu"}, tok.vocab_size)
+    fake = FakeSlots(cfg, step_ms / 1e3, prefill_us / 1e6, tok, host_us / 1e6)
+    backend = Backend(DecodeEngine(fake, cfg), tok, "fake", slots=max_batch, prefix_cache=8)
+    backend.fake = fake
+    backend.extra_stats = lambda: {
+        "steps": fake.steps,
+        "rows": fake.rows,
+        "cpu": fake.cpu,
+        "first": fake.first,
+        "last": fake.last,
+        "sleep_s": fake.sleep_s,
+    }
+    return backend
+
+
 def serve(args) -> None:
     """The child: `nanoeuler serve`'s app on the fake engine, with two routes of its own for the bench."""
     import uvicorn
 
-    from nanoeuler.infer.engine import DecodeEngine
-    from nanoeuler.model.config import ModelConfig
     from nanoeuler.serve.app import ServeConfig, create_app
-    from nanoeuler.serve.backend import Backend
+    from nanoeuler.serve.engine_proc import EngineProcess
     from nanoeuler.serve.server import listen, uvicorn_config
 
-    tok = tokenizer()
-    cfg = ModelConfig.from_section({"preset": "gpu"}, tok.vocab_size)
-    fake = FakeSlots(cfg, args.step_ms / 1e3, args.prefill_us / 1e6, tok, args.host_us / 1e6)
-    backend = Backend(DecodeEngine(fake, cfg), tok, "fake", slots=args.max_batch, prefix_cache=8)
-    app = create_app(
-        backend, ServeConfig(max_tokens=max(args.max_tokens, 1), max_batch=args.max_batch, max_queue=4 * args.max_batch)
-    )
+    made = (args.step_ms, args.prefill_us, args.host_us, args.max_batch)
+    backend = fake_backend(*made)
+    config = ServeConfig(max_tokens=max(args.max_tokens, 1), max_batch=args.max_batch, max_queue=4 * args.max_batch)
+    engine = EngineProcess(fake_backend, made, config.max_batch, config.max_queue) if args.process else None
+    app = create_app(backend, config, engine)
+    fake = backend.fake
     loop_profile = []
 
     @app.get("/bench/stats")
     async def stats():
-        return {
-            "steps": fake.steps,
-            "rows": fake.rows,
-            "cpu": fake.cpu,
-            "first": fake.first,
-            "last": fake.last,
-            "sleep_s": fake.sleep_s,
-            "loop_cpu": time.thread_time(),
-            "process_cpu": time.process_time(),
-        }
+        own = {"loop_cpu": time.thread_time(), "process_cpu": time.process_time()}
+        if engine is None:
+            return {**backend.extra_stats(), **own}
+        there = await engine.engine_stats()
+        return {**there, **own, "process_cpu": own["process_cpu"] + there["process_cpu"]}
 
     @app.post("/bench/profile/{what}")
     async def profile(what: str):
@@ -361,6 +378,7 @@ def main() -> int:
     ap.add_argument("--ttft-repeats", type=int, default=30)
     ap.add_argument("--profile", action="store_true", help="profile the server at the top level (a run of its own)")
     ap.add_argument("--top", type=int, default=25, help="functions per profile")
+    ap.add_argument("--process", action="store_true", help="generation in a process of its own (`engine_proc`)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     ap.add_argument("--max-batch", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -384,7 +402,7 @@ def main() -> int:
         str(args.max_tokens),
         "--top",
         str(args.top),
-    ]
+    ] + (["--process"] if args.process else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     line = proc.stderr.readline()
     found = re.search(r"http://([\d.]+):(\d+)/", line)

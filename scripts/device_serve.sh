@@ -9,6 +9,9 @@
 #                                          # with a 400-token prefix, a soak at 32 streams (SOAK s, default 240)
 #   bash scripts/device_serve.sh llama     # GPU: build llama.cpp's llama-server (CUDA, sm_90) unless `build` did,
 #                                          # convert the same model to GGUF bf16, serve it, the same clients
+#   bash scripts/device_serve.sh overhead  # CPU only: bench/serve_overhead.py (fake engine, 0.7 ms steps + HOST_US of
+#                                          # GIL-holding host work), generation on the server's thread, then in
+#                                          # its own process (--process), twice each, on this host's cores
 #   bash scripts/device_serve.sh build     # GPU: only the build (start it in the background during a soak, whose
 #                                          # figures are memory, not speed; `llama` in the next call waits for it)
 #
@@ -118,6 +121,19 @@ load() {
     echo "load: $(( $(date +%s) - t0 )) s in all (model file, CuPy's kernel compile, peers, levels, prefix, soak)"
 }
 
+overhead() {  # the thread/process A/B of the server's own cost; the tables, then one line per run
+    install > /dev/null
+    local mode run
+    for run in 1 2; do
+        for mode in thread process; do
+            echo "== $mode (run $run)"
+            $PY "$REPO/bench/serve_overhead.py" --levels "$LEVELS" --host-us "${HOST_US:-300}" --ttft-repeats 10 \
+                $([ $mode = process ] && echo --process) 2>&1 | tee "$OUT/overhead_${mode}_$run.txt" \
+                | sed -n '/^clients/,/^(step/p' | head -n -1
+        done
+    done
+}
+
 build_llama() {  # llama-server with CUDA for sm_90 in $WORK/llama.cpp/build; logs and seconds in $WORK
     rm -rf "$WORK/llama.cpp" "$WORK/llama_build_seconds" && mkdir -p "$WORK"
     xz -dc "$CARRY/llama.tar.xz" | tar -C "$WORK" -xf -
@@ -175,6 +191,7 @@ case "${1:-}" in
     prepare) prepare ;;
     load) load ;;
     llama) llama ;;
+    overhead) overhead ;;
     build) install conv > /dev/null; build_llama ;;
-    *) echo "usage: $0 prepare|load|build|llama" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare|load|build|llama|overhead" >&2; exit 2 ;;
 esac

@@ -95,3 +95,31 @@ def run_streams(backend, specs):
     for s in streams:
         s.close()
     return got, streams
+
+
+class CountingBackend:
+    """A backend whose every stream yields 1, 2, 3, ... and whose step takes `step_s` (a GPU's stand-in): what
+    the engine process runs in tests. Built there by `counting_backend` (a module-level factory: `spawn`)."""
+
+    stop_ids = frozenset()
+    prefixes = free_slots = engine = None
+    speculative = False
+
+    def __init__(self, step_s: float, broken_close: bool = False):
+        self.step_s, self.broken_close = step_s, broken_close  # broken_close: closing a stream raises
+
+    def open(self, prompt_ids, max_new_tokens, sampling, stop_at_end=True):
+        import itertools
+
+        from nanoeuler.serve.backend import TokenStream
+
+        tokens = itertools.count(1) if self.broken_close else (t for t in itertools.count(1))  # a count has no close
+        return TokenStream(max_new_tokens, frozenset(), tokens)
+
+    def step(self, streams):
+        time.sleep(self.step_s)
+        return [[s.advance()] for s in streams]
+
+
+def counting_backend(step_s: float = 0.001, broken_close: bool = False) -> CountingBackend:
+    return CountingBackend(step_s, broken_close)

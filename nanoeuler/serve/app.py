@@ -65,13 +65,18 @@ class ServeConfig:
     client_timeout_s: float = 30.0  # for a request's body here; headers and unread answers: `server.uvicorn_config`
 
 
-def create_app(backend: Backend, config: ServeConfig = ServeConfig()) -> FastAPI:
-    scheduler = Scheduler(backend, config.max_batch, config.max_queue)
+def create_app(backend: Backend, config: ServeConfig = ServeConfig(), engine=None) -> FastAPI:
+    scheduler = engine or Scheduler(backend, config.max_batch, config.max_queue)
     scheduler.metrics = metrics = Metrics(scheduler, backend)
-    grammars = _Grammars(backend.tok)
+    grammars = _Grammars(backend.tok) if engine is None else None
 
     @asynccontextmanager
     async def lifespan(app):
+        if engine is not None:
+            await engine.start()
+            yield
+            await engine.stop()
+            return
         scheduler.start()
         yield
         await asyncio.to_thread(scheduler.stop)
@@ -380,8 +385,7 @@ class _Text:
             if ended:
                 break
         else:  # no end marker: a grammar that is complete stops the answer too
-            guide = self.job.stream_options.get("guide")
-            if guide is not None and guide.stopped:
+            if self.job.grammar_stopped:
                 self.finish_reason = "stop"
         tail = cut.feed(decoder.decode(b"", final=True))
         tail += "" if cut.stopped else cut.flush()
@@ -400,14 +404,19 @@ async def _answer(request, kind, ids, max_new, options: Options, backend, schedu
             f"({scheduler.max_batch} answered + {scheduler.max_queue} waiting)",
             "n",
         )
-    guides = await grammars.guides(options.schema, options.n) if options.schema is not None else [None] * options.n
+    if grammars is None:  # the engine process builds the grammars
+        guides = [{"schema": options.schema}] * options.n
+    elif options.schema is not None:
+        guides = [{"guide": g} for g in await grammars.guides(options.schema, options.n)]
+    else:
+        guides = [{}] * options.n
     specs = [
         (
             ids,
             max_new,
             Sampling(options.temperature, 0, options.top_p, (seed + i) % SEED_LIMIT),
             not options.ignore_eos,
-            {"logprobs": options.logprobs, "guide": guides[i]},
+            {"logprobs": options.logprobs, **guides[i]},
         )
         for i in range(options.n)
     ]
@@ -591,7 +600,7 @@ class _Shape:
         """The `logprobs` object of the tokens `held` ((index, id) of the job's tokens); None when not asked."""
         if self.top is None:
             return None
-        records = [(t, *job.stream.records[i]) for i, t in held]
+        records = [(t, *job.records[i]) for i, t in held]
         if self.kind == "chat":
             return {
                 "content": [

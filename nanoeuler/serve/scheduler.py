@@ -40,7 +40,14 @@ class Job:
     """One request as the worker sees it; `tokens()` is read on the event loop that submitted it."""
 
     def __init__(
-        self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling, stop_at_end: bool = True, **stream_options
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop_at_end: bool = True,
+        loop=None,
+        key=None,
+        **stream_options,
     ):
         self.prompt_ids, self.max_new_tokens, self.sampling = prompt_ids, max_new_tokens, sampling
         self.stop_at_end = stop_at_end
@@ -50,12 +57,24 @@ class Job:
         self.generated = 0
         self.outcome: str | None = None  # finished, cancelled or failed, once the worker is done with it
         self.cancelled = threading.Event()
-        self._loop = asyncio.get_running_loop()
+        self.key = key  # the HTTP side's name for the job, where the worker runs in the engine process
+        self._loop = loop or asyncio.get_running_loop()  # where `_flush` sends its items
         self._items: deque = deque()  # arrived on the loop, not yet read: token ids, then the end or an exception
         self._wake: asyncio.Future | None = None  # set while `batches` waits for more
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    @property
+    def records(self) -> list:
+        """With `logprobs`: (log-probability, [(id, log-probability)...]) per token generated."""
+        return self.stream.records
+
+    @property
+    def grammar_stopped(self) -> bool:
+        """Whether the job's grammar (if any) says its answer is complete."""
+        guide = self.stream_options.get("guide")
+        return guide is not None and guide.stopped
 
     def _arrive(self, items: list) -> None:
         """On the event loop: items the worker sent (`Scheduler._flush`)."""
@@ -95,7 +114,7 @@ class Job:
 class Scheduler:
     """The bounded queue and the worker thread that decodes up to `max_batch` jobs together."""
 
-    def __init__(self, backend: Backend, max_batch: int = 8, max_queue: int = 64, metrics=None):
+    def __init__(self, backend: Backend, max_batch: int = 8, max_queue: int = 64, metrics=None, loop=None):
         if max_batch < 1 or max_queue < 0:
             raise ValueError("max_batch must be >= 1 and max_queue >= 0")
         if getattr(backend, "capacity", None) is not None and max_batch > backend.capacity:
@@ -109,6 +128,8 @@ class Scheduler:
         self.counts = {"finished": 0, "cancelled": 0, "failed": 0, "rejected": 0, "tokens": 0}
         self.metrics = metrics  # `metrics.Metrics`: told of each step's token latencies
         self._outbox: dict = {}  # the worker's items not yet sent: {job: [items]}, sent by `_flush`
+        self.on_crash = None  # on_crash(exc): the worker died of an exception no job owns
+        self.loop = loop  # what jobs' items go to (`call_soon_threadsafe`): default, the submitting event loop
 
     def start(self) -> "Scheduler":
         self._thread = threading.Thread(target=self._run, name="nanoeuler-generate", daemon=True)
@@ -129,10 +150,14 @@ class Scheduler:
         `stream_options`: `Backend.open`'s `logprobs` and `guide`."""
         return self.submit_many([(prompt_ids, max_new_tokens, sampling, stop_at_end, stream_options)])[0]
 
-    def submit_many(self, specs: list[tuple]) -> list[Job]:
+    def submit_many(self, specs: list[tuple], keys=None) -> list[Job]:
         """Queue several jobs at once, all or none (the choices of one request): each spec is `submit`'s
-        (prompt_ids, max_new_tokens, sampling, stop_at_end, stream_options)."""
-        jobs = [Job(ids, n, sampling, stop, **opts) for ids, n, sampling, stop, opts in specs]
+        (prompt_ids, max_new_tokens, sampling, stop_at_end, stream_options); `keys`: the jobs' names."""
+        keys = keys or [None] * len(specs)
+        jobs = [
+            Job(ids, n, sampling, stop, loop=self.loop, key=key, **opts)
+            for (ids, n, sampling, stop, opts), key in zip(specs, keys)
+        ]
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the server is shutting down")
@@ -202,6 +227,14 @@ class Scheduler:
                     job.cancel()
 
     def _run(self) -> None:
+        try:
+            self._loop_steps()
+        except BaseException as exc:  # a bug of ours: whoever waits on the worker must hear of it
+            if self.on_crash is not None:
+                self.on_crash(exc)
+            raise
+
+    def _loop_steps(self) -> None:
         active: list[Job] = []
         while self._admit(active):
             try:

@@ -50,7 +50,8 @@ run_job() {  # the body of one job; its output goes to $X4/NAME.log
         DATA=$X4/ttqdata WORK=$X4/ttq bash scripts/device_ttq.sh shards
         return "$(head -1 "$WORK/done")" ;;
     ttq_check)
-        CUDA_VISIBLE_DEVICES=0 WORK=$X4/ttqcheck bash scripts/device_ttq.sh check ;;
+        CUDA_VISIBLE_DEVICES=0 MODES=torch-compile,ours-bf16,ours-bf16-muon WORK=$X4/ttqcheck \
+            bash scripts/device_ttq.sh check ;;
     g270)
         after pipeline
         export CUDA_VISIBLE_DEVICES=0

@@ -16,10 +16,11 @@ moment, read off the code that allocates it: the training step's parameters, gra
 the activations the backward keeps (`transformer._block_forward`'s cache through the GPU ops of
 `kernels/ops.py`, which keep each norm's input beside its output), the backward's and the loss's
 temporaries; the bf16 engine's buffers; a forward without a backward (evaluation, scoring); the
-decode engine's weights and KV cache. A `Budget` is the `gpu_memory` setting (or what the card has
-free at the start) and each stage sizes its micro-batches (`fit_rows`) and evaluation chunks
-(`chunk_rows`) from it. `PeakMeter` measures a stage's real peak, the pool's high-water mark plus
-what the process holds outside the pool, for the line each stage logs at its end.
+decode engine's weights, KV cache and row buffers (a speculating server's verify passes' too). A
+`Budget` is the `gpu_memory` setting (or what the card has free at the start) and each stage sizes
+its micro-batches (`fit_rows`) and evaluation chunks (`chunk_rows`) from it. `PeakMeter` measures a
+stage's real peak, the pool's high-water mark plus what the process holds outside the pool, for the
+line each stage logs at its end.
 """
 
 from __future__ import annotations

@@ -551,3 +551,16 @@ exec {sys.executable} "$@"
         "| - | - | - | - |",
         "| sft-fp32 | 11 GB | 11 of 32 | 10.2 | 9.9 | 0.971 | - |",
     ]
+
+
+def test_serve_load_counts_the_verify_buffers_when_it_speculates(tmp_path, tok, monkeypatch):
+    """`Backend.load(speculative=True)` sizes its slots with the verify buffers counted (`decode_batch`'s
+    `speculative`); a server that does not speculate does not pay for them."""
+    from nanoeuler.serve.backend import Backend
+
+    save_random_model(tmp_path / "m.bin", tok)
+    asked = []
+    monkeypatch.setattr(memory, "decode_batch", lambda *a, speculative=False, **k: asked.append(speculative))
+    for speculative in (True, False):
+        Backend.load(tmp_path / "m.bin", "cpu", slots=2, speculative=speculative)
+    assert asked == [True, False]

@@ -3,11 +3,10 @@ kernel (wgu: F gate rows then F up rows of C; wd (C, F))."""
 
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 
-from nanoeuler.kernels.decode.plan import MLP_FC, gemv_unroll, mlp_smem, smem_opt_in
+from nanoeuler.kernels.decode.plan import MLP_FC, gemv_unroll, mlp_smem
 
 i32, f32 = np.int32, np.float32
 
@@ -15,9 +14,8 @@ i32, f32 = np.int32, np.float32
 def swiglu_down(go, wgu, wd, x, gain, dx, F: int, C: int, eps: float) -> None:
     """One row: a block per MLP_FC hidden units, meeting in dx by atomicAdd (dx starts at zero). Past a
     width of about 1,800 (bf16; 1,200 fp32) a block needs more than the default 48 KB of shared memory,
-    which its kernel is allowed first (`plan.smem_opt_in`)."""
+    which `Launch.launch` allows its kernel first (`plan.smem_opt_in`)."""
     u, smem = gemv_unroll(C, go.dtype), mlp_smem(C, go.dtype)
-    _allow_shared(go.fn(f"swiglu_down_u{u}_r1_{go.suffix}"), smem, f"swiglu_down at width {C} ({go.dtype})")
     go.launch(
         f"swiglu_down_u{u}_r1_{go.suffix}",
         (-(-F // MLP_FC), 1),
@@ -25,25 +23,3 @@ def swiglu_down(go, wgu, wd, x, gain, dx, F: int, C: int, eps: float) -> None:
         (wgu, wd, x, gain, dx, i32(1), i32(F), i32(C), f32(eps)),
         shared_mem=smem,
     )
-
-
-def _allow_shared(fn, smem: int, what: str) -> None:
-    """Let kernel `fn` take `smem` bytes of dynamic shared memory where that is past the default (a driver
-    attribute of the kernel on this device, set once; launches inside a graph capture see it too)."""
-    allow = smem_opt_in(what, smem, fn.shared_size_bytes, _card_max_smem())
-    if allow and fn.max_dynamic_shared_size_bytes < allow:
-        fn.max_dynamic_shared_size_bytes = allow
-
-
-def _card_max_smem() -> int:
-    """The current GPU's most shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin)."""
-    import cupy
-
-    return _opt_in_max(cupy.cuda.Device().id)
-
-
-@functools.cache
-def _opt_in_max(device: int) -> int:
-    import cupy
-
-    return cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]

@@ -3,10 +3,12 @@
     python bench/parallel_gpu.py --ranks 1 identity               # NCCL path at world 1 == plain path?
     python bench/parallel_gpu.py --ranks 4 scale --rows 16x512,32x512 --json s4.json
     python bench/parallel_gpu.py --ranks 8 allreduce               # the 116M gradient buffer, ms and GB/s
+    python bench/parallel_gpu.py --ranks 4 scale --preset gpu-270m --rows 8x512,32x512   # the ~270M model
 
 `--ranks N` starts N copies of this script, one a GPU (RANK/WORLD_SIZE/LOCAL_RANK and a rendezvous file,
 as `nanoeuler pretrain --gpus N` does); each builds the NCCL communicator of `nanoeuler.train.parallel`.
-The model is the `gpu` preset (116,417,280 parameters), random tokens, AdamW and clipping at 1.0.
+The model is the `gpu` preset (116,417,280 parameters; `--preset` another), random tokens, AdamW and
+clipping at 1.0.
 
 identity  world 1 only: the fp32 stepper and the bf16 engine, each once plainly and once through the
           data-parallel path (NCCL all-reduce in the grad_hook, the loss averaged), on the same batches;
@@ -223,11 +225,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", help="write the scale rows here (rank 0)")
+    p.add_argument("--preset", default="gpu", help="the model preset (default gpu, the 116M)")
     args = p.parse_args(argv)
     if parallel.world_from_env() is None:
         return spawn(args.ranks, argv)
     dp = parallel.setup("bench", args.ranks, "gpu")
-    cfg = ModelConfig.named("gpu")
+    cfg = ModelConfig.named(args.preset)
     if dp.is_root:
         import cupy as cp
 

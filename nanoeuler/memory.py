@@ -16,10 +16,11 @@ moment, read off the code that allocates it: the training step's parameters, gra
 the activations the backward keeps (`transformer._block_forward`'s cache through the GPU ops of
 `kernels/ops.py`, which keep each norm's input beside its output), the backward's and the loss's
 temporaries; the bf16 engine's buffers; a forward without a backward (evaluation, scoring); the
-decode engine's weights and KV cache. A `Budget` is the `gpu_memory` setting (or what the card has
-free at the start) and each stage sizes its micro-batches (`fit_rows`) and evaluation chunks
-(`chunk_rows`) from it. `PeakMeter` measures a stage's real peak, the pool's high-water mark plus
-what the process holds outside the pool, for the line each stage logs at its end.
+decode engine's weights, KV cache and row buffers (a speculating server's verify passes' too). A
+`Budget` is the `gpu_memory` setting (or what the card has free at the start) and each stage sizes
+its micro-batches (`fit_rows`) and evaluation chunks (`chunk_rows`) from it. `PeakMeter` measures a
+stage's real peak, the pool's high-water mark plus what the process holds outside the pool, for the
+line each stage logs at its end.
 """
 
 from __future__ import annotations
@@ -202,20 +203,42 @@ def engine_parts(
     )
 
 
-def decode_parts(cfg, batch: int, dtype: str = "bf16") -> dict:
-    """Named byte counts of the GPU decode engine (`infer/gpu.py`): its weight image, the float32 weights
-    kept for evaluation code, the KV cache of `batch` slots of the whole context, and the row buffers of a
-    prefill chunk (up to ctx_len rows: activations and every head's logits)."""
+def row_bytes(cfg, rows: int, dtype: str = "bf16") -> int:
+    """Device bytes of the GPU decode engine's buffers for one row count (`infer.gpu._Rows`): the rows'
+    control words, float32 activations, every head's logits and chosen ids, the GEMM operands in `dtype`."""
     C, HD, KD, QKV, F = _dims(cfg)
     w = 2 if dtype == "bf16" else F32
+    K, M = cfg.mtp_heads, rows
+    control = F32 * (3 * M + 4) + F32 * M * K + F32 + 8  # ids/slots/positions/sampling; chosen ids; argmax state
+    return control + F32 * M * (2 * C + QKV + 2 * HD + 3 * F + K * cfg.vocab_size) + w * M * max(C, F, HD)
+
+
+def decode_parts(cfg, batch: int, dtype: str = "bf16", speculative: bool = False) -> dict:
+    """Named byte counts of the GPU decode engine (`infer/gpu.py`): its weight image, the float32 weights
+    kept for evaluation code, the KV cache of `batch` slots of the whole context, and the row buffers of a
+    prefill chunk (up to ctx_len rows: activations and every head's logits). `speculative`: a server whose
+    greedy streams speculate in the batch (`serve --speculative`) also keeps the buffers of its verify
+    passes, one per number of streams verified at once: g streams' blocks of K rows, g = 1..batch (those
+    of a power of two rows are among the prefill's).
+
+        >>> from nanoeuler.model.config import ModelConfig
+        >>> round(decode_parts(ModelConfig.named("gpu"), 64, speculative=True)["speculation"] / 1e6)
+        872
+    """
     n, M = cfg.n_params(), cfg.ctx_len
-    return {
+    w = 2 if dtype == "bf16" else F32
+    parts = {
         "params": F32 * n,
         "weights": w * n,
         "kv_cache": 2 * w * cfg.n_layers * batch * cfg.n_kv_heads * cfg.ctx_len * cfg.head_dim,
         # row buffers are kept per row count, prefills' powers of two up to ctx_len: twice ctx_len rows at most
-        "rows": 2 * (F32 * M * (2 * C + QKV + 2 * HD + 3 * F + cfg.mtp_heads * cfg.vocab_size) + w * M * max(C, F, HD)),
+        "rows": 2 * row_bytes(cfg, M, dtype),
     }
+    if speculative and cfg.mtp_heads > 1:
+        prefill = {2**i for i in range(M.bit_length())}  # the row counts "rows" stands for
+        verify = {g * cfg.mtp_heads for g in range(1, batch + 1)} - prefill
+        parts["speculation"] = sum(row_bytes(cfg, m, dtype) for m in verify)
+    return parts
 
 
 def peak(parts: dict, context: float) -> float:
@@ -327,16 +350,23 @@ def say_fit(stage: str, rows: int, micro: int, budget: Budget | None, unit: str 
 
 
 def decode_batch(
-    stage: str, budget: Budget | None, cfg, most: int, resident: dict | None = None, dtype: str = "bf16"
+    stage: str,
+    budget: Budget | None,
+    cfg,
+    most: int,
+    resident: dict | None = None,
+    dtype: str = "bf16",
+    speculative: bool = False,
 ) -> int | None:
     """The most generation slots (<= `most`) whose KV cache fits beside the decode engine and `resident`
-    (other models held at once); None on the CPU. A model without room for one slot is a UserError."""
+    (other models held at once), with a speculating server's verify buffers (`decode_parts`); None on the
+    CPU. A model without room for one slot is a UserError."""
     if budget is None:
         return None
     resident = resident or {}
 
     def predict(b):
-        return {**resident, **decode_parts(cfg, b, dtype)}
+        return {**resident, **decode_parts(cfg, b, dtype, speculative)}
 
     if not budget.fits(predict(1)):
         need = sum(predict(1).values()) / FIT_SHARE + CUBLAS_WORKSPACE + budget.context

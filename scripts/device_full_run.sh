@@ -8,6 +8,8 @@
 #   bash scripts/device_full_run.sh start          # unpack the mirror, serve it on 127.0.0.1:8765, start
 #                                                  # `snakemake results/samples.md` in $WORK in the background
 #   bash scripts/device_full_run.sh wait SECONDS   # follow it; when done: the stage table, results to $OUT
+#   TARGETS=... bash scripts/device_full_run.sh more   # snakemake again in the same $WORK (other TARGETS or
+#                                                  # CONFIGS; SNAKE_ARGS: more options, e.g. --resources gpu=4)
 #   bash scripts/device_full_run.sh time20k SECONDS   # the full 20,000-step schedule on the run's shards
 #                                                      # for SECONDS: steps/s and the extrapolated wall time
 #   bash scripts/device_full_run.sh full20k start   # the same schedule to the end, in the background
@@ -111,10 +113,17 @@ start() {
     setsid nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 500 \
         > "$WORK/gpu_mem.csv" 2>/dev/null < /dev/null &
     sleep 1
-    cd "$WORK"
     date +%s.%N > "$WORK/started"
+    snake
+}
+
+snake() {  # snakemake $TARGETS in $WORK in the background (`more`: again, on the results already there)
+    env_setup
+    export NANOEULER_STAGE_TIMES=$WORK/stage_times.txt
+    cd "$WORK"
+    rm -f "$WORK/done"
     setsid bash -c "snakemake -s '$REPO/Snakefile' -d '$WORK' --cores 16 --scheduler greedy \
-        $TARGETS --configfile $(for c in $CONFIGS; do case $c in /*) printf "'%s' " "$c" ;; *) printf "'%s/%s' " "$REPO" "$c" ;; esac; done) \
+        $TARGETS ${SNAKE_ARGS:-} --configfile $(for c in $CONFIGS; do case $c in /*) printf "'%s' " "$c" ;; *) printf "'%s/%s' " "$REPO" "$c" ;; esac; done) \
         > '$WORK/snakemake.log' 2>&1; echo \$? > '$WORK/done'; date +%s.%N >> '$WORK/done'" < /dev/null &
     echo "started in $WORK"
 }
@@ -137,6 +146,7 @@ collect() {
         results/pretrain/metrics.jsonl results/sft/metrics.jsonl results/dpo/metrics.jsonl \
         results/shards/manifest.json 2>/dev/null || true
     cp results/samples.md results/metrics.json results/loss.png "$OUT"/ 2>/dev/null || true
+    cp results/release/README.md "$OUT"/model_card.md 2>/dev/null || true
     $PY "$REPO/scripts/device_stage_table.py" "$WORK" | tee "$OUT/stage_table.md"
 }
 
@@ -273,6 +283,7 @@ case "${1:-}" in
     install) install ;;
     shim) shim ;;
     start) start ;;
+    more) snake ;;
     wait) wait_run "${2:-540}" ;;
     collect) collect ;;
     time20k) time20k "${2:-240}" ;;

@@ -4,6 +4,7 @@
 #
 #   bash scripts/device_serve.sh prepare   # with pip + network: .carry/serve/whl (the server's wheels),
 #                                          # .carry/serve/conv (the GGUF converter's), .carry/serve/llama.tar.xz
+#   bash scripts/device_serve.sh install   # the carried wheels into $SITE (`load` with NO_INSTALL=1 then skips it)
 #   bash scripts/device_serve.sh load      # GPU: `nanoeuler serve` on the 116M model in bf16 at 1, 8, 32 and 64
 #                                          # streaming clients, the in-process engine beside each, prefix reuse
 #                                          # with a 400-token prefix, a soak at 32 streams (SOAK s, default 240)
@@ -189,6 +190,7 @@ llama() {
 
 case "${1:-}" in
     prepare) prepare ;;
+    install) install ;;
     load) load ;;
     llama) llama ;;
     overhead) overhead ;;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make gpu-check`: on a machine with a CUDA GPU and CuPy, in one go
 #   1. nvcc compiles every kernel file,
-#   2. the gpu-marked tests (fp32 engine and bf16 engine),
+#   2. every gpu-marked test (tests/: the kernels, both training engines, decoding, serving, DPO, ...),
 #   3. `nanoeuler selftest` (every kernel vs its NumPy reference),
 #   4. `nanoeuler gradcheck --device gpu` (float32 GPU vs float64 CPU gradients, every tensor),
 #   5. a short timed training run of the 116M `gpu` preset (B16 x T512, random tokens),
@@ -39,7 +39,7 @@ step() {  # step NAME LOGFILE NOTE-COMMAND -- CMD...
 step "nvcc compile" compile.log "grep -E 'passed|failed' $LOG_DIR/compile.log" -- \
     $PY -m pytest -q -p no:cacheprovider tests/test_kernels_compile.py
 step "gpu tests" tests.log "grep -E 'passed|failed' $LOG_DIR/tests.log" -- \
-    $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_gpu_bf16.py
+    $PY -m pytest -q -p no:cacheprovider -m gpu tests/
 step "selftest" selftest.log "grep -E 'of [0-9]+ passed' $LOG_DIR/selftest.log" -- \
     $PY -m nanoeuler selftest
 step "gradcheck --device gpu" gradcheck.log "grep -E '^max relative error' $LOG_DIR/gradcheck.log" -- \

@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from nanoeuler.errors import UserError
 from nanoeuler.kernels import KERNEL_DIR
 from nanoeuler.kernels.decode import FAMILIES, FAMILY_OF, kernel_names, plan
 from nanoeuler.model.config import ModelConfig
@@ -104,6 +105,66 @@ def test_grids_and_shared_memory():
     # swiglu_down at C 768, bf16: the row of x, then 256 rows of 16 W_down values past the block's 512 threads
     assert plan.mlp_smem(768, "bf16") == 4 * 768 + 256 * 16 * 2
     assert plan.mlp_smem(341, "fp32") == 4 * 344
+
+
+def test_swiglu_down_opts_in_to_the_shared_memory_of_a_wide_model_and_refuses_past_the_card():
+    """A block past the default 48 KB (static bytes included) needs its kernel's limit raised to what the launch
+    asks; one past the card's opt-in maximum is refused in one line."""
+    static, h100, rtx4090 = 192, 232448, 101376  # swiglu_down's own; cudaDevAttrMaxSharedMemoryPerBlockOptin
+    widths = {
+        dtype: [C for C in range(64, 4096, 8) if plan.mlp_smem(C, dtype) + static > plan.SMEM_DEFAULT]
+        for dtype in plan.STORAGES
+    }
+    assert widths["bf16"][0] == 1816 and widths["fp32"][0] == 1208  # the first widths that need more
+    assert plan.smem_opt_in("swiglu_down", plan.mlp_smem(1808, "bf16"), static, h100) == 0
+    for dtype, need in (("bf16", 4 * 2048 + 1536 * 16 * 2), ("fp32", 4 * 2048 + 1536 * 16 * 4)):
+        assert plan.mlp_smem(2048, dtype) == need
+        assert plan.smem_opt_in("swiglu_down", need, static, h100) == need
+    assert plan.smem_opt_in("swiglu_down", plan.mlp_smem(2048, "bf16"), static, rtx4090) == 57344
+    with pytest.raises(UserError) as exc:
+        plan.smem_opt_in("swiglu_down at width 2048 (fp32)", plan.mlp_smem(2048, "fp32"), static, rtx4090)
+    msg = str(exc.value)
+    assert "swiglu_down at width 2048 (fp32) needs 106,688 bytes" in msg and "allows 101,376" in msg
+    assert "\n" not in msg
+
+
+class _Kernel:
+    """The two attributes of a CuPy RawKernel the MLP launcher reads and sets (swiglu_down's static bytes, and
+    the driver's default limit of the dynamic ones)."""
+
+    shared_size_bytes = 192
+    max_dynamic_shared_size_bytes = 48 * 1024 - 192
+
+
+class _Go:
+    """A `decode.Launch` that records each launch with the kernel's limit at that moment."""
+
+    def __init__(self, dtype):
+        self.dtype, self.suffix, self.kernel, self.launches = dtype, plan.suffix(dtype), _Kernel(), []
+
+    def fn(self, name):
+        return self.kernel
+
+    def launch(self, name, grid, block, args, shared_mem=0, pdl=True):
+        self.launches.append((name, shared_mem, self.kernel.max_dynamic_shared_size_bytes))
+
+
+@pytest.mark.parametrize("card", [232448, 101376])  # an H100's opt-in maximum, an RTX 4090's
+def test_the_mlp_launcher_raises_the_limit_before_a_wide_launch_and_refuses_past_the_card(monkeypatch, card):
+    from nanoeuler.kernels.decode import mlp
+
+    monkeypatch.setattr(mlp, "_card_max_smem", lambda: card)
+    for C, dtype in ((768, "bf16"), (2048, "bf16"), (2048, "fp32")):
+        go, smem = _Go(dtype), plan.mlp_smem(C, dtype)
+        if smem + 192 > card:
+            with pytest.raises(UserError, match=f"swiglu_down at width {C} \\(fp32\\) needs"):
+                mlp.swiglu_down(go, None, None, None, None, None, 4 * C, C, 1e-5)
+            assert go.launches == []
+            continue
+        mlp.swiglu_down(go, None, None, None, None, None, 4 * C, C, 1e-5)
+        ((name, launched, limit),) = go.launches
+        assert name.startswith("swiglu_down_u") and launched == smem
+        assert limit == (smem if C == 2048 else 48 * 1024 - 192)  # raised only where the default is too little
 
 
 def test_each_storage_loads_its_own_kernels():

@@ -207,8 +207,13 @@ def test_evaluate_shows_the_dpo_answers_beside_the_chat_answers(tmp_path):
     m = json.loads((out / "metrics.json").read_text())
     assert m["dpo"]["file"].endswith("dpo.bin") and m["dpo"]["val_loss"] != m["chat"]["val_loss"]
     md = (out / "samples.md").read_text()
-    assert md.count("*DPO model:*") == 2 and "| dpo |" in md
-    assert md.index("**Instruction:** Hi") < md.rindex("*DPO model:*")
+    sections = {part.split("\n", 1)[0]: part for part in md.split("\n## ")[1:]}  # heading -> its text
+    assert list(sections) == ["Metrics", "Base model continuations", "Chat answers"]
+    assert "| dpo |" in sections["Metrics"] and "DPO on held-out preference pairs" in sections["Metrics"]
+    assert "DPO" not in sections["Base model continuations"]
+    answers = sections["Chat answers"].split("**Instruction:** ")[1:]  # each chat answer, then the DPO model's
+    assert [a.split("\n", 1)[0] for a in answers] == ["Name a color.", "Hi"]
+    assert all(a.count("*DPO model:*") == 1 and a.index("```") < a.index("*DPO model:*") for a in answers)
 
 
 @pytest.mark.gpu

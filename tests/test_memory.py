@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -416,6 +417,68 @@ def test_more_prompts_than_the_cache_holds_run_in_groups_with_the_same_tokens(tm
         assert sorted(set(seen)) == [0, 1, 2, 3, 4]
 
 
+class _CountingDevice:
+    """NumPy in CuPy's place for the GPU backend's buffer class: counts the bytes it asks of the device
+    (`zeros`); its pinned host memory is host memory and is not counted."""
+
+    float32, int32, uint16, uint64 = np.float32, np.int32, np.uint16, np.uint64
+
+    def __init__(self):
+        self.bytes = 0
+        self.cuda = SimpleNamespace(alloc_pinned_memory=bytearray)
+
+    def zeros(self, shape, dtype):
+        a = np.zeros(shape, dtype)
+        self.bytes += a.nbytes
+        return a
+
+
+def _device_row_bytes(cfg, rows: int, dtype: str) -> int:
+    """What `infer.gpu._Rows` allocates on the device for `rows` rows, as `GpuBackend._buffers` makes it."""
+    from nanoeuler.infer import gpu
+
+    dev = _CountingDevice()
+    gpu._Rows(dev, cfg, rows, cfg.mtp_heads * cfg.vocab_size, dev.uint16 if dtype == "bf16" else dev.float32)
+    return dev.bytes
+
+
+def test_a_speculating_server_keeps_the_verify_buffers_the_model_counts(tmp_path, tok):
+    """A speculating server verifies g streams at once as one pass of g x K rows, g = 1..slots (here on the
+    CPU backend, whose calls the GPU's mirror), and the GPU backend keeps buffers for each row count it runs:
+    `decode_parts` counts those the prefill's powers of two do not already hold, byte for byte."""
+    from nanoeuler.infer.sampling import Sampling
+    from nanoeuler.serve.backend import Backend
+    from serve_fixtures import run_streams
+
+    _, cfg = save_random_model(tmp_path / "m.bin", tok)  # two heads: verify passes of 2, 4, ..., 10 rows
+    slots = 5
+    backend = Backend.load(tmp_path / "m.bin", "cpu", slots=slots, speculative=True)
+    be, seen = backend.engine.backend, set()
+    verify = be.verify_argmax_many
+    be.verify_argmax_many = lambda s, blocks, pos: seen.add(np.asarray(blocks).size) or verify(s, blocks, pos)
+    for g in range(1, slots + 1):
+        run_streams(backend, [([5 + i, 6], 3, Sampling(temperature=0), {}) for i in range(g)])
+    assert seen == {2 * g for g in range(1, slots + 1)}
+
+    for dtype in ("bf16", "fp32"):
+        for rows in (1, 6, cfg.ctx_len):
+            assert memory.row_bytes(cfg, rows, dtype) == _device_row_bytes(cfg, rows, dtype)
+        parts = memory.decode_parts(cfg, slots, dtype, speculative=True)
+        assert parts["speculation"] == sum(_device_row_bytes(cfg, m, dtype) for m in (6, 10))  # 2, 4, 8: prefill's
+        assert parts["rows"] == 2 * _device_row_bytes(cfg, cfg.ctx_len, dtype)
+        assert "speculation" not in memory.decode_parts(cfg, slots, dtype)
+
+
+def test_a_speculating_server_fits_fewer_slots():
+    """On a 2.5 GB card the 116M model's 64 slots fit plainly; with their verify buffers (0.87 GB) fewer do."""
+    card = _card(2.5)
+    plain = memory.decode_batch("serve", card, GPU, 64)
+    fewer = memory.decode_batch("serve", card, GPU, 64, speculative=True)
+    assert plain == 64 and 1 <= fewer < plain
+    assert card.fits(memory.decode_parts(GPU, fewer, speculative=True))
+    assert not card.fits(memory.decode_parts(GPU, fewer + 1, speculative=True))
+
+
 def test_the_meter_reports_nothing_on_the_cpu():
     meter = memory.PeakMeter(np)
     assert meter.measured() == 0.0 and meter.report("sft", 1e9) == {}
@@ -488,3 +551,16 @@ exec {sys.executable} "$@"
         "| - | - | - | - |",
         "| sft-fp32 | 11 GB | 11 of 32 | 10.2 | 9.9 | 0.971 | - |",
     ]
+
+
+def test_serve_load_counts_the_verify_buffers_when_it_speculates(tmp_path, tok, monkeypatch):
+    """`Backend.load(speculative=True)` sizes its slots with the verify buffers counted (`decode_batch`'s
+    `speculative`); a server that does not speculate does not pay for them."""
+    from nanoeuler.serve.backend import Backend
+
+    save_random_model(tmp_path / "m.bin", tok)
+    asked = []
+    monkeypatch.setattr(memory, "decode_batch", lambda *a, speculative=False, **k: asked.append(speculative))
+    for speculative in (True, False):
+        Backend.load(tmp_path / "m.bin", "cpu", slots=2, speculative=speculative)
+    assert asked == [True, False]

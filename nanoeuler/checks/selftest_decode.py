@@ -575,6 +575,8 @@ CASES_DECODE = [
     (case_decode_mlp, (1280, 512, "bf16"), "C1280 F512 bf16 (U 8)", {}),
     (case_decode_mlp, (768, 2048, "fp32"), "C768 F2048 fp32 (U 8)", {}),
     (case_decode_mlp, (341, 100, "fp32"), "C341 F100 fp32 (a short last block)", {}),
+    (case_decode_mlp, (2048, 5632, "bf16"), "C2048 F5632 bf16 (56 KB shared: opted in)", {}),
+    (case_decode_mlp, (2048, 5632, "fp32"), "C2048 F5632 fp32 (104 KB shared: opted in)", {}),
     (case_decode_elementwise, (5, 768, 2048, 4096, "bf16"), "M5 C768 F2048 V4096 bf16", {}),
     (case_decode_elementwise, (33, 341, 100, 50, "fp32"), "M33 C341 F100 V50 fp32", {}),
     (case_decode_sampling, (6, 4096), "M6 V4096", {}),

@@ -325,6 +325,16 @@ def _markdown(metrics: dict, base_samples, chat_samples, plot_rel: str) -> str:
         f"Validation: {metrics['base']['val_tokens']:,} tokens of the val split. "
         "Bits per byte = head-0 cross-entropy / ln 2 × (val tokens / val bytes).",
         "",
+    ]
+    if "dpo" in metrics:  # a metric of the DPO model: with the others, not among the samples
+        t = metrics["dpo"]["training"]
+        lines += [
+            "DPO on held-out preference pairs: reward accuracy "
+            f"{_fmt(t.get('reward_accuracy'), 3)}, mean margin {_fmt(t.get('margin'))}, chosen / rejected "
+            f"log-prob {_fmt(t.get('chosen_logp'), 2)} / {_fmt(t.get('rejected_logp'), 2)} nats.",
+            "",
+        ]
+    lines += [
         f"![loss curves]({plot_rel})",
         "",
         f"Sampling: temperature {s['temperature']}, top-k {s['top_k']}, top-p {s['top_p']}, "
@@ -336,14 +346,6 @@ def _markdown(metrics: dict, base_samples, chat_samples, plot_rel: str) -> str:
     lines += ["## Base model continuations", ""]
     for prompt, text in base_samples:
         lines += [f"**Prompt:** `{prompt}`", "", _fence(prompt + text), ""]
-    if "dpo" in metrics:
-        t = metrics["dpo"]["training"]
-        lines += [
-            "DPO on held-out preference pairs: reward accuracy "
-            f"{_fmt(t.get('reward_accuracy'), 3)}, mean margin {_fmt(t.get('margin'))}, chosen / rejected "
-            f"log-prob {_fmt(t.get('chosen_logp'), 2)} / {_fmt(t.get('rejected_logp'), 2)} nats.",
-            "",
-        ]
     lines += ["## Chat answers", ""]
     for prompt, text, *dpo_text in chat_samples:
         lines += [f"**Instruction:** {prompt}", "", _fence(text), ""]

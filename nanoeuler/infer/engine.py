@@ -659,11 +659,13 @@ def load(
     gpu_memory="auto",
     stage: str = "sample",
     threads: int | None = None,
+    batch_speculation: bool = False,
 ):
     """(`DecodeEngine` on `device`, Tokenizer, metadata) from a model file that carries its tokenizer.
     On the GPU the engine runs bf16 weights (the float32 ones stay in `engine.params`), and `gpu_memory`
-    (the config key) caps the rows it decodes at once (`DecodeEngine.max_batch`, `memory.decode_batch`); on
-    the CPU it uses up to `threads` BLAS threads (default: the usable cores; `--threads`)."""
+    (the config key) caps the rows it decodes at once (`DecodeEngine.max_batch`, `memory.decode_batch`;
+    `batch_speculation`: with a speculating server's verify buffers counted); on the CPU it uses up to
+    `threads` BLAS threads (default: the usable cores; `--threads`)."""
     from nanoeuler import checkpoint, memory
     from nanoeuler.backend import resolve_device
     from nanoeuler.errors import UserError
@@ -682,5 +684,5 @@ def load(
     budget = memory.Budget.on_device(gpu_memory, xp)  # before this model's weights take their share
     engine = DecodeEngine.from_params(params, cfg, device, speculative=speculative, threads=threads)
     engine.budget, engine.meter = budget, meter
-    engine.max_batch = memory.decode_batch(stage, budget, cfg, DECODE_ROWS_MOST)
+    engine.max_batch = memory.decode_batch(stage, budget, cfg, DECODE_ROWS_MOST, speculative=batch_speculation)
     return engine, tok, meta

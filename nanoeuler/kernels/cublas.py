@@ -83,30 +83,13 @@ class Gemm:
 
     def __init__(self, stream=None):
         lib = load_cublas()
-        c_int, c_void_p = ctypes.c_int, ctypes.c_void_p
+        c_int, c_void_p, c_longlong = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong
         self._lib = lib
         self._call = lib.cublasGemmEx
-        self._call.argtypes = [
-            c_void_p,
-            c_int,
-            c_int,
-            c_int,
-            c_int,
-            c_int,
-            c_void_p,
-            c_void_p,
-            c_int,
-            c_int,
-            c_void_p,
-            c_int,
-            c_int,
-            c_void_p,
-            c_void_p,
-            c_int,
-            c_int,
-            c_int,
-            c_int,
-        ]
+        # handle, transa, transb, m, n, k, alpha, (A, its type, its leading dimension), (B ...), beta, (C ...),
+        # compute type, algo
+        operand = [c_void_p, c_int, c_int]
+        self._call.argtypes = [c_void_p] + [c_int] * 5 + [c_void_p] + operand * 2 + [c_void_p] + operand + [c_int] * 2
         self._call.restype = c_int
         handle = c_void_p()
         _check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
@@ -122,31 +105,11 @@ class Gemm:
         self._one = np.ones(1, dtype=np.float32)
         self._zero = np.zeros(1, dtype=np.float32)
         self._batched = lib.cublasGemmStridedBatchedEx
-        self._batched.argtypes = [
-            c_void_p,
-            c_int,
-            c_int,
-            c_int,
-            c_int,
-            c_int,
-            c_void_p,
-            c_void_p,
-            c_int,
-            c_int,
-            ctypes.c_longlong,
-            c_void_p,
-            c_int,
-            c_int,
-            ctypes.c_longlong,
-            c_void_p,
-            c_void_p,
-            c_int,
-            c_int,
-            ctypes.c_longlong,
-            c_int,
-            c_int,
-            c_int,
-        ]
+        # cublasGemmEx's, with each operand's stride between matrices, and the batch count before the compute type
+        strided = operand + [c_longlong]
+        self._batched.argtypes = (
+            [c_void_p] + [c_int] * 5 + [c_void_p] + strided * 2 + [c_void_p] + strided + [c_int] * 3
+        )
         self._batched.restype = c_int
         self._scalars = {}  # host alpha/beta values of the batched products, kept alive
 

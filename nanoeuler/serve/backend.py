@@ -146,11 +146,14 @@ class Backend:
         from nanoeuler.checkpoint import model_file
 
         path = model_file(path)
-        engine, tok, _ = load(path, device, gpu_memory=gpu_memory, stage="serve", threads=threads)
+        engine, tok, _ = load(
+            path, device, gpu_memory=gpu_memory, stage="serve", threads=threads, batch_speculation=speculative
+        )
         if engine.max_batch is not None and slots > engine.max_batch:
+            extra = " and their speculation's verify buffers" if speculative else ""
             print(
-                f"nanoeuler serve: max_batch {engine.max_batch} (not {slots}): the KV caches of that many streams "
-                f"fit {engine.budget.total / 1e9:.1f} GB ({engine.budget.source})",
+                f"nanoeuler serve: max_batch {engine.max_batch} (not {slots}): the KV caches of that many streams"
+                f"{extra} fit {engine.budget.total / 1e9:.1f} GB ({engine.budget.source})",
                 file=sys.stderr,
                 flush=True,
             )

@@ -25,6 +25,28 @@ extern "C" __global__ void __launch_bounds__(1024) ce_head_scale(const int* __re
     }
 }
 
+// The log-sum-exp of one row of V bf16 logits, over the block in two passes (the max, then the sum of the
+// exponentials), 4 values at a time when V % 4 == 0, with a scalar tail loop; every thread gets it. `red`
+// holds 32 floats (block_max, block_sum).
+__device__ __forceinline__ float row_lse(const bf16* zr, int V, float* red) {
+    const int V4 = (V & 3) == 0 ? V / 4 : 0, tail = 4 * V4;
+    float mx = __int_as_float(0xff800000);
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        const float4 a = ld4(zr, j);
+        mx = fmaxf(mx, fmaxf(fmaxf(a.x, a.y), fmaxf(a.z, a.w)));
+    }
+    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, ld1(zr, j));
+    mx = block_max(mx, red);
+    float s = 0.f;
+    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
+        const float4 a = ld4(zr, j);
+        s += (expf(a.x - mx) + expf(a.y - mx)) + (expf(a.z - mx) + expf(a.w - mx));
+    }
+    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) s += expf(ld1(zr, j) - mx);
+    s = block_sum(s, red);
+    return mx + logf(s);
+}
+
 // Head k's logits (R, V) bf16 for rows r0 .. r0+R-1 (targets and loss start at row r0), overwritten in
 // place by their gradient; grid (R,), blockDim 256.
 //   loss[r, k] = lse - z[t]            (0 for ignored rows)
@@ -84,21 +106,7 @@ extern "C" __global__ void __launch_bounds__(256) ce_heads_fwd_bwd(
         if (threadIdx.x == 0) loss[r * K + k] = mx + logf(s) - zt;
         return;
     }
-    float mx = __int_as_float(0xff800000);
-    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
-        const float4 a = ld4(zr, j);
-        mx = fmaxf(mx, fmaxf(fmaxf(a.x, a.y), fmaxf(a.z, a.w)));
-    }
-    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, ld1(zr, j));
-    mx = block_max(mx, red);
-    float s = 0.f;
-    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
-        const float4 a = ld4(zr, j);
-        s += (expf(a.x - mx) + expf(a.y - mx)) + (expf(a.z - mx) + expf(a.w - mx));
-    }
-    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) s += expf(ld1(zr, j) - mx);
-    s = block_sum(s, red);
-    const float lse = mx + logf(s);
+    const float lse = row_lse(zr, V, red);
     for (int j = threadIdx.x; j < V4; j += blockDim.x) {
         const float4 a = ld4(zr, j);
         const int j0 = 4 * j;
@@ -136,23 +144,8 @@ extern "C" __global__ void __launch_bounds__(256) seq_logp_rows(const bf16* __re
         if (threadIdx.x == 0) tok[r] = 0.f, lse[r] = 0.f;
         return;
     }
-    const int V4 = (V & 3) == 0 ? V / 4 : 0, tail = 4 * V4;
-    float mx = __int_as_float(0xff800000);
-    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
-        const float4 a = ld4(zr, j);
-        mx = fmaxf(mx, fmaxf(fmaxf(a.x, a.y), fmaxf(a.z, a.w)));
-    }
-    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, ld1(zr, j));
-    mx = block_max(mx, red);
-    float s = 0.f;
-    for (int j = threadIdx.x; j < V4; j += blockDim.x) {
-        const float4 a = ld4(zr, j);
-        s += (expf(a.x - mx) + expf(a.y - mx)) + (expf(a.z - mx) + expf(a.w - mx));
-    }
-    for (int j = tail + threadIdx.x; j < V; j += blockDim.x) s += expf(ld1(zr, j) - mx);
-    s = block_sum(s, red);
+    const float l = row_lse(zr, V, red);
     if (threadIdx.x == 0) {
-        const float l = mx + logf(s);
         tok[r] = ld1(zr, t) - l;
         lse[r] = l;
     }

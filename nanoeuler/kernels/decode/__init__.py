@@ -15,7 +15,9 @@ host's choices; it needs no GPU.
 
 from __future__ import annotations
 
-from nanoeuler.kernels.decode.plan import STORAGES, UNROLLS, defines, suffix
+import functools
+
+from nanoeuler.kernels.decode.plan import STORAGES, UNROLLS, defines, smem_opt_in, suffix
 
 _SUFFIXES = tuple(suffix(s) for s in STORAGES)
 
@@ -63,6 +65,7 @@ class Launch:
     def __init__(self, dtype: str, stream=None, pdl=None):
         self.dtype, self.suffix, self.stream, self.pdl = dtype, suffix(dtype), stream, pdl
         self._fns: dict = {}
+        self._allowed: dict = {}  # name -> the most dynamic shared memory already checked (and allowed)
 
     def load(self) -> None:
         """Compile and look up every kernel of the storage now, not at the first launch."""
@@ -76,7 +79,36 @@ class Launch:
         return fn
 
     def launch(self, name: str, grid, block, args, shared_mem: int = 0, pdl: bool = True) -> None:
+        if shared_mem > self._allowed.get(name, 0):
+            self._allow_shared(name, shared_mem)
         if self.pdl is not None and pdl:
             self.pdl(self.fn(name), grid, block, args, shared_mem=shared_mem, stream=self.stream)
         else:
             self.fn(name)(grid, block, args, shared_mem=shared_mem, stream=self.stream)
+
+    def _allow_shared(self, name: str, smem: int) -> None:
+        """Let kernel `name` take `smem` bytes of dynamic shared memory where that is past the default 48 KB
+        (a wide model: a few-row product over a hidden of 3072, `swiglu_down` past a width of ~1,800): a
+        driver attribute of the kernel, set once per size before its first such launch (a graph capture sees
+        it too); past the card's opt-in maximum, one UserError line."""
+        fn = self.fn(name)
+        allow = smem_opt_in(
+            f"{name} ({smem:,} bytes of dynamic shared memory)", smem, fn.shared_size_bytes, card_max_smem()
+        )
+        if allow and fn.max_dynamic_shared_size_bytes < allow:
+            fn.max_dynamic_shared_size_bytes = allow
+        self._allowed[name] = smem
+
+
+def card_max_smem() -> int:
+    """The current GPU's most shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin)."""
+    import cupy
+
+    return _opt_in_max(cupy.cuda.Device().id)
+
+
+@functools.cache
+def _opt_in_max(device: int) -> int:
+    import cupy
+
+    return cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]

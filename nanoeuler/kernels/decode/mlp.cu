@@ -14,7 +14,8 @@
 // . h to dx[m, n] for its rows n (atomicAdd: the F / MLP_FC blocks meet in dx, which starts at zero:
 // embed clears it, attend_o clears it after folding it into x). The first row's W_down pieces are
 // requested before the wait too. Shared: the staged rows (rows, C), then W_down's pieces of the rows past
-// the block's threads ((C - blockDim.x) * MLP_FC of W).
+// the block's threads ((C - blockDim.x) * MLP_FC of W): past 48 KB from a width of about 1,800 (bf16), where
+// the launcher raises the kernel's limit first (plan.smem_opt_in).
 template <typename W, int U, int R>
 __device__ void swiglu_down(const W* __restrict__ wgu, const W* __restrict__ wd, const float* __restrict__ x,
                             const float* __restrict__ gain, float* __restrict__ dx, int M, int F, int C, float eps) {

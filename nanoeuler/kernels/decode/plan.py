@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanoeuler.errors import UserError
 from nanoeuler.kernels.bf16.plan import MMA_HEAD_DIMS
 
 # ---- the kernels' shape constants (decode.cuh has the same values as #ifndef defaults) ----------------
@@ -59,6 +60,7 @@ ALONE_KEYS = 96  # up to this many keys each block of attend_o_cluster attends o
 CHAIN_AHEAD, CHAIN_CAP = 3, 8  # greedy steps queued ahead of the host; the ring of their ids on the GPU
 UNROLLS = (4, 8)  # the GEMVs' 16-byte pieces in flight a lane and weight row (gemv_unroll)
 STORAGES = ("bf16", "fp32")  # weight and cache storage; kernel names end _bf16 or _f32
+SMEM_DEFAULT = 48 * 1024  # shared memory (static + dynamic) a block gets without its kernel opting in to more
 
 
 def defines() -> tuple[str, ...]:
@@ -175,3 +177,24 @@ def mlp_smem(C: int, dtype: str) -> int:
     """swiglu_down's dynamic shared memory: the staged row of x (4-float aligned), then W_down's pieces of
     the rows past the block's threads."""
     return 4 * (-(-C // 4) * 4) + max(0, C - 32 * MLP_FC) * MLP_FC * itemsize(dtype)
+
+
+def smem_opt_in(what: str, need: int, static: int, card_max: int) -> int:
+    """The dynamic shared memory a kernel must be allowed (cudaFuncAttributeMaxDynamicSharedMemorySize) for
+    launches of `need` bytes beside its `static` ones: 0 where the default SMEM_DEFAULT holds the block, else
+    `need`; a block past the card's opt-in maximum `card_max` (cudaDevAttrMaxSharedMemoryPerBlockOptin) is a
+    UserError naming `what`. swiglu_down (192 static bytes) on an H100 (227 KB):
+
+        >>> smem_opt_in("swiglu_down", mlp_smem(768, "bf16"), 192, 232448)     # the gpu preset: the default
+        0
+        >>> smem_opt_in("swiglu_down", mlp_smem(2048, "bf16"), 192, 232448)    # 2048 wide: 56 KB
+        57344
+    """
+    if need + static <= SMEM_DEFAULT:
+        return 0
+    if need + static > card_max:
+        raise UserError(
+            f"the GPU decode kernel {what} needs {need + static:,} bytes of shared memory a block; "
+            f"this GPU allows {card_max:,}: decode on the CPU or with bf16 weights, or use a narrower model"
+        )
+    return need

@@ -25,8 +25,8 @@ model with a 4096-token BPE learned on the shipped Alpaca sample and this reposi
 not depend on training; every answer has --max-tokens tokens, `ignore_eos`). `--prefix N`: time to first
 token of requests (token ids, one new token) whose N-token prefix is cached against ones whose prefix is new,
 one request at a time, median of --prefix-repeats each. `--soak S`: the top level's clients go on for S
-seconds while /metrics is read every 10 s (the server's resident memory and CuPy pool): the samples, their
-first-to-last change, and the soak's failures. `--speculative` starts the server with it (greedy requests
+seconds while /metrics is read every 10 s (the server's resident memory, both processes, and CuPy pool): the
+samples, their first-to-last change, and the soak's failures. `--speculative` starts the server with it (greedy requests
 speculate; with random weights no draft is kept, so it only shows the cost).
 
 Comparing with llama.cpp's llama-server (not built here): export the model to Hugging Face format and
@@ -238,7 +238,9 @@ async def soak(url: str, args) -> dict:
                 samples.append(
                     (
                         time.perf_counter() - t0,
-                        float(values.get("process_resident_memory_bytes", "nan")),
+                        # the HTTP process's and the engine process's
+                        float(values.get("process_resident_memory_bytes", "nan"))
+                        + float(values.get("nanoeuler_engine_resident_memory_bytes", 0)),
                         float(values.get('nanoeuler_gpu_pool_bytes{kind="held"}', "nan")),
                     )
                 )

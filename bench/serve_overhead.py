@@ -8,8 +8,9 @@ The engine is the GPU's stand-in: a slot backend (`start`, `prefill`, `decode`, 
 step first runs --host-us of busy Python (a GPU step's kernel launches: host work that holds the GIL), then
 sleeps --step-ms (a sleep lets go of the GIL, as a CUDA wait does) and returns a token per row, and
 whose prefill sleeps --prefill-us per prompt token. Everything else is what `nanoeuler serve` runs: the
-`Backend` adapter, the scheduler's worker thread, the FastAPI app and uvicorn, in a child process on
-loopback (a 512-token BPE, so detokenizing is real). So what the fake does not sleep is the server's cost.
+`Backend` adapter and the scheduler's worker thread in the engine process, the FastAPI app and uvicorn in
+the HTTP process, started as a child on loopback (a 512-token BPE, so detokenizing is real). So what the
+fake does not sleep is the server's cost.
 
 For each level, L clients each send --requests streamed /v1/completions requests back to back (`ignore_eos`,
 --max-tokens tokens, usage asked for) through a lean HTTP/1.1 client (a keep-alive connection each, chunked
@@ -19,8 +20,7 @@ host work and sleep as measured alone); the scheduler thread's host ms per step 
 not in them) and its CPU ms per step (the rest of host time is waiting for the GIL); p50/p99 of the time
 between a stream's reads; failures. Then the time to first token of one-token answers, one request at a time
 (streamed and not), and with --profile a cProfile of the event loop's thread and of the scheduler's thread at
-the top level. With --process, generation runs in a process of its own (`serve.engine_proc`), the thread/process
-A/B of the GIL the two would otherwise share.
+the top level. The server CPU per request counts both processes.
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ import asyncio
 import cProfile
 import io
 import json
+import os
 import pstats
 import re
 import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,15 +55,15 @@ class FakeSlots:
     """A slot engine that spends fixed times sleeping instead of computing: `decode` --step-ms per call, a
     prefill --prefill-us per token fed. Row r's token at position p is a function of (r, p); never an end id."""
 
-    def __init__(self, cfg, step_s: float, prefill_s_per_token: float, tok, host_s: float = 0.0):
+    def __init__(self, cfg, step_s: float, prefill_s_per_token: float, tok, host_s: float = 0.0, profile_dir=None):
         self.cfg, self.step_s, self.prefill_s, self.host_s = cfg, step_s, prefill_s_per_token, host_s
+        self.profile_dir = profile_dir  # --profile: the worker profiles itself while profile_dir/on exists
         self.vocab = tok.vocab_size
         self.ok = np.array([t for t in range(self.vocab) if t not in (tok.end_id, tok.eot_id) and _text(tok, t)])
         self.steps = self.rows = 0
         self.cpu = 0.0  # the calling thread's CPU seconds, read at each decode (the scheduler's thread)
         self.first = self.last = None  # monotonic time of the first decode call, and of the end of the last
-        self.profile = None  # a cProfile.Profile the scheduler's thread runs while set (`profiling`)
-        self._running = None
+        self.profile = None  # the cProfile.Profile the scheduler's thread runs while profile_dir/on exists
         # what one sleep of step_s takes on this machine with no other thread about (an oversleep is the
         # machine's, not the server's): the median of 200
         self.sleep_s = float(np.median([self._timed_step() for _ in range(200)]))
@@ -96,12 +98,8 @@ class FakeSlots:
 
     def decode(self, tokens, pos, sampling, step, rngs, mask) -> np.ndarray:
         now, cpu = time.monotonic(), time.thread_time()
-        if self._running is not self.profile:  # switched on or off since the last step: this thread follows
-            if self._running is not None:
-                self._running.disable()
-            if self.profile is not None:
-                self.profile.enable()
-            self._running = self.profile
+        if self.profile_dir is not None:
+            self._follow_switch()
         if self.first is None:
             self.first = now
         self.cpu += cpu - getattr(self, "_cpu_mark", cpu)
@@ -114,6 +112,17 @@ class FakeSlots:
 
     def decode_logits(self, tokens, pos, mask):
         raise NotImplementedError("the fake engine does not give logits")
+
+    def _follow_switch(self) -> None:
+        """Start profiling this thread when profile_dir/on appears; when it goes, write profile_dir/worker.prof."""
+        on = os.path.exists(os.path.join(self.profile_dir, "on"))
+        if on and self.profile is None:
+            self.profile = cProfile.Profile()
+            self.profile.enable()
+        elif not on and self.profile is not None:
+            self.profile.disable()
+            self.profile.dump_stats(os.path.join(self.profile_dir, "worker.prof"))
+            self.profile = None
 
 
 def _spin(seconds: float) -> None:
@@ -132,16 +141,16 @@ def _text(tok, t: int) -> bool:
         return False
 
 
-def fake_backend(step_ms: float, prefill_us: float, host_us: float, max_batch: int):
+def fake_backend(step_ms: float, prefill_us: float, host_us: float, max_batch: int, profile_dir=None):
     """The server's `Backend` over a `FakeSlots` (a module-level function: the engine process builds it);
-    `extra_stats` gives the fake's counts to the bench's stats route."""
+    `extra_stats` adds the fake's counts to the engine's, which the bench's stats route reads."""
     from nanoeuler.infer.engine import DecodeEngine
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.serve.backend import Backend
 
     tok = tokenizer()
     cfg = ModelConfig.from_section({"preset": "gpu"}, tok.vocab_size)
-    fake = FakeSlots(cfg, step_ms / 1e3, prefill_us / 1e6, tok, host_us / 1e6)
+    fake = FakeSlots(cfg, step_ms / 1e3, prefill_us / 1e6, tok, host_us / 1e6, profile_dir)
     backend = Backend(DecodeEngine(fake, cfg), tok, "fake", slots=max_batch, prefix_cache=8)
     backend.fake = fake
     backend.extra_stats = lambda: {
@@ -156,39 +165,41 @@ def fake_backend(step_ms: float, prefill_us: float, host_us: float, max_batch: i
 
 
 def serve(args) -> None:
-    """The child: `nanoeuler serve`'s app on the fake engine, with two routes of its own for the bench."""
+    """The child: `nanoeuler serve`'s app and engine process on the fake engine, with routes of its own."""
+    import tempfile
+
     import uvicorn
 
     from nanoeuler.serve.app import ServeConfig, create_app
+    from nanoeuler.serve.backend import Sampling
     from nanoeuler.serve.engine_proc import EngineProcess
     from nanoeuler.serve.server import listen, uvicorn_config
 
-    made = (args.step_ms, args.prefill_us, args.host_us, args.max_batch)
-    backend = fake_backend(*made)
-    config = ServeConfig(max_tokens=max(args.max_tokens, 1), max_batch=args.max_batch, max_queue=4 * args.max_batch)
-    engine = EngineProcess(fake_backend, made, config.max_batch, config.max_queue) if args.process else None
-    app = create_app(backend, config, engine)
-    fake = backend.fake
+    profile_dir = tempfile.mkdtemp(prefix="serve_overhead_") if args.profile else None
+    made = partial(fake_backend, args.step_ms, args.prefill_us, args.host_us, args.max_batch, profile_dir)
+    engine = EngineProcess(made, args.max_batch, 4 * args.max_batch).start()
+    app = create_app(engine, ServeConfig(max_tokens=max(args.max_tokens, 1)))
     loop_profile = []
 
     @app.get("/bench/stats")
     async def stats():
-        own = {"loop_cpu": time.thread_time(), "process_cpu": time.process_time()}
-        if engine is None:
-            return {**backend.extra_stats(), **own}
-        there = await engine.engine_stats()
-        return {**there, **own, "process_cpu": own["process_cpu"] + there["process_cpu"]}
+        there = engine.engine_stats  # sent with every job's end: fresh once a level's answers are in
+        own = {"loop_cpu": time.thread_time(), "process_cpu": time.process_time() + there["cpu_s"]}
+        return {**there, **own}
 
     @app.post("/bench/profile/{what}")
     async def profile(what: str):
+        switch = os.path.join(profile_dir, "on")
         if what == "on":
+            open(switch, "w").close()
             loop_profile[:] = [cProfile.Profile()]
-            fake.profile = cProfile.Profile()
             loop_profile[0].enable()
             return {}
         loop_profile[0].disable()
-        worker, fake.profile = fake.profile, None
-        await asyncio.sleep(0.05)  # the worker's next step stops its profiler (or it is idle: nothing runs)
+        os.unlink(switch)
+        job = engine.submit([0], 2, Sampling(temperature=0))  # a decode step, in which the worker sees the switch off
+        [t async for t in job.batches()]
+        worker = os.path.join(profile_dir, "worker.prof")
         return {"loop": hot_spots(loop_profile[0], args.top), "worker": hot_spots(worker, args.top)}
 
     sock = listen("127.0.0.1", 0)
@@ -204,7 +215,8 @@ def tokenizer():
     return train_bpe("\n\n".join(r["instruction"] + "\n" + r["input"] + "\n" + r["output"] for r in records), 512)
 
 
-def hot_spots(prof: cProfile.Profile, top: int) -> str:
+def hot_spots(prof, top: int) -> str:
+    """The `top` functions by own time of a cProfile.Profile, or of the profile a file holds."""
     out = io.StringIO()
     try:
         stats = pstats.Stats(prof, stream=out)
@@ -378,7 +390,6 @@ def main() -> int:
     ap.add_argument("--ttft-repeats", type=int, default=30)
     ap.add_argument("--profile", action="store_true", help="profile the server at the top level (a run of its own)")
     ap.add_argument("--top", type=int, default=25, help="functions per profile")
-    ap.add_argument("--process", action="store_true", help="generation in a process of its own (`engine_proc`)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     ap.add_argument("--max-batch", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -402,7 +413,7 @@ def main() -> int:
         str(args.max_tokens),
         "--top",
         str(args.top),
-    ] + (["--process"] if args.process else [])
+    ] + (["--profile"] if args.profile else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     line = proc.stderr.readline()
     found = re.search(r"http://([\d.]+):(\d+)/", line)

@@ -11,8 +11,7 @@
 #   bash scripts/device_serve.sh llama     # GPU: build llama.cpp's llama-server (CUDA, sm_90) unless `build` did,
 #                                          # convert the same model to GGUF bf16, serve it, the same clients
 #   bash scripts/device_serve.sh overhead  # CPU only: bench/serve_overhead.py (fake engine, 0.7 ms steps + HOST_US of
-#                                          # GIL-holding host work), generation on the server's thread, then in
-#                                          # its own process (--process), twice each, on this host's cores
+#                                          # GIL-holding host work) twice, on this host's cores
 #   bash scripts/device_serve.sh build     # GPU: only the build (start it in the background during a soak, whose
 #                                          # figures are memory, not speed; `llama` in the next call waits for it)
 #
@@ -122,16 +121,13 @@ load() {
     echo "load: $(( $(date +%s) - t0 )) s in all (model file, CuPy's kernel compile, peers, levels, prefix, soak)"
 }
 
-overhead() {  # the thread/process A/B of the server's own cost; the tables, then one line per run
+overhead() {  # the server's own cost (generation in its own process, as `nanoeuler serve` runs it), twice
     install > /dev/null
-    local mode run
+    local run
     for run in 1 2; do
-        for mode in thread process; do
-            echo "== $mode (run $run)"
-            $PY "$REPO/bench/serve_overhead.py" --levels "$LEVELS" --host-us "${HOST_US:-300}" --ttft-repeats 10 \
-                $([ $mode = process ] && echo --process) 2>&1 | tee "$OUT/overhead_${mode}_$run.txt" \
-                | sed -n '/^clients/,/^(step/p' | head -n -1
-        done
+        echo "== run $run"
+        $PY "$REPO/bench/serve_overhead.py" --levels "$LEVELS" --host-us "${HOST_US:-300}" --ttft-repeats 10 2>&1 \
+            | tee "$OUT/overhead_$run.txt" | sed -n '/^clients/,/^(step/p' | head -n -1
     done
 }
 

@@ -6,9 +6,12 @@ it answers them word for word, so a test can tell that the server applied the ch
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import socket
 import threading
 import time
+from functools import partial
 
 from train_fixtures import TINY_MODEL, make_tokenizer
 
@@ -48,38 +51,86 @@ def train_chat_model(path, steps: int = 100, mtp_heads: int | None = None):
 
 @contextlib.contextmanager
 def live_server(model_path, **config):
-    """Serve `model_path` on 127.0.0.1 (a free port) in a thread; yields (base URL, app). `config`: ServeConfig's
-    fields, and `shutdown_grace_s`, `send_buffer` (SO_SNDBUF of the connections) and `speculative` (the backend's)."""
+    """Serve `model_path` on 127.0.0.1 (a free port) as `nanoeuler serve` does: the engine in a process of its
+    own, uvicorn in a thread here; yields (base URL, app). `config`: ServeConfig's fields, `max_batch` and
+    `max_queue` (the engine's), `shutdown_grace_s`, `send_buffer` (SO_SNDBUF of the connections), and
+    `served_backend`'s `speculative`, `knobs` and `broken`."""
     import uvicorn
 
     from nanoeuler.serve.app import ServeConfig, create_app
-    from nanoeuler.serve.backend import Backend
+    from nanoeuler.serve.engine_proc import EngineProcess
     from nanoeuler.serve.server import listen, uvicorn_config
 
     grace = config.pop("shutdown_grace_s", 10.0)
     send_buffer = config.pop("send_buffer", None)  # bytes: small, an unread answer fills it in moments
-    speculative = config.pop("speculative", False)
-    backend = Backend.load(
-        model_path, "cpu", slots=config.get("max_batch", ServeConfig.max_batch), speculative=speculative
-    )
-    app = create_app(backend, ServeConfig(**config))
+    max_batch, max_queue = config.pop("max_batch", 8), config.pop("max_queue", 64)
+    made = {k: config.pop(k) for k in ("speculative", "knobs", "broken") if k in config}
+    engine = EngineProcess(partial(served_backend, str(model_path), max_batch, **made), max_batch, max_queue).start()
+    app = create_app(engine, ServeConfig(**config))
     sock = listen("127.0.0.1", 0)
     if send_buffer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)  # connections accepted inherit it
     server = uvicorn.Server(uvicorn_config(app, app.state.config.client_timeout_s, grace, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
     try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
         yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
     finally:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+        if engine._proc.is_alive():  # the server never started (its shutdown stops the engine otherwise)
+            engine._proc.kill()
+            engine._proc.join()
+
+
+class ServedBackend:
+    """Knobs on the server's `Backend`, turned from the test's process while the engine runs in its own: a JSON
+    file (`knobs`) read before each step, with any of {"delay_s": sleep this long first, "gate": hold the step
+    while this file exists (at most 10 s), "steps": append the step's batch size to this file}. Mixed into
+    `Backend` by `served_backend`."""
+
+    knobs: str | None = None
+
+    def step(self, streams):
+        knobs = {}
+        if self.knobs and os.path.exists(self.knobs):
+            with open(self.knobs) as f:
+                knobs = json.load(f)
+        time.sleep(knobs.get("delay_s", 0))
+        deadline = time.monotonic() + 10
+        while knobs.get("gate") and os.path.exists(knobs["gate"]) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if knobs.get("steps"):
+            with open(knobs["steps"], "a") as f:
+                f.write(f"{len(streams)}\n")
+        return super().step(streams)
+
+
+def served_backend(path: str, slots: int, speculative=False, knobs=None, broken=None):
+    """The engine's backend in the tests (a module-level function: the engine process calls it after `spawn`):
+    `path` on the CPU with `ServedBackend`'s knobs; sampling at temperature `broken` raises FloatingPointError,
+    at a prefill and in a decode step alike."""
+    from nanoeuler.serve.backend import Backend
+
+    if broken is not None:
+        import nanoeuler.infer.cpu
+        import nanoeuler.serve.backend
+        from nanoeuler.infer.sampling import sample_token
+
+        def sample(logits, rng, temperature, top_k=0, top_p=1.0):
+            if temperature == broken:
+                raise FloatingPointError("the sampler broke")
+            return sample_token(logits, rng, temperature, top_k, top_p)
+
+        nanoeuler.infer.cpu.sample_token = nanoeuler.serve.backend.sample_token = sample
+    kind = type("Served", (ServedBackend, Backend), {"knobs": knobs})
+    return kind.load(path, "cpu", slots=slots, speculative=speculative)
 
 
 def run_streams(backend, specs):
@@ -97,16 +148,50 @@ def run_streams(backend, specs):
     return got, streams
 
 
+class Outbox:
+    """A `Scheduler`'s `send` that keeps what it is sent, per job; `calls`: the batches, one per call."""
+
+    def __init__(self):
+        self.calls, self._got, self._cond = [], {}, threading.Condition()
+
+    def __call__(self, batch: list) -> None:
+        with self._cond:
+            self.calls.append(batch)
+            for job, items in batch:
+                self._got.setdefault(job, []).extend(items)
+            self._cond.notify_all()
+
+    def items(self, job, at_least: int | None = None, timeout: float = 10) -> list:
+        """The job's items so far, once it has ended (or once there are `at_least` of them)."""
+        from nanoeuler.serve.scheduler import END
+
+        def ready():
+            got = self._got.get(job, [])
+            return (at_least is not None and len(got) >= at_least) or (
+                got and (got[-1] is END or isinstance(got[-1], BaseException))
+            )
+
+        with self._cond:
+            assert self._cond.wait_for(ready, timeout), f"the job sent only {self._got.get(job)}"
+            return list(self._got[job])
+
+
 class CountingBackend:
     """A backend whose every stream yields 1, 2, 3, ... and whose step takes `step_s` (a GPU's stand-in): what
     the engine process runs in tests. Built there by `counting_backend` (a module-level factory: `spawn`)."""
 
+    name, ctx_len, capacity = "counting", 64, None
     stop_ids = frozenset()
     prefixes = free_slots = engine = None
     speculative = False
 
     def __init__(self, step_s: float, broken_close: bool = False):
+        from nanoeuler.model.config import ModelConfig
+        from train_fixtures import TINY_MODEL, make_tokenizer
+
         self.step_s, self.broken_close = step_s, broken_close  # broken_close: closing a stream raises
+        self.tok = make_tokenizer()
+        self.cfg = ModelConfig.from_section(TINY_MODEL, self.tok.vocab_size)
 
     def open(self, prompt_ids, max_new_tokens, sampling, stop_at_end=True):
         import itertools

@@ -24,10 +24,10 @@ from nanoeuler.data.template import render_prompt  # noqa: E402
 from nanoeuler.infer.sampling import Sampling  # noqa: E402
 from nanoeuler.serve.prompts import PromptError, StopText, chat_prompt, chat_turns  # noqa: E402
 from nanoeuler.serve.protocol import ApiError, parse_chat, parse_completion, parse_json  # noqa: E402
-from nanoeuler.serve.scheduler import QueueFull, Scheduler  # noqa: E402
+from nanoeuler.serve.scheduler import END, QueueFull, Scheduler  # noqa: E402
 from nanoeuler.serve.server import exposure_warning  # noqa: E402
 from nanoeuler.train.sft import encode_example  # noqa: E402
-from serve_fixtures import LEARNED, chat_model, live_server  # noqa: E402
+from serve_fixtures import LEARNED, Outbox, chat_model, live_server  # noqa: E402
 from train_fixtures import make_tokenizer  # noqa: E402
 
 FRANCE, COLOR = list(LEARNED)
@@ -154,30 +154,25 @@ class ScriptedBackend:
 
 
 def test_scheduler_batches_limits_the_queue_cancels_and_survives_a_failure():
-    import asyncio
-
-    backend = ScriptedBackend()
-    scheduler = Scheduler(backend, max_batch=2, max_queue=1).start()
-
-    async def scenario():
+    backend, sent = ScriptedBackend(), Outbox()
+    scheduler = Scheduler(backend, max_batch=2, max_queue=1, send=sent).start()
+    try:
         backend.gate = threading.Event()
         jobs = [scheduler.submit([0], 3, Sampling()) for _ in range(3)]
         with pytest.raises(QueueFull, match="limit is 2 at once"):
             scheduler.submit([0], 3, Sampling())
         backend.gate.set()
-        outs = [[t async for t in job.tokens()] for job in jobs]
-        assert outs == [[1, 2, 3]] * 3 and backend.steps[:3] == [2, 2, 2] and backend.steps[3:] == [1, 1, 1]
-        with pytest.raises(RuntimeError, match="the engine broke"):
-            [t async for t in scheduler.submit([0], 13, Sampling()).tokens()]
+        assert [sent.items(job) for job in jobs] == [[1, 2, 3, END]] * 3
+        assert backend.steps[:3] == [2, 2, 2] and backend.steps[3:] == [1, 1, 1]
+        broken = sent.items(scheduler.submit([0], 13, Sampling()))
+        assert len(broken) == 1 and isinstance(broken[0], RuntimeError) and str(broken[0]) == "the engine broke"
         job = scheduler.submit([0], 10**6, Sampling())
-        async for t in job.tokens():
-            if t == 5:
-                job.cancel()
-        assert job.outcome == "cancelled" and job.generated < 10**6
-        return scheduler.stats()
-
-    stats = asyncio.run(scenario())
-    scheduler.stop()
+        assert sent.items(job, at_least=5)[:5] == [1, 2, 3, 4, 5]
+        job.cancel()
+        assert sent.items(job)[-1] is END and job.outcome == "cancelled" and job.generated < 10**6
+        stats = scheduler.stats()
+    finally:
+        scheduler.stop()
     assert stats["finished"] == 3 and stats["failed"] == 1 and stats["cancelled"] == 1 and stats["rejected"] == 1
 
 

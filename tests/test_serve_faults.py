@@ -5,6 +5,7 @@ they were without it; slots and counts go back to zero on every way out; bodies 
 time (chunked ones too), JSON is strict, cross-site form posts are refused, headers have a deadline,
 shutdown is bounded with streams nobody reads; bad numbers on the command line are one line."""
 
+import contextlib
 import json
 import math
 import os
@@ -28,7 +29,7 @@ from nanoeuler.serve.backend import Backend  # noqa: E402
 from nanoeuler.serve.protocol import ApiError, parse_json  # noqa: E402
 from serve_fixtures import chat_model, live_server  # noqa: E402
 
-BROKEN = 0.625  # a temperature whose sampler is made to fail (`broken_sampler`)
+BROKEN = 0.6180339887  # a temperature whose sampler fails in the module's server (`served_backend`)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,27 @@ def model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_path):
-    with live_server(model_path, max_tokens=400, max_batch=4, client_timeout_s=2.0) as (url, app):
+def knobs(tmp_path_factory):
+    """The module's server's `ServedBackend` knobs: set(**values) for a while, then back to none."""
+    path = tmp_path_factory.mktemp("knobs") / "knobs.json"
+
+    @contextlib.contextmanager
+    def turned(**values):
+        path.write_text(json.dumps(values))
+        try:
+            yield path.parent
+        finally:
+            path.unlink()
+
+    turned.path = path
+    return turned
+
+
+@pytest.fixture(scope="module")
+def server(model_path, knobs):
+    with live_server(
+        model_path, max_tokens=400, max_batch=4, client_timeout_s=2.0, knobs=str(knobs.path), broken=BROKEN
+    ) as (url, app):
         yield url, app
 
 
@@ -60,23 +80,7 @@ def wait_idle(http, timeout=30):
 
 def assert_all_given_back(http, app):
     stats = wait_idle(http)
-    assert stats["free_slots"] == app.state.scheduler.max_batch and stats["status"] == "ok"
-
-
-@pytest.fixture()
-def broken_sampler(monkeypatch):
-    """Sampling at temperature BROKEN raises, at the prefill and in a decode step alike."""
-    import nanoeuler.infer.cpu
-    import nanoeuler.serve.backend
-    from nanoeuler.infer.sampling import sample_token
-
-    def sample(logits, rng, temperature, top_k=0, top_p=1.0):
-        if temperature == BROKEN:
-            raise FloatingPointError("the sampler broke")
-        return sample_token(logits, rng, temperature, top_k, top_p)
-
-    monkeypatch.setattr(nanoeuler.infer.cpu, "sample_token", sample)
-    monkeypatch.setattr(nanoeuler.serve.backend, "sample_token", sample)
+    assert stats["free_slots"] == app.state.engine.max_batch and stats["status"] == "ok"
 
 
 # ---- the shared sampling check -------------------------------------------------------------------
@@ -224,40 +228,38 @@ def test_random_bodies_and_values_never_get_a_500(body, path, http, server):
 # ---- one request's failure is its own ------------------------------------------------------------
 
 
-def completions_together(url, app, bodies, monkeypatch):
+def completions_together(url, app, knobs, bodies):
     """Stream `bodies` from /v1/completions, the last after the others; the first step waits until all of them
     are in. Returns each one's (status, events) and the batch size of each step."""
-    steps, step, scheduler = [], Backend.step, app.state.scheduler
+    engine = app.state.engine
 
     def in_flight():
-        stats = scheduler.stats()
+        stats = engine.stats()
         return stats["active"] + stats["waiting"]
 
-    def gated(self, streams):  # the first step waits for every request (at most 10 s)
-        deadline = time.monotonic() + 10
-        while not steps and in_flight() < len(bodies) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        steps.append(len(streams))
-        return step(self, streams)
-
-    monkeypatch.setattr(Backend, "step", gated)
+    gate, steps = knobs.path.parent / "gate", knobs.path.parent / "steps"
+    gate.touch()
+    steps.write_text("")
     outs = [None] * len(bodies)
 
     def run(i, body):
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
             outs[i] = (r.status_code, [line for line in r.iter_lines() if line])
 
-    threads = [threading.Thread(target=run, args=(i, b)) for i, b in enumerate(bodies)]
-    for t in threads[:-1]:
-        t.start()
-    deadline = time.monotonic() + 10
-    while in_flight() < len(bodies) - 1 and time.monotonic() < deadline:  # the last one comes last
-        time.sleep(0.001)
-    threads[-1].start()
-    for t in threads:
-        t.join(timeout=60)
-    monkeypatch.setattr(Backend, "step", step)
-    return outs, steps
+    with knobs(gate=str(gate), steps=str(steps)):
+        threads = [threading.Thread(target=run, args=(i, b)) for i, b in enumerate(bodies)]
+        for t in threads[:-1]:
+            t.start()
+        deadline = time.monotonic() + 10
+        while in_flight() < len(bodies) - 1 and time.monotonic() < deadline:  # the last one comes last
+            time.sleep(0.001)
+        threads[-1].start()
+        while in_flight() < len(bodies) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        gate.unlink()  # the first step goes; the others join it
+        for t in threads:
+            t.join(timeout=60)
+    return outs, [int(n) for n in steps.read_text().split()]
 
 
 def texts(events):
@@ -275,15 +277,13 @@ GOOD = [{"prompt": "It was", "max_tokens": 300, "temperature": 1.0, "seed": s, "
     "bad, status",
     [
         ({"temperature": 5e-324}, 200),  # inside the API's range; the sampler alone would overflow
-        ({"temperature": BROKEN}, 500),  # the sampler fails for this request only (`broken_sampler`)
+        ({"temperature": BROKEN}, 500),  # the sampler fails for this request only (`served_backend`)
     ],
 )
-def test_a_failing_request_leaves_the_others_as_they_were_without_it(
-    bad, status, server, http, broken_sampler, monkeypatch, caplog
-):
+def test_a_failing_request_leaves_the_others_as_they_were_without_it(bad, status, server, http, knobs, caplog):
     url, app = server
-    alone = [texts(events) for _, events in completions_together(url, app, GOOD, monkeypatch)[0]]
-    together, steps = completions_together(url, app, GOOD + [{**GOOD[0], "seed": 9, **bad}], monkeypatch)
+    alone = [texts(events) for _, events in completions_together(url, app, knobs, GOOD)[0]]
+    together, steps = completions_together(url, app, knobs, GOOD + [{**GOOD[0], "seed": 9, **bad}])
     assert max(steps) == 3  # the bad request was in a batch with the good ones
     assert [texts(events) for _, events in together[:2]] == alone
     assert all("error" not in e for _, events in together[:2] for e in events)
@@ -295,11 +295,12 @@ def test_a_failing_request_leaves_the_others_as_they_were_without_it(
         assert error["type"] == "server_error" and "the sampler broke" in error["message"]
         rid = error["message"].rsplit("request id ", 1)[1].rstrip(")")
         logged = [r for r in caplog.records if rid in r.getMessage()]
-        assert logged and logged[0].exc_info[0] is FloatingPointError
+        assert logged and logged[0].exc_info[0] is FloatingPointError  # the engine's exception, rebuilt here
+        assert "in sample" in str(logged[0].exc_info[1].__cause__)  # with its traceback there
     assert_all_given_back(http, app)
 
 
-def test_a_plain_500_names_its_request_id_in_the_header_the_body_and_the_log(server, http, broken_sampler, caplog):
+def test_a_plain_500_names_its_request_id_in_the_header_the_body_and_the_log(server, http, caplog):
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "temperature": BROKEN})
     rid = r.headers["x-request-id"]
     assert r.status_code == 500 and r.json()["error"]["message"].endswith(f"(request id {rid})")
@@ -321,22 +322,21 @@ def test_a_seed_the_generator_refuses_gives_its_slot_back(model_path):
     assert backend.free_slots == 2
 
 
-def test_every_way_out_gives_slots_and_counts_back(server, http, broken_sampler, monkeypatch):
+def test_every_way_out_gives_slots_and_counts_back(server, http, knobs):
     url, app = server
-    step = Backend.step
-    monkeypatch.setattr(Backend, "step", lambda self, streams: time.sleep(0.005) or step(self, streams))  # 400 > 2 s
-    user = [{"role": "user", "content": "hi"}]
-    for _ in range(10):  # more than the slots: a leak would show as a 500 below
-        assert http.post("/v1/chat/completions", json={"messages": user, "seed": -1}).status_code == 400
-    assert http.post("/v1/chat/completions", json={"messages": user, "temperature": BROKEN}).status_code == 500
-    body = {"prompt": "It", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-        next(line for line in r.iter_lines() if line)  # then the client goes away
-    with pytest.raises(httpx.ReadTimeout):
-        http.post("/v1/completions", json={**body, "stream": False}, timeout=0.3)
-    r = http.post("/v1/completions", json={"prompt": "It", "max_tokens": 5, "stop": ["e"], "temperature": 0})
-    assert r.status_code == 200
-    assert_all_given_back(http, app)
+    with knobs(delay_s=0.005):  # 400 tokens > 2 s
+        user = [{"role": "user", "content": "hi"}]
+        for _ in range(10):  # more than the slots: a leak would show as a 500 below
+            assert http.post("/v1/chat/completions", json={"messages": user, "seed": -1}).status_code == 400
+        assert http.post("/v1/chat/completions", json={"messages": user, "temperature": BROKEN}).status_code == 500
+        body = {"prompt": "It", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            next(line for line in r.iter_lines() if line)  # then the client goes away
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json={**body, "stream": False}, timeout=0.3)
+        r = http.post("/v1/completions", json={"prompt": "It", "max_tokens": 5, "stop": ["e"], "temperature": 0})
+        assert r.status_code == 200
+        assert_all_given_back(http, app)
     assert http.post("/v1/completions", json={"prompt": "It", "max_tokens": 2}).status_code == 200
 
 
@@ -413,9 +413,9 @@ def test_an_answer_nobody_reads_is_dropped_and_its_generation_stopped(model_path
                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
             )
             deadline = time.monotonic() + 60  # the buffers fill in moments, then one timeout
-            while app.state.scheduler.stats()["cancelled"] == 0 and time.monotonic() < deadline:
+            while app.state.engine.stats()["cancelled"] == 0 and time.monotonic() < deadline:
                 time.sleep(0.1)
-            stats = app.state.scheduler.stats()
+            stats = app.state.engine.stats()
             assert stats["cancelled"] == 1 and stats["active"] == 0 and stats["tokens"] < 10**6
 
 
@@ -459,8 +459,8 @@ def test_shutdown_with_streams_nobody_reads_ends_within_the_grace(model_path):
     for s in readers:
         s.close()
     assert took < 6, f"shutdown took {took:.1f} s"
-    stats = app.state.scheduler.stats()
-    assert stats["active"] == 0 and stats["waiting"] == 0 and app.state.scheduler._thread.is_alive() is False
+    stats = app.state.engine.stats()
+    assert stats["active"] == 0 and stats["waiting"] == 0 and app.state.engine._proc.exitcode == 0
 
 
 def test_sigterm_ends_the_command_within_the_grace_with_a_stream_nobody_reads(model_path):

@@ -281,7 +281,7 @@ def test_a_schema_is_compiled_once_and_its_cached_grammar_answers_alike(client, 
     jsonschema = pytest.importorskip("jsonschema")
     from nanoeuler.serve.structured import Grammars
 
-    grammars = server[1].state.grammars
+    url = server[0]
     schema = {
         "type": "object",
         "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "w": {"enum": ["x", "yy"]}},
@@ -302,11 +302,11 @@ def test_a_schema_is_compiled_once_and_its_cached_grammar_answers_alike(client, 
         )
         return [c.message.content for c in r.choices]
 
-    before = grammars.compiles
+    before = metric_values(url)["nanoeuler_grammar_compiles_total"]  # counted in the engine process
     first = ask()
-    assert grammars.compiles == before + 1  # one compile for all three choices
+    assert metric_values(url)["nanoeuler_grammar_compiles_total"] == before + 1  # one compile for all three choices
     second = ask()
-    assert grammars.compiles == before + 1 and second == first
+    assert metric_values(url)["nanoeuler_grammar_compiles_total"] == before + 1 and second == first
     for text in second:
         jsonschema.validate(json.loads(text), schema)
 
@@ -362,12 +362,7 @@ def test_tokenize_detokenize_and_metrics(server, tok, client):
         client.chat.completions.create(
             model="serve_chat", messages=[{"role": "user", "content": q}], temperature=0, max_tokens=3
         )
-    text = httpx.get(url + "/metrics").text
-    values = {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
+    values = metric_values(url)
     assert values['nanoeuler_requests_total{status="200"}'] >= 2
     assert values['nanoeuler_requests_total{status="400"}'] >= 2
     assert values["nanoeuler_generation_tokens_total"] >= 6 and values["nanoeuler_prompt_tokens_total"] >= 20
@@ -376,10 +371,25 @@ def test_tokenize_detokenize_and_metrics(server, tok, client):
     assert values["nanoeuler_prefix_cache_hits_total"] >= 1 and values["nanoeuler_prefix_cache_tokens_total"] >= 8
     assert values["nanoeuler_queue_depth"] == 0 and 'nanoeuler_generations_total{outcome="finished"}' in values
     assert values["process_resident_memory_bytes"] > 10 * 2**20  # the soak test's flat-memory reading
+    assert values["nanoeuler_engine_resident_memory_bytes"] > 10 * 2**20 and values["nanoeuler_engine_up"] == 1
+    assert values["nanoeuler_engine_cpu_seconds_total"] > 0
 
 
-def test_a_speculating_server_answers_as_a_plain_one_and_reports_acceptance_per_head(tmp_path_factory, client):
-    """`--speculative`: the greedy answers are the plain server's; /metrics gives each draft head's real counts."""
+def metric_values(url) -> dict:
+    """/metrics as {series: value}."""
+    text = httpx.get(url + "/metrics").text
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def test_a_speculating_server_answers_as_a_plain_one_and_reports_acceptance_per_head(tmp_path_factory, client, tok):
+    """`--speculative`: the greedy answers are the plain server's; /metrics gives each draft head's counts, those
+    of the same requests replayed on a speculating backend here."""
+    from nanoeuler.serve.backend import Backend
+
     questions = [FRANCE, COLOR, FRANCE]
     plain = [
         client.chat.completions.create(
@@ -389,20 +399,22 @@ def test_a_speculating_server_answers_as_a_plain_one_and_reports_acceptance_per_
         .message.content
         for q in questions
     ]
-    with live_server(chat_model(tmp_path_factory), max_tokens=48, speculative=True) as (url, app):
+    model = chat_model(tmp_path_factory)
+    with live_server(model, max_tokens=48, speculative=True) as (url, app):
         spec = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         for q, want in zip(questions, plain):
             r = spec.chat.completions.create(
                 model="serve_chat", messages=[{"role": "user", "content": q}], temperature=0, max_tokens=20, stream=True
             )
             assert "".join(c.choices[0].delta.content or "" for c in r if c.choices) == want
-        text = httpx.get(url + "/metrics").text
-        stats = app.state.scheduler.backend.engine.stats
-    values = {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
+        values = metric_values(url)
+    replay = Backend.load(model, "cpu", slots=8, speculative=True)
+    for q in questions:  # one after another, as the server got them
+        stream = replay.open(tok.encode(render_prompt(q)), 20, Sampling(temperature=0))
+        while not stream.done:
+            replay.step([stream])
+        stream.close()
+    stats = replay.engine.stats
     assert stats.passes > 0 and stats.accepted[0] > 0
     assert values['nanoeuler_spec_drafts_offered_total{head="1"}'] == stats.offered[0] == stats.passes
     assert values['nanoeuler_spec_drafts_accepted_total{head="1"}'] == stats.accepted[0]

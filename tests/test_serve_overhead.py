@@ -1,4 +1,4 @@
-"""The server's hot path, held to what it replaced: a step's tokens reach the event loop in one call, a stream
+"""The server's hot path, held to what it replaced: a step's tokens cross to the HTTP process in one message, a stream
 that fell behind gets them in one write (each still its own OpenAI chunk), chunks built from a template are
 the JSON of the chunk objects, the latency histograms count as `prometheus_client`'s do, decode steps cover
 only the slots in use, and streams that join together are prefilled together."""
@@ -20,7 +20,8 @@ from nanoeuler.infer.sampling import Sampling  # noqa: E402
 from nanoeuler.serve.app import _event, _events, _Shape, _Text  # noqa: E402
 from nanoeuler.serve.backend import _TokenBytes  # noqa: E402
 from nanoeuler.serve.metrics import ITL_BUCKETS, _Histogram  # noqa: E402
-from nanoeuler.serve.scheduler import _END, Job, Scheduler  # noqa: E402
+from nanoeuler.serve.engine_proc import EngineProcess, RemoteJob, _Wire  # noqa: E402
+from nanoeuler.serve.scheduler import END, Scheduler  # noqa: E402
 from serve_fixtures import run_streams  # noqa: E402
 from train_fixtures import make_tokenizer  # noqa: E402
 
@@ -37,13 +38,15 @@ def served(tok, name="m"):
     )
 
 
-# ---- the worker to the event loop -----------------------------------------------------------------------
+# ---- the engine to the event loop ----------------------------------------------------------------------
 
 
 class CountingBackend:
     """Every stream yields 1, 2, 3, ...; `step` waits for `gate`, so jobs submitted before it opens share steps."""
 
     stop_ids = frozenset()
+    prefixes = free_slots = engine = None
+    speculative = False
 
     def __init__(self):
         self.gate, self.steps = threading.Event(), 0
@@ -61,31 +64,46 @@ class CountingBackend:
         return [[s.advance()] for s in streams]
 
 
-def test_a_steps_tokens_reach_the_loop_in_one_call_and_a_late_reader_gets_them_together():
-    backend = CountingBackend()
-    scheduler = Scheduler(backend, max_batch=4, max_queue=0).start()
+class Pipe:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+
+def test_a_steps_tokens_cross_in_one_message_and_a_late_reader_gets_them_together():
+    """The engine's side (the scheduler, `_Wire`) into this side's (`EngineProcess._step`, `RemoteJob.batches`),
+    the pipe between them a list: three jobs of five tokens are five messages, not fifteen, and a reader that
+    comes once all have arrived gets each job's tokens in one batch."""
+    backend, pipe = CountingBackend(), Pipe()
+    wire = _Wire(pipe, backend)
+    scheduler = wire.scheduler = Scheduler(backend, 4, 0, wire).start()
 
     async def scenario():
-        loop, calls = asyncio.get_running_loop(), []
-        real = loop.call_soon_threadsafe
-        loop.call_soon_threadsafe = lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1]
-        jobs = [scheduler.submit([0], 5, Sampling()) for _ in range(3)]
+        engine = EngineProcess(None)
+        specs = [([0], 5, Sampling(), True, {})] * 3
+        jobs = engine.submit_many(specs)
+        scheduler.submit_many(specs, keys=[job.key for job in jobs])
         backend.gate.set()
-        while not all(job._items and job._items[-1] is _END for job in jobs):  # nobody reads until all arrived
+        while sum(end is not None for _, news in pipe.sent for *_, end in news[0]) < 3:
             await asyncio.sleep(0.01)
+        for kind, payload in pipe.sent:
+            assert kind == "step"
+            engine._step(*payload)
         batches = [[b async for b in job.batches()] for job in jobs]
-        return calls, batches
+        return batches, engine.stats()
 
-    calls, batches = asyncio.run(scenario())
+    batches, stats = asyncio.run(scenario())
     scheduler.stop()
-    # five steps of three jobs: five calls (the end goes with the last tokens), not fifteen
-    assert backend.steps == 5 and len(calls) == 5
-    assert batches == [[[1, 2, 3, 4, 5]]] * 3
+    assert backend.steps == 5 and len(pipe.sent) == 5  # the end goes with the last tokens
+    assert batches == [[[1, 2, 3, 4, 5]]] * 3 and stats["finished"] == 3 and stats["tokens"] == 15
+    assert pipe.sent[-1][1][2]["free_slots"] is None  # the engine's counters come with the ends
 
 
 def test_batches_give_the_tokens_before_a_failure_then_raise_it():
     async def scenario():
-        job = Job([0], 4, Sampling())
+        job = RemoteJob(None, 0)
         job._arrive([7, 8])
         got = []
         with pytest.raises(RuntimeError, match="broke"):
@@ -123,9 +141,9 @@ def test_a_stream_that_fell_behind_gets_its_pieces_in_one_write_each_its_own_chu
     backend = served(tok)
 
     async def scenario():
-        job = Job([0], len(ids), Sampling())
-        job.generated = len(ids)
-        job._arrive(ids + [_END])
+        job = RemoteJob(None, 0)
+        job.generated, job.outcome = len(ids), "finished"  # as `EngineProcess._step` leaves an ended job
+        job._arrive(ids + [END])
         shape = _Shape("text", backend, 4, None)
         return [w async for w in _events([job], [_Text(job, backend, ())], shape, True, "rid")]
 

@@ -1,7 +1,8 @@
 """The HTTP API: OpenAI-compatible routes, the chat page, and errors as OpenAI error bodies.
 
     GET  /                      the chat page (one HTML file, no external resources)
-    GET  /health                {"status": "ok", "model", "active", "waiting", "free_slots", ...}; no key needed
+    GET  /health                {"status": "ok", "model", "active", "waiting", "free_slots", ...}; no key needed;
+                                503 with "status": "error" once the engine process has stopped
     GET  /v1/models             the one model served, named after its file (chat.bin -> "chat")
     POST /v1/chat/completions   messages -> an answer (`stream`: server-sent events ending `data: [DONE]`)
     POST /v1/completions        prompt -> its continuation (the same options)
@@ -9,8 +10,9 @@
     POST /detokenize            {"tokens": [ids]} -> {"content": text}
     GET  /metrics               the Prometheus text format (`metrics`)
 
-A request is checked (`protocol`), made into prompt ids on a worker thread (tokenizing a long prompt
-takes a while), queued (`scheduler`; 429 when full) and answered as its tokens arrive. Its text is
+A request is checked (`protocol`), made into prompt ids (on a worker thread when long: tokenizing a long
+prompt takes a while), queued for the engine process (`engine_proc`, which generates; 429 when full, 503
+once it has stopped) and answered as its tokens arrive. Its text is
 decoded incrementally, so a character split over tokens is sent whole, and cut at the first stop
 string; `</s>` and `<|endoftext|>` end an answer and are not sent. `usage.completion_tokens` counts
 every token generated, the end marker included. A client that goes away cancels its generation. The `n`
@@ -43,11 +45,12 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanoeuler.infer.sampling import SEED_LIMIT
-from nanoeuler.serve.backend import Backend, Sampling
+from nanoeuler.serve.backend import Sampling
+from nanoeuler.serve.engine_proc import EngineGone, EngineProcess, Model, RemoteJob
 from nanoeuler.serve.metrics import CONTENT_TYPE, Metrics
 from nanoeuler.serve.prompts import PromptError, StopText, chat_prompt
 from nanoeuler.serve.protocol import ApiError, Options, parse_chat, parse_completion, parse_json
-from nanoeuler.serve.scheduler import Job, QueueFull, Scheduler
+from nanoeuler.serve.scheduler import QueueFull
 
 log = logging.getLogger("nanoeuler.serve")
 INLINE_CHARS = 2048  # prompts up to this long are tokenized on the event loop (`_tokenized`)
@@ -58,31 +61,24 @@ class ServeConfig:
     """Limits and access. `max_tokens` is both the per-request limit and the default of `max_tokens`."""
 
     max_tokens: int = 256
-    max_batch: int = 8
-    max_queue: int = 64
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     client_timeout_s: float = 30.0  # for a request's body here; headers and unread answers: `server.uvicorn_config`
 
 
-def create_app(backend: Backend, config: ServeConfig = ServeConfig(), engine=None) -> FastAPI:
-    scheduler = engine or Scheduler(backend, config.max_batch, config.max_queue)
-    scheduler.metrics = metrics = Metrics(scheduler, backend)
-    grammars = _Grammars(backend.tok) if engine is None else None
+def create_app(engine: EngineProcess, config: ServeConfig = ServeConfig()) -> FastAPI:
+    """The app in front of a started engine process (`EngineProcess.start`); it stops the engine when it stops."""
+    model = engine.model
+    engine.metrics = metrics = Metrics(engine)
 
     @asynccontextmanager
     async def lifespan(app):
-        if engine is not None:
-            await engine.start()
-            yield
-            await engine.stop()
-            return
-        scheduler.start()
+        engine.attach()
         yield
-        await asyncio.to_thread(scheduler.stop)
+        await engine.stop()
 
     app = FastAPI(title="nanoeuler", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.scheduler, app.state.config, app.state.metrics, app.state.grammars = scheduler, config, metrics, grammars
+    app.state.engine, app.state.config, app.state.metrics = engine, config, metrics
     app.add_middleware(_RequestIds, on_status=metrics.answered)
     page = resources.files("nanoeuler.serve").joinpath("static/chat.html").read_text(encoding="utf-8")
     _add_error_handlers(app)
@@ -93,52 +89,55 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig(), engine=Non
 
     @app.get("/health")
     async def health():
-        return {
+        body = {
             "status": "ok",
-            "model": backend.name,
-            "context": backend.ctx_len,
+            "model": model.name,
+            "context": model.ctx_len,
             "max_tokens": config.max_tokens,
             "auth": config.api_key is not None,
-            "free_slots": backend.free_slots,
-            **scheduler.stats(),
+            "free_slots": engine.engine_stats.get("free_slots"),
+            **engine.stats(),
         }
+        if engine.alive:
+            return body
+        return JSONResponse({**body, "status": "error", "error": _engine_gone(engine).message}, status_code=503)
 
     @app.get("/v1/models")
     async def models(request: Request):
         _authorize(request, config)
         return {
             "object": "list",
-            "data": [{"id": backend.name, "object": "model", "created": 0, "owned_by": "nanoeuler"}],
+            "data": [{"id": model.name, "object": "model", "created": 0, "owned_by": "nanoeuler"}],
         }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         _authorize(request, config)
         req = parse_chat(await _read_json(request, config))
-        max_new = _max_new_tokens(req.options, backend, config)
-        room = min(max_new, backend.ctx_len // 4)
+        max_new = _max_new_tokens(req.options, model, config)
+        room = min(max_new, model.ctx_len // 4)
         try:
             ids, _ = await _tokenized(
                 sum(len(text) for _, text in req.messages),
                 chat_prompt,
-                backend.tok,
+                model.tok,
                 list(req.messages),
-                backend.ctx_len,
+                model.ctx_len,
                 room,
             )
         except PromptError as exc:
             raise ApiError(str(exc), "messages", code=exc.code) from None
-        return await _answer(request, "chat", ids, max_new, req.options, backend, scheduler, grammars)
+        return await _answer(request, "chat", ids, max_new, req.options, model, engine)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         _authorize(request, config)
         req = parse_completion(await _read_json(request, config))
-        max_new = _max_new_tokens(req.options, backend, config)
+        max_new = _max_new_tokens(req.options, model, config)
         ids = await _tokenized(
-            len(req.prompt) if isinstance(req.prompt, str) else 0, _completion_ids, req.prompt, backend
+            len(req.prompt) if isinstance(req.prompt, str) else 0, _completion_ids, req.prompt, model
         )
-        return await _answer(request, "text", ids, max_new, req.options, backend, scheduler, grammars)
+        return await _answer(request, "text", ids, max_new, req.options, model, engine)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -150,10 +149,10 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig(), engine=Non
         pieces = body.get("with_pieces", False)
         if not isinstance(pieces, bool):
             raise ApiError("with_pieces: expected a boolean", "with_pieces")
-        ids = await _tokenized(len(text), backend.tok.encode, text)
+        ids = await _tokenized(len(text), model.tok.encode, text)
         if not pieces:
             return {"tokens": ids}
-        return {"tokens": [{"id": t, "piece": _piece(backend.tok.decode_bytes([t]))} for t in ids]}
+        return {"tokens": [{"id": t, "piece": _piece(model.tok.decode_bytes([t]))} for t in ids]}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -162,9 +161,9 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig(), engine=Non
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ApiError("tokens: expected an array of token ids", "tokens")
         for i, t in enumerate(ids):
-            if not 0 <= t < backend.tok.vocab_size:
-                raise ApiError(f"tokens[{i}]: token id {t} is outside [0, {backend.tok.vocab_size})", "tokens")
-        return {"content": backend.tok.decode_bytes(ids).decode("utf-8", errors="replace")}
+            if not 0 <= t < model.tok.vocab_size:
+                raise ApiError(f"tokens[{i}]: token id {t} is outside [0, {model.tok.vocab_size})", "tokens")
+        return {"content": model.tok.decode_bytes(ids).decode("utf-8", errors="replace")}
 
     @app.get("/metrics")
     async def prometheus(request: Request):
@@ -189,34 +188,6 @@ def _piece(raw: bytes):
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return list(raw)
-
-
-class _Grammars:
-    """`structured.Grammars` of the model's tokenizer, built on the first request that needs one."""
-
-    def __init__(self, tok):
-        self.tok, self._grammars, self._lock = tok, None, asyncio.Lock()
-
-    @property
-    def compiles(self) -> int:
-        """Schemas compiled so far (the others came from `Grammars`' cache)."""
-        return self._grammars.compiles if self._grammars is not None else 0
-
-    async def guides(self, schema: dict, n: int) -> list:
-        async with self._lock:
-            if self._grammars is None:
-                try:
-                    from nanoeuler.serve.structured import Grammars
-                except ImportError:
-                    raise ApiError(
-                        "response_format: this server has no grammar engine (install the 'serve' extra: llguidance)",
-                        "response_format",
-                    ) from None
-                self._grammars = await asyncio.to_thread(Grammars, self.tok)
-        try:
-            return await asyncio.to_thread(lambda: [self._grammars.guide(schema) for _ in range(n)])
-        except ValueError as exc:
-            raise ApiError(f"response_format: the schema cannot be used: {exc}", "response_format") from None
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -312,10 +283,10 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _max_new_tokens(options: Options, backend: Backend, config: ServeConfig) -> int:
-    if options.model is not None and options.model != backend.name:
+def _max_new_tokens(options: Options, model: Model, config: ServeConfig) -> int:
+    if options.model is not None and options.model != model.name:
         raise ApiError(
-            f"model: {options.model!r} is not served here (this server serves {backend.name!r})",
+            f"model: {options.model!r} is not served here (this server serves {model.name!r})",
             "model",
             code="model_not_found",
         )
@@ -328,8 +299,8 @@ def _max_new_tokens(options: Options, backend: Backend, config: ServeConfig) -> 
     return options.max_tokens
 
 
-def _completion_ids(prompt, backend: Backend) -> list[int]:
-    tok = backend.tok
+def _completion_ids(prompt, model: Model) -> list[int]:
+    tok = model.tok
     if isinstance(prompt, str):
         ids = tok.encode(prompt) if prompt else [tok.eot_id]  # an empty prompt starts a new document
     else:
@@ -337,9 +308,9 @@ def _completion_ids(prompt, backend: Backend) -> list[int]:
             if not 0 <= t < tok.vocab_size:
                 raise ApiError(f"prompt[{i}]: token id {t} is outside [0, {tok.vocab_size})", "prompt")
         ids = list(prompt) or [tok.eot_id]
-    if len(ids) >= backend.ctx_len:
+    if len(ids) >= model.ctx_len:
         raise ApiError(
-            f"prompt: {len(ids)} tokens; the model's context holds {backend.ctx_len}, the answer included",
+            f"prompt: {len(ids)} tokens; the model's context holds {model.ctx_len}, the answer included",
             "prompt",
             code="context_length_exceeded",
         )
@@ -350,15 +321,15 @@ class _Text:
     """A job's answer as (text piece, the (index, id) of the tokens it came from): decoded incrementally, cut at stop
     strings, then `finish_reason`. The end marker sends no text and no token."""
 
-    def __init__(self, job: Job, backend: Backend, stops):
-        self.job, self.backend, self.stops = job, backend, stops
+    def __init__(self, job: RemoteJob, model: Model, stops):
+        self.job, self.model, self.stops = job, model, stops
         self.finish_reason = "length"
 
     async def batches(self):
         """Lists of (piece, held): the pieces of all the tokens that had arrived when read (one token's piece
         each, or none while a character is split over tokens)."""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        cut, token_bytes, stop_ids = StopText(self.stops), self.backend.token_bytes, self.backend.stop_ids
+        cut, token_bytes, stop_ids = StopText(self.stops), self.model.token_bytes, self.model.stop_ids
         index, held = -1, []  # the tokens of text not yet sent (a character split over tokens)
         async for tokens in self.job.batches():
             out, ended = [], False
@@ -395,41 +366,40 @@ class _Text:
             yield [(tail, held)]
 
 
-async def _answer(request, kind, ids, max_new, options: Options, backend, scheduler: Scheduler, grammars):
+async def _answer(request, kind, ids, max_new, options: Options, model: Model, engine: EngineProcess):
     """Queue the request's `n` jobs and answer them: a JSON body, or server-sent events when `stream` is set."""
     seed = options.seed if options.seed is not None else secrets.randbits(63)
-    if options.n > scheduler.max_batch + scheduler.max_queue:
+    if options.n > engine.max_batch + engine.max_queue:
         raise ApiError(
             f"n: {options.n} choices are more than this server holds at once "
-            f"({scheduler.max_batch} answered + {scheduler.max_queue} waiting)",
+            f"({engine.max_batch} answered + {engine.max_queue} waiting)",
             "n",
         )
-    if grammars is None:  # the engine process builds the grammars
-        guides = [{"schema": options.schema}] * options.n
-    elif options.schema is not None:
-        guides = [{"guide": g} for g in await grammars.guides(options.schema, options.n)]
-    else:
-        guides = [{}] * options.n
     specs = [
         (
             ids,
             max_new,
             Sampling(options.temperature, 0, options.top_p, (seed + i) % SEED_LIMIT),
             not options.ignore_eos,
-            {"logprobs": options.logprobs, **guides[i]},
+            {"logprobs": options.logprobs, "schema": options.schema},
         )
         for i in range(options.n)
     ]
-    # made before the jobs are queued: the worker wakes to them, and once it holds the GIL the loop's work waits
-    shape = _Shape(kind, backend, len(ids), options.logprobs)
+    shape = _Shape(kind, model, len(ids), options.logprobs)
     try:
-        jobs = scheduler.submit_many(specs)
+        jobs = engine.submit_many(specs)
     except QueueFull as exc:
         raise ApiError(
             f"the server is busy ({exc}); retry later", status=429, type="rate_limit_error", code="rate_limit_exceeded"
         ) from None
-    scheduler.metrics.prompt_tokens.inc(len(ids) * len(jobs))
-    texts = [_Text(job, backend, options.stop) for job in jobs]
+    except EngineGone:
+        raise _engine_gone(engine) from None
+    if options.schema is not None:  # the engine compiles the grammar: a schema it refuses is a 400, unanswered
+        problem = await jobs[0].guided
+        if problem is not None:
+            raise ApiError(*problem)
+    engine.metrics.prompt_tokens.inc(len(ids) * len(jobs))
+    texts = [_Text(job, model, options.stop) for job in jobs]
     if options.stream:
         events = _events(jobs, texts, shape, options.include_usage, request.state.request_id)
         return StreamingResponse(
@@ -443,7 +413,7 @@ async def _answer(request, kind, ids, max_new, options: Options, backend, schedu
     try:
         answers = await asyncio.gather(*(whole(t) for t in texts))
     except Exception as exc:
-        raise _server_error(request.state.request_id, "generation", exc) from None
+        raise _generation_error(request.state.request_id, exc) from None
     finally:
         watcher.cancel()
         for job in jobs:
@@ -452,7 +422,25 @@ async def _answer(request, kind, ids, max_new, options: Options, backend, schedu
     return shape.whole(choices, sum(job.generated for job in jobs))
 
 
-async def _cancel_on_disconnect(request: Request, jobs: list[Job]) -> None:
+def _engine_gone(engine: EngineProcess) -> ApiError:
+    """The 503 of a server whose engine process has ended (/health says so too)."""
+    return ApiError(
+        f"the generation process has stopped ({engine.error or 'it is not running'}); this server cannot answer",
+        status=503,
+        type="server_error",
+        code="engine_unavailable",
+    )
+
+
+def _generation_error(rid: str, exc: BaseException) -> ApiError:
+    """What a generation that failed is answered: a 503 when the engine has gone, else a 500 (logged)."""
+    if isinstance(exc, EngineGone):
+        log.error("request %s: %s", rid, exc)
+        return ApiError(f"{exc} (request id {rid})", status=503, type="server_error", code="engine_unavailable")
+    return _server_error(rid, "generation", exc)
+
+
+async def _cancel_on_disconnect(request: Request, jobs: list[RemoteJob]) -> None:
     """Cancel `jobs` when their client goes away (the body is read, so the next message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -460,7 +448,7 @@ async def _cancel_on_disconnect(request: Request, jobs: list[Job]) -> None:
         job.cancel()
 
 
-async def _events(jobs: list[Job], texts: list[_Text], shape: "_Shape", include_usage: bool, rid: str):
+async def _events(jobs: list[RemoteJob], texts: list[_Text], shape: "_Shape", include_usage: bool, rid: str):
     """Server-sent events, the choices' pieces as they come (each chunk names its choice's `index`); a write
     holds every piece that had arrived, one `data:` event each (several when the client fell behind), and
     the end (finish, usage, `[DONE]`) goes in one write. Leaving early (the client went away: Starlette
@@ -490,7 +478,7 @@ async def _events(jobs: list[Job], texts: list[_Text], shape: "_Shape", include_
                 )
             )
     except Exception as exc:
-        tail.append(_event(_server_error(rid, "generation", exc).body()))
+        tail.append(_event(_generation_error(rid, exc).body()))
     finally:
         for job in jobs:
             job.cancel()
@@ -535,8 +523,8 @@ def _event(obj: dict) -> str:
 class _Shape:
     """The OpenAI response objects of one request: chat (`chat.completion`) or text (`text_completion`)."""
 
-    def __init__(self, kind: str, backend: Backend, prompt_tokens: int, top: int | None):
-        self.kind, self.model, self.token_bytes = kind, backend.name, backend.token_bytes
+    def __init__(self, kind: str, model: Model, prompt_tokens: int, top: int | None):
+        self.kind, self.model, self.token_bytes = kind, model.name, model.token_bytes
         self.prompt_tokens, self.top = prompt_tokens, top  # top: alternatives per token; None: no logprobs
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self._offsets: dict[int, int] = {}  # a completion choice's text sent so far, in characters
@@ -596,7 +584,7 @@ class _Shape:
             return f'{self._head}{index}, "delta": {delta}, "logprobs": null, "finish_reason": {finish}}}]}}\n\n'
         return f'{self._head}{index}, "text": {text}, "logprobs": null, "finish_reason": {finish}}}]}}\n\n'
 
-    def logprobs(self, job: Job, held: list[tuple[int, int]]) -> dict | None:
+    def logprobs(self, job: RemoteJob, held: list[tuple[int, int]]) -> dict | None:
         """The `logprobs` object of the tokens `held` ((index, id) of the job's tokens); None when not asked."""
         if self.top is None:
             return None

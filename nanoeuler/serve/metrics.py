@@ -13,16 +13,20 @@
                                                         speculative decoding's drafts per MTP head
     nanoeuler_spec_acceptance_ratio{head}               accepted / offered
     nanoeuler_gpu_pool_bytes{kind}                      CuPy's memory pool: bytes in use, bytes held (GPU only)
-    process_resident_memory_bytes, ...                  the process's own (`prometheus_client`'s, on Linux)
+    nanoeuler_grammar_compiles_total                    JSON schemas compiled (the others came from the cache)
+    nanoeuler_engine_resident_memory_bytes, nanoeuler_engine_cpu_seconds_total   the engine process's
+    nanoeuler_engine_up                                 1 while the engine process runs, 0 once it has stopped
+    process_resident_memory_bytes, ...                  the HTTP process's own (`prometheus_client`'s, on Linux)
 
-Each app has its own registry, so two servers in one process (the tests) count apart. The two latency
-histograms are counted here (`_Histogram`), a step's values at once: the worker thread tells them of a
-whole batch step's tokens in one call, where `prometheus_client`'s `observe` takes a lock per value.
+Each app has its own registry, so two servers in one process (the tests) count apart. The engine's counters
+are those it last sent (`EngineProcess.engine_stats`, at most `engine_proc.STATS_EVERY_S` old, and fresh
+after every job's end). The two latency histograms are counted here (`_Histogram`), a step's values at once:
+a step's message tells them of all its tokens in one call, where `prometheus_client`'s `observe` takes a lock
+per value.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 from bisect import bisect_left
 from itertools import accumulate
@@ -38,9 +42,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class Metrics:
-    """The registry of one app; `token_latencies` is called by the scheduler's worker, `answered` per request."""
+    """The registry of one app; `token_latencies` is called per step's message, `answered` per request."""
 
-    def __init__(self, scheduler, backend):
+    def __init__(self, engine):
         self.registry = CollectorRegistry()
         self.requests = Counter("nanoeuler_requests", "HTTP answers by status code", ["status"], registry=self.registry)
         self.prompt_tokens = Counter(
@@ -52,7 +56,7 @@ class Metrics:
         )
         self.registry.register(self.ttft)
         self.registry.register(self.itl)
-        self.registry.register(_Live(scheduler, backend))
+        self.registry.register(_Live(engine))
         ProcessCollector(registry=self.registry)  # resident memory, CPU time: a soak test's flat-memory check
 
     def token_latencies(self, firsts, gaps) -> None:
@@ -101,13 +105,13 @@ class _Histogram:
 
 
 class _Live:
-    """The counts kept elsewhere (the scheduler's, the prefix cache's, the engine's), read at each scrape."""
+    """The counts kept elsewhere (this side's of the jobs, the engine's as it last told), read at each scrape."""
 
-    def __init__(self, scheduler, backend):
-        self.scheduler, self.backend = scheduler, backend
+    def __init__(self, engine):
+        self.engine = engine
 
     def collect(self):
-        stats = self.scheduler.stats()
+        stats, there = self.engine.stats(), self.engine.engine_stats
         outcomes = CounterMetricFamily("nanoeuler_generations", "jobs by outcome (rejected: 429)", labels=["outcome"])
         for outcome in ("finished", "cancelled", "failed", "rejected"):
             outcomes.add_metric([outcome], stats[outcome])
@@ -115,31 +119,36 @@ class _Live:
         yield CounterMetricFamily("nanoeuler_generation_tokens", "tokens generated", value=stats["tokens"])
         yield GaugeMetricFamily("nanoeuler_queue_depth", "jobs waiting for a slot", value=stats["waiting"])
         yield GaugeMetricFamily("nanoeuler_active_jobs", "jobs being decoded", value=stats["active"])
-        prefixes = getattr(self.backend, "prefixes", None)
         yield CounterMetricFamily(
-            "nanoeuler_prefix_cache_hits", "prompts that reused a cached prefix", value=prefixes.hits if prefixes else 0
+            "nanoeuler_prefix_cache_hits", "prompts that reused a cached prefix", value=there.get("prefix_hits", 0)
         )
         yield CounterMetricFamily(
             "nanoeuler_prefix_cache_tokens",
             "prompt positions copied, not computed",
-            value=prefixes.tokens if prefixes else 0,
+            value=there.get("prefix_tokens", 0),
         )
-        spec = getattr(getattr(self.backend, "engine", None), "stats", None)
         offered = CounterMetricFamily("nanoeuler_spec_drafts_offered", "drafts checked, per MTP head", labels=["head"])
         accepted = CounterMetricFamily("nanoeuler_spec_drafts_accepted", "drafts kept, per MTP head", labels=["head"])
         ratio = GaugeMetricFamily(
             "nanoeuler_spec_acceptance_ratio", "drafts kept / checked, per MTP head", labels=["head"]
         )
-        if spec is not None:
-            for k, (o, a) in enumerate(zip(spec.offered, spec.accepted)):
-                offered.add_metric([str(k + 1)], o)
-                accepted.add_metric([str(k + 1)], a)
-                ratio.add_metric([str(k + 1)], a / o if o else 0.0)
+        for k, (o, a) in enumerate(zip(there.get("spec_offered", []), there.get("spec_accepted", []))):
+            offered.add_metric([str(k + 1)], o)
+            accepted.add_metric([str(k + 1)], a)
+            ratio.add_metric([str(k + 1)], a / o if o else 0.0)
         yield from (offered, accepted, ratio)
-        cupy = sys.modules.get("cupy")  # loaded by the GPU engine only; never imported here
-        if cupy is not None:
-            pool = cupy.get_default_memory_pool()
+        if there.get("gpu_pool") is not None:
             gpu = GaugeMetricFamily("nanoeuler_gpu_pool_bytes", "CuPy's memory pool", labels=["kind"])
-            gpu.add_metric(["used"], pool.used_bytes())
-            gpu.add_metric(["held"], pool.total_bytes())
+            gpu.add_metric(["used"], there["gpu_pool"][0])
+            gpu.add_metric(["held"], there["gpu_pool"][1])
             yield gpu
+        yield CounterMetricFamily(
+            "nanoeuler_grammar_compiles", "JSON schemas compiled", value=there.get("grammar_compiles", 0)
+        )
+        if there.get("resident_bytes") is not None:
+            yield GaugeMetricFamily(
+                "nanoeuler_engine_resident_memory_bytes", "the engine process's", value=there["resident_bytes"]
+            )
+        if there.get("cpu_s") is not None:
+            yield CounterMetricFamily("nanoeuler_engine_cpu_seconds", "the engine process's", value=there["cpu_s"])
+        yield GaugeMetricFamily("nanoeuler_engine_up", "1 while the engine process runs", value=int(self.engine.alive))

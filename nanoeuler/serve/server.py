@@ -7,6 +7,11 @@ Needs the `serve` extra (FastAPI + uvicorn). Binds to 127.0.0.1 unless told othe
 address prints a warning, since without `--api-key` (or NANOEULER_API_KEY) anyone who can reach the
 port can use the model, and with it the key still travels in plain HTTP.
 
+The model loads and generates in a process of its own (`engine_proc`): the HTTP server here never
+touches the GPU, and its event loop does not share a GIL with the decode loop. A model that cannot be
+loaded is one line and exit code 1 before anything listens; an engine that dies later turns /health and
+new requests into 503s.
+
 A client gets --client-timeout seconds for a request's headers (then the connection is closed), again
 for its body (408), and may leave an answer unread for as long (then the connection is dropped and the
 generation stops). SIGTERM or Ctrl-C stops taking connections and lets answers in progress finish for
@@ -21,6 +26,7 @@ import math
 import os
 import socket
 import sys
+from functools import partial
 
 from nanoeuler.backend import add_device_argument
 from nanoeuler.config import add_config_arguments, sections
@@ -183,13 +189,20 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A listening socket, so a taken port is one clear error before anything else starts."""
+    """A listening socket (`bound`, then listening)."""
+    sock = bound(host, port)
+    sock.listen(128)
+    return sock
+
+
+def bound(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, so a taken port is one clear error before anything else starts; it
+    listens once the server runs (asyncio's `create_server` calls `listen`)."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
-        sock.listen(128)
     except OSError as exc:
         raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
@@ -203,10 +216,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise UserError(f"serving needs the 'serve' extra ({exc.name} is missing): pip install 'nanoeuler[serve]'")
     from nanoeuler.serve.backend import Backend
+    from nanoeuler.serve.engine_proc import EngineProcess
 
     check_arguments(args)
     conf = sections(args, "device", "gpu_memory")
-    backend = Backend.load(
+    make_backend = partial(  # called in the engine process: the weights never load here
+        Backend.load,
         args.ckpt,
         args.device or conf["device"],
         args.model_name,
@@ -216,27 +231,26 @@ def run(args: argparse.Namespace) -> int:
         prefix_cache=args.prefix_cache,
         speculative=args.speculative,
     )
-    config = ServeConfig(
-        max_tokens=args.max_tokens,
-        max_batch=backend.capacity or args.max_batch,
-        max_queue=args.max_queue,
-        api_key=args.api_key or None,
-        client_timeout_s=args.client_timeout,
-    )
+    config = ServeConfig(max_tokens=args.max_tokens, api_key=args.api_key or None, client_timeout_s=args.client_timeout)
     warning = exposure_warning(args.host, config.api_key)
     if warning:
         print(f"nanoeuler serve: warning: {warning}", file=sys.stderr, flush=True)
-    sock = listen(args.host, args.port)
+    sock = bound(args.host, args.port)  # a taken port is an error before the model loads; none listens till it has
+    try:
+        engine = EngineProcess(make_backend, args.max_batch, args.max_queue).start()
+    except BaseException:
+        sock.close()
+        raise
+    model = engine.model
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
     print(
-        f"nanoeuler serve: {args.ckpt} as model {backend.name!r} ({backend.cfg.n_params():,} "
-        f"parameters, {backend.ctx_len}-token context) at http://{host}:{port}/ (API: http://{host}:{port}/v1)",
+        f"nanoeuler serve: {args.ckpt} as model {model.name!r} ({model.params:,} parameters, {model.ctx_len}-token "
+        f"context) at http://{host}:{port}/ (API: http://{host}:{port}/v1)",
         file=sys.stderr,
         flush=True,
     )
-    server = uvicorn.Server(
-        uvicorn_config(create_app(backend, config), args.client_timeout, args.shutdown_grace, args.log_level)
-    )
+    app = create_app(engine, config)
+    server = uvicorn.Server(uvicorn_config(app, args.client_timeout, args.shutdown_grace, args.log_level))
     server.run(sockets=[sock])
     return 0

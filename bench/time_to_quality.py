@@ -13,9 +13,10 @@ output projections). `<steps>` overrides `--steps`. EXTRAS are keys laid on top:
 heads' loss weights from [1, .5, .25, .125] to [1, 0, 0, 0] over the run (as the GPT-2 speedrun's
 records do), so `muon_2e-3+mtp` is the best Muon of the first sweep with that schedule.
 
-The recipes to try next, three to a device call (`scripts/device_ttq.sh sweep`, ~2 minutes each on an
-H200): `muon_1e-3 muon_1.4e-3 muon_2e-3+mtp` (muon_lr below the first sweep's lowest and best, 2e-3; the
-heads' schedule on that best).
+A schedule that ends where the target is wanted reaches it soonest: `muon_2e-3_1750` reaches the tuned
+AdamW's best in 0.58x its tokens where `muon_2e-3` (3000 steps) needs 0.75x; `muon_1.4e-3_1750+mtp` in
+0.42x (BENCHMARKS.md). Runs take ~1-2 minutes each on an H200, one a GPU on a host of several
+(scripts/device_x4.sh).
 
 `report` takes the tuned baseline (the AdamW run with the lowest val bits/byte; or, for a folder of new
 recipes only, `--baseline BPB,STEP,SECONDS`: the best val bits/byte of an earlier sweep's tuned AdamW run,
@@ -207,6 +208,7 @@ def plot(runs: list, target: float, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    lowest = min(b for r in runs for _, b in r["val"])
     for r in runs:
         style = "-" if r["keys"]["optimizer"] == "muon" else "--"
         xs = [s * r["tokens_per_step"] / 1e6 for s, _ in r["val"]]
@@ -218,7 +220,7 @@ def plot(runs: list, target: float, out: Path) -> None:
         ax.axhline(target, color="grey", linewidth=0.8, linestyle=":")
         ax.set_xlabel(xl)
         ax.set_ylabel("val bits/byte")
-        ax.set_ylim(target - 0.1, target + 0.5)
+        ax.set_ylim(min(target - 0.1, lowest - 0.02), target + 0.5)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("time to quality: the full model on the mirror's corpus, B32 x T512")

@@ -15,8 +15,8 @@
 #                  GPUs (bench/parallel_gpu.py scale)
 # g270       0     after it: scripts/gpu_270m.sh, then scripts/gpu_check.sh (make gpu-check)
 # twonode    1,2   after it: scripts/gpu_parallel.sh twonode, two "nodes" of one rank each, NCCL over sockets
-# ttq_a      1     after twonode: time to quality, the tuned AdamW baseline and Muon on shorter schedules
-# ttq_b      2     after twonode: config.yaml's recipe at 3000 steps (the 116M beside the 270M) and more
+# ttq_a      1     after twonode: time to quality, the tuned AdamW baseline and Muon on a 1750-step schedule
+# ttq_b      2     after twonode: config.yaml's recipe at 3000 steps (the 116M beside the 270M), with the heads' fade
 # serve_ab   -     once the server's wheels are in: scripts/device_serve.sh overhead (CPU only) of the tree in
 #                  .carry/serveproc (a branch's `git archive`, carried with .carry/serve): the server's own cost
 #                  with generation on a thread of its own and in a process of its own
@@ -67,8 +67,8 @@ run_job() {  # the body of one job; its output goes to $X4/NAME.log
         CUDA_VISIBLE_DEVICES=1,2 GPUS=2 LOG_DIR=$X4/twonode bash scripts/gpu_parallel.sh twonode ;;
     ttq_a | ttq_b)
         after twonode data
-        local gpu=1 recipes="adamw_6e-4 muon_2e-3_1250 muon_2e-3_1500"
-        [ "$1" = ttq_b ] && gpu=2 recipes="muon_2e-3 muon_2e-3_1750 muon_2.8e-3_1250"
+        local gpu=1 recipes="adamw_6e-4 muon_2e-3_1750 muon_2e-3_1750+mtp"
+        [ "$1" = ttq_b ] && gpu=2 recipes="muon_2e-3 muon_2e-3+mtp muon_1.4e-3_1750+mtp"
         CUDA_VISIBLE_DEVICES=$gpu DATA=$X4/ttqdata WORK=$X4/ttq OUT=$X4/ttq-out-$1 BUDGET=100000 BASELINE= \
             bash scripts/device_ttq.sh sweep $recipes ;;
     serve)
@@ -101,7 +101,8 @@ run_job() {  # the body of one job; its output goes to $X4/NAME.log
 
 start() {
     mkdir -p "$X4" "$OUT"
-    printf 'pretrain: {gpus: 4}\nsft: {gpus: 4}\n' > "$X4/gpus4.yaml"
+    # batch_size is per GPU: 4 x 8 is the 116M run's global batch of 32, so both train on the same tokens
+    printf 'pretrain: {gpus: 4, batch_size: 8}\nsft: {gpus: 4, batch_size: 8}\n' > "$X4/gpus4.yaml"
     local data="results/shards/manifest.json data/alpaca/alpaca.jsonl data/prefs/prefs.jsonl data/hellaswag/hellaswag.jsonl"
     CONFIGS=$CONFIGS_270M TARGETS=$data bash scripts/device_full_run.sh start
     for j in $JOBS; do

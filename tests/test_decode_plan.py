@@ -8,7 +8,7 @@ import pytest
 
 from nanoeuler.errors import UserError
 from nanoeuler.kernels import KERNEL_DIR
-from nanoeuler.kernels.decode import FAMILIES, FAMILY_OF, kernel_names, plan
+from nanoeuler.kernels.decode import FAMILIES, FAMILY_OF, Launch, kernel_names, plan
 from nanoeuler.model.config import ModelConfig
 
 HEADER = KERNEL_DIR / "decode" / "decode.cuh"
@@ -129,42 +129,49 @@ def test_swiglu_down_opts_in_to_the_shared_memory_of_a_wide_model_and_refuses_pa
 
 
 class _Kernel:
-    """The two attributes of a CuPy RawKernel the MLP launcher reads and sets (swiglu_down's static bytes, and
-    the driver's default limit of the dynamic ones)."""
+    """A CuPy RawKernel as `decode.Launch` sees it: its static shared bytes, the driver's limit on the dynamic
+    ones (the default 48 KB less the static), and a call that records the limit at the moment of launch."""
 
     shared_size_bytes = 192
     max_dynamic_shared_size_bytes = 48 * 1024 - 192
 
+    def __init__(self, launches):
+        self.launches = launches
 
-class _Go:
-    """A `decode.Launch` that records each launch with the kernel's limit at that moment."""
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        self.launches.append((shared_mem, self.max_dynamic_shared_size_bytes))
+
+
+class _Launch(Launch):
+    """`decode.Launch` over stand-in kernels (no GPU): the real `launch`, with its shared-memory opt-in."""
 
     def __init__(self, dtype):
-        self.dtype, self.suffix, self.kernel, self.launches = dtype, plan.suffix(dtype), _Kernel(), []
+        super().__init__(dtype)
+        self.launches = []
+        self.kernel = _Kernel(self.launches)
 
     def fn(self, name):
         return self.kernel
 
-    def launch(self, name, grid, block, args, shared_mem=0, pdl=True):
-        self.launches.append((name, shared_mem, self.kernel.max_dynamic_shared_size_bytes))
-
 
 @pytest.mark.parametrize("card", [232448, 101376])  # an H100's opt-in maximum, an RTX 4090's
-def test_the_mlp_launcher_raises_the_limit_before_a_wide_launch_and_refuses_past_the_card(monkeypatch, card):
+def test_a_launch_past_48_kb_raises_the_kernels_limit_first_and_refuses_past_the_card(monkeypatch, card):
+    import nanoeuler.kernels.decode as decode
     from nanoeuler.kernels.decode import mlp
 
-    monkeypatch.setattr(mlp, "_card_max_smem", lambda: card)
+    monkeypatch.setattr(decode, "card_max_smem", lambda: card)
     for C, dtype in ((768, "bf16"), (2048, "bf16"), (2048, "fp32")):
-        go, smem = _Go(dtype), plan.mlp_smem(C, dtype)
+        go, smem = _Launch(dtype), plan.mlp_smem(C, dtype)
         if smem + 192 > card:
-            with pytest.raises(UserError, match=f"swiglu_down at width {C} \\(fp32\\) needs"):
+            with pytest.raises(
+                UserError, match=r"swiglu_down_u\d+_r1_f32 \(106,496 bytes of dynamic shared memory\) needs"
+            ):
                 mlp.swiglu_down(go, None, None, None, None, None, 4 * C, C, 1e-5)
             assert go.launches == []
             continue
         mlp.swiglu_down(go, None, None, None, None, None, 4 * C, C, 1e-5)
-        ((name, launched, limit),) = go.launches
-        assert name.startswith("swiglu_down_u") and launched == smem
-        assert limit == (smem if C == 2048 else 48 * 1024 - 192)  # raised only where the default is too little
+        mlp.swiglu_down(go, None, None, None, None, None, 4 * C, C, 1e-5)  # the second asks nothing new
+        assert go.launches == [(smem, smem if C == 2048 else 48 * 1024 - 192)] * 2  # raised only where needed
 
 
 def test_each_storage_loads_its_own_kernels():

@@ -6,6 +6,7 @@ time (chunked ones too), JSON is strict, cross-site form posts are refused, head
 shutdown is bounded with streams nobody reads; bad numbers on the command line are one line."""
 
 import contextlib
+import glob
 import json
 import math
 import os
@@ -511,13 +512,32 @@ def test_sigterm_ends_the_command_within_the_grace_with_a_stream_nobody_reads(mo
         while httpx.get(url + "/health").json()["active"] < 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        children = children_of(proc.pid)  # the engine among them
+        assert children
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) in (0, -signal.SIGTERM)  # uvicorn raises the signal again once it is done
         assert time.monotonic() - start < 8
+        while any(os.path.exists(f"/proc/{pid}") for pid in children):  # none outlives the server
+            assert time.monotonic() - start < 10
+            time.sleep(0.05)
     finally:
         if reader is not None:
             reader.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (read from /proc)."""
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+        except OSError:  # it ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.split("/")[2]))
+    return out

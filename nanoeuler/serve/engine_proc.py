@@ -164,8 +164,7 @@ class EngineProcess:
     def attach(self) -> None:
         """On the event loop that serves: read the engine's messages as they arrive."""
         self._loop = asyncio.get_running_loop()
-        if self.error is None:
-            self._loop.add_reader(self._conn.fileno(), self._read)
+        self._loop.add_reader(self._conn.fileno(), self._read)  # an engine already gone: its end is read too
 
     async def stop(self) -> None:
         """Ask the engine to stop (the jobs still there end), wait for it, kill it if it does not."""
@@ -288,8 +287,8 @@ class EngineProcess:
         """The engine is no more: every job still waiting ends with an error, later submits fail at once."""
         if self.error is None:
             self.error = why
-            if self._loop is not None:
-                self._loop.remove_reader(self._conn.fileno())
+        if self._loop is not None:
+            self._loop.remove_reader(self._conn.fileno())
         for job in self._jobs.values():
             job.outcome = "failed"
             self.counts["failed"] += 1

@@ -128,7 +128,7 @@ class EngineProcess:
         self.metrics = None  # `metrics.Metrics`: told of each step's token latencies
         self.counts = {"finished": 0, "cancelled": 0, "failed": 0, "rejected": 0, "tokens": 0}
         self.model: Model | None = None
-        self.engine_stats: dict = {}  # the engine's counters as last told (`_engine_stats`)
+        self.engine_stats: dict = {}  # the engine's counters as last told (`_Wire.stats`)
         self.waiting = 0  # as the engine last told
         self.error: str | None = None  # why the engine process ended, once it has
         self._jobs: dict[int, RemoteJob] = {}

@@ -17,9 +17,6 @@
 # twonode    1,2   after it: scripts/gpu_parallel.sh twonode, two "nodes" of one rank each, NCCL over sockets
 # ttq_a      1     after twonode: time to quality, the tuned AdamW baseline and Muon on a 1750-step schedule
 # ttq_b      2     after twonode: config.yaml's recipe at 3000 steps (the 116M beside the 270M), with the heads' fade
-# serve_ab   -     once the server's wheels are in: scripts/device_serve.sh overhead (CPU only) of the tree in
-#                  .carry/serveproc (a branch's `git archive`, carried with .carry/serve): the server's own cost
-#                  with generation on a thread of its own and in a process of its own
 # serve      3     after the pipeline: scripts/device_serve.sh load with a 600 s soak at 32 streams
 # zero       0-3   after ttq_a and ttq_b: scripts/gpu_parallel.sh zero (2 and 4 GPUs; bit for bit, so it may
 #                  share GPUs 0 and 3 with the checks and the soak)
@@ -30,7 +27,7 @@ X4=${X4:-/tmp/x4}
 OUT=${OUT:-$X4/out}
 export WORK=$X4/pipeline SITE=${SITE:-/tmp/nanoeuler-site} PYTHONUNBUFFERED=1
 CONFIGS_270M="config/config.yaml config/mirror.yaml config/mirror-dpo.yaml config/gpu-270m.yaml $X4/gpus4.yaml"
-JOBS="data ttq_check serve_ab pipeline g270 twonode ttq_a ttq_b serve zero"
+JOBS="data ttq_check pipeline g270 twonode ttq_a ttq_b serve zero"
 cd "$REPO"
 
 after() {  # wait for the jobs named
@@ -76,10 +73,6 @@ run_job() {  # the body of one job; its output goes to $X4/NAME.log
         until [ -f "$X4/serve-wheels" ]; do sleep 5; done
         CUDA_VISIBLE_DEVICES=3 NO_INSTALL=1 SOAK=600 SITE=/tmp/nanoeuler-serve-site WORK=$X4/serve OUT=$X4/serve-out \
             bash scripts/device_serve.sh load ;;
-    serve_ab)
-        until [ -f "$X4/serve-wheels" ]; do sleep 5; done
-        cd .carry/serveproc && NO_INSTALL=1 SITE=/tmp/nanoeuler-serve-site WORK=$X4/serveab OUT=$X4/serveab-out \
-            bash scripts/device_serve.sh overhead ;;
     zero)
         after ttq_a ttq_b
         LOG_DIR=$X4/zero GPUS=4 bash scripts/gpu_parallel.sh zero ;;
@@ -135,7 +128,7 @@ follow() {  # wait up to $1 s for every job; meanwhile one line a job every 30 s
 pack() {  # what has finished, into $OUT (at most 8 files come back: one archive of the logs and tables)
     mkdir -p "$OUT"
     (cd "$X4" && tar czf "$OUT/x4.tgz" --exclude='*.bin' --exclude='*.npz' --exclude=pipeline --exclude=ttq \
-        --exclude=ttqdata --exclude=out *.log *.rc *.json g270 gpucheck twonode zero ttq-out-* serve-out serveab-out pipeline-out \
+        --exclude=ttqdata --exclude=out *.log *.rc *.json g270 gpucheck twonode zero ttq-out-* serve-out pipeline-out \
         2>/dev/null)
     ls -la "$OUT"
 }

@@ -36,16 +36,7 @@ def step_gemms(cfg, B, T, rows_per_chunk):
     """(name, count, (M, N, K), a_shape, ta, b_shape, tb, out dtype, beta) for every product of a step.
 
     Shapes are the engine's row-major operands: c (M, N) = op(a) @ op(b)."""
-    L, C, H, Hkv, D, F, V, K = (
-        cfg.n_layers,
-        cfg.dim,
-        cfg.n_heads,
-        cfg.n_kv_heads,
-        cfg.head_dim,
-        cfg.hidden,
-        cfg.vocab_size,
-        cfg.mtp_heads,
-    )
+    L, C, H, Hkv, D, F, V, K = cfg.letters
     N, QKV, HD, R = B * T, (H + 2 * Hkv) * D, H * D, rows_per_chunk
     chunks = -(-N // R)
     f32, bf = "f32", "bf16"

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from functools import partial
@@ -18,6 +19,12 @@ from train_fixtures import TINY_MODEL, make_tokenizer
 from nanoeuler.train.sft import encode_example, sft_batch
 
 LEARNED = {"What is the capital of France?": "Paris.", "Name a color.": "Blue."}
+
+
+def serve_argv(model_path, log_level: str, *extra: str) -> list[str]:
+    """`nanoeuler serve` of `model_path` on the CPU, on a free loopback port, as a subprocess's argv."""
+    ckpt = ["--ckpt", str(model_path), "--device", "cpu", "--port", "0", "--log-level", log_level]
+    return [sys.executable, "-m", "nanoeuler", "serve", *ckpt, *extra]
 
 
 def chat_model(tmp_path_factory) -> str:

@@ -27,7 +27,7 @@ from nanoeuler.serve.protocol import ApiError, parse_chat, parse_completion, par
 from nanoeuler.serve.scheduler import END, QueueFull, Scheduler  # noqa: E402
 from nanoeuler.serve.server import exposure_warning  # noqa: E402
 from nanoeuler.train.sft import encode_example  # noqa: E402
-from serve_fixtures import LEARNED, Outbox, chat_model, live_server  # noqa: E402
+from serve_fixtures import LEARNED, Outbox, chat_model, live_server, serve_argv  # noqa: E402
 from train_fixtures import make_tokenizer  # noqa: E402
 
 FRANCE, COLOR = list(LEARNED)
@@ -400,20 +400,7 @@ def test_serve_command_starts_and_reports_bad_input(model_path, tmp_path):
     assert r.returncode == 1 and r.stderr.strip().startswith("nanoeuler serve: error:")
     assert len(r.stderr.strip().splitlines()) == 1
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "nanoeuler",
-            "serve",
-            "--ckpt",
-            model_path,
-            "--device",
-            "cpu",
-            "--port",
-            "0",
-            "--log-level",
-            "warning",
-        ],
+        serve_argv(model_path, "warning"),
         stderr=subprocess.PIPE,
         text=True,
     )

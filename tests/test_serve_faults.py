@@ -11,7 +11,6 @@ import json
 import math
 import os
 import socket
-import sys
 import threading
 import time
 
@@ -28,7 +27,7 @@ from nanoeuler.errors import UserError  # noqa: E402
 from nanoeuler.infer.sampling import Sampling, SamplingError, checked_sampling  # noqa: E402
 from nanoeuler.serve.backend import Backend  # noqa: E402
 from nanoeuler.serve.protocol import ApiError, parse_json  # noqa: E402
-from serve_fixtures import chat_model, live_server  # noqa: E402
+from serve_fixtures import chat_model, live_server, serve_argv  # noqa: E402
 
 BROKEN = 0.6180339887  # a temperature whose sampler fails in the module's server (`served_backend`)
 
@@ -470,24 +469,7 @@ def test_sigterm_ends_the_command_within_the_grace_with_a_stream_nobody_reads(mo
     import subprocess
 
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "nanoeuler",
-            "serve",
-            "--ckpt",
-            model_path,
-            "--device",
-            "cpu",
-            "--port",
-            "0",
-            "--log-level",
-            "error",
-            "--max-tokens",
-            "100000",
-            "--shutdown-grace",
-            "1",
-        ],
+        serve_argv(model_path, "error", "--max-tokens", "100000", "--shutdown-grace", "1"),
         stderr=subprocess.PIPE,
         text=True,
     )

@@ -65,6 +65,18 @@ class ModelConfig:
         """The SwiGLU hidden width, with the default resolved."""
         return self.ffn_hidden or (8 * self.dim) // 3
 
+    @property
+    def letters(self) -> tuple[int, ...]:
+        """(L, C, H, Hkv, D, F, V, K): the sizes by the letters the kernels' shape comments use.
+
+        >>> ModelConfig.named("gpu").letters
+        (16, 768, 12, 4, 64, 2048, 4096, 4)
+        """
+        return (
+            self.n_layers, self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.hidden, self.vocab_size,
+            self.mtp_heads,
+        )  # fmt: skip
+
     @classmethod
     def named(cls, name: str) -> "ModelConfig":
         if name not in PRESETS:

@@ -257,16 +257,7 @@ class TrainEngine:
         in two buffers that alternate by layer (the backward never reads it); the branches that join it
         (o_proj, down) are bf16 and are added in by the norm that reads the stream next."""
         cfg, N, B, T = self.cfg, self.N, self.B, self.T
-        L, C, H, Hkv, D, F, V, K = (
-            cfg.n_layers,
-            cfg.dim,
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-            cfg.hidden,
-            cfg.vocab_size,
-            cfg.mtp_heads,
-        )
+        L, C, H, Hkv, D, F, V, K = cfg.letters
         f32, bf = np.float32, BF16_STORAGE
 
         def e(shape, dt=f32):

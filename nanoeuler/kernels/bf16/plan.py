@@ -324,16 +324,7 @@ def engine_bytes(
         raise ValueError(f"attention {attention!r} (one of {ATTENTION_VARIANTS}), head {head!r} ('ce' or 'dpo')")
     B, T = int(batch), int(seq)
     N = B * T
-    L, C, H, Hkv, D, F, V, K = (
-        cfg.n_layers,
-        cfg.dim,
-        cfg.n_heads,
-        cfg.n_kv_heads,
-        cfg.head_dim,
-        cfg.hidden,
-        cfg.vocab_size,
-        cfg.mtp_heads,
-    )
+    L, C, H, Hkv, D, F, V, K = cfg.letters
     n = plan_layout(cfg).total
     bf, f4 = 2, 4
     qb = bf if attention != "fp32" else f4  # the attention operands' element size

@@ -20,6 +20,14 @@
 # serve      3     after the pipeline: scripts/device_serve.sh load with a 600 s soak at 32 streams
 # zero       0-3   after ttq_a and ttq_b: scripts/gpu_parallel.sh zero (2 and 4 GPUs; bit for bit, so it may
 #                  share GPUs 0 and 3 with the checks and the soak)
+#
+# PLAN=checks (no pipeline, no mirror: carry only .carry/serve/whl; `install` is not needed), about 16 minutes:
+# serve      3     the server at 32 and 64 streams beside the in-process engine, 10 requests a client
+# zero16     1,2   meanwhile: scripts/gpu_parallel.sh zerobf16 on 2 GPUs (ZeRO-1 on the bf16 engine)
+# soak       3     after serve: 32 streams for 600 s, memory sampled (device_serve.sh load, SOAK=600)
+# gpucheck   0     after serve: scripts/gpu_check.sh (make gpu-check: every gpu-marked test, selftest, gradcheck)
+# zero       0-3   after gpucheck and zero16: scripts/gpu_parallel.sh zero, then zero16, on 4 GPUs (it shares
+#                  GPU 3 with the soak, whose figures are memory and failures, not speed)
 # Logs in $X4 (default /tmp/x4); each job's exit status in $X4/NAME.rc.
 set -u -o pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,7 +35,9 @@ X4=${X4:-/tmp/x4}
 OUT=${OUT:-$X4/out}
 export WORK=$X4/pipeline SITE=${SITE:-/tmp/nanoeuler-site} PYTHONUNBUFFERED=1
 CONFIGS_270M="config/config.yaml config/mirror.yaml config/mirror-dpo.yaml config/gpu-270m.yaml $X4/gpus4.yaml"
+PLAN=${PLAN:-270m}
 JOBS="data ttq_check pipeline g270 twonode ttq_a ttq_b serve zero"
+[ "$PLAN" = checks ] && JOBS="serve zero16 soak gpucheck zero"
 cd "$REPO"
 
 after() {  # wait for the jobs named
@@ -69,13 +79,28 @@ run_job() {  # the body of one job; its output goes to $X4/NAME.log
         CUDA_VISIBLE_DEVICES=$gpu DATA=$X4/ttqdata WORK=$X4/ttq OUT=$X4/ttq-out-$1 BUDGET=100000 BASELINE= \
             bash scripts/device_ttq.sh sweep $recipes ;;
     serve)
+        [ "$PLAN" = checks ] && { serve_load 32,64 10 0; return; }
         after pipeline
         until [ -f "$X4/serve-wheels" ]; do sleep 5; done
         CUDA_VISIBLE_DEVICES=3 NO_INSTALL=1 SOAK=600 SITE=/tmp/nanoeuler-serve-site WORK=$X4/serve OUT=$X4/serve-out \
             bash scripts/device_serve.sh load ;;
     zero)
+        if [ "$PLAN" = checks ]; then
+            after gpucheck zero16
+            LOG_DIR=$X4/zero GPUS=4 bash scripts/gpu_parallel.sh zero; local rc=$?
+            LOG_DIR=$X4/zero16-4 GPUS=4 bash scripts/gpu_parallel.sh zerobf16 || rc=1
+            return $rc
+        fi
         after ttq_a ttq_b
         LOG_DIR=$X4/zero GPUS=4 bash scripts/gpu_parallel.sh zero ;;
+    zero16)
+        CUDA_VISIBLE_DEVICES=1,2 LOG_DIR=$X4/zero16 GPUS=2 bash scripts/gpu_parallel.sh zerobf16 ;;
+    soak)
+        after serve
+        serve_load 32 1 600 ;;
+    gpucheck)
+        after serve
+        CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$REPO:/tmp/nanoeuler-serve-site LOG_DIR=$X4/gpucheck bash scripts/gpu_check.sh ;;
     pipeline)
         after data ttq_check
         CONFIGS=$CONFIGS_270M TARGETS=results/release/SHA256SUMS SNAKE_ARGS="--resources gpu=4" \
@@ -92,14 +117,29 @@ run_job() {  # the body of one job; its output goes to $X4/NAME.log
     esac
 }
 
+serve_load() {  # LEVELS REQUESTS SOAK: device_serve.sh load on GPU 3, its output in $X4/serve-out-$SOAK
+    until [ -f "$X4/serve-wheels" ]; do sleep 5; done
+    CUDA_VISIBLE_DEVICES=3 NO_INSTALL=1 LEVELS=$1 REQUESTS=$2 SOAK=$3 SITE=/tmp/nanoeuler-serve-site WORK=$X4/serve \
+        OUT=$X4/serve-out-$3 bash scripts/device_serve.sh load
+}
+
 start() {
     mkdir -p "$X4" "$OUT"
+    if [ "$PLAN" = checks ]; then
+        serve_wheels > "$X4/serve-install.log" 2>&1
+        launch
+        return
+    fi
     # batch_size is per GPU: 4 x 8 is the 116M run's global batch of 32, so both train on the same tokens
     printf 'pretrain: {gpus: 4, batch_size: 8}\nsft: {gpus: 4, batch_size: 8}\n' > "$X4/gpus4.yaml"
     local data="results/shards/manifest.json data/alpaca/alpaca.jsonl data/prefs/prefs.jsonl data/hellaswag/hellaswag.jsonl"
     CONFIGS=$CONFIGS_270M TARGETS=$data bash scripts/device_full_run.sh start
+    launch
+}
+
+launch() {  # every job of the plan in the background, each waiting for what it needs
     for j in $JOBS; do
-        setsid bash -c "cd '$REPO'; X4='$X4' bash scripts/device_x4.sh job $j > '$X4/$j.log' 2>&1; echo \$? > '$X4/$j.rc'" \
+        setsid bash -c "cd '$REPO'; X4='$X4' PLAN='$PLAN' bash scripts/device_x4.sh job $j > '$X4/$j.log' 2>&1; echo \$? > '$X4/$j.rc'" \
             < /dev/null > /dev/null 2>&1 &
     done
     echo "started: $JOBS (logs in $X4)"
@@ -128,7 +168,8 @@ follow() {  # wait up to $1 s for every job; meanwhile one line a job every 30 s
 pack() {  # what has finished, into $OUT (at most 8 files come back: one archive of the logs and tables)
     mkdir -p "$OUT"
     (cd "$X4" && tar czf "$OUT/x4.tgz" --exclude='*.bin' --exclude='*.npz' --exclude=pipeline --exclude=ttq \
-        --exclude=ttqdata --exclude=out *.log *.rc *.json g270 gpucheck twonode zero ttq-out-* serve-out pipeline-out \
+        --exclude=ttqdata --exclude=out --exclude=serve *.log *.rc *.json g270 gpucheck twonode zero zero16* ttq-out-* \
+        serve-out* pipeline-out \
         2>/dev/null)
     ls -la "$OUT"
 }

@@ -67,6 +67,57 @@ def test_other_dtypes_fall_back_to_the_layers():
     assert y.dtype == cupy.float64 and float(abs(y - yr).max()) == 0.0
 
 
+def _skewed_embedding_batch(rng, B=8, T=512, V=300, C=200):
+    """ids with a few ids at most positions (as a text's commonest tokens), dx of mixed magnitudes: the
+    float32 sums of one id's rows then depend on their order."""
+    ids = np.minimum(rng.zipf(1.3, size=(B, T)) - 1, V - 1)
+    dx = rng.standard_normal((B, T, C)) * rng.choice([1e-3, 1.0, 1e3], size=(B, T, 1))
+    return ids, dx.astype(np.float32)
+
+
+def test_embedding_backward_adds_in_position_order():
+    """dw is the float32 sum of each id's rows in position order, bit for bit (NumPy's add.at adds in
+    that order), on every call: again after unrelated work on another stream overlapped the launch."""
+    import cupy
+
+    from nanoeuler.kernels import ops
+    from nanoeuler.model import layers
+
+    rng = np.random.default_rng(0)
+    ids, dx = _skewed_embedding_batch(rng)
+    V = 300
+    want = layers.embedding_backward(dx, ids, V)  # float32 on the CPU, row after row
+    ids_d, dx_d = cupy.asarray(ids), cupy.asarray(dx)
+    first = ops.embedding_backward(dx_d, ids_d, V).get()
+    assert np.array_equal(first, want)
+    side = cupy.cuda.Stream(non_blocking=True)
+    a = cupy.asarray(rng.standard_normal((2048, 2048)), dtype=np.float32)
+    for _ in range(3):
+        with side:
+            for _ in range(4):
+                a = cupy.tanh(a @ a)
+        again = ops.embedding_backward(dx_d, ids_d, V).get()
+        assert np.array_equal(again, first)
+    side.synchronize()
+
+
+def test_embedding_backward_edges():
+    """Ids outside [0, V) add nowhere, and ids of another length than dx's rows are refused."""
+    import cupy
+
+    from nanoeuler.kernels import ops
+    from nanoeuler.model import layers
+
+    rng = np.random.default_rng(1)
+    ids = np.array([[3, -1, 5, 3, 6, 0]])
+    dx = rng.standard_normal((1, 6, 40)).astype(np.float32)
+    keep = (ids[0] >= 0) & (ids[0] < 6)
+    dw = ops.embedding_backward(cupy.asarray(dx), cupy.asarray(ids), 6).get()
+    assert np.array_equal(dw, layers.embedding_backward(dx[:, keep], ids[:, keep], 6))
+    with pytest.raises(ValueError, match="ids hold 5 positions, dx 6"):
+        ops.embedding_backward(cupy.asarray(dx), cupy.asarray(ids[:, :5]), 6)
+
+
 def test_gpu_gradients_match_cpu_float64():
     from nanoeuler.checks.gradcheck_gpu import compare, problems
 

@@ -233,12 +233,30 @@ def case_linear_ce(rng, shape):
     ]
 
 
-def case_embedding(rng, shape):
+def _embedding_ids(rng, n, V, ids):
+    """n token ids in [0, V): "random" (V < n: ids repeat), "hot" (one id at about 3/4 of the positions: a
+    run of equal ids over many blocks' spans), "same" (every position one id), "distinct" (no repeats,
+    V >= n), "ends" (only 0 and V-1)."""
+    if ids == "random":
+        return rng.integers(0, V, size=n)
+    if ids == "hot":
+        return np.where(rng.random(n) < 0.75, rng.integers(0, V), rng.integers(0, V, size=n))
+    if ids == "same":
+        return np.full(n, rng.integers(0, V))
+    if ids == "distinct":
+        return rng.permutation(V)[:n]
+    if ids == "ends":
+        return rng.permutation(np.resize([0, V - 1], n))
+    raise ValueError(f"unknown ids pattern {ids!r}")
+
+
+def case_embedding(rng, shape, ids="random"):
+    """shape (B, T, V, C); `ids` one of `_embedding_ids`' patterns."""
     from nanoeuler.kernels import ops
     from nanoeuler.model import layers
 
     B, T, V, C = shape
-    ids = rng.integers(0, V, size=(B, T))  # V < B*T: ids repeat, rows must accumulate
+    ids = _embedding_ids(rng, B * T, V, ids).reshape(B, T)
     w = _randn(rng, (V, C))
     dx = _randn(rng, (B, T, C))
     x = ops.embedding_forward(_gpu(ids, np.int64), _gpu(w))
@@ -301,6 +319,10 @@ CASES = [
     (case_linear_ce, (300, 128, 512, 64), "N300 C128 V512 chunk64", {}),
     (case_linear_ce, (1000, 768, 4096, 384), "N1000 C768 V4096 chunk384", {}),
     (case_embedding, (2, 150, 50, 128), "B2 T150 V50 C128", {}),
+    (case_embedding, (4, 300, 1000, 200), "B4 T300 V1000 C200 hot", {"ids": "hot"}),
+    (case_embedding, (1, 77, 7, 33), "B1 T77 V7 C33 same", {"ids": "same"}),
+    (case_embedding, (2, 64, 300, 96), "B2 T64 V300 C96 distinct", {"ids": "distinct"}),
+    (case_embedding, (3, 50, 5000, 64), "B3 T50 V5000 C64 ends", {"ids": "ends"}),
     (case_adamw, (64, 33, 3), "64x33 + 33, 3 steps", {}),
     (case_adamw, (1000, 257, 2), "1000x257 + 257, 2 steps", {}),
 ]

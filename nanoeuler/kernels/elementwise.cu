@@ -57,12 +57,37 @@ extern "C" __global__ void __launch_bounds__(256) swiglu_bwd(
 }
 
 // ---- embedding backward ---------------------------------------------------------------------------
-// dw (V,C) zeroed by the caller; dw[ids[n], c] += dx[n, c]. Repeated ids add up through atomics.
-extern "C" __global__ void __launch_bounds__(256) embedding_bwd(
-    const float* __restrict__ dx, const long long* __restrict__ ids, float* __restrict__ dw, int C, long long n) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const long long row = i / C;
-    const int c = (int)(i % C);
-    atomicAdd(dw + ids[row] * C + c, dx[i]);
+// dw (V,C) zeroed by the caller; dw[v, c] = sum of dx[n, c] over the rows n with ids[n] == v, added in the
+// order of n. No atomics: the sums are the same bits on every run, which ZeRO-1's bit-for-bit check against
+// plain data parallelism needs. keys = sorted ids[n] * N + n puts each id's rows together in position
+// order; the block (x, y) adds every run of one id whose first key lies in keys[x*span, (x+1)*span), for the
+// columns y*blockDim.x + threadIdx.x. Keys outside [0, V*N) (ids outside [0, V)) add nowhere.
+#define EMB_BATCH 16  // rows loaded before they are added: loads in flight instead of one latency a row
+
+extern "C" __global__ void __launch_bounds__(128) embedding_bwd(
+    const float* __restrict__ dx, const long long* __restrict__ keys, float* __restrict__ dw, long long N, int C,
+    int V, int span) {
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    const long long end = (long long)V * N;
+    const long long i1 = min(N, (long long)(blockIdx.x + 1) * span);
+    for (long long i = (long long)blockIdx.x * span; i < i1; ++i) {
+        const long long k = keys[i];
+        if (k < 0 || k >= end) continue;
+        const long long id = k / N, lo = id * N, hi = lo + N;  // the keys of id's run lie in [lo, hi)
+        if (i > 0 && keys[i - 1] >= lo) continue;              // not the run's first key: another block's run
+        float acc = 0.f;
+        for (long long j = i; j < N && keys[j] < hi; j += EMB_BATCH) {
+            long long kb[EMB_BATCH];
+            float v[EMB_BATCH];
+#pragma unroll
+            for (int u = 0; u < EMB_BATCH; ++u) kb[u] = j + u < N ? keys[j + u] : hi;  // the keys first, then
+#pragma unroll
+            for (int u = 0; u < EMB_BATCH; ++u) v[u] = kb[u] < hi ? dx[(kb[u] - lo) * C + c] : 0.f;  // the rows
+#pragma unroll
+            for (int u = 0; u < EMB_BATCH; ++u)
+                if (kb[u] < hi) acc += v[u];
+        }
+        dw[id * C + c] = acc;
+    }
 }

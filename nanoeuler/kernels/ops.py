@@ -306,17 +306,36 @@ def swiglu_backward(dh, cache):
 # ---- token embedding -----------------------------------------------------------------------------
 
 
+_EMB_SPAN = 16  # sorted keys a block of embedding_bwd scans for the starts of runs of one id
+
+
 def embedding_backward(dx, ids, vocab):
-    """dx (B,T,C) -> dw (V,C); rows of repeated ids accumulate (atomic adds, so the order of the
-    float32 sums, and with it the last bit, may vary between runs)."""
+    """dx (B,T,C) -> dw (V,C); rows of repeated ids accumulate, each id's rows added in position order.
+
+    Deterministic (no float atomics; ZeRO-1 is checked bit for bit against plain data parallelism): the
+    keys id * B*T + position, unique, are sorted (one sort of B*T int64s besides the kernel), so each id's
+    rows sit together in order whatever the sort's stability, and one block adds each run of equal ids.
+    Ids outside [0, V) add nowhere.
+
+        >>> dw = embedding_backward(dx, cp.asarray([[2, 0, 2]]), 4)   # dw[2] = dx[0, 0] + dx[0, 2]  # doctest: +SKIP
+    """
     if not _f32(dx):
         return layers.embedding_backward(dx, ids, vocab)
     C = dx.shape[-1]
     dx2 = cp.ascontiguousarray(dx).reshape(-1, C)
-    ids64 = cp.ascontiguousarray(cp.asarray(ids), dtype=np.int64).reshape(-1)
+    N = dx2.shape[0]
+    keys = cp.ascontiguousarray(cp.asarray(ids), dtype=np.int64).reshape(-1) * N  # a new array: ids stay
+    if keys.shape[0] != N:
+        raise ValueError(f"ids hold {keys.shape[0]} positions, dx {N}")
     dw = cp.zeros((vocab, C), dtype=F32)
-    n = dx2.size
-    launch_per_item(kernel("elementwise", "embedding_bwd"), n, (dx2, ids64, dw, _i32(C), _i64(n)))
+    if N and C:
+        keys += cp.arange(N, dtype=np.int64)
+        keys.sort()
+        kernel("elementwise", "embedding_bwd")(
+            (-(-N // _EMB_SPAN), -(-C // 128)),
+            (128,),
+            (dx2, keys, dw, _i64(N), _i32(C), _i32(vocab), _i32(_EMB_SPAN)),
+        )
     return dw
 
 

@@ -25,7 +25,8 @@
 # serve      3     the server at 32 and 64 streams beside the in-process engine, 10 requests a client
 # zero16     1,2   meanwhile: scripts/gpu_parallel.sh zerobf16 on 2 GPUs (ZeRO-1 on the bf16 engine)
 # soak       3     after serve: 32 streams for 600 s, memory sampled (device_serve.sh load, SOAK=600)
-# gpucheck   0     after serve: scripts/gpu_check.sh (make gpu-check: every gpu-marked test, selftest, gradcheck)
+# gpucheck   0     after serve: scripts/gpu_check.sh (make gpu-check: every gpu-marked test, selftest, gradcheck),
+#                  then bench/embedding_gpu.py
 # zero       0-3   after gpucheck and zero16: scripts/gpu_parallel.sh zero, then zero16, on 4 GPUs (it shares
 #                  GPU 3 with the soak, whose figures are memory and failures, not speed)
 # Logs in $X4 (default /tmp/x4); each job's exit status in $X4/NAME.rc.
@@ -100,7 +101,10 @@ run_job() {  # the body of one job; its output goes to $X4/NAME.log
         serve_load 32 1 600 ;;
     gpucheck)
         after serve
-        CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$REPO:/tmp/nanoeuler-serve-site LOG_DIR=$X4/gpucheck bash scripts/gpu_check.sh ;;
+        export CUDA_VISIBLE_DEVICES=0
+        PYTHONPATH=$REPO:/tmp/nanoeuler-serve-site LOG_DIR=$X4/gpucheck bash scripts/gpu_check.sh; local rc=$?
+        python3 bench/embedding_gpu.py || rc=1  # the sorted fp32 embedding backward against atomics
+        return $rc ;;
     pipeline)
         after data ttq_check
         CONFIGS=$CONFIGS_270M TARGETS=results/release/SHA256SUMS SNAKE_ARGS="--resources gpu=4" \

@@ -183,9 +183,17 @@ def engine_parts(
     checkpoint: bool = False,
     accum: bool = False,
     head: str = "ce",
+    zero_world: int = 1,
 ) -> dict:
     """Named byte counts of the bf16 engine's buffers (`kernels.bf16.engine.TrainEngine`, all allocated at its start),
-    from `bf16.plan.engine_bytes` for the variants the kernel path takes on this card (`sm90a`)."""
+    from `bf16.plan.engine_bytes` for the variants the kernel path takes on this card (`sm90a`). `zero_world`
+    > 1: one rank of ZeRO-1 over that many, whose moments cover its region of the flat buffers only.
+
+        >>> from nanoeuler.model.config import ModelConfig
+        >>> one, four = (engine_parts(ModelConfig.named("gpu"), 16, 512, zero_world=z) for z in (1, 4))
+        >>> round((one["moments"] - four["moments"]) / 2**20), round((four["params"] - one["params"]) / 2**20)
+        (648, 36)
+    """
     from nanoeuler.kernels.bf16 import plan
 
     options = {} if kernels == "auto" else {"attention": "ldm", "fuse_swiglu": False, "fuse_rope": False}
@@ -200,6 +208,7 @@ def engine_parts(
         accum=accum,
         checkpoint=checkpoint,
         head=head,
+        shards=zero_world,
     )
 
 
@@ -405,7 +414,7 @@ def train_parts(
     zero_world: int = 1,
 ) -> dict:
     """One training step's named byte counts for a `train.config.TrainConfig` (precision, checkpointing;
-    `zero_world`: the ranks of a ZeRO-1 run, on the fp32 path)."""
+    `zero_world`: the ranks of a ZeRO-1 run)."""
     if settings.precision == "bf16":
         return engine_parts(
             cfg,
@@ -416,6 +425,7 @@ def train_parts(
             settings.checkpoint_activations,
             accum=micro_batches > 1,
             head="dpo" if head == "dpo" else "ce",
+            zero_world=zero_world,
         )
     parts = xp_train_parts(
         cfg, rows, seq, micro_batches=micro_batches, checkpoint=settings.checkpoint_activations, zero_world=zero_world
@@ -439,7 +449,9 @@ def resident_parts(
     """What stays on the device between steps, beside which evaluation runs: the engine's buffers, or the
     float32 parameters and AdamW's moments."""
     if settings.precision == "bf16":
-        return train_parts(cfg, settings, rows, seq, micro_batches=micro_batches, head=head, sm90a=sm90a)
+        return train_parts(
+            cfg, settings, rows, seq, micro_batches=micro_batches, head=head, sm90a=sm90a, zero_world=zero_world
+        )
     share = zero_share(cfg, zero_world)
     return {
         "params": F32 * cfg.n_params(),

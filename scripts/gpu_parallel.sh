@@ -17,6 +17,11 @@
 #       pretrain` fp32 with zero 0 and zero 1 for $STEPS steps: every logged loss and norm and the final
 #       model equal bit for bit; a checkpoint of 2 ranks resumed on 4; rank 0's optimizer state and the
 #       measured peak of the 116M model at fp32, zero 0 against zero 1
+#   bash scripts/gpu_parallel.sh zerobf16  # ZeRO-1 on the bf16 engine (~5 min): on 2 and 4 GPUs (up to N), `nanoeuler
+#       pretrain` bf16 with zero 0 and zero 1 for $STEPS steps: the largest relative loss difference (<= 2e-2) and
+#       the final weights' (within 4x what two zero-0 runs differ by, or 1e-3: the engine's embedding backward
+#       adds with atomics, so no two runs agree bit for bit); a checkpoint of 2 ranks resumed on 4; rank 0's
+#       optimizer state and the measured peak of the 116M model at bf16, zero 0 against zero 1
 #   bash scripts/gpu_parallel.sh twonode   # two "nodes" on this host (~4 min): N ranks in two launcher groups
 #       of N/2, started as srun would (RANK/WORLD_SIZE/LOCAL_RANK, the id over TCP at MASTER_ADDR:MASTER_PORT),
 #       NCCL kept off NVLink and shared memory (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1): N x B against 1 x N*B
@@ -143,6 +148,66 @@ EOF
         pretrain "$WORK/m$z.yaml" "$WORK/m$z" --gpus "$n" > "$LOG_DIR/mem$z.log" 2>&1; rc=$?
         record "116M fp32 B4, $n GPUs, zero $z: rank 0" "$rc" \
             "$(grep -o 'keeps.*unsharded)' "$LOG_DIR/mem$z.log") $(grep -o 'device memory peak.*' "$LOG_DIR/mem$z.log")"
+    done
+    summary
+fi
+
+# ---- ZeRO-1 on the bf16 engine: against the unsharded run, resume on another world, optimizer memory ----
+compare_weights() {  # compare_weights RUN_A RUN_B BASELINE_B: the losses, and the final weights of B against A
+    # beside those of a second plain run BASELINE_B (max over tensors of |b - a| / |a|, Frobenius norms)
+    $PY - "$@" <<'EOF'
+import json, sys
+import numpy as np
+from nanoeuler import checkpoint
+a, b, base = sys.argv[1:4]
+logs = [[json.loads(l) for l in open(f"{d}/metrics.jsonl") if '"loss"' in l] for d in (a, b)]
+assert len(logs[0]) == len(logs[1]) > 0, [len(x) for x in logs]
+loss = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(*logs))
+ta, tb, t0 = (checkpoint.load(f"{d}/base.bin")[0] for d in (a, b, base))
+
+def rel(tx):
+    return max(float(np.linalg.norm(tx[n] - ta[n]) / np.linalg.norm(ta[n])) for n in ta)
+
+got, plain = rel(tb), rel(t0)
+print(f"max rel loss diff {loss:.3g} over {len(logs[0])} steps; weights {got:.3g} (two zero-0 runs {plain:.3g})")
+sys.exit(0 if loss <= 2e-2 and got <= max(4 * plain, 1e-3) else 1)
+EOF
+}
+if [ "$MODE" = zerobf16 ]; then
+    make_shards
+    B=8
+    for n in $(printf '%s\n' 2 4 | awk -v n="$N" '$1 <= n'); do
+        rc=0
+        for z in 0 1; do
+            conf "$WORK/b$z-$n.yaml" bf16 $B "$STEPS" "zero: $z"
+            pretrain "$WORK/b$z-$n.yaml" "$WORK/b$z-$n" --gpus "$n" > "$LOG_DIR/bf16-zero$z-$n.log" 2>&1 || rc=1
+        done
+        pretrain "$WORK/b0-$n.yaml" "$WORK/bagain-$n" --gpus "$n" > "$LOG_DIR/bf16-zero0-again-$n.log" 2>&1 || rc=1
+        out=$(compare_weights "$WORK/b0-$n" "$WORK/b1-$n" "$WORK/bagain-$n") || rc=1
+        record "bf16 zero 1 vs 0, $n GPUs x B$B" "$rc" "$out"
+    done
+    if [ "$N" -ge 4 ]; then  # 2 ranks x 2B to step 25, then 4 ranks x B from its checkpoint: the global batch stays
+        conf "$WORK/br2.yaml" bf16 $((2 * B)) "$STEPS" "zero: 1"; conf "$WORK/br4.yaml" bf16 $B "$STEPS" "zero: 1"
+        pretrain "$WORK/br2.yaml" "$WORK/br" --gpus 2 > "$LOG_DIR/bf16-resume2.log" 2>&1
+        pretrain "$WORK/br2.yaml" "$WORK/bwhole2" --gpus 2 > "$LOG_DIR/bf16-whole2.log" 2>&1
+        find "$WORK/br" -name 'ckpt_*.bin' ! -name 'ckpt_00000025.bin' -delete; rm -f "$WORK/br/base.bin"
+        pretrain "$WORK/br4.yaml" "$WORK/br" --gpus 4 > "$LOG_DIR/bf16-resume4.log" 2>&1; rc=$?
+        grep -q "resuming from step 25" "$LOG_DIR/bf16-resume4.log" || rc=1
+        out=$(compare_runs "$WORK/bwhole2" "$WORK/br" 2e-2) || rc=1
+        record "bf16 zero: 2 ranks' checkpoint resumed on 4" "$rc" \
+            "$(grep -o 'resuming from step [0-9]*' "$LOG_DIR/bf16-resume4.log"); $out"
+    fi
+    n=$(( N >= 4 ? 4 : N ))
+    for z in 0 1; do  # the 116M model at bf16, B16 x T512: what rank 0 holds and the measured peak
+        cat > "$WORK/bm$z.yaml" <<EOF
+device: gpu
+model: {preset: gpu}
+pretrain: {precision: bf16, batch_size: 16, steps: 10, log_every: 5, eval_every: 100000, checkpoint_every: 100000,
+           val_tokens: 2048, zero: $z}
+EOF
+        pretrain "$WORK/bm$z.yaml" "$WORK/bm$z" --gpus "$n" > "$LOG_DIR/bf16-mem$z.log" 2>&1; rc=$?
+        record "116M bf16 B16, $n GPUs, zero $z: rank 0" "$rc" \
+            "$(grep -o 'keeps.*unsharded)' "$LOG_DIR/bf16-mem$z.log") $(grep -o 'device memory peak.*' "$LOG_DIR/bf16-mem$z.log")"
     done
     summary
 fi

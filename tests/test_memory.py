@@ -74,6 +74,37 @@ def test_engine_parts_are_the_engines_own_figures_for_the_portable_path():
     assert ckpt["activations"] < parts["activations"] / 2 and ckpt["accumulator"] > 0
 
 
+def test_zero_1_keeps_the_engines_moments_of_one_region_per_rank():
+    """ZeRO-1 on the bf16 engine: the moments shrink to a region (about 1/N, at most a layer or the heads
+    more), while the whole flat buffers stay, padded to N equal regions."""
+    from nanoeuler.kernels.bf16.plan import plan_layout
+
+    one = memory.engine_parts(GPU, 16, 512, "portable")
+    for n in (2, 4, 8):
+        parts = memory.engine_parts(GPU, 16, 512, "portable", zero_world=n)
+        lay = plan_layout(GPU, shards=n)
+        assert parts["moments"] == 2 * 4 * lay.span and parts["params"] == parts["grads"] == 4 * lay.total
+        heads = 4 * GPU.mtp_heads * GPU.vocab_size * GPU.dim  # the largest unit: the output heads
+        assert one["moments"] / n < parts["moments"] <= one["moments"] / n + 2 * heads
+        assert {k: v for k, v in parts.items() if k not in ("params", "grads", "moments", "image")} == {
+            k: v for k, v in one.items() if k not in ("params", "grads", "moments", "image")
+        }
+        assert sum(parts.values()) < sum(one.values())
+
+
+def test_zero_1_lets_the_bf16_engine_fit_a_card_the_unsharded_one_does_not():
+    """A card that holds rank 0's engine of a 4-rank ZeRO-1 run at batch 32 (and a quarter GB more, for the
+    evaluation's forward beside it): the plan takes the whole batch there, and splits it without ZeRO, whose
+    engine needs 0.6 GB more."""
+    settings = _sft(precision="bf16")
+    zero = sum(memory.train_parts(GPU, settings, 32, 512, zero_world=4).values())
+    assert 0.55e9 < sum(memory.train_parts(GPU, settings, 32, 512).values()) - zero < 0.6e9
+    pool = zero + 0.25e9
+    card = memory.Budget(pool / memory.FIT_SHARE + memory.CUBLAS_WORKSPACE + CONTEXT, CONTEXT, "gpu_memory")
+    assert memory.plan_training("sft", GPU, settings, card, eval_items=32, zero_world=4).micro == 32
+    assert memory.plan_training("sft", GPU, settings, card, eval_items=32).micro < 32
+
+
 def test_a_forward_without_a_backward_holds_one_block_not_all():
     train = memory.xp_train_parts(GPU, 32, 512)["activations"]
     forward = memory.forward_parts(GPU, 32, 512, params=False)

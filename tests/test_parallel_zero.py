@@ -1,15 +1,18 @@
 """ZeRO stage 1 on the CPU: ranks are threads whose collectives (all-reduce, reduce-scatter, all-gather)
 meet at a barrier and add in rank order. The sharded run matches the unsharded data-parallel run bit for
 bit in float32 over 100 steps (AdamW and Muon, 2 and 4 ranks, clipping on), each rank keeps about 1/N of
-the optimizer state, and a checkpoint of N ranks resumes on M."""
+the optimizer state, and a checkpoint of N ranks resumes on M. The bf16 engine's ZeRO-1 wiring is checked
+here, the engine itself in tests/test_engine_zero_gpu.py."""
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from nanoeuler import checkpoint, memory
 from nanoeuler.config import validate
+from nanoeuler.errors import UserError
 from nanoeuler.model import transformer
 from nanoeuler.model.config import ModelConfig
 from nanoeuler.train import loop
@@ -254,3 +257,37 @@ def test_the_training_loop_checkpoints_a_sharded_run_and_resumes_it_on_another_w
     assert not (run_dir / "previous").exists()
     for name in ref:  # float64: the sums of 4 partial means differ from those of 2 by rounding only
         np.testing.assert_allclose(resumed[name], ref[name], rtol=1e-10, atol=1e-13, err_msg=name)
+
+
+# ---- the bf16 engine's ZeRO-1: the wiring (the engine itself: tests/test_engine_zero_gpu.py) ------------
+
+
+def test_a_zero_runs_gradient_hook_carries_its_transport_to_the_engine_factory():
+    """`make_stepper` builds the bf16 engine sharded from the hook's `zero_comm`; a stage's own gradient
+    hook needs every gradient, so ZeRO with one is refused in one line before any engine is built."""
+    comm = ThreadComm(ThreadWorld(2), 0)
+    assert DataParallel(comm, "pretrain", zero=1).grad_hook().zero_comm is comm
+    assert DataParallel(comm, "pretrain", zero=0).grad_hook().zero_comm is None
+    hook = DataParallel(comm, "sft", zero=1).grad_hook(then=lambda grads: None)
+    bf16 = TrainConfig.from_section(validate({"pretrain": {"precision": "bf16"}})["pretrain"])
+    with pytest.raises(UserError, match=r"^sft\.zero 1: this stage's own gradient hook needs every gradient"):
+        make_stepper(bf16, CFG, transformer.init_params(CFG, seed=0), np, stage="sft", grad_hook=hook)
+
+
+def test_wrapping_a_sharded_engine_reports_its_share_of_the_moments(capsys):
+    """Rank 0 of a ZeRO-1 run on the bf16 engine says what its moment buffers hold against the unsharded
+    engine's (two float32 values an element of each layout); an engine built unsharded is refused."""
+    from nanoeuler.kernels.bf16.plan import plan_layout
+    from nanoeuler.train.stepper import EngineStepper
+
+    comm = ThreadComm(ThreadWorld(2), 0)
+    dp = DataParallel(comm, "pretrain", zero=1)
+    span = plan_layout(CFG, shards=2).span
+    engine = SimpleNamespace(cfg=CFG, zero=comm, Mo=np.zeros(span, np.float32), Vo=np.zeros(span, np.float32))
+    wrapped = dp.wrap(EngineStepper(engine))
+    assert optimizer_bytes(wrapped) == 8 * span < 8 * plan_layout(CFG).total
+    err = capsys.readouterr().err
+    assert f"rank 0 keeps {8 * span / 2**20:.1f} MiB of optimizer state" in err
+    assert f"({8 * plan_layout(CFG).total / 2**20:.1f} MiB unsharded)" in err
+    with pytest.raises(UserError, match="built unsharded"):
+        dp.wrap(EngineStepper(SimpleNamespace(cfg=CFG, zero=None)))

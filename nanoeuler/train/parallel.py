@@ -10,9 +10,9 @@ averages the gradients over the ranks (NCCL all-reduce, in place: one call on th
 gradient buffer), and the loss is averaged too, so every rank computes the same norm and the same
 update and logs the loss of the whole batch. Rank 0 alone reads and writes the run directory
 (checkpoints, metrics, the final model, the progress bar); the others load the checkpoint it chose.
-With `zero: 1` (ZeRO stage 1, `ZeroStepper`) each rank keeps the optimizer state of its share of the
-tensors only: the gradients are reduce-scattered, each rank updates its share, the parameters are
-all-gathered.
+With `zero: 1` (ZeRO stage 1) each rank keeps the optimizer state of its share of the tensors only: the
+gradients are reduce-scattered, each rank updates its share, the parameters are all-gathered (the fp32
+path: `ZeroStepper`; the bf16 engine: its own sharded step, `TrainEngine.set_zero`).
 
 Rank 0 makes the NCCL unique id and passes it to the others: through a file (`NANOEULER_RENDEZVOUS`, set
 by `--gpus`; across nodes, a path on a shared filesystem) or over TCP from rank 0's host
@@ -384,16 +384,21 @@ class Comm(Protocol):
     def all_reduce_mean(self, arrays: list) -> None:
         """Each (contiguous) array becomes the mean over the ranks of that array, in place."""
 
+    def all_reduce_sum(self, arrays: list) -> None:
+        """Each (contiguous) array becomes the sum over the ranks of that array, in place."""
+
     def mean_scalar(self, value: float) -> float: ...
 
     def broadcast_int(self, value: int) -> int:
         """Rank 0's `value` on every rank."""
 
     def reduce_scatter_mean(self, src, dst) -> None:
-        """dst (src.size / size elements) becomes block `rank` of the mean over the ranks of src (ZeRO)."""
+        """dst (src.size / size elements) becomes block `rank` of the mean over the ranks of src (ZeRO); dst
+        may be that block of src itself (in place)."""
 
     def all_gather(self, src, dst) -> None:
-        """dst (size * src.size elements) becomes every rank's src, in rank order (ZeRO)."""
+        """dst (size * src.size elements) becomes every rank's src, in rank order (ZeRO); src may be block
+        `rank` of dst itself (in place)."""
 
     def check(self) -> None:
         """Raise if the transport reported an asynchronous error (a peer is gone)."""
@@ -404,7 +409,9 @@ class Comm(Protocol):
 
 
 class NcclComm:
-    """`Comm` over `cupy.cuda.nccl`, on the current CUDA stream (the all-reduce is queued, not waited for)."""
+    """`Comm` over `cupy.cuda.nccl`, on the current CUDA stream (the collectives are queued, not waited for,
+    so the bf16 engine captures them in its step's CUDA graph). NCCL reduces in place when the output is
+    the input's block `rank` (reduce-scatter) or the input is the output's (all-gather), as ZeRO-1 uses them."""
 
     def __init__(self, world: World, uid: tuple):
         from cupy.cuda import nccl
@@ -419,17 +426,22 @@ class NcclComm:
         return getattr(self.nccl, kinds[a.dtype.name])
 
     def all_reduce_mean(self, arrays: list) -> None:
+        self._all_reduce(arrays, self.nccl.NCCL_SUM if self._avg is None else self._avg)
+        if self._avg is None and self.size > 1:
+            for a in arrays:
+                a *= 1.0 / self.size
+
+    def all_reduce_sum(self, arrays: list) -> None:
+        self._all_reduce(arrays, self.nccl.NCCL_SUM)
+
+    def _all_reduce(self, arrays: list, op) -> None:
         import cupy as cp
 
         stream = cp.cuda.get_current_stream().ptr
-        op = self.nccl.NCCL_SUM if self._avg is None else self._avg
         self.nccl.groupStart()  # several buffers: one fused launch
         for a in arrays:
             self.comm.allReduce(a.data.ptr, a.data.ptr, a.size, self._dtype(a), op, stream)
         self.nccl.groupEnd()
-        if self._avg is None and self.size > 1:
-            for a in arrays:
-                a *= 1.0 / self.size
 
     def mean_scalar(self, value: float) -> float:
         import cupy as cp
@@ -504,7 +516,9 @@ class DataParallel:
         return self.rank == 0
 
     def grad_hook(self, then: Callable[[dict], None] | None = None) -> Callable[[dict], None]:
-        """A `grad_hook` that averages the gradients over the ranks, then runs `then` (if any) on the mean."""
+        """A `grad_hook` that averages the gradients over the ranks, then runs `then` (if any) on the mean.
+        With `zero` it carries the transport as `zero_comm`: `make_stepper` then builds the bf16 engine
+        sharded, and its step averages the gradients itself instead of calling the hook."""
         self._then = then
 
         def hook(grads: dict) -> None:
@@ -521,22 +535,24 @@ class DataParallel:
         # NCCL calls may be captured into a CUDA graph: without `then`, the bf16 engine runs the hook in its
         # graph step (its gradients are one contiguous buffer, so the copy above is never taken)
         hook.in_graph = then is None
+        hook.zero_comm = self.comm if self.zero else None
         return hook
 
     def wrap(self, stepper) -> "ParallelStepper":
-        """The stepper of this rank: the loss averaged over the ranks, and with `zero` the optimizer sharded."""
+        """The stepper of this rank: the loss averaged over the ranks, and with `zero` the optimizer sharded
+        (the fp32 path here, by `ZeroStepper`; the bf16 engine was built sharded by `make_stepper`)."""
         if self.zero:
-            from nanoeuler.train.stepper import XpStepper
+            from nanoeuler.train.stepper import EngineStepper
 
-            if not isinstance(stepper, XpStepper):
-                raise UserError(
-                    f"{self.stage}.zero 1 shards the optimizer of the fp32 path; "
-                    "use precision fp32, or zero 0 with bf16"
-                )
             if self._then is not None:
                 raise UserError(f"{self.stage}.zero 1: this stage's own gradient hook needs every gradient; use zero 0")
-            whole = optimizer_bytes(stepper)
-            stepper = ZeroStepper(stepper, self.comm, plan_shards(stepper.cfg.param_shapes(), self.size))
+            if isinstance(stepper, EngineStepper):
+                if stepper.engine.zero is not self.comm:
+                    raise UserError(f"{self.stage}.zero 1: the bf16 engine was built unsharded (no zero_comm)")
+                whole = engine_optimizer_bytes(stepper.engine.cfg)
+            else:
+                whole = optimizer_bytes(stepper)
+                stepper = ZeroStepper(stepper, self.comm, plan_shards(stepper.cfg.param_shapes(), self.size))
             if self.is_root:
                 print(
                     f"nanoeuler {self.stage}: ZeRO-1 over {self.size} ranks: rank 0 keeps "
@@ -820,10 +836,20 @@ def zero_world(dp: "DataParallel | None") -> int:
 
 
 def optimizer_bytes(stepper) -> int:
-    """Bytes of optimizer state this rank holds on the fp32 path (its moments; with ZeRO, its shard's)."""
-    while not hasattr(stepper, "opt"):  # through ParallelStepper and ZeroStepper to the XpStepper
+    """Bytes of optimizer state this rank holds (its moments; with ZeRO, its shard's): the fp32 path's
+    optimizer, or the bf16 engine's moment buffers (under Muon the second holds the Newton-Schulz operands)."""
+    while not hasattr(stepper, "opt") and not hasattr(stepper, "engine"):  # through the wrappers
         stepper = stepper.inner
+    if hasattr(stepper, "engine"):
+        return int(stepper.engine.Mo.nbytes + stepper.engine.Vo.nbytes)
     return sum(int(a.nbytes) for a in stepper.opt.state_tensors().values())
+
+
+def engine_optimizer_bytes(cfg) -> int:
+    """Bytes of the unsharded bf16 engine's moments (two float32 values for every element of its layout)."""
+    from nanoeuler.kernels.bf16.plan import plan_layout
+
+    return 2 * 4 * plan_layout(cfg).total
 
 
 # ---- a stage's entry -------------------------------------------------------------------------------

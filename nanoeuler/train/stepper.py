@@ -140,7 +140,8 @@ class EngineStepper:
     and AdamW). Without a grad_hook, or with one marked `in_graph` (it only queues GPU work, as the
     data-parallel all-reduce does), a step is replays of the engine's CUDA graphs, the hook inside them,
     once an update; with another hook, the engine's forward/backward, the hook on its gradient views, the
-    norm over them and the update run one after another.
+    norm over them and the update run one after another. A ZeRO-1 engine (sharded by `make_stepper`) takes
+    no hook: its captured step reduce-scatters, updates its region and all-gathers by itself.
 
     With a `DpoHead` (the engine built with head "dpo") a micro-batch of p pairs is laid out as the
     engine's P = batch/2 pair slots: chosen rows at 0..p-1, rejected at P..P+p-1, the rest padding pairs
@@ -234,7 +235,8 @@ def make_stepper(
     settings, cfg, params: dict, xp, *, stage: str = "train", head_loss=None, grad_hook: GradHook | None = None
 ) -> Stepper:
     """The stepper that `settings.precision` asks for (a `train.config.TrainConfig`), starting from
-    `params` (NumPy or `xp` arrays) with fresh optimizer state; `stage` names the config section in errors."""
+    `params` (NumPy or `xp` arrays) with fresh optimizer state; `stage` names the config section in errors.
+    A grad_hook of a ZeRO-1 run (its `zero_comm`) makes the bf16 engine a sharded one of that rank."""
     lr_scale = settings.group_lr_scale(params)
     if settings.precision != "bf16":
         device_params = {name: xp.asarray(p) for name, p in params.items()}
@@ -258,6 +260,11 @@ def make_stepper(
             grad_hook=grad_hook,
             checkpoint=settings.checkpoint_activations,
         )
+    # ZeRO-1 (`DataParallel.grad_hook`): the engine keeps its region's moments and averages the gradients
+    # itself (reduce-scatter), so the hook is not called
+    zero = getattr(grad_hook, "zero_comm", None)
+    if zero is not None and not getattr(grad_hook, "in_graph", False):
+        raise UserError(f"{stage}.zero 1: this stage's own gradient hook needs every gradient; use zero 0")
     if xp is np:
         raise UserError(
             f"{stage}.precision bf16 runs on the GPU engine; use --device gpu, or precision fp32 on the CPU"
@@ -289,7 +296,12 @@ def make_stepper(
         muon_momentum=settings.muon_momentum,
         lr_scale=lr_scale,
         checkpoint=bool(getattr(settings, "checkpoint_activations", False)),
+        shards=1 if zero is None else zero.size,
+        rank=0 if zero is None else zero.rank,
         **head,
         **kernel_path_options(settings.kernels),
     )
+    if zero is not None:
+        engine.set_zero(zero)
+        grad_hook = None
     return EngineStepper(engine, grad_hook=grad_hook, head=dpo)

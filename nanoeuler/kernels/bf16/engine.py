@@ -6,6 +6,10 @@
     >>> eng = TrainEngine(cfg, params, batch=4, seq=512, accum=True, checkpoint=True)            # doctest: +SKIP
     >>> eng.step_accum([(x0, y0), (x1, y1)], lr)   # one update from two micro-batches            # doctest: +SKIP
 
+ZeRO-1 (`shards`, `rank`, then `set_zero(comm)`): every rank keeps the whole master weights, gradients
+and bf16 image, but the optimizer's moments of its own region of the flat buffers only; a step
+reduce-scatters the gradients, updates the region and all-gathers the master weights (`_zero_update`).
+
 Options: `accum` (an accumulation buffer, so that `step_accum` makes one update from several micro-batches
 of the engine's shape), `checkpoint` (keep each layer's input only and recompute the layer in the
 backward), `head="dpo"` (head 0's sequence log-probabilities and DPO's pair loss instead of the
@@ -60,11 +64,12 @@ _NULL = np.uint64(0)  # a null pointer argument (an optional input or output a k
 
 @dataclass
 class MuonShape:
-    """One hidden matrix (`name`, rows x cols) in every layer: layer l's at start + l * stride in the flat
-    buffers, its gain (if folded) at gain + l * gstride, its Newton-Schulz operands x and y (bf16, layer
-    l's at l * 2 stride)."""
+    """One hidden matrix (`name`, rows x cols) in every layer the engine updates (all, or under ZeRO-1 its
+    region's `layers`): the l-th's at start + l * stride in the flat buffers, its gain (if folded) at
+    gain + l * gstride, its Newton-Schulz operands x and y (bf16, the l-th's at l * 2 stride)."""
 
     name: str
+    layers: int
     start: int
     stride: int
     rows: int
@@ -116,6 +121,8 @@ class TrainEngine:
         optimizer: str = "adamw",
         muon_momentum: float = 0.95,
         lr_scale: dict | None = None,
+        shards: int = 1,
+        rank: int = 0,
     ):
         self.cfg = cfg
         self.B, self.T = int(batch), int(seq)
@@ -134,9 +141,16 @@ class TrainEngine:
         self.group_scale = _group_scales(cfg.param_shapes(), lr_scale)
         variants = choose_variants(cfg, self.T, attention, fuse_swiglu, fuse_rope, sm90a=has_sm90a())
         self.attention, self.fuse_swiglu, self.fuse_rope = variants.attention, variants.fuse_swiglu, variants.fuse_rope
-        self.layout = plan_layout(cfg, no_decay)
+        if not 0 <= rank < shards:
+            raise ValueError(f"rank {rank} of {shards} shards")
+        self.layout = plan_layout(cfg, no_decay, shards)
         self.offsets, self.gain_of, self.shapes = self.layout.offsets, self.layout.gain_of, self.layout.shapes
         self.fold_start = self.layout.fold_start
+        # ZeRO-1: this rank's region of the flat buffers, the tensors in it, and the transport (`set_zero`)
+        self.shards, self.rank = int(shards), int(rank)
+        self.base, self.region_end = self.layout.region(self.rank)
+        self.owned = [n for n in self.shapes if self.layout.region_of[n] == self.rank]
+        self.zero = None
         self.sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self._allocate_parameters(params)
         self._load_kernels()
@@ -165,9 +179,12 @@ class TrainEngine:
 
     def _allocate_parameters(self, params: dict) -> None:
         """The flat float32 buffers (master weights, gradients, both moments), the bf16 image, and with the
-        fused SwiGLU backward `wdt`, its image of every layer's Wd transposed and permuted (`wdt_image`)."""
+        fused SwiGLU backward `wdt`, its image of every layer's Wd transposed and permuted (`wdt_image`).
+        The moments cover this rank's region only (ZeRO-1; all of it unsharded): element e of the flat
+        buffers is element e - base of Mo and Vo."""
         n, f32 = self.layout.total, np.float32
-        self.P, self.G, self.Mo, self.Vo = (cp.zeros(n, dtype=f32) for _ in range(4))
+        self.P, self.G = (cp.zeros(n, dtype=f32) for _ in range(2))
+        self.Mo, self.Vo = (cp.zeros(self.layout.span, dtype=f32) for _ in range(2))
         self.Pb = cp.zeros(n, dtype=BF16_STORAGE)
         self.Gacc = cp.zeros(n, dtype=f32) if self.accum else None  # the micro-batches' summed gradients
         for name, shape in self.shapes.items():
@@ -175,19 +192,17 @@ class TrainEngine:
             if tuple(src.shape) != tuple(shape):
                 raise ValueError(f"parameter {name} has shape {tuple(src.shape)}, expected {shape}")
             self.view(self.P, name)[...] = cp.asarray(src, dtype=f32)
-        # the AdamW runs with their gains as device views (AdamW writes the image of a run times its gain)
-        # and the index of their lr group
+
+        def gain(r):  # a run's gain as a device view (AdamW writes the image of a run times its gain)
+            return _NULL if r.gain is None else self.view(self.P, r.gain)
+
+        # the AdamW runs of this rank's region, with the index of their lr group; the image's, every region's
         self.runs = [
-            (
-                r.start,
-                r.end,
-                r.decayed,
-                _NULL if r.gain is None else self.view(self.P, r.gain),
-                r.cols,
-                GROUPS.index(r.group),
-            )
+            (r.start, r.end, r.decayed, gain(r), r.cols, GROUPS.index(r.group))
             for r in self.layout.runs
+            if r.region == self.rank
         ]
+        self.image_runs = [(r.start, r.end, gain(r), r.cols) for r in self.layout.runs]
         if self.fuse_swiglu:
             cfg = self.cfg
             self.wdt = cp.empty((cfg.n_layers, cfg.hidden, cfg.dim), dtype=BF16_STORAGE)
@@ -357,6 +372,16 @@ class TrainEngine:
         s = self.shapes[name]
         return flat[o : o + int(np.prod(s))].reshape(s)
 
+    def moment(self, flat, name):
+        """Tensor `name` of a moment buffer (Mo, Vo: this rank's region, from `base` on)."""
+        o = self.offsets[name] - self.base
+        s = self.shapes[name]
+        return flat[o : o + int(np.prod(s))].reshape(s)
+
+    def region(self, flat):
+        """This rank's region of a flat buffer (all of it unsharded)."""
+        return flat[self.base : self.region_end]
+
     def params(self) -> dict:
         """Master weights (float32 views into the engine's buffer; copy before keeping)."""
         return {n: self.view(self.P, n) for n in self.shapes}
@@ -368,7 +393,10 @@ class TrainEngine:
 
     def state_tensors(self) -> dict:
         """{"m.<name>", "v.<name>"} like `optim.AdamW.state_tensors` (views); the step count is `self.t`.
-        Under Muon its hidden matrices have only "m.<name>", the momentum, as `optim.Muon.state_tensors`."""
+        Under Muon its hidden matrices have only "m.<name>", the momentum, as `optim.Muon.state_tensors`.
+        ZeRO-1: every tensor's, gathered from the ranks (host copies; a collective every rank joins)."""
+        if self.shards > 1:
+            return self._gathered_state()
         out = {}
         for n in self.shapes:
             out[f"m.{n}"] = self.view(self.Mo, n)
@@ -376,17 +404,37 @@ class TrainEngine:
                 out[f"v.{n}"] = self.view(self.Vo, n)
         return out
 
+    def _gathered_state(self) -> dict:
+        """Each moment all-gathered into G, which is dead between steps (a step rewrites what it reads) and
+        zeroed after: what the backward leaves unwritten (padding, DPO's heads 1..K-1) must stay zero."""
+        if self.zero is None:
+            raise ValueError("a sharded engine gathers its optimizer state through its transport (set_zero)")
+        out = {}
+        for kind, local in (("m", self.Mo), ("v", self.Vo)):
+            with self._on_stream():
+                self.zero.all_gather(local, self.G)
+            host = self.G.get()
+            for n in self.shapes:
+                if kind == "m" or not self._muon_owns(n):
+                    o, shape = self.offsets[n], self.shapes[n]
+                    out[f"{kind}.{n}"] = host[o : o + int(np.prod(shape))].reshape(shape)
+        with self._on_stream():
+            cp.cuda.runtime.memsetAsync(self.G.data.ptr, 0, self.G.nbytes, self.stream.ptr)
+        return out
+
     def _muon_owns(self, name: str) -> bool:
         return self.optimizer == "muon" and param_group(name) == "hidden"
 
     def load_state(self, params: dict, tensors: dict | None = None, t: int = 0) -> None:
-        """Set the master weights (and optionally the AdamW moments and step count), refresh the bf16 image."""
+        """Set the master weights (and optionally the AdamW moments and step count), refresh the bf16 image.
+        ZeRO-1: `tensors` hold every tensor's moments (a checkpoint of any number of ranks); this rank
+        takes its region's."""
         for n in self.shapes:
             self.view(self.P, n)[...] = cp.asarray(params[n], dtype=np.float32)
-            if tensors is not None:
-                self.view(self.Mo, n)[...] = cp.asarray(tensors[f"m.{n}"], dtype=np.float32)
-                if not self._muon_owns(n):
-                    self.view(self.Vo, n)[...] = cp.asarray(tensors[f"v.{n}"], dtype=np.float32)
+        for n in self.owned if tensors is not None else ():
+            self.moment(self.Mo, n)[...] = cp.asarray(tensors[f"m.{n}"], dtype=np.float32)
+            if not self._muon_owns(n):
+                self.moment(self.Vo, n)[...] = cp.asarray(tensors[f"v.{n}"], dtype=np.float32)
         self.t = int(t)
         self._refresh_image()
 
@@ -396,9 +444,14 @@ class TrainEngine:
 
     def _refresh_image(self) -> None:
         """The bf16 GEMM image of the master weights, the folded norm gains included."""
-        for start, end, _, gain, cols, _ in self.runs:
+        for start, end, gain, cols in self.image_runs:
             optim.f32_to_bf16(self.P[start:end], self.Pb[start:end], gain, cols)
         self._refresh_wdt()
+
+    def refresh_image(self) -> None:
+        """`_refresh_image` queued on the engine's stream (after the master weights changed outside a step)."""
+        with self._on_stream():
+            self._refresh_image()
 
     def nbytes(self) -> int:
         """Device bytes of the engine's buffers (views into them, such as the arena's, not counted twice)."""
@@ -471,23 +524,43 @@ class TrainEngine:
 
     def recompute_grad_norm(self) -> None:
         """The sum of squared gradients in `self.sq` again, from `self.G` as it is now (after a change of the
-        gradients between `forward_backward` and `optimizer_step`, such as an all-reduce)."""
+        gradients between `forward_backward` and `optimizer_step`, such as an all-reduce). ZeRO-1: of this
+        rank's region (the ranks' sums add up to the global one)."""
         with self._on_stream():
             self._grad_norm()
 
     def _grad_norm(self, g=None) -> None:
         cp.cuda.runtime.memsetAsync(self.sq.data.ptr, 0, 4, self.stream.ptr)
-        optim.sumsq(self.G if g is None else g, self.sq)
+        optim.sumsq(self.region(self.G if g is None else g), self.sq)
 
     def set_collective(self, fn) -> None:
         """Make fn(grads) part of every `step`, between the backward and the norm (recomputed after it):
         a data-parallel all-reduce, say. fn must only queue work on the current stream on the same buffers
         every step (no host sync, no allocation), as the step is captured into a CUDA graph with it."""
-        self.collective, self._graph, self._eager_steps = fn, None, 0
-        self._graphs, self._eager = {}, {}
+        if self.shards > 1:
+            raise ValueError("a sharded engine averages its gradients itself (set_zero), not by a collective")
+        self.collective = fn
+        self._forget_graphs()
+
+    def set_zero(self, comm) -> None:
+        """Step as rank `rank` of ZeRO-1 over `comm` (a `train.parallel.Comm` of `shards` ranks), whose
+        reduce-scatter, all-reduce sum and all-gather work in place on the flat buffers and, like
+        `set_collective`'s fn, only queue work on the current stream (they are captured with the step)."""
+        if (comm.size, comm.rank) != (self.shards, self.rank):
+            raise ValueError(f"rank {comm.rank} of {comm.size} for an engine of rank {self.rank} of {self.shards}")
+        self.zero = comm
+        self._forget_graphs()
+
+    def _forget_graphs(self) -> None:
+        self._graph, self._eager_steps, self._graphs, self._eager = None, 0, {}, {}
+
+    def _need_zero(self) -> None:
+        if self.shards > 1 and self.zero is None:
+            raise ValueError("a sharded engine steps through its ZeRO-1 transport (set_zero)")
 
     def optimizer_step(self, lr: float) -> None:
-        """Clip (by the norm in `self.sq`) and apply AdamW to every parameter; refresh the bf16 image."""
+        """Clip (by the norm in `self.sq`) and apply AdamW to every parameter; refresh the bf16 image. ZeRO-1:
+        to this rank's region (the others' come with the gathered weights, then `refresh_image`)."""
         self._set_hyper(lr)
         with self._on_stream():
             self._adamw()
@@ -500,6 +573,7 @@ class TrainEngine:
         algorithms. The second is captured into a CUDA graph (`graph=True`), and from then on a step is
         the copy of the batch and of AdamW's per-step values into the engine's buffers, and one launch of
         that graph: the GPU runs the step's ~500 kernels back to back, without a launch gap between them."""
+        self._need_zero()
         self._load_batch(inputs, targets, ref, pair_weight)
         self._set_head_weights(head_weights)
         self._set_hyper(self.lr if lr is None else float(lr))
@@ -543,6 +617,7 @@ class TrainEngine:
 
     def update(self, lr: float | None = None) -> None:
         """After `accumulate`: the collective (if any) on the summed gradients, their norm, clip + AdamW."""
+        self._need_zero()
         self._set_hyper(self.lr if lr is None else float(lr))
         with self._on_stream():
             self._run("update", self._update_body)
@@ -568,10 +643,13 @@ class TrainEngine:
         optim.grad_accumulate(self.G, self.Gacc, self.loss, self.loss_acc)
 
     def _update_body(self) -> None:
-        if self.collective is not None:  # once per update, on the sums
-            self.collective(self.grads(accumulated=True))
-        self._grad_norm(self.Gacc)
-        self._adamw(self.Gacc)
+        if self.zero is not None:
+            self._zero_update(self.Gacc)
+        else:
+            if self.collective is not None:  # once per update, on the sums
+                self.collective(self.grads(accumulated=True))
+            self._grad_norm(self.Gacc)
+            self._adamw(self.Gacc)
         cp.cuda.runtime.memcpyAsync(
             self.loss.data.ptr, self.loss_acc.data.ptr, 4, cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr
         )
@@ -589,10 +667,26 @@ class TrainEngine:
 
     def _step_body(self) -> None:
         self._forward_backward()
-        if self.collective is not None:  # the gradients changed (averaged over the ranks): their norm again
-            self.collective(self.grads())
-            self._grad_norm()
-        self._adamw()
+        if self.zero is not None:
+            self._zero_update(self.G)
+        else:
+            if self.collective is not None:  # the gradients changed (averaged over the ranks): their norm again
+                self.collective(self.grads())
+                self._grad_norm()
+            self._adamw()
+
+    def _zero_update(self, g) -> None:
+        """ZeRO-1's update from this rank's gradients g (G, or the accumulated Gacc), in place throughout.
+        The master weights are gathered rather than the bf16 image because the embedding's forward and
+        the norm gains read P; a reduce-scatter and an all-gather of float32 move the bytes of the
+        all-reduce they replace, and the image is refreshed locally (an elementwise pass)."""
+        comm = self.zero
+        comm.reduce_scatter_mean(g, self.region(g))  # this region's gradients, averaged over the ranks
+        self._grad_norm(g)  # their sum of squares ...
+        comm.all_reduce_sum([self.sq])  # ... added over the regions: the global norm's
+        self._adamw(g)  # clip, and AdamW / Muon on this region
+        comm.all_gather(self.region(self.P), self.P)  # every region's new master weights
+        self._refresh_image()  # the whole bf16 image (gains folded) and wdt, as the unsharded step leaves them
 
     def _capture(self, body=None):
         """The whole step (or `body`) as a CUDA graph, or None (with a warning) where capture fails."""
@@ -685,7 +779,7 @@ class TrainEngine:
         # the gradient norm: the folded matrices added their squares already; the rest lie before them
         # (a collective changes the gradients: `_step_body` takes the whole norm after it instead; an
         # accumulating step takes it over the sums)
-        if self.collective is None and not accumulating:
+        if self.collective is None and self.zero is None and not accumulating:
             optim.sumsq(self.G[: self.fold_start], self.sq)
 
     def block_forward(self, i: int, recompute: bool = False) -> None:
@@ -839,18 +933,19 @@ class TrainEngine:
 
     def _adamw(self, g=None) -> None:
         """The update: AdamW on every run (under Muon, on every run but the hidden matrices', which Muon
-        updates after the gains it folds into their images)."""
+        updates after the gains it folds into their images). ZeRO-1: the runs of this rank's region; the
+        image of the others comes with the gathered weights (`_zero_update`)."""
         g = self.G if g is None else g
         muon = self.optimizer == "muon"
         for start, end, decayed, gain, cols, gi in self.runs:  # every gain before the images that fold it in
             if muon and GROUPS[gi] == "hidden":
                 continue
-            s = slice(start, end)
+            s, m = slice(start, end), slice(start - self.base, end - self.base)
             optim.adamw_clip(
                 self.P[s],
                 g[s],
-                self.Mo[s],
-                self.Vo[s],
+                self.Mo[m],
+                self.Vo[m],
                 self.Pb[s],
                 self.sq,
                 self.hyper[3 * gi :],
@@ -864,24 +959,28 @@ class TrainEngine:
             )
         if muon:
             self._muon(g)
-        self._refresh_wdt()
+        if self.shards == 1:
+            self._refresh_wdt()
 
     # ---- Muon ------------------------------------------------------------------------------------------
 
     def _muon_plan(self) -> None:
         """Under Muon, one `MuonShape` per hidden matrix shape of a layer (q, k, v, o, gate, up, down): each
-        is that matrix in every layer, a constant stride apart in the flat buffers, and orthogonalised as one
-        batch. Their Newton-Schulz operands live in the second moment's buffer, unused by Muon's matrices
-        (two bf16 matrices in each float32 one's place); the products X X^T and their polynomial, and the
-        per-layer norms, in the arena, which is dead once the backward ends."""
-        self.muon_shapes = []
-        if self.optimizer != "muon":
+        is that matrix in every layer (ZeRO-1: every layer of this rank's region), a constant stride apart in
+        the flat buffers, and orthogonalised as one batch. Their Newton-Schulz operands live in the second
+        moment's buffer, unused by Muon's matrices (two bf16 matrices in each float32 one's place); the
+        products X X^T and their polynomial, and the per-layer norms, in the arena, which is dead once the
+        backward ends."""
+        self.muon_shapes, self.muon_scratch = [], None
+        owned = set(self.owned)
+        layers = [i for i in range(self.cfg.n_layers) if f"layers.{i}.mlp.down_proj.weight" in owned]
+        if self.optimizer != "muon" or not layers:
             return
-        L = self.cfg.n_layers
+        L = len(layers)
         vb = self.Vo.view(BF16_STORAGE)
         gains = {"self_attn": "input_layernorm", "mlp": "post_attention_layernorm"}
         for name in HIDDEN_MATRICES:
-            names = [f"layers.{i}.{name}.weight" for i in range(L)]
+            names = [f"layers.{i}.{name}.weight" for i in layers]
             offs = [self.offsets[n] for n in names]
             stride = offs[1] - offs[0] if L > 1 else 0
             if any(b - a != stride for a, b in zip(offs, offs[1:])):
@@ -891,15 +990,16 @@ class TrainEngine:
             gain = _NULL
             gstride = 0
             if folded:
-                gname = [f"layers.{i}.{gains[name.split('.')[0]]}.weight" for i in range(L)]
+                gname = [f"layers.{i}.{gains[name.split('.')[0]]}.weight" for i in layers]
                 gain = self.view(self.P, gname[0])
                 gstride = self.offsets[gname[1]] - self.offsets[gname[0]] if L > 1 else 0
                 assert all(self.layout.gain_of[n] == g for n, g in zip(names, gname))
             decayed = [r[2] for r in self.runs if r[0] <= offs[0] < r[1]][0]
-            x = vb[2 * offs[0] :]
+            x = vb[2 * (offs[0] - self.base) :]
             self.muon_shapes.append(
                 MuonShape(
                     name,
+                    L,
                     offs[0],
                     stride,
                     rows,
@@ -923,14 +1023,16 @@ class TrainEngine:
     def _muon(self, g) -> None:
         """`optim.Muon.step` on the hidden matrices: the clipped gradient's Nesterov momentum, normalised, 5
         Newton-Schulz steps as batched bf16 GEMMs, the scaled update and the bf16 image (gains folded in)."""
-        L, stream = self.cfg.n_layers, self.stream.ptr
+        if not self.muon_shapes:  # (a ZeRO-1 region without layers)
+            return
+        stream = self.stream.ptr
         hidden = self.hyper[3 * GROUPS.index("hidden") :]
         cp.cuda.runtime.memsetAsync(self.muon_ss.data.ptr, 0, self.muon_ss.nbytes, stream)
         for k, sh in enumerate(self.muon_shapes):
-            n, xs, ss = sh.rows * sh.cols, 2 * sh.stride, self.muon_ss[k]
+            n, xs, ss, L = sh.rows * sh.cols, 2 * sh.stride, self.muon_ss[k], sh.layers
             optim.muon_momentum(
                 g[sh.start :],
-                self.Mo[sh.start :],
+                self.Mo[sh.start - self.base :],
                 sh.x,
                 n,
                 sh.stride,
@@ -964,7 +1066,7 @@ class TrainEngine:
         A = X X^T (X^T X for a tall X), B = a I + b A + c A A, X' = B X (X B), ping-ponging between sh.x and
         sh.y. Returns the bf16 array that holds the result (matrix l at l * 2 stride)."""
         a_, b_, c_ = NS_COEFFS
-        L, r, c = self.cfg.n_layers, sh.rows, sh.cols
+        L, r, c = sh.layers, sh.rows, sh.cols
         m, xs, tall = min(r, c), 2 * sh.stride, r > c
         mm, gemm = m * m, self.gemm
         A, B = (Matrix(buf.reshape(-1)[:mm].reshape(m, m)) for buf in (self.ns_a, self.ns_b))  # layer l's: l mm on

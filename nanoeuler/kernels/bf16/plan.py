@@ -90,7 +90,7 @@ def choose_variants(
 class Run:
     """A range of the flat buffers that one AdamW launch updates: equally decayed, of one learning-rate
     group (`optim.param_group`), and (gain set) one matrix of `cols` columns whose GEMM image carries that
-    norm gain."""
+    norm gain. `region`: the ZeRO-1 rank whose region holds it."""
 
     start: int
     end: int
@@ -98,6 +98,7 @@ class Run:
     gain: str | None
     cols: int
     group: str = "hidden"
+    region: int = 0
 
 
 @dataclass
@@ -107,12 +108,18 @@ class Layout:
     group_of: dict = field(default_factory=dict)  # name -> (start, end) of the stacked matrix it belongs to
     gain_of: dict = field(default_factory=dict)  # matrix name -> the norm gain folded into its GEMM image
     runs: list = field(default_factory=list)
-    total: int = 0  # elements, padding included
-    fold_start: int = 0  # the gain-folded matrices lie from here to the end
+    total: int = 0  # elements, padding included: shards * span
+    fold_start: int | None = 0  # the gain-folded matrices lie from here to the end (None when sharded)
+    shards: int = 1  # ZeRO-1's ranks: region r is [r * span, (r + 1) * span)
+    span: int = 0
+    region_of: dict = field(default_factory=dict)  # name -> the region that holds it
 
     def cols(self, name: str) -> int:
         s = self.shapes[name]
         return s[-1] if len(s) > 1 else 1
+
+    def region(self, r: int) -> tuple[int, int]:
+        return r * self.span, (r + 1) * self.span
 
 
 def gemm_groups(cfg) -> list:
@@ -137,18 +144,101 @@ def gemm_groups(cfg) -> list:
     return groups
 
 
-def plan_layout(cfg, no_decay=None) -> Layout:
+def _unit_of(name: str) -> int:
+    """What ZeRO-1 keeps together, in order: the embedding (0), layer i (i + 1), the final norm and the
+    output heads (-1)."""
+    if name.startswith("embed_tokens."):
+        return 0
+    if name.startswith("layers."):
+        return int(name.split(".")[1]) + 1
+    return -1
+
+
+def _group_size(shapes: dict, names: list) -> int:
+    return -(-sum(int(np.prod(shapes[n])) for n in names) // ALIGN) * ALIGN
+
+
+def balance(sizes: list, parts: int) -> list:
+    """Cut `sizes` (in order) into `parts` contiguous runs whose largest sum is the least possible, the
+    first and the last run never empty (they hold the embedding and the output heads): the index where
+    each run starts, then len(sizes). Ties go to the earliest cut.
+
+        >>> balance([3, 5, 5, 5, 2], 2)                  # 3+5 | 5+5+2: the largest is 12
+        [0, 2, 5]
+        >>> balance([4, 1, 4], 3), balance([4, 4], 3)    # more runs than sizes: empty ones in the middle
+        ([0, 1, 2, 3], [0, 1, 1, 2])
+    """
+    n, inf = len(sizes), float("inf")
+    at = [0]
+    for s in sizes:
+        at.append(at[-1] + s)
+    # best[k][i]: the least largest sum of sizes[:i] cut into k + 1 runs; start[k][i]: where the last begins
+    best, start = [[at[i] if i else inf for i in range(n + 1)]], [[0] * (n + 1)]
+    for k in range(1, parts):
+        row, where = [], []
+        for i in range(n + 1):
+            last = range(i + 1) if k < parts - 1 else range(min(i, n - 1) + 1)  # run k: sizes[j:i]
+            j = min(last, key=lambda j: (max(best[-1][j], at[i] - at[j]), j))
+            row.append(max(best[-1][j], at[i] - at[j]))
+            where.append(j)
+        best.append(row)
+        start.append(where)
+    cuts, i = [n], n
+    for k in range(parts - 1, 0, -1):
+        i = start[k][i]
+        cuts.append(i)
+    return [0] + cuts[::-1]
+
+
+def plan_layout(cfg, no_decay=None, shards: int = 1) -> Layout:
     """Every parameter's place in the engine's flat buffers (parameters, gradients, moments, bf16 image).
 
     The gain-folded matrices come last, so that AdamW updates every gain before the images that fold it
     in and the gradient norm's plain sum covers a prefix; undecayed before decayed (a stable sort).
     Tensors of one group are adjacent (one stacked GEMM operand); each group starts ALIGN-aligned. A run
-    holds one learning-rate group (the embedding, the gains, the hidden matrices: separate runs)."""
+    holds one learning-rate group (the embedding, the gains, the hidden matrices: separate runs).
+
+    `shards` > 1 (ZeRO-1): region r of `span` elements at r * span is rank r's, whose optimizer state it
+    alone keeps. A region holds whole layers (the embedding with the first, the final norm and the heads
+    with the last; `balance` picks the layer ranges), each laid out as above, and every region is padded
+    to the longest, so that equal chunks of the flat buffers are the regions (NCCL's reduce-scatter and
+    all-gather, in place). Here 2 layers on 2 ranks: rank 1 holds layer 1, the final norm and lm_head.
+
+        >>> from nanoeuler.model.config import ModelConfig
+        >>> cfg = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ctx_len=8, mtp_heads=1)
+        >>> lay = plan_layout(cfg, shards=2)
+        >>> lay.span, lay.total, [lay.region_of[n] for n in ("embed_tokens.weight", "layers.1.mlp.up_proj.weight")]
+        (4032, 8064, [0, 1])
+        >>> [lay.offsets[n] for n in ("layers.1.input_layernorm.weight", "norm.weight", "lm_head.weight")]
+        [4032, 4160, 7040]
+    """
     shapes = cfg.param_shapes()
     no_decay = {n for n, s in shapes.items() if default_no_decay(n, s)} if no_decay is None else set(no_decay)
-    groups = sorted(gemm_groups(cfg), key=lambda g: (g[1] is not None, g[0][0] not in no_decay))
-    lay = Layout(shapes)
-    off = 0
+    groups = gemm_groups(cfg)
+    units = sorted({_unit_of(names[0]) for names, _ in groups}, key=lambda u: (u < 0, u))
+    sizes = {u: 0 for u in units}
+    for names, _ in groups:
+        sizes[_unit_of(names[0])] += _group_size(shapes, names)
+    cuts = balance([sizes[u] for u in units], shards)
+    region = {u: r for r in range(shards) for u in units[cuts[r] : cuts[r + 1]]}
+    span = max(sum(sizes[u] for u in units[cuts[r] : cuts[r + 1]]) for r in range(shards))
+    lay = Layout(shapes, shards=shards, span=span, total=shards * span)
+    for r in range(shards):
+        _lay_out(lay, [g for g in groups if region[_unit_of(g[0][0])] == r], no_decay, r * span, r)
+    if set(lay.offsets) != set(shapes):
+        raise ValueError("flat layout does not cover the parameters")
+    if shards == 1:
+        lay.fold_start = min((r.start for r in lay.runs if r.gain is not None), default=lay.total)
+    else:
+        lay.fold_start = None
+    return lay
+
+
+def _lay_out(lay: Layout, groups: list, no_decay: set, off: int, region: int) -> None:
+    """`groups` from element `off` on, in `plan_layout`'s order, as region `region`'s tensors and runs."""
+    shapes = lay.shapes
+    groups = sorted(groups, key=lambda g: (g[1] is not None, g[0][0] not in no_decay))
+    first_run = len(lay.runs)
     for names, gain in groups:
         decayed = {n not in no_decay for n in names}
         kinds = {param_group(n) for n in names}
@@ -158,6 +248,7 @@ def plan_layout(cfg, no_decay=None) -> Layout:
         start = off
         for n in names:
             lay.offsets[n] = off
+            lay.region_of[n] = region
             off += int(np.prod(shapes[n]))
             if gain is not None:
                 lay.gain_of[n] = gain
@@ -166,7 +257,7 @@ def plan_layout(cfg, no_decay=None) -> Layout:
         if gain is not None and off - start >= 2**31:
             raise ValueError(f"tensors {names} exceed the 32-bit indexing of the gain-folding kernels")
         end = -(-off // ALIGN) * ALIGN
-        last = lay.runs[-1] if lay.runs else None
+        last = lay.runs[-1] if len(lay.runs) > first_run else None
         if (
             gain is None
             and last is not None
@@ -177,13 +268,8 @@ def plan_layout(cfg, no_decay=None) -> Layout:
         ):
             last.end = end
         else:
-            lay.runs.append(Run(start, end, d, gain, shapes[names[0]][-1], kind))
+            lay.runs.append(Run(start, end, d, gain, shapes[names[0]][-1], kind, region))
         off = end
-    if set(lay.offsets) != set(shapes):
-        raise ValueError("flat layout does not cover the parameters")
-    lay.total = off
-    lay.fold_start = min((r.start for r in lay.runs if r.gain is not None), default=off)
-    return lay
 
 
 # ---- scratch and chunks -------------------------------------------------------------------------------
@@ -304,6 +390,7 @@ def engine_bytes(
     checkpoint: bool = False,
     head: str = "ce",
     chunk_bytes: int | None = None,
+    shards: int = 1,
 ) -> dict:
     """Device bytes of every buffer `TrainEngine.__init__` allocates, by group; their sum is `TrainEngine.nbytes()`.
 
@@ -312,6 +399,7 @@ def engine_bytes(
     bf16 weights), wdt (the fused SwiGLU backward's Wd image), accumulator (`accum`), activations (what the
     backward keeps: per layer, or with `checkpoint` each layer's input and one layer's worth), arena (MLP
     scratch shared with the output heads' logits), scratch (the rest of the step's buffers and tables).
+    `shards`: one rank of ZeRO-1 over that many, whose moments cover its region of the flat buffers only.
 
         >>> from nanoeuler.model.config import ModelConfig
         >>> cfg = ModelConfig.named("gpu")
@@ -319,13 +407,17 @@ def engine_bytes(
         >>> ckpt = engine_bytes(cfg, 16, 512, attention="wg", fuse_swiglu=True, fuse_rope=True, checkpoint=True)
         >>> ckpt["activations"] < full["activations"] / 3, ckpt["params"] == full["params"]
         (True, True)
+        >>> zero4 = engine_bytes(cfg, 16, 512, attention="wg", fuse_swiglu=True, fuse_rope=True, shards=4)
+        >>> round(zero4["moments"] / full["moments"], 2), round(zero4["params"] / full["params"], 3)
+        (0.27, 1.081)
     """
     if attention not in ATTENTION_VARIANTS or head not in ("ce", "dpo"):
         raise ValueError(f"attention {attention!r} (one of {ATTENTION_VARIANTS}), head {head!r} ('ce' or 'dpo')")
     B, T = int(batch), int(seq)
     N = B * T
     L, C, H, Hkv, D, F, V, K = cfg.letters
-    n = plan_layout(cfg).total
+    lay = plan_layout(cfg, shards=shards)
+    n = lay.total
     bf, f4 = 2, 4
     qb = bf if attention != "fp32" else f4  # the attention operands' element size
     keep = 1 if checkpoint else L  # layers whose activations exist at once
@@ -372,7 +464,7 @@ def engine_bytes(
     return {
         "params": n * f4,
         "grads": n * f4,
-        "moments": 2 * n * f4,
+        "moments": 2 * lay.span * f4,
         "image": n * bf,
         "wdt": (L * F * C * bf + L * 8) if fuse_swiglu else 0,
         "accumulator": (n * f4 + f4) if accum else 0,

@@ -6,7 +6,10 @@ calls of `TrainEngine._zero_update`) as sums over the ranks in rank order.
 The runs are not bit for bit alike: the embedding's backward adds with float atomics (in any order, so
 two unsharded runs differ too), the sharded norm adds the regions' sums of squares in another order, and
 Muon's per-layer sums and batched GEMMs run over a rank's layers instead of all. The weights are compared
-against how far training moved them."""
+against how far training moved them, over the first 3 steps: there the runs agree to ~2e-8 (measured on an
+H100), while a wrong moment or region would differ by far more from the second step on. Later, a last-bit
+difference can round a bf16 image the other way and grow: two unsharded runs of this tiny model are
+1.5e-3 (AdamW) and 3e-2 (Muon) apart after 10 steps, so a longer comparison would test the noise."""
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ pytestmark = pytest.mark.gpu
 
 CFG_ARGS = dict(vocab_size=256, dim=128, n_layers=4, n_heads=2, n_kv_heads=1, ctx_len=64, ffn_hidden=384, mtp_heads=2)
 T, LR, MAX_NORM = 64, 3e-3, 0.1  # a norm limit every step's gradient exceeds: the global norm clips
+STEPS, TOL = 3, 1e-5  # steps compared, and the weights' distance allowed, relative to the distance trained
 
 
 def _cfg():
@@ -135,9 +139,9 @@ def _assert_moved_alike(got: dict, want: dict, start: dict, tol: float) -> float
 
 
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("optimizer, tol", [("adamw", 2e-3), ("muon", 2e-2)])
-def test_sharded_engines_train_as_the_unsharded_data_parallel_step(optimizer, tol, n):
-    """10 steps, rank r on rows r::n of a global batch of 2n: every rank's weights follow the unsharded run,
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_sharded_engines_train_as_the_unsharded_data_parallel_step(optimizer, n):
+    """STEPS steps, rank r on rows r::n of a global batch of 2n: every rank's weights follow the unsharded run,
     its losses and the clipped norm too; the gathered state is the unsharded optimizer's; each rank holds
     its region's moments only, as `plan.engine_bytes` counts them."""
     from nanoeuler.kernels.bf16.plan import engine_bytes
@@ -145,21 +149,22 @@ def test_sharded_engines_train_as_the_unsharded_data_parallel_step(optimizer, to
 
     params = transformer.init_params(_cfg(), seed=0)
     plain, zero = _engine(params, 2, optimizer), _sharded(params, 2, optimizer, n)
-    for x, y in _batches(0, 10, 2 * n):
+    tol = TOL
+    for x, y in _batches(0, STEPS, 2 * n):
         micro = [(x[r::n], y[r::n]) for r in range(n)]
         want_losses, want_norm = plain_step(plain, micro)
         got_losses, got_norm = zero_step(zero, micro)
-        np.testing.assert_allclose(got_losses, want_losses, rtol=1e-3)
-        assert want_norm > MAX_NORM and got_norm == pytest.approx(want_norm, rel=1e-3)
+        np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+        assert want_norm > MAX_NORM and got_norm == pytest.approx(want_norm, rel=1e-5)
     want = _host(plain.params())
     for e in zero:
         worst = _assert_moved_alike(_host(e.params()), want, params, tol)
     got_params, got_state, t = gathered_state(zero)
     want_state = _host(plain.state_tensors())
-    assert got_state.keys() == want_state.keys() and t == plain.t == 10
+    assert got_state.keys() == want_state.keys() and t == plain.t == STEPS
     for k, v in want_state.items():
         assert np.linalg.norm(got_state[k] - v) <= tol * np.linalg.norm(v), k
-    print(f"\nZeRO-1 {optimizer} x{n}, 10 steps: weights within {worst:.2e} of the distance trained")
+    print(f"\nZeRO-1 {optimizer} x{n}, {STEPS} steps: weights within {worst:.2e} of the distance trained")
     assert sum(e.Mo.size for e in zero) == zero[0].layout.total < n * plain.Mo.size
     if optimizer == "adamw":  # (Muon's tiny-model scratch lies outside the plan)
         e = zero[-1]
@@ -169,31 +174,34 @@ def test_sharded_engines_train_as_the_unsharded_data_parallel_step(optimizer, to
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_a_sharded_run_resumes_on_another_world_and_on_one_gpu(optimizer):
-    """4 steps on 2 sharded ranks, the gathered checkpoint resumed on 4, then on one unsharded engine: the
-    global batch of 4 rows throughout trains as one engine of batch 4 does for all 12 steps."""
+    """A step on 2 sharded ranks, the gathered checkpoint resumed on 4 for a step, then on one unsharded
+    engine: the same as the unsharded data-parallel steps on 2, 4 and 1 ranks, each resumed from the last's
+    checkpoint (the second and third steps read moments that crossed a change of world). The reference
+    splits each step's batch as the sharded run does: a split of its own (4 rows against 2 x 2, say) adds
+    the loss in another order, which this tiny model, its moments near zero, turns into 1e-2 by step 2."""
     from nanoeuler.model import transformer
 
     params = transformer.init_params(_cfg(), seed=1)
-    batches = _batches(1, 12, 4)
-    ref = _engine(params, 4, optimizer)
-    for x, y in batches:
-        plain_step(ref, [(x, y)])
-    two = _sharded(params, 2, optimizer, 2)
-    for x, y in batches[:4]:
-        zero_step(two, [(x[r::2], y[r::2]) for r in range(2)])
-    p, state, t = gathered_state(two)
-    del two
-    four = _sharded(p, 1, optimizer, 4, state, t)
-    for x, y in batches[4:8]:
-        zero_step(four, [(x[r::4], y[r::4]) for r in range(4)])
-    p, state, t = gathered_state(four)
-    del four
+    batches, worlds = _batches(1, STEPS, 4), (2, 4, 1)
+    ref, p, state, t = None, params, None, 0
+    for n, (x, y) in zip(worlds, batches):
+        ref = _engine(p, 4 // n, optimizer)
+        if state is not None:
+            ref.load_state_tensors(state, t)
+        plain_step(ref, [(x[r::n], y[r::n]) for r in range(n)])
+        p, state, t = _host(ref.params()), _host(ref.state_tensors()), ref.t
+    p, state, t = params, None, 0
+    for n, (x, y) in zip(worlds[:2], batches):
+        zero = _sharded(p, 4 // n, optimizer, n, state, t)
+        zero_step(zero, [(x[r::n], y[r::n]) for r in range(n)])
+        p, state, t = gathered_state(zero)
+        del zero
     one = _engine(p, 4, optimizer)
     one.load_state_tensors(state, t)
-    for x, y in batches[8:]:
-        plain_step(one, [(x, y)])
-    assert one.t == ref.t == 12
-    _assert_moved_alike(_host(one.params()), _host(ref.params()), params, 2e-3 if optimizer == "adamw" else 2e-2)
+    x, y = batches[2]
+    plain_step(one, [(x, y)])
+    assert one.t == ref.t == STEPS
+    _assert_moved_alike(_host(one.params()), _host(ref.params()), params, TOL)
 
 
 class Alone:

@@ -68,6 +68,29 @@ class Model:
         self.tok = Tokenizer.from_json(tokenizer_json)
         self.stop_ids = frozenset({self.tok.end_id, self.tok.eot_id})
         self.token_bytes = _TokenBytes(self.tok)  # a token's bytes, looked up once
+        self.token_text = _TokenText(self.token_bytes)
+
+
+class _TokenText(dict):
+    """token id -> its text when its bytes are whole UTF-8 on their own, else None (a character split over
+    tokens): a stream decodes such a token without the incremental decoder, once per token id.
+
+    >>> tok = type("Tok", (), {"decode_bytes": lambda self, ids: bytes(ids)})()
+    >>> text = _TokenText(_TokenBytes(tok)); text[65], text[0xE4]
+    ('A', None)
+    """
+
+    def __init__(self, token_bytes):
+        super().__init__()
+        self.token_bytes = token_bytes
+
+    def __missing__(self, token: int) -> str | None:
+        try:
+            text = self.token_bytes[token].decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        self[token] = text
+        return text
 
 
 class RemoteJob:
@@ -90,6 +113,11 @@ class RemoteJob:
         if not self._cancelled and self.outcome is None:
             self._cancelled = True
             self.engine._send(("cancel", self.key))
+
+    @property
+    def ready(self) -> bool:
+        """Whether more has arrived than `batches` has given yet (its end, say): a reader may write once for both."""
+        return bool(self._items)
 
     def _arrive(self, items: list) -> None:
         self._items.extend(items)
@@ -248,19 +276,24 @@ class EngineProcess:
         self.waiting = waiting
         if stats is not None:
             self.engine_stats = stats
-        now, firsts, gaps = time.monotonic(), [], []
-        for key, tokens, records, end in news:
+        now, firsts, gaps, count = time.monotonic(), [], [], 0
+        for key, tokens, records, end in news:  # `tokens`: a list of this message's own, extended in place
             job = self._jobs.get(key)
             if job is None:
                 continue
-            items = list(tokens)
             if tokens:
-                (gaps if job.generated else firsts).append(now - job.last_at)
-                gaps += [0.0] * (len(tokens) - 1)
+                n = len(tokens)
+                if job.generated:
+                    gaps.append(now - job.last_at)
+                else:
+                    firsts.append(now - job.last_at)
+                if n > 1:  # tokens of one step (speculation) arrive together
+                    gaps += [0.0] * (n - 1)
                 job.last_at = now
-                job.generated += len(tokens)
-                self.counts["tokens"] += len(tokens)
-            job.records += records
+                job.generated += n
+                count += n
+            if records:
+                job.records += records
             if end is not None:
                 if job.guided is not None and not job.guided.done():  # failed before its grammar was told
                     job.guided.set_result(None)
@@ -268,8 +301,9 @@ class EngineProcess:
                 job.outcome = outcome
                 self.counts[outcome] += 1
                 del self._jobs[key]
-                items.append(END if error is None else _local_error(error))
-            job._arrive(items)
+                tokens.append(END if error is None else _local_error(error))
+            job._arrive(tokens)
+        self.counts["tokens"] += count
         if self.metrics is not None:
             self.metrics.token_latencies(firsts, gaps)
 

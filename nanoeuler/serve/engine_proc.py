@@ -35,7 +35,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
 
 from nanoeuler.errors import UserError
 from nanoeuler.serve.backend import Sampling, _TokenBytes
@@ -106,7 +105,7 @@ class RemoteJob:
         # a job with a schema: the engine's word on its grammar (None: built; else the ApiError's (message, param))
         self.guided = asyncio.get_running_loop().create_future() if guided else None
         self._cancelled = False
-        self._items: deque = deque()
+        self._items: list = []  # token ids, then the end (END) or an error
         self._wake: asyncio.Future | None = None
 
     def cancel(self) -> None:
@@ -120,7 +119,9 @@ class RemoteJob:
         return bool(self._items)
 
     def _arrive(self, items: list) -> None:
-        self._items.extend(items)
+        if not items:
+            return
+        self._items += items
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
@@ -134,16 +135,14 @@ class RemoteJob:
                     await self._wake
                 finally:
                     self._wake = None
-            batch = []
-            while self._items:
-                item = self._items.popleft()
-                if item is END or isinstance(item, BaseException):
-                    if batch:
-                        yield batch
-                    if item is END:
-                        return
-                    raise item
-                batch.append(item)
+            batch, self._items = self._items, []
+            last = batch[-1]  # the end or an error comes last: the job has left `EngineProcess._jobs`
+            if last is END or isinstance(last, BaseException):
+                if len(batch) > 1:
+                    yield batch[:-1]
+                if last is END:
+                    return
+                raise last
             yield batch
 
 

@@ -3,6 +3,7 @@
     python bench/serve_overhead.py                            # 1, 8, 32 and 64 streaming clients, 0.3+0.7 ms steps
     python bench/serve_overhead.py --levels 32 --profile      # and where the server's time goes (cProfile)
     python bench/serve_overhead.py --step-ms 0.25 --levels 1  # a one-row GPU step
+    python bench/serve_overhead.py --asgi --levels 32,64       # the HTTP side's CPU per token alone, no sockets
 
 The engine is the GPU's stand-in: a slot backend (`start`, `prefill`, `decode`, prefix rows) whose decode
 step first runs --host-us of busy Python (a GPU step's kernel launches: host work that holds the GIL), then
@@ -17,10 +18,19 @@ For each level, L clients each send --requests streamed /v1/completions requests
 bodies read by hand, no JSON parsed but the last chunk's usage), so the client costs little beside the server.
 Per level it prints: tokens/s, and that against the ideal (every step fully used: rows / step time, the fake's
 host work and sleep as measured alone); the scheduler thread's host ms per step (time between the fake's calls,
-not in them) and its CPU ms per step (the rest of host time is waiting for the GIL); p50/p99 of the time
-between a stream's reads; failures. Then the time to first token of one-token answers, one request at a time
+not in them) and its CPU ms per step (the rest of host time is waiting for the GIL); the event loop's CPU per
+step and per token (the HTTP process's cost, less moved by other work on a busy machine than the times are);
+server-sent events per body write (above 1 where streams fell behind, `/metrics`' stream counters); p50/p99 of
+the time between a stream's reads; failures. Then the time to first token of one-token answers, one request at a time
 (streamed and not), and with --profile a cProfile of the event loop's thread and of the scheduler's thread at
 the top level. The server CPU per request counts both processes.
+
+--asgi measures the HTTP process's own code alone, which a busy machine moves less than it moves the times
+above: in one process, L streamed requests go through the app's ASGI interface (the middleware and routes
+included, a `send` that keeps nothing: no uvicorn, no sockets) and a loop hands `EngineProcess._step` one
+token per stream per step, letting the event loop turn after every 1 and every 4 steps (a stream that
+keeps up, and one that fell 4 steps behind). It prints the loop's CPU microseconds per token and the
+writes per stream, the median of --repeats runs.
 """
 
 from __future__ import annotations
@@ -185,6 +195,7 @@ def serve(args) -> None:
     async def stats():
         there = engine.engine_stats  # sent with every job's end: fresh once a level's answers are in
         own = {"loop_cpu": time.thread_time(), "process_cpu": time.process_time() + there["cpu_s"]}
+        own.update(events=app.state.metrics.stream_events, writes=app.state.metrics.stream_writes)
         return {**there, **own}
 
     @app.post("/bench/profile/{what}")
@@ -225,6 +236,83 @@ def hot_spots(prof, top: int) -> str:
     stats.sort_stats("tottime").print_stats(top)
     text = out.getvalue()
     return text[text.find("   ncalls") :] if "   ncalls" in text else text
+
+
+# ---- the HTTP side alone (--asgi) ---------------------------------------------------------------------
+
+
+def asgi_cost(streams: int, every: int, max_tokens: int) -> tuple[float, float]:
+    """(the loop's CPU us per token, writes per stream) of `streams` answers of `max_tokens` tokens, the loop
+    turning after every `every` steps."""
+    from nanoeuler.serve.app import ServeConfig, create_app
+    from nanoeuler.serve.engine_proc import EngineProcess, Model
+
+    tok = tokenizer()
+    texts = [t for t in range(tok.vocab_size) if _text(tok, t)]
+    engine = EngineProcess(None, max_batch=streams, max_queue=0)  # no process: `_step` is called here
+    engine.model = Model("fake", 512, 1, tok.to_json())
+    engine._send = lambda message: None
+    app = create_app(engine, ServeConfig(max_tokens=max_tokens))
+    body = {"prompt": PROMPT, "stream": True, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
+    raw = json.dumps({**body, "stream_options": {"include_usage": True}}).encode()
+    writes = 0
+
+    async def request():
+        nonlocal writes
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "root_path": "",
+            "query_string": b"",
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+        }
+        messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()  # the client stays
+
+        async def send(message):
+            nonlocal writes
+            writes += message["type"] == "http.response.body" and bool(message.get("body"))
+
+        await app(scope, receive, send)
+
+    async def run() -> float:
+        answers = [asyncio.ensure_future(request()) for _ in range(streams)]
+        while len(engine._jobs) < streams:
+            await asyncio.sleep(0)
+        cpu = time.thread_time()
+        for pos in range(max_tokens):
+            end = ("finished", None, False) if pos == max_tokens - 1 else None
+            engine._step([(key, [texts[(key * 31 + pos * 7) % len(texts)]], [], end) for key in engine._jobs], 0, None)
+            if pos % every == every - 1 or end:
+                for _ in range(8):  # the streams' tasks run (each wakes, writes, waits again)
+                    await asyncio.sleep(0)
+        await asyncio.gather(*answers)
+        return time.thread_time() - cpu
+
+    cpu = asyncio.run(run())
+    return cpu / (streams * max_tokens) * 1e6, writes / streams
+
+
+def asgi_main(args) -> int:
+    print(f"the HTTP side over ASGI: {args.max_tokens} tokens a stream, median of {args.repeats} runs")
+    print(f"{'streams':>7} {'steps a turn':>12} {'us/token':>9} {'writes/stream':>13}")
+    for streams in [int(x) for x in args.levels.split(",")]:
+        for every in (1, 4):
+            runs = [asgi_cost(streams, every, args.max_tokens) for _ in range(args.repeats)]
+            cost = float(np.median([us for us, _ in runs]))
+            print(f"{streams:>7} {every:>12} {cost:>9.2f} {runs[0][1]:>13.1f}")
+    return 0
 
 
 # ---- the clients --------------------------------------------------------------------------------------
@@ -338,6 +426,8 @@ async def level(host, port, clients: int, args) -> dict:
         "cpu_ms": (after["cpu"] - before["cpu"]) / max(steps, 1) * 1e3,
         "loop_cpu_ms": (after["loop_cpu"] - before["loop_cpu"]) / max(steps, 1) * 1e3,
         "rows": (after["rows"] - before["rows"]) / max(steps, 1),
+        "loop_us_token": (after["loop_cpu"] - before["loop_cpu"]) / max(after["rows"] - before["rows"], 1) * 1e6,
+        "per_write": (after["events"] - before["events"]) / max(after["writes"] - before["writes"], 1),
         "sleep_ms": engine * 1e3,
         "ttft_p50": float(np.median([r["ttft"] for r in ok])) * 1e3 if ok else float("nan"),
         "gap_p50": float(np.percentile(gaps, 50)),
@@ -390,6 +480,8 @@ def main() -> int:
     ap.add_argument("--ttft-repeats", type=int, default=30)
     ap.add_argument("--profile", action="store_true", help="profile the server at the top level (a run of its own)")
     ap.add_argument("--top", type=int, default=25, help="functions per profile")
+    ap.add_argument("--asgi", action="store_true", help="only the HTTP side's CPU per token, in this process")
+    ap.add_argument("--repeats", type=int, default=5, help="--asgi: runs per row")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     ap.add_argument("--max-batch", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -397,6 +489,8 @@ def main() -> int:
     if args.serve:
         serve(args)
         return 0
+    if args.asgi:
+        return asgi_main(args)
     cmd = [
         sys.executable,
         __file__,
@@ -439,17 +533,20 @@ def main() -> int:
     )
     print(
         f"{'clients':>7} {'tokens/s':>9} {'ideal':>8} {'/ideal':>6} {'rows/step':>9} {'step ms':>8} {'host ms':>8} "
-        f"{'cpu ms':>7} {'loop cpu':>8} {'TTFT p50':>9} {'gap p50':>8} {'gap p99':>8} {'failures':>8}"
+        f"{'cpu ms':>7} {'loop cpu':>8} {'us/token':>8} {'ev/write':>8} {'TTFT p50':>9} {'gap p50':>8} {'gap p99':>8} "
+        f"{'failures':>8}"
     )
     for r in rows:
         print(
             f"{r['clients']:>7} {r['tokens_per_s']:>9.0f} {r['ideal']:>8.0f} {r['tokens_per_s'] / r['ideal']:>5.2f}x "
             f"{r['rows']:>9.1f} {r['step_ms']:>8.3f} {r['host_ms']:>8.3f} {r['cpu_ms']:>7.3f} {r['loop_cpu_ms']:>8.3f} "
+            f"{r['loop_us_token']:>8.1f} {r['per_write']:>8.2f} "
             f"{r['ttft_p50']:>7.1f}ms {r['gap_p50']:>6.2f}ms {r['gap_p99']:>6.2f}ms {r['failures']:>8}"
         )
     print(
         "(step ms: the scheduler thread's time per decode step; host ms: of that, outside the fake engine; cpu ms:"
-        " the scheduler thread's CPU per step; loop cpu: the event loop thread's CPU per step)"
+        " the scheduler thread's CPU per step; loop cpu: the event loop thread's CPU per step, us/token: per token"
+        " generated; ev/write: server-sent events per body write of the streams)"
     )
     prompt_tokens = len(tokenizer().encode(PROMPT))
     print(

@@ -6,6 +6,7 @@ only the slots in use, and streams that join together are prefilled together."""
 import asyncio
 import json
 import threading
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,10 +18,10 @@ pytest.importorskip("fastapi")
 prometheus_client = pytest.importorskip("prometheus_client")
 
 from nanoeuler.infer.sampling import Sampling  # noqa: E402
-from nanoeuler.serve.app import _event, _events, _Shape, _Text  # noqa: E402
+from nanoeuler.serve.app import _event, _Shape, _stream, _Text  # noqa: E402
 from nanoeuler.serve.backend import _TokenBytes  # noqa: E402
 from nanoeuler.serve.metrics import ITL_BUCKETS, _Histogram  # noqa: E402
-from nanoeuler.serve.engine_proc import EngineProcess, RemoteJob, _Wire  # noqa: E402
+from nanoeuler.serve.engine_proc import EngineProcess, RemoteJob, _TokenText, _Wire  # noqa: E402
 from nanoeuler.serve.scheduler import END, Scheduler  # noqa: E402
 from serve_fixtures import run_streams  # noqa: E402
 from train_fixtures import make_tokenizer  # noqa: E402
@@ -33,8 +34,13 @@ def tok():
 
 def served(tok, name="m"):
     """What the HTTP layer asks of a backend, without an engine."""
+    token_bytes = _TokenBytes(tok)
     return SimpleNamespace(
-        name=name, tok=tok, stop_ids=frozenset({tok.end_id, tok.eot_id}), token_bytes=_TokenBytes(tok)
+        name=name,
+        tok=tok,
+        stop_ids=frozenset({tok.end_id, tok.eot_id}),
+        token_bytes=token_bytes,
+        token_text=_TokenText(token_bytes),
     )
 
 
@@ -131,31 +137,84 @@ def test_an_event_from_the_template_is_the_json_of_its_chunk(tok, kind, index, p
     shape = _Shape(kind, served(tok, name), 3, None)
     got = shape.event(index, piece, finish)
     assert got == _event(shape.chunk(index, piece, finish))
+    assert shape.event(index, piece, finish) == got  # the second time from `_Shape._TAILS`
     assert json.loads(got[len("data: ") :]) == shape.chunk(index, piece, finish)
 
 
-def test_a_stream_that_fell_behind_gets_its_pieces_in_one_write_each_its_own_chunk(tok):
-    """Everything a job generated has arrived before the stream is read: one write of the pieces (an OpenAI
-    chunk each), then one of the finish, the usage and [DONE]."""
-    ids = tok.encode("Paris is the capital.")
-    backend = served(tok)
+def streamed(jobs, texts, shape, arrivals=None):
+    """`_stream`'s writes (each a list of events and whether it ends the body), `arrivals()` run beside it."""
+    writes = []
+
+    async def write(events, last=False):
+        writes.append((list(events), last))
 
     async def scenario():
-        job = RemoteJob(None, 0)
-        job.generated, job.outcome = len(ids), "finished"  # as `EngineProcess._step` leaves an ended job
-        job._arrive(ids + [END])
-        shape = _Shape("text", backend, 4, None)
-        return [w async for w in _events([job], [_Text(job, backend, ())], shape, True, "rid")]
+        stream = asyncio.ensure_future(_stream(jobs, texts, shape, True, "rid", write))
+        if arrivals is not None:
+            await arrivals()
+        await stream
 
-    writes = asyncio.run(scenario())
-    assert len(writes) == 2
-    chunks = [json.loads(e[len("data: ") :]) for e in writes[0].split("\n\n") if e]
-    assert len(chunks) == len(ids) and "".join(c["choices"][0]["text"] for c in chunks) == "Paris is the capital."
-    assert [c["choices"][0]["index"] for c in chunks] == [0] * len(ids) and len({c["id"] for c in chunks}) == 1
-    tail = writes[1].split("\n\n")
-    assert json.loads(tail[0][6:])["choices"][0]["finish_reason"] == "length"
-    assert json.loads(tail[1][6:])["usage"]["completion_tokens"] == len(ids)
-    assert tail[2] == "data: [DONE]" and tail[3] == ""
+    asyncio.run(scenario())
+    return writes
+
+
+def chunks(events):
+    return [json.loads(e[len("data: ") :]) for e in events if e != "data: [DONE]\n\n"]
+
+
+def test_a_stream_that_fell_behind_gets_its_pieces_and_its_end_in_one_write_each_its_own_chunk(tok):
+    """Everything a job generated has arrived before the stream is read: one write of the pieces (an OpenAI
+    chunk each), the finish, the usage and [DONE]."""
+    ids = tok.encode("Paris is the capital.")
+    backend = served(tok)
+    job = RemoteJob(None, 0)
+    job.generated, job.outcome = len(ids), "finished"  # as `EngineProcess._step` leaves an ended job
+    job._arrive(ids + [END])
+    writes = streamed([job], [_Text(job, backend, ())], _Shape("text", backend, 4, None))
+    assert len(writes) == 1 and writes[0][1]  # the one write ends the body
+    events = writes[0][0]
+    got = chunks(events)
+    assert len(events) == len(ids) + 3 and events[-1] == "data: [DONE]\n\n"
+    assert "".join(c["choices"][0]["text"] for c in got[:-2]) == "Paris is the capital."
+    assert [c["choices"][0]["index"] for c in got[:-1]] == [0] * (len(ids) + 1) and len({c["id"] for c in got}) == 1
+    assert got[-2]["choices"][0]["finish_reason"] == "length" and got[-1]["usage"]["completion_tokens"] == len(ids)
+
+
+def test_a_stream_that_keeps_up_writes_each_piece_as_it_comes_and_choices_that_fell_behind_write_once(tok):
+    """Tokens that arrive one at a time, each read before the next: a write per piece (light load changes
+    nothing), the end in one more. Two choices whose tokens have all arrived: one write, each piece its own
+    chunk naming its choice, in the order of each choice's text."""
+    ids = tok.encode("Blue sky.")
+    backend = served(tok)
+    job = RemoteJob(None, 0)
+
+    async def one_at_a_time():
+        for t in ids:
+            job.generated += 1
+            job._arrive([t])
+            for _ in range(5):  # the stream's task runs and writes
+                await asyncio.sleep(0)
+        job.outcome = "finished"
+        job._arrive([END])
+
+    writes = streamed([job], [_Text(job, backend, ())], _Shape("chat", backend, 4, None), one_at_a_time)
+    assert [len(events) for events, _ in writes] == [1] + [1] * len(ids) + [3]
+    assert [last for _, last in writes] == [False] * (len(ids) + 1) + [True]
+    got = [c["choices"][0] for c in chunks(sum((events for events, _ in writes), [])) if c["choices"]]
+    assert "".join(c["delta"].get("content", "") for c in got) == "Blue sky."
+
+    texts = ["Paris.", "Blue sky."]
+    jobs = [RemoteJob(None, k) for k in range(2)]
+    for job, text in zip(jobs, texts):
+        job.outcome = "finished"
+        job._arrive(tok.encode(text) + [tok.end_id, END])
+    writes = streamed(jobs, [_Text(job, backend, ()) for job in jobs], _Shape("chat", backend, 4, None))
+    assert len(writes) == 2  # the roles at once, then everything else
+    got = chunks(writes[1][0])
+    for i, text in enumerate(texts):
+        mine = [c["choices"][0] for c in got if c["choices"] and c["choices"][0]["index"] == i]
+        assert "".join(c["delta"].get("content", "") for c in mine) == text
+        assert mine[-1]["finish_reason"] == "stop" and len(mine) == len(tok.encode(text)) + 1
 
 
 # ---- /metrics -------------------------------------------------------------------------------------------
@@ -212,3 +271,107 @@ def test_decode_steps_cover_the_slots_in_use_and_joining_prompts_are_prefilled_t
     together, _ = run_streams(backend, specs)
     assert together == alone and set(widths) == {4} and prefills == [[0, 1, 2]]
     assert backend.free_slots == 8
+
+
+# ---- the app itself, a slow client ----------------------------------------------------------------------
+
+
+async def asgi(app, method: str, path: str, body: dict | None = None, send_s: float = 0.0, leave_after=None):
+    """One request through the app's ASGI interface, as uvicorn makes it: (status, [body messages]). Each body
+    message is held `send_s` seconds, as a client that reads slowly holds back a server that writes to it;
+    the client goes away after `leave_after` body messages."""
+    raw = json.dumps(body).encode() if body is not None else b""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    request = [{"type": "http.request", "body": raw, "more_body": False}]
+    start, bodies, gone = {}, [], asyncio.Event()
+
+    async def receive():
+        if request:
+            return request.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            start.update(message)
+            return
+        bodies.append(message)
+        if len(bodies) == leave_after:
+            gone.set()
+        await asyncio.sleep(send_s)
+
+    await app(scope, receive, send)
+    return start["status"], bodies
+
+
+def sse_chunks(bodies) -> tuple[list[dict], bool]:
+    """The chunks of a streamed answer's body messages, and whether it ends with `data: [DONE]`."""
+    events = b"".join(m["body"] for m in bodies).decode().split("\n\n")
+    assert events[-1] == "" and all(e.startswith("data: ") for e in events[:-1])
+    return [json.loads(e[6:]) for e in events[:-2]], events[-2] == "data: [DONE]"
+
+
+def test_a_slow_client_gets_every_token_as_its_own_event_in_fewer_writes(tmp_path_factory, caplog):
+    """The real app and engine process (the tiny chat model): a client that takes 20 ms per write falls behind
+    the engine and gets several events a write, the same events, in the same order, as a client that keeps
+    up, and the text of the whole answer; /metrics counts the events and the writes. A client that goes away
+    mid-answer cancels its generation, and nothing is logged as an error."""
+    from serve_fixtures import chat_model, served_backend
+
+    from nanoeuler.serve.app import ServeConfig, create_app
+
+    engine = EngineProcess(partial(served_backend, chat_model(tmp_path_factory), 4), 4, 8).start()
+    app = create_app(engine, ServeConfig(max_tokens=10**6))
+    body = {"prompt": "Name a color.", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    long = {**streamed, "max_tokens": 10**6}
+
+    async def scenario():
+        engine.attach()
+        try:
+            slow = await asgi(app, "POST", "/v1/completions", streamed, send_s=0.02)
+            quick = await asgi(app, "POST", "/v1/completions", streamed)
+            whole = await asgi(app, "POST", "/v1/completions", body)
+            metrics = await asgi(app, "GET", "/metrics")
+            _, left = await asyncio.wait_for(asgi(app, "POST", "/v1/completions", long, leave_after=3), 30)
+            for _ in range(1000):  # the engine's word that the job has ended
+                if not engine.stats()["active"]:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await engine.stop()
+        return slow, quick, whole, metrics, left
+
+    (status, slow), (_, quick), (_, whole), (_, metrics), left = asyncio.run(scenario())
+    assert len(left) >= 3 and left[-1]["more_body"] and not [r for r in caplog.records if r.levelname == "ERROR"]
+    stats = engine.stats()
+    assert stats["cancelled"] == 1 and stats["finished"] == 3 and stats["active"] == 0
+    assert status == 200 and [m["more_body"] for m in slow] == [True] * (len(slow) - 1) + [False]
+    (slow_chunks, done), (quick_chunks, quick_done) = sse_chunks(slow), sse_chunks(quick)
+    assert done and quick_done and [c["choices"] for c in slow_chunks] == [c["choices"] for c in quick_chunks]
+    answer = json.loads(b"".join(m["body"] for m in whole))
+    texts = [c["choices"][0]["text"] for c in slow_chunks if c["choices"] and c["choices"][0]["text"]]
+    assert "".join(texts) == answer["choices"][0]["text"] and slow_chunks[-1]["usage"] == answer["usage"]
+    assert answer["usage"]["completion_tokens"] == 40 and len(texts) >= 20  # a piece per token, but split characters
+    events = len(slow_chunks) + 1  # and [DONE]
+    assert len(slow) <= events // 3, f"{len(slow)} writes for {events} events"
+    counted = {
+        line.split()[0]: float(line.split()[1])
+        for line in b"".join(m["body"] for m in metrics).decode().splitlines()
+        if line.startswith("nanoeuler_stream_")
+    }
+    assert counted["nanoeuler_stream_events_total"] == events + len(quick_chunks) + 1
+    assert counted["nanoeuler_stream_writes_total"] == len(slow) + len(quick)

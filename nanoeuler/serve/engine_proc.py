@@ -35,7 +35,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
 
 from nanoeuler.errors import UserError
 from nanoeuler.serve.backend import Sampling, _TokenBytes
@@ -68,6 +67,29 @@ class Model:
         self.tok = Tokenizer.from_json(tokenizer_json)
         self.stop_ids = frozenset({self.tok.end_id, self.tok.eot_id})
         self.token_bytes = _TokenBytes(self.tok)  # a token's bytes, looked up once
+        self.token_text = _TokenText(self.token_bytes)
+
+
+class _TokenText(dict):
+    """token id -> its text when its bytes are whole UTF-8 on their own, else None (a character split over
+    tokens): a stream decodes such a token without the incremental decoder, once per token id.
+
+    >>> tok = type("Tok", (), {"decode_bytes": lambda self, ids: bytes(ids)})()
+    >>> text = _TokenText(_TokenBytes(tok)); text[65], text[0xE4]
+    ('A', None)
+    """
+
+    def __init__(self, token_bytes):
+        super().__init__()
+        self.token_bytes = token_bytes
+
+    def __missing__(self, token: int) -> str | None:
+        try:
+            text = self.token_bytes[token].decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        self[token] = text
+        return text
 
 
 class RemoteJob:
@@ -83,7 +105,7 @@ class RemoteJob:
         # a job with a schema: the engine's word on its grammar (None: built; else the ApiError's (message, param))
         self.guided = asyncio.get_running_loop().create_future() if guided else None
         self._cancelled = False
-        self._items: deque = deque()
+        self._items: list = []  # token ids, then the end (END) or an error
         self._wake: asyncio.Future | None = None
 
     def cancel(self) -> None:
@@ -91,8 +113,15 @@ class RemoteJob:
             self._cancelled = True
             self.engine._send(("cancel", self.key))
 
+    @property
+    def ready(self) -> bool:
+        """Whether more has arrived than `batches` has given yet (its end, say): a reader may write once for both."""
+        return bool(self._items)
+
     def _arrive(self, items: list) -> None:
-        self._items.extend(items)
+        if not items:
+            return
+        self._items += items
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
@@ -106,16 +135,14 @@ class RemoteJob:
                     await self._wake
                 finally:
                     self._wake = None
-            batch = []
-            while self._items:
-                item = self._items.popleft()
-                if item is END or isinstance(item, BaseException):
-                    if batch:
-                        yield batch
-                    if item is END:
-                        return
-                    raise item
-                batch.append(item)
+            batch, self._items = self._items, []
+            last = batch[-1]  # the end or an error comes last: the job has left `EngineProcess._jobs`
+            if last is END or isinstance(last, BaseException):
+                if len(batch) > 1:
+                    yield batch[:-1]
+                if last is END:
+                    return
+                raise last
             yield batch
 
 
@@ -248,19 +275,24 @@ class EngineProcess:
         self.waiting = waiting
         if stats is not None:
             self.engine_stats = stats
-        now, firsts, gaps = time.monotonic(), [], []
-        for key, tokens, records, end in news:
+        now, firsts, gaps, count = time.monotonic(), [], [], 0
+        for key, tokens, records, end in news:  # `tokens`: a list of this message's own, extended in place
             job = self._jobs.get(key)
             if job is None:
                 continue
-            items = list(tokens)
             if tokens:
-                (gaps if job.generated else firsts).append(now - job.last_at)
-                gaps += [0.0] * (len(tokens) - 1)
+                n = len(tokens)
+                if job.generated:
+                    gaps.append(now - job.last_at)
+                else:
+                    firsts.append(now - job.last_at)
+                if n > 1:  # tokens of one step (speculation) arrive together
+                    gaps += [0.0] * (n - 1)
                 job.last_at = now
-                job.generated += len(tokens)
-                self.counts["tokens"] += len(tokens)
-            job.records += records
+                job.generated += n
+                count += n
+            if records:
+                job.records += records
             if end is not None:
                 if job.guided is not None and not job.guided.done():  # failed before its grammar was told
                     job.guided.set_result(None)
@@ -268,8 +300,9 @@ class EngineProcess:
                 job.outcome = outcome
                 self.counts[outcome] += 1
                 del self._jobs[key]
-                items.append(END if error is None else _local_error(error))
-            job._arrive(items)
+                tokens.append(END if error is None else _local_error(error))
+            job._arrive(tokens)
+        self.counts["tokens"] += count
         if self.metrics is not None:
             self.metrics.token_latencies(firsts, gaps)
 

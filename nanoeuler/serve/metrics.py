@@ -4,6 +4,9 @@
     nanoeuler_generations_total{outcome}                jobs finished, cancelled, failed; requests rejected (429)
     nanoeuler_prompt_tokens_total                       prompt tokens of accepted requests (each choice counts)
     nanoeuler_generation_tokens_total                   tokens generated
+    nanoeuler_stream_events_total, nanoeuler_stream_writes_total   server-sent events of streamed answers, and the
+                                                        body writes that carried them (fewer when streams fell
+                                                        behind and several events went in one write)
     nanoeuler_queue_depth, nanoeuler_active_jobs        jobs waiting for a slot, jobs being decoded
     nanoeuler_time_to_first_token_seconds               histogram: submitted -> first token (queue included)
     nanoeuler_inter_token_latency_seconds               histogram: between a job's consecutive tokens
@@ -57,6 +60,8 @@ class Metrics:
         self.registry.register(self.ttft)
         self.registry.register(self.itl)
         self.registry.register(_Live(engine))
+        self.stream_events = self.stream_writes = 0  # counted by the event loop alone: plain integers
+        self.registry.register(self)  # `collect`: the streams' counts
         ProcessCollector(registry=self.registry)  # resident memory, CPU time: a soak test's flat-memory check
 
     def token_latencies(self, firsts, gaps) -> None:
@@ -69,6 +74,16 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+    def collect(self):
+        yield CounterMetricFamily(
+            "nanoeuler_stream_events", "server-sent events of streamed answers", value=self.stream_events
+        )
+        yield CounterMetricFamily(
+            "nanoeuler_stream_writes",
+            "body writes of streamed answers (several events each when behind)",
+            value=self.stream_writes,
+        )
 
 
 class _Histogram:

@@ -85,8 +85,8 @@ def hook_is_identity(dp, grads: dict) -> bool:
 
 
 def identity(dp, cfg) -> int:
-    """The data-parallel path at world 1 against the plain one. GPU training is not bit-reproducible here
-    (the embedding backward and the gradient norm add with atomics), so two plain runs are the baseline,
+    """The data-parallel path at world 1 against the plain one. The bf16 engine is not bit-reproducible
+    (its embedding backward and the norm gains' squares add with atomics), so two plain runs are the baseline,
     and the all-reduce itself is checked alone on one backward's gradients: it must change no bit."""
     import cupy as cp
 

@@ -113,46 +113,7 @@ sys.exit(0 if base and r0 > 0 and r <= 2 * r0 else 1)  # a path whose own runs d
 EOF
 }
 
-# ---- ZeRO-1: bit for bit against the unsharded run, resume on another world, optimizer memory ----
-if [ "$MODE" = zero ]; then
-    make_shards
-    B=8
-    for n in $(printf '%s\n' 2 4 | awk -v n="$N" '$1 <= n'); do
-        for z in 0 1; do
-            conf "$WORK/z$z-$n.yaml" fp32 $B "$STEPS" "zero: $z"
-            pretrain "$WORK/z$z-$n.yaml" "$WORK/z$z-$n" --gpus "$n" > "$LOG_DIR/zero$z-$n.log" 2>&1
-        done
-        pretrain "$WORK/z0-$n.yaml" "$WORK/again-$n" --gpus "$n" > "$LOG_DIR/zero0-again-$n.log" 2>&1
-        out=$(compare_runs "$WORK/z0-$n" "$WORK/z1-$n" exact "$WORK/again-$n"); rc=$?
-        record "zero 1 vs 0, $n GPUs x B$B, fp32" "$rc" "$out"
-    done
-    if [ "$N" -ge 4 ]; then  # 2 ranks x 2B to step 25, then 4 ranks x B from its checkpoint: the global batch stays
-        conf "$WORK/r2.yaml" fp32 $((2 * B)) "$STEPS" "zero: 1"; conf "$WORK/r4.yaml" fp32 $B "$STEPS" "zero: 1"
-        pretrain "$WORK/r2.yaml" "$WORK/r" --gpus 2 > "$LOG_DIR/resume2.log" 2>&1
-        pretrain "$WORK/r2.yaml" "$WORK/whole2" --gpus 2 > "$LOG_DIR/whole2.log" 2>&1
-        find "$WORK/r" -name 'ckpt_*.bin' ! -name 'ckpt_00000025.bin' -delete; rm -f "$WORK/r/base.bin"
-        pretrain "$WORK/r4.yaml" "$WORK/r" --gpus 4 > "$LOG_DIR/resume4.log" 2>&1; rc=$?
-        grep -q "resuming from step 25" "$LOG_DIR/resume4.log" || rc=1
-        out=$(compare_runs "$WORK/whole2" "$WORK/r" 1e-5) || rc=1
-        record "zero: 2 ranks' checkpoint resumed on 4" "$rc" \
-            "$(grep -o 'resuming from step [0-9]*' "$LOG_DIR/resume4.log"); $out"
-    fi
-    n=$(( N >= 4 ? 4 : N ))
-    for z in 0 1; do  # the 116M model at fp32, B4 x T512: what rank 0 holds and the measured peak
-        cat > "$WORK/m$z.yaml" <<EOF
-device: gpu
-model: {preset: gpu}
-pretrain: {precision: fp32, batch_size: 4, steps: 10, log_every: 5, eval_every: 100000, checkpoint_every: 100000,
-           val_tokens: 2048, zero: $z}
-EOF
-        pretrain "$WORK/m$z.yaml" "$WORK/m$z" --gpus "$n" > "$LOG_DIR/mem$z.log" 2>&1; rc=$?
-        record "116M fp32 B4, $n GPUs, zero $z: rank 0" "$rc" \
-            "$(grep -o 'keeps.*unsharded)' "$LOG_DIR/mem$z.log") $(grep -o 'device memory peak.*' "$LOG_DIR/mem$z.log")"
-    done
-    summary
-fi
-
-# ---- ZeRO-1 on the bf16 engine: against the unsharded run, resume on another world, optimizer memory ----
+# ---- ZeRO-1: against the unsharded run (fp32: bit for bit), resume on another world, optimizer memory ----
 compare_weights() {  # compare_weights RUN_A RUN_B BASELINE_B: the losses, and the final weights of B against A
     # beside those of a second plain run BASELINE_B (max over tensors of |b - a| / |a|, Frobenius norms)
     $PY - "$@" <<'EOF'
@@ -173,44 +134,56 @@ print(f"max rel loss diff {loss:.3g} over {len(logs[0])} steps; weights {got:.3g
 sys.exit(0 if loss <= 2e-2 and got <= max(4 * plain, 1e-3) else 1)
 EOF
 }
-if [ "$MODE" = zerobf16 ]; then
+zero_checks() {  # zero_checks PRECISION: the checks of `zero` (fp32) or `zerobf16` (bf16), then the summary
+    local prec=$1 mem_b=4 resume_limit=1e-5 n z rc out
+    [ "$prec" = bf16 ] && mem_b=16 resume_limit=2e-2
     make_shards
     B=8
     for n in $(printf '%s\n' 2 4 | awk -v n="$N" '$1 <= n'); do
         rc=0
         for z in 0 1; do
-            conf "$WORK/b$z-$n.yaml" bf16 $B "$STEPS" "zero: $z"
-            pretrain "$WORK/b$z-$n.yaml" "$WORK/b$z-$n" --gpus "$n" > "$LOG_DIR/bf16-zero$z-$n.log" 2>&1 || rc=1
+            conf "$WORK/$prec-z$z-$n.yaml" "$prec" $B "$STEPS" "zero: $z"
+            pretrain "$WORK/$prec-z$z-$n.yaml" "$WORK/$prec-z$z-$n" --gpus "$n" \
+                > "$LOG_DIR/$prec-zero$z-$n.log" 2>&1 || rc=1
         done
-        pretrain "$WORK/b0-$n.yaml" "$WORK/bagain-$n" --gpus "$n" > "$LOG_DIR/bf16-zero0-again-$n.log" 2>&1 || rc=1
-        out=$(compare_weights "$WORK/b0-$n" "$WORK/b1-$n" "$WORK/bagain-$n") || rc=1
-        record "bf16 zero 1 vs 0, $n GPUs x B$B" "$rc" "$out"
+        pretrain "$WORK/$prec-z0-$n.yaml" "$WORK/$prec-again-$n" --gpus "$n" \
+            > "$LOG_DIR/$prec-zero0-again-$n.log" 2>&1 || rc=1
+        if [ "$prec" = fp32 ]; then  # the fp32 path adds in a fixed order: every step and tensor, bit for bit
+            out=$(compare_runs "$WORK/$prec-z0-$n" "$WORK/$prec-z1-$n" exact "$WORK/$prec-again-$n") || rc=1
+        else  # the engine's embedding backward adds with atomics: as close as two zero-0 runs
+            out=$(compare_weights "$WORK/$prec-z0-$n" "$WORK/$prec-z1-$n" "$WORK/$prec-again-$n") || rc=1
+        fi
+        record "$prec zero 1 vs 0, $n GPUs x B$B" "$rc" "$out"
     done
     if [ "$N" -ge 4 ]; then  # 2 ranks x 2B to step 25, then 4 ranks x B from its checkpoint: the global batch stays
-        conf "$WORK/br2.yaml" bf16 $((2 * B)) "$STEPS" "zero: 1"; conf "$WORK/br4.yaml" bf16 $B "$STEPS" "zero: 1"
-        pretrain "$WORK/br2.yaml" "$WORK/br" --gpus 2 > "$LOG_DIR/bf16-resume2.log" 2>&1
-        pretrain "$WORK/br2.yaml" "$WORK/bwhole2" --gpus 2 > "$LOG_DIR/bf16-whole2.log" 2>&1
-        find "$WORK/br" -name 'ckpt_*.bin' ! -name 'ckpt_00000025.bin' -delete; rm -f "$WORK/br/base.bin"
-        pretrain "$WORK/br4.yaml" "$WORK/br" --gpus 4 > "$LOG_DIR/bf16-resume4.log" 2>&1; rc=$?
-        grep -q "resuming from step 25" "$LOG_DIR/bf16-resume4.log" || rc=1
-        out=$(compare_runs "$WORK/bwhole2" "$WORK/br" 2e-2) || rc=1
-        record "bf16 zero: 2 ranks' checkpoint resumed on 4" "$rc" \
-            "$(grep -o 'resuming from step [0-9]*' "$LOG_DIR/bf16-resume4.log"); $out"
+        conf "$WORK/$prec-r2.yaml" "$prec" $((2 * B)) "$STEPS" "zero: 1"
+        conf "$WORK/$prec-r4.yaml" "$prec" $B "$STEPS" "zero: 1"
+        pretrain "$WORK/$prec-r2.yaml" "$WORK/$prec-r" --gpus 2 > "$LOG_DIR/$prec-resume2.log" 2>&1
+        pretrain "$WORK/$prec-r2.yaml" "$WORK/$prec-whole2" --gpus 2 > "$LOG_DIR/$prec-whole2.log" 2>&1
+        find "$WORK/$prec-r" -name 'ckpt_*.bin' ! -name 'ckpt_00000025.bin' -delete
+        rm -f "$WORK/$prec-r/base.bin"
+        pretrain "$WORK/$prec-r4.yaml" "$WORK/$prec-r" --gpus 4 > "$LOG_DIR/$prec-resume4.log" 2>&1; rc=$?
+        grep -q "resuming from step 25" "$LOG_DIR/$prec-resume4.log" || rc=1
+        out=$(compare_runs "$WORK/$prec-whole2" "$WORK/$prec-r" "$resume_limit") || rc=1
+        record "$prec zero: 2 ranks' checkpoint resumed on 4" "$rc" \
+            "$(grep -o 'resuming from step [0-9]*' "$LOG_DIR/$prec-resume4.log"); $out"
     fi
     n=$(( N >= 4 ? 4 : N ))
-    for z in 0 1; do  # the 116M model at bf16, B16 x T512: what rank 0 holds and the measured peak
-        cat > "$WORK/bm$z.yaml" <<EOF
+    for z in 0 1; do  # the 116M model, B x T512: what rank 0 holds and the measured peak
+        cat > "$WORK/$prec-m$z.yaml" <<EOF
 device: gpu
 model: {preset: gpu}
-pretrain: {precision: bf16, batch_size: 16, steps: 10, log_every: 5, eval_every: 100000, checkpoint_every: 100000,
-           val_tokens: 2048, zero: $z}
+pretrain: {precision: $prec, batch_size: $mem_b, steps: 10, log_every: 5, eval_every: 100000,
+           checkpoint_every: 100000, val_tokens: 2048, zero: $z}
 EOF
-        pretrain "$WORK/bm$z.yaml" "$WORK/bm$z" --gpus "$n" > "$LOG_DIR/bf16-mem$z.log" 2>&1; rc=$?
-        record "116M bf16 B16, $n GPUs, zero $z: rank 0" "$rc" \
-            "$(grep -o 'keeps.*unsharded)' "$LOG_DIR/bf16-mem$z.log") $(grep -o 'device memory peak.*' "$LOG_DIR/bf16-mem$z.log")"
+        pretrain "$WORK/$prec-m$z.yaml" "$WORK/$prec-m$z" --gpus "$n" > "$LOG_DIR/$prec-mem$z.log" 2>&1; rc=$?
+        record "116M $prec B$mem_b, $n GPUs, zero $z: rank 0" "$rc" \
+            "$(grep -o 'keeps.*unsharded)' "$LOG_DIR/$prec-mem$z.log") $(grep -o 'device memory peak.*' "$LOG_DIR/$prec-mem$z.log")"
     done
     summary
-fi
+}
+[ "$MODE" = zero ] && zero_checks fp32
+[ "$MODE" = zerobf16 ] && zero_checks bf16
 
 # ---- two "nodes" on this host: NCCL over its network transport ----
 if [ "$MODE" = twonode ]; then

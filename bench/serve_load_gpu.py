@@ -86,8 +86,10 @@ def prompt_texts(n: int) -> list[str]:
     return [render_prompt(QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
 
 
-def peer(ckpt: Path, device: str, rows: int, max_tokens: int) -> float:
-    """Batched greedy decoding of `rows` prompts in this process: generated tokens/s (best of two runs)."""
+def peer(ckpt: Path, device: str, rows: int, max_tokens: int, temperature: float = 0.0) -> float:
+    """Batched decoding of `rows` prompts in this process, greedy or sampled at `temperature` (top-p 1, no
+    top-k, as the requests): generated tokens/s (best of two runs). Greedy steps feed themselves on the
+    GPU (`greedy_steps`), queued ahead of the host; sampled ones run one at a time, as the server's do."""
     from nanoeuler.infer.engine import load
     from nanoeuler.infer.sampling import Sampling
 
@@ -96,7 +98,8 @@ def peer(ckpt: Path, device: str, rows: int, max_tokens: int) -> float:
     best = 0.0
     for _ in range(3):  # the first run compiles kernels and records graphs
         t0 = time.perf_counter()
-        out = engine.generate(ids, max_tokens, Sampling(temperature=0), speculative=False)
+        sampling = Sampling(temperature=temperature, top_k=0, top_p=1.0)
+        out = engine.generate(ids, max_tokens, sampling, speculative=False)
         best = max(best, sum(len(o) for o in out) / (time.perf_counter() - t0))
     return best
 
@@ -135,11 +138,11 @@ def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str]:
         print(line, end="", file=sys.stderr)  # e.g. the note that max_batch was lowered to fit
 
 
-async def one_request(client, url: str, prompt: str, max_tokens: int) -> dict:
+async def one_request(client, url: str, prompt: str, max_tokens: int, temperature: float = 0.0) -> dict:
     body = {
         "prompt": prompt,
         "stream": True,
-        "temperature": 0,
+        "temperature": temperature,
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
@@ -265,7 +268,10 @@ async def _clients(url: str, indices: list, args, start_at: float) -> tuple[list
     async with httpx2.AsyncClient(timeout=600, limits=limits) as client:
 
         async def one_client(i):
-            return [await one_request(client, url, prompts[i], args.max_tokens) for _ in range(args.requests)]
+            return [
+                await one_request(client, url, prompts[i], args.max_tokens, args.temperature)
+                for _ in range(args.requests)
+            ]
 
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         results = [r for rs in await asyncio.gather(*(one_client(i) for i in indices)) for r in rs]
@@ -334,6 +340,7 @@ def main() -> int:
     ap.add_argument("--prefix-repeats", type=int, default=5)
     ap.add_argument("--soak", type=float, default=0, help="seconds of the top level after the levels (0: none)")
     ap.add_argument("--speculative", action="store_true", help="start the server with --speculative")
+    ap.add_argument("--temperature", type=float, default=0.0, help="requests' and peer's (default 0: greedy)")
     ap.add_argument(
         "--client-procs", type=int, help="processes a level's clients are spread over (default: one per 8 clients)"
     )
@@ -345,7 +352,7 @@ def main() -> int:
         make(args.save_model)
         return 0
     if args.peer_rows:
-        print(json.dumps(peer(args.ckpt, args.device, args.peer_rows, args.max_tokens)))
+        print(json.dumps(peer(args.ckpt, args.device, args.peer_rows, args.max_tokens, args.temperature)))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         if args.ckpt is None:
@@ -365,6 +372,8 @@ def main() -> int:
                     str(args.max_tokens),
                     "--peer-rows",
                     str(rows),
+                    "--temperature",
+                    str(args.temperature),
                 ],
                 capture_output=True,
                 text=True,
@@ -387,7 +396,8 @@ def main() -> int:
                 proc.wait(timeout=60)
     print(
         f"\n{args.ckpt.name} on {args.device} ({url}), {args.requests} requests per client, "
-        f"{args.max_tokens} tokens each, greedy; client processes {', '.join(str(r['procs']) for r in rows)}"
+        f"{args.max_tokens} tokens each, {'greedy' if args.temperature <= 0 else f'temperature {args.temperature:g}'}; "
+        f"client processes {', '.join(str(r['procs']) for r in rows)}"
     )
     print(
         f"{'clients':>7} {'requests':>8} {'failures':>8} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "

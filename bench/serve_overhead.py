@@ -241,6 +241,29 @@ def hot_spots(prof, top: int) -> str:
 # ---- the HTTP side alone (--asgi) ---------------------------------------------------------------------
 
 
+def asgi_scope(method: str, path: str, raw: bytes) -> dict:
+    """The ASGI scope uvicorn makes of an HTTP/1.1 request with the JSON body `raw`, for driving the app
+    without a socket.
+
+        >>> asgi_scope("GET", "/health", b"")["headers"][1]
+        (b'content-length', b'0')
+    """
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+
+
 def asgi_cost(streams: int, every: int, max_tokens: int) -> tuple[float, float]:
     """(the loop's CPU us per token, writes per stream) of `streams` answers of `max_tokens` tokens, the loop
     turning after every `every` steps."""
@@ -259,20 +282,7 @@ def asgi_cost(streams: int, every: int, max_tokens: int) -> tuple[float, float]:
 
     async def request():
         nonlocal writes
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/v1/completions",
-            "raw_path": b"/v1/completions",
-            "root_path": "",
-            "query_string": b"",
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 80),
-        }
+        scope = asgi_scope("POST", "/v1/completions", raw)
         messages = [{"type": "http.request", "body": raw, "more_body": False}]
 
         async def receive():

@@ -4,9 +4,11 @@ the JSON of the chunk objects, the latency histograms count as `prometheus_clien
 only the slots in use, and streams that join together are prefilled together."""
 
 import asyncio
+import importlib.util
 import json
 import threading
-from functools import partial
+from functools import cache, partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -276,25 +278,22 @@ def test_decode_steps_cover_the_slots_in_use_and_joining_prompts_are_prefilled_t
 # ---- the app itself, a slow client ----------------------------------------------------------------------
 
 
+@cache
+def _bench():
+    """bench/serve_overhead.py as a module (it drives the app over ASGI too: one scope builder for both)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "serve_overhead.py"
+    spec = importlib.util.spec_from_file_location("serve_overhead", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 async def asgi(app, method: str, path: str, body: dict | None = None, send_s: float = 0.0, leave_after=None):
     """One request through the app's ASGI interface, as uvicorn makes it: (status, [body messages]). Each body
     message is held `send_s` seconds, as a client that reads slowly holds back a server that writes to it;
     the client goes away after `leave_after` body messages."""
     raw = json.dumps(body).encode() if body is not None else b""
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": method,
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
+    scope = _bench().asgi_scope(method, path, raw)
     request = [{"type": "http.request", "body": raw, "more_body": False}]
     start, bodies, gone = {}, [], asyncio.Event()
 

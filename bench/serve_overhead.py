@@ -3,12 +3,16 @@
     python bench/serve_overhead.py                            # 1, 8, 32 and 64 streaming clients, 0.3+0.7 ms steps
     python bench/serve_overhead.py --levels 32 --profile      # and where the server's time goes (cProfile)
     python bench/serve_overhead.py --step-ms 0.25 --levels 1  # a one-row GPU step
+    python bench/serve_overhead.py --levels 32 --stepwise     # no greedy chain: a wait on every step
     python bench/serve_overhead.py --asgi --levels 32,64       # the HTTP side's CPU per token alone, no sockets
 
 The engine is the GPU's stand-in: a slot backend (`start`, `prefill`, `decode`, prefix rows) whose decode
 step first runs --host-us of busy Python (a GPU step's kernel launches: host work that holds the GIL), then
 sleeps --step-ms (a sleep lets go of the GIL, as a CUDA wait does) and returns a token per row, and
-whose prefill sleeps --prefill-us per prompt token. Everything else is what `nanoeuler serve` runs: the
+whose prefill sleeps --prefill-us per prompt token. Greedy streams (all of the bench's) go through its
+`greedy_chain`, timed as a GPU runs a queue: each step's launch is --host-us of busy Python, the steps land
+--step-ms apart, up to 3 queued ahead of the server (`FakeChain`); --stepwise takes it away, so the server
+waits on every step, as it did before the chain. Everything else is what `nanoeuler serve` runs: the
 `Backend` adapter and the scheduler's worker thread in the engine process, the FastAPI app and uvicorn in
 the HTTP process, started as a child on loopback (a 512-token BPE, so detokenizing is real). So what the
 fake does not sleep is the server's cost.
@@ -17,13 +21,14 @@ For each level, L clients each send --requests streamed /v1/completions requests
 --max-tokens tokens, usage asked for) through a lean HTTP/1.1 client (a keep-alive connection each, chunked
 bodies read by hand, no JSON parsed but the last chunk's usage), so the client costs little beside the server.
 Per level it prints: tokens/s, and that against the ideal (every step fully used: rows / step time, the fake's
-host work and sleep as measured alone); the scheduler thread's host ms per step (time between the fake's calls,
-not in them) and its CPU ms per step (the rest of host time is waiting for the GIL); the event loop's CPU per
-step and per token (the HTTP process's cost, less moved by other work on a busy machine than the times are);
-server-sent events per body write (above 1 where streams fell behind, `/metrics`' stream counters); p50/p99 of
-the time between a stream's reads; failures. Then the time to first token of one-token answers, one request at a time
-(streamed and not), and with --profile a cProfile of the event loop's thread and of the scheduler's thread at
-the top level. The server CPU per request counts both processes.
+host work and sleep as measured alone; with the chain the sleep alone, its launches being queued ahead); the
+scheduler thread's host ms per step (time between the fake's calls, not in them) and its CPU ms per step (the
+rest of host time is waiting for the GIL); the event loop's CPU per step and per token (the HTTP process's
+cost, less moved by other work on a busy machine than the times are); server-sent events per body write
+(above 1 where streams fell behind, `/metrics`' stream counters); p50/p99 of the time between a stream's
+reads; failures. Then the time to first token of one-token answers, one request at a time (streamed and not),
+and with --profile a cProfile of the event loop's thread and of the scheduler's thread at the top level. The
+server CPU per request counts both processes.
 
 --asgi measures the HTTP process's own code alone, which a busy machine moves less than it moves the times
 above: in one process, L streamed requests go through the app's ASGI interface (the middleware and routes
@@ -76,11 +81,13 @@ class FakeSlots:
         self.profile = None  # the cProfile.Profile the scheduler's thread runs while profile_dir/on exists
         # what one sleep of step_s takes on this machine with no other thread about (an oversleep is the
         # machine's, not the server's): the median of 200
-        self.sleep_s = float(np.median([self._timed_step() for _ in range(200)]))
+        self.sleep_s = float(np.median([self._timed_step(host_s) for _ in range(200)]))
+        self.device_s = float(np.median([self._timed_step(0.0) for _ in range(200)]))  # the sleep alone
+        self.greedy_chain = self._chain  # unset by `fake_backend(chain=False)`
 
-    def _timed_step(self) -> float:
+    def _timed_step(self, host_s: float) -> float:
         t0 = time.monotonic()
-        _spin(self.host_s)
+        _spin(host_s)
         time.sleep(self.step_s)
         return time.monotonic() - t0
 
@@ -123,6 +130,9 @@ class FakeSlots:
     def decode_logits(self, tokens, pos, mask):
         raise NotImplementedError("the fake engine does not give logits")
 
+    def _chain(self, tokens, pos, steps: int) -> "FakeChain":
+        return FakeChain(self, tokens, pos, steps)
+
     def _follow_switch(self) -> None:
         """Start profiling this thread when profile_dir/on appears; when it goes, write profile_dir/worker.prof."""
         on = os.path.exists(os.path.join(self.profile_dir, "on"))
@@ -133,6 +143,54 @@ class FakeSlots:
             self.profile.disable()
             self.profile.dump_stats(os.path.join(self.profile_dir, "worker.prof"))
             self.profile = None
+
+
+class FakeChain:
+    """The fake's `greedy_chain`, timed as the GPU runs a queue: queuing a step costs --host-us of busy Python
+    (its launch), and it lands --step-ms after the later of its queuing and the step before it; up to 3
+    steps are queued ahead of the reader. Its ids are `decode`'s."""
+
+    def __init__(self, fake: FakeSlots, tokens, pos, steps: int):
+        self.fake, self.pos, self.steps = fake, np.asarray(pos).copy(), steps
+        self.fed = int(np.count_nonzero(self.pos < fake.cfg.ctx_len - 1))  # rows not fed sit at the last position
+        self.lands, self.ids = [], []  # per queued step: when it lands, its ids
+        self.queued = self.read = 0
+        self.free_at = time.monotonic()  # when the "GPU" is done with what is queued
+
+    def fill(self) -> None:
+        f = self.fake
+        while self.queued - self.read < 3 and self.queued < self.steps:
+            _spin(f.host_s)
+            self.free_at = max(self.free_at, time.monotonic()) + f.step_s
+            self.lands.append(self.free_at)
+            self.ids.append(f.ok[(np.arange(len(self.pos)) * 31 + (self.pos + 1) * 7) % len(f.ok)])
+            self.pos = np.minimum(self.pos + 1, f.cfg.ctx_len - 1)
+            self.queued += 1
+            f.steps += 1
+            f.rows += self.fed
+            if f.first is None:
+                f.first = time.monotonic()
+
+    def ready(self) -> bool:
+        return self.read < self.queued and time.monotonic() >= self.lands[self.read]
+
+    def left(self) -> bool:
+        return self.read < self.queued or self.queued < self.steps
+
+    def stop(self) -> None:
+        self.steps = self.queued
+
+    def next(self):
+        f = self.fake
+        cpu = time.thread_time()
+        f.cpu += cpu - getattr(f, "_cpu_mark", cpu)
+        self.fill()
+        if self.read == self.queued:
+            return None
+        time.sleep(max(0.0, self.lands[self.read] - time.monotonic()))  # the wait for an event lets go of the GIL
+        self.read += 1
+        f.last, f._cpu_mark = time.monotonic(), time.thread_time()
+        return self.ids[self.read - 1]
 
 
 def _spin(seconds: float) -> None:
@@ -151,9 +209,12 @@ def _text(tok, t: int) -> bool:
         return False
 
 
-def fake_backend(step_ms: float, prefill_us: float, host_us: float, max_batch: int, profile_dir=None):
+def fake_backend(
+    step_ms: float, prefill_us: float, host_us: float, max_batch: int, profile_dir=None, chain: bool = True
+):
     """The server's `Backend` over a `FakeSlots` (a module-level function: the engine process builds it);
-    `extra_stats` adds the fake's counts to the engine's, which the bench's stats route reads."""
+    `extra_stats` adds the fake's counts to the engine's, which the bench's stats route reads. `chain=False`:
+    no `greedy_chain`, so greedy streams decode a step at a time, as on an engine without one."""
     from nanoeuler.infer.engine import DecodeEngine
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.serve.backend import Backend
@@ -161,6 +222,8 @@ def fake_backend(step_ms: float, prefill_us: float, host_us: float, max_batch: i
     tok = tokenizer()
     cfg = ModelConfig.from_section({"preset": "gpu"}, tok.vocab_size)
     fake = FakeSlots(cfg, step_ms / 1e3, prefill_us / 1e6, tok, host_us / 1e6, profile_dir)
+    if not chain:
+        del fake.greedy_chain
     backend = Backend(DecodeEngine(fake, cfg), tok, "fake", slots=max_batch, prefix_cache=8)
     backend.fake = fake
     backend.extra_stats = lambda: {
@@ -169,7 +232,9 @@ def fake_backend(step_ms: float, prefill_us: float, host_us: float, max_batch: i
         "cpu": fake.cpu,
         "first": fake.first,
         "last": fake.last,
-        "sleep_s": fake.sleep_s,
+        # what a server that cost nothing would take per step: a step's sleep, and its launches too unless
+        # they are queued ahead (the chain)
+        "sleep_s": fake.device_s if chain else fake.sleep_s,
     }
     return backend
 
@@ -186,7 +251,9 @@ def serve(args) -> None:
     from nanoeuler.serve.server import listen, uvicorn_config
 
     profile_dir = tempfile.mkdtemp(prefix="serve_overhead_") if args.profile else None
-    made = partial(fake_backend, args.step_ms, args.prefill_us, args.host_us, args.max_batch, profile_dir)
+    made = partial(
+        fake_backend, args.step_ms, args.prefill_us, args.host_us, args.max_batch, profile_dir, not args.stepwise
+    )
     engine = EngineProcess(made, args.max_batch, 4 * args.max_batch).start()
     app = create_app(engine, ServeConfig(max_tokens=max(args.max_tokens, 1)))
     loop_profile = []
@@ -488,6 +555,9 @@ def main() -> int:
         "--host-us", type=float, default=300.0, help="the fake engine's GIL-holding host work per step (launches)"
     )
     ap.add_argument("--ttft-repeats", type=int, default=30)
+    ap.add_argument(
+        "--stepwise", action="store_true", help="no greedy chain: the server decodes a step at a time and waits on each"
+    )
     ap.add_argument("--profile", action="store_true", help="profile the server at the top level (a run of its own)")
     ap.add_argument("--top", type=int, default=25, help="functions per profile")
     ap.add_argument("--asgi", action="store_true", help="only the HTTP side's CPU per token, in this process")
@@ -501,23 +571,27 @@ def main() -> int:
         return 0
     if args.asgi:
         return asgi_main(args)
-    cmd = [
-        sys.executable,
-        __file__,
-        "--serve",
-        "--max-batch",
-        str(max(levels)),
-        "--step-ms",
-        str(args.step_ms),
-        "--prefill-us",
-        str(args.prefill_us),
-        "--host-us",
-        str(args.host_us),
-        "--max-tokens",
-        str(args.max_tokens),
-        "--top",
-        str(args.top),
-    ] + (["--profile"] if args.profile else [])
+    cmd = (
+        [
+            sys.executable,
+            __file__,
+            "--serve",
+            "--max-batch",
+            str(max(levels)),
+            "--step-ms",
+            str(args.step_ms),
+            "--prefill-us",
+            str(args.prefill_us),
+            "--host-us",
+            str(args.host_us),
+            "--max-tokens",
+            str(args.max_tokens),
+            "--top",
+            str(args.top),
+        ]
+        + (["--profile"] if args.profile else [])
+        + (["--stepwise"] if args.stepwise else [])
+    )
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     line = proc.stderr.readline()
     found = re.search(r"http://([\d.]+):(\d+)/", line)
@@ -536,7 +610,8 @@ def main() -> int:
         proc.terminate()
         proc.wait(timeout=30)
     print(
-        f"\nfake engine: {args.step_ms} ms a step + {args.host_us:g} us of GIL-holding host work "
+        f"\nfake engine{' (stepwise)' if args.stepwise else ''}: {args.step_ms} ms a step + {args.host_us:g} us of "
+        "GIL-holding host work "
         f"({rows[0]['sleep_ms']:.3f} ms as this machine runs one alone), "
         f"{args.prefill_us} us a prompt token; {args.requests} requests per client, {args.max_tokens} tokens each; "
         f"max_batch {max(levels)}"

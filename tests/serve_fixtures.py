@@ -155,6 +155,26 @@ def run_streams(backend, specs):
     return got, streams
 
 
+def run_joining(backend, specs, slots: int, join_at: int):
+    """Every (prompt, n, sampling) through `backend.step`, as a server admits them: the first two start
+    together, the others join from step `join_at` on as slots come free; finished streams are closed (their
+    slots reused). (each spec's tokens, the most tokens a stream got from one step)."""
+    got, active, waiting, step, most = [[] for _ in specs], [], list(enumerate(specs)), 0, 0
+    while waiting or active:
+        while waiting and len(active) < slots and (step >= join_at or len(active) < 2):
+            i, (prompt, n, sampling) = waiting.pop(0)
+            active.append((i, backend.open(prompt, n, sampling, stop_at_end=False)))
+        for (i, stream), new in zip(active, backend.step([s for _, s in active])):
+            assert not isinstance(new, Exception), new
+            got[i] += new
+            most = max(most, len(new))
+        for i, stream in [a for a in active if a[1].done]:
+            stream.close()
+        active = [a for a in active if not a[1].done]
+        step += 1
+    return got, most
+
+
 class Outbox:
     """A `Scheduler`'s `send` that keeps what it is sent, per job; `calls`: the batches, one per call."""
 

@@ -27,7 +27,7 @@ from nanoeuler.serve.protocol import ApiError, parse_chat, parse_completion, par
 from nanoeuler.serve.scheduler import END, QueueFull, Scheduler  # noqa: E402
 from nanoeuler.serve.server import exposure_warning  # noqa: E402
 from nanoeuler.train.sft import encode_example  # noqa: E402
-from serve_fixtures import LEARNED, Outbox, chat_model, live_server, serve_argv  # noqa: E402
+from serve_fixtures import LEARNED, Outbox, chat_model, live_server, run_joining, serve_argv  # noqa: E402
 from train_fixtures import make_tokenizer  # noqa: E402
 
 FRANCE, COLOR = list(LEARNED)
@@ -176,15 +176,13 @@ def test_scheduler_batches_limits_the_queue_cancels_and_survives_a_failure():
     assert stats["finished"] == 3 and stats["failed"] == 1 and stats["cancelled"] == 1 and stats["rejected"] == 1
 
 
-def test_streams_joining_and_leaving_the_batch_equal_one_at_a_time(tok, tmp_path):
-    """The backend against the reference Generator, one prompt at a time: ragged prompts, greedy and two
-    seeded samplers, streams joining mid-way, a slot reused, an answer sliding past the context. Float64
-    weights with sharp heads, so no engine's rounding meets a near-tie."""
+def _sharp_model(tok, tmp_path):
+    """A tiny float64 model with sharp heads (no engine's rounding meets a near-tie), saved, and the
+    reference Generator of it."""
     from nanoeuler import checkpoint
     from nanoeuler.infer.generate import Generator
     from nanoeuler.model.config import ModelConfig
     from nanoeuler.model.transformer import head_weight_names, init_params
-    from nanoeuler.serve.backend import Backend
     from train_fixtures import TINY_MODEL
 
     cfg = ModelConfig.from_section(TINY_MODEL, tok.vocab_size)
@@ -192,7 +190,15 @@ def test_streams_joining_and_leaving_the_batch_equal_one_at_a_time(tok, tmp_path
     for name in head_weight_names(cfg):
         params[name] = params[name] * 20.0
     checkpoint.save_model(tmp_path / "m.bin", params, cfg, step=0, tokenizer_json=tok.to_json())
-    ref = Generator(*checkpoint.load_model(tmp_path / "m.bin")[:2])
+    return tmp_path / "m.bin", cfg, Generator(*checkpoint.load_model(tmp_path / "m.bin")[:2])
+
+
+def test_streams_joining_and_leaving_the_batch_equal_one_at_a_time(tok, tmp_path):
+    """The backend against the reference Generator, one prompt at a time: ragged prompts, greedy and two
+    seeded samplers, streams joining mid-way, a slot reused, an answer sliding past the context."""
+    from nanoeuler.serve.backend import Backend
+
+    path, cfg, ref = _sharp_model(tok, tmp_path)
     hot = [Sampling(temperature=0.9, top_k=0, top_p=0.95, seed=s) for s in (4, 5)]
     jobs = [
         ([1, 2, 3], 2 * cfg.ctx_len + 5, Sampling(temperature=0)),
@@ -200,21 +206,71 @@ def test_streams_joining_and_leaving_the_batch_equal_one_at_a_time(tok, tmp_path
         ([7], 30, hot[1]),
         ([9, 9], 12, Sampling(temperature=0)),
     ]
-    backend = Backend.load(tmp_path / "m.bin", "cpu", slots=3)
-    got, active, waiting, step = {}, [], list(enumerate(jobs)), 0
-    while waiting or active:
-        while waiting and len(active) < 3 and (step >= 3 or len(active) < 2):  # the third joins at step 3
-            i, (prompt, n, sampling) = waiting.pop(0)
-            active.append((i, backend.open(prompt, n, sampling, stop_at_end=False)))
-            got[i] = []
-        for (i, stream), new in zip(active, backend.step([s for _, s in active])):
-            got[i] += new
-        for i, stream in [a for a in active if a[1].done]:
-            stream.close()
-        active = [a for a in active if not a[1].done]
-        step += 1
+    got, _ = run_joining(Backend.load(path, "cpu", slots=3), jobs, slots=3, join_at=3)
     for i, (prompt, n, sampling) in enumerate(jobs):
         assert got[i] == ref.generate(prompt, n, sampling), i
+
+
+class _RunAhead:
+    """A `greedy_chain` as the GPU's behaves, on the CPU engine: up to 3 steps are computed ahead of the
+    reader (rows whose stream has ended run on and write their slot's cache), all of them `ready`."""
+
+    def __init__(self, be, tokens, pos, steps: int):
+        self.be, self.tokens, self.pos, self.steps = be, tokens, pos, steps
+        self.fed = np.ones(len(tokens), dtype=bool)  # the GPU computes every row of the batch
+        self.done: list = []
+        self.queued = self.read = 0
+
+    def fill(self) -> None:
+        while self.queued - self.read < 3 and self.queued < self.steps:
+            ids = self.be.decode(self.tokens, self.pos, Sampling(temperature=0), 0, [None] * len(self.fed), self.fed)
+            self.tokens, self.pos = ids, np.minimum(self.pos + 1, self.be.cfg.ctx_len - 1)
+            self.done.append(ids)
+            self.queued += 1
+
+    def ready(self) -> bool:
+        return self.read < self.queued
+
+    def left(self) -> bool:
+        return self.read < self.queued or self.queued < self.steps
+
+    def stop(self) -> None:
+        self.steps = self.queued
+
+    def next(self):
+        self.fill()
+        if self.read == self.queued:
+            return None
+        self.read += 1
+        return self.done[self.read - 1]
+
+
+def test_greedy_streams_chained_ahead_answer_as_one_at_a_time(tok, tmp_path):
+    """Greedy streams decoded by steps that run ahead of the server (`greedy_chain`, as on the GPU): several
+    tokens a step, streams joining (the chain drained first) and leaving (their rows running on past
+    their end), a slot reused while a row ran on, an answer sliding past the context: each answer is the
+    reference Generator's for its prompt alone."""
+    from nanoeuler.serve.backend import Backend
+
+    path, cfg, ref = _sharp_model(tok, tmp_path)
+    backend = Backend.load(path, "cpu", slots=4)
+    be = backend.engine.backend
+    chains = []
+    be.greedy_chain = lambda tokens, pos, steps: chains.append(_RunAhead(be, tokens, pos, steps)) or chains[-1]
+    greedy = Sampling(temperature=0)
+    jobs = [
+        ([1, 2, 3], 2 * cfg.ctx_len + 5, greedy),
+        (list(range(5, 45)), 20, greedy),
+        ([7], 9, greedy),
+        ([9, 9], 12, greedy),
+        ([4, 4, 4, 4], 1, greedy),
+        ([11], 25, greedy),
+    ]
+    got, most = run_joining(backend, jobs, slots=4, join_at=5)
+    for i, (prompt, n, sampling) in enumerate(jobs):
+        assert got[i] == ref.generate(prompt, n, sampling), i
+    assert len(chains) > 3 and sum(c.read for c in chains) > 2 * cfg.ctx_len  # chained, and drained for joins
+    assert most > 1  # the steps that had landed were handed out together
 
 
 def test_any_address_but_loopback_gets_a_warning():

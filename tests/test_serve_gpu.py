@@ -10,7 +10,7 @@ from nanoeuler.infer.engine import DecodeEngine
 from nanoeuler.infer.sampling import Sampling
 from nanoeuler.model import transformer
 from nanoeuler.model.config import ModelConfig
-from serve_fixtures import run_streams
+from serve_fixtures import run_joining, run_streams
 
 pytestmark = pytest.mark.gpu
 
@@ -108,3 +108,29 @@ def test_gpu_batched_speculation_answers_as_the_numpy_backend(model, dtype):
             assert backends[1].engine.stats.offered == backends[0].engine.stats.offered > [0] * (cfg.mtp_heads - 1)
         else:
             assert backends[1].engine.stats.offered > [0] * (cfg.mtp_heads - 1)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gpu_greedy_chain_answers_as_the_numpy_backend(model, dtype):
+    """Greedy streams on the GPU go through steps that feed themselves, queued ahead of the server
+    (`GpuBackend.greedy_chain`): answers of several lengths (rows running on past their end), streams
+    joining (the chain drained first) into reused slots, one sliding past the context (fp32: the bf16 check
+    scores answers within one context), several tokens handed out in one step: the NumPy backend's greedy
+    tokens, which decode one step at a time."""
+    from nanoeuler.serve.backend import Backend
+
+    params, cfg = model
+    greedy = Sampling(temperature=0)
+    specs = [
+        ([1, 2, 3], 2 * cfg.ctx_len + 5 if dtype == "fp32" else cfg.ctx_len - 3, greedy),
+        (list(range(5, 45)), 20, greedy),
+        ([7], 9, greedy),
+        ([9, 9], 12, greedy),
+        ([4, 4, 4, 4], 1, greedy),
+        ([11], 25, greedy),
+    ]
+    got = []
+    for dev, kw in (("cpu", {}), ("gpu", {"dtype": dtype})):
+        backend = Backend(DecodeEngine.from_params(params, cfg, dev, **kw), _Tok(), "m", 4, 0)
+        got.append(run_joining(backend, specs, slots=4, join_at=5)[0])
+    _assert_near_greedy(params, cfg, [(p, n, s, {}) for p, n, s in specs], got[1], got[0], dtype)

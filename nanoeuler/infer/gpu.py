@@ -569,12 +569,13 @@ class GpuBackend:
             self.kc[:, slot, :, :n] = k[:, :, :n]
             self.vc[:, slot, :, :n] = v[:, :, :n]
 
-    def greedy_steps(self, tokens, pos, n: int):
-        """Greedy decoding of every slot of the batch, from tokens fed at positions pos (one each): yields
-        the next ids (one per slot) n times. The step's graph feeds itself (argmax_chain), so the host
-        queues up to CHAIN_AHEAD steps ahead and reads each step's ids as they land; steps queued past a
-        row's end only write cache rows that later steps overwrite (positions stay below the context
-        length). The caller keeps the rows it needs inside the context."""
+    def greedy_chain(self, tokens, pos, steps: int) -> "_Chain":
+        """Greedy decoding of every slot of the batch from tokens fed at positions pos (one each), up to
+        `steps` steps: a `_Chain` whose `next()` gives each step's ids (one per slot). The step's graph feeds
+        itself (argmax_chain), so the host queues steps ahead and reads each step's ids as they land; steps
+        queued past a row's end only write cache rows that later steps overwrite (positions stay below the
+        context length). The caller keeps the rows it needs inside the context, and calls nothing else on
+        the backend until the chain is drained (the steps read the batch's buffers)."""
         M = len(tokens)
         r = self._buffers(M)
         r.ctl_host[:M] = tokens
@@ -583,26 +584,19 @@ class GpuBackend:
         r.ctl_host[3 * M + 1] = 0  # the step counter
         with self.stream:
             r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
-        yield from self._chained(
-            r, (M, 1, "chain"), lambda: self._step(r, M, 1, "chain"), M, lambda queued, read: queued < n
-        )
+        return _Chain(self, r, (M, 1, "chain"), lambda: self._step(r, M, 1, "chain"), M, lambda q, _: q < steps)
+
+    def greedy_steps(self, tokens, pos, n: int):
+        """`greedy_chain`'s n steps as a generator: the next ids (one per slot), n times."""
+        chain = self.greedy_chain(tokens, pos, n)
+        while (ids := chain.next()) is not None:
+            yield ids
 
     def _chained(self, r: _Rows, key, queue, size: int, more):
-        """Queue steps that feed themselves while more(queued, read) and fewer than CHAIN_AHEAD are unread;
-        yield each step's record (`size` ids of r.hist's ring) as it lands."""
-        queued = read = 0
-        while True:
-            while queued - read < CHAIN_AHEAD and more(queued, read):
-                self._execute(key, queue)
-                with self.stream:
-                    self._landed[queued % CHAIN_CAP].record(self.stream)
-                queued += 1
-            if queued == read:
-                return
-            j = read % CHAIN_CAP
-            self._landed[j].synchronize()
-            read += 1
-            yield r.hist_host[j * size : (j + 1) * size].copy()
+        """Queue steps that feed themselves while more(queued, read) (`_Chain`); yield each step's record."""
+        chain = _Chain(self, r, key, queue, size, more)
+        while (record := chain.next()) is not None:
+            yield record
 
     def greedy_passes(self, sure: int, drafts, pos: int):
         """Greedy self-speculative verify passes of slot 0 that feed themselves (accept_chain), from the
@@ -662,3 +656,42 @@ class GpuBackend:
         with self.stream:
             logits = r.logits[:t].get(stream=self.stream)
         return logits.reshape(t, cfg.mtp_heads, cfg.vocab_size).transpose(1, 0, 2)  # (K, t, V)
+
+
+class _Chain:
+    """Steps that feed themselves on the GPU (`greedy_chain`, `greedy_passes`), queued while
+    more(queued, read) and fewer than CHAIN_AHEAD are unread. `next()` gives the oldest unread step's record
+    (`size` ids of the rows' ring, r.hist), waiting for it to land, or None when no step is left; `ready()`
+    says whether it has landed already; `fill()` queues up to CHAIN_AHEAD again (a caller that reads and
+    then works on the host calls it between the two, so the GPU runs on meanwhile); `stop()` queues no more."""
+
+    def __init__(self, be: GpuBackend, r: _Rows, key, queue, size: int, more):
+        self.be, self.r, self.key, self.queue, self.size, self.more = be, r, key, queue, size, more
+        self.queued = self.read = 0
+
+    def fill(self) -> None:
+        be = self.be
+        while self.queued - self.read < CHAIN_AHEAD and self.more(self.queued, self.read):
+            be._execute(self.key, self.queue)
+            with be.stream:
+                be._landed[self.queued % CHAIN_CAP].record(be.stream)
+            self.queued += 1
+
+    def ready(self) -> bool:
+        return self.read < self.queued and self.be._landed[self.read % CHAIN_CAP].done
+
+    def left(self) -> bool:
+        """Whether `next()` has a step to give (queued, or still to queue)."""
+        return self.read < self.queued or bool(self.more(self.queued, self.read))
+
+    def stop(self) -> None:
+        self.more = lambda queued, read: False
+
+    def next(self) -> np.ndarray | None:
+        self.fill()
+        if self.read == self.queued:
+            return None
+        j = self.read % CHAIN_CAP
+        self.be._landed[j].synchronize()
+        self.read += 1
+        return self.r.hist_host[j * self.size : (j + 1) * self.size].copy()

@@ -12,7 +12,10 @@ Only this module knows which engine answers; `infer.engine.load` decides, and tw
   lowest free one), its prompt is prefilled into it (the prompts of streams that join at the same step
   together, `prefill_many`, where the engine has it), and a step feeds every stream's last token in one
   `decode` per distinct sampling setting (continuous batching: requests join and leave between steps),
-  over the slots up to the highest one fed, rounded up to a power of two.
+  over the slots up to the highest one fed, rounded up to a power of two. When every fed stream is plain
+  greedy, the steps feed themselves instead (`greedy_chain`, the GPU's: up to 3 queued ahead of the host),
+  and a step hands out the tokens of every step that has landed; the chain runs while the batch keeps its
+  streams, and is drained (its tokens handed out) before a new or refilled stream is prefilled.
 
 Beyond the next token, a stream on a slot engine may ask for its log-probabilities (`logprobs`: the chosen
 token's and its best alternatives', `infer.logprobs`) and follow a grammar (`guide`, `structured.Guide`: the
@@ -263,6 +266,8 @@ class _Slots:
         self.decodes = 0
         self.prefixes: PrefixCache | None = None
         self.stats = None  # the engine's SpecStats where greedy streams speculate
+        self.chain = None  # greedy steps running ahead of the host (`_start_chain`), and the streams they feed
+        self.chained: dict[int, TokenStream] = {}
         be.start(n, self.seeds)
 
     def take(self, stream: TokenStream, prompt_ids: list[int], sampling: Sampling) -> None:
@@ -337,16 +342,27 @@ class _Slots:
         return out
 
     def step(self, streams: list[TokenStream]) -> list[list[int] | Exception]:
-        """`Backend.step` on slots: prefill the new streams, hand out every pending token, decode the next ones
-        (one call per sampling setting), then verify the speculating streams' drafts (one call for all; the
-        drafts kept are handed out too). A stream's own failure takes its tokens' place in `out`."""
-        out = self._prefill_new([s for s in streams if s.pending is None])
+        """`Backend.step` on slots: go on with the greedy chain while it feeds these very streams, else drain
+        it; prefill the new streams, hand out every pending token, decode the next ones (a chain when every
+        fed stream is plain greedy, else one call per sampling setting), then verify the speculating
+        streams' drafts (one call for all; the drafts kept are handed out too). A stream's own failure takes
+        its tokens' place in `out`."""
+        out: dict = {id(s): [] for s in streams}
+        if self.chain is not None:
+            if self._chain_holds(streams):
+                self._chain_next(streams, out)
+                return [out[id(s)] for s in streams]
+            self._drain(streams, out)
+        failed = self._prefill_new([s for s in streams if s.pending is None])
         feed = []
         for s in streams:
-            if isinstance(out.get(id(s)), Exception):
+            if isinstance(failed.get(id(s)), Exception):
+                out[id(s)] = failed[id(s)]
+                continue
+            if s.done:  # it ended among the tokens the drained chain handed out
                 continue
             t = s.record(s.pending)
-            out[id(s)] = [t]
+            out[id(s)].append(t)
             s.history.append(t)
             if s.done:
                 continue
@@ -362,10 +378,14 @@ class _Slots:
             verifies = s.drafts is not None and s.pos + self.cfg.mtp_heads <= self.cfg.ctx_len
             key = (verifies, s.sampling.temperature, s.sampling.top_k, s.sampling.top_p, _needs_logits(s))
             groups.setdefault(key, []).append(s)
+        if feed and all(not k[0] and k[1] <= 0 and not k[4] for k in groups):  # every fed stream plain greedy
+            groups = {"chain": feed}
         for key in sorted(groups, key=lambda k: k[0]):
             group = groups[key]
             try:
-                if key[0]:
+                if key == "chain":
+                    self._start_chain(group)
+                elif key[0]:
                     self._verify(group, out)
                 else:
                     self._decode(feed, group)
@@ -373,6 +393,60 @@ class _Slots:
                 for s in group:
                     s.done, out[id(s)] = True, exc
         return [out[id(s)] for s in streams]
+
+    # ---- the greedy chain: steps queued ahead on the device, which feed themselves ----------------------
+
+    def _start_chain(self, feed: list[TokenStream]) -> None:
+        """Decode `feed`'s next tokens with greedy steps that feed themselves (the engine's `greedy_chain`;
+        an engine without one decodes them a step at a time), up to the first stream's end of context or
+        the last one's last token, and take the first step's tokens as `_decode` would."""
+        tokens, pos, mask = self._rows(feed)
+        steps = min(min(self.cfg.ctx_len - s.pos for s in feed), max(s.max_new_tokens - s.generated for s in feed))
+        make = getattr(self.be, "greedy_chain", None)
+        self.chain = make(tokens, pos, steps) if make else _Stepwise(self.be, tokens, pos, steps, mask, self.rngs)
+        self.chained = {s.slot: s for s in feed}
+        ids = self.chain.next()
+        for s in feed:
+            s.pending, s.pos, s.drafts = int(ids[s.slot]), s.pos + 1, None
+
+    def _chain_holds(self, streams: list[TokenStream]) -> bool:
+        """Whether the chain can go on for `streams`: each of them is fed by it (no new or refilled stream;
+        one that has ended is simply not asked for: its row runs on, writing only its own slot's cache
+        past its end, which the slot's next prompt overwrites) and it has steps left."""
+        return self.chain.left() and all(self.chained.get(s.slot) is s for s in streams)
+
+    def _chain_next(self, streams: list[TokenStream], out: dict) -> None:
+        """Hand out each stream's pending token and those of every step that has landed (at least one, waited
+        for), keeping the last as pending; the chain is topped up before the host's bookkeeping."""
+        steps = [self.chain.next()]
+        while self.chain.ready():
+            steps.append(self.chain.next())
+        self.chain.fill()
+        for s in streams:
+            self._hand_out(s, steps, out[id(s)])
+
+    def _drain(self, streams: list[TokenStream], out: dict) -> None:
+        """Queue no more chained steps, and hand out what the queued ones give to the streams they fed."""
+        self.chain.stop()
+        steps = []
+        while (ids := self.chain.next()) is not None:
+            steps.append(ids)
+        for s in streams:
+            if self.chained.get(s.slot) is s:
+                self._hand_out(s, steps, out[id(s)])
+        self.chain, self.chained = None, {}
+
+    @staticmethod
+    def _hand_out(s: TokenStream, steps: list, got: list) -> None:
+        """For each step's ids: hand out the pending token (fed at s.pos by that step), whose successor is then
+        pending; nothing once the stream is done (its row may have run on)."""
+        for ids in steps:
+            if s.done:
+                return
+            t = s.record(s.pending)
+            got.append(t)
+            s.history.append(t)
+            s.pending, s.pos = int(ids[s.slot]), s.pos + 1
 
     def _verify(self, group: list[TokenStream], out: dict) -> None:
         """One speculative pass of every stream in `group`: its block [pending, drafts...] fed at its position;
@@ -391,21 +465,25 @@ class _Slots:
                 out[id(s)].append(s.record(int(d)))
                 s.history.append(int(d))
 
-    def _decode(self, feed: list[TokenStream], group: list[TokenStream]) -> None:
-        """One decode call for `group`, over the slots 0..B-1 only: B the power of two (at most n) that holds
-        every fed slot, since an engine may compute every row it is given (a GPU step of 64 rows costs
-        several times one of 1, and streams hold the lowest slots). So every fed slot carries its true
+    def _rows(self, feed: list[TokenStream]):
+        """The (tokens, positions, fed) of a decode over the slots 0..B-1 only: B the power of two (at most n)
+        that holds every fed slot, since an engine may compute every row it is given (a GPU step of 64 rows
+        costs several times one of 1, and streams hold the lowest slots). So every fed slot carries its true
         (token, position), where it writes what it will write when fed, and every other row the last
         position, which a slot writes before it reads."""
         self.tokens[:], self.pos[:] = 0, self.cfg.ctx_len - 1  # rows not fed: a position no slot has read yet
-        top = 0
         for s in feed:
             self.tokens[s.slot], self.pos[s.slot] = s.pending, s.pos
-            top = max(top, s.slot)
-        B = min(self.n, 1 << top.bit_length())  # powers of two: few shapes (a GPU engine records one per shape)
-        mask = np.zeros(B, dtype=bool)
+        B = min(self.n, 1 << max(s.slot for s in feed).bit_length())  # powers of two: few shapes (graphs)
+        fed = np.zeros(B, dtype=bool)
+        fed[[s.slot for s in feed]] = True
+        return self.tokens[:B].copy(), np.minimum(self.pos[:B], self.cfg.ctx_len - 1), fed
+
+    def _decode(self, feed: list[TokenStream], group: list[TokenStream]) -> None:
+        """One decode call for `group` over the rows of `feed` (`_rows`)."""
+        tokens, pos, _ = self._rows(feed)
+        mask = np.zeros(len(tokens), dtype=bool)
         mask[[s.slot for s in group]] = True
-        tokens, pos = self.tokens[:B].copy(), np.minimum(self.pos[:B], self.cfg.ctx_len - 1)
         if _needs_logits(group[0]):  # rows come back in slot order
             group = sorted(group, key=lambda s: s.slot)
             nxt = dict(zip((s.slot for s in group), self._choose(group, self.be.decode_logits(tokens, pos, mask))))
@@ -414,6 +492,38 @@ class _Slots:
         self.decodes += 1
         for s in group:  # (a speculating stream stepped plainly near the context's end has no drafts until a refill)
             s.pending, s.pos, s.drafts = int(nxt[s.slot]), s.pos + 1, None
+
+
+class _Stepwise:
+    """`greedy_chain` for an engine without one (the CPU's): each `next()` is one greedy `decode` of the fed
+    rows, whose ids it feeds to the next; nothing runs ahead, so nothing is ever `ready` before it is asked."""
+
+    GREEDY = Sampling(temperature=0)
+
+    def __init__(self, be, tokens, pos, steps: int, fed, rngs):
+        self.be, self.tokens, self.pos, self.steps, self.fed, self.rngs = be, tokens, pos, steps, fed, rngs
+        self.read = 0
+
+    def next(self) -> np.ndarray | None:
+        if self.read >= self.steps:
+            return None
+        ids = np.asarray(self.be.decode(self.tokens, self.pos, self.GREEDY, self.read, self.rngs, self.fed))
+        self.tokens = np.where(self.fed, ids, self.tokens)
+        self.pos = self.pos + self.fed  # `steps` keeps the fed rows inside the context
+        self.read += 1
+        return ids
+
+    def ready(self) -> bool:
+        return False
+
+    def fill(self) -> None:
+        pass
+
+    def left(self) -> bool:
+        return self.read < self.steps
+
+    def stop(self) -> None:
+        self.steps = self.read
 
 
 def _needs_logits(s: TokenStream) -> bool:

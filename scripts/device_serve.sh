@@ -10,6 +10,9 @@
 #                                          # with a 400-token prefix, a soak at 32 streams (SOAK s, default 240)
 #   bash scripts/device_serve.sh llama     # GPU: build llama.cpp's llama-server (CUDA, sm_90) unless `build` did,
 #                                          # convert the same model to GGUF bf16, serve it, the same clients
+#   bash scripts/device_serve.sh check     # GPU: the server backend's and decode engine's GPU tests, the engine's share
+#                                          # of prefix reuse (bench/prefix_ttft.py, profiled), then `load` with
+#                                          # SOAK=0 and, with TEMPERATURE set, the same levels sampled
 #   bash scripts/device_serve.sh overhead  # CPU only: bench/serve_overhead.py (fake engine, 0.7 ms steps + HOST_US of
 #                                          # GIL-holding host work) twice, on this host's cores
 #   bash scripts/device_serve.sh build     # GPU: only the build (start it in the background during a soak, whose
@@ -121,6 +124,23 @@ load() {
     echo "load: $(( $(date +%s) - t0 )) s in all (model file, CuPy's kernel compile, peers, levels, prefix, soak)"
 }
 
+check() {
+    install > /dev/null
+    local t0 rc=0
+    t0=$(date +%s)
+    $PY -m pytest -q -x -p no:cacheprovider -m gpu "$REPO/tests/test_serve_gpu.py" "$REPO/tests/test_engine_gpu.py" \
+        2>&1 | tee "$OUT/gpu_tests.txt" | tail -3 || rc=1
+    $PY "$REPO/bench/prefix_ttft.py" --preset gpu --device gpu --repeats 9 --profile 2>&1 | tee "$OUT/prefix_ttft.txt" \
+        | tail -28
+    SOAK=0 load | tail -14
+    if [ -n "${TEMPERATURE:-}" ]; then
+        $PY "$REPO/bench/serve_load_gpu.py" --ckpt "$(model)" --levels "$LEVELS" --requests "$REQUESTS" \
+            --max-tokens "$MAX_TOKENS" --temperature "$TEMPERATURE" 2>&1 | tee "$OUT/load_sampled.txt" | tail -8
+    fi
+    echo "check: $(( $(date +%s) - t0 )) s; GPU tests: $(tail -1 "$OUT/gpu_tests.txt")"
+    return $rc
+}
+
 overhead() {  # the server's own cost (generation in its own process, as `nanoeuler serve` runs it), twice
     install > /dev/null
     local run
@@ -190,6 +210,7 @@ case "${1:-}" in
     load) load ;;
     llama) llama ;;
     overhead) overhead ;;
+    check) check ;;
     build) install conv > /dev/null; build_llama ;;
-    *) echo "usage: $0 prepare|load|build|llama|overhead" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare|load|check|build|llama|overhead" >&2; exit 2 ;;
 esac

@@ -107,26 +107,30 @@ def peer(ckpt: Path, device: str, rows: int, max_tokens: int, temperature: float
 def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str]:
     import re
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "nanoeuler",
-        "serve",
-        "--ckpt",
-        str(ckpt),
-        "--device",
-        args.device,
-        "--port",
-        "0",
-        "--max-batch",
-        str(max(args.levels)),
-        "--max-queue",
-        str(4 * max(args.levels)),
-        "--max-tokens",
-        str(args.max_tokens),
-        "--log-level",
-        "warning",
-    ] + (["--speculative"] if args.speculative else [])
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "nanoeuler",
+            "serve",
+            "--ckpt",
+            str(ckpt),
+            "--device",
+            args.device,
+            "--port",
+            "0",
+            "--max-batch",
+            str(max(args.levels)),
+            "--max-queue",
+            str(4 * max(args.levels)),
+            "--max-tokens",
+            str(args.max_tokens),
+            "--log-level",
+            "warning",
+        ]
+        + (["--speculative"] if args.speculative else [])
+        + args.serve_args.split()
+    )
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     while True:
         line = proc.stderr.readline()
@@ -341,6 +345,7 @@ def main() -> int:
     ap.add_argument("--soak", type=float, default=0, help="seconds of the top level after the levels (0: none)")
     ap.add_argument("--speculative", action="store_true", help="start the server with --speculative")
     ap.add_argument("--temperature", type=float, default=0.0, help="requests' and peer's (default 0: greedy)")
+    ap.add_argument("--serve-args", default="", help="more `nanoeuler serve` options, e.g. '--join-after 4'")
     ap.add_argument(
         "--client-procs", type=int, help="processes a level's clients are spread over (default: one per 8 clients)"
     )

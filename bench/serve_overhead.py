@@ -150,6 +150,8 @@ class FakeChain:
     (its launch), and it lands --step-ms after the later of its queuing and the step before it; up to 3
     steps are queued ahead of the reader. Its ids are `decode`'s."""
 
+    runs_ahead = True
+
     def __init__(self, fake: FakeSlots, tokens, pos, steps: int):
         self.fake, self.pos, self.steps = fake, np.asarray(pos).copy(), steps
         self.fed = int(np.count_nonzero(self.pos < fake.cfg.ctx_len - 1))  # rows not fed sit at the last position
@@ -210,7 +212,13 @@ def _text(tok, t: int) -> bool:
 
 
 def fake_backend(
-    step_ms: float, prefill_us: float, host_us: float, max_batch: int, profile_dir=None, chain: bool = True
+    step_ms: float,
+    prefill_us: float,
+    host_us: float,
+    max_batch: int,
+    profile_dir=None,
+    chain: bool = True,
+    join_after: int = 8,
 ):
     """The server's `Backend` over a `FakeSlots` (a module-level function: the engine process builds it);
     `extra_stats` adds the fake's counts to the engine's, which the bench's stats route reads. `chain=False`:
@@ -224,7 +232,7 @@ def fake_backend(
     fake = FakeSlots(cfg, step_ms / 1e3, prefill_us / 1e6, tok, host_us / 1e6, profile_dir)
     if not chain:
         del fake.greedy_chain
-    backend = Backend(DecodeEngine(fake, cfg), tok, "fake", slots=max_batch, prefix_cache=8)
+    backend = Backend(DecodeEngine(fake, cfg), tok, "fake", slots=max_batch, prefix_cache=8, join_after=join_after)
     backend.fake = fake
     backend.extra_stats = lambda: {
         "steps": fake.steps,
@@ -252,7 +260,14 @@ def serve(args) -> None:
 
     profile_dir = tempfile.mkdtemp(prefix="serve_overhead_") if args.profile else None
     made = partial(
-        fake_backend, args.step_ms, args.prefill_us, args.host_us, args.max_batch, profile_dir, not args.stepwise
+        fake_backend,
+        args.step_ms,
+        args.prefill_us,
+        args.host_us,
+        args.max_batch,
+        profile_dir,
+        not args.stepwise,
+        args.join_after,
     )
     engine = EngineProcess(made, args.max_batch, 4 * args.max_batch).start()
     app = create_app(engine, ServeConfig(max_tokens=max(args.max_tokens, 1)))
@@ -555,6 +570,7 @@ def main() -> int:
         "--host-us", type=float, default=300.0, help="the fake engine's GIL-holding host work per step (launches)"
     )
     ap.add_argument("--ttft-repeats", type=int, default=30)
+    ap.add_argument("--join-after", type=int, default=8, help="`nanoeuler serve --join-after`")
     ap.add_argument(
         "--stepwise", action="store_true", help="no greedy chain: the server decodes a step at a time and waits on each"
     )
@@ -591,6 +607,7 @@ def main() -> int:
         ]
         + (["--profile"] if args.profile else [])
         + (["--stepwise"] if args.stepwise else [])
+        + ["--join-after", str(args.join_after)]
     )
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     line = proc.stderr.readline()

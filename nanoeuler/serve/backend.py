@@ -62,6 +62,8 @@ from nanoeuler.infer.sampling import Sampling, sample_token
 
 __all__ = ["Backend", "PrefixCache", "Sampling", "TokenStream"]
 
+JOIN_AFTER = 8  # steps a greedy chain that runs ahead goes on before new streams join it (`--join-after`)
+
 
 class TokenStream:
     """One request's generation: `done` after a stop id or its last token; `close` lets go of its state."""
@@ -114,9 +116,19 @@ class TokenStream:
 class Backend:
     """A chat model file, loaded once: its tokenizer, context length and token streams.
     `slots`: most streams open at once on a slot engine (the scheduler's `max_batch`). `speculative`: greedy
-    streams speculate where the engine verifies blocks of several slots at once (`verify_argmax_many`)."""
+    streams speculate where the engine verifies blocks of several slots at once (`verify_argmax_many`).
+    `join_after`: steps a greedy chain that runs ahead goes on before new streams join the batch."""
 
-    def __init__(self, engine, tok, name: str, slots: int = 8, prefix_cache: int = 8, speculative: bool = False):
+    def __init__(
+        self,
+        engine,
+        tok,
+        name: str,
+        slots: int = 8,
+        prefix_cache: int = 8,
+        speculative: bool = False,
+        join_after: int = JOIN_AFTER,
+    ):
         self.engine, self.tok, self.name = engine, tok, name
         self.stop_ids = frozenset({tok.end_id, tok.eot_id})
         self.token_bytes = _TokenBytes(tok)  # a token's bytes, looked up once (a stream asks for each token's)
@@ -130,6 +142,8 @@ class Backend:
         reuses = all(hasattr(be, m) for m in ("prefill_from", "read_rows", "write_rows"))
         if self._slots and prefix_cache > 0 and reuses:
             self._slots.prefixes = PrefixCache(be, prefix_cache)
+        if self._slots:
+            self._slots.join_after = join_after
         self.capacity = slots if self._slots else None
 
     @classmethod
@@ -143,6 +157,7 @@ class Backend:
         threads: int | None = None,
         prefix_cache: int = 8,
         speculative: bool = False,
+        join_after: int = JOIN_AFTER,
     ) -> "Backend":
         """`slots` at most as many as the GPU's memory holds caches for (`gpu_memory`, `memory.decode_batch`).
         A release folder serves its model file, under that file's name (`chat`)."""
@@ -161,7 +176,7 @@ class Backend:
                 flush=True,
             )
             slots = engine.max_batch
-        return cls(engine, tok, name or Path(path).stem, slots, prefix_cache, speculative)
+        return cls(engine, tok, name or Path(path).stem, slots, prefix_cache, speculative, join_after)
 
     @property
     def cfg(self):
@@ -268,6 +283,7 @@ class _Slots:
         self.stats = None  # the engine's SpecStats where greedy streams speculate
         self.chain = None  # greedy steps running ahead of the host (`_start_chain`), and the streams they feed
         self.chained: dict[int, TokenStream] = {}
+        self.join_after = JOIN_AFTER
         be.start(n, self.seeds)
 
     def take(self, stream: TokenStream, prompt_ids: list[int], sampling: Sampling) -> None:
@@ -348,12 +364,16 @@ class _Slots:
         streams' drafts (one call for all; the drafts kept are handed out too). A stream's own failure takes
         its tokens' place in `out`."""
         out: dict = {id(s): [] for s in streams}
+        news = [s for s in streams if s.pending is None]
         if self.chain is not None:
-            if self._chain_holds(streams):
-                self._chain_next(streams, out)
+            old = [s for s in streams if s.pending is not None]
+            if old and self._chain_holds(old) and (not news or self._joins_wait()):
+                self._chain_next(old, out)  # the new streams get no token yet
                 return [out[id(s)] for s in streams]
+            self.chain.stop()  # the new prompts' prefill queues after its last steps
+        failed = self._prefill_new(news)
+        if self.chain is not None:
             self._drain(streams, out)
-        failed = self._prefill_new([s for s in streams if s.pending is None])
         feed = []
         for s in streams:
             if isinstance(failed.get(id(s)), Exception):
@@ -415,6 +435,12 @@ class _Slots:
         past its end, which the slot's next prompt overwrites) and it has steps left."""
         return self.chain.left() and all(self.chained.get(s.slot) is s for s in streams)
 
+    def _joins_wait(self) -> bool:
+        """Whether new streams wait for the chain's next steps: until it has run `join_after` steps, where it
+        runs ahead of the host (a join drains it: the GPU then idles while the host hands out the drained
+        tokens and prefills; joins that wait are prefilled together)."""
+        return self.chain.runs_ahead and self.chain.read < self.join_after
+
     def _chain_next(self, streams: list[TokenStream], out: dict) -> None:
         """Hand out each stream's pending token and those of every step that has landed (at least one, waited
         for), keeping the last as pending; the chain is topped up before the host's bookkeeping."""
@@ -426,7 +452,7 @@ class _Slots:
             self._hand_out(s, steps, out[id(s)])
 
     def _drain(self, streams: list[TokenStream], out: dict) -> None:
-        """Queue no more chained steps, and hand out what the queued ones give to the streams they fed."""
+        """Hand out what the chain's queued steps give to the streams they fed (it queues no more)."""
         self.chain.stop()
         steps = []
         while (ids := self.chain.next()) is not None:
@@ -499,6 +525,7 @@ class _Stepwise:
     rows, whose ids it feeds to the next; nothing runs ahead, so nothing is ever `ready` before it is asked."""
 
     GREEDY = Sampling(temperature=0)
+    runs_ahead = False
 
     def __init__(self, be, tokens, pos, steps: int, fed, rngs):
         self.be, self.tokens, self.pos, self.steps, self.fed, self.rngs = be, tokens, pos, steps, fed, rngs
@@ -542,13 +569,14 @@ class PrefixCache:
     def __init__(self, be, entries: int = 8, min_tokens: int = 8):
         self.be, self.size, self.min_tokens = be, entries, min_tokens
         self.entries: OrderedDict[tuple, list] = OrderedDict()  # oldest use first
+        self.ids: dict[tuple, np.ndarray] = {}  # each entry's ids as an array (compared without Python ints)
         self.hits = self.tokens = 0  # prompts that reused rows, and the rows reused
 
     def _longest(self, ids: list[int]) -> tuple[tuple | None, int]:
         """The cached prompt sharing the longest prefix with `ids`, and the positions `reuse` would copy."""
-        best, n = None, 0
+        best, n, ids = None, 0, np.asarray(ids)
         for key in self.entries:
-            m = _common(key, ids)
+            m = _common(self.ids[key], ids)
             if m > n:
                 best, n = key, m
         n = min(n, len(ids) - 1)
@@ -575,14 +603,19 @@ class PrefixCache:
             return
         key = tuple(ids)
         for old in [k for k in self.entries if len(k) <= len(key) and key[: len(k)] == k]:
-            del self.entries[old]  # a prefix of this prompt: its rows are among these
+            del self.entries[old], self.ids[old]  # a prefix of this prompt: its rows are among these
         self.entries[key] = self.be.read_rows(slot, len(key))
+        self.ids[key] = np.asarray(key)
         while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
+            del self.ids[self.entries.popitem(last=False)[0]]
 
 
-def _common(a, b) -> int:
-    """The length of the longest common prefix of two id sequences."""
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """The length of the longest common prefix of two arrays of ids.
+
+    >>> _common(np.array([1, 2, 3, 4]), np.array([1, 2, 5]))
+    2
+    """
     n = min(len(a), len(b))
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if len(differ) else n

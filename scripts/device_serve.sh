@@ -21,7 +21,8 @@
 # carry: .carry/serve (ignored, as all of .carry/ is; 32 MB: whl 7, conv 20, llama.tar.xz 4.5). Without CKPT
 # the model is the `gpu` preset with random weights and a 4096-token BPE (bench/serve_load_gpu.py
 # --preset gpu; the same file every time): tokens/s do not depend on training, and every answer has MAX_TOKENS tokens (ignore_eos).
-# Each prints a short table last; OUT (the device's $OUT) gets the logs.
+# Each prints a short table last; OUT (the device's $OUT) gets the logs. SERVE_ARGS: more `nanoeuler serve`
+# options for `load` and `check` (e.g. "--join-after 0").
 set -eu -o pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CARRY=$REPO/.carry/serve
@@ -119,7 +120,8 @@ load() {
     ckpt=$(model)
     prefix=${PREFIX:-400}
     $PY "$REPO/bench/serve_load_gpu.py" --ckpt "$ckpt" --device "$DEVICE" --levels "$LEVELS" --requests "$REQUESTS" \
-        --max-tokens "$MAX_TOKENS" --prefix "$prefix" --soak "$SOAK" ${SPECULATIVE:+--speculative} 2>&1 \
+        --max-tokens "$MAX_TOKENS" --prefix "$prefix" --soak "$SOAK" ${SPECULATIVE:+--speculative} \
+        --serve-args "${SERVE_ARGS:-}" 2>&1 \
         | tee "$OUT/load.txt"
     echo "load: $(( $(date +%s) - t0 )) s in all (model file, CuPy's kernel compile, peers, levels, prefix, soak)"
 }
@@ -135,7 +137,8 @@ check() {
     SOAK=0 load | tail -14
     if [ -n "${TEMPERATURE:-}" ]; then
         $PY "$REPO/bench/serve_load_gpu.py" --ckpt "$(model)" --levels "$LEVELS" --requests "$REQUESTS" \
-            --max-tokens "$MAX_TOKENS" --temperature "$TEMPERATURE" 2>&1 | tee "$OUT/load_sampled.txt" | tail -8
+            --max-tokens "$MAX_TOKENS" --temperature "$TEMPERATURE" --serve-args "${SERVE_ARGS:-}" 2>&1 \
+            | tee "$OUT/load_sampled.txt" | tail -8
     fi
     echo "check: $(( $(date +%s) - t0 )) s; GPU tests: $(tail -1 "$OUT/gpu_tests.txt")"
     return $rc

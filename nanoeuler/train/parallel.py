@@ -395,12 +395,12 @@ class Comm(Protocol):
         """Rank 0's `value` on every rank."""
 
     def reduce_scatter_mean(self, src, dst) -> None:
-        """dst (src.size / size elements) becomes block `rank` of the mean over the ranks of src (ZeRO); dst
-        may be that block of src itself (in place)."""
+        """dst (src.size / size elements) becomes block `rank` of the mean over the ranks of src
+        (`FlatGradients`); dst may be that block of src itself (in place)."""
 
     def all_gather(self, src, dst) -> None:
-        """dst (size * src.size elements) becomes every rank's src, in rank order (ZeRO); src may be block
-        `rank` of dst itself (in place)."""
+        """dst (size * src.size elements) becomes every rank's src, in rank order (`FlatGradients`, ZeRO's
+        norm); src may be block `rank` of dst itself (in place)."""
 
     def check(self) -> None:
         """Raise if the transport reported an asynchronous error (a peer is gone)."""

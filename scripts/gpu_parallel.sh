@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Data-parallel checks and timings on the GPUs of this host, in one go (N = every visible GPU, or $GPUS):
-#   1. identity: at world size 1 the NCCL all-reduce leaves the gradients bit for bit unchanged (fp32 and
-#      the bf16 engine's flat buffer), and training through the NCCL path agrees with the plain path as
-#      closely as two plain runs do (bench/parallel_gpu.py identity),
+#   1. identity: at world size 1 the NCCL average leaves the gradients bit for bit unchanged (fp32: the flat
+#      reduce-scatter and all-gather; the bf16 engine's flat buffer: the all-reduce), and training through
+#      the NCCL path agrees with the plain path as closely as two plain runs do (bench/parallel_gpu.py identity),
 #   2. the NCCL all-reduce of the 116M gradient buffer at world 1 and N,
 #   3. `nanoeuler pretrain` N ranks x B against 1 GPU x N*B for $STEPS steps (default 100), fp32 and bf16,
 #      on random-token shards: the largest relative loss difference (fp32 <= 1e-5, bf16 <= 2e-2). With one
@@ -15,8 +15,9 @@
 #
 #   bash scripts/gpu_parallel.sh zero      # ZeRO-1 instead (~4 min): on 2 and 4 GPUs (up to N), `nanoeuler
 #       pretrain` fp32 with zero 0 and zero 1 for $STEPS steps: every logged loss and norm and the final
-#       model equal bit for bit; a checkpoint of 2 ranks resumed on 4; rank 0's optimizer state and the
-#       measured peak of the 116M model at fp32, zero 0 against zero 1
+#       model equal bit for bit (both average through the same flat reduce-scatter, so NCCL adds every
+#       element in the same order on any number of GPUs); a checkpoint of 2 ranks resumed on 4; rank 0's
+#       optimizer state and the measured peak of the 116M model at fp32, zero 0 against zero 1
 #   bash scripts/gpu_parallel.sh zerobf16  # ZeRO-1 on the bf16 engine (~5 min): on 2 and 4 GPUs (up to N), `nanoeuler
 #       pretrain` bf16 with zero 0 and zero 1 for $STEPS steps: the largest relative loss difference (<= 2e-2) and
 #       the final weights' (within 4x what two zero-0 runs differ by, or 1e-3: the engine's embedding backward
@@ -148,7 +149,7 @@ zero_checks() {  # zero_checks PRECISION: the checks of `zero` (fp32) or `zerobf
         done
         pretrain "$WORK/$prec-z0-$n.yaml" "$WORK/$prec-again-$n" --gpus "$n" \
             > "$LOG_DIR/$prec-zero0-again-$n.log" 2>&1 || rc=1
-        if [ "$prec" = fp32 ]; then  # the fp32 path adds in a fixed order: every step and tensor, bit for bit
+        if [ "$prec" = fp32 ]; then  # fixed order, one flat reduce-scatter in both: every step and tensor, bit for bit
             out=$(compare_runs "$WORK/$prec-z0-$n" "$WORK/$prec-z1-$n" exact "$WORK/$prec-again-$n") || rc=1
         else  # the engine's embedding backward adds with atomics: as close as two zero-0 runs
             out=$(compare_weights "$WORK/$prec-z0-$n" "$WORK/$prec-z1-$n" "$WORK/$prec-again-$n") || rc=1

@@ -220,24 +220,36 @@ def test_the_engines_flat_gradient_buffer_is_reduced_in_one_call():
 
 
 class PipeComm:
-    """Rank 0 gathers every rank's arrays through a pipe, sums them in rank order and sends the sum back."""
+    """Rank 0 gathers every rank's arrays through a pipe and sends them all back; each rank sums them in
+    rank order."""
 
     def __init__(self, rank: int, size: int, conns: list):
         self.rank, self.size, self.conns = rank, size, conns
 
-    def _sum(self, values: list) -> list:
+    def _gather(self, values: list) -> list:
+        """Every rank's `values`, in rank order."""
         if self.rank != 0:
             self.conns[0].send(values)
             return self.conns[0].recv()
         parts = [values] + [c.recv() for c in self.conns]
-        total = [sum(p[i] for p in parts) for i in range(len(values))]
         for c in self.conns:
-            c.send(total)
-        return total
+            c.send(parts)
+        return parts
+
+    def _sum(self, values: list) -> list:
+        parts = self._gather(values)
+        return [sum(p[i] for p in parts) for i in range(len(values))]
 
     def all_reduce_mean(self, arrays: list) -> None:
         for a, t in zip(arrays, self._sum([np.array(a) for a in arrays])):
             a[...] = t / self.size
+
+    def reduce_scatter_mean(self, src, dst) -> None:
+        k, r = dst.size, self.rank
+        dst[...] = sum(p[0][r * k : (r + 1) * k] for p in self._gather([np.array(src)])) / self.size
+
+    def all_gather(self, src, dst) -> None:
+        dst[...] = np.concatenate([p[0] for p in self._gather([np.array(src)])])
 
     def mean_scalar(self, value: float) -> float:
         return float(self._sum([np.float64(value)])[0]) / self.size

@@ -1,8 +1,10 @@
-"""ZeRO stage 1 on the CPU: ranks are threads whose collectives (all-reduce, reduce-scatter, all-gather)
-meet at a barrier and add in rank order. The sharded run matches the unsharded data-parallel run bit for
-bit in float32 over 100 steps (AdamW and Muon, 2 and 4 ranks, clipping on), each rank keeps about 1/N of
-the optimizer state, and a checkpoint of N ranks resumes on M. The bf16 engine's ZeRO-1 wiring is checked
-here, the engine itself in tests/test_engine_zero_gpu.py."""
+"""ZeRO stage 1 and the plain data-parallel average on the CPU: ranks are threads whose collectives
+(all-reduce, reduce-scatter, all-gather) meet at a barrier and add round the ranks as NCCL's ring does, so a
+tensor all-reduced alone adds in another order than its block of a flat reduce-scatter. The sharded run
+matches the unsharded data-parallel run bit for bit in float32 over 100 steps (AdamW and Muon, 2, 3 and 4
+ranks, clipping on) because both average through the same flat buffer; that average is the float64 mean
+to float32 rounding. Each rank keeps about 1/N of the optimizer state, and a checkpoint of N ranks resumes
+on M. The bf16 engine's ZeRO-1 wiring is checked here, the engine itself in tests/test_engine_zero_gpu.py."""
 
 import threading
 from types import SimpleNamespace
@@ -17,7 +19,7 @@ from nanoeuler.model import transformer
 from nanoeuler.model.config import ModelConfig
 from nanoeuler.train import loop
 from nanoeuler.train.config import TrainConfig
-from nanoeuler.train.parallel import DataParallel, ZeroStepper, optimizer_bytes, plan_shards
+from nanoeuler.train.parallel import DataParallel, FlatGradients, ZeroStepper, optimizer_bytes, plan_shards
 from nanoeuler.train.stepper import make_stepper
 from test_parallel import _run, shards  # noqa: F401 (a fixture)
 
@@ -39,28 +41,34 @@ class ThreadWorld:
 
 
 class ThreadComm:
-    """`parallel.Comm` over a `ThreadWorld`; sums go rank 0 first, then 1, 2, ..., times 1/n, in every
-    collective alike (as NCCL's ring does within one algorithm)."""
+    """`parallel.Comm` over a `ThreadWorld`, adding as NCCL's ring does: block c of a reduce-scatter is summed
+    going round the ranks from c + 1 to c, and an all-reduce cuts its array into `size` chunks, chunk c
+    summed the same way. So an element of a tensor all-reduced alone is added in another rank order than in
+    its block of a flat reduce-scatter (with 3 ranks or more: a + b is b + a), as on the GPUs."""
 
     def __init__(self, world: ThreadWorld, rank: int):
         self.world, self.rank, self.size = world, rank, world.n
 
-    def _mean(self, parts: list):
-        return sum(parts[1:], parts[0]) * (1.0 / self.size)
+    def _ring_mean(self, parts: list, c: int):
+        """The mean of `parts` (one a rank) added from rank c + 1 round to rank c."""
+        order = [parts[(c + 1 + i) % self.size] for i in range(self.size)]
+        return sum(order[1:], order[0]) * (1.0 / self.size)
 
     def all_reduce_mean(self, arrays: list) -> None:
         for a in arrays:
-            a[...] = self._mean(self.world.exchange(self.rank, a.copy()))
+            parts = [np.array_split(p.ravel(), self.size) for p in self.world.exchange(self.rank, a.copy())]
+            chunks = [self._ring_mean([p[c] for p in parts], c) for c in range(self.size)]
+            a[...] = np.concatenate(chunks).reshape(a.shape)
 
     def reduce_scatter_mean(self, src, dst) -> None:
         k, r = dst.size, self.rank
-        dst[...] = self._mean([p[r * k : (r + 1) * k] for p in self.world.exchange(self.rank, src.copy())])
+        dst[...] = self._ring_mean([p[r * k : (r + 1) * k] for p in self.world.exchange(self.rank, src.copy())], r)
 
     def all_gather(self, src, dst) -> None:
         dst[...] = np.concatenate(self.world.exchange(self.rank, src.copy()))
 
     def mean_scalar(self, value: float) -> float:
-        return float(self._mean(self.world.exchange(self.rank, float(value))))
+        return float(self._ring_mean(self.world.exchange(self.rank, float(value)), 0))
 
     def broadcast_int(self, value: int) -> int:
         return self.world.exchange(self.rank, value)[0]
@@ -138,7 +146,8 @@ def train(stepper, rank: int, n: int, b: int, steps: range) -> list:
     return out
 
 
-@pytest.mark.parametrize("optimizer, n", [("adamw", 2), ("adamw", 4), ("muon", 2), ("muon", 4)])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("n", [2, 3, 4])
 def test_zero_1_matches_the_unsharded_run_bit_for_bit_over_100_steps(optimizer, n):
     b, steps = 2, range(100)
     results = {}
@@ -175,6 +184,118 @@ def test_each_rank_keeps_about_a_quarter_of_the_optimizer_state():
     predicted = memory.xp_train_parts(CFG, 2, CFG.ctx_len, zero_world=n)["adamw"]
     assert max(held) <= predicted < whole  # the memory model's share bounds every rank's
     assert isinstance(steppers[0].inner, ZeroStepper)
+
+
+def rank_grads(rank: int) -> dict:
+    """Float32 gradients of the model's shapes, different on every rank; one a transposed view, as the
+    backward hands out views too."""
+    rng = np.random.default_rng(rank)
+    grads = {n: rng.standard_normal(s).astype(np.float32) for n, s in CFG.param_shapes().items()}
+    o = "layers.0.self_attn.o_proj.weight"
+    grads[o] = np.ascontiguousarray(grads[o].T).T
+    return grads
+
+
+def assert_the_mean(got: list, sent: list, n: int, what: str) -> None:
+    """Every rank's `got` is the same float32 bytes, within float32 rounding of the float64 mean of `sent`:
+    n - 1 additions and the scaling by 1/n, each off by at most half a float32 ulp of what it rounds."""
+    for name in sent[0]:
+        exact = np.mean([s[name].astype(np.float64) for s in sent], axis=0)
+        scale = np.mean([np.abs(s[name].astype(np.float64)) for s in sent], axis=0)
+        for r in range(n):
+            assert got[r][name].dtype == np.float32
+            np.testing.assert_array_equal(got[r][name], got[0][name], err_msg=f"{what}: rank {r} {name}")
+        assert np.all(np.abs(got[0][name] - exact) <= (n + 1) * 2.0**-24 * scale), f"{what}: {name}"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_plain_average_is_the_float64_mean_to_float32_rounding(n):
+    world = ThreadWorld(n)
+    sent = [rank_grads(r) for r in range(n)]
+
+    def rank_main(r):
+        hook = DataParallel(ThreadComm(world, r), "pretrain").grad_hook()
+        for _ in range(2):  # the flat buffer laid out on the first call serves the next
+            grads = {k: v.copy(order="K") for k, v in sent[r].items()}
+            hook(grads)
+        return grads
+
+    assert_the_mean(in_threads(rank_main, world), sent, n, f"{n} ranks")
+
+
+def test_a_stages_own_hook_runs_on_the_averaged_gradients():
+    """The stage's `then` sees the mean, not this rank's gradients, and what it changes is what the stepper
+    clips and applies."""
+    n, world = 3, ThreadWorld(3)
+    sent = [rank_grads(r) for r in range(n)]
+
+    def rank_main(r):
+        seen = {}
+
+        def then(grads):
+            seen.update({k: v.copy() for k, v in grads.items()})
+            grads["norm.weight"][...] = 0  # as a stage that freezes a tensor would
+
+        grads = {k: v.copy() for k, v in sent[r].items()}
+        DataParallel(ThreadComm(world, r), "sft").grad_hook(then=then)(grads)
+        return seen, grads
+
+    out = in_threads(rank_main, world)
+    assert_the_mean([seen for seen, _ in out], sent, n, "then")
+    for seen, grads in out:
+        assert not grads["norm.weight"].any()
+        np.testing.assert_array_equal(grads["lm_head.weight"], seen["lm_head.weight"])
+
+
+class Counting(ThreadComm):
+    """A world of one rank that records which collectives ran."""
+
+    def __init__(self):
+        super().__init__(ThreadWorld(1), 0)
+        self.calls = []
+
+    def all_reduce_mean(self, arrays):
+        self.calls.append(("all_reduce", [a.size for a in arrays]))
+        super().all_reduce_mean(arrays)
+
+    def reduce_scatter_mean(self, src, dst):
+        self.calls.append(("reduce_scatter", src.size))
+        super().reduce_scatter_mean(src, dst)
+
+    def all_gather(self, src, dst):
+        self.calls.append(("all_gather", dst.size))
+        super().all_gather(src, dst)
+
+
+def test_the_engines_flat_gradients_take_one_all_reduce_and_the_fp32_tensors_the_flat_pair():
+    """The bf16 engine's gradients (views of its one buffer) are all-reduced in one call, as its captured
+    step does; the fp32 stepper's separate tensors take one reduce-scatter and one all-gather of the flat
+    buffer, whatever their number, and come back unchanged from a world of one."""
+    engine = Counting()
+    buffer = np.arange(100, dtype=np.float32)
+    DataParallel(engine, "pretrain").grad_hook()({"a": buffer[:12].reshape(3, 4), "b": buffer[64:70]})
+    assert engine.calls == [("all_reduce", [100])]
+    fp32, grads = Counting(), rank_grads(0)
+    before = {k: v.copy() for k, v in grads.items()}
+    DataParallel(fp32, "pretrain").grad_hook()(grads)
+    total = sum(g.size for g in grads.values())
+    assert fp32.calls == [("reduce_scatter", total), ("all_gather", total)]
+    for name, g in grads.items():
+        np.testing.assert_array_equal(g, before[name], err_msg=name)
+
+
+def test_the_plain_average_and_zero_1_lay_the_gradients_out_alike():
+    """The hook lays its buffer out by the gradients' names and shapes, ZeroStepper by the parameters': both
+    in the model's order, so both are `plan_shards(cfg.param_shapes(), n)`."""
+    x, y = windows(0, 1, 2)
+    for n in (2, 3, 4):
+        comm = ThreadComm(ThreadWorld(n), 0)
+        inner = make_stepper(settings("adamw", 2), CFG, transformer.init_params(CFG, seed=0), np)
+        _, grads = inner.gradients([(x, y), (x, y)])  # two micro-batches: the summed dict
+        assert list(grads) == list(CFG.param_shapes())
+        want = plan_shards(CFG.param_shapes(), n)
+        assert FlatGradients(grads, comm).plan == want
+        assert ZeroStepper(inner, comm).plan == want
 
 
 def test_the_shard_plan_keeps_tensors_whole_contiguous_and_balanced():

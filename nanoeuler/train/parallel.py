@@ -6,8 +6,9 @@
 Every rank builds the same model from the same seed and draws the same seeded stream of training
 windows; rank r keeps windows r, r+N, ... of each step's N*B, so N GPUs with batch B train on exactly
 the windows of 1 GPU with batch N*B. Between the backward and the clipping the stepper's `grad_hook`
-averages the gradients over the ranks (NCCL all-reduce, in place: one call on the bf16 engine's flat
-gradient buffer), and the loss is averaged too, so every rank computes the same norm and the same
+averages the gradients over the ranks (NCCL, in place: one all-reduce of the bf16 engine's flat gradient
+buffer; on the fp32 path a reduce-scatter and an all-gather of a flat copy laid out as ZeRO-1's, so the
+two add alike), and the loss is averaged too, so every rank computes the same norm and the same
 update and logs the loss of the whole batch. Rank 0 alone reads and writes the run directory
 (checkpoints, metrics, the final model, the progress bar); the others load the checkpoint it chose.
 With `zero: 1` (ZeRO stage 1) each rank keeps the optimizer state of its share of the tensors only: the
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
+from nanoeuler.backend import array_module
 from nanoeuler.errors import UserError
 from nanoeuler.train.stepper import NonFinite
 
@@ -393,12 +395,12 @@ class Comm(Protocol):
         """Rank 0's `value` on every rank."""
 
     def reduce_scatter_mean(self, src, dst) -> None:
-        """dst (src.size / size elements) becomes block `rank` of the mean over the ranks of src (ZeRO); dst
-        may be that block of src itself (in place)."""
+        """dst (src.size / size elements) becomes block `rank` of the mean over the ranks of src
+        (`FlatGradients`); dst may be that block of src itself (in place)."""
 
     def all_gather(self, src, dst) -> None:
-        """dst (size * src.size elements) becomes every rank's src, in rank order (ZeRO); src may be block
-        `rank` of dst itself (in place)."""
+        """dst (size * src.size elements) becomes every rank's src, in rank order (`FlatGradients`, ZeRO's
+        norm); src may be block `rank` of dst itself (in place)."""
 
     def check(self) -> None:
         """Raise if the transport reported an asynchronous error (a peer is gone)."""
@@ -483,8 +485,8 @@ class NcclComm:
 
 
 def gradient_buffers(grads: dict) -> list:
-    """The arrays to all-reduce for `grads`: the one buffer they are all views of (the bf16 engine's flat
-    gradients: a single call), else the gradients themselves."""
+    """The one buffer `grads` are all views of (the bf16 engine's flat gradients: all-reduced in a single
+    call), else the gradients themselves (the fp32 stepper's: averaged through `FlatGradients`)."""
     owners = {id(o): o for o in (g if g.base is None else g.base for g in grads.values())}
     if len(owners) == 1:
         (owner,) = owners.values()
@@ -517,18 +519,22 @@ class DataParallel:
 
     def grad_hook(self, then: Callable[[dict], None] | None = None) -> Callable[[dict], None]:
         """A `grad_hook` that averages the gradients over the ranks, then runs `then` (if any) on the mean.
+        The bf16 engine's gradients (views of one buffer) take one all-reduce; the fp32 stepper's tensors go
+        through `FlatGradients`, as ZeRO-1's do, so zero 0 and zero 1 add alike on any number of ranks.
         With `zero` it carries the transport as `zero_comm`: `make_stepper` then builds the bf16 engine
         sharded, and its step averages the gradients itself instead of calling the hook."""
         self._then = then
+        flat = None  # the fp32 gradients' buffer, laid out on the first call
 
         def hook(grads: dict) -> None:
-            for a in gradient_buffers(grads):
-                if a.flags.c_contiguous:
-                    self.comm.all_reduce_mean([a])
-                else:  # NCCL reduces contiguous memory: through a copy
-                    buf = a.copy()
-                    self.comm.all_reduce_mean([buf])
-                    a[...] = buf
+            nonlocal flat
+            buffers = gradient_buffers(grads)
+            if len(buffers) == 1 and len(grads) > 1:  # the engine's: no ZeroStepper of the fp32 path to match
+                self.comm.all_reduce_mean(buffers)
+            else:
+                if flat is None:
+                    flat = FlatGradients(grads, self.comm)
+                flat.average(grads)
             if then is not None:
                 then(grads)
 
@@ -552,7 +558,7 @@ class DataParallel:
                 whole = engine_optimizer_bytes(stepper.engine.cfg)
             else:
                 whole = optimizer_bytes(stepper)
-                stepper = ZeroStepper(stepper, self.comm, plan_shards(stepper.cfg.param_shapes(), self.size))
+                stepper = ZeroStepper(stepper, self.comm)
             if self.is_root:
                 print(
                     f"nanoeuler {self.stage}: ZeRO-1 over {self.size} ranks: rank 0 keeps "
@@ -630,7 +636,7 @@ class ParallelStepper:
     """A stepper whose gradients are averaged by its hook, and whose loss is the mean over the ranks.
 
     Every rank makes the same collective calls in every step, even when its own loss is not finite: the
-    gradient all-reduce (the hook runs before any finiteness check), then the loss average; a non-finite
+    gradient average (the hook runs before any finiteness check), then the loss average; a non-finite
     mean loss then stops every rank at the same step, and a non-finite norm is the same on every rank."""
 
     def __init__(self, inner, dp: DataParallel):
@@ -711,6 +717,54 @@ def plan_shards(shapes: dict, size: int) -> ShardPlan:
     return ShardPlan(owner, offset, dict(shapes), size, span)
 
 
+class FlatGradients:
+    """Gradients in one flat buffer laid out by `plan_shards` over the names and shapes of `tensors` (the
+    model's order), and the two collectives on it. Rank r's block of the buffer is its `shard`: NCCL
+    reduce-scatters and all-gathers in place there.
+
+    ZeRO-1 and the plain data-parallel average both reduce through here, so every element is added in the
+    same order in both runs: NCCL's ring adds the ranks of a reduce-scatter's block in another order than
+    those of an all-reduce of one tensor (with 3 ranks or more). The cost is the buffer, size * span
+    elements: the gradients once more, plus the padding of the shorter runs.
+
+        >>> import numpy as np
+        >>> class One: rank, size = 0, 1
+        >>> flat = FlatGradients({"a": np.zeros((2, 2)), "b": np.zeros(3)}, One())
+        >>> flat.plan.offset, flat.buffer.size, np.shares_memory(flat.shard, flat.buffer)
+        ({'a': 0, 'b': 4}, 7, True)
+    """
+
+    def __init__(self, tensors: dict, comm: Comm):
+        self.comm = comm
+        self.plan = plan_shards({n: tuple(a.shape) for n, a in tensors.items()}, comm.size)
+        a = next(iter(tensors.values()))
+        self.buffer = array_module(a).zeros(self.plan.size * self.plan.span, dtype=a.dtype)
+        start = comm.rank * self.plan.span
+        self.shard = self.buffer[start : start + self.plan.span]
+
+    def view(self, name):
+        """Tensor `name` in the flat buffer (inside `shard` when this rank owns it)."""
+        return self.plan.flat_view(self.buffer, name)
+
+    def reduce_scatter(self, grads: dict) -> None:
+        """`shard` becomes the mean over the ranks of this rank's run of `grads`."""
+        for n, g in grads.items():
+            self.view(n)[...] = g
+        self.comm.reduce_scatter_mean(self.buffer, self.shard)
+
+    def all_gather(self) -> None:
+        """Every rank's `shard` into the flat buffer: bytes copied, so every rank holds the same values."""
+        self.comm.all_gather(self.shard, self.buffer)
+
+    def average(self, grads: dict) -> None:
+        """Each gradient becomes its mean over the ranks, in place: the bytes of one ring all-reduce, in
+        two collectives for the whole model instead of one a tensor."""
+        self.reduce_scatter(grads)
+        self.all_gather()
+        for n, g in grads.items():
+            g[...] = self.view(n)
+
+
 def keep_only(opt, names: set) -> None:
     """Drop the optimizer state of every tensor not in `names`: AdamW (and Muon's AdamW part) updates and
     saves only the tensors it holds moments for, Muon only the hidden matrices it lists."""
@@ -731,42 +785,33 @@ class ZeroStepper:
         gradients -> reduce-scatter (the mean of this rank's tensors) -> the global norm from every
         tensor's sum of squares (all-gathered) -> clip and update this rank's tensors -> all-gather them
 
-    Every number is the one the unsharded data-parallel step computes (the same sums, the same clipping
-    factor, the optimizer on the same tensors), so the two runs agree bit for bit where the transport sums
-    alike. The checkpoint keeps the native format: `state_tensors` gathers the shards (a collective every
-    rank joins), and `load_state_tensors` takes this rank's tensors from full ones, so a run of N ranks
-    resumes on M."""
+    Every number is the one the unsharded data-parallel step computes (the same `FlatGradients` sums, the
+    same clipping factor, the optimizer on the same tensors), so the two runs agree bit for bit. The
+    checkpoint keeps the native format: `state_tensors` gathers the shards (a collective every rank joins),
+    and `load_state_tensors` takes this rank's tensors from full ones, so a run of N ranks resumes on M."""
 
-    def __init__(self, inner, comm: Comm, plan: ShardPlan):
-        self.inner, self.comm, self.plan = inner, comm, plan
-        self.mine = plan.mine(comm.rank)
+    def __init__(self, inner, comm: Comm):
+        # laid out by the parameters, as the data-parallel hook lays out their gradients (the same order)
+        self.inner, self.comm, self.flat = inner, comm, FlatGradients(inner.params(), comm)
+        self.plan = self.flat.plan
+        self.mine = self.plan.mine(comm.rank)
         keep_only(inner.opt, set(self.mine))
-        xp, params = inner.xp, inner.params()
-        dtype = params[next(iter(params))].dtype
-        self.flat = xp.zeros(plan.size * plan.span, dtype=dtype)  # every rank's run: gradients in, tensors out
-        self.shard = xp.zeros(plan.span, dtype=dtype)  # this rank's run
-        self.index = {n: i for i, n in enumerate(plan.shapes)}
+        xp, dtype = inner.xp, self.flat.buffer.dtype
+        self.index = {n: i for i, n in enumerate(self.plan.shapes)}
         self.squares = xp.zeros(len(self.index), dtype=dtype)  # this rank's tensors' sums of squares
-        self.all_squares = xp.zeros(plan.size * len(self.index), dtype=dtype)
+        self.all_squares = xp.zeros(self.plan.size * len(self.index), dtype=dtype)
 
     @property
     def t(self) -> int:
         return self.inner.t
 
-    def _local(self, name):
-        """This rank's tensor `name` as a view of `shard`."""
-        o, shape = self.plan.offset[name] - self.comm.rank * self.plan.span, self.plan.shapes[name]
-        return self.shard[o : o + math.prod(shape)].reshape(shape)
-
     def step(self, batch, lr: float, head_weights=None) -> tuple[float, float]:
-        inner, plan, comm = self.inner, self.plan, self.comm
+        inner = self.inner
         loss, grads = inner.gradients(batch, head_weights)
         order = list(grads)  # clip_grad_norm adds the squares in this order
-        for n, g in grads.items():
-            plan.flat_view(self.flat, n)[...] = g
+        self.flat.reduce_scatter(grads)
         del grads
-        comm.reduce_scatter_mean(self.flat, self.shard)
-        mine = {n: self._local(n) for n in self.mine}
+        mine = {n: self.flat.view(n) for n in self.mine}
         norm = self._clip(mine, order)
         if math.isfinite(norm):  # the norm is global: every rank updates, or none does
             inner.opt.step(inner.params(), mine, lr)
@@ -797,11 +842,11 @@ class ZeroStepper:
     def _gather_params(self) -> None:
         params = self.inner.params()
         for n in self.mine:
-            self._local(n)[...] = params[n]
-        self.comm.all_gather(self.shard, self.flat)
+            self.flat.view(n)[...] = params[n]
+        self.flat.all_gather()
         for n, p in params.items():
             if n not in self.mine:
-                p[...] = self.plan.flat_view(self.flat, n)
+                p[...] = self.flat.view(n)
 
     def params(self) -> dict:
         return self.inner.params()
@@ -815,14 +860,14 @@ class ZeroStepper:
         own, out = self.inner.opt.state_tensors(), {}
         muon = isinstance(self.inner.opt, Muon)
         for kind in ("m", "v"):
-            self.shard[...] = 0
+            self.flat.shard[...] = 0
             for n in self.mine:
                 if f"{kind}.{n}" in own:
-                    self._local(n)[...] = own[f"{kind}.{n}"]
-            self.comm.all_gather(self.shard, self.flat)
+                    self.flat.view(n)[...] = own[f"{kind}.{n}"]
+            self.flat.all_gather()
             for n in self.plan.shapes:
                 if kind == "m" or not (muon and param_group(n) == "hidden"):  # Muon's matrices: momentum only
-                    out[f"{kind}.{n}"] = to_numpy(self.plan.flat_view(self.flat, n)).copy()
+                    out[f"{kind}.{n}"] = to_numpy(self.flat.view(n)).copy()
         return out
 
     def load_state_tensors(self, tensors: dict, t: int) -> None:

@@ -12,7 +12,7 @@ the same update to the bf16 engine on the GPU. Two hooks let a stage or
 a launcher change the step without forking the loop: `head_loss` replaces the loss on the final
 normed state (`transformer.mtp_cross_entropy` by default; on the engine only a `model.dpo.DpoHead`,
 which it runs as its DPO head), and `grad_hook(grads)` runs on the summed gradients between the
-backward and the clipping (a data-parallel all-reduce goes there). A non-finite loss or gradient
+backward and the clipping (the data-parallel average goes there). A non-finite loss or gradient
 norm raises `NonFinite`: before the update on the xp path, after it on the engine (which never
 waits for the device inside a step); either way no checkpoint of that state is written.
 """

@@ -16,7 +16,8 @@ template already applied to one of eight questions, so every server sees the sam
 `ignore_eos`, --max-tokens tokens each, `stream_options.include_usage`). A request counts as a failure unless
 its stream is whole (one id, a finish_reason, `data: [DONE]`) and its usage says --max-tokens tokens.
 Per level it prints: generated tokens/s (all clients), time to first token p50/p99, inter-token latency
-p50/p99 (between a stream's consecutive text chunks), failures, and the peer: the same model in this
+p50/p99 (between a stream's consecutive text chunks), the server's own mean time to first token (its
+/metrics: submitted to first token, no HTTP), failures, and the peer: the same model in this
 process (`DecodeEngine.generate`, L prompts decoded as one batch, no server; measured in a child process
 before the server starts, so the server's memory sizing sees an empty GPU).
 
@@ -304,6 +305,7 @@ def level(url: str, clients: int, args) -> dict:
 
     procs = client_processes(clients, args.client_procs)
     parts = [list(range(clients))[p::procs] for p in range(procs)]
+    own0 = asyncio.run(_own_ttft(url))
     start_at = time.monotonic() + (3.0 if procs > 1 else 0.0)  # the processes' start-up before it
     if procs == 1:
         results, end = _clients_process(url, parts[0], args, start_at)
@@ -313,6 +315,7 @@ def level(url: str, clients: int, args) -> dict:
             done = list(pool.map(_clients_process, [url] * procs, parts, [args] * procs, [start_at] * procs))
         results, ends = [r for rs, _ in done for r in rs], [e for _, e in done]
     wall = max(ends) - start_at
+    own1 = asyncio.run(_own_ttft(url))
     ok = [r for r in results if r["ok"]]
     ttft = [r["ttft"] * 1e3 for r in ok]
     gaps = [g * 1e3 for r in ok for g in r["gaps"]]
@@ -327,7 +330,16 @@ def level(url: str, clients: int, args) -> dict:
         "ttft_p99": pct(ttft, 99),
         "itl_p50": pct(gaps, 50),
         "itl_p99": pct(gaps, 99),
+        # the server's own mean time to first token (submitted to first token: no HTTP), where it has one
+        "own_ttft": (own1[1] - own0[1]) / max(own1[0] - own0[0], 1) * 1e3 if own0 and own1 else float("nan"),
     }
+
+
+async def _own_ttft(url: str) -> tuple[float, float] | None:
+    import httpx2
+
+    async with httpx2.AsyncClient(timeout=60) as client:
+        return await server_ttft(client, url)
 
 
 def main() -> int:
@@ -406,13 +418,14 @@ def main() -> int:
     )
     print(
         f"{'clients':>7} {'requests':>8} {'failures':>8} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'ITL p50':>8} {'ITL p99':>8} {'peer tok/s':>10} {'/peer':>6}"
+        f"{'ITL p50':>8} {'ITL p99':>8} {'own TTFT':>9} {'peer tok/s':>10} {'/peer':>6}"
     )
     for r in rows:
         p = peers[r["clients"]]
         print(
             f"{r['clients']:>7} {r['requests']:>8} {r['failures']:>8} {r['tokens_per_s']:>9.1f} "
             f"{r['ttft_p50']:>7.1f}ms {r['ttft_p99']:>7.1f}ms {r['itl_p50']:>6.2f}ms {r['itl_p99']:>6.2f}ms "
+            f"{r['own_ttft']:>7.1f}ms "
             f"{p:>10.1f} {r['tokens_per_s'] / p:>5.2f}x"
         )
     if args.prefix:

@@ -129,19 +129,39 @@ def zero_share(cfg, world: int) -> int:
     return min(n, -(-n // world) + largest)
 
 
+def flat_parts(cfg, zero_world: int, dp_world: int) -> dict:
+    """The float32 path's optimizer state and data-parallel buffer: AdamW's moments (of one rank's share
+    under ZeRO-1), and with several ranks the flat gradients of `train.parallel.FlatGradients`, every rank's
+    run padded to the longest (through which zero 0 and zero 1 both average).
+
+        >>> from nanoeuler.model.config import ModelConfig
+        >>> cfg = ModelConfig.named("gpu")
+        >>> sorted(flat_parts(cfg, 1, 1)), sorted(flat_parts(cfg, 1, 4)), sorted(flat_parts(cfg, 4, 4))
+        (['adamw'], ['adamw', 'flat_grads'], ['adamw', 'flat_grads'])
+    """
+    world = max(zero_world, dp_world)
+    parts = {"adamw": 2 * F32 * zero_share(cfg, zero_world)}
+    if world > 1:
+        parts["flat_grads"] = F32 * world * zero_share(cfg, world)
+    return parts
+
+
 def xp_train_parts(
-    cfg, rows: int, seq: int, *, micro_batches: int = 1, checkpoint: bool = False, zero_world: int = 1
+    cfg,
+    rows: int,
+    seq: int,
+    *,
+    micro_batches: int = 1,
+    checkpoint: bool = False,
+    zero_world: int = 1,
+    dp_world: int = 1,
 ) -> dict:
     """Named byte counts of one float32 training step (`XpStepper`) on micro-batches of rows x seq.
-    `zero_world` > 1: one rank of ZeRO-1 over that many ranks (`train.parallel.ZeroStepper`): the moments
-    of its share, beside a flat buffer of every rank's run (the gradients going in, the parameters out)."""
+    `dp_world` > 1: one rank of data parallel over that many ranks; `zero_world` > 1: of ZeRO-1
+    (`train.parallel.ZeroStepper`), which keeps the moments of its share only (`flat_parts`)."""
     n, L, N = cfg.n_params(), cfg.n_layers, rows * seq
     layer = layer_cache_bytes(cfg, rows, seq)
-    parts = {"params": F32 * n, "grads": F32 * n, "adamw": 2 * F32 * n}
-    if zero_world > 1:
-        share = zero_share(cfg, zero_world)
-        parts["adamw"] = 2 * F32 * share
-        parts["zero_buffers"] = F32 * (zero_world + 1) * share
+    parts = {"params": F32 * n, "grads": F32 * n, **flat_parts(cfg, zero_world, dp_world)}
     if micro_batches > 1:  # the running sum beside the next micro-batch's gradients
         parts["grad_sum"] = F32 * n
     # with checkpointing each block keeps only its input; the one being differentiated is recomputed
@@ -412,9 +432,10 @@ def train_parts(
     head: str = "mtp",
     sm90a: bool = False,
     zero_world: int = 1,
+    dp_world: int = 1,
 ) -> dict:
     """One training step's named byte counts for a `train.config.TrainConfig` (precision, checkpointing;
-    `zero_world`: the ranks of a ZeRO-1 run)."""
+    `zero_world`: the ranks of a ZeRO-1 run; `dp_world`: of a data-parallel one)."""
     if settings.precision == "bf16":
         return engine_parts(
             cfg,
@@ -428,7 +449,13 @@ def train_parts(
             zero_world=zero_world,
         )
     parts = xp_train_parts(
-        cfg, rows, seq, micro_batches=micro_batches, checkpoint=settings.checkpoint_activations, zero_world=zero_world
+        cfg,
+        rows,
+        seq,
+        micro_batches=micro_batches,
+        checkpoint=settings.checkpoint_activations,
+        zero_world=zero_world,
+        dp_world=dp_world,
     )
     if head == "dpo":
         parts["temporaries"] = max(parts["temporaries"], _dpo_head_bytes(cfg, rows * seq))
@@ -445,6 +472,7 @@ def resident_parts(
     head: str = "mtp",
     sm90a: bool = False,
     zero_world: int = 1,
+    dp_world: int = 1,
 ) -> dict:
     """What stays on the device between steps, beside which evaluation runs: the engine's buffers, or the
     float32 parameters and AdamW's moments."""
@@ -452,12 +480,7 @@ def resident_parts(
         return train_parts(
             cfg, settings, rows, seq, micro_batches=micro_batches, head=head, sm90a=sm90a, zero_world=zero_world
         )
-    share = zero_share(cfg, zero_world)
-    return {
-        "params": F32 * cfg.n_params(),
-        "adamw": 2 * F32 * share,
-        **({"zero_buffers": F32 * (zero_world + 1) * share} if zero_world > 1 else {}),
-    }
+    return {"params": F32 * cfg.n_params(), **flat_parts(cfg, zero_world, dp_world)}
 
 
 @dataclass(frozen=True)
@@ -480,10 +503,12 @@ def plan_training(
     head: str = "mtp",
     sm90a: bool = False,
     zero_world: int = 1,
+    dp_world: int = 1,
 ) -> TrainPlan:
     """Micro-batch and evaluation chunk of a training stage inside `budget` (None: as configured), and the
     predicted peak; prints the one line of `say_fit` when it splits. Sequences are counted at the whole
-    context, the longest a batch holds. `zero_world`: the ranks of a ZeRO-1 run (1: none)."""
+    context, the longest a batch holds. `zero_world`: the ranks of a ZeRO-1 run (1: none); `dp_world`: of
+    a data-parallel run."""
     T, B, accum = cfg.ctx_len, settings.batch_size, settings.grad_accum
     if budget is None:  # the CPU: as configured
         return TrainPlan(B, eval_items, 0.0)
@@ -499,6 +524,7 @@ def plan_training(
             head=head,
             sm90a=sm90a,
             zero_world=zero_world,
+            dp_world=dp_world,
         )
 
     micro = fit_rows(stage, B, budget, step, what, _hint(stage, settings))
@@ -511,6 +537,7 @@ def plan_training(
         head=head,
         sm90a=sm90a,
         zero_world=zero_world,
+        dp_world=dp_world,
     )
     items, forward = eval_items_for(
         stage, budget, cfg, T, eval_items, eval_kind, resident, rows_per_item, _hint(stage, settings)

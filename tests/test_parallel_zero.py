@@ -181,9 +181,12 @@ def test_each_rank_keeps_about_a_quarter_of_the_optimizer_state():
     assert sum(held) == whole  # every moment on exactly one rank
     largest = max(int(np.prod(s)) for s in CFG.param_shapes().values()) * 2 * 4  # m and v, float32
     assert max(held) <= whole / n + largest
-    predicted = memory.xp_train_parts(CFG, 2, CFG.ctx_len, zero_world=n)["adamw"]
-    assert max(held) <= predicted < whole  # the memory model's share bounds every rank's
+    parts = memory.xp_train_parts(CFG, 2, CFG.ctx_len, zero_world=n)
+    assert max(held) <= parts["adamw"] < whole  # the memory model's share bounds every rank's
     assert isinstance(steppers[0].inner, ZeroStepper)
+    flat = steppers[0].inner.flat.buffer.nbytes  # and its flat buffer, within a largest tensor a rank
+    assert flat <= parts["flat_grads"] <= flat + n * largest // 2  # (largest: two float32 copies of it)
+    assert memory.xp_train_parts(CFG, 2, CFG.ctx_len, dp_world=n)["flat_grads"] == parts["flat_grads"]
 
 
 def rank_grads(rank: int) -> dict:

@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         eval_items=settings.batch_size,
         sm90a=memory.on_sm90a(xp),
         zero_world=parallel.zero_world(dp),
+        dp_world=dp.size if dp is not None else 1,
     )
 
     class _Batches:

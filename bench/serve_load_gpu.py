@@ -17,7 +17,8 @@ template already applied to one of eight questions, so every server sees the sam
 its stream is whole (one id, a finish_reason, `data: [DONE]`) and its usage says --max-tokens tokens.
 Per level it prints: generated tokens/s (all clients), time to first token p50/p99, inter-token latency
 p50/p99 (between a stream's consecutive text chunks), the server's own mean time to first token (its
-/metrics: submitted to first token, no HTTP), failures, and the peer: the same model in this
+/metrics: submitted to first token, no HTTP) and the engine process's share of it (queued there to handed
+out), failures, and the peer: the same model in this
 process (`DecodeEngine.generate`, L prompts decoded as one batch, no server; measured in a child process
 before the server starts, so the server's memory sizing sees an empty GPU).
 
@@ -184,14 +185,13 @@ async def one_request(client, url: str, prompt: str, max_tokens: int, temperatur
     }
 
 
-async def server_ttft(client, url: str) -> tuple[float, float] | None:
+async def server_ttft(client, url: str, name: str = "nanoeuler_time_to_first_token_seconds"):
     """The server's own count and sum of seconds to first token (its /metrics: submitted to first token,
-    no HTTP), or None for a server without them (llama-server)."""
+    no HTTP; or `name`'s, e.g. the engine process's share), or None for a server without them."""
     r = await client.get(url + "/metrics")
     if r.status_code != 200:
         return None
     values = dict(line.rsplit(" ", 1) for line in r.text.splitlines() if " " in line and not line.startswith("#"))
-    name = "nanoeuler_time_to_first_token_seconds"
     if f"{name}_count" not in values:
         return None
     return float(values[f"{name}_count"]), float(values[f"{name}_sum"])
@@ -330,16 +330,27 @@ def level(url: str, clients: int, args) -> dict:
         "ttft_p99": pct(ttft, 99),
         "itl_p50": pct(gaps, 50),
         "itl_p99": pct(gaps, 99),
-        # the server's own mean time to first token (submitted to first token: no HTTP), where it has one
-        "own_ttft": (own1[1] - own0[1]) / max(own1[0] - own0[0], 1) * 1e3 if own0 and own1 else float("nan"),
+        # the server's own mean time to first token (submitted to first token: no HTTP), and of that the engine
+        # process's (queued there to handed out), where it has them
+        **{k: _mean_ms(own0[k], own1[k]) for k in ("own_ttft", "engine_ttft")},
     }
 
 
-async def _own_ttft(url: str) -> tuple[float, float] | None:
+async def _own_ttft(url: str) -> dict:
     import httpx2
 
     async with httpx2.AsyncClient(timeout=60) as client:
-        return await server_ttft(client, url)
+        return {
+            "own_ttft": await server_ttft(client, url),
+            "engine_ttft": await server_ttft(client, url, "nanoeuler_engine_time_to_first_token_seconds"),
+        }
+
+
+def _mean_ms(before, after) -> float:
+    """Mean ms of the values counted between two (count, sum) readings; NaN where there are none."""
+    if before is None or after is None or after[0] <= before[0]:
+        return float("nan")
+    return (after[1] - before[1]) / (after[0] - before[0]) * 1e3
 
 
 def main() -> int:
@@ -418,14 +429,14 @@ def main() -> int:
     )
     print(
         f"{'clients':>7} {'requests':>8} {'failures':>8} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'ITL p50':>8} {'ITL p99':>8} {'own TTFT':>9} {'peer tok/s':>10} {'/peer':>6}"
+        f"{'ITL p50':>8} {'ITL p99':>8} {'own TTFT':>9} {'engine':>8} {'peer tok/s':>10} {'/peer':>6}"
     )
     for r in rows:
         p = peers[r["clients"]]
         print(
             f"{r['clients']:>7} {r['requests']:>8} {r['failures']:>8} {r['tokens_per_s']:>9.1f} "
             f"{r['ttft_p50']:>7.1f}ms {r['ttft_p99']:>7.1f}ms {r['itl_p50']:>6.2f}ms {r['itl_p99']:>6.2f}ms "
-            f"{r['own_ttft']:>7.1f}ms "
+            f"{r['own_ttft']:>7.1f}ms {r['engine_ttft']:>6.1f}ms "
             f"{p:>10.1f} {r['tokens_per_s'] / p:>5.2f}x"
         )
     if args.prefix:

@@ -184,6 +184,8 @@ class FakeChain:
 
     def next(self):
         f = self.fake
+        if f.profile_dir is not None:
+            f._follow_switch()
         cpu = time.thread_time()
         f.cpu += cpu - getattr(f, "_cpu_mark", cpu)
         self.fill()

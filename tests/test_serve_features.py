@@ -367,6 +367,12 @@ def test_tokenize_detokenize_and_metrics(server, tok, client):
     assert values['nanoeuler_requests_total{status="400"}'] >= 2
     assert values["nanoeuler_generation_tokens_total"] >= 6 and values["nanoeuler_prompt_tokens_total"] >= 20
     assert values["nanoeuler_time_to_first_token_seconds_count"] >= 2
+    engine_ttft = values["nanoeuler_engine_time_to_first_token_seconds_count"]  # the engine's share, within
+    assert engine_ttft >= 2 and 0 < values["nanoeuler_engine_time_to_first_token_seconds_sum"] / engine_ttft
+    assert (
+        values["nanoeuler_engine_time_to_first_token_seconds_sum"] / engine_ttft
+        <= values["nanoeuler_time_to_first_token_seconds_sum"] / values["nanoeuler_time_to_first_token_seconds_count"]
+    )
     assert values["nanoeuler_inter_token_latency_seconds_count"] >= 4
     assert values["nanoeuler_prefix_cache_hits_total"] >= 1 and values["nanoeuler_prefix_cache_tokens_total"] >= 8
     assert values["nanoeuler_queue_depth"] == 0 and 'nanoeuler_generations_total{outcome="finished"}' in values

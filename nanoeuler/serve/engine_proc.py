@@ -410,6 +410,7 @@ class _Wire:
             "grammar_compiles": self.grammars.compiles if self.grammars else 0,
             "resident_bytes": _resident_bytes(),
             "cpu_s": time.process_time(),
+            "first_tokens": list(self.scheduler.first_tokens) if self.scheduler else [0, 0.0],
         }
         cupy = sys.modules.get("cupy")  # loaded by the GPU engine only; never imported here
         if cupy is not None:

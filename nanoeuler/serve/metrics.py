@@ -9,6 +9,8 @@
                                                         behind and several events went in one write)
     nanoeuler_queue_depth, nanoeuler_active_jobs        jobs waiting for a slot, jobs being decoded
     nanoeuler_time_to_first_token_seconds               histogram: submitted -> first token (queue included)
+    nanoeuler_engine_time_to_first_token_seconds        summary: the engine process's share of it (queued there ->
+                                                        first token handed out), no pipe or HTTP
     nanoeuler_inter_token_latency_seconds               histogram: between a job's consecutive tokens
     nanoeuler_prefix_cache_hits_total, nanoeuler_prefix_cache_tokens_total   prompts that reused cached rows,
                                                         and the positions they did not compute
@@ -35,7 +37,12 @@ from bisect import bisect_left
 from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    SummaryMetricFamily,
+)
 from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -160,6 +167,14 @@ class _Live:
         yield CounterMetricFamily(
             "nanoeuler_grammar_compiles", "JSON schemas compiled", value=there.get("grammar_compiles", 0)
         )
+        if there.get("first_tokens"):
+            count, seconds = there["first_tokens"]
+            yield SummaryMetricFamily(
+                "nanoeuler_engine_time_to_first_token_seconds",
+                "queued in the engine process to first token",
+                count_value=count,
+                sum_value=seconds,
+            )
         if there.get("resident_bytes") is not None:
             yield GaugeMetricFamily(
                 "nanoeuler_engine_resident_memory_bytes", "the engine process's", value=there["resident_bytes"]

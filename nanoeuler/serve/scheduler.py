@@ -20,6 +20,7 @@ job; a step that raises ends the jobs in it, never the worker. Every way out of 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 from nanoeuler.serve.backend import Backend, Sampling, TokenStream
@@ -44,6 +45,7 @@ class Job:
         self.generated = 0
         self.outcome: str | None = None  # finished, cancelled or failed, once the worker is done with it
         self.cancelled = threading.Event()
+        self.queued_at = time.monotonic()  # to its first token: the engine's share of the time to first token
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -71,6 +73,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._in_flight = 0  # waiting + being decoded
         self.counts = {"finished": 0, "cancelled": 0, "failed": 0, "rejected": 0, "tokens": 0}
+        self.first_tokens = [0, 0.0]  # jobs that had their first token, and the seconds from queued to it
         self._outbox: dict = {}  # the worker's items not yet sent: {job: [items]}, sent by `_flush`
         self.on_crash = None  # on_crash(exc): the worker died of an exception no job owns
 
@@ -214,6 +217,9 @@ class Scheduler:
                 self._finish(job, "failed", tokens)
                 continue
             if tokens:  # several where a speculative pass kept drafts: they arrive together
+                if not job.generated:
+                    self.first_tokens[0] += 1
+                    self.first_tokens[1] += time.monotonic() - job.queued_at
                 job.generated += len(tokens)
                 self._outbox.setdefault(job, []).extend(tokens)
             generated += len(tokens)

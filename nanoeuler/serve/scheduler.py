@@ -19,6 +19,7 @@ job; a step that raises ends the jobs in it, never the worker. Every way out of 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -164,6 +165,15 @@ class Scheduler:
             self.send(batch)
 
     def _run(self) -> None:
+        profile = os.environ.get("NANOEULER_PROFILE_WORKER")  # a file: the worker's cProfile, written at stop
+        if profile:
+            import cProfile
+
+            cProfile.runctx("self._run_steps()", globals(), {"self": self}, profile)
+        else:
+            self._run_steps()
+
+    def _run_steps(self) -> None:
         try:
             self._loop_steps()
         except BaseException as exc:  # a bug of ours: whoever waits on the worker must hear of it

@@ -261,7 +261,10 @@ def test_decode_steps_cover_the_slots_in_use_and_joining_prompts_are_prefilled_t
     be, widths, prefills = backend.engine.backend, [], []
     decode, prefill_many = be.decode, be.prefill_many
     be.decode = lambda tokens, *a: (widths.append(len(tokens)), decode(tokens, *a))[1]
-    be.prefill_many = lambda slots, prompts: (prefills.append(list(slots)), prefill_many(slots, prompts))[1]
+    be.prefill_many = lambda slots, prompts, starts: (
+        prefills.append(list(slots)),
+        prefill_many(slots, prompts, starts),
+    )[1]
     specs = [
         ([1, 2, 3], 6, Sampling(temperature=0), {}),
         ([4, 5], 6, Sampling(temperature=0.8, seed=3), {}),
@@ -273,6 +276,34 @@ def test_decode_steps_cover_the_slots_in_use_and_joining_prompts_are_prefilled_t
     together, _ = run_streams(backend, specs)
     assert together == alone and set(widths) == {4} and prefills == [[0, 1, 2]]
     assert backend.free_slots == 8
+
+
+def test_prompts_joining_with_cached_prefixes_are_prefilled_together_from_them(tok):
+    """Three prompts that share a cached 12-token head join at one step: each copies the head's rows, then one
+    `prefill_many` feeds the rest of all three (from their starts); the answers are a cache-less backend's."""
+    from nanoeuler.infer.engine import DecodeEngine
+    from nanoeuler.model.config import ModelConfig
+    from nanoeuler.model.transformer import head_weight_names, init_params
+    from nanoeuler.serve.backend import Backend
+    from train_fixtures import TINY_MODEL
+
+    cfg = ModelConfig.from_section(TINY_MODEL, tok.vocab_size)
+    params = init_params(cfg, 5, dtype=np.float64)
+    for name in head_weight_names(cfg):
+        params[name] = params[name] * 20.0
+    head = list(range(20, 32))
+    specs = [(head + tail, 5, Sampling(temperature=0), {}) for tail in ([40], [41, 42], [43, 44, 45, 46])]
+    plain = Backend(DecodeEngine.from_params(params, cfg, "cpu"), tok, "m", slots=4, prefix_cache=0)
+    want, _ = run_streams(plain, specs)
+    backend = Backend(DecodeEngine.from_params(params, cfg, "cpu"), tok, "m", slots=4, prefix_cache=8)
+    run_streams(backend, [(head + [50], 1, Sampling(temperature=0), {})])  # the head into the cache
+    be, calls = backend.engine.backend, []
+    prefill_many = be.prefill_many
+    be.prefill_many = lambda slots, prompts, starts: (calls.append(list(starts)), prefill_many(slots, prompts, starts))[
+        1
+    ]
+    got, _ = run_streams(backend, specs)
+    assert got == want and calls == [[len(head)] * 3] and backend.prefixes.hits == 3
 
 
 # ---- the app itself, a slow client ----------------------------------------------------------------------

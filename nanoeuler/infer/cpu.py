@@ -444,11 +444,13 @@ class CpuBackend:
         return self._heads(xn[-1:], self.cfg.mtp_heads)[:, 0]  # (K, V)
 
     @_step_blas
-    def prefill_many(self, slots, prompts) -> np.ndarray:
-        """`prefill` of several slots in one pass over all their rows: (len(slots), K, V)."""
-        lens = [len(p) for p in prompts]
-        ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
-        pos = np.concatenate([np.arange(n) for n in lens])
+    def prefill_many(self, slots, prompts, starts=None) -> np.ndarray:
+        """`prefill` of several slots in one pass over all their rows: (len(slots), K, V). `starts`: the
+        positions each slot's cache already holds (`write_rows`); only the rows after them are fed."""
+        starts = list(starts) if starts is not None else [0] * len(prompts)
+        lens = [len(p) - s for p, s in zip(prompts, starts)]
+        ids = np.concatenate([np.asarray(p[s:], dtype=np.int64) for p, s in zip(prompts, starts)])
+        pos = np.concatenate([np.arange(s, len(p)) for p, s in zip(prompts, starts)])
         xn = self._rows(ids, np.repeat(np.asarray(slots), lens), pos, slots[0] if len(slots) == 1 else None)
         return self._heads(xn[np.cumsum(lens) - 1], self.cfg.mtp_heads).transpose(1, 0, 2)
 
@@ -524,10 +526,7 @@ class CpuBackend:
 
     def prefill_from(self, slot: int, ids, start: int) -> np.ndarray:
         """`prefill` of a slot whose cache already holds ids[:start]: only ids[start:] are fed. (K, V)."""
-        ids = np.asarray(ids, dtype=np.int64)[start:]
-        pos = start + np.arange(ids.shape[0])
-        xn = self._rows(ids, np.full(ids.shape[0], slot), pos, slot)
-        return self._heads(xn[-1:], self.cfg.mtp_heads)[:, 0]
+        return self.prefill_many([slot], [ids], [start])[0]
 
     def read_rows(self, slot: int, n: int) -> list:
         """A copy of the first `n` positions of a slot's cache (every layer's keys and values)."""

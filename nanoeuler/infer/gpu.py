@@ -466,19 +466,21 @@ class GpuBackend:
             logits = r.logits[0].get(stream=self.stream)
         return logits.reshape(cfg.mtp_heads, cfg.vocab_size)
 
-    def prefill_many(self, slots, prompts) -> np.ndarray:
+    def prefill_many(self, slots, prompts, starts=None) -> np.ndarray:
         """`prefill` of several slots in one go: (len(slots), K, V). All prompts' rows go through the model
         together, in chunks of up to ctx_len rows in prompt order (a row attends to its own slot's cache up
         to its position, which its prompt's earlier rows, in this chunk or one before, have written); a
         chunk is padded to a power of two with copies of its last row (the same cache row written twice
-        with the same values), so its graph serves every later chunk of that size."""
-        if len(prompts) == 1:
+        with the same values), so its graph serves every later chunk of that size. `starts`: the positions
+        each slot's cache already holds (`write_rows`); only the rows after them are fed."""
+        starts = list(starts) if starts is not None else [0] * len(prompts)
+        if len(prompts) == 1 and not starts[0]:
             return self.prefill(slots[0], prompts[0])[None]
         cp, cfg = self.cp, self.cfg
-        lens = [len(p) for p in prompts]
-        ids = np.concatenate([np.asarray(p, np.int32) for p in prompts])
+        lens = [len(p) - s for p, s in zip(prompts, starts)]
+        ids = np.concatenate([np.asarray(p[s:], np.int32) for p, s in zip(prompts, starts)])
         slot = np.repeat(np.asarray(slots, np.int32), lens)
-        pos = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
+        pos = np.concatenate([np.arange(s, len(p), dtype=np.int32) for p, s in zip(prompts, starts)])
         last = np.cumsum(lens) - 1  # each prompt's last row
         xl = cp.zeros((len(prompts), cfg.dim), cp.float32)
         dxl = cp.zeros_like(xl)
@@ -535,27 +537,9 @@ class GpuBackend:
         return out
 
     def prefill_from(self, slot: int, ids, start: int) -> np.ndarray:
-        """`prefill` of a slot whose cache already holds ids[:start] (`write_rows`): only ids[start:] are fed, at
-        their positions, as one `prefill_many` chunk (attending to the slot's cache; padded with copies of the
-        last row, which rewrite its cache row with the same values). (K, V)."""
-        cfg = self.cfg
-        ids = np.asarray(ids, np.int32)
-        T = len(ids) - start
-        P = T if T <= GEMV_MAX_ROWS else 1 << (T - 1).bit_length()
-        pad = lambda a: np.concatenate([a, np.full(P - T, a[-1], np.int32)])  # noqa: E731
-        meta = np.concatenate(
-            [pad(ids[start:]), np.full(P, slot, np.int32), pad(np.arange(start, len(ids), dtype=np.int32))]
-        )
-
-        def queue(r):
-            self._embed(r, P)
-            self._layers(r, P, batched=P > GEMV_MAX_ROWS)
-
-        r = self._replay(("prefill_many", P), P, queue, meta)  # the same work as prefill_many's chunk of P rows
-        with self.stream:
-            self._head_logits(r.x[T - 1 : T], r.dx[T - 1 : T], r.logits, 1, cfg.mtp_heads * cfg.vocab_size, pdl=False)
-            logits = r.logits[0].get(stream=self.stream)
-        return logits.reshape(cfg.mtp_heads, cfg.vocab_size)
+        """`prefill` of a slot whose cache already holds ids[:start] (`write_rows`): `prefill_many`'s rows of one
+        prompt from `start` on. (K, V)."""
+        return self.prefill_many([slot], [ids], [start])[0]
 
     def read_rows(self, slot: int, n: int):
         """A copy (on the device) of the first `n` positions of a slot's cache, every layer's keys and values."""

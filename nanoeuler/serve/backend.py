@@ -306,27 +306,36 @@ class _Slots:
         heapq.heappush(self.free, stream.slot)
 
     def _prefill_new(self, news: list[TokenStream]) -> dict:
-        """Prefill the streams new to the batch: {id(stream): None, or the exception that ended it}. Those
-        without a cached prefix go through the engine together (`prefill_many`: one pass and one wait, where
-        each alone is one of each: requests arrive in bunches); if that fails, each is tried alone, so a
-        failure stays its own stream's."""
-        together = [s for s in news if not (self.prefixes and self.prefixes.match(s.history))]
-        done = {}
+        """Prefill the streams new to the batch: {id(stream): None, or the exception that ended it}. Each first
+        takes the cache rows of its longest cached prefix (`PrefixCache.reuse`), then all go through the
+        engine together from there (`prefill_many`: one pass and one wait, where each alone is one of each:
+        requests arrive in bunches); if that fails, each is tried alone, so a failure stays its own stream's."""
+        done, starts = {}, {}
+        for s in news:
+            got = _own(s, lambda s=s: self.prefixes.reuse(s.slot, s.history) if self.prefixes else 0)
+            (done if isinstance(got, Exception) else starts)[id(s)] = got
+        together = [s for s in news if id(s) in starts]
         if len(together) > 1 and hasattr(self.be, "prefill_many"):
             try:
-                heads = self.be.prefill_many([s.slot for s in together], [s.history for s in together])
+                heads = self.be.prefill_many(
+                    [s.slot for s in together], [s.history for s in together], [starts[id(s)] for s in together]
+                )
             except Exception:
                 heads = ()
-            done = {id(s): _own(s, lambda s=s, h=h: self._prefill(s, h)) for s, h in zip(together, heads)}
-        return {id(s): done[id(s)] if id(s) in done else _own(s, lambda s=s: self._prefill(s)) for s in news}
+            for s, h in zip(together, heads):
+                done[id(s)] = _own(s, lambda s=s, h=h: self._prefill(s, h, starts[id(s)]))
+        for s in news:
+            if id(s) not in done:
+                done[id(s)] = _own(s, lambda s=s: self._prefill(s, reused=starts[id(s)]))
+        return done
 
-    def _prefill(self, s: TokenStream, heads=None) -> None:
-        """Fill the slot with the stream's history (after the rows of a cached prefix, if any), or take `heads`,
-        its logits from a prefill already done (`_prefill_new`); its next token comes from the last position's
-        logits."""
-        reused = 0
-        if heads is None:
+    def _prefill(self, s: TokenStream, heads=None, reused: int | None = None) -> None:
+        """Fill the slot with the stream's history after the rows of its longest cached prefix (`reused` of them
+        already copied, where given), or take `heads`, its logits from a prefill already done (`_prefill_new`);
+        its next token comes from the last position's logits."""
+        if reused is None:
             reused = self.prefixes.reuse(s.slot, s.history) if self.prefixes else 0
+        if heads is None:
             heads = self.be.prefill_from(s.slot, s.history, reused) if reused else self.be.prefill(s.slot, s.history)
         if self.prefixes:
             self.prefixes.keep(s.slot, s.history, reused)
@@ -581,10 +590,6 @@ class PrefixCache:
                 best, n = key, m
         n = min(n, len(ids) - 1)
         return (best, n) if n >= self.min_tokens else (None, 0)
-
-    def match(self, ids: list[int]) -> int:
-        """The number of positions `reuse` would copy for `ids` (0: none), copying nothing."""
-        return self._longest(ids)[1]
 
     def reuse(self, slot: int, ids: list[int]) -> int:
         """Copy the longest cached prefix of `ids` into `slot`; the number of positions copied (0: none)."""

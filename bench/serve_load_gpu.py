@@ -15,6 +15,8 @@ For each level L: L clients each send --requests streamed /v1/completions reques
 template already applied to one of eight questions, so every server sees the same prompt; greedy,
 `ignore_eos`, --max-tokens tokens each, `stream_options.include_usage`). A request counts as a failure unless
 its stream is whole (one id, a finish_reason, `data: [DONE]`) and its usage says --max-tokens tokens.
+Each level runs first with --warmup requests per client, unmeasured: a server records a CUDA graph for each
+new batch width and prompt length on their first calls, as the peer's first run does (its best run counts).
 Per level it prints: generated tokens/s (all clients), time to first token p50/p99, inter-token latency
 p50/p99 (between a stream's consecutive text chunks), the server's own mean time to first token (its
 /metrics: submitted to first token, no HTTP) and the engine process's share of it (queued there to handed
@@ -368,6 +370,7 @@ def main() -> int:
     ap.add_argument("--soak", type=float, default=0, help="seconds of the top level after the levels (0: none)")
     ap.add_argument("--speculative", action="store_true", help="start the server with --speculative")
     ap.add_argument("--temperature", type=float, default=0.0, help="requests' and peer's (default 0: greedy)")
+    ap.add_argument("--warmup", type=int, default=2, help="requests per client of each level's unmeasured run first")
     ap.add_argument("--serve-args", default="", help="more `nanoeuler serve` options, e.g. '--join-after 4'")
     ap.add_argument(
         "--client-procs", type=int, help="processes a level's clients are spread over (default: one per 8 clients)"
@@ -410,8 +413,12 @@ def main() -> int:
             peers[rows] = float(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else float("nan")
         proc, url = (None, args.url) if args.url else start_server(args.ckpt, args)
         try:
-            level(url, 1, argparse.Namespace(**{**vars(args), "requests": 1}))  # warm-up
-            rows = [level(url, clients, args) for clients in args.levels]
+            rows = []
+            for clients in args.levels:
+                # warm-up: the server records a CUDA graph for each new batch width and prompt length on their
+                # first two calls, which a level's first requests meet (the peer's best run is warm too)
+                level(url, clients, argparse.Namespace(**{**vars(args), "requests": args.warmup}))
+                rows.append(level(url, clients, args))
             if args.prefix:
                 from nanoeuler import checkpoint
 

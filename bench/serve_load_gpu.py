@@ -371,7 +371,7 @@ def main() -> int:
     ap.add_argument("--speculative", action="store_true", help="start the server with --speculative")
     ap.add_argument("--temperature", type=float, default=0.0, help="requests' and peer's (default 0: greedy)")
     ap.add_argument("--warmup", type=int, default=2, help="requests per client of each level's unmeasured run first")
-    ap.add_argument("--serve-args", default="", help="more `nanoeuler serve` options, e.g. '--join-after 4'")
+    ap.add_argument("--serve-args", default="", help="more `nanoeuler serve` options, e.g. '--prefix-cache 0'")
     ap.add_argument(
         "--client-procs", type=int, help="processes a level's clients are spread over (default: one per 8 clients)"
     )

@@ -150,8 +150,6 @@ class FakeChain:
     (its launch), and it lands --step-ms after the later of its queuing and the step before it; up to 3
     steps are queued ahead of the reader. Its ids are `decode`'s."""
 
-    runs_ahead = True
-
     def __init__(self, fake: FakeSlots, tokens, pos, steps: int):
         self.fake, self.pos, self.steps = fake, np.asarray(pos).copy(), steps
         self.fed = int(np.count_nonzero(self.pos < fake.cfg.ctx_len - 1))  # rows not fed sit at the last position
@@ -220,7 +218,6 @@ def fake_backend(
     max_batch: int,
     profile_dir=None,
     chain: bool = True,
-    join_after: int = 8,
 ):
     """The server's `Backend` over a `FakeSlots` (a module-level function: the engine process builds it);
     `extra_stats` adds the fake's counts to the engine's, which the bench's stats route reads. `chain=False`:
@@ -234,7 +231,7 @@ def fake_backend(
     fake = FakeSlots(cfg, step_ms / 1e3, prefill_us / 1e6, tok, host_us / 1e6, profile_dir)
     if not chain:
         del fake.greedy_chain
-    backend = Backend(DecodeEngine(fake, cfg), tok, "fake", slots=max_batch, prefix_cache=8, join_after=join_after)
+    backend = Backend(DecodeEngine(fake, cfg), tok, "fake", slots=max_batch, prefix_cache=8)
     backend.fake = fake
     backend.extra_stats = lambda: {
         "steps": fake.steps,
@@ -269,7 +266,6 @@ def serve(args) -> None:
         args.max_batch,
         profile_dir,
         not args.stepwise,
-        args.join_after,
     )
     engine = EngineProcess(made, args.max_batch, 4 * args.max_batch).start()
     app = create_app(engine, ServeConfig(max_tokens=max(args.max_tokens, 1)))
@@ -576,7 +572,6 @@ def main() -> int:
         "--host-us", type=float, default=300.0, help="the fake engine's GIL-holding host work per step (launches)"
     )
     ap.add_argument("--ttft-repeats", type=int, default=30)
-    ap.add_argument("--join-after", type=int, default=8, help="`nanoeuler serve --join-after`")
     ap.add_argument(
         "--stepwise", action="store_true", help="no greedy chain: the server decodes a step at a time and waits on each"
     )
@@ -613,7 +608,6 @@ def main() -> int:
         ]
         + (["--profile"] if args.profile else [])
         + (["--stepwise"] if args.stepwise else [])
-        + ["--join-after", str(args.join_after)]
     )
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     line = proc.stderr.readline()

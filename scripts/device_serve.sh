@@ -22,7 +22,7 @@
 # the model is the `gpu` preset with random weights and a 4096-token BPE (bench/serve_load_gpu.py
 # --preset gpu; the same file every time): tokens/s do not depend on training, and every answer has MAX_TOKENS tokens (ignore_eos).
 # Each prints a short table last; OUT (the device's $OUT) gets the logs. SERVE_ARGS: more `nanoeuler serve`
-# options for `load` and `check` (e.g. "--join-after 0").
+# options for `load` and `check` (e.g. "--prefix-cache 0").
 set -eu -o pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CARRY=$REPO/.carry/serve

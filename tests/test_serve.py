@@ -215,8 +215,6 @@ class _RunAhead:
     """A `greedy_chain` as the GPU's behaves, on the CPU engine: up to 3 steps are computed ahead of the
     reader (rows whose stream has ended run on and write their slot's cache), all of them `ready`."""
 
-    runs_ahead = True
-
     def __init__(self, be, tokens, pos, steps: int):
         self.be, self.tokens, self.pos, self.steps = be, tokens, pos, steps
         self.fed = np.ones(len(tokens), dtype=bool)  # the GPU computes every row of the batch

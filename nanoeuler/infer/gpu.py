@@ -649,8 +649,6 @@ class _Chain:
     says whether it has landed already; `fill()` queues up to CHAIN_AHEAD again (a caller that reads and
     then works on the host calls it between the two, so the GPU runs on meanwhile); `stop()` queues no more."""
 
-    runs_ahead = True
-
     def __init__(self, be: GpuBackend, r: _Rows, key, queue, size: int, more):
         self.be, self.r, self.key, self.queue, self.size, self.more = be, r, key, queue, size, more
         self.queued = self.read = 0

@@ -62,8 +62,6 @@ from nanoeuler.infer.sampling import Sampling, sample_token
 
 __all__ = ["Backend", "PrefixCache", "Sampling", "TokenStream"]
 
-JOIN_AFTER = 8  # steps a greedy chain that runs ahead goes on before new streams join it (`--join-after`)
-
 
 class TokenStream:
     """One request's generation: `done` after a stop id or its last token; `close` lets go of its state."""
@@ -116,8 +114,7 @@ class TokenStream:
 class Backend:
     """A chat model file, loaded once: its tokenizer, context length and token streams.
     `slots`: most streams open at once on a slot engine (the scheduler's `max_batch`). `speculative`: greedy
-    streams speculate where the engine verifies blocks of several slots at once (`verify_argmax_many`).
-    `join_after`: steps a greedy chain that runs ahead goes on before new streams join the batch."""
+    streams speculate where the engine verifies blocks of several slots at once (`verify_argmax_many`)."""
 
     def __init__(
         self,
@@ -127,7 +124,6 @@ class Backend:
         slots: int = 8,
         prefix_cache: int = 8,
         speculative: bool = False,
-        join_after: int = JOIN_AFTER,
     ):
         self.engine, self.tok, self.name = engine, tok, name
         self.stop_ids = frozenset({tok.end_id, tok.eot_id})
@@ -142,8 +138,6 @@ class Backend:
         reuses = all(hasattr(be, m) for m in ("prefill_from", "read_rows", "write_rows"))
         if self._slots and prefix_cache > 0 and reuses:
             self._slots.prefixes = PrefixCache(be, prefix_cache)
-        if self._slots:
-            self._slots.join_after = join_after
         self.capacity = slots if self._slots else None
 
     @classmethod
@@ -157,7 +151,6 @@ class Backend:
         threads: int | None = None,
         prefix_cache: int = 8,
         speculative: bool = False,
-        join_after: int = JOIN_AFTER,
     ) -> "Backend":
         """`slots` at most as many as the GPU's memory holds caches for (`gpu_memory`, `memory.decode_batch`).
         A release folder serves its model file, under that file's name (`chat`)."""
@@ -176,7 +169,7 @@ class Backend:
                 flush=True,
             )
             slots = engine.max_batch
-        return cls(engine, tok, name or Path(path).stem, slots, prefix_cache, speculative, join_after)
+        return cls(engine, tok, name or Path(path).stem, slots, prefix_cache, speculative)
 
     @property
     def cfg(self):
@@ -283,7 +276,6 @@ class _Slots:
         self.stats = None  # the engine's SpecStats where greedy streams speculate
         self.chain = None  # greedy steps running ahead of the host (`_start_chain`), and the streams they feed
         self.chained: dict[int, TokenStream] = {}
-        self.join_after = JOIN_AFTER
         be.start(n, self.seeds)
 
     def take(self, stream: TokenStream, prompt_ids: list[int], sampling: Sampling) -> None:
@@ -375,9 +367,8 @@ class _Slots:
         out: dict = {id(s): [] for s in streams}
         news = [s for s in streams if s.pending is None]
         if self.chain is not None:
-            old = [s for s in streams if s.pending is not None]
-            if old and self._chain_holds(old) and (not news or self._joins_wait()):
-                self._chain_next(old, out)  # the new streams get no token yet
+            if not news and self._chain_holds(streams):
+                self._chain_next(streams, out)
                 return [out[id(s)] for s in streams]
             self.chain.stop()  # the new prompts' prefill queues after its last steps
         failed = self._prefill_new(news)
@@ -443,12 +434,6 @@ class _Slots:
         one that has ended is simply not asked for: its row runs on, writing only its own slot's cache
         past its end, which the slot's next prompt overwrites) and it has steps left."""
         return self.chain.left() and all(self.chained.get(s.slot) is s for s in streams)
-
-    def _joins_wait(self) -> bool:
-        """Whether new streams wait for the chain's next steps: until it has run `join_after` steps, where it
-        runs ahead of the host (a join drains it: the GPU then idles while the host hands out the drained
-        tokens and prefills; joins that wait are prefilled together)."""
-        return self.chain.runs_ahead and self.chain.read < self.join_after
 
     def _chain_next(self, streams: list[TokenStream], out: dict) -> None:
         """Hand out each stream's pending token and those of every step that has landed (at least one, waited
@@ -534,7 +519,6 @@ class _Stepwise:
     rows, whose ids it feeds to the next; nothing runs ahead, so nothing is ever `ready` before it is asked."""
 
     GREEDY = Sampling(temperature=0)
-    runs_ahead = False
 
     def __init__(self, be, tokens, pos, steps: int, fed, rngs):
         self.be, self.tokens, self.pos, self.steps, self.fed, self.rngs = be, tokens, pos, steps, fed, rngs

@@ -40,7 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_argument(parser)
     parser.add_argument("--ckpt", required=True, metavar="BIN", help="chat model file, e.g. results/chat.bin")
     from nanoeuler.infer.engine import add_threads_argument
-    from nanoeuler.serve.backend import JOIN_AFTER
 
     add_threads_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -87,15 +86,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "trained (acceptance per head: /metrics). Default: off",
     )
     parser.add_argument(
-        "--join-after",
-        type=int,
-        default=JOIN_AFTER,
-        metavar="N",
-        help="a batch of plain greedy requests decodes on the GPU by steps queued ahead of the server; new "
-        f"requests join it once it has run N steps (sooner: less wait for a first token; later: fewer "
-        f"pauses of the batch; default: {JOIN_AFTER})",
-    )
-    parser.add_argument(
         "--client-timeout",
         type=float,
         default=30.0,
@@ -120,7 +110,6 @@ def check_arguments(args: argparse.Namespace) -> None:
         "max_batch": (1, MAX_BATCH),
         "max_queue": (0, None),
         "prefix_cache": (0, 1024),
-        "join_after": (0, None),
     }
     for name, (lo, hi) in bounds.items():
         value = getattr(args, name)
@@ -241,7 +230,6 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         prefix_cache=args.prefix_cache,
         speculative=args.speculative,
-        join_after=args.join_after,
     )
     config = ServeConfig(max_tokens=args.max_tokens, api_key=args.api_key or None, client_timeout_s=args.client_timeout)
     warning = exposure_warning(args.host, config.api_key)

@@ -273,6 +273,38 @@ def test_greedy_streams_chained_ahead_answer_as_one_at_a_time(tok, tmp_path):
     assert most > 1  # the steps that had landed were handed out together
 
 
+def test_a_chain_that_fails_ends_its_streams_and_the_next_ones_start_clean(tok, tmp_path):
+    """A greedy chain whose engine fails mid-way: the streams it fed end with the error (as `Scheduler` ends
+    a step that raised), the slots go back, and streams opened after are the reference's."""
+    from nanoeuler.serve.backend import Backend
+
+    path, cfg, ref = _sharp_model(tok, tmp_path)
+    backend = Backend.load(path, "cpu", slots=2)
+    be = backend.engine.backend
+    chains = []
+
+    def failing(tokens, pos, steps):
+        chain = _RunAhead(be, tokens, pos, steps)
+        if not chains:  # the first chain breaks at its third read
+            reads = chain.next
+            chain.next = lambda: reads() if chain.read < 2 else (_ for _ in ()).throw(RuntimeError("device lost"))
+        chains.append(chain)
+        return chain
+
+    be.greedy_chain = failing
+    greedy = Sampling(temperature=0)
+    streams = [backend.open(p, 20, greedy, stop_at_end=False) for p in ([1, 2], [3])]
+    with pytest.raises(RuntimeError, match="device lost"):
+        for _ in range(5):
+            backend.step(streams)
+    for stream in streams:
+        stream.close()
+    assert backend.free_slots == 2
+    job = ([5, 6, 7], 9, greedy)
+    got, _ = run_joining(backend, [job], slots=2, join_at=0)
+    assert got[0] == ref.generate(*job) and len(chains) == 2
+
+
 def test_any_address_but_loopback_gets_a_warning():
     assert exposure_warning("127.0.0.1", None) is None and exposure_warning("localhost", None) is None
     assert "no authentication" in exposure_warning("0.0.0.0", None)

@@ -425,7 +425,11 @@ class _Slots:
         make = getattr(self.be, "greedy_chain", None)
         self.chain = make(tokens, pos, steps) if make else _Stepwise(self.be, tokens, pos, steps, mask, self.rngs)
         self.chained = {s.slot: s for s in feed}
-        ids = self.chain.next()
+        try:
+            ids = self.chain.next()
+        except BaseException:  # the group fails (`step`), and no chain is left behind
+            self.chain, self.chained = None, {}
+            raise
         for s in feed:
             s.pending, s.pos, s.drafts = int(ids[s.slot]), s.pos + 1, None
 
@@ -438,23 +442,28 @@ class _Slots:
     def _chain_next(self, streams: list[TokenStream], out: dict) -> None:
         """Hand out each stream's pending token and those of every step that has landed (at least one, waited
         for), keeping the last as pending; the chain is topped up before the host's bookkeeping."""
-        steps = [self.chain.next()]
-        while self.chain.ready():
-            steps.append(self.chain.next())
-        self.chain.fill()
+        try:
+            steps = [self.chain.next()]
+            while self.chain.ready():
+                steps.append(self.chain.next())
+            self.chain.fill()
+        except BaseException:  # the engine failed: the step's streams fail with it, and no chain is left
+            self.chain, self.chained = None, {}
+            raise
         for s in streams:
             self._hand_out(s, steps, out[id(s)])
 
     def _drain(self, streams: list[TokenStream], out: dict) -> None:
         """Hand out what the chain's queued steps give to the streams they fed (it queues no more)."""
-        self.chain.stop()
+        chain, chained = self.chain, self.chained
+        self.chain, self.chained = None, {}  # gone whatever its last steps do
+        chain.stop()
         steps = []
-        while (ids := self.chain.next()) is not None:
+        while (ids := chain.next()) is not None:
             steps.append(ids)
         for s in streams:
-            if self.chained.get(s.slot) is s:
+            if chained.get(s.slot) is s:
                 self._hand_out(s, steps, out[id(s)])
-        self.chain, self.chained = None, {}
 
     @staticmethod
     def _hand_out(s: TokenStream, steps: list, got: list) -> None:

@@ -13,14 +13,16 @@ ragged prompts, and self-speculative decoding. The arithmetic lives in a backend
 
     start(batch, seeds)                 make `batch` empty cache slots; seeds of their samplers
     prefill(slot, ids) -> (K, V)        fill slot's cache with ids; every head's logits at the last one
-    prefill_many(slots, prompts)        the same for several slots at once -> (len(slots), K, V)
+    prefill_many(slots, prompts, starts) the same for several slots at once -> (len(slots), K, V); with
+                                        `starts`, each slot's cache already holds its first rows
     decode(tokens, pos, sampling, step) feed one token per slot at its position; the next token per slot
     verify(tokens, pos) -> (K, t, V)    feed t tokens of slot 0 at pos..pos+t-1; every head's logits
     verify_argmax(tokens, pos) -> (K,t) the same, reduced to argmax ids (the greedy fast path)
 
 and `verify_cost`, a verify pass's time in decode steps; and optionally (the GPU's) greedy steps and
-speculative passes that feed themselves on the device, queued ahead of the host: `greedy_steps(tokens,
-pos, n)` and `greedy_passes(sure, drafts, pos)`.
+speculative passes that feed themselves on the device, queued ahead of the host: `greedy_chain(tokens,
+pos, steps)` (the server reads it step by step), `greedy_steps(tokens, pos, n)` (its steps as a generator)
+and `greedy_passes(sure, drafts, pos)`.
 
 Positions are the host's: a slot's cache holds whatever was fed at positions < pos, so rewinding after
 rejected drafts costs nothing (the next feed overwrites them; attention never looks past the row's own

@@ -92,33 +92,23 @@ def peer_tokens_per_s(ckpt: Path, questions: list[str], max_tokens: int) -> floa
 
 
 def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "nanoeuler",
-        "serve",
-        "--ckpt",
-        str(ckpt),
-        "--device",
-        "cpu",
-        "--port",
-        "0",
-        "--max-batch",
-        str(args.max_batch),
-        "--max-queue",
-        str(args.max_queue),
-        "--max-tokens",
-        str(args.max_tokens),
-        "--log-level",
-        "warning",
-    ]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    line = proc.stderr.readline()
-    found = re.search(r"at (http://[^/]+)/", line)
-    if not found:
-        proc.kill()
-        raise SystemExit(f"the server did not start: {line}{proc.stderr.read()}")
-    return proc, found.group(1)
+    return launch_server(ckpt, "cpu", args.max_batch, args.max_queue, args.max_tokens)
+
+
+def launch_server(ckpt: Path, device: str, max_batch: int, max_queue: int, max_tokens: int, extra=()):
+    """`nanoeuler serve` on a free loopback port, started as a child: (the process, its URL), once it says
+    where it listens (what it prints before, e.g. that max_batch was lowered to fit, passes through)."""
+    cmd = [sys.executable, "-m", "nanoeuler", "serve", "--ckpt", str(ckpt), "--device", device, "--port", "0"]
+    cmd += ["--max-batch", str(max_batch), "--max-queue", str(max_queue), "--max-tokens", str(max_tokens)]
+    proc = subprocess.Popen(cmd + ["--log-level", "warning", *extra], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    while True:
+        line = proc.stderr.readline()
+        found = re.search(r"at (http://[^/]+)/", line)
+        if found:
+            return proc, found.group(1)
+        if not line:  # the server ended before saying where it listens
+            raise SystemExit(f"the server did not start: {proc.stderr.read()}")
+        print(line, end="", file=sys.stderr)
 
 
 async def stream_once(client, url: str, question: str, max_tokens: int) -> dict:

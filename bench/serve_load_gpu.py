@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np  # noqa: E402
 
-from serve_load import QUESTIONS, small_model  # noqa: E402
+from serve_load import QUESTIONS, launch_server, small_model  # noqa: E402
 
 
 def gpu_model(path: Path) -> None:
@@ -109,41 +109,9 @@ def peer(ckpt: Path, device: str, rows: int, max_tokens: int, temperature: float
 
 
 def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str]:
-    import re
-
-    cmd = (
-        [
-            sys.executable,
-            "-m",
-            "nanoeuler",
-            "serve",
-            "--ckpt",
-            str(ckpt),
-            "--device",
-            args.device,
-            "--port",
-            "0",
-            "--max-batch",
-            str(max(args.levels)),
-            "--max-queue",
-            str(4 * max(args.levels)),
-            "--max-tokens",
-            str(args.max_tokens),
-            "--log-level",
-            "warning",
-        ]
-        + (["--speculative"] if args.speculative else [])
-        + args.serve_args.split()
-    )
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    while True:
-        line = proc.stderr.readline()
-        found = re.search(r"at (http://[^/]+)/", line)
-        if found:
-            return proc, found.group(1)
-        if not line:  # the server ended before saying where it listens
-            raise SystemExit(f"the server did not start: {proc.stderr.read()}")
-        print(line, end="", file=sys.stderr)  # e.g. the note that max_batch was lowered to fit
+    top = max(args.levels)
+    extra = (["--speculative"] if args.speculative else []) + args.serve_args.split()
+    return launch_server(ckpt, args.device, top, 4 * top, args.max_tokens, extra)
 
 
 async def one_request(client, url: str, prompt: str, max_tokens: int, temperature: float = 0.0) -> dict:

@@ -193,6 +193,18 @@ def _sharp_model(tok, tmp_path):
     return tmp_path / "m.bin", cfg, Generator(*checkpoint.load_model(tmp_path / "m.bin")[:2])
 
 
+def test_a_worker_profile_into_a_missing_folder_is_one_clear_error(monkeypatch, tmp_path):
+    from nanoeuler.errors import UserError
+
+    monkeypatch.setenv("NANOEULER_PROFILE_WORKER", str(tmp_path / "missing" / "worker.prof"))
+    with pytest.raises(UserError, match="NANOEULER_PROFILE_WORKER: .*missing.*its folder does not exist"):
+        Scheduler(ScriptedBackend(), max_batch=2, max_queue=1, send=Outbox())
+    monkeypatch.setenv("NANOEULER_PROFILE_WORKER", str(tmp_path / "worker.prof"))
+    scheduler = Scheduler(ScriptedBackend(), max_batch=2, max_queue=1, send=Outbox()).start()
+    scheduler.stop()
+    assert (tmp_path / "worker.prof").stat().st_size > 0  # written when the worker stops
+
+
 def test_streams_joining_and_leaving_the_batch_equal_one_at_a_time(tok, tmp_path):
     """The backend against the reference Generator, one prompt at a time: ragged prompts, greedy and two
     seeded samplers, streams joining mid-way, a slot reused, an answer sliding past the context."""

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 
+from nanoeuler.errors import UserError
 from nanoeuler.serve.backend import Backend, Sampling, TokenStream
 
 END = object()  # the last item of a job that finished or was cancelled (one that failed ends with its exception)
@@ -77,6 +78,9 @@ class Scheduler:
         self.first_tokens = [0, 0.0]  # jobs that had their first token, and the seconds from queued to it
         self._outbox: dict = {}  # the worker's items not yet sent: {job: [items]}, sent by `_flush`
         self.on_crash = None  # on_crash(exc): the worker died of an exception no job owns
+        profile = os.environ.get("NANOEULER_PROFILE_WORKER")
+        if profile and not os.path.isdir(os.path.dirname(os.path.abspath(profile))):
+            raise UserError(f"NANOEULER_PROFILE_WORKER: {profile}: its folder does not exist")
 
     def start(self) -> "Scheduler":
         self._thread = threading.Thread(target=self._run, name="nanoeuler-generate", daemon=True)

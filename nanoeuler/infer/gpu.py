@@ -572,7 +572,15 @@ class GpuBackend:
 
     def greedy_steps(self, tokens, pos, n: int):
         """`greedy_chain`'s n steps as a generator: the next ids (one per slot), n times."""
-        yield from self.greedy_chain(tokens, pos, n)
+        chain = self.greedy_chain(tokens, pos, n)
+        while (ids := chain.next()) is not None:
+            yield ids
+
+    def _chained(self, r: _Rows, key, queue, size: int, more):
+        """Queue steps that feed themselves while more(queued, read) (`_Chain`); yield each step's record."""
+        chain = _Chain(self, r, key, queue, size, more)
+        while (record := chain.next()) is not None:
+            yield record
 
     def greedy_passes(self, sure: int, drafts, pos: int):
         """Greedy self-speculative verify passes of slot 0 that feed themselves (accept_chain), from the
@@ -589,8 +597,7 @@ class GpuBackend:
         with self.stream:
             r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
         start = [pos]  # the first unread pass's position
-        for got in _Chain(
-            self,
+        for got in self._chained(
             r,
             (K, K, "accept"),
             lambda: self._step(r, K, K, "accept"),
@@ -637,11 +644,10 @@ class GpuBackend:
 
 class _Chain:
     """Steps that feed themselves on the GPU (`greedy_chain`, `greedy_passes`), queued while
-    more(queued, read) and fewer than CHAIN_AHEAD are unread; iterating gives their records. `next()` gives
-    the oldest unread step's record (`size` ids of the rows' ring, r.hist), waiting for it to land, or None
-    when no step is left; `ready()` says whether it has landed already; `fill()` queues up to CHAIN_AHEAD
-    again (a caller that reads and then works on the host calls it between the two, so the GPU runs on
-    meanwhile); `stop()` queues no more."""
+    more(queued, read) and fewer than CHAIN_AHEAD are unread. `next()` gives the oldest unread step's record
+    (`size` ids of the rows' ring, r.hist), waiting for it to land, or None when no step is left; `ready()`
+    says whether it has landed already; `fill()` queues up to CHAIN_AHEAD again (a caller that reads and
+    then works on the host calls it between the two, so the GPU runs on meanwhile); `stop()` queues no more."""
 
     def __init__(self, be: GpuBackend, r: _Rows, key, queue, size: int, more):
         self.be, self.r, self.key, self.queue, self.size, self.more = be, r, key, queue, size, more
@@ -664,11 +670,6 @@ class _Chain:
 
     def stop(self) -> None:
         self.more = lambda queued, read: False
-
-    def __iter__(self):
-        """Every step's record, as it lands, until none is left."""
-        while (record := self.next()) is not None:
-            yield record
 
     def next(self) -> np.ndarray | None:
         self.fill()

@@ -20,9 +20,9 @@
 // The residual GEMMs (o_proj, down) write their branch as bf16 and this kernel adds it in, because
 // cuBLAS took about twice as long to read and write the float32 stream itself (beta = 1) as to write
 // a bf16 output; the rounding is the one PyTorch's autocast makes there too. When C is a multiple of 4
-// and at most 32 * 4 * RMS_V4, the row stays in registers (16-byte loads, RMS_V4 per lane at most);
-// otherwise a scalar path reads it twice. xout may not alias x.
-#define RMS_V4 8
+// and at most 32 * 4 * RMS_V4 (1536: the 116M's 768 and the 270M's 1152), the row stays in registers
+// (16-byte loads, RMS_V4 per lane at most); otherwise a scalar path reads it twice. xout may not alias x.
+#define RMS_V4 12
 extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
     const float* __restrict__ x, const bf16* __restrict__ y, const bf16* __restrict__ y2, bf16* __restrict__ xhat,
     float* __restrict__ rstd, float* __restrict__ xout, int N, int C, float eps, int nadd, int store) {
@@ -87,9 +87,21 @@ extern "C" __global__ void __launch_bounds__(128) rmsnorm_fwd_bf16(
 // g = dL/dxhat is the output of the GEMM that read xhat through the gain-folded weights: bf16 for the
 // layers' norms (rmsnorm_bwd_bf16), float32 for the final norm, whose g the output heads sum
 // (rmsnorm_bwd_bf16_f32dy). xhat is the forward's bf16 output. When C is a multiple of 4 and at most
-// 32 * 4 * RB_VEC the row stays in registers (16-byte loads of g and dx, 8-byte of xhat); otherwise a
-// scalar path reads it twice.
-#define RB_VEC 8
+// 32 * 4 * RB_VEC (1536) the row stays in registers, every load issued before the reduction: g as
+// loaded (8-byte loads of bf16, 16 of float32) and xhat as its bf16 words, widened again for the second
+// pass, so that a lane's 12 four-vectors fit its registers. Otherwise a scalar path reads the row twice.
+#define RB_VEC 12
+template <typename DY> struct Raw4;  // four values of a row as one load
+template <> struct Raw4<bf16> {
+    uint2 w;
+    __device__ __forceinline__ void load(const bf16* p, int c) { w = reinterpret_cast<const uint2*>(p)[c]; }
+    __device__ __forceinline__ float4 f() const { return make_float4(lo_bf(w.x), hi_bf(w.x), lo_bf(w.y), hi_bf(w.y)); }
+};
+template <> struct Raw4<float> {
+    float4 v;
+    __device__ __forceinline__ void load(const float* p, int c) { v = reinterpret_cast<const float4*>(p)[c]; }
+    __device__ __forceinline__ float4 f() const { return v; }
+};
 template <typename DY>
 __device__ __forceinline__ void rmsnorm_bwd_impl(const DY* __restrict__ g, const bf16* __restrict__ xhat,
                                                  const float* __restrict__ rstd, float* __restrict__ dx,
@@ -100,16 +112,19 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const DY* __restrict__ g, const
     const float rs = rstd[row];
     if ((C & 3) == 0 && C <= 128 * RB_VEC) {
         const int C4 = C >> 2;
-        float4 gv[RB_VEC], hv[RB_VEC], prev[RB_VEC];
+        Raw4<DY> gr[RB_VEC];
+        Raw4<bf16> hr[RB_VEC];
+        float4 prev[RB_VEC];
         float dot = 0.f;
 #pragma unroll
         for (int i = 0; i < RB_VEC; ++i) {
             const int c = lane + 32 * i;
             if (c < C4) {
-                gv[i] = ld4(g + off, c);
-                hv[i] = ld4(xhat + off, c);
+                gr[i].load(g + off, c);
+                hr[i].load(xhat + off, c);
                 prev[i] = accumulate ? ld4(dx + off, c) : make_float4(0.f, 0.f, 0.f, 0.f);
-                dot = fmaf(gv[i].x, hv[i].x, fmaf(gv[i].y, hv[i].y, fmaf(gv[i].z, hv[i].z, fmaf(gv[i].w, hv[i].w, dot))));
+                const float4 gv = gr[i].f(), hv = hr[i].f();
+                dot = fmaf(gv.x, hv.x, fmaf(gv.y, hv.y, fmaf(gv.z, hv.z, fmaf(gv.w, hv.w, dot))));
             }
         }
         const float sm = rs * warp_sum(dot) / (float)C;
@@ -117,11 +132,12 @@ __device__ __forceinline__ void rmsnorm_bwd_impl(const DY* __restrict__ g, const
         for (int i = 0; i < RB_VEC; ++i) {
             const int c = lane + 32 * i;
             if (c < C4) {
+                const float4 gv = gr[i].f(), hv = hr[i].f();
                 float4 o;
-                o.x = prev[i].x + (rs * gv[i].x - sm * hv[i].x);
-                o.y = prev[i].y + (rs * gv[i].y - sm * hv[i].y);
-                o.z = prev[i].z + (rs * gv[i].z - sm * hv[i].z);
-                o.w = prev[i].w + (rs * gv[i].w - sm * hv[i].w);
+                o.x = prev[i].x + (rs * gv.x - sm * hv.x);
+                o.y = prev[i].y + (rs * gv.y - sm * hv.y);
+                o.z = prev[i].z + (rs * gv.z - sm * hv.z);
+                o.w = prev[i].w + (rs * gv.w - sm * hv.w);
                 reinterpret_cast<float4*>(dx + off)[c] = o;
                 reinterpret_cast<uint2*>(dxb + off)[c] = make_uint2(pack2(o.x, o.y), pack2(o.z, o.w));
             }

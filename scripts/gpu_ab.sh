@@ -2,13 +2,15 @@
 # A/B timing of the bf16 engine: this tree against another copy of the project (say the last commit,
 # `git archive HEAD | tar -x -C OTHER`), `bench/train_gpu.py --modes ours-bf16` in each, alternating on
 # one GPU so that both see the same clocks. Prints ms per step of every round, then the medians.
-# Usage: bash scripts/gpu_ab.sh OTHER [ROUNDS]     (rows: $ROWS, default 16x512,16x1024,64x512)
+# Usage: bash scripts/gpu_ab.sh OTHER [ROUNDS]     (rows: $ROWS, default 16x512,16x1024,64x512;
+#        model: $PRESET, default gpu)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OTHER=$(cd "${1:?usage: scripts/gpu_ab.sh OTHER [ROUNDS]}" && pwd)
 ROUNDS=${2:-2}
 ROWS=${ROWS:-16x512,16x1024,64x512}
+PRESET=${PRESET:-gpu}
 LOG_DIR=${LOG_DIR:-${TMPDIR:-/tmp}/nanoeuler-gpu-ab}
 mkdir -p "$LOG_DIR"
 export PYTHONUNBUFFERED=1
@@ -16,7 +18,7 @@ for r in $(seq "$ROUNDS"); do
     for side in A B; do
         tree=$([ $side = A ] && echo "$OTHER" || pwd)
         echo "=== round $r, $side ($tree)"
-        (cd "$tree" && $PY bench/train_gpu.py --rows "$ROWS" --modes ours-bf16 --steps 30 \
+        (cd "$tree" && $PY bench/train_gpu.py --preset "$PRESET" --rows "$ROWS" --modes ours-bf16 --steps 30 \
             --json "$LOG_DIR/$side$r.json") 2>&1 | grep -E "^  .*ms/step|failed|Error" || exit 1
     done
 done

@@ -137,6 +137,7 @@ EOF
 }
 zero_checks() {  # zero_checks PRECISION: the checks of `zero` (fp32) or `zerobf16` (bf16), then the summary
     local prec=$1 mem_b=4 resume_limit=1e-5 n z rc out
+    [ "$STEPS" -gt 25 ] || { echo "the zero checks need STEPS > 25: the resume check starts from step 25's checkpoint"; exit 2; }
     [ "$prec" = bf16 ] && mem_b=16 resume_limit=2e-2
     make_shards
     B=8

@@ -474,6 +474,23 @@ class NcclComm:
 
         self.comm.allGather(src.data.ptr, dst.data.ptr, src.size, self._dtype(src), cp.cuda.get_current_stream().ptr)
 
+    def warm_up(self, mib: int = 32) -> None:
+        """Run each collective the training uses once, on `mib` MiB a rank (large enough for NCCL's ring
+        protocol), so that the connections and buffers NCCL sets up on a collective's first call exist
+        before the stage measures its memory budget, which then counts them in the context."""
+        import cupy as cp
+
+        shard = (mib << 20) // 4 // self.size
+        buf = cp.zeros(shard * self.size, dtype=cp.float32)
+        mine = buf[self.rank * shard : (self.rank + 1) * shard]
+        self.all_reduce_mean([buf])
+        self.all_reduce_mean([buf[:1]])  # a small one: NCCL's low-latency protocol
+        self.reduce_scatter_mean(buf, mine)
+        self.all_gather(mine, buf)
+        cp.cuda.get_current_stream().synchronize()
+        del buf, mine
+        cp.get_default_memory_pool().free_all_blocks()
+
     def check(self) -> None:
         self.comm.check_async_error()
 
@@ -928,6 +945,7 @@ def setup(stage: str, gpus: int, device: str, env=None, zero: int = 0) -> DataPa
     path = rendezvous_path(env)
     uid = exchange_id(world, path, nccl.get_unique_id, timeout)
     comm = NcclComm(world, uid)  # returns once every rank has joined
+    comm.warm_up()  # NCCL's buffers exist before the stage measures its budget
     if world.is_root and ENV_RENDEZVOUS not in env and isinstance(path, Path):
         path.unlink(missing_ok=True)  # a derived name: leave nothing for a later job to misread
     launcher = int(env[ENV_LAUNCHER]) if env.get(ENV_LAUNCHER) else None

@@ -527,21 +527,29 @@ def plan_training(
             dp_world=dp_world,
         )
 
-    micro = fit_rows(stage, B, budget, step, what, _hint(stage, settings))
-    resident = resident_parts(
-        cfg,
-        settings,
-        micro * rows_per_item,
-        T,
-        micro_batches=accum * -(-B // micro),
-        head=head,
-        sm90a=sm90a,
-        zero_world=zero_world,
-        dp_world=dp_world,
-    )
-    items, forward = eval_items_for(
-        stage, budget, cfg, T, eval_items, eval_kind, resident, rows_per_item, _hint(stage, settings)
-    )
+    def resident(m):
+        return resident_parts(
+            cfg,
+            settings,
+            m * rows_per_item,
+            T,
+            micro_batches=accum * -(-B // m),
+            head=head,
+            sm90a=sm90a,
+            zero_world=zero_world,
+            dp_world=dp_world,
+        )
+
+    def step_and_scoring(m):  # a micro-batch fits when its step does, and one scoring item beside what it keeps
+        parts = (step(m), scoring_parts(cfg, resident(m), rows_per_item, T, eval_kind))
+        return max(parts, key=lambda p: sum(p.values()))
+
+    # one row of the step, then one scoring item beside it, each else its own error (checkpointing helps
+    # only the step), then the most rows that leave room for both
+    fit_rows(stage, 1, budget, step, what, _hint(stage, settings))
+    eval_items_for(stage, budget, cfg, T, 1, eval_kind, resident(1), rows_per_item)
+    micro = fit_rows(stage, B, budget, step_and_scoring, what)
+    items, forward = eval_items_for(stage, budget, cfg, T, eval_items, eval_kind, resident(micro), rows_per_item)
     say_fit(stage, B, micro, budget, unit)
     return TrainPlan(micro, items, max(peak(step(micro), budget.context), peak(forward(items), budget.context)))
 
@@ -550,6 +558,12 @@ def _hint(stage: str, settings) -> str:
     if not settings.checkpoint_activations:
         return f"set {stage}.checkpoint_activations: true, or use a shorter model.ctx_len"
     return "use a shorter model.ctx_len or a card with more memory"
+
+
+def scoring_parts(cfg, resident: dict, rows: int, seq: int, kind: str) -> dict:
+    """A scoring forward of `kind` over `rows` rows of `seq` tokens (`forward_parts`, its parameters among
+    `resident`), beside what the stage keeps resident."""
+    return {**resident, **{f"eval_{k}": v for k, v in forward_parts(cfg, rows, seq, kind, params=False).items()}}
 
 
 def eval_items_for(
@@ -570,10 +584,7 @@ def eval_items_for(
     One item that cannot fit is a UserError naming what it needs."""
 
     def forward(m, length: int = seq):  # `length`: a chunk's padded length, when shorter than `seq`
-        return {
-            **resident,
-            **{f"eval_{k}": v for k, v in forward_parts(cfg, m * rows_per_item, length, kind, params=False).items()},
-        }
+        return scoring_parts(cfg, resident, m * rows_per_item, length, kind)
 
     if budget is not None and not budget.fits(forward(1)):
         need = sum(forward(1).values()) / FIT_SHARE + CUBLAS_WORKSPACE + budget.context

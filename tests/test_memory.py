@@ -154,6 +154,22 @@ def test_dpo_counts_pairs_and_fits_8_gb():
     assert fit.micro == 3 and fit.predicted <= 7e9
 
 
+def test_a_micro_batch_leaves_room_to_score_one_item_beside_what_it_keeps():
+    # The bf16 engine keeps its micro-batch's buffers while the stage scores its held-out windows. Fitting
+    # the step alone took micro-batches so large that not one window fit beside them: the 270M with
+    # checkpointing was refused on cards of 7.4 to 7.9 GB that fit a smaller micro-batch.
+    pretrain = {"precision": "bf16", "batch_size": 32, "checkpoint_activations": True}
+    settings = PretrainConfig.from_section(validate({"pretrain": pretrain})["pretrain"])
+    cfg = ModelConfig.named("gpu-270m")
+    for gigabytes in (7.4, 7.6, 7.9):
+        fit = memory.plan_training("pretrain", cfg, settings, _card(gigabytes), eval_items=32)
+        assert fit.eval_items >= 1 and fit.predicted <= gigabytes * 1e9
+    # one window that cannot fit beside the smallest micro-batch: its own line, no checkpointing advice
+    with pytest.raises(UserError, match="to score one sequence of 512") as exc:
+        memory.plan_training("pretrain", cfg, settings, _card(7.3), eval_items=32)
+    assert "checkpoint_activations" not in str(exc.value)
+
+
 def test_one_sequence_that_cannot_fit_is_one_line_naming_what_it_needs():
     with pytest.raises(UserError) as exc:
         memory.plan_training("sft", GPU, _sft(), _card(2.5), eval_items=32)

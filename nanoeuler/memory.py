@@ -514,31 +514,13 @@ def plan_training(
         return TrainPlan(B, eval_items, 0.0)
     what = f"{'pair' if rows_per_item == 2 else 'sequence'} of {T} at {settings.precision}"
 
-    def step(m):
-        return train_parts(
-            cfg,
-            settings,
-            m * rows_per_item,
-            T,
-            micro_batches=accum * -(-B // m),
-            head=head,
-            sm90a=sm90a,
-            zero_world=zero_world,
-            dp_world=dp_world,
-        )
+    common = dict(head=head, sm90a=sm90a, zero_world=zero_world, dp_world=dp_world)
 
-    def resident(m):
-        return resident_parts(
-            cfg,
-            settings,
-            m * rows_per_item,
-            T,
-            micro_batches=accum * -(-B // m),
-            head=head,
-            sm90a=sm90a,
-            zero_world=zero_world,
-            dp_world=dp_world,
-        )
+    def step(m):
+        return train_parts(cfg, settings, m * rows_per_item, T, micro_batches=accum * -(-B // m), **common)
+
+    def resident(m):  # what a micro-batch of m keeps between steps
+        return resident_parts(cfg, settings, m * rows_per_item, T, micro_batches=accum * -(-B // m), **common)
 
     def step_and_scoring(m):  # a micro-batch fits when its step does, and one scoring item beside what it keeps
         parts = (step(m), scoring_parts(cfg, resident(m), rows_per_item, T, eval_kind))

@@ -397,7 +397,11 @@ def test_headers_that_do_not_arrive_in_time_close_the_connection(server):
             except OSError:
                 break
         s.settimeout(10)
-        assert s.recv(4096) == b""  # closed, unanswered
+        try:  # closed, unanswered: an orderly close, or a reset when a header arrived after it stopped reading
+            answer = s.recv(4096)
+        except ConnectionResetError:
+            answer = b""
+        assert answer == b""
     assert time.monotonic() - start < 5
 
 

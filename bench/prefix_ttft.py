@@ -1,7 +1,8 @@
-"""Time to first token with and without prefix reuse, on the CPU: requests whose prompts share a long head.
+"""Time to first token with and without prefix reuse, engine only: requests whose prompts share a long head.
 
-    python bench/prefix_cpu.py                        # the `small` preset (context 512), 400 shared tokens
-    python bench/prefix_cpu.py --preset gpu --repeats 3   # the 116M model on the CPU
+    python bench/prefix_ttft.py                        # the `small` preset (context 512), 400 shared tokens
+    python bench/prefix_ttft.py --preset gpu --repeats 3   # the 116M model on the CPU
+    python bench/prefix_ttft.py --preset gpu --device gpu  # the 116M model in bf16 on a GPU
 
 Each request is a 400-token shared prefix (a system prompt, a few-shot block) and a 16-token question of
 its own. A request's time to first token is `Backend.open` plus its first `step` (the prefill and the first
@@ -66,12 +67,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--device", default="cpu", choices=["cpu", "gpu"])
     ap.add_argument("--profile", action="store_true", help="cProfile the timed requests with reuse")
-    ap.add_argument("--few-rows", type=int, help="infer.cpu.FEW_ROWS: products of 2..N rows go one row at a time")
     args = ap.parse_args()
-    if args.few_rows is not None:
-        from nanoeuler.infer import cpu
-
-        cpu.FEW_ROWS = args.few_rows
     rng = np.random.default_rng(0)
     plain, reuse = backend(args.preset, 0, args.device), backend(args.preset, 8, args.device)
     V = plain.cfg.vocab_size - 2
@@ -94,7 +90,6 @@ def main() -> int:
         f"{args.preset} (dim {plain.cfg.dim}, {plain.cfg.n_layers} layers) on the {args.device}, {args.prefix} shared"
         f" + {args.suffix} "
         f"own tokens, BLAS threads {os.environ['OPENBLAS_NUM_THREADS']}, median of {args.repeats}"
-        + (f", FEW_ROWS {args.few_rows}" if args.few_rows is not None else "")
     )
     print(f"time to first token without reuse  {a * 1e3:8.1f} ms")
     print(

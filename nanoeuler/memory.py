@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from nanoeuler.errors import UserError
+from nanoeuler.kernels.decode import plan
 
 MiB = 2**20
 F32 = 4
@@ -244,28 +245,28 @@ def row_bytes(cfg, rows: int, dtype: str = "bf16") -> int:
 
 def decode_parts(cfg, batch: int, dtype: str = "bf16", speculative: bool = False) -> dict:
     """Named byte counts of the GPU decode engine (`infer/gpu.py`): its weight image, the float32 weights
-    kept for evaluation code, the KV cache of `batch` slots of the whole context, and the row buffers of a
-    prefill chunk (up to ctx_len rows: activations and every head's logits). `speculative`: a server whose
-    greedy streams speculate in the batch (`serve --speculative`) also keeps the buffers of its verify
-    passes, one per number of streams verified at once: g streams' blocks of K rows, g = 1..batch (those
-    of a power of two rows are among the prefill's).
+    kept for evaluation code, the KV cache of `batch` slots of the whole context, and the row buffers
+    (activations and every head's logits) it keeps per row count: a prefill's (`plan.recorded_rows`: 1 to
+    16 rows, then powers of two up to ctx_len) and a server's decode steps' (`plan.decode_widths`; all of
+    them from the start, `Backend.warm_up`). `speculative`: a server whose greedy streams speculate in the
+    batch (`serve --speculative`) also keeps the buffers of its verify passes, one per number of streams
+    verified at once: g streams' blocks of K rows, g = 1..batch (less those counted already).
 
         >>> from nanoeuler.model.config import ModelConfig
         >>> round(decode_parts(ModelConfig.named("gpu"), 64, speculative=True)["speculation"] / 1e6)
-        872
+        871
     """
-    n, M = cfg.n_params(), cfg.ctx_len
+    n = cfg.n_params()
     w = 2 if dtype == "bf16" else F32
+    counts = set(plan.recorded_rows(cfg.ctx_len)) | set(plan.decode_widths(batch) if batch else ())
     parts = {
         "params": F32 * n,
         "weights": w * n,
         "kv_cache": 2 * w * cfg.n_layers * batch * cfg.n_kv_heads * cfg.ctx_len * cfg.head_dim,
-        # row buffers are kept per row count, prefills' powers of two up to ctx_len: twice ctx_len rows at most
-        "rows": 2 * row_bytes(cfg, M, dtype),
+        "rows": sum(row_bytes(cfg, m, dtype) for m in counts),
     }
     if speculative and cfg.mtp_heads > 1:
-        prefill = {2**i for i in range(M.bit_length())}  # the row counts "rows" stands for
-        verify = {g * cfg.mtp_heads for g in range(1, batch + 1)} - prefill
+        verify = {g * cfg.mtp_heads for g in range(1, batch + 1)} - counts
         parts["speculation"] = sum(row_bytes(cfg, m, dtype) for m in verify)
     return parts
 

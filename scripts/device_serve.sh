@@ -13,6 +13,8 @@
 #   bash scripts/device_serve.sh check     # GPU: the server backend's and decode engine's GPU tests, the engine's share
 #                                          # of prefix reuse (bench/prefix_ttft.py, profiled), then `load` with
 #                                          # SOAK=0 and, with TEMPERATURE set, the same levels sampled
+#   bash scripts/device_serve.sh first     # GPU: the server backend's GPU tests, then the first requests a fresh
+#                                          # server answers (no unmeasured run first) with and without --warm-up
 #   bash scripts/device_serve.sh overhead  # CPU only: bench/serve_overhead.py (fake engine, 0.7 ms steps + HOST_US of
 #                                          # GIL-holding host work) twice, on this host's cores
 #   bash scripts/device_serve.sh build     # GPU: only the build (start it in the background during a soak, whose
@@ -144,6 +146,22 @@ check() {
     return $rc
 }
 
+first() {  # LEVELS (default here 1,8) of REQUESTS each on a server just started, with and without its warm-up
+    install > /dev/null
+    local t0 rc=0 arg
+    t0=$(date +%s)
+    $PY -m pytest -q -x -p no:cacheprovider -m gpu "$REPO/tests/test_serve_gpu.py" 2>&1 | tee "$OUT/gpu_tests.txt" \
+        | tail -3 || rc=1
+    for arg in --warm-up --no-warm-up; do
+        echo "== $arg"
+        $PY "$REPO/bench/serve_load_gpu.py" --ckpt "$(model)" --levels "${FIRST_LEVELS:-1,8}" --requests "$REQUESTS" \
+            --warmup 0 --max-tokens "$MAX_TOKENS" --serve-args "$arg ${SERVE_ARGS:-}" 2>&1 \
+            | tee "$OUT/first_${arg#--}.txt" | grep -E "warmed up|^ +[0-9]+ +[0-9]+ +[0-9]+ " || rc=1
+    done
+    echo "first: $(( $(date +%s) - t0 )) s; GPU tests: $(tail -1 "$OUT/gpu_tests.txt")"
+    return $rc
+}
+
 overhead() {  # the server's own cost (generation in its own process, as `nanoeuler serve` runs it), twice
     install > /dev/null
     local run
@@ -214,6 +232,7 @@ case "${1:-}" in
     llama) llama ;;
     overhead) overhead ;;
     check) check ;;
+    first) first ;;
     build) install conv > /dev/null; build_llama ;;
-    *) echo "usage: $0 prepare|load|check|build|llama|overhead" >&2; exit 2 ;;
+    *) echo "usage: $0 prepare|load|check|first|build|llama|overhead" >&2; exit 2 ;;
 esac

@@ -492,7 +492,7 @@ def _device_row_bytes(cfg, rows: int, dtype: str) -> int:
 def test_a_speculating_server_keeps_the_verify_buffers_the_model_counts(tmp_path, tok):
     """A speculating server verifies g streams at once as one pass of g x K rows, g = 1..slots (here on the
     CPU backend, whose calls the GPU's mirror), and the GPU backend keeps buffers for each row count it runs:
-    `decode_parts` counts those the prefill's powers of two do not already hold, byte for byte."""
+    `decode_parts` counts those the prefills' and decode steps' row counts do not already hold, byte for byte."""
     from nanoeuler.infer.sampling import Sampling
     from nanoeuler.serve.backend import Backend
     from serve_fixtures import run_streams
@@ -510,9 +510,10 @@ def test_a_speculating_server_keeps_the_verify_buffers_the_model_counts(tmp_path
     for dtype in ("bf16", "fp32"):
         for rows in (1, 6, cfg.ctx_len):
             assert memory.row_bytes(cfg, rows, dtype) == _device_row_bytes(cfg, rows, dtype)
-        parts = memory.decode_parts(cfg, slots, dtype, speculative=True)
-        assert parts["speculation"] == sum(_device_row_bytes(cfg, m, dtype) for m in (6, 10))  # 2, 4, 8: prefill's
-        assert parts["rows"] == 2 * _device_row_bytes(cfg, cfg.ctx_len, dtype)
+        parts = memory.decode_parts(cfg, 10, dtype, speculative=True)  # 10 slots: passes of 2, 4, ..., 20 rows
+        assert parts["speculation"] == sum(_device_row_bytes(cfg, m, dtype) for m in (18, 20))  # 9, 10 streams
+        counts = [*range(1, 17), 32, 64]  # a prefill's 1 to 16 rows as they come, then powers of two (10 among them)
+        assert parts["rows"] == sum(_device_row_bytes(cfg, m, dtype) for m in counts)
         assert "speculation" not in memory.decode_parts(cfg, slots, dtype)
 
 

@@ -317,6 +317,51 @@ def test_a_chain_that_fails_ends_its_streams_and_the_next_ones_start_clean(tok, 
     assert got[0] == ref.generate(*job) and len(chains) == 2
 
 
+def test_a_warmed_up_backend_answers_as_a_fresh_one(tok, tmp_path):
+    """`Backend.warm_up` (made-up streams of every kind at every batch width, run to their ends) leaves nothing
+    behind: greedy, speculating, seeded sampled and log-probability streams sharing a prefix are answered
+    token for token, log-probabilities and counters too, as by a backend that never warmed up."""
+    from nanoeuler.serve.backend import Backend
+    from serve_fixtures import run_streams
+
+    path, cfg, _ = _sharp_model(tok, tmp_path)
+    fresh, warm = (Backend.load(path, "cpu", slots=5, speculative=True) for _ in range(2))
+    be, counts = (
+        warm.engine.backend,
+        {  # the rows of each call the warm-up makes
+            "prefill": lambda slot, ids: len(ids),
+            "prefill_many": lambda slots, prompts, starts=None: sum(map(len, prompts)) - sum(starts or []),
+            "prefill_from": lambda slot, ids, start: len(ids) - start,
+            "decode": lambda tokens, *_: len(tokens),
+            "decode_logits": lambda tokens, *_: len(tokens),
+        },
+    )
+    rows = {name: [] for name in counts}
+    for name, count in counts.items():
+        call = getattr(be, name)
+        setattr(be, name, lambda *a, call=call, seen=rows[name], count=count: seen.append(count(*a)) or call(*a))
+    prefills = 18 + 2 * 17 + 2  # prompts of 1..16, 32 and 64 tokens alone and split in two; one past a cached one
+    greedy, widths = 1 + 2 + 3 + 4 + 5, 1 + 2 + 4 + 5  # speculation verifies any count; decodes take 1, 2, 4, 5
+    mixed = widths - 1  # greedy beside sampled streams: 2 streams or more
+    assert warm.warm_up() == 2 * (prefills + greedy + 2 * widths + mixed)  # twice: + sampled, log-probabilities
+    assert set(rows["prefill"]) >= {*range(1, 17), 32, 64} and set(rows["prefill_many"]) >= {*range(2, 17), 32, 64}
+    assert rows["prefill_from"] == [1, 1]  # on the GPU, prefill_many's one row
+    assert set(rows["decode"]) == set(rows["decode_logits"]) == {1, 2, 4, 5}
+    assert warm.free_slots == 5 and warm.prefixes.entries == {} and warm.prefixes.tokens == 0
+    assert warm.engine.stats == fresh.engine.stats
+    head = list(range(5, 25))
+    specs = [
+        (head + [1, 2], 12, Sampling(temperature=0), {}),
+        (head + [3], 10, Sampling(temperature=0.9, top_k=0, top_p=0.95, seed=4), {}),
+        (head + [7, 8, 9], 8, Sampling(temperature=0.7, seed=5), {"logprobs": 2}),
+    ]
+    for _ in range(2):  # the second round reuses the first's prefix
+        (a, sa), (b, sb) = run_streams(fresh, specs), run_streams(warm, specs)
+        assert a == b and [s.records for s in sa] == [s.records for s in sb]
+    assert warm.engine.stats == fresh.engine.stats and warm.engine.stats.passes > 0
+    assert (warm.prefixes.hits, warm.prefixes.tokens) == (fresh.prefixes.hits, fresh.prefixes.tokens) != (0, 0)
+
+
 def test_any_address_but_loopback_gets_a_warning():
     assert exposure_warning("127.0.0.1", None) is None and exposure_warning("localhost", None) is None
     assert "no authentication" in exposure_warning("0.0.0.0", None)

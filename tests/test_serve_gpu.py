@@ -134,3 +134,34 @@ def test_gpu_greedy_chain_answers_as_the_numpy_backend(model, dtype):
         backend = Backend(DecodeEngine.from_params(params, cfg, dev, **kw), _Tok(), "m", 4, 0)
         got.append(run_joining(backend, specs, slots=4, join_at=5)[0])
     _assert_near_greedy(params, cfg, [(p, n, s, {}) for p, n, s in specs], got[1], got[0], dtype)
+
+
+def test_gpu_warm_up_records_every_shape_requests_take(model):
+    """After `Backend.warm_up` on the GPU engine, requests of many prompt lengths (the few-row path, powers of
+    two, the whole context), alone, in bunches and reusing a cached prefix, greedy (the chain), sampled and
+    with log-probabilities at several widths, run only recorded CUDA graphs and allocate no new row buffers;
+    the greedy answers are a backend's that never warmed up."""
+    from nanoeuler.serve.backend import Backend
+
+    params, cfg = model
+    fresh, warm = (
+        Backend(DecodeEngine.from_params(params, cfg, "gpu", dtype="bf16"), _Tok(), "m", 5, 8) for _ in range(2)
+    )
+    warm.warm_up()
+    be = warm.engine.backend
+    graphs, buffers = dict(be._graphs), set(be._rows)
+    assert graphs and all(state != "seen" for state in graphs.values())  # each recorded, not only run once
+    head = list(range(10, 50))
+    greedy, hot = Sampling(temperature=0), Sampling(temperature=0.8, seed=3)
+    batches = [
+        [([1, 2, 3], 6, greedy, {})],
+        [(list(range(1, 20)), 6, greedy, {}), ([4] * 7, 5, hot, {})],
+        [(head + [60 + i], 8, greedy, {}) for i in range(4)],  # the first keeps the head, the rest reuse it
+        [(list(range(2, 2 + cfg.ctx_len - 8)), 4, greedy, {"logprobs": 1}), (head, 6, hot, {"logprobs": 2})],
+        [([5 + i, 6, 7], 4, greedy if i % 2 else hot, {}) for i in range(5)],
+    ]
+    for specs in batches:
+        want, got = run_streams(fresh, specs)[0], run_streams(warm, specs)[0]
+        assert [g for g, s in zip(got, specs) if s[2] is greedy] == [w for w, s in zip(want, specs) if s[2] is greedy]
+    assert dict(be._graphs).keys() == graphs.keys() and set(be._rows) == buffers
+    assert warm.prefixes.hits > 0

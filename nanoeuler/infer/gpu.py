@@ -452,7 +452,7 @@ class GpuBackend:
         cfg = self.cfg
         T = len(ids)
         short = T <= GEMV_MAX_ROWS  # the GEMV path, float activations; else cuBLAS and the FlashAttention
-        P = T if short else min(cfg.ctx_len, 1 << (T - 1).bit_length())  # longer: rows by powers of two
+        P = plan.prefill_rows(T, cfg.ctx_len)  # longer: rows by powers of two
         ids = np.concatenate([np.asarray(ids, np.int32), np.zeros(P - T, np.int32)])
         meta = np.concatenate([ids, np.full(P, slot, np.int32), np.arange(P, dtype=np.int32)])
 
@@ -487,7 +487,7 @@ class GpuBackend:
         for c0 in range(0, len(ids), cfg.ctx_len):
             c1 = min(len(ids), c0 + cfg.ctx_len)
             T = c1 - c0
-            P = T if T <= GEMV_MAX_ROWS else 1 << (T - 1).bit_length()
+            P = plan.prefill_rows(T, cfg.ctx_len)
             pad = lambda a: np.concatenate([a[c0:c1], np.full(P - T, a[c1 - 1], np.int32)])  # noqa: E731
             batched = P > GEMV_MAX_ROWS
 

@@ -45,9 +45,11 @@ its slot goes back when it is closed) and the other streams go on as if it had n
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import os
 import sys
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Iterator
@@ -59,6 +61,7 @@ from nanoeuler.errors import UserError
 from nanoeuler.infer.engine import greedy_kept, load
 from nanoeuler.infer.logprobs import token_logprobs
 from nanoeuler.infer.sampling import Sampling, sample_token
+from nanoeuler.kernels.decode import plan
 
 __all__ = ["Backend", "PrefixCache", "Sampling", "TokenStream"]
 
@@ -151,9 +154,11 @@ class Backend:
         threads: int | None = None,
         prefix_cache: int = 8,
         speculative: bool = False,
+        warm_up: bool = True,
     ) -> "Backend":
         """`slots` at most as many as the GPU's memory holds caches for (`gpu_memory`, `memory.decode_batch`).
-        A release folder serves its model file, under that file's name (`chat`)."""
+        A release folder serves its model file, under that file's name (`chat`). `warm_up`: where the engine
+        records CUDA graphs, run `warm_up` before returning (the CPU's records nothing: nothing to warm)."""
         from nanoeuler.checkpoint import model_file
 
         path = model_file(path)
@@ -169,7 +174,17 @@ class Backend:
                 flush=True,
             )
             slots = engine.max_batch
-        return cls(engine, tok, name or Path(path).stem, slots, prefix_cache, speculative)
+        backend = cls(engine, tok, name or Path(path).stem, slots, prefix_cache, speculative)
+        if warm_up and getattr(getattr(engine, "backend", None), "use_graphs", False):
+            start = time.perf_counter()
+            streams = backend.warm_up()
+            print(
+                f"nanoeuler serve: warmed up in {time.perf_counter() - start:.1f} s ({streams} made-up streams at "
+                f"batch widths up to {slots})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return backend
 
     @property
     def cfg(self):
@@ -222,6 +237,22 @@ class Backend:
         if self._slots is None:
             return [_own(s, lambda s=s: [s.advance()]) for s in streams]
         return self._slots.step(streams)
+
+    def warm_up(self) -> int:
+        """Serve made-up requests before the first real one, so that no request waits for what a GPU engine
+        does on a shape's first two calls (compile and load kernels, let cuBLAS choose its algorithms,
+        record the CUDA graph). Twice over: a prompt of each row count a prefill runs as
+        (`plan.recorded_rows`: 1 to 16, then powers of two up to the context), alone and split between two
+        streams (`prefill_many`); then greedy, sampled and log-probability streams at every decode width a
+        step can take (`_Slots._rows`, `plan.decode_widths`; with speculation, greedy streams at every
+        count, since a pass verifies any number of them at once). Afterwards the backend is as loaded: every
+        slot free, no prompt kept for reuse, counters, seeds and the step count as new, so a request is
+        answered token for token as without it. Returns the streams run.
+
+            >>> backend.warm_up()   # the 116M model, 32 slots: 22 row counts, 6 widths   # doctest: +SKIP
+            506
+        """
+        return self._slots.warm_up() if self._slots else 0
 
 
 class _TokenBytes(dict):
@@ -277,6 +308,61 @@ class _Slots:
         self.chain = None  # greedy steps running ahead of the host (`_start_chain`), and the streams they feed
         self.chained: dict[int, TokenStream] = {}
         be.start(n, self.seeds)
+
+    WARM_PROMPT = 24  # a warm-up stream's prompt: alone, past the GPU's few-row path (16), as a chat prompt is
+    GREEDY, HOT = Sampling(temperature=0), Sampling(temperature=1.0)
+    # stream i of a warm-up batch takes kind[i % len(kind)]: (sampling, logprobs); each kind a rule of the step
+    # (greedy alone: the chain; sampled; log-probabilities: decode_logits; greedy beside sampled: argmax)
+    WARM_KINDS = (((GREEDY, None),), ((HOT, None),), ((GREEDY, 1),), ((GREEDY, None), (HOT, None)))
+
+    def warm_up(self) -> int:
+        """`Backend.warm_up`, twice over: every prefill row count (one prompt, two together, and with prefix
+        reuse on, a prompt one token past a cached one), then each kind at each decode width; then the
+        state as new."""
+        prefixes, counters = self.prefixes, self.stats and dataclasses.asdict(self.stats)
+        T0, ran = min(self.WARM_PROMPT, self.cfg.ctx_len // 2), 0
+        try:
+            for _ in range(2):  # a shape's first call runs it, the second records its graph
+                self.prefixes = None  # made-up prompts are not kept for reuse, nor reuse each other's rows
+                for T in plan.recorded_rows(self.cfg.ctx_len):
+                    ran += self._warm_batch([T], ((self.GREEDY, None),), new=1)
+                    ran += self._warm_batch([T // 2, T - T // 2], ((self.GREEDY, None),), new=1) if T > 1 else 0
+                if prefixes is not None:  # the one-row remainder of `prefill_from`; the others are prefill_many's
+                    self.prefixes = PrefixCache(self.be, 1, prefixes.min_tokens)
+                    ran += sum(self._warm_batch([n], ((self.GREEDY, None),), new=1) for n in (T0, T0 + 1))
+                    self.prefixes = None
+                for kind in self.WARM_KINDS:
+                    speculates = self.stats is not None and kind == ((self.GREEDY, None),)
+                    widths = range(1, self.n + 1) if speculates else plan.decode_widths(self.n)  # a pass: g x K rows
+                    ran += sum(self._warm_batch([T0] * w, kind) for w in widths if w >= len(kind))
+        finally:
+            if self.chain is not None:  # steps queued past the streams' ends
+                self._drain([], {})
+            self.prefixes = prefixes
+            for key, value in (counters or {}).items():
+                setattr(self.stats, key, value)
+            self.seeds, self.rngs, self.decodes = [0] * self.n, [np.random.default_rng(0) for _ in range(self.n)], 0
+            self.be.start(self.n, self.seeds)
+        return ran
+
+    def _warm_batch(self, lengths: list[int], kind: tuple, new: int = 3) -> int:
+        """Made-up streams with prompts of `lengths` tokens and `new` tokens each (stream i of `kind`'s
+        (sampling, logprobs) i % len(kind)), opened at once (slots 0, 1, ...) and stepped to their ends; a
+        failure is raised. Returns how many ran."""
+        V = self.cfg.vocab_size
+        kinds = [kind[i % len(kind)] for i in range(len(lengths))]
+        streams = [TokenStream(new, frozenset(), logprobs=logprobs) for _, logprobs in kinds]
+        try:
+            for i, (s, T, (sampling, _)) in enumerate(zip(streams, lengths, kinds)):
+                self.take(s, [(7 * i + j) % V for j in range(T)], sampling)
+            while live := [s for s in streams if not s.done]:
+                for got in self.step(live):
+                    if isinstance(got, Exception):
+                        raise got
+        finally:
+            for s in streams:
+                s.close()
+        return len(streams)
 
     def take(self, stream: TokenStream, prompt_ids: list[int], sampling: Sampling) -> None:
         if not self.free:
@@ -503,7 +589,7 @@ class _Slots:
         self.tokens[:], self.pos[:] = 0, self.cfg.ctx_len - 1  # rows not fed: a position no slot has read yet
         for s in feed:
             self.tokens[s.slot], self.pos[s.slot] = s.pending, s.pos
-        B = min(self.n, 1 << max(s.slot for s in feed).bit_length())  # powers of two: few shapes (graphs)
+        B = min(self.n, 1 << max(s.slot for s in feed).bit_length())  # `plan.decode_widths`: few shapes (graphs)
         fed = np.zeros(B, dtype=bool)
         fed[[s.slot for s in feed]] = True
         return self.tokens[:B].copy(), np.minimum(self.pos[:B], self.cfg.ctx_len - 1), fed

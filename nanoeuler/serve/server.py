@@ -86,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "trained (acceptance per head: /metrics). Default: off",
     )
     parser.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a GPU, serve made-up requests at every batch width before listening, so that no real "
+        "request waits for kernels to load or a step's CUDA graph to be recorded (default: on)",
+    )
+    parser.add_argument(
         "--client-timeout",
         type=float,
         default=30.0,
@@ -230,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         prefix_cache=args.prefix_cache,
         speculative=args.speculative,
+        warm_up=args.warm_up,
     )
     config = ServeConfig(max_tokens=args.max_tokens, api_key=args.api_key or None, client_timeout_s=args.client_timeout)
     warning = exposure_warning(args.host, config.api_key)

@@ -130,6 +130,37 @@ def choose_variants(cfg, dtype: str, cc: int) -> Variants:
     )
 
 
+# ---- row counts: each a CUDA graph and a set of row buffers of the backend -----------------------------
+
+
+def prefill_rows(T: int, ctx_len: int) -> int:
+    """The rows a prefill chunk of T tokens runs as: up to GEMV_MAX_ROWS as they come (the few-row path),
+    more padded to a power of two (the padding rows come last), at most the context.
+
+        >>> prefill_rows(5, 1024), prefill_rows(17, 1024), prefill_rows(700, 768)
+        (5, 32, 768)
+    """
+    return T if T <= GEMV_MAX_ROWS else min(ctx_len, 1 << (T - 1).bit_length())
+
+
+def recorded_rows(ctx_len: int) -> list[int]:
+    """Every row count a prefill of 1 to ctx_len tokens runs as (`prefill_rows`), ascending.
+
+    >>> recorded_rows(128)[14:], len(recorded_rows(1024))
+    ([15, 16, 32, 64, 128], 22)
+    """
+    return sorted({prefill_rows(T, ctx_len) for T in range(1, ctx_len + 1)})
+
+
+def decode_widths(batch: int) -> list[int]:
+    """The rows of a server's decode steps over `batch` slots: the powers of two below it, and it.
+
+    >>> decode_widths(8), decode_widths(12)
+    ([1, 2, 4, 8], [1, 2, 4, 8, 12])
+    """
+    return sorted({min(batch, 1 << k) for k in range(batch.bit_length() + 1)})
+
+
 # ---- grids, unrolls, shared memory --------------------------------------------------------------------
 
 

@@ -156,7 +156,7 @@ def test_gpu_warm_up_records_every_shape_requests_take(model):
     batches = [
         [([1, 2, 3], 6, greedy, {})],
         [(list(range(1, 20)), 6, greedy, {}), ([4] * 7, 5, hot, {})],
-        [(head + [60 + i], 8, greedy, {}) for i in range(4)],  # the first keeps the head, the rest reuse it
+        [(head + [60 + i], 8, greedy, {}) for i in range(4)],  # kept; the next batch reuses 39 rows of one
         [(list(range(2, 2 + cfg.ctx_len - 8)), 4, greedy, {"logprobs": 1}), (head, 6, hot, {"logprobs": 2})],
         [([5 + i, 6, 7], 4, greedy if i % 2 else hot, {}) for i in range(5)],
     ]

@@ -249,8 +249,8 @@ class Backend:
         slot free, no prompt kept for reuse, counters, seeds and the step count as new, so a request is
         answered token for token as without it. Returns the streams run.
 
-            >>> backend.warm_up()   # the 116M model, 32 slots: 22 row counts, 6 widths   # doctest: +SKIP
-            506
+            >>> backend.warm_up()   # the 116M model (context 512), 32 slots: 21 row counts, 6 widths  # doctest: +SKIP
+            628
         """
         return self._slots.warm_up() if self._slots else 0
 

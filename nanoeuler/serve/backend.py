@@ -242,10 +242,11 @@ class Backend:
         """Serve made-up requests before the first real one, so that no request waits for what a GPU engine
         does on a shape's first two calls (compile and load kernels, let cuBLAS choose its algorithms,
         record the CUDA graph). Twice over: a prompt of each row count a prefill runs as
-        (`plan.recorded_rows`: 1 to 16, then powers of two up to the context), alone and split between two
-        streams (`prefill_many`); then greedy, sampled and log-probability streams at every decode width a
-        step can take (`_Slots._rows`, `plan.decode_widths`; with speculation, greedy streams at every
-        count, since a pass verifies any number of them at once). Afterwards the backend is as loaded: every
+        (`plan.recorded_rows`: 1 to 16, then powers of two up to the context), alone, split between two
+        streams (`prefill_many`), and one token past a cached prompt (prefix reuse); then greedy, sampled,
+        log-probability and mixed batches at every decode width a step can take (`_Slots._rows`,
+        `plan.decode_widths`; with speculation, greedy batches of every size, since a pass verifies any
+        number of streams at once). Afterwards the backend is as loaded: every
         slot free, no prompt kept for reuse, counters, seeds and the step count as new, so a request is
         answered token for token as without it. Returns the streams run.
 

@@ -314,28 +314,15 @@ class _Slots:
     GREEDY, HOT = Sampling(temperature=0), Sampling(temperature=1.0)
     # stream i of a warm-up batch takes kind[i % len(kind)]: (sampling, logprobs); each kind a rule of the step
     # (greedy alone: the chain; sampled; log-probabilities: decode_logits; greedy beside sampled: argmax)
-    WARM_KINDS = (((GREEDY, None),), ((HOT, None),), ((GREEDY, 1),), ((GREEDY, None), (HOT, None)))
+    ALONE = ((GREEDY, None),)
+    WARM_KINDS = (ALONE, ((HOT, None),), ((GREEDY, 1),), ((GREEDY, None), (HOT, None)))
 
     def warm_up(self) -> int:
-        """`Backend.warm_up`, twice over: every prefill row count (one prompt, two together, and with prefix
-        reuse on, a prompt one token past a cached one), then each kind at each decode width; then the
-        state as new."""
+        """`Backend.warm_up`: its prefills and steps twice (a shape's first call runs it, the second records
+        its graph), then the state as new."""
         prefixes, counters = self.prefixes, self.stats and dataclasses.asdict(self.stats)
-        T0, ran = min(self.WARM_PROMPT, self.cfg.ctx_len // 2), 0
         try:
-            for _ in range(2):  # a shape's first call runs it, the second records its graph
-                self.prefixes = None  # made-up prompts are not kept for reuse, nor reuse each other's rows
-                for T in plan.recorded_rows(self.cfg.ctx_len):
-                    ran += self._warm_batch([T], ((self.GREEDY, None),), new=1)
-                    ran += self._warm_batch([T // 2, T - T // 2], ((self.GREEDY, None),), new=1) if T > 1 else 0
-                if prefixes is not None:  # the one-row remainder of `prefill_from`; the others are prefill_many's
-                    self.prefixes = PrefixCache(self.be, 1, prefixes.min_tokens)
-                    ran += sum(self._warm_batch([n], ((self.GREEDY, None),), new=1) for n in (T0, T0 + 1))
-                    self.prefixes = None
-                for kind in self.WARM_KINDS:
-                    speculates = self.stats is not None and kind == ((self.GREEDY, None),)
-                    widths = range(1, self.n + 1) if speculates else plan.decode_widths(self.n)  # a pass: g x K rows
-                    ran += sum(self._warm_batch([T0] * w, kind) for w in widths if w >= len(kind))
+            return sum(self._warm_prefills(reuse=prefixes is not None) + self._warm_steps() for _ in range(2))
         finally:
             if self.chain is not None:  # steps queued past the streams' ends
                 self._drain([], {})
@@ -344,7 +331,31 @@ class _Slots:
                 setattr(self.stats, key, value)
             self.seeds, self.rngs, self.decodes = [0] * self.n, [np.random.default_rng(0) for _ in range(self.n)], 0
             self.be.start(self.n, self.seeds)
+
+    def _warm_prefills(self, reuse: bool) -> int:
+        """A prompt of every prefill row count, alone and split between two streams; with `reuse`, a prompt one
+        token past a cached one (`prefill_from`'s one-row remainder; the others are prefill_many's)."""
+        self.prefixes, ran = None, 0  # made-up prompts are not kept, nor reuse each other's rows
+        for T in plan.recorded_rows(self.cfg.ctx_len):
+            ran += self._warm_batch([T], self.ALONE, new=1)
+            ran += self._warm_batch([T // 2, T - T // 2], self.ALONE, new=1) if T > 1 else 0
+        if reuse:
+            T0, self.prefixes = self._warm_prompt(), PrefixCache(self.be, 1)
+            ran += self._warm_batch([T0], self.ALONE, new=1) + self._warm_batch([T0 + 1], self.ALONE, new=1)
+            self.prefixes = None
         return ran
+
+    def _warm_steps(self) -> int:
+        """Each kind at every decode width (greedy streams that speculate: every count, a pass being g x K rows)."""
+        ran = 0
+        for kind in self.WARM_KINDS:
+            every = self.stats is not None and kind == self.ALONE
+            widths = range(1, self.n + 1) if every else plan.decode_widths(self.n)
+            ran += sum(self._warm_batch([self._warm_prompt()] * w, kind) for w in widths if w >= len(kind))
+        return ran
+
+    def _warm_prompt(self) -> int:
+        return min(self.WARM_PROMPT, self.cfg.ctx_len // 2)
 
     def _warm_batch(self, lengths: list[int], kind: tuple, new: int = 3) -> int:
         """Made-up streams with prompts of `lengths` tokens and `new` tokens each (stream i of `kind`'s

@@ -299,16 +299,18 @@ class _Slots:
     def __init__(self, be, cfg, n: int):
         self.be, self.cfg, self.n = be, cfg, n
         self.free = list(range(n))  # a heap: a new stream takes the lowest free slot (`_decode`'s rows)
-        self.seeds = [0] * n
-        self.rngs = [np.random.default_rng(0) for _ in range(n)]
         self.tokens = np.zeros(n, dtype=np.int64)
         self.pos = np.zeros(n, dtype=np.int64)
-        self.decodes = 0
         self.prefixes: PrefixCache | None = None
         self.stats = None  # the engine's SpecStats where greedy streams speculate
         self.chain = None  # greedy steps running ahead of the host (`_start_chain`), and the streams they feed
         self.chained: dict[int, TokenStream] = {}
-        be.start(n, self.seeds)
+        self._seed_all()
+
+    def _seed_all(self) -> None:
+        """Every slot's sampler seeded 0 and the step count at 0, as at the start (the engine's too)."""
+        self.seeds, self.rngs, self.decodes = [0] * self.n, [np.random.default_rng(0) for _ in range(self.n)], 0
+        self.be.start(self.n, self.seeds)
 
     WARM_PROMPT = 24  # a warm-up stream's prompt: alone, past the GPU's few-row path (16), as a chat prompt is
     GREEDY, HOT = Sampling(temperature=0), Sampling(temperature=1.0)
@@ -329,8 +331,7 @@ class _Slots:
             self.prefixes = prefixes
             for key, value in (counters or {}).items():
                 setattr(self.stats, key, value)
-            self.seeds, self.rngs, self.decodes = [0] * self.n, [np.random.default_rng(0) for _ in range(self.n)], 0
-            self.be.start(self.n, self.seeds)
+            self._seed_all()
 
     def _warm_prefills(self, reuse: bool) -> int:
         """A prompt of every prefill row count, alone and split between two streams; with `reuse`, a prompt one
@@ -601,7 +602,7 @@ class _Slots:
         self.tokens[:], self.pos[:] = 0, self.cfg.ctx_len - 1  # rows not fed: a position no slot has read yet
         for s in feed:
             self.tokens[s.slot], self.pos[s.slot] = s.pending, s.pos
-        B = min(self.n, 1 << max(s.slot for s in feed).bit_length())  # `plan.decode_widths`: few shapes (graphs)
+        B = plan.decode_width(max(s.slot for s in feed) + 1, self.n)  # powers of two: few shapes (graphs)
         fed = np.zeros(B, dtype=bool)
         fed[[s.slot for s in feed]] = True
         return self.tokens[:B].copy(), np.minimum(self.pos[:B], self.cfg.ctx_len - 1), fed

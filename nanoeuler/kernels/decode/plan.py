@@ -152,13 +152,22 @@ def recorded_rows(ctx_len: int) -> list[int]:
     return sorted({prefill_rows(T, ctx_len) for T in range(1, ctx_len + 1)})
 
 
+def decode_width(rows: int, batch: int) -> int:
+    """The rows a server's decode step over slots 0..rows-1 of `batch` runs as: a power of two, at most the batch.
+
+    >>> decode_width(3, 8), decode_width(9, 12)
+    (4, 12)
+    """
+    return min(batch, 1 << (rows - 1).bit_length())
+
+
 def decode_widths(batch: int) -> list[int]:
-    """The rows of a server's decode steps over `batch` slots: the powers of two below it, and it.
+    """Every row count a server's decode step over `batch` slots runs as (`decode_width`), ascending.
 
     >>> decode_widths(8), decode_widths(12)
     ([1, 2, 4, 8], [1, 2, 4, 8, 12])
     """
-    return sorted({min(batch, 1 << k) for k in range(batch.bit_length() + 1)})
+    return sorted({decode_width(rows, batch) for rows in range(1, batch + 1)})
 
 
 # ---- grids, unrolls, shared memory --------------------------------------------------------------------

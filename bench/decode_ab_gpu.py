@@ -3,8 +3,8 @@
 
     PYTHONPATH=<tree> python bench/decode_ab_gpu.py --params p.npz [--cold]
 
-Each figure is the median of --repeats runs: the batch-1 decode step, a verify pass (K rows, K heads) and a
-64-slot step as their CUDA graphs replayed 50 times back to back; prefills of 16, 128 and 512 tokens as
+Each figure is the median of --repeats runs: the batch-1 decode step, a verify pass (K rows, K heads) and
+16-, 32- and 64-slot steps as their CUDA graphs replayed 50 times back to back; prefills of 16, 128 and 512 tokens as
 `prefill` calls (graph, head, logits to the host). Also: the kernel nodes of the batch-1 step's graph, the
 seconds GpuBackend takes to build (compiling every kernel where --cold gives CuPy an empty cache), and
 greedy tokens, plain and speculative, for the outputs to be compared. Uses only what every version of
@@ -94,8 +94,9 @@ def main(argv=None) -> int:
     out["verify_us"], g = replay_us(be, (K, K, "argmax"), K, K, ver, args.repeats)
     out["verify_kernels"] = graph_nodes(g)
     be.start(64, list(range(64)))
-    wide = np.concatenate([np.full(64, 7), np.arange(64), np.full(64, pos)]).astype(np.int32)
-    out["batch64_us"], g = replay_us(be, (64, 1, "argmax"), 64, 1, wide, args.repeats)
+    for n in (16, 32, 64):  # the few-row GEMVs, their two row tiles (where the model allows), cuBLAS
+        wide = np.concatenate([np.full(n, 7), np.arange(n), np.full(n, pos)]).astype(np.int32)
+        out[f"batch{n}_us"], g = replay_us(be, (n, 1, "argmax"), n, 1, wide, args.repeats)
     out["batch64_nodes"] = graph_nodes(g)  # (cuBLAS adds its own kernels)
     be.start(1, [0])
     for T in (16, 128, 512):

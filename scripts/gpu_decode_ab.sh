@@ -3,7 +3,7 @@
 # bench/decode_ab_gpu.py for the two sides in turn, ROUNDS times (default 5: every figure a median of
 # medians, the sides interleaved so that clocks and neighbours affect both alike; the first round of each
 # compiles into an empty CuPy cache, timed as the cold compile), then a table: the batch-1 step, the verify
-# pass, batch 64 and prefills, the kernels of a step, and whether greedy and speculative outputs are the
+# pass, batches 16, 32 and 64, prefills, the kernels of a step, and whether greedy and speculative outputs are the
 # same token for token. (scripts/decode_resources.py compares the kernels' registers without a GPU.)
 #   scripts/gpu_decode_ab.sh [REV]                 # the rev's package by git archive (default: main)
 #   BASELINE=<dir> scripts/gpu_decode_ab.sh        # a tree that holds the baseline's nanoeuler/ (no git)
@@ -54,6 +54,7 @@ runs = {s: [json.loads(l) for l in open(f"{work}/{s}.jsonl")] for s in ("old", "
 def med(side, key):
     return statistics.median(r[key] for r in runs[side] if not r["cold"] or key != "build_s")
 rows = [("decode step, batch 1 (us)", "step_us"), ("verify pass, 4 rows x 4 heads (us)", "verify_us"),
+        ("decode step, batch 16 (us)", "batch16_us"), ("decode step, batch 32 (us)", "batch32_us"),
         ("decode step, batch 64 (us)", "batch64_us"), ("prefill 16 tokens (ms)", "prefill16_ms"),
         ("prefill 128 tokens (ms)", "prefill128_ms"), ("prefill 512 tokens (ms)", "prefill512_ms")]
 same = {k: all(r[k] == runs["old"][0][k] for r in runs["old"] + runs["new"]) for k in ("greedy", "speculative")}

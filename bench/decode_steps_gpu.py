@@ -9,10 +9,12 @@ each, head 0), or a verify pass (K rows of one slot at consecutive positions, al
 in the cache matters: attention reads every earlier position, so each pass is timed at a few positions.
 Medians over --repeats runs of 50 replays, after a warm-up. --variants times the same passes on backends
 built other ways (a column each): `blockattn` (wide batches' attention a block per query head, as before
-`attend_kv`), `nopdl` (ordinary launches), `ffma` (the float GEMV for 2 to 16 rows too, not the tensor-core
-one), `nocluster` (one-row attention + o projection as attend_o: every block attends over all keys),
+`attend_kv`), `nopdl` (ordinary launches), `ffma` (the float GEMV for 2 to 16 rows too, not the tensor-core one),
+`nocluster` (one-row attention + o projection as attend_o: every block attends over all keys),
 `separgmax` (a one-row step's head and its argmax as two kernels), `aloneN` (up to N keys every block of
-attend_o_cluster's cluster attends over all of them; default 96).
+attend_o_cluster's cluster attends over all of them; default 96), `wsN` (a cuBLAS workspace of N MiB for
+the many-row passes' products, which lets cuBLAS split K). --profile prints each pass's kernel times by
+name (with programmatic dependent launch a kernel's time includes its wait for the one before it).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ PASSES = (
     ("verify", 0, 0, True),
     ("step", 4, 1, False),
     ("step", 16, 1, False),
+    ("step", 32, 1, False),
     ("step", 64, 1, False),
 )
 
@@ -74,6 +77,26 @@ def replay_us(be, rows, heads, meta, reps, repeats):
     return 1e6 * statistics.median(out) / reps
 
 
+def profile_pass(be, rows, heads, title, reps=20, top=12):
+    """Kernel time per replay of a recorded pass by kernel name (CUPTI through the PyTorch profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.zeros(1, device="cuda")
+    g = be._graphs[(rows, heads, "argmax")]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.launch(be.stream)
+        be.stream.synchronize()
+    rows_ = [
+        ((getattr(ev, "device_time_total", 0.0) or 0.0) / reps, ev.count // reps, ev.key) for ev in prof.key_averages()
+    ]
+    rows_ = [r for r in rows_ if r[0] > 0]
+    print(f"profile {title}: {sum(r[0] for r in rows_):.1f} us of kernels, {sum(r[1] for r in rows_)} kernels")
+    for us, n, name in sorted(rows_, reverse=True)[:top]:
+        print(f"  {us:8.1f} us  x{n:<3} {name[:100]}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", help="model file (default: random weights of the `gpu` preset)")
@@ -86,8 +109,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--variants",
         default="default",
-        help="comma-separated: default, blockattn, nopdl, ffma, nocluster, separgmax, aloneN",
+        help="comma-separated: default, blockattn, nopdl, ffma, nocluster, separgmax, aloneN, wsN",
     )
+    ap.add_argument("--profile", action="store_true", help="also print each pass's kernels by time (CUPTI)")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -111,8 +135,10 @@ def main(argv=None) -> int:
     variants = args.variants.split(",")
     times: dict = {}
     for v in variants:
-        if v not in ("default", "blockattn", "nopdl", "ffma", "nocluster", "separgmax") and not (
-            v.startswith("alone") and v[5:].isdigit()
+        if (
+            v not in ("default", "blockattn", "nopdl", "ffma", "nocluster", "separgmax")
+            and not (v.startswith("alone") and v[5:].isdigit())
+            and not (v.startswith("ws") and v[2:].isdigit())
         ):
             raise SystemExit(f"unknown variant {v!r}")
         be = GpuBackend(params, cfg, dtype=args.dtype, pdl=False if v == "nopdl" else None)
@@ -123,12 +149,18 @@ def main(argv=None) -> int:
         var.fuse_argmax = v != "separgmax"
         if v.startswith("alone"):
             var.alone_keys = int(v[5:])
+        if v.startswith("ws"):
+            from nanoeuler.kernels.cublas import Gemm
+
+            be._gemm = Gemm(be.stream, workspace=int(v[2:]) << 20)
         for label, rows, heads, one in passes:
             be.start(1 if one else rows, list(range(1 if one else rows)))
             for pos in positions:
                 if pos + (rows if one else 1) <= cfg.ctx_len:
                     us = replay_us(be, rows, heads, pass_meta(rows, one, pos, 7), args.reps, args.repeats)
                     times[(label, rows, heads, pos, v)] = us
+                    if args.profile:
+                        profile_pass(be, rows, heads, f"{label} {rows}x{heads}@{pos} {v}")
         del be
     dev = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(

@@ -100,8 +100,8 @@ def test_grids_and_shared_memory():
     # attend_o: 8 splits of W_o while M * H * splits blocks fit 132 multiprocessors, then halves
     assert [plan.attend_o_splits(M, 12, 132) for M in (1, 2, 4, 16)] == [8, 4, 2, 1]
     assert plan.attend_smem(512, "bf16") == 4 * (512 + plan.ATTEND_THREADS * 9)
-    # attend_kv, gpu preset bf16: 8 lanes a key, 32 groups, 3 query heads of (64 outputs, max, sum)
-    assert plan.kv_smem(12, 4, 64, "bf16") == 4 * 3 * 32 * 66
+    # attend_kv, gpu preset: 8 warps' partials, 3 query heads of (64 outputs, max, sum)
+    assert plan.kv_smem(12, 4, 64) == 4 * 3 * 8 * 66
     # swiglu_down at C 768, bf16: the row of x, then 256 rows of 16 W_down values past the block's 512 threads
     assert plan.mlp_smem(768, "bf16") == 4 * 768 + 256 * 16 * 2
     assert plan.mlp_smem(341, "fp32") == 4 * 344

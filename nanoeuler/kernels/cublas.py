@@ -81,7 +81,7 @@ class Gemm:
     The handle's workspace is set (to WORKSPACE bytes, none by default), so cuBLAS never allocates one
     inside a captured step; alpha and beta are host values, fixed at capture."""
 
-    def __init__(self, stream=None):
+    def __init__(self, stream=None, workspace: int = WORKSPACE):
         lib = load_cublas()
         c_int, c_void_p, c_longlong = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong
         self._lib = lib
@@ -96,9 +96,9 @@ class Gemm:
         self.handle = handle
         stream = cp.cuda.get_current_stream() if stream is None else stream
         _check(lib.cublasSetStream_v2(handle, c_void_p(stream.ptr)), "cublasSetStream")
-        self.workspace = cp.empty(WORKSPACE, dtype=np.uint8)  # of size 0: a null pointer
+        self.workspace = cp.empty(workspace, dtype=np.uint8)  # of size 0: a null pointer
         _check(
-            lib.cublasSetWorkspace_v2(handle, c_void_p(self.workspace.data.ptr), ctypes.c_size_t(WORKSPACE)),
+            lib.cublasSetWorkspace_v2(handle, c_void_p(self.workspace.data.ptr), ctypes.c_size_t(workspace)),
             "cublasSetWorkspace",
         )
         _check(lib.cublasSetPointerMode_v2(handle, 0), "cublasSetPointerMode")  # alpha/beta on the host

@@ -44,5 +44,5 @@ def attend_kv_act(go, q, kc, vc, meta, out, M: int, H: int, Hkv: int, D: int, L:
         (M, Hkv),
         (32 * KV_WARPS,),
         _args(q, kc, vc, meta, out, M, H, Hkv, D, L),
-        shared_mem=kv_smem(H, Hkv, D, go.dtype),
+        shared_mem=kv_smem(H, Hkv, D),
     )

@@ -71,30 +71,45 @@ __device__ void rope_cache(const float* __restrict__ qkv, const int* __restrict_
     }
 }
 
-// a[m] = W(x[m] / rms(x[m]) * gain): the operand of the next GEMM.
+// a[m] = W(x[m] / rms(x[m]) * gain): the operand of the next GEMM. grid (M); a thread holds up to HOLD
+// values of its row, all requested before the sum (one memory round trip, not one per value).
 template <typename W>
 __device__ void rmsnorm_act(const float* __restrict__ x, const float* __restrict__ gain, W* __restrict__ a,
                             int C, float eps) {
+    constexpr int HOLD = 4;
     __shared__ float red[32];
     pdl_wait();
     pdl_launch();
-    const long long m = blockIdx.x;
-    float ss = 0.f;
-    for (int c = threadIdx.x; c < C; c += blockDim.x) ss += x[m * C + c] * x[m * C + c];
+    const float* xr = x + (long long)blockIdx.x * C;
+    W* ar = a + (long long)blockIdx.x * C;
+    float v[HOLD], ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < HOLD; k++) {
+        const int c = threadIdx.x + k * blockDim.x;
+        v[k] = c < C ? xr[c] : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < HOLD; k++) ss += v[k] * v[k];
+    for (int c = threadIdx.x + HOLD * blockDim.x; c < C; c += blockDim.x) ss += xr[c] * xr[c];  // a wide row
     const float rstd = rsqrtf(block_sum(ss, red) / C + eps);
-    for (int c = threadIdx.x; c < C; c += blockDim.x) a[m * C + c] = fromf<W>(x[m * C + c] * rstd * gain[c]);
+#pragma unroll
+    for (int k = 0; k < HOLD; k++) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (c < C) ar[c] = fromf<W>(v[k] * rstd * gain[c]);
+    }
+    for (int c = threadIdx.x + HOLD * blockDim.x; c < C; c += blockDim.x) ar[c] = fromf<W>(xr[c] * rstd * gain[c]);
 }
 
-// m = W(silu(gu[:, :F]) * gu[:, F:]), gu (M, 2F) float.
+// m = W(silu(gu[:, :F]) * gu[:, F:]), gu (M, 2F) float. grid (M, F / blockDim): a value a thread.
 template <typename W>
 __device__ void swiglu_act(const float* __restrict__ gu, W* __restrict__ out, int F) {
     pdl_wait();
     pdl_launch();
     const long long m = blockIdx.x;
-    for (int f = threadIdx.x; f < F; f += blockDim.x) {
-        const float g = gu[m * 2 * F + f], u = gu[m * 2 * F + F + f];
-        out[m * F + f] = fromf<W>(g / (1.f + __expf(-g)) * u);
-    }
+    const int f = blockIdx.y * blockDim.x + threadIdx.x;
+    if (f >= F) return;
+    const float g = gu[m * 2 * F + f], u = gu[m * 2 * F + F + f];
+    out[m * F + f] = fromf<W>(g / (1.f + __expf(-g)) * u);
 }
 
 // ---- entry points -------------------------------------------------------------------------------------

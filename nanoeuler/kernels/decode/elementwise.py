@@ -1,5 +1,5 @@
 """Launchers of elementwise.cu: the embedding, and the cuBLAS path's kernels between its GEMMs. A block a
-row; `meta` holds the rows' ids, slots and positions."""
+row (the SwiGLU: a row's values over several); `meta` holds the rows' ids, slots and positions."""
 
 from __future__ import annotations
 
@@ -33,4 +33,4 @@ def rope_cache(go, qkv, meta, q, kc, vc, cos, sin, qh, kh, vh, M: int, H: int, H
 
 def swiglu_act(go, gu, out, M: int, F: int) -> None:
     """out = silu(gu[:, :F]) * gu[:, F:], in the weights' storage."""
-    go.launch(f"swiglu_act_{go.suffix}", (M,), (256,), (gu, out, i32(F)))
+    go.launch(f"swiglu_act_{go.suffix}", (M, -(-F // 256)), (256,), (gu, out, i32(F)))

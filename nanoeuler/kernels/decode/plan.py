@@ -206,11 +206,9 @@ def attend_o_splits(M: int, H: int, n_sm: int) -> int:
     return splits
 
 
-def kv_smem(H: int, Hkv: int, D: int, dtype: str) -> int:
-    """attend_kv's dynamic shared memory: every lane group's (D / vec lanes) partial output, max and sum per
-    query head."""
-    groups = KV_WARPS * 32 // max(1, D // vec(dtype))
-    return 4 * (H // Hkv) * groups * (D + 2)
+def kv_smem(H: int, Hkv: int, D: int) -> int:
+    """attend_kv's dynamic shared memory: every warp's partial output, max and sum per query head."""
+    return 4 * (H // Hkv) * KV_WARPS * (D + 2)
 
 
 def mlp_smem(C: int, dtype: str) -> int:

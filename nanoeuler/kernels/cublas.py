@@ -78,8 +78,8 @@ class Matrix:
 class Gemm:
     """c (M,N) = op(a) @ op(b) [+ c] by `cublasGemmEx` on a handle of its own, bound to `stream`.
 
-    The handle's workspace is set (to WORKSPACE bytes, none by default), so cuBLAS never allocates one
-    inside a captured step; alpha and beta are host values, fixed at capture."""
+    The handle's workspace is set (to `workspace` bytes: WORKSPACE, none, unless a bench asks for more), so
+    cuBLAS never allocates one inside a captured step; alpha and beta are host values, fixed at capture."""
 
     def __init__(self, stream=None, workspace: int = WORKSPACE):
         lib = load_cublas()

@@ -482,8 +482,7 @@ class GpuBackend:
         slot = np.repeat(np.asarray(slots, np.int32), lens)
         pos = np.concatenate([np.arange(s, len(p), dtype=np.int32) for p, s in zip(prompts, starts)])
         last = np.cumsum(lens) - 1  # each prompt's last row
-        xl = cp.zeros((len(prompts), cfg.dim), cp.float32)
-        dxl = cp.zeros_like(xl)
+        parts = []  # each chunk's (x, dx) at the last rows of the prompts that end in it, in prompt order
         for c0 in range(0, len(ids), cfg.ctx_len):
             c1 = min(len(ids), c0 + cfg.ctx_len)
             T = c1 - c0
@@ -496,15 +495,17 @@ class GpuBackend:
                 self._layers(r, P, batched=batched)
 
             r = self._replay(("prefill_many", P), P, queue, np.concatenate([pad(ids), pad(slot), pad(pos)]))
-            done = np.flatnonzero((last >= c0) & (last < c1))
-            if len(done):
-                with self.stream:
-                    rows = cp.asarray(last[done] - c0)
-                    xl[cp.asarray(done)] = r.x[rows]
-                    dxl[cp.asarray(done)] = r.dx[rows]
+            ends = last[(last >= c0) & (last < c1)] - c0
+            with self.stream:
+                if len(ends) == 1 and c1 == len(ids):  # one prompt ends in the last chunk: its row as it lies
+                    parts.append((r.x[ends[0] : ends[0] + 1], r.dx[ends[0] : ends[0] + 1]))
+                elif len(ends):  # copies, since a later chunk of this size writes the same buffers
+                    at = cp.asarray(ends)
+                    parts.append((r.x[at], r.dx[at]))
         n = cfg.mtp_heads * cfg.vocab_size
-        logits = cp.zeros((len(prompts), n), cp.float32)
         with self.stream:  # every head at each prompt's last row; launched plainly after the graphs
+            xl, dxl = (cp.concatenate(p) if len(parts) > 1 else p[0] for p in zip(*parts))
+            logits = cp.empty((len(prompts), n), cp.float32)
             self._head_logits(xl, dxl, logits, len(prompts), n, pdl=False)
             out = logits.get(stream=self.stream)
         return out.reshape(len(prompts), cfg.mtp_heads, cfg.vocab_size)

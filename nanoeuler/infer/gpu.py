@@ -504,7 +504,8 @@ class GpuBackend:
                     parts.append((r.x[at], r.dx[at]))
         n = cfg.mtp_heads * cfg.vocab_size
         with self.stream:  # every head at each prompt's last row; launched plainly after the graphs
-            xl, dxl = (cp.concatenate(p) if len(parts) > 1 else p[0] for p in zip(*parts))
+            xs, dxs = zip(*parts)
+            xl, dxl = (cp.concatenate(xs), cp.concatenate(dxs)) if len(parts) > 1 else parts[0]
             logits = cp.empty((len(prompts), n), cp.float32)
             self._head_logits(xl, dxl, logits, len(prompts), n, pdl=False)
             out = logits.get(stream=self.stream)

@@ -3,6 +3,7 @@ engine's batched tokens/s beside each level.
 
     python bench/serve_load_gpu.py --ckpt results/chat.bin                 # the 116M chat model, bf16 on the GPU
     python bench/serve_load_gpu.py --ckpt results/chat.bin --levels 1,8 --requests 2 --max-tokens 64
+    python bench/serve_load_gpu.py --ckpt results/chat.bin --levels 32 --loop  # and the loop without HTTP
     python bench/serve_load_gpu.py --url http://127.0.0.1:8081 --ckpt results/chat.bin   # another server (llama-server)
     python bench/serve_load_gpu.py --device cpu --levels 1,2 --requests 1 --max-tokens 8  # a smoke run, no GPU
     python bench/serve_load_gpu.py --preset gpu --prefix 400 --soak 240     # the 116M model, random weights
@@ -22,7 +23,11 @@ p50/p99 (between a stream's consecutive text chunks), the server's own mean time
 /metrics: submitted to first token, no HTTP) and the engine process's share of it (queued there to handed
 out), failures, and the peer: the same model in this
 process (`DecodeEngine.generate`, L prompts decoded as one batch, no server; measured in a child process
-before the server starts, so the server's memory sizing sees an empty GPU).
+before the server starts, so the server's memory sizing sees an empty GPU). With `--loop`, also the server's
+generation loop alone (`looped`: its `Backend` and `Scheduler` in a child process, no HTTP, each client's
+next request submitted the moment its last one ends, the streams' ends spread over a request's length):
+what continuous batching costs by itself (prompts that arrive one by one are prefilled between decode
+steps), apart from what HTTP and the second process add.
 
 Without --ckpt the model has random weights: the `small` preset, or with `--preset gpu` the full run's 116M
 model with a 4096-token BPE learned on the shipped Alpaca sample and this repository's documents (tokens/s do
@@ -55,6 +60,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -106,6 +112,78 @@ def peer(ckpt: Path, device: str, rows: int, max_tokens: int, temperature: float
         out = engine.generate(ids, max_tokens, sampling, speculative=False)
         best = max(best, sum(len(o) for o in out) / (time.perf_counter() - t0))
     return best
+
+
+def looped(ckpt: Path, device: str, clients: int, slots: int, requests: int, max_tokens: int, warmup: int) -> float:
+    """The server's generation loop alone: `nanoeuler serve`'s `Backend` (`slots` of them, warmed up) and
+    `Scheduler` in this process, no HTTP and no second process. `clients` streams each submit their next
+    request the moment the last one ends (from the worker thread's `send`), `requests` each, greedy and
+    `ignore_eos`; generated tokens/s of the measured run, after `warmup` requests each. Client c's first
+    request asks for (c + 1) / clients of `max_tokens`, so the streams end one by one, as a server's clients
+    do once HTTP has spread them, and never all at once (which would make every prefill a joint one).
+    Between the peer (every prompt prefilled at once) and the server, it shows what continuous batching
+    costs by itself (prompts arriving one by one, prefilled between decode steps), apart from HTTP."""
+    from nanoeuler.serve.backend import Backend
+
+    backend = Backend.load(ckpt, device, slots=slots)
+    loop_rate(backend, clients, warmup, max_tokens)
+    return loop_rate(backend, clients, requests, max_tokens)
+
+
+def loop_rate(backend, clients: int, per_client: int, max_tokens: int) -> float:
+    """`looped`'s run on a loaded `Backend`: generated tokens/s (every token counted as it is sent)."""
+    from nanoeuler.serve.backend import Sampling
+    from nanoeuler.serve.scheduler import END, Scheduler
+
+    ids = [backend.tok.encode(t) for t in prompt_texts(clients)]
+    firsts = [max(1, max_tokens * (c + 1) // clients) for c in range(clients)]
+    left, got, ended, failed, done = [per_client - 1] * clients, [0], [0], [], threading.Event()
+
+    def spec(c: int, n: int = max_tokens) -> tuple:
+        return (ids[c], n, Sampling(temperature=0.0), False, {})
+
+    def send(batch) -> None:  # on the worker thread: a client whose request ended sends its next
+        for job, items in batch:
+            if isinstance(items[-1], BaseException):  # a job's failure ends the run
+                failed.append(items[-1])
+                done.set()
+                return
+            got[0] += len(items) - (items[-1] is END)
+            if items[-1] is not END:
+                continue
+            if left[job.key]:
+                left[job.key] -= 1
+                scheduler.submit_many([spec(job.key)], keys=[job.key])
+            else:
+                ended[0] += 1
+                if ended[0] == clients:
+                    done.set()
+
+    scheduler = Scheduler(backend, backend.capacity, clients, send).start()
+    t0 = time.perf_counter()
+    scheduler.submit_many([spec(c, n) for c, n in enumerate(firsts)], keys=list(range(clients)))
+    done.wait()
+    seconds = time.perf_counter() - t0
+    scheduler.stop()
+    if failed:
+        raise RuntimeError(f"a request of the loop failed: {failed[0]!r}") from failed[0]
+    expected = sum(firsts) + clients * (per_client - 1) * max_tokens
+    if got[0] != expected:
+        raise RuntimeError(f"the loop generated {got[0]} tokens, not {expected}")
+    return got[0] / seconds
+
+
+def _child(args, flag: str, n: int) -> float:
+    """The peer (`--peer-rows n`) or the loop alone (`--loop-clients n`), measured in a child process so that
+    each sees the GPU to itself; NaN where it failed."""
+    cmd = [sys.executable, __file__, "--ckpt", str(args.ckpt), "--device", args.device, flag, str(n)]
+    cmd += ["--max-tokens", str(args.max_tokens), "--temperature", str(args.temperature)]
+    cmd += ["--levels", ",".join(map(str, args.levels)), "--requests", str(args.requests), "--warmup", str(args.warmup)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        print(f"{flag} {n} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+        return float("nan")
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def start_server(ckpt: Path, args) -> tuple[subprocess.Popen, str]:
@@ -343,7 +421,11 @@ def main() -> int:
     ap.add_argument(
         "--client-procs", type=int, help="processes a level's clients are spread over (default: one per 8 clients)"
     )
+    ap.add_argument(
+        "--loop", action="store_true", help="also time the server's generation loop alone (`looped`: no HTTP), greedy"
+    )
     ap.add_argument("--peer-rows", type=int, help=argparse.SUPPRESS)  # the child that measures the peer
+    ap.add_argument("--loop-clients", type=int, help=argparse.SUPPRESS)  # the child that measures `looped`
     args = ap.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
     make = gpu_model if args.preset == "gpu" else small_model
@@ -353,32 +435,17 @@ def main() -> int:
     if args.peer_rows:
         print(json.dumps(peer(args.ckpt, args.device, args.peer_rows, args.max_tokens, args.temperature)))
         return 0
+    if args.loop_clients:
+        top = max(args.levels)
+        rate = looped(args.ckpt, args.device, args.loop_clients, top, args.requests, args.max_tokens, args.warmup)
+        print(json.dumps(rate))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         if args.ckpt is None:
             args.ckpt = Path(tmp) / f"{args.preset}.bin"
             make(args.ckpt)
-        peers = {}
-        for rows in args.levels:
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--ckpt",
-                    str(args.ckpt),
-                    "--device",
-                    args.device,
-                    "--max-tokens",
-                    str(args.max_tokens),
-                    "--peer-rows",
-                    str(rows),
-                    "--temperature",
-                    str(args.temperature),
-                ],
-                capture_output=True,
-                text=True,
-                cwd=ROOT,
-            )
-            peers[rows] = float(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else float("nan")
+        peers = {rows: _child(args, "--peer-rows", rows) for rows in args.levels}
+        loops = {n: _child(args, "--loop-clients", n) for n in args.levels} if args.loop else {}
         proc, url = (None, args.url) if args.url else start_server(args.ckpt, args)
         try:
             rows = []
@@ -405,14 +472,16 @@ def main() -> int:
     print(
         f"{'clients':>7} {'requests':>8} {'failures':>8} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
         f"{'ITL p50':>8} {'ITL p99':>8} {'own TTFT':>9} {'engine':>8} {'peer tok/s':>10} {'/peer':>6}"
+        + (f" {'loop tok/s':>10} {'/peer':>6}" if loops else "")
     )
     for r in rows:
         p = peers[r["clients"]]
+        loop = loops.get(r["clients"])
         print(
             f"{r['clients']:>7} {r['requests']:>8} {r['failures']:>8} {r['tokens_per_s']:>9.1f} "
             f"{r['ttft_p50']:>7.1f}ms {r['ttft_p99']:>7.1f}ms {r['itl_p50']:>6.2f}ms {r['itl_p99']:>6.2f}ms "
             f"{r['own_ttft']:>7.1f}ms {r['engine_ttft']:>6.1f}ms "
-            f"{p:>10.1f} {r['tokens_per_s'] / p:>5.2f}x"
+            f"{p:>10.1f} {r['tokens_per_s'] / p:>5.2f}x" + (f" {loop:>10.1f} {loop / p:>5.2f}x" if loops else "")
         )
     if args.prefix:
         print(

@@ -24,7 +24,8 @@
 # the model is the `gpu` preset with random weights and a 4096-token BPE (bench/serve_load_gpu.py
 # --preset gpu; the same file every time): tokens/s do not depend on training, and every answer has MAX_TOKENS tokens (ignore_eos).
 # Each prints a short table last; OUT (the device's $OUT) gets the logs. SERVE_ARGS: more `nanoeuler serve`
-# options for `load` and `check` (e.g. "--prefix-cache 0").
+# options for `load` and `check` (e.g. "--prefix-cache 0"). LOOP=1: `load` also times the server's generation
+# loop alone, no HTTP (bench/serve_load_gpu.py --loop).
 set -eu -o pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CARRY=$REPO/.carry/serve
@@ -122,7 +123,7 @@ load() {
     ckpt=$(model)
     prefix=${PREFIX:-400}
     $PY "$REPO/bench/serve_load_gpu.py" --ckpt "$ckpt" --device "$DEVICE" --levels "$LEVELS" --requests "$REQUESTS" \
-        --max-tokens "$MAX_TOKENS" --prefix "$prefix" --soak "$SOAK" ${SPECULATIVE:+--speculative} \
+        --max-tokens "$MAX_TOKENS" --prefix "$prefix" --soak "$SOAK" ${SPECULATIVE:+--speculative} ${LOOP:+--loop} \
         --serve-args "${SERVE_ARGS:-}" 2>&1 \
         | tee "$OUT/load.txt"
     echo "load: $(( $(date +%s) - t0 )) s in all (model file, CuPy's kernel compile, peers, levels, prefix, soak)"

@@ -285,6 +285,85 @@ def test_greedy_streams_chained_ahead_answer_as_one_at_a_time(tok, tmp_path):
     assert most > 1  # the steps that had landed were handed out together
 
 
+class _JoinableRunAhead(_RunAhead):
+    """`_RunAhead` that a new stream may join, as the GPU's chain: the steps computed ahead keep the row's old
+    stream (running on), the prompt's prefill comes after them, and the steps from the next on feed the new
+    stream its greedy first token at the prompt's end. A step counts as landed only when read (a device
+    slower than the host), so each `Backend.step` hands out one and streams arrive while steps are ahead."""
+
+    def ready(self) -> bool:
+        return False
+
+    def __init__(self, be, tokens, pos, steps: int):
+        super().__init__(be, tokens, pos, steps)
+        self.width, self.firsts, self.starts = len(tokens), {}, []
+
+    def join(self, slot: int, ids, start: int) -> int:
+        logits = self.be.prefill_from(slot, ids, start) if start else self.be.prefill(slot, ids)
+        self.firsts[slot] = int(np.argmax(logits[0]))
+        self.tokens, self.pos = self.tokens.copy(), self.pos.copy()  # the steps done keep their own
+        self.tokens[slot], self.pos[slot] = self.firsts[slot], len(ids)
+        self.starts.append(start)
+        return self.queued
+
+    def joined(self, slot: int) -> int:
+        return self.firsts.pop(slot)
+
+
+def _greedy_jobs(cfg) -> list:
+    """Greedy jobs for a 4-slot backend: ragged prompts, two sharing a 40-token prefix (the second reuses its
+    rows), one of 1 token, and one whose prompt leaves a running chain no room (it drains the chain)."""
+    greedy = Sampling(temperature=0)
+    shared = list(range(5, 45))
+    return [
+        ([1, 2, 3], 30, greedy),
+        (shared, 12, greedy),
+        ([7], 9, greedy),
+        ([9, 9], 20, greedy),
+        (shared + [3, 4], 8, greedy),
+        ([4, 4, 4, 4], 1, greedy),
+        (list(range(1, cfg.ctx_len - 1)), 2, greedy),
+        ([11], 25, greedy),
+        ([12, 13], 14, greedy),
+        ([14], 10, greedy),
+    ]
+
+
+def test_greedy_streams_joining_a_running_chain_answer_as_one_at_a_time(tok, tmp_path):
+    """New greedy streams join the chain that runs ahead (their prefill queued behind its steps, their
+    first token fed by its next ones) instead of draining it; a prompt that the chain has no room for
+    drains it. Each answer is the reference Generator's for its prompt alone."""
+    from nanoeuler.serve.backend import Backend
+
+    path, cfg, ref = _sharp_model(tok, tmp_path)
+    backend = Backend.load(path, "cpu", slots=4)
+    be = backend.engine.backend
+    chains = []
+    be.greedy_chain = lambda t, p, n: chains.append(_JoinableRunAhead(be, t, p, n)) or chains[-1]
+    jobs = _greedy_jobs(cfg)
+    got, _ = run_joining(backend, jobs, slots=4, join_at=2)
+    for i, (prompt, n, sampling) in enumerate(jobs):
+        assert got[i] == ref.generate(prompt, n, sampling), i
+    starts = [start for c in chains for start in c.starts]
+    assert len(starts) >= 3 and max(starts) > 0  # joins, one after a reused prefix
+    assert len(chains) > 2  # and drains: for slots past the chain's rows, for the prompt it had no room for
+
+
+def test_greedy_streams_joining_step_by_step_answer_as_one_at_a_time(tok, tmp_path, monkeypatch):
+    """The same on the CPU engine's own chain (`_Stepwise`, nothing ahead): joins feed the next step."""
+    from nanoeuler.serve import backend as serve_backend
+
+    path, cfg, ref = _sharp_model(tok, tmp_path)
+    joins = []
+    join = serve_backend._Stepwise.join
+    monkeypatch.setattr(serve_backend._Stepwise, "join", lambda c, *a: joins.append(a[0]) or join(c, *a))
+    jobs = _greedy_jobs(cfg)
+    got, _ = run_joining(serve_backend.Backend.load(path, "cpu", slots=4), jobs, slots=4, join_at=2)
+    for i, (prompt, n, sampling) in enumerate(jobs):
+        assert got[i] == ref.generate(prompt, n, sampling), i
+    assert len(joins) >= 3
+
+
 def test_a_chain_that_fails_ends_its_streams_and_the_next_ones_start_clean(tok, tmp_path):
     """A greedy chain whose engine fails mid-way: the streams it fed end with the error (as `Scheduler` ends
     a step that raised), the slots go back, and streams opened after are the reference's."""

@@ -136,6 +136,46 @@ def test_gpu_greedy_chain_answers_as_the_numpy_backend(model, dtype):
     _assert_near_greedy(params, cfg, [(p, n, s, {}) for p, n, s in specs], got[1], got[0], dtype)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gpu_streams_joining_a_running_chain_answer_as_the_numpy_backend(model, dtype, monkeypatch):
+    """New greedy streams join the GPU's running chain (`_GreedyChain.join`: the prefill queued between its
+    steps, the first token chosen and fed on the device), one after a reused prefix, one with a prompt the
+    chain has no room for (it drains): the NumPy backend's greedy tokens. A warmed-up backend joins
+    through recorded graphs and its row buffers only."""
+    from nanoeuler.infer import gpu
+    from nanoeuler.serve.backend import Backend
+
+    params, cfg = model
+    greedy = Sampling(temperature=0)
+    shared = list(range(5, 45))
+    specs = [
+        ([1, 2, 3], 30, greedy),
+        (shared, 12, greedy),
+        ([7], 9, greedy),
+        ([9, 9], 20, greedy),
+        (shared + [3, 4], 8, greedy),
+        ([4, 4, 4, 4], 1, greedy),
+        (list(range(1, cfg.ctx_len - 1)), 2, greedy),
+        ([11], 25, greedy),
+        ([12, 13], 14, greedy),
+        ([14], 10, greedy),
+    ]
+    starts = []
+    join = gpu._GreedyChain.join
+    monkeypatch.setattr(gpu._GreedyChain, "join", lambda c, slot, ids, at: starts.append(at) or join(c, slot, ids, at))
+    got = []
+    for dev, kw in (("cpu", {}), ("gpu", {"dtype": dtype})):
+        backend = Backend(DecodeEngine.from_params(params, cfg, dev, **kw), _Tok(), "m", 4, 8)
+        if dev == "gpu":
+            backend.warm_up()
+            be = backend.engine.backend
+            graphs, buffers = set(be._graphs), set(be._rows)
+        got.append(run_joining(backend, specs, slots=4, join_at=2)[0])
+    _assert_near_greedy(params, cfg, [(p, n, s, {}) for p, n, s in specs], got[1], got[0], dtype)
+    assert len(starts) >= 2 and max(starts) > 0
+    assert set(be._graphs) == graphs and set(be._rows) == buffers
+
+
 def test_gpu_warm_up_records_every_shape_requests_take(model):
     """After `Backend.warm_up` on the GPU engine, requests of many prompt lengths (the few-row path, powers of
     two, the whole context), alone, in bunches and reusing a cached prefix, greedy (the chain), sampled and

@@ -449,22 +449,8 @@ class GpuBackend:
     # ---- the backend interface --------------------------------------------------------------------------
 
     def prefill(self, slot: int, ids) -> np.ndarray:
-        cfg = self.cfg
-        T = len(ids)
-        short = T <= GEMV_MAX_ROWS  # the GEMV path, float activations; else cuBLAS and the FlashAttention
-        P = plan.prefill_rows(T, cfg.ctx_len)  # longer: rows by powers of two
-        ids = np.concatenate([np.asarray(ids, np.int32), np.zeros(P - T, np.int32)])
-        meta = np.concatenate([ids, np.full(P, slot, np.int32), np.arange(P, dtype=np.int32)])
-
-        def queue(r):
-            self._embed(r, P)
-            self._layers(r, P, batched=not short, prefill=True)
-
-        r = self._replay(("prefill", P), P, queue, meta)
-        with self.stream:  # every head at the prompt's last row; launched plainly after the graph
-            self._head_logits(r.x[T - 1 : T], r.dx[T - 1 : T], r.logits, 1, cfg.mtp_heads * cfg.vocab_size, pdl=False)
-            logits = r.logits[0].get(stream=self.stream)
-        return logits.reshape(cfg.mtp_heads, cfg.vocab_size)
+        x, dx = self._prefill_rows(slot, ids)
+        return self._last_logits(x, dx)[0]
 
     def prefill_many(self, slots, prompts, starts=None) -> np.ndarray:
         """`prefill` of several slots in one go: (len(slots), K, V). All prompts' rows go through the model
@@ -476,6 +462,30 @@ class GpuBackend:
         starts = list(starts) if starts is not None else [0] * len(prompts)
         if len(prompts) == 1 and not starts[0]:
             return self.prefill(slots[0], prompts[0])[None]
+        return self._last_logits(*self._prefill_many_rows(slots, prompts, starts))
+
+    def _prefill_rows(self, slot: int, ids, avoid: int = 0):
+        """Queue the prefill of one slot from position 0 (the FlashAttention over its own rows past the
+        few-row path): the prompt's last row of the stream (x, dx), (1, C) each. `avoid`: a row count not
+        to run as (a running chain's: its buffers), the next one up instead."""
+        cfg = self.cfg
+        T = len(ids)
+        P = plan.prefill_rows(T, cfg.ctx_len)  # longer: rows by powers of two
+        P = plan.prefill_rows(P + 1, cfg.ctx_len) if P == avoid else P
+        short = P <= GEMV_MAX_ROWS  # the GEMV path, float activations; else cuBLAS and the FlashAttention
+        ids = np.concatenate([np.asarray(ids, np.int32), np.zeros(P - T, np.int32)])
+        meta = np.concatenate([ids, np.full(P, slot, np.int32), np.arange(P, dtype=np.int32)])
+
+        def queue(r):
+            self._embed(r, P)
+            self._layers(r, P, batched=not short, prefill=True)
+
+        r = self._replay(("prefill", P), P, queue, meta)
+        return r.x[T - 1 : T], r.dx[T - 1 : T]
+
+    def _prefill_many_rows(self, slots, prompts, starts, avoid: int = 0):
+        """Queue `prefill_many`'s passes: each prompt's last row of the stream (x, dx), (len(prompts), C)
+        each, in prompt order. `avoid` as `_prefill_rows`'."""
         cp, cfg = self.cp, self.cfg
         lens = [len(p) - s for p, s in zip(prompts, starts)]
         ids = np.concatenate([np.asarray(p[s:], np.int32) for p, s in zip(prompts, starts)])
@@ -487,6 +497,7 @@ class GpuBackend:
             c1 = min(len(ids), c0 + cfg.ctx_len)
             T = c1 - c0
             P = plan.prefill_rows(T, cfg.ctx_len)
+            P = plan.prefill_rows(P + 1, cfg.ctx_len) if P == avoid else P
             pad = lambda a: np.concatenate([a[c0:c1], np.full(P - T, a[c1 - 1], np.int32)])  # noqa: E731
             batched = P > GEMV_MAX_ROWS
 
@@ -502,14 +513,22 @@ class GpuBackend:
                 elif len(ends):  # copies, since a later chunk of this size writes the same buffers
                     at = cp.asarray(ends)
                     parts.append((r.x[at], r.dx[at]))
-        n = cfg.mtp_heads * cfg.vocab_size
-        with self.stream:  # every head at each prompt's last row; launched plainly after the graphs
-            xs, dxs = zip(*parts)
-            xl, dxl = (cp.concatenate(xs), cp.concatenate(dxs)) if len(parts) > 1 else parts[0]
-            logits = cp.empty((len(prompts), n), cp.float32)
-            self._head_logits(xl, dxl, logits, len(prompts), n, pdl=False)
+        if len(parts) == 1:
+            return parts[0]
+        xs, dxs = zip(*parts)
+        with self.stream:
+            return cp.concatenate(xs), cp.concatenate(dxs)
+
+    def _last_logits(self, x, dx) -> np.ndarray:
+        """Every head's logits at prompts' last rows (x, dx: (n, C)), launched plainly after the graphs and
+        read back: (n, K, V)."""
+        cfg, n = self.cfg, len(x)
+        width = cfg.mtp_heads * cfg.vocab_size
+        with self.stream:
+            logits = self.cp.empty((n, width), self.cp.float32)
+            self._head_logits(x, dx, logits, n, width, pdl=False)
             out = logits.get(stream=self.stream)
-        return out.reshape(len(prompts), cfg.mtp_heads, cfg.vocab_size)
+        return out.reshape(n, cfg.mtp_heads, cfg.vocab_size)
 
     def decode(self, tokens, pos, sampling, step, rngs, mask) -> np.ndarray:
         B = len(tokens)
@@ -561,7 +580,7 @@ class GpuBackend:
         itself (argmax_chain), so the host queues steps ahead and reads each step's ids as they land; steps
         queued past a row's end only write cache rows that later steps overwrite (positions stay below the
         context length). The caller keeps the rows it needs inside the context, and calls nothing else on
-        the backend until the chain is drained (the steps read the batch's buffers)."""
+        the backend until the chain is drained (the steps read the batch's buffers), but the chain's `join`."""
         M = len(tokens)
         r = self._buffers(M)
         r.ctl_host[:M] = tokens
@@ -570,7 +589,7 @@ class GpuBackend:
         r.ctl_host[3 * M + 1] = 0  # the step counter
         with self.stream:
             r.ctl.data.copy_from_host_async(r.ctl_host.ctypes.data, r.ctl_host.nbytes, self.stream)
-        return _Chain(self, r, (M, 1, "chain"), lambda: self._step(r, M, 1, "chain"), M, lambda q, _: q < steps)
+        return _GreedyChain(self, r, steps)
 
     def greedy_steps(self, tokens, pos, n: int):
         """`greedy_chain`'s n steps as a generator: the next ids (one per slot), n times."""
@@ -681,3 +700,49 @@ class _Chain:
         self.be._landed[j].synchronize()
         self.read += 1
         return self.r.hist_host[j * self.size : (j + 1) * self.size].copy()
+
+
+class _GreedyChain(_Chain):
+    """`greedy_chain`'s steps over the rows of r (one a slot), at most `steps` of them; a new stream may
+    `join` it in a row whose own stream has ended, without the chain stopping."""
+
+    def __init__(self, be: GpuBackend, r: _Rows, steps: int):
+        M = self.width = r.M
+        self.steps = steps
+        super().__init__(be, r, (M, 1, "chain"), lambda: be._step(r, M, 1, "chain"), M, lambda q, _: q < self.steps)
+        self._joins: dict[int, object] = {}  # slot -> the event after its join
+
+    def join(self, slot: int, ids, start: int) -> int:
+        """Queue the prefill of `slot` (its cache holding ids[:start]) behind the steps queued so far; its
+        next id, chosen on the device (head 0's argmax), is fed to row `slot` at position len(ids) by every
+        step queued from now on. Returns that first step's number; `joined(slot)` gives the id."""
+        be, r, M = self.be, self.r, self.width
+        if slot in self._joins:  # a stream that joined there and left unfed: its copies from ctl_host first
+            self._joins.pop(slot).synchronize()
+        # the pass runs in buffers of its own row count, never the chain's (M)
+        x, dx = be._prefill_many_rows([slot], [ids], [start], M) if start else be._prefill_rows(slot, ids, M)
+        V = be.cfg.vocab_size
+        with be.stream:
+            logits = be.cp.empty((1, V), be.cp.float32)
+            be._head_logits(x, dx, logits, 1, V, pdl=False)
+            sampling.argmax_rows(be.go, logits, V, V, r.ctl[slot : slot + 1], 1)  # the row's next input
+            r.ctl_host[2 * M + slot] = len(ids)  # and its position (the host buffer is pinned)
+            r.ctl[2 * M + slot : 2 * M + slot + 1].data.copy_from_host_async(
+                r.ctl_host[2 * M + slot :].ctypes.data, 4, be.stream
+            )
+            r.ctl[slot : slot + 1].data.copy_to_host_async(r.ctl_host[slot:].ctypes.data, 4, be.stream)
+            event = self._joins[slot] = be.cp.cuda.Event(block=False, disable_timing=True)
+            event.record(be.stream)
+        return self.queued
+
+    def joined(self, slot: int) -> int:
+        """The first id of the stream that joined at `slot` (waiting for its prefill, where it has not landed)."""
+        self._joins.pop(slot).synchronize()
+        return int(self.r.ctl_host[slot])
+
+    def next(self) -> np.ndarray | None:
+        ids = super().next()
+        if ids is None:  # drained: every join's copies done before ctl_host serves another chain or step
+            for event in self._joins.values():
+                event.synchronize()
+        return ids

@@ -15,7 +15,9 @@ Only this module knows which engine answers; `infer.engine.load` decides, and tw
   over the slots up to the highest one fed, rounded up to a power of two. When every fed stream is plain
   greedy, the steps feed themselves instead (`greedy_chain`, the GPU's: up to 3 queued ahead of the host),
   and a step hands out the tokens of every step that has landed; the chain runs while the batch keeps its
-  streams, and is drained (its tokens handed out) before a new or refilled stream is prefilled.
+  streams. A new plain greedy stream joins it in a row whose stream has ended (`join`: its prompt's pass
+  queued between the chain's steps, its first token chosen on the device, so the chain never waits for
+  the host); any other new or refilled stream drains it (its tokens handed out) before being prefilled.
 
 Beyond the next token, a stream on a slot engine may ask for its log-probabilities (`logprobs`: the chosen
 token's and its best alternatives', `infer.logprobs`) and follow a grammar (`guide`, `structured.Guide`: the
@@ -64,6 +66,8 @@ from nanoeuler.infer.sampling import Sampling, sample_token
 from nanoeuler.kernels.decode import plan
 
 __all__ = ["Backend", "PrefixCache", "Sampling", "TokenStream"]
+
+JOINED = -1  # the pending token of a stream that joined a running chain, until that chain's steps feed it
 
 
 class TokenStream:
@@ -305,6 +309,7 @@ class _Slots:
         self.stats = None  # the engine's SpecStats where greedy streams speculate
         self.chain = None  # greedy steps running ahead of the host (`_start_chain`), and the streams they feed
         self.chained: dict[int, TokenStream] = {}
+        self.joining: dict[int, int] = {}  # slot -> the chain's step from which it feeds a stream that joined
         self._seed_all()
 
     def _seed_all(self) -> None:
@@ -466,6 +471,8 @@ class _Slots:
         out: dict = {id(s): [] for s in streams}
         news = [s for s in streams if s.pending is None]
         if self.chain is not None:
+            if news and self._join(news, out):
+                news = []
             if not news and self._chain_holds(streams):
                 self._chain_next(streams, out)
                 return [out[id(s)] for s in streams]
@@ -523,7 +530,7 @@ class _Slots:
         steps = min(min(self.cfg.ctx_len - s.pos for s in feed), max(s.max_new_tokens - s.generated for s in feed))
         make = getattr(self.be, "greedy_chain", None)
         self.chain = make(tokens, pos, steps) if make else _Stepwise(self.be, tokens, pos, steps, mask, self.rngs)
-        self.chained = {s.slot: s for s in feed}
+        self.chained, self.joining = {s.slot: s for s in feed}, {}
         try:
             ids = self.chain.next()
         except BaseException:  # the group fails (`step`), and no chain is left behind
@@ -541,20 +548,22 @@ class _Slots:
     def _chain_next(self, streams: list[TokenStream], out: dict) -> None:
         """Hand out each stream's pending token and those of every step that has landed (at least one, waited
         for), keeping the last as pending; the chain is topped up before the host's bookkeeping."""
+        chain, first = self.chain, self.chain.read
         try:
-            steps = [self.chain.next()]
-            while self.chain.ready():
-                steps.append(self.chain.next())
-            self.chain.fill()
+            steps = [chain.next()]
+            while chain.ready():
+                steps.append(chain.next())
+            chain.fill()
+            for s in streams:
+                self._hand_out(s, self._fed(chain, s, steps, first), out[id(s)])
         except BaseException:  # the engine failed: the step's streams fail with it, and no chain is left
-            self.chain, self.chained = None, {}
+            self.chain, self.chained, self.joining = None, {}, {}
             raise
-        for s in streams:
-            self._hand_out(s, steps, out[id(s)])
 
     def _drain(self, streams: list[TokenStream], out: dict) -> None:
-        """Hand out what the chain's queued steps give to the streams they fed (it queues no more)."""
-        chain, chained = self.chain, self.chained
+        """Hand out what the chain's queued steps give to the streams they fed (it queues no more); a stream
+        that joined and was fed by none of them has its first token pending, as a prefilled one."""
+        chain, chained, first = self.chain, self.chained, self.chain.read
         self.chain, self.chained = None, {}  # gone whatever its last steps do
         chain.stop()
         steps = []
@@ -562,7 +571,47 @@ class _Slots:
             steps.append(ids)
         for s in streams:
             if chained.get(s.slot) is s:
-                self._hand_out(s, steps, out[id(s)])
+                self._hand_out(s, self._fed(chain, s, steps, first, last=True), out[id(s)])
+        self.joining = {}
+
+    def _fed(self, chain, s: TokenStream, steps: list, first: int, last: bool = False) -> list:
+        """Of the chain's `steps` (numbered from `first`), those that feed `s`: all, or for a stream that joined
+        the chain, those from its join on, its pending token being then its prefill's (`chain.joined`); once
+        `last`, that token is taken even where no step fed it."""
+        at = self.joining.get(s.slot)
+        if at is None:
+            return steps
+        if at >= first + len(steps) and not last:
+            return []
+        del self.joining[s.slot]
+        s.pending = chain.joined(s.slot)
+        return steps[max(0, at - first) :]
+
+    def _join(self, news: list[TokenStream], out: dict) -> bool:
+        """Start new streams inside the running greedy chain instead of draining it (`chain.join`: each prompt's
+        pass queued between its steps, its first token chosen on the device), when the chain can take every
+        one: plain greedy, not speculating, a row of the chain's whose position the chain's remaining steps
+        keep inside the context. True when they have joined (those that failed have their error in `out`)."""
+        chain, ctx = self.chain, self.cfg.ctx_len
+        if not hasattr(chain, "join") or self.stats is not None or chain.width >= ctx:
+            return False
+        room = chain.steps - chain.queued  # the steps the chain may still queue, each a position further
+        fits = lambda s: s.slot < chain.width and 0 < room and len(s.history) + room <= ctx  # noqa: E731
+        if not all(s.sampling.temperature <= 0 and not _needs_logits(s) and fits(s) for s in news):
+            return False
+        for s in news:
+            failed = _own(s, lambda s=s: self._join_one(s))
+            if failed is not None:
+                out[id(s)] = failed
+        return True
+
+    def _join_one(self, s: TokenStream) -> None:
+        reused = self.prefixes.reuse(s.slot, s.history) if self.prefixes else 0
+        self.joining[s.slot] = self.chain.join(s.slot, s.history, reused)
+        if self.prefixes:
+            self.prefixes.keep(s.slot, s.history, reused)
+        self.chained[s.slot] = s
+        s.pending, s.pos, s.drafts = JOINED, len(s.history), None
 
     @staticmethod
     def _hand_out(s: TokenStream, steps: list, got: list) -> None:
@@ -631,6 +680,22 @@ class _Stepwise:
     def __init__(self, be, tokens, pos, steps: int, fed, rngs):
         self.be, self.tokens, self.pos, self.steps, self.fed, self.rngs = be, tokens, pos, steps, fed, rngs
         self.read = 0
+        self.width = len(tokens)
+        self.firsts: dict[int, int] = {}  # slot -> the first id of a stream that joined there
+
+    @property
+    def queued(self) -> int:
+        return self.read
+
+    def join(self, slot: int, ids, start: int) -> int:
+        """`greedy_chain`'s join: the prefill now, its greedy id fed to row `slot` from the next step on."""
+        logits = self.be.prefill_from(slot, ids, start) if start else self.be.prefill(slot, ids)
+        self.firsts[slot] = int(np.argmax(to_numpy(logits[0])))
+        self.tokens[slot], self.pos[slot], self.fed[slot] = self.firsts[slot], len(ids), True
+        return self.read
+
+    def joined(self, slot: int) -> int:
+        return self.firsts.pop(slot)
 
     def next(self) -> np.ndarray | None:
         if self.read >= self.steps:

@@ -175,6 +175,19 @@ def run_joining(backend, specs, slots: int, join_at: int):
     return got, most
 
 
+def joining_jobs(ctx_len: int) -> list:
+    """Greedy (prompt, n, sampling) for `run_joining` on 4 slots with streams that join a running chain:
+    ragged prompts, two sharing a 40-token prefix (the second reuses its rows), one of 1 token, and one
+    whose prompt leaves the chain no room (it drains the chain)."""
+    from nanoeuler.infer.sampling import Sampling
+
+    greedy = Sampling(temperature=0)
+    shared = list(range(5, 45))
+    lengths = [([1, 2, 3], 30), (shared, 12), ([7], 9), ([9, 9], 20), (shared + [3, 4], 8), ([4, 4, 4, 4], 1)]
+    lengths += [(list(range(1, ctx_len - 1)), 2), ([11], 25), ([12, 13], 14), ([14], 10)]
+    return [(prompt, n, greedy) for prompt, n in lengths]
+
+
 class Outbox:
     """A `Scheduler`'s `send` that keeps what it is sent, per job; `calls`: the batches, one per call."""
 

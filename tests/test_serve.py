@@ -27,7 +27,7 @@ from nanoeuler.serve.protocol import ApiError, parse_chat, parse_completion, par
 from nanoeuler.serve.scheduler import END, QueueFull, Scheduler  # noqa: E402
 from nanoeuler.serve.server import exposure_warning  # noqa: E402
 from nanoeuler.train.sft import encode_example  # noqa: E402
-from serve_fixtures import LEARNED, Outbox, chat_model, live_server, run_joining, serve_argv  # noqa: E402
+from serve_fixtures import LEARNED, Outbox, chat_model, live_server, joining_jobs, run_joining, serve_argv  # noqa: E402
 from train_fixtures import make_tokenizer  # noqa: E402
 
 FRANCE, COLOR = list(LEARNED)
@@ -310,25 +310,6 @@ class _JoinableRunAhead(_RunAhead):
         return self.firsts.pop(slot)
 
 
-def _greedy_jobs(cfg) -> list:
-    """Greedy jobs for a 4-slot backend: ragged prompts, two sharing a 40-token prefix (the second reuses its
-    rows), one of 1 token, and one whose prompt leaves a running chain no room (it drains the chain)."""
-    greedy = Sampling(temperature=0)
-    shared = list(range(5, 45))
-    return [
-        ([1, 2, 3], 30, greedy),
-        (shared, 12, greedy),
-        ([7], 9, greedy),
-        ([9, 9], 20, greedy),
-        (shared + [3, 4], 8, greedy),
-        ([4, 4, 4, 4], 1, greedy),
-        (list(range(1, cfg.ctx_len - 1)), 2, greedy),
-        ([11], 25, greedy),
-        ([12, 13], 14, greedy),
-        ([14], 10, greedy),
-    ]
-
-
 def test_greedy_streams_joining_a_running_chain_answer_as_one_at_a_time(tok, tmp_path):
     """New greedy streams join the chain that runs ahead (their prefill queued behind its steps, their
     first token fed by its next ones) instead of draining it; a prompt that the chain has no room for
@@ -340,7 +321,7 @@ def test_greedy_streams_joining_a_running_chain_answer_as_one_at_a_time(tok, tmp
     be = backend.engine.backend
     chains = []
     be.greedy_chain = lambda t, p, n: chains.append(_JoinableRunAhead(be, t, p, n)) or chains[-1]
-    jobs = _greedy_jobs(cfg)
+    jobs = joining_jobs(cfg.ctx_len)
     got, _ = run_joining(backend, jobs, slots=4, join_at=2)
     for i, (prompt, n, sampling) in enumerate(jobs):
         assert got[i] == ref.generate(prompt, n, sampling), i
@@ -357,7 +338,7 @@ def test_greedy_streams_joining_step_by_step_answer_as_one_at_a_time(tok, tmp_pa
     joins = []
     join = serve_backend._Stepwise.join
     monkeypatch.setattr(serve_backend._Stepwise, "join", lambda c, *a: joins.append(a[0]) or join(c, *a))
-    jobs = _greedy_jobs(cfg)
+    jobs = joining_jobs(cfg.ctx_len)
     got, _ = run_joining(serve_backend.Backend.load(path, "cpu", slots=4), jobs, slots=4, join_at=2)
     for i, (prompt, n, sampling) in enumerate(jobs):
         assert got[i] == ref.generate(prompt, n, sampling), i

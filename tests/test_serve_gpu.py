@@ -10,7 +10,7 @@ from nanoeuler.infer.engine import DecodeEngine
 from nanoeuler.infer.sampling import Sampling
 from nanoeuler.model import transformer
 from nanoeuler.model.config import ModelConfig
-from serve_fixtures import run_joining, run_streams
+from serve_fixtures import joining_jobs, run_joining, run_streams
 
 pytestmark = pytest.mark.gpu
 
@@ -146,20 +146,7 @@ def test_gpu_streams_joining_a_running_chain_answer_as_the_numpy_backend(model, 
     from nanoeuler.serve.backend import Backend
 
     params, cfg = model
-    greedy = Sampling(temperature=0)
-    shared = list(range(5, 45))
-    specs = [
-        ([1, 2, 3], 30, greedy),
-        (shared, 12, greedy),
-        ([7], 9, greedy),
-        ([9, 9], 20, greedy),
-        (shared + [3, 4], 8, greedy),
-        ([4, 4, 4, 4], 1, greedy),
-        (list(range(1, cfg.ctx_len - 1)), 2, greedy),
-        ([11], 25, greedy),
-        ([12, 13], 14, greedy),
-        ([14], 10, greedy),
-    ]
+    specs = joining_jobs(cfg.ctx_len)
     starts = []
     join = gpu._GreedyChain.join
     monkeypatch.setattr(gpu._GreedyChain, "join", lambda c, slot, ids, at: starts.append(at) or join(c, slot, ids, at))

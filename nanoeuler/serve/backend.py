@@ -596,8 +596,13 @@ class _Slots:
         if not hasattr(chain, "join") or self.stats is not None or chain.width >= ctx:
             return False
         room = chain.steps - chain.queued  # the steps the chain may still queue, each a position further
-        fits = lambda s: s.slot < chain.width and 0 < room and len(s.history) + room <= ctx  # noqa: E731
-        if not all(s.sampling.temperature <= 0 and not _needs_logits(s) and fits(s) for s in news):
+        if room <= 0 or not all(
+            s.sampling.temperature <= 0
+            and not _needs_logits(s)
+            and s.slot < chain.width
+            and len(s.history) + room <= ctx
+            for s in news
+        ):
             return False
         for s in news:
             failed = _own(s, lambda s=s: self._join_one(s))

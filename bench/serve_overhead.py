@@ -11,8 +11,9 @@ step first runs --host-us of busy Python (a GPU step's kernel launches: host wor
 sleeps --step-ms (a sleep lets go of the GIL, as a CUDA wait does) and returns a token per row, and
 whose prefill sleeps --prefill-us per prompt token. Greedy streams (all of the bench's) go through its
 `greedy_chain`, timed as a GPU runs a queue: each step's launch is --host-us of busy Python, the steps land
---step-ms apart, up to 3 queued ahead of the server (`FakeChain`); --stepwise takes it away, so the server
-waits on every step, as it did before the chain. Everything else is what `nanoeuler serve` runs: the
+--step-ms apart, up to 3 queued ahead of the server, and a new stream joins it with its prefill queued
+between steps (`FakeChain`); --stepwise takes it away, so the server waits on every step, as it did before
+the chain. Everything else is what `nanoeuler serve` runs: the
 `Backend` adapter and the scheduler's worker thread in the engine process, the FastAPI app and uvicorn in
 the HTTP process, started as a child on loopback (a 512-token BPE, so detokenizing is real). So what the
 fake does not sleep is the server's cost.
@@ -148,11 +149,13 @@ class FakeSlots:
 class FakeChain:
     """The fake's `greedy_chain`, timed as the GPU runs a queue: queuing a step costs --host-us of busy Python
     (its launch), and it lands --step-ms after the later of its queuing and the step before it; up to 3
-    steps are queued ahead of the reader. Its ids are `decode`'s."""
+    steps are queued ahead of the reader; a new stream may `join` it. Its ids are `decode`'s."""
 
     def __init__(self, fake: FakeSlots, tokens, pos, steps: int):
         self.fake, self.pos, self.steps = fake, np.asarray(pos).copy(), steps
+        self.width = len(self.pos)
         self.fed = int(np.count_nonzero(self.pos < fake.cfg.ctx_len - 1))  # rows not fed sit at the last position
+        self.firsts = {}  # slot -> the first id of the stream that joined there
         self.lands, self.ids = [], []  # per queued step: when it lands, its ids
         self.queued = self.read = 0
         self.free_at = time.monotonic()  # when the "GPU" is done with what is queued
@@ -170,6 +173,21 @@ class FakeChain:
             f.rows += self.fed
             if f.first is None:
                 f.first = time.monotonic()
+
+    def join(self, slot: int, ids, start: int) -> int:
+        """A new stream in row `slot`, as the GPU's chain takes one: its launches cost --host-us, its prefill
+        (--prefill-us a token fed) lands after the steps queued so far, and the steps queued from now on feed
+        its first id at position len(ids). Returns the number of the first of them."""
+        f = self.fake
+        _spin(f.host_s)
+        self.free_at = max(self.free_at, time.monotonic()) + f.prefill_s * (len(ids) - start)
+        self.firsts[slot] = int(np.argmax(f._logits(slot, len(ids))[0]))
+        self.fed += int(self.pos[slot] >= f.cfg.ctx_len - 1)
+        self.pos[slot] = len(ids)
+        return self.queued
+
+    def joined(self, slot: int) -> int:
+        return self.firsts.pop(slot)
 
     def ready(self) -> bool:
         return self.read < self.queued and time.monotonic() >= self.lands[self.read]

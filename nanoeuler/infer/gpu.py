@@ -467,11 +467,10 @@ class GpuBackend:
     def _prefill_rows(self, slot: int, ids, avoid: int = 0):
         """Queue the prefill of one slot from position 0 (the FlashAttention over its own rows past the
         few-row path): the prompt's last row of the stream (x, dx), (1, C) each. `avoid`: a row count not
-        to run as (a running chain's: its buffers), the next one up instead."""
+        to run as (`plan.prefill_rows`)."""
         cfg = self.cfg
         T = len(ids)
-        P = plan.prefill_rows(T, cfg.ctx_len)  # longer: rows by powers of two
-        P = plan.prefill_rows(P + 1, cfg.ctx_len) if P == avoid else P
+        P = plan.prefill_rows(T, cfg.ctx_len, avoid)  # longer: rows by powers of two
         short = P <= GEMV_MAX_ROWS  # the GEMV path, float activations; else cuBLAS and the FlashAttention
         ids = np.concatenate([np.asarray(ids, np.int32), np.zeros(P - T, np.int32)])
         meta = np.concatenate([ids, np.full(P, slot, np.int32), np.arange(P, dtype=np.int32)])
@@ -496,8 +495,7 @@ class GpuBackend:
         for c0 in range(0, len(ids), cfg.ctx_len):
             c1 = min(len(ids), c0 + cfg.ctx_len)
             T = c1 - c0
-            P = plan.prefill_rows(T, cfg.ctx_len)
-            P = plan.prefill_rows(P + 1, cfg.ctx_len) if P == avoid else P
+            P = plan.prefill_rows(T, cfg.ctx_len, avoid)
             pad = lambda a: np.concatenate([a[c0:c1], np.full(P - T, a[c1 - 1], np.int32)])  # noqa: E731
             batched = P > GEMV_MAX_ROWS
 

@@ -133,14 +133,18 @@ def choose_variants(cfg, dtype: str, cc: int) -> Variants:
 # ---- row counts: each a CUDA graph and a set of row buffers of the backend -----------------------------
 
 
-def prefill_rows(T: int, ctx_len: int) -> int:
+def prefill_rows(T: int, ctx_len: int, avoid: int = 0) -> int:
     """The rows a prefill chunk of T tokens runs as: up to GEMV_MAX_ROWS as they come (the few-row path),
-    more padded to a power of two (the padding rows come last), at most the context.
+    more padded to a power of two (the padding rows come last), at most the context. `avoid`: a row count
+    whose buffers are busy (a running chain's), the next count up instead.
 
         >>> prefill_rows(5, 1024), prefill_rows(17, 1024), prefill_rows(700, 768)
         (5, 32, 768)
+        >>> prefill_rows(17, 1024, avoid=32), prefill_rows(16, 1024, avoid=16), prefill_rows(5, 1024, avoid=8)
+        (64, 32, 5)
     """
-    return T if T <= GEMV_MAX_ROWS else min(ctx_len, 1 << (T - 1).bit_length())
+    P = T if T <= GEMV_MAX_ROWS else min(ctx_len, 1 << (T - 1).bit_length())
+    return prefill_rows(P + 1, ctx_len) if P == avoid else P
 
 
 def recorded_rows(ctx_len: int) -> list[int]:

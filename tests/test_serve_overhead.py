@@ -25,7 +25,7 @@ from nanoeuler.serve.backend import _TokenBytes  # noqa: E402
 from nanoeuler.serve.metrics import ITL_BUCKETS, _Histogram  # noqa: E402
 from nanoeuler.serve.engine_proc import EngineProcess, RemoteJob, _TokenText, _Wire  # noqa: E402
 from nanoeuler.serve.scheduler import END, Scheduler  # noqa: E402
-from serve_fixtures import run_streams  # noqa: E402
+from serve_fixtures import joining_jobs, run_joining, run_streams  # noqa: E402
 from train_fixtures import make_tokenizer  # noqa: E402
 
 
@@ -304,6 +304,24 @@ def test_prompts_joining_with_cached_prefixes_are_prefilled_together_from_them(t
     ]
     got, _ = run_streams(backend, specs)
     assert got == want and calls == [[len(head)] * 3] and backend.prefixes.hits == 3
+
+
+def test_the_fake_engines_chain_takes_joining_streams_as_the_gpus_does(monkeypatch):
+    """bench/serve_overhead.py's fake chain through the server's `Backend`: new streams join it (its `join`),
+    and each answer is the fake's tokens for its slot and positions, as a step at a time would give them."""
+    bench = _bench()
+    joins = []
+    join = bench.FakeChain.join
+    monkeypatch.setattr(bench.FakeChain, "join", lambda self, *a: joins.append(a[2]) or join(self, *a))
+    backend = bench.fake_backend(step_ms=1.0, prefill_us=1.0, host_us=0.0, max_batch=4)
+    opened, open_ = [], backend.open
+    backend.open = lambda *a, **k: opened.append(open_(*a, **k)) or opened[-1]
+    jobs = joining_jobs(backend.cfg.ctx_len)
+    got, _ = run_joining(backend, jobs, slots=4, join_at=2)
+    ok = backend.fake.ok
+    for i, ((prompt, n, _), s) in enumerate(zip(jobs, opened)):
+        assert got[i] == [int(ok[(s.slot * 31 + (len(prompt) + k) * 7) % len(ok)]) for k in range(n)], i
+    assert len(joins) >= 3 and max(joins) > 0, joins  # joins, one after a reused prefix
 
 
 # ---- the app itself, a slow client ----------------------------------------------------------------------

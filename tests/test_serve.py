@@ -22,6 +22,7 @@ httpx = pytest.importorskip("httpx2")
 
 from nanoeuler.data.template import render_prompt  # noqa: E402
 from nanoeuler.infer.sampling import Sampling  # noqa: E402
+from nanoeuler.serve.backend import _prefill_from  # noqa: E402
 from nanoeuler.serve.prompts import PromptError, StopText, chat_prompt, chat_turns  # noqa: E402
 from nanoeuler.serve.protocol import ApiError, parse_chat, parse_completion, parse_json  # noqa: E402
 from nanoeuler.serve.scheduler import END, QueueFull, Scheduler  # noqa: E402
@@ -299,7 +300,7 @@ class _JoinableRunAhead(_RunAhead):
         self.width, self.firsts, self.starts = len(tokens), {}, []
 
     def join(self, slot: int, ids, start: int) -> int:
-        logits = self.be.prefill_from(slot, ids, start) if start else self.be.prefill(slot, ids)
+        logits = _prefill_from(self.be, slot, ids, start)
         self.firsts[slot] = int(np.argmax(logits[0]))
         self.tokens, self.pos = self.tokens.copy(), self.pos.copy()  # the steps done keep their own
         self.tokens[slot], self.pos[slot] = self.firsts[slot], len(ids)

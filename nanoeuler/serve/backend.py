@@ -432,7 +432,7 @@ class _Slots:
         if reused is None:
             reused = self.prefixes.reuse(s.slot, s.history) if self.prefixes else 0
         if heads is None:
-            heads = self.be.prefill_from(s.slot, s.history, reused) if reused else self.be.prefill(s.slot, s.history)
+            heads = _prefill_from(self.be, s.slot, s.history, reused)
         if self.prefixes:
             self.prefixes.keep(s.slot, s.history, reused)
         s.pending = self._choose([s], heads[:1])[0]
@@ -694,7 +694,7 @@ class _Stepwise:
 
     def join(self, slot: int, ids, start: int) -> int:
         """`greedy_chain`'s join: the prefill now, its greedy id fed to row `slot` from the next step on."""
-        logits = self.be.prefill_from(slot, ids, start) if start else self.be.prefill(slot, ids)
+        logits = _prefill_from(self.be, slot, ids, start)
         self.firsts[slot] = int(np.argmax(to_numpy(logits[0])))
         self.tokens[slot], self.pos[slot], self.fed[slot] = self.firsts[slot], len(ids), True
         return self.read
@@ -722,6 +722,12 @@ class _Stepwise:
 
     def stop(self) -> None:
         self.steps = self.read
+
+
+def _prefill_from(be, slot: int, ids, start: int) -> np.ndarray:
+    """Every head's logits at the prompt's last position, its slot's cache already holding ids[:start] (a
+    reused prefix; 0: none, a whole prefill). (K, V)."""
+    return be.prefill_from(slot, ids, start) if start else be.prefill(slot, ids)
 
 
 def _needs_logits(s: TokenStream) -> bool:
